@@ -1,0 +1,41 @@
+"""sublayer: the Transformer's sub-layers, exact to torch.nn and Hugging Face transformers.
+
+Shapes are batch-first (B, T, D); ``key_padding_mask`` True = padding.
+"""
+
+from . import functional
+from .functional import KVCache
+from .nn import (
+    AddNorm,
+    Conv1D,
+    DecoderBlock,
+    EncoderBlock,
+    LayerNorm,
+    MultiHeadAttention,
+    PositionWiseFFN,
+    PreNormResidual,
+    ResidualConnection,
+    RMSNorm,
+    TransformerDecoder,
+    TransformerEncoder,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AddNorm",
+    "Conv1D",
+    "DecoderBlock",
+    "EncoderBlock",
+    "KVCache",
+    "LayerNorm",
+    "MultiHeadAttention",
+    "PositionWiseFFN",
+    "PreNormResidual",
+    "RMSNorm",
+    "ResidualConnection",
+    "TransformerDecoder",
+    "TransformerEncoder",
+    "__version__",
+    "functional",
+]

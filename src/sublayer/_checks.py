@@ -1,0 +1,103 @@
+"""Argument checks shared by the functional ops and the modules.
+
+Every check raises a ``ValueError``/``TypeError`` that names the argument, its value and the rule, so that a
+user's mistake never surfaces as a bare ``assert`` or a deep traceback from inside torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "check_positive_int",
+    "check_probability",
+    "check_choice",
+    "check_eps",
+    "normalize_shape",
+    "check_last_dims",
+    "check_same_shape",
+    "check_tensor",
+    "check_same_dtype_device",
+]
+
+
+def check_positive_int(name: str, value: object, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+
+
+def check_probability(name: str, value: object) -> None:
+    """Dropout probabilities live in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1), got {value!r} ({type(value).__name__})")
+    if not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value}")
+
+
+def check_eps(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive float, got {value!r} ({type(value).__name__})")
+    if not float(value) > 0.0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def check_choice(name: str, value: object, choices: Iterable[str]) -> None:
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; choose one of: {', '.join(choices)}")
+
+
+def normalize_shape(name: str, shape: int | Sequence[int] | torch.Size) -> tuple[int, ...]:
+    """``int | sequence of int`` -> tuple of positive ints (as ``nn.LayerNorm`` accepts)."""
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name} must be an int or a sequence of ints, got {shape!r}") from None
+    if not dims:
+        raise ValueError(f"{name} must not be empty, got {shape!r}")
+    for d in dims:
+        check_positive_int(f"{name} entry", d)
+    return dims
+
+
+def check_tensor(name: str, x: object) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def check_last_dims(name: str, x: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """The trailing dims of ``x`` must equal ``shape`` (the normalized/feature shape)."""
+    check_tensor(name, x)
+    if x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != tuple(shape):
+        raise ValueError(
+            f"{name} must end with dims {tuple(shape)} (normalized_shape/feature size), "
+            f"got shape {tuple(x.shape)}"
+        )
+
+
+def check_same_shape(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    if a.shape != b.shape:
+        raise ValueError(
+            f"{name_a} and {name_b} must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+
+
+def check_same_dtype_device(**tensors: torch.Tensor | None) -> None:
+    """All given tensors share one dtype and one device (names appear in the message)."""
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    if not items:
+        return
+    n0, t0 = items[0]
+    for n, t in items[1:]:
+        if t.dtype != t0.dtype:
+            raise TypeError(f"{n} dtype {t.dtype} does not match {n0} dtype {t0.dtype}")
+        if t.device != t0.device:
+            raise ValueError(f"{n} device {t.device} does not match {n0} device {t0.device}")

@@ -1,0 +1,25 @@
+"""``sublayer.nn``: the sub-layer modules."""
+
+from .attention import MultiHeadAttention
+from .blocks import DecoderBlock, EncoderBlock
+from .conv1d import Conv1D
+from .ffn import PositionWiseFFN
+from .norm import LayerNorm, RMSNorm, make_norm
+from .residual import AddNorm, PreNormResidual, ResidualConnection
+from .stacks import TransformerDecoder, TransformerEncoder
+
+__all__ = [
+    "AddNorm",
+    "Conv1D",
+    "DecoderBlock",
+    "EncoderBlock",
+    "LayerNorm",
+    "MultiHeadAttention",
+    "PositionWiseFFN",
+    "PreNormResidual",
+    "RMSNorm",
+    "ResidualConnection",
+    "TransformerDecoder",
+    "TransformerEncoder",
+    "make_norm",
+]

@@ -1,0 +1,179 @@
+"""Encoder and decoder blocks: attention and FFN sub-layers wrapped in post- or pre-norm residuals."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .. import functional as SF
+from .._checks import check_choice, check_positive_int, check_probability
+from .attention import MultiHeadAttention
+from .ffn import PositionWiseFFN
+from .residual import AddNorm, PreNormResidual
+
+__all__ = ["EncoderBlock", "DecoderBlock"]
+
+
+def _residual(norm_first: bool, d_model: int, dropout: float, norm: str, eps: float, kw: dict) -> nn.Module:
+    cls = PreNormResidual if norm_first else AddNorm
+    return cls(d_model, dropout, norm=norm, eps=eps, **kw)
+
+
+class _Block(nn.Module):
+    """What encoder and decoder blocks share: arguments, the FFN and the residual wiring."""
+
+    def __init__(self, d_model, n_heads, d_ff, *, dropout, activation, norm_first, norm, eps, bias, kw) -> None:
+        super().__init__()
+        check_positive_int("d_model", d_model)
+        check_positive_int("n_heads", n_heads)
+        check_probability("dropout", dropout)
+        check_choice("norm", norm, SF.NORMS)
+        if d_model % n_heads != 0:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        self.d_model, self.n_heads = d_model, n_heads
+        self.norm_first, self.norm = norm_first, norm
+        self._build = {"dropout": dropout, "eps": eps, "bias": bias, "kw": kw}  # used while constructing only
+        self.ffn = PositionWiseFFN(d_model, d_ff, activation=activation, dropout=dropout, bias=bias, **kw)
+
+    def _make_residual(self) -> nn.Module:
+        b = self._build
+        return _residual(self.norm_first, self.d_model, b["dropout"], self.norm, b["eps"], b["kw"])
+
+    def _attn(self, **extra) -> MultiHeadAttention:
+        b = self._build
+        return MultiHeadAttention(self.d_model, self.n_heads, dropout=b["dropout"], bias=b["bias"], **extra, **b["kw"])
+
+    def _sublayer(self, residual: nn.Module, x: Tensor, fn) -> Tensor:
+        # post-norm: norm(x + dropout(fn(x))); pre-norm: x + dropout(fn(norm(x)))
+        return residual(x, fn) if self.norm_first else residual(x, fn(x))
+
+
+class EncoderBlock(_Block):
+    """Transformer encoder block: self-attention then FFN, each in a residual; ``nn.TransformerEncoderLayer``
+    math (``batch_first=True``).
+
+    post-norm (``norm_first=False``): ``x = norm1(x + drop(attn(x))); x = norm2(x + drop(ffn(x)))``;
+    pre-norm: ``x = x + drop(attn(norm1(x))); x = x + drop(ffn(norm2(x)))``.
+
+    Args:
+        d_model, n_heads: sizes (``d_model % n_heads == 0``). d_ff: FFN hidden size, None -> 4·d_model.
+        dropout: on attention weights, the FFN hidden and both residual branches (as torch does).
+        activation: FFN activation name (see :class:`PositionWiseFFN`).
+        norm_first: pre-norm when True. norm: ``"layer"`` or ``"rms"``. eps: the norms' eps.
+
+    Attributes:
+        self_attn (:class:`MultiHeadAttention`), ffn (:class:`PositionWiseFFN`), attn_residual / ffn_residual
+        (:class:`AddNorm` or :class:`PreNormResidual`, each with ``.norm``).
+
+    Shape:
+        x (B, T, d_model), key_padding_mask (B, T) True = padding, attn_mask as in MultiHeadAttention
+        -> (B, T, d_model).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int | None = None,
+        *,
+        dropout: float = 0.0,
+        activation: str = "relu",
+        norm_first: bool = False,
+        norm: str = "layer",
+        eps: float = 1e-5,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        kw = {"device": device, "dtype": dtype}
+        super().__init__(
+            d_model, n_heads, d_ff, dropout=dropout, activation=activation, norm_first=norm_first,
+            norm=norm, eps=eps, bias=bias, kw=kw,
+        )  # fmt: skip
+        self.self_attn = self._attn()
+        self.attn_residual = self._make_residual()
+        self.ffn_residual = self._make_residual()
+        del self._build
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+    ) -> Tensor:
+        def attn(h: Tensor) -> Tensor:
+            return self.self_attn(h, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal)[0]
+
+        x = self._sublayer(self.attn_residual, x, attn)
+        return self._sublayer(self.ffn_residual, x, self.ffn)
+
+
+class DecoderBlock(_Block):
+    """Transformer decoder block: causal self-attention, cross-attention on ``memory``, FFN — each in a
+    residual; ``nn.TransformerDecoderLayer`` math (``batch_first=True``) with a causal ``tgt_mask``.
+
+    Args: as :class:`EncoderBlock`; ``memory_dim`` is the memory's feature size (None -> d_model).
+
+    Attributes:
+        self_attn, cross_attn, ffn, and self_attn_residual / cross_attn_residual / ffn_residual.
+
+    Shape:
+        x (B, T, d_model), memory (B, S, memory_dim), tgt_key_padding_mask (B, T) (covering the cached keys too
+        when decoding with a cache), memory_key_padding_mask (B, S) -> (B, T, d_model).
+        With ``self_attn_cache``/``cross_attn_cache`` (:class:`sublayer.functional.KVCache`) the block decodes
+        incrementally: ``x`` holds only the new positions.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int | None = None,
+        *,
+        dropout: float = 0.0,
+        activation: str = "relu",
+        norm_first: bool = False,
+        norm: str = "layer",
+        eps: float = 1e-5,
+        bias: bool = True,
+        memory_dim: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        kw = {"device": device, "dtype": dtype}
+        super().__init__(
+            d_model, n_heads, d_ff, dropout=dropout, activation=activation, norm_first=norm_first,
+            norm=norm, eps=eps, bias=bias, kw=kw,
+        )  # fmt: skip
+        self.self_attn = self._attn()
+        self.cross_attn = self._attn(kdim=memory_dim, vdim=memory_dim)
+        self.self_attn_residual = self._make_residual()
+        self.cross_attn_residual = self._make_residual()
+        self.ffn_residual = self._make_residual()
+        del self._build
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor,
+        *,
+        tgt_key_padding_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+        self_attn_cache: SF.KVCache | None = None,
+        cross_attn_cache: SF.KVCache | None = None,
+    ) -> Tensor:
+        def self_attn(h: Tensor) -> Tensor:
+            return self.self_attn(
+                h, key_padding_mask=tgt_key_padding_mask, is_causal=True, kv_cache=self_attn_cache
+            )[0]
+
+        def cross_attn(h: Tensor) -> Tensor:
+            return self.cross_attn(
+                h, memory, key_padding_mask=memory_key_padding_mask, kv_cache=cross_attn_cache
+            )[0]
+
+        x = self._sublayer(self.self_attn_residual, x, self_attn)
+        x = self._sublayer(self.cross_attn_residual, x, cross_attn)
+        return self._sublayer(self.ffn_residual, x, self.ffn)

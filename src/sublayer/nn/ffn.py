@@ -1,0 +1,96 @@
+"""The position-wise feed-forward network module."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .. import functional as SF
+from .._checks import check_choice, check_positive_int, check_probability
+
+__all__ = ["PositionWiseFFN"]
+
+
+class PositionWiseFFN(nn.Module):
+    """Position-wise feed-forward network: ``fc2(dropout(act(fc1(x))))`` applied to every position alike.
+
+    Args:
+        d_model: input size, or None to infer it at the first call (d2l 1.x style, ``nn.LazyLinear``).
+        d_ff: hidden size; None -> 4·d_model (for a lazy FFN, None needs d_model, so give d_ff).
+        d_out: output size; None -> d_model.
+        activation: ``relu``, ``gelu`` (erf), ``gelu_tanh`` (GPT-2's gelu_new), ``silu``, ``relu2``, or gated
+            ``swiglu``, ``geglu``, ``reglu`` (``fc1`` then packs gate and up projections: out 2·d_ff, gate first).
+        dropout: on the hidden activation (the tutorials' placement).
+        output_dropout: on the output (GPT-2's ``resid_pdrop`` placement).
+        bias: biases on both linears.
+
+    Attributes:
+        fc1: ``nn.Linear(d_model, d_ff)`` (gated: ``(d_model, 2·d_ff)``). fc2: ``nn.Linear(d_ff, d_out)``.
+
+    Shape:
+        input (..., d_model) -> output (..., d_out).
+
+    Raises:
+        ValueError: non-positive sizes, dropout outside [0, 1), unknown activation (listing the choices);
+        at call time, an input whose last dim is not d_model.
+    """
+
+    def __init__(
+        self,
+        d_model: int | None,
+        d_ff: int | None = None,
+        *,
+        d_out: int | None = None,
+        activation: str = "relu",
+        dropout: float = 0.0,
+        output_dropout: float = 0.0,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        check_positive_int("d_model", d_model, allow_none=True)
+        check_positive_int("d_ff", d_ff, allow_none=True)
+        check_positive_int("d_out", d_out, allow_none=True)
+        check_choice("activation", activation, SF.ACTIVATIONS)
+        check_probability("dropout", dropout)
+        check_probability("output_dropout", output_dropout)
+        if d_ff is None:
+            if d_model is None:
+                raise ValueError("d_ff must be given when d_model is None (lazy input size), got d_ff=None")
+            d_ff = 4 * d_model
+        if d_out is None:
+            if d_model is None:
+                raise ValueError("d_out must be given when d_model is None (lazy input size), got d_out=None")
+            d_out = d_model
+        self.d_model, self.d_ff, self.d_out = d_model, d_ff, d_out
+        self.activation = activation
+        self.dropout = float(dropout)
+        self.output_dropout = float(output_dropout)
+        kw = {"device": device, "dtype": dtype}
+        hidden = 2 * d_ff if activation in SF.GATED_ACTIVATIONS else d_ff
+        self.fc1 = nn.Linear(d_model, hidden, bias=bias, **kw) if d_model else nn.LazyLinear(hidden, bias=bias, **kw)
+        self.fc2 = nn.Linear(d_ff, d_out, bias=bias, **kw)
+
+    @property
+    def gated(self) -> bool:
+        return self.activation in SF.GATED_ACTIVATIONS
+
+    def forward(self, x: Tensor) -> Tensor:
+        if isinstance(self.fc1, nn.LazyLinear):
+            self.fc1(x[..., :0, :] if x.dim() > 1 else x)  # materialise fc1 from the input size (cheap)
+            self.d_model = self.fc1.in_features
+        return SF.feed_forward(
+            x,
+            self.fc1.weight,
+            self.fc1.bias,
+            self.fc2.weight,
+            self.fc2.bias,
+            activation=self.activation,
+            dropout=self.dropout,
+            output_dropout=self.output_dropout,
+            training=self.training,
+        )
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}, dropout={self.dropout}, output_dropout={self.output_dropout}"

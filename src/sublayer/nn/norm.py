@@ -1,0 +1,125 @@
+"""LayerNorm and RMSNorm modules (our own implementations, equal to ``nn.LayerNorm`` / ``nn.RMSNorm``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .. import functional as SF
+from .._checks import check_choice, check_eps, normalize_shape
+
+__all__ = ["LayerNorm", "RMSNorm", "make_norm"]
+
+
+class LayerNorm(nn.Module):
+    """Layer normalisation over the trailing ``normalized_shape`` dims; same numbers as ``nn.LayerNorm``.
+
+    Statistics in float32 for half inputs, two-pass variance.
+
+    Args:
+        normalized_shape: int or tuple — the trailing dims of the input.
+        eps: added to the variance.
+        elementwise_affine: learn ``weight`` (ones) and, if ``bias``, ``bias`` (zeros).
+        bias: learn a bias (``nn.LayerNorm(bias=False)`` equivalent).
+
+    Shape:
+        input (..., *normalized_shape) -> output of the same shape.
+
+    Raises:
+        ValueError: non-positive sizes or eps; at call time, trailing dims ≠ ``normalized_shape``.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float = 1e-5,
+        *,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape = normalize_shape("normalized_shape", normalized_shape)
+        check_eps("eps", eps)
+        self.eps = float(eps)
+        self.elementwise_affine = elementwise_affine
+        kw = {"device": device, "dtype": dtype}
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **kw))
+            self.bias = nn.Parameter(torch.empty(self.normalized_shape, **kw)) if bias else None
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return SF.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation; same numbers as ``nn.RMSNorm`` (same eps) and HF ``LlamaRMSNorm``.
+
+    Args:
+        normalized_shape: int or tuple — the trailing dims of the input.
+        eps: added to the mean square (1e-6, HF's default; explicit, never the dtype's epsilon).
+        elementwise_affine: learn ``weight`` (ones).
+
+    Shape:
+        input (..., *normalized_shape) -> output of the same shape.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float = 1e-6,
+        *,
+        elementwise_affine: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape = normalize_shape("normalized_shape", normalized_shape)
+        check_eps("eps", eps)
+        self.eps = float(eps)
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return SF.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+def make_norm(
+    norm: str,
+    normalized_shape: int | Sequence[int],
+    eps: float | None = None,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> LayerNorm | RMSNorm:
+    """``"layer"`` -> :class:`LayerNorm` (eps 1e-5), ``"rms"`` -> :class:`RMSNorm` (eps 1e-6) when ``eps`` is None."""
+    check_choice("norm", norm, SF.NORMS)
+    if norm == "layer":
+        return LayerNorm(normalized_shape, 1e-5 if eps is None else eps, device=device, dtype=dtype)
+    return RMSNorm(normalized_shape, 1e-6 if eps is None else eps, device=device, dtype=dtype)

@@ -1,0 +1,125 @@
+"""Residual connections: post-norm Add & Norm, the plain residual, and the pre-norm residual."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import functional as SF
+from .._checks import check_choice, check_probability, normalize_shape
+from .norm import make_norm
+
+__all__ = ["AddNorm", "ResidualConnection", "PreNormResidual"]
+
+
+class AddNorm(nn.Module):
+    """Post-norm Add & Norm: ``norm(x + dropout(y))`` (the Transformer's, BERT's and d2l's).
+
+    Args:
+        normalized_shape: int or tuple — the trailing dims.
+        dropout: on ``y`` in training.
+        norm: ``"layer"`` (:class:`LayerNorm`) or ``"rms"`` (:class:`RMSNorm`).
+        eps: the norm's eps; None -> 1e-5 (layer) / 1e-6 (rms).
+
+    Attributes:
+        norm: the normalisation module.
+
+    Shape:
+        x, y: (..., *normalized_shape), equal shapes -> output of the same shape.
+
+    Raises:
+        ValueError: bad sizes, dropout, norm name; at call time, x/y shape mismatch or wrong trailing dims.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        dropout: float = 0.0,
+        *,
+        norm: str = "layer",
+        eps: float | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        check_probability("dropout", dropout)
+        self.normalized_shape = normalize_shape("normalized_shape", normalized_shape)
+        self.dropout = float(dropout)
+        self.norm_type = norm
+        self.norm = make_norm(norm, self.normalized_shape, eps, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        n = self.norm
+        return SF.add_norm(
+            x,
+            y,
+            n.normalized_shape,
+            n.weight,
+            getattr(n, "bias", None),
+            n.eps,
+            dropout=self.dropout,
+            training=self.training,
+            norm=self.norm_type,
+        )
+
+    def extra_repr(self) -> str:
+        return f"dropout={self.dropout}"
+
+
+class ResidualConnection(nn.Module):
+    """The plain residual: ``x + dropout(sublayer(x))``.
+
+    Shape:
+        x: (..., D); ``sublayer`` must keep the shape.
+    """
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        check_probability("dropout", dropout)
+        self.dropout = float(dropout)
+
+    def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+        return x + F.dropout(sublayer(x), self.dropout, self.training)
+
+    def extra_repr(self) -> str:
+        return f"dropout={self.dropout}"
+
+
+class PreNormResidual(nn.Module):
+    """Pre-norm residual: ``x + dropout(sublayer(norm(x)))`` (GPT-2, the Annotated Transformer).
+
+    A stack of pre-norm blocks needs one final norm after the last block (see ``TransformerEncoder``).
+
+    Args:
+        normalized_shape: int or tuple — the trailing dims.
+        dropout: on the sub-layer's output in training.
+        norm: ``"layer"`` or ``"rms"``. eps: None -> the norm's default.
+
+    Shape:
+        x: (..., *normalized_shape); ``sublayer`` must keep the shape.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        dropout: float = 0.0,
+        *,
+        norm: str = "layer",
+        eps: float | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        check_choice("norm", norm, SF.NORMS)
+        check_probability("dropout", dropout)
+        self.dropout = float(dropout)
+        self.norm = make_norm(norm, normalized_shape, eps, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+        return x + F.dropout(sublayer(self.norm(x)), self.dropout, self.training)
+
+    def extra_repr(self) -> str:
+        return f"dropout={self.dropout}"
