@@ -1,0 +1,52 @@
+"""Dataclass configs shared by the models: strict ``from_dict`` (unknown keys are an error) and JSON I/O."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = ["ModelConfig"]
+
+C = TypeVar("C", bound="ModelConfig")
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """Base of the model configs. Subclasses are dataclasses; ``validate()`` checks values."""
+
+    @classmethod
+    def from_dict(cls: type[C], d: dict[str, Any]) -> C:
+        """Build from a dict; any key that is not a field raises ``ValueError`` listing them (HF v5 once
+        accepted ``hidden_sise`` silently)."""
+        if not isinstance(d, dict):
+            raise TypeError(f"{cls.__name__}.from_dict needs a dict, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} keys: {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:  # overridden by subclasses
+        pass
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls: type[C], path: str | Path) -> C:
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"config file not found: {path}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config file {path} is not valid JSON: {e}") from None
+        return cls.from_dict(d)
