@@ -238,8 +238,9 @@ def multi_head_attention(
     head_dim = q_weight.shape[0] // n_heads
 
     def split(x: Tensor) -> Tensor:
-        # (B, T, H·d) -> (B, H, T, d); -1 heads so a tensor-parallel shard with fewer local heads works.
-        return x.view(x.shape[0], x.shape[1], -1, head_dim).transpose(1, 2)
+        # (B, T, H·d) -> (B, H, T, d); heads from the projected size, so a tensor-parallel shard with fewer
+        # local heads works (not view(..., -1, d): that is ambiguous for an empty batch or sequence).
+        return x.view(x.shape[0], x.shape[1], x.shape[-1] // head_dim, head_dim).transpose(1, 2)
 
     q = split(F.linear(query, q_weight, q_bias))
     if kv_cache is not None and kv_cache.static and kv_cache.filled:
@@ -260,7 +261,7 @@ def multi_head_attention(
         training=training,
         need_weights=need_weights,
     )
-    out = out.transpose(1, 2).reshape(b, t_q, -1)  # (B, H, T, d) -> (B, T, H·d)
+    out = out.transpose(1, 2).reshape(b, t_q, out.shape[1] * out.shape[-1])  # (B, H, T, d) -> (B, T, H·d)
     out = F.linear(out, out_weight, out_bias)
     if weights is not None and average_attn_weights:
         weights = weights.mean(dim=1)
