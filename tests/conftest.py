@@ -1,0 +1,29 @@
+"""Shared test fixtures (small on purpose): deterministic seeding and a Hypothesis profile.
+
+Other test modules may import from here read-only (``from tests.conftest import ...``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# The CI machine has 2 shared cores: wall times are noisy, so no per-example deadline.
+settings.register_profile(
+    "sublayer", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+settings.load_profile("sublayer")
+
+SEED = 0
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    """Every test starts from the same global RNG state (torch's CPU generator)."""
+    torch.manual_seed(SEED)
+
+
+def grads(*tensors: torch.Tensor) -> list[torch.Tensor | None]:
+    """The ``.grad`` of each tensor (parameters or leaf inputs), for side-by-side comparisons."""
+    return [t.grad for t in tensors]
