@@ -1,0 +1,29 @@
+"""``sublayer.checkpoints``: Hugging Face-format folders (safetensors / ``pytorch_model.bin`` + ``config.json``).
+
+:mod:`.io` reads and writes folders with errors that name the file and checks keys strictly;
+:mod:`.gpt2` and :mod:`.bert` are the key maps (names, fused and transposed layouts) — kept out of the model code.
+The models' ``from_pretrained``/``save_pretrained`` use them.
+"""
+
+from . import bert, gpt2
+from .io import (
+    CheckpointError,
+    check_and_convert,
+    hf_activation,
+    read_config,
+    read_state_dict,
+    resolve_folder,
+    write_folder,
+)
+
+__all__ = [
+    "CheckpointError",
+    "bert",
+    "check_and_convert",
+    "gpt2",
+    "hf_activation",
+    "read_config",
+    "read_state_dict",
+    "resolve_folder",
+    "write_folder",
+]

@@ -1,0 +1,100 @@
+"""GPT-2 key map: Hugging Face ``GPT2Model``/``GPT2LMHeadModel`` files <-> :class:`sublayer.models.GPT2`.
+
+Hugging Face names (the canonical names here are those of ``GPT2Model``, without the ``transformer.`` prefix that
+``GPT2LMHeadModel`` files carry; the prefix is optional on load and written on save):
+
+=================================  ==============================================  =================================
+HF key                             ours                                            layout
+=================================  ==============================================  =================================
+``wte.weight``, ``wpe.weight``     ``wte.weight``, ``wpe.weight``                  same
+``h.{i}.ln_1.*``                   ``blocks.{i}.attn_residual.norm.*``             same
+``h.{i}.attn.c_attn.weight``       ``blocks.{i}.self_attn.{q,k,v}_proj.weight``    Conv1D (d, 3d): split the out dim
+                                                                                   in q, k, v and transpose each
+``h.{i}.attn.c_attn.bias``         ``blocks.{i}.self_attn.{q,k,v}_proj.bias``      (3d,) split in three
+``h.{i}.attn.c_proj.*``            ``blocks.{i}.self_attn.out_proj.*``             Conv1D weight transposed
+``h.{i}.ln_2.*``                   ``blocks.{i}.ffn_residual.norm.*``              same
+``h.{i}.mlp.c_fc.*``               ``blocks.{i}.ffn.fc1.*``                        Conv1D weight transposed
+``h.{i}.mlp.c_proj.*``             ``blocks.{i}.ffn.fc2.*``                        Conv1D weight transposed
+``ln_f.*``                         ``ln_f.*``                                      same
+``lm_head.weight``                 ``lm_head.weight``                              tied (the default): ignored on
+                                                                                   load, not written on save
+=================================  ==============================================  =================================
+
+Ignored on load: ``h.{i}.attn.bias`` and ``h.{i}.attn.masked_bias`` (causal-mask buffers of older files) and, for
+tied embeddings, ``lm_head.weight``. Splitting the fused ``c_attn`` matters for tensor parallelism: a fused
+projection sharded column-wise gives wrong results.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import Tensor
+
+__all__ = ["PREFIX", "canonical", "from_hf", "to_hf"]
+
+PREFIX = "transformer."
+_IGNORED = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
+
+
+def canonical(key: str, *, tied: bool = True) -> str | None:
+    """A file key -> its ``GPT2Model`` name (prefix dropped), or None when it is ignored on purpose."""
+    if key == "lm_head.weight":
+        return None if tied else key
+    k = key[len(PREFIX):] if key.startswith(PREFIX) else key
+    return None if _IGNORED.fullmatch(k) else k
+
+
+def _layer_pairs(i: int) -> list[tuple[str, str]]:
+    """(HF name, our name) for the keys of layer ``i`` that only need a rename (and maybe a transpose)."""
+    h, b = f"h.{i}.", f"blocks.{i}."
+    pairs = []
+    for p in ("weight", "bias"):
+        pairs += [
+            (f"{h}ln_1.{p}", f"{b}attn_residual.norm.{p}"),
+            (f"{h}attn.c_proj.{p}", f"{b}self_attn.out_proj.{p}"),
+            (f"{h}ln_2.{p}", f"{b}ffn_residual.norm.{p}"),
+            (f"{h}mlp.c_fc.{p}", f"{b}ffn.fc1.{p}"),
+            (f"{h}mlp.c_proj.{p}", f"{b}ffn.fc2.{p}"),
+        ]
+    return pairs
+
+
+def _conv1d(name: str) -> bool:
+    # HF Conv1D stores weight as (in, out): the transpose of nn.Linear's (out, in).
+    return name.endswith(".weight") and (".c_proj." in name or ".c_fc." in name or ".c_attn." in name)
+
+
+def from_hf(sd: dict[str, Tensor], n_layers: int, *, tied: bool = True) -> dict[str, Tensor]:
+    """Canonical HF tensors (see :func:`canonical`) -> our ``GPT2`` state dict."""
+    out = {"wte.weight": sd["wte.weight"], "wpe.weight": sd["wpe.weight"]}
+    out["ln_f.weight"], out["ln_f.bias"] = sd["ln_f.weight"], sd["ln_f.bias"]
+    for i in range(n_layers):
+        for hf, ours in _layer_pairs(i):
+            t = sd[hf]
+            out[ours] = t.t() if _conv1d(hf) else t
+        w = sd[f"h.{i}.attn.c_attn.weight"]  # (d, 3d)
+        bias = sd[f"h.{i}.attn.c_attn.bias"]  # (3d,)
+        for name, wc, bc in zip("qkv", w.chunk(3, dim=1), bias.chunk(3, dim=0)):
+            out[f"blocks.{i}.self_attn.{name}_proj.weight"] = wc.t()
+            out[f"blocks.{i}.self_attn.{name}_proj.bias"] = bc
+    out["lm_head.weight"] = sd["wte.weight"] if tied else sd["lm_head.weight"]
+    return out
+
+
+def to_hf(sd: dict[str, Tensor], n_layers: int, *, tied: bool = True) -> dict[str, Tensor]:
+    """Our ``GPT2`` state dict -> canonical HF tensors (no ``transformer.`` prefix; ``lm_head.weight`` only
+    when untied). Works on meta tensors (used to get the expected shapes without copying)."""
+    out = {"wte.weight": sd["wte.weight"], "wpe.weight": sd["wpe.weight"]}
+    for i in range(n_layers):
+        for hf, ours in _layer_pairs(i):
+            t = sd[ours]
+            out[hf] = t.t() if _conv1d(hf) else t
+        a = f"blocks.{i}.self_attn."
+        out[f"h.{i}.attn.c_attn.weight"] = torch.cat([sd[f"{a}{n}_proj.weight"].t() for n in "qkv"], dim=1)
+        out[f"h.{i}.attn.c_attn.bias"] = torch.cat([sd[f"{a}{n}_proj.bias"] for n in "qkv"], dim=0)
+    out["ln_f.weight"], out["ln_f.bias"] = sd["ln_f.weight"], sd["ln_f.bias"]
+    if not tied:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    return out

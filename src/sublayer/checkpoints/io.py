@@ -1,0 +1,255 @@
+"""Reading and writing Hugging Face-format checkpoint folders, with errors that name the file.
+
+A folder holds ``config.json`` and the weights in one of (first found wins):
+``model.safetensors``, ``model.safetensors.index.json`` (sharded safetensors), ``pytorch_model.bin``
+(read only with ``torch.load(weights_only=True)``: never unpickles arbitrary objects).
+
+:func:`check_and_convert` is the strict part of loading: one :class:`CheckpointError` lists every missing,
+unexpected and wrong-shape key at once. This module knows nothing about any model; the key maps
+(:mod:`sublayer.checkpoints.gpt2`, :mod:`sublayer.checkpoints.bert`) say how names and layouts differ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CheckpointError",
+    "CONFIG_NAME",
+    "SAFETENSORS_NAME",
+    "SAFETENSORS_INDEX_NAME",
+    "TORCH_BIN_NAME",
+    "resolve_folder",
+    "read_config",
+    "read_state_dict",
+    "write_folder",
+    "check_and_convert",
+    "HF_ACTIVATIONS",
+    "TO_HF_ACTIVATIONS",
+    "hf_activation",
+]
+
+CONFIG_NAME = "config.json"
+SAFETENSORS_NAME = "model.safetensors"
+SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
+TORCH_BIN_NAME = "pytorch_model.bin"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: bad file contents, or keys/shapes that do not fit the model."""
+
+
+def resolve_folder(folder: str | os.PathLike) -> Path:
+    """The folder as a ``Path``.
+
+    Raises:
+        FileNotFoundError: the folder does not exist. NotADirectoryError: it is a file.
+    """
+    path = Path(folder)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint folder not found: {path}")
+    if not path.is_dir():
+        raise NotADirectoryError(f"checkpoint path is not a folder: {path}")
+    return path
+
+
+def read_config(folder: str | os.PathLike) -> dict[str, Any]:
+    """``FOLDER/config.json`` as a dict.
+
+    Raises:
+        FileNotFoundError: no folder or no config.json. CheckpointError: not valid JSON, or not a JSON object.
+    """
+    path = resolve_folder(folder) / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"config file {path} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"config file {path} must hold a JSON object, got {type(d).__name__}")
+    return d
+
+
+def _load_safetensors(path: Path) -> dict[str, Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"cannot read safetensors file {path} (truncated or not safetensors?): {e}") from None
+
+
+def _load_sharded(index_path: Path) -> dict[str, Tensor]:
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+        weight_map = index["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"index file {index_path} is not a valid safetensors index: {e!r}") from None
+    out: dict[str, Tensor] = {}
+    for shard in shards:
+        shard_path = index_path.parent / shard
+        if not shard_path.is_file():
+            raise FileNotFoundError(f"shard {shard_path} listed in {index_path} not found")
+        out.update(_load_safetensors(shard_path))
+    return out
+
+
+def _load_torch_bin(path: Path) -> dict[str, Tensor]:
+    try:
+        # weights_only=True: tensors and plain containers only; a pickle carrying code is refused.
+        sd = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError, RuntimeError (bad zip), EOFError (truncated) ...
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(
+            f"cannot read {path} with torch.load(weights_only=True) (truncated, or holds more than tensors?): {msg}"
+        ) from None
+    if not isinstance(sd, Mapping) or not all(isinstance(v, Tensor) for v in sd.values()):
+        raise CheckpointError(f"{path} must hold a dict of tensors (a state dict), got {type(sd).__name__}")
+    return dict(sd)
+
+
+def read_state_dict(folder: str | os.PathLike) -> tuple[dict[str, Tensor], Path]:
+    """The tensors of a checkpoint folder on the CPU, and the file (or index) they came from.
+
+    Raises:
+        FileNotFoundError: no folder, or no weights file in it (listing the names looked for).
+        CheckpointError: unreadable or truncated file (naming it).
+    """
+    path = resolve_folder(folder)
+    for name, loader in (
+        (SAFETENSORS_NAME, _load_safetensors),
+        (SAFETENSORS_INDEX_NAME, _load_sharded),
+        (TORCH_BIN_NAME, _load_torch_bin),
+    ):
+        f = path / name
+        if f.is_file():
+            return loader(f), f
+    raise FileNotFoundError(
+        f"no weights file in {path}: expected {SAFETENSORS_NAME}, {SAFETENSORS_INDEX_NAME} or {TORCH_BIN_NAME}"
+    )
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    # Write to a temporary name in the same folder, then rename: an interrupted save leaves no half file.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_folder(folder: str | os.PathLike, tensors: Mapping[str, Tensor], config: Mapping[str, Any]) -> Path:
+    """Write ``model.safetensors`` (contiguous, unshared CPU copies) and ``config.json`` into ``folder``.
+
+    Returns:
+        The folder's path (created if missing).
+    """
+    from safetensors.torch import save_file
+
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    # clone: safetensors refuses tensors that share memory (tied weights) and non-contiguous views.
+    data = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    _atomic_write(path / SAFETENSORS_NAME, lambda p: save_file(data, str(p), metadata={"format": "pt"}))
+    text = json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
+    _atomic_write(path / CONFIG_NAME, lambda p: p.write_text(text, encoding="utf-8"))
+    return path
+
+
+def _preview(keys: list[str], limit: int = 20) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def check_and_convert(
+    file_tensors: Mapping[str, Tensor],
+    expected_shapes: Mapping[str, tuple[int, ...]],
+    *,
+    canonical: Callable[[str], str | None],
+    source: str | os.PathLike,
+    optional: frozenset[str] | set[str] = frozenset(),
+) -> dict[str, Tensor]:
+    """Rename a file's keys to their canonical (HF base-model) names and check them against the model.
+
+    Args:
+        file_tensors: the tensors as read from the file.
+        expected_shapes: canonical name -> shape the model needs.
+        canonical: file key -> canonical name, or None for a key that is ignored on purpose (buffers, heads).
+        source: the file, named in the error.
+        optional: canonical names that may be absent.
+
+    Returns:
+        canonical name -> tensor, exactly the expected keys (minus absent optional ones).
+
+    Raises:
+        CheckpointError: one error listing every missing, unexpected, duplicate and wrong-shape key.
+    """
+    found: dict[str, Tensor] = {}
+    origin: dict[str, str] = {}
+    unexpected: list[str] = []
+    duplicate: list[str] = []
+    for key, t in file_tensors.items():
+        name = canonical(key)
+        if name is None:
+            continue
+        if name not in expected_shapes:
+            unexpected.append(key)
+        elif name in found:
+            duplicate.append(f"{key} (same as {origin[name]})")
+        else:
+            found[name], origin[name] = t, key
+    missing = sorted(k for k in expected_shapes if k not in found and k not in optional)
+    wrong = [
+        f"{origin[k]}: expected {tuple(expected_shapes[k])}, got {tuple(t.shape)}"
+        for k, t in sorted(found.items())
+        if tuple(t.shape) != tuple(expected_shapes[k])
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing keys ({len(missing)}): {_preview(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys ({len(unexpected)}): {_preview(sorted(unexpected))}")
+    if duplicate:
+        problems.append(f"keys given twice ({len(duplicate)}): {_preview(sorted(duplicate))}")
+    if wrong:
+        problems.append(f"wrong shapes ({len(wrong)}): {_preview(wrong)}")
+    if problems:
+        raise CheckpointError(f"checkpoint {source} does not fit the model: " + "; ".join(problems))
+    return found
+
+
+# Hugging Face activation names (config ``activation_function`` / ``hidden_act``) -> ours, and back.
+HF_ACTIVATIONS: dict[str, str] = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu": "gelu",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
+}
+TO_HF_ACTIVATIONS: dict[str, str] = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
+
+
+def hf_activation(field: str, name: object) -> str:
+    """Our activation name for a Hugging Face one.
+
+    Raises:
+        ValueError: an activation we do not implement exactly (never a silent default), naming the field.
+    """
+    if not isinstance(name, str) or name not in HF_ACTIVATIONS:
+        raise ValueError(f"unsupported {field} {name!r}; supported: {', '.join(HF_ACTIVATIONS)}")
+    return HF_ACTIVATIONS[name]
