@@ -1,0 +1,362 @@
+"""Fused, memory-lean CPU paths for Add & Norm, the FFN and dropout (custom autograd Functions over
+:mod:`sublayer.kernels`).
+
+Each public function here has the signature of its reference in :mod:`sublayer.functional` plus a keyword-only
+``impl``: ``"auto"`` (the default; what the modules use) takes the fused path when it applies — CPU tensors, float32 or
+bfloat16 (also under ``torch.autocast("cpu", dtype=torch.bfloat16)`` with float32 weights), a supported activation,
+no forward-mode AD, functorch transform or ``torch.compile`` tracing — and the reference otherwise; ``"fused"`` forces
+the kernels (float64 too, for gradcheck) and raises ``RuntimeError`` if they cannot run; ``"reference"`` always runs
+the reference.
+
+What the fused path changes, and what it does not:
+
+* Dropout uses a counter-based Philox4x32-10 stream keyed by a 64-bit seed drawn from torch's default generator (or
+  ``generator=``), so ``torch.manual_seed`` reproduces it; the mask is NOT the one ``F.dropout`` would draw (only its
+  distribution is the same: keep-rate ``1 - p`` to 2^-32, kept values scaled by ``1/(1-p)``). Backward regenerates
+  the mask from the seed: no mask tensor is ever stored.
+* Add & Norm saves only the (rounded) sum ``x + dropout(y)`` and per-row float32 mean/rstd; its backward computes
+  the sum's gradient once and hands it to both inputs (the same tensor when there is no dropout and the dtypes match).
+* The FFN saves its input and, for ReLU, the fc2 input (``h > 0`` tells ReLU's derivative and the dropout mask at
+  once), otherwise the fc1 output before bias (the pre-activation); the hidden activation is recomputed in backward.
+* Results equal the reference within its own low-precision error (tests derive the tolerances). The backward is
+  not differentiable again (double backward raises); use ``impl="reference"`` for higher-order gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .. import kernels
+from .._checks import (
+    check_choice,
+    check_last_dims,
+    check_probability,
+    check_same_shape,
+    check_tensor,
+    normalize_shape,
+)
+from . import ffn as _ffn
+from . import norm as _norm
+
+__all__ = ["add_norm", "feed_forward", "dropout", "dropout_seed", "FUSED_ACTIVATIONS", "IMPLS"]
+
+IMPLS = ("auto", "fused", "reference")
+# activation name -> kernel id (csrc/kernels.cpp: enum Act). Gated activations run the reference.
+_ACT_IDS = {"relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4, "relu2": 5}
+FUSED_ACTIVATIONS: tuple[str, ...] = tuple(_ACT_IDS)
+_RELU = 1
+_AUTO_DTYPES = (torch.float32, torch.bfloat16)
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+def dropout_seed(generator: torch.Generator | None = None) -> int:
+    """A 63-bit dropout seed drawn from ``generator`` (default: torch's CPU generator, so ``manual_seed`` rules)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator))
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _plain_cpu(*ts: Tensor | None) -> bool:
+    for t in ts:
+        if t is None:
+            continue
+        if t.device.type != "cpu" or type(t) not in (Tensor, torch.nn.Parameter):
+            return False
+    return True
+
+
+def _why_not_fused(dtypes_ok: bool, *ts: Tensor | None) -> str | None:
+    """None if the fused path can run on these tensors, else the reason."""
+    if not kernels.available():
+        return f"the kernels are unavailable ({kernels.build_error()})"
+    if not _plain_cpu(*ts):
+        return "the fused path needs plain CPU tensors"
+    if not dtypes_ok:
+        return "unsupported dtype combination for the fused path"
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return "torch.compile / functorch transforms use the reference path"
+    if torch.autograd.forward_ad._current_level >= 0:
+        return "forward-mode AD uses the reference path"
+    return None
+
+
+def _use_fused(impl: str, dtypes_auto_ok: bool, dtypes_fused_ok: bool, *ts: Tensor | None) -> bool:
+    check_choice("impl", impl, IMPLS)
+    if impl == "reference":
+        return False
+    if impl == "auto":
+        if not kernels._enabled:  # cheap switch first: no build attempted when switched off
+            return False
+        return _why_not_fused(dtypes_auto_ok, *ts) is None
+    why = _why_not_fused(dtypes_fused_ok, *ts)
+    if why is not None:
+        raise RuntimeError(f"impl='fused' cannot run: {why}")
+    return True
+
+
+# ----------------------------------------------------------------------------------------------- Add & Norm
+class _AddNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y, weight, bias, eps, p, seed, rms):  # x, y: (N, d) contiguous
+        acc = _acc(x.dtype)
+        w = weight.to(acc) if weight is not None else None
+        b = bias.to(acc) if bias is not None else None
+        need = any(ctx.needs_input_grad[:4])
+        out, s, mean, rstd = kernels.ops().add_norm_fwd(x, y, w, b, eps, p, seed, rms, need)
+        if need:
+            ctx.save_for_backward(s, mean, rstd, w)
+        ctx.meta = (x.dtype, y.dtype, p, seed, rms, weight, bias is not None, bias.dtype if bias is not None else None)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        s, mean, rstd, w = ctx.saved_tensors
+        xdt, ydt, p, seed, rms, weight, has_b, bdt = ctx.meta
+        nx, ny, nw, nb = ctx.needs_input_grad[:4]
+        share = p == 0.0 and xdt == ydt  # one gradient tensor for both inputs
+        dx, dy, dw, db = kernels.ops().add_norm_bwd(
+            g.contiguous(), s, mean, rstd, w, xdt, ydt, p, seed, rms,
+            bool(ny and not share), bool(nw and w is not None), bool(nb and has_b),
+        )  # fmt: skip
+        if share:
+            dy = dx
+        return (
+            dx if nx else None,
+            dy if ny else None,
+            dw.to(weight.dtype) if (nw and w is not None) else None,
+            db.to(bdt) if (nb and has_b) else None,
+            None, None, None, None,
+        )  # fmt: skip
+
+
+def add_norm(
+    x: Tensor,
+    y: Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    dropout: float = 0.0,
+    training: bool = True,
+    norm: str = "layer",
+    impl: str = "auto",
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """``norm(x + dropout(y))`` — :func:`sublayer.functional.add_norm` with a fused CPU path.
+
+    Args:
+        x, y, normalized_shape, weight, bias, eps, dropout, training, norm: as the reference
+            (``bias`` is ignored for ``norm="rms"``).
+        impl: ``"auto"``, ``"fused"`` or ``"reference"`` (see the module docstring).
+        generator: where the fused dropout's seed comes from (default: torch's CPU generator).
+
+    Returns:
+        Tensor of the shape of ``x``, dtype ``torch.result_type(x, y)``.
+
+    Raises:
+        ValueError: as the reference (shapes, dropout, norm) or for an unknown ``impl``.
+        RuntimeError: ``impl="fused"`` where the fused path cannot run.
+    """
+    check_choice("norm", norm, _norm.NORMS)
+    check_probability("dropout", dropout)
+    check_tensor("x", x)
+    check_tensor("y", y)
+    check_same_shape("x", x, "y", y)
+    shape = normalize_shape("normalized_shape", normalized_shape)
+    check_last_dims("x", x, shape)
+    rms = norm == "rms"
+    b = None if rms else bias
+    ok = [t is None or t.shape == torch.Size(shape) for t in (weight, b)]
+    auto_ok = x.dtype in _AUTO_DTYPES and y.dtype in _AUTO_DTYPES and all(ok)
+    fused_ok = (x.dtype in _AUTO_DTYPES and y.dtype in _AUTO_DTYPES or x.dtype == y.dtype == torch.float64) and all(ok)
+    if not _use_fused(impl, auto_ok, fused_ok, x, y, weight, b):
+        return _norm.add_norm(x, y, shape, weight, bias, eps, dropout=dropout, training=training, norm=norm)
+    d = math.prod(shape)
+    p = float(dropout) if training else 0.0
+    seed = dropout_seed(generator) if p > 0 else 0
+    x2, y2 = x.reshape(-1, d).contiguous(), y.reshape(-1, d).contiguous()
+    w2 = weight.reshape(d) if weight is not None else None
+    b2 = b.reshape(d) if b is not None else None
+    out = _AddNormFn.apply(x2, y2, w2, b2, float(eps), p, seed, rms)
+    return out.view(x.shape)
+
+
+# ----------------------------------------------------------------------------------------------- FFN
+class _FFNFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, act, p, p_out, seed1, seed2):  # x: (N, d) contiguous, one dtype for all
+        ops = kernels.ops()
+        acc = _acc(x.dtype)
+        need = any(ctx.needs_input_grad[:5])
+        b1a = b1.to(acc) if b1 is not None else None
+        b2a = b2.to(acc) if b2 is not None else None
+        a = torch.mm(x, w1.t())  # (N, f), bias added in the elementwise pass
+        keep_a = need and act != _RELU
+        h = ops.act_fwd(a, b1a, act, p, seed1, not keep_a)  # in place unless the pre-activation is saved
+        o = torch.mm(h, w2.t())
+        if b2a is not None or p_out > 0:
+            o = ops.act_fwd(o, b2a, 0, p_out, seed2, True)  # bias + output dropout, in place
+        if need:
+            # ReLU: h alone gives both relu' and the mask; else the pre-activation a (h is recomputed).
+            ctx.save_for_backward(x, w1, w2, b1a if keep_a else None, a if keep_a else h)
+        ctx.meta = (act, p, p_out, seed1, seed2, b1.dtype if b1 is not None else None, b2.dtype if b2 is not None else None)
+        return o
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, go):
+        x, w1, w2, b1a, sv = ctx.saved_tensors
+        act, p, p_out, seed1, seed2, b1dt, b2dt = ctx.meta
+        nx, nw1, nb1, nw2, nb2 = ctx.needs_input_grad[:5]
+        nb1, nb2 = nb1 and b1dt is not None, nb2 and b2dt is not None
+        ops = kernels.ops()
+        go = go.contiguous()
+        if p_out > 0:
+            g2, _, db2 = ops.act_bwd(go, None, None, 0, p_out, seed2, False, bool(nb2), False)
+        else:
+            g2 = go
+            db2 = go.sum(0, dtype=_acc(go.dtype)) if nb2 else None
+        dh = torch.mm(g2, w2)  # (N, f)
+        if act == _RELU:
+            da, _, db1 = ops.act_bwd(dh, sv, None, act, p, seed1, False, bool(nb1), True)
+            h = sv
+        else:
+            da, h, db1 = ops.act_bwd(dh, sv, b1a, act, p, seed1, bool(nw2), bool(nb1), True)
+        dw2 = torch.mm(g2.t(), h) if nw2 else None
+        dw1 = torch.mm(da.t(), x) if nw1 else None
+        dx = torch.mm(da, w1) if nx else None
+        return (
+            dx, dw1, db1.to(b1dt) if nb1 else None, dw2, db2.to(b2dt) if nb2 else None,
+            None, None, None, None, None,
+        )  # fmt: skip
+
+
+def feed_forward(
+    x: Tensor,
+    fc1_weight: Tensor,
+    fc1_bias: Tensor | None,
+    fc2_weight: Tensor,
+    fc2_bias: Tensor | None,
+    *,
+    activation: str = "relu",
+    dropout: float = 0.0,
+    output_dropout: float = 0.0,
+    training: bool = True,
+    impl: str = "auto",
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """``fc2(dropout(act(fc1(x))))`` then ``output_dropout`` — :func:`sublayer.functional.feed_forward` with a
+    fused CPU path (bias + activation + dropout in one pass between the GEMMs; lean saved tensors).
+
+    Args:
+        x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, dropout, output_dropout, training: as the
+            reference. Gated activations always run the reference.
+        impl: ``"auto"``, ``"fused"`` or ``"reference"`` (see the module docstring).
+        generator: where the fused dropout's seeds come from (default: torch's CPU generator).
+
+    Returns:
+        (..., d_out).
+
+    Raises:
+        ValueError: as the reference (activation, dropout, input size) or for an unknown ``impl``.
+        RuntimeError: ``impl="fused"`` where the fused path cannot run.
+    """
+    _ffn.activation_fn(activation)  # validates the name
+    check_probability("dropout", dropout)
+    check_probability("output_dropout", output_dropout)
+    check_tensor("x", x)
+    check_choice("impl", impl, IMPLS)
+    ts = (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
+    shapes_ok = (
+        x.dim() >= 1
+        and fc1_weight.dim() == 2
+        and fc2_weight.dim() == 2
+        and x.shape[-1] == fc1_weight.shape[1]
+        and fc2_weight.shape[1] == fc1_weight.shape[0]
+        and (fc1_bias is None or fc1_bias.shape == (fc1_weight.shape[0],))
+        and (fc2_bias is None or fc2_bias.shape == (fc2_weight.shape[0],))
+    )
+    autocast = torch.is_autocast_enabled("cpu")
+    cast_to = torch.get_autocast_dtype("cpu") if autocast else None
+    dts = {t.dtype for t in ts if t is not None}
+    if autocast:  # autocast casts float32 operands of linear to its dtype; other mixes: the reference
+        auto_ok = cast_to == torch.bfloat16 and dts <= {torch.float32, torch.bfloat16}
+        fused_ok = auto_ok
+    else:
+        auto_ok = len(dts) == 1 and dts <= set(_AUTO_DTYPES)
+        fused_ok = len(dts) == 1 and dts <= set(_FUSED_DTYPES)
+    ok = activation in _ACT_IDS and shapes_ok
+    if not _use_fused(impl, ok and auto_ok, ok and fused_ok, *ts):
+        return _ffn.feed_forward(
+            x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation=activation, dropout=dropout,
+            output_dropout=output_dropout, training=training,
+        )  # fmt: skip
+    if autocast:
+        ts = tuple(t.to(cast_to) if t is not None else None for t in ts)
+    x, w1, b1, w2, b2 = ts
+    p = float(dropout) if training else 0.0
+    p_out = float(output_dropout) if training else 0.0
+    seed1 = dropout_seed(generator) if p > 0 else 0
+    seed2 = dropout_seed(generator) if p_out > 0 else 0
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    with torch.autocast("cpu", enabled=False):
+        out = _FFNFn.apply(x2, w1, b1, w2, b2, _ACT_IDS[activation], p, p_out, seed1, seed2)
+    return out.view(*x.shape[:-1], w2.shape[0])
+
+
+# ----------------------------------------------------------------------------------------------- dropout
+class _DropoutFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, p, seed):  # x: (N, f) contiguous
+        ctx.meta = (p, seed)
+        return kernels.ops().act_fwd(x, None, 0, p, seed, False)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        p, seed = ctx.meta
+        dx, _, _ = kernels.ops().act_bwd(g.contiguous(), None, None, 0, p, seed, False, False, False)
+        return dx, None, None
+
+
+def dropout(
+    x: Tensor,
+    p: float = 0.5,
+    training: bool = True,
+    *,
+    impl: str = "auto",
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Inverted dropout with the fused Philox stream (``F.dropout``'s distribution, not its mask).
+
+    The mask of element ``e`` (row-major flat index) depends on the seed and ``e`` only. Identity when not
+    ``training`` or ``p == 0``.
+
+    Args:
+        x: any shape. p: drop probability in [0, 1). training: apply only when True.
+        impl: ``"auto"``, ``"fused"`` or ``"reference"`` (``F.dropout``).
+        generator: where the seed comes from (default: torch's CPU generator).
+
+    Returns:
+        Tensor like ``x``.
+
+    Raises:
+        ValueError: ``p`` outside [0, 1) or an unknown ``impl``.
+    """
+    check_probability("p", p)
+    check_tensor("x", x)
+    if not _use_fused(impl, x.dtype in _AUTO_DTYPES, x.dtype in _FUSED_DTYPES, x):
+        return torch.nn.functional.dropout(x, p, training)
+    if not training or p == 0:
+        return x
+    x2 = x.reshape(-1, x.shape[-1] if x.dim() else 1).contiguous()
+    return _DropoutFn.apply(x2, float(p), dropout_seed(generator)).view(x.shape)

@@ -1,0 +1,541 @@
+// sublayer fused CPU kernels (registered as torch.ops.sublayer_kernels.*).
+//
+//  * add_norm_fwd / add_norm_bwd: dropout(y) + x -> LayerNorm/RMSNorm, one pass over each row forward and one
+//    backward, statistics in float32 (float64 for float64), two-pass variance; dx and dy from the same pass.
+//  * act_fwd / act_bwd: bias + activation + dropout in one elementwise pass between the FFN's GEMMs, and its
+//    backward (bias gradient reduced in the same pass). act 0 (identity) is "bias + dropout".
+//  * Dropout is a counter-based Philox4x32-10 stream: element e of a (rows, d) tensor keeps iff word e%4 of
+//    philox(counter=e/4, key=seed) >= p * 2^32. The mask is regenerated in backward from the seed; none is stored.
+//
+// Tensors come in contiguous and 2-D from Python (sublayer/functional/fused.py does the checks). Storage types:
+// float, double and bfloat16 (as raw uint16 with round-to-nearest-even, written so the compiler vectorises it).
+// Reductions over rows (weight/bias gradients) use a fixed chunking that depends on the row count only, so results
+// are bitwise reproducible whatever the thread count.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/core/ScalarType.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+// ------------------------------------------------------------------ element types
+inline float bf16_to_f(uint16_t v) {
+  uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t f_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+  return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t(0x7fc0) : uint16_t(r);
+}
+struct BF16 {};  // tag: bfloat16 stored as uint16_t
+
+template <typename T> struct Elt;
+template <> struct Elt<float> {
+  using store = float;
+  using acc = float;
+  static float ld(float v) { return v; }
+  static float st(float v) { return v; }
+};
+template <> struct Elt<double> {
+  using store = double;
+  using acc = double;
+  static double ld(double v) { return v; }
+  static double st(double v) { return v; }
+};
+template <> struct Elt<BF16> {
+  using store = uint16_t;
+  using acc = float;
+  static float ld(uint16_t v) { return bf16_to_f(v); }
+  static uint16_t st(float v) { return f_to_bf16(v); }
+};
+
+template <typename T> typename Elt<T>::store* ptr(const Tensor& t) {
+  return static_cast<typename Elt<T>::store*>(t.data_ptr());
+}
+
+// ------------------------------------------------------------------ Philox4x32-10
+// out[i] = word (start+i) % 4 of philox((start+i) / 4, seed), for i in [0, n).
+void philox_fill(uint64_t start, int64_t n, uint64_t seed, uint32_t* out) {
+  constexpr int L = 8;
+  const uint64_t cb0 = start >> 2, cend = (start + uint64_t(n) + 3) >> 2;
+  for (uint64_t cb = cb0; cb < cend; cb += L) {
+    uint32_t c0[L], c1[L], c2[L], c3[L];
+    for (int l = 0; l < L; ++l) {
+      const uint64_t c = cb + l;
+      c0[l] = uint32_t(c);
+      c1[l] = uint32_t(c >> 32);
+      c2[l] = 0;
+      c3[l] = 0;
+    }
+    uint32_t k0 = uint32_t(seed), k1 = uint32_t(seed >> 32);
+    for (int r = 0; r < 10; ++r) {
+#pragma omp simd
+      for (int l = 0; l < L; ++l) {
+        const uint64_t p0 = uint64_t(0xD2511F53u) * c0[l];
+        const uint64_t p1 = uint64_t(0xCD9E8D57u) * c2[l];
+        const uint32_t n0 = uint32_t(p1 >> 32) ^ c1[l] ^ k0;
+        const uint32_t n2 = uint32_t(p0 >> 32) ^ c3[l] ^ k1;
+        c1[l] = uint32_t(p1);
+        c3[l] = uint32_t(p0);
+        c0[l] = n0;
+        c2[l] = n2;
+      }
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    const uint32_t* w[4] = {c0, c1, c2, c3};
+    for (int l = 0; l < L; ++l) {
+      const int64_t base = int64_t((cb + l) * 4 - start);
+      for (int k = 0; k < 4; ++k) {
+        const int64_t i = base + k;
+        if (i >= 0 && i < n) out[i] = w[k][l];
+      }
+    }
+  }
+}
+
+struct Drop {
+  bool on;
+  uint32_t thr;
+  double scale;
+  uint64_t seed;
+  Drop(double p, int64_t s) : on(p > 0), thr(0), scale(1.0), seed(uint64_t(s)) {
+    if (on) {
+      const double t = std::nearbyint(p * 4294967296.0);
+      thr = t >= 4294967295.0 ? 0xffffffffu : uint32_t(t);
+      scale = 1.0 / (1.0 - p);
+    }
+  }
+};
+
+// Fixed row chunking for deterministic reductions: depends on the row count only.
+inline int64_t n_chunks(int64_t rows) { return std::max<int64_t>(1, std::min<int64_t>(64, (rows + 63) / 64)); }
+
+template <typename A>
+void reduce_chunks(const std::vector<A>& part, int64_t nch, int64_t d, A* out) {
+  for (int64_t j = 0; j < d; ++j) out[j] = 0;
+  for (int64_t c = 0; c < nch; ++c) {
+    const A* p = part.data() + c * d;
+    for (int64_t j = 0; j < d; ++j) out[j] += p[j];
+  }
+}
+
+at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// ------------------------------------------------------------------ Add & Norm
+template <typename TX, typename TY, typename TO>
+void add_norm_fwd_impl(const Tensor& x, const Tensor& y, const Tensor& w, const Tensor& b, Tensor& out, Tensor& sum,
+                       Tensor& mean, Tensor& rstd, double eps, const Drop& dr, bool rms) {
+  using A = typename Elt<TO>::acc;
+  const int64_t N = x.size(0), d = x.size(1);
+  const auto* xp = ptr<TX>(x);
+  const auto* yp = ptr<TY>(y);
+  const A* wp = w.defined() ? static_cast<const A*>(w.data_ptr()) : nullptr;
+  const A* bp = b.defined() ? static_cast<const A*>(b.data_ptr()) : nullptr;
+  auto* op = ptr<TO>(out);
+  auto* sp = sum.numel() ? ptr<TO>(sum) : nullptr;
+  A* mp = static_cast<A*>(mean.data_ptr());
+  A* rp = static_cast<A*>(rstd.data_ptr());
+  const A scale = A(dr.scale), aeps = A(eps), inv_d = A(1) / A(d);
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / d), [&](int64_t r0, int64_t r1) {
+    std::vector<A> s(d);
+    std::vector<uint32_t> rnd(dr.on ? d : 0);
+    for (int64_t r = r0; r < r1; ++r) {
+      const auto* xr = xp + r * d;
+      const auto* yr = yp + r * d;
+      if (dr.on) philox_fill(uint64_t(r) * d, d, dr.seed, rnd.data());
+      A acc = 0;
+      if (dr.on) {
+#pragma omp simd reduction(+ : acc)
+        for (int64_t j = 0; j < d; ++j) {
+          const A yv = rnd[j] >= dr.thr ? Elt<TY>::ld(yr[j]) * scale : A(0);
+          const A v = Elt<TO>::ld(Elt<TO>::st(Elt<TX>::ld(xr[j]) + yv));  // the sum, rounded to the output type
+          s[j] = v;
+          acc += v;
+        }
+      } else {
+#pragma omp simd reduction(+ : acc)
+        for (int64_t j = 0; j < d; ++j) {
+          const A v = Elt<TO>::ld(Elt<TO>::st(Elt<TX>::ld(xr[j]) + Elt<TY>::ld(yr[j])));
+          s[j] = v;
+          acc += v;
+        }
+      }
+      if (sp) {
+        auto* sr = sp + r * d;
+        for (int64_t j = 0; j < d; ++j) sr[j] = Elt<TO>::st(s[j]);
+      }
+      const A m = rms ? A(0) : acc * inv_d;
+      A var = 0;
+#pragma omp simd reduction(+ : var)
+      for (int64_t j = 0; j < d; ++j) var += (s[j] - m) * (s[j] - m);
+      const A rs = A(1) / std::sqrt(var * inv_d + aeps);
+      mp[r] = m;
+      rp[r] = rs;
+      auto* orow = op + r * d;
+      if (wp && bp) {
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) orow[j] = Elt<TO>::st((s[j] - m) * rs * wp[j] + bp[j]);
+      } else if (wp) {
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) orow[j] = Elt<TO>::st((s[j] - m) * rs * wp[j]);
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) orow[j] = Elt<TO>::st((s[j] - m) * rs);
+      }
+    }
+  });
+}
+
+template <typename TX, typename TY, typename TO>
+void add_norm_bwd_impl(const Tensor& g, const Tensor& sum, const Tensor& mean, const Tensor& rstd, const Tensor& w,
+                       Tensor& dx, Tensor& dy, Tensor& dw, Tensor& db, const Drop& dr, bool rms) {
+  using A = typename Elt<TO>::acc;
+  const int64_t N = g.size(0), d = g.size(1);
+  const auto* gp = ptr<TO>(g);
+  const auto* sp = ptr<TO>(sum);
+  const A* mp = static_cast<const A*>(mean.data_ptr());
+  const A* rp = static_cast<const A*>(rstd.data_ptr());
+  const A* wp = w.defined() ? static_cast<const A*>(w.data_ptr()) : nullptr;
+  auto* dxp = ptr<TX>(dx);
+  auto* dyp = dy.defined() ? ptr<TY>(dy) : nullptr;
+  const bool want_dw = dw.defined(), want_db = db.defined();
+  const int64_t nch = n_chunks(N), rows_per = (N + nch - 1) / nch;
+  std::vector<A> pw(want_dw ? nch * d : 0), pb(want_db ? nch * d : 0);
+  const A scale = A(dr.scale), inv_d = A(1) / A(d);
+  at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<A> xh(d), gx(d);
+    std::vector<uint32_t> rnd(dr.on && dyp ? d : 0);
+    for (int64_t c = c0; c < c1; ++c) {
+      A* cw = want_dw ? pw.data() + c * d : nullptr;
+      A* cb = want_db ? pb.data() + c * d : nullptr;
+      for (int64_t j = 0; j < d; ++j) {
+        if (cw) cw[j] = 0;
+        if (cb) cb[j] = 0;
+      }
+      const int64_t rend = std::min(N, (c + 1) * rows_per);
+      for (int64_t r = c * rows_per; r < rend; ++r) {
+        const auto* gr = gp + r * d;
+        const auto* sr = sp + r * d;
+        const A m = mp[r], rs = rp[r];
+        A sg = 0, sgx = 0;
+#pragma omp simd reduction(+ : sg, sgx)
+        for (int64_t j = 0; j < d; ++j) {
+          const A gv = Elt<TO>::ld(gr[j]);
+          const A xv = (Elt<TO>::ld(sr[j]) - m) * rs;
+          const A gw = wp ? gv * wp[j] : gv;
+          xh[j] = xv;
+          gx[j] = gw;
+          sg += gw;
+          sgx += gw * xv;
+        }
+        if (cw) {
+#pragma omp simd
+          for (int64_t j = 0; j < d; ++j) cw[j] += Elt<TO>::ld(gr[j]) * xh[j];
+        }
+        if (cb) {
+#pragma omp simd
+          for (int64_t j = 0; j < d; ++j) cb[j] += Elt<TO>::ld(gr[j]);
+        }
+        const A a = rms ? A(0) : sg * inv_d, bb = sgx * inv_d;
+        auto* dxr = dxp + r * d;
+        if (dyp) {
+          auto* dyr = dyp + r * d;
+          if (dr.on) {
+            philox_fill(uint64_t(r) * d, d, dr.seed, rnd.data());
+#pragma omp simd
+            for (int64_t j = 0; j < d; ++j) {
+              const A ds = rs * (gx[j] - a - xh[j] * bb);
+              dxr[j] = Elt<TX>::st(ds);
+              dyr[j] = Elt<TY>::st(rnd[j] >= dr.thr ? ds * scale : A(0));
+            }
+          } else {
+#pragma omp simd
+            for (int64_t j = 0; j < d; ++j) {
+              const A ds = rs * (gx[j] - a - xh[j] * bb);
+              dxr[j] = Elt<TX>::st(ds);
+              dyr[j] = Elt<TY>::st(ds);
+            }
+          }
+        } else {
+#pragma omp simd
+          for (int64_t j = 0; j < d; ++j) dxr[j] = Elt<TX>::st(rs * (gx[j] - a - xh[j] * bb));
+        }
+      }
+    }
+  });
+  if (want_dw) reduce_chunks(pw, nch, d, static_cast<A*>(dw.data_ptr()));
+  if (want_db) reduce_chunks(pb, nch, d, static_cast<A*>(db.data_ptr()));
+}
+
+// Dispatch (x, y, out) storage types. Supported: (f32|bf16, f32|bf16) and (f64, f64); out = promoted type.
+#define SUBLAYER_DISPATCH_XY(XT, YT, NAME, ...)                                                     \
+  [&] {                                                                                             \
+    using at::kBFloat16;                                                                            \
+    using at::kDouble;                                                                              \
+    using at::kFloat;                                                                               \
+    if (XT == kFloat && YT == kFloat) { using TX = float; using TY = float; using TO = float; return __VA_ARGS__(); } \
+    if (XT == kBFloat16 && YT == kBFloat16) { using TX = BF16; using TY = BF16; using TO = BF16; return __VA_ARGS__(); } \
+    if (XT == kFloat && YT == kBFloat16) { using TX = float; using TY = BF16; using TO = float; return __VA_ARGS__(); } \
+    if (XT == kBFloat16 && YT == kFloat) { using TX = BF16; using TY = float; using TO = float; return __VA_ARGS__(); } \
+    if (XT == kDouble && YT == kDouble) { using TX = double; using TY = double; using TO = double; return __VA_ARGS__(); } \
+    TORCH_CHECK(false, NAME ": unsupported dtypes ", XT, " and ", YT);                               \
+  }()
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> add_norm_fwd(const Tensor& x, const Tensor& y,
+                                                        const std::optional<Tensor>& weight,
+                                                        const std::optional<Tensor>& bias, double eps, double p,
+                                                        int64_t seed, bool rms, bool save_sum) {
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == y.sizes() && x.is_contiguous() && y.is_contiguous(),
+              "add_norm_fwd: x, y must be contiguous 2-D tensors of one shape");
+  const auto ot = c10::promoteTypes(x.scalar_type(), y.scalar_type());
+  const auto at_ = acc_type(ot);
+  const int64_t N = x.size(0), d = x.size(1);
+  Tensor out = at::empty({N, d}, x.options().dtype(ot));
+  Tensor sum = at::empty({save_sum ? N : 0, d}, x.options().dtype(ot));
+  Tensor mean = at::empty({N}, x.options().dtype(at_));
+  Tensor rstd = at::empty({N}, x.options().dtype(at_));
+  Tensor w = weight.has_value() ? weight->contiguous() : Tensor();
+  Tensor b = bias.has_value() ? bias->contiguous() : Tensor();
+  TORCH_CHECK(!w.defined() || (w.scalar_type() == at_ && w.numel() == d), "add_norm_fwd: weight must be (d,) acc");
+  TORCH_CHECK(!b.defined() || (b.scalar_type() == at_ && b.numel() == d), "add_norm_fwd: bias must be (d,) acc");
+  const Drop dr(p, seed);
+  SUBLAYER_DISPATCH_XY(x.scalar_type(), y.scalar_type(), "add_norm_fwd",
+                       [&] { add_norm_fwd_impl<TX, TY, TO>(x, y, w, b, out, sum, mean, rstd, eps, dr, rms); });
+  return {out, sum, mean, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> add_norm_bwd(const Tensor& g, const Tensor& sum, const Tensor& mean,
+                                                        const Tensor& rstd, const std::optional<Tensor>& weight,
+                                                        at::ScalarType xt, at::ScalarType yt, double p, int64_t seed,
+                                                        bool rms, bool need_dy, bool need_dw, bool need_db) {
+  TORCH_CHECK(g.dim() == 2 && g.sizes() == sum.sizes() && g.is_contiguous() && sum.is_contiguous(),
+              "add_norm_bwd: grad and saved sum must be contiguous 2-D tensors of one shape");
+  const auto ot = c10::promoteTypes(xt, yt);
+  TORCH_CHECK(g.scalar_type() == ot && sum.scalar_type() == ot, "add_norm_bwd: grad dtype must be ", ot);
+  const auto at_ = acc_type(ot);
+  const int64_t N = g.size(0), d = g.size(1);
+  Tensor w = weight.has_value() ? weight->contiguous() : Tensor();
+  Tensor dx = at::empty({N, d}, g.options().dtype(xt));
+  Tensor dy = need_dy ? at::empty({N, d}, g.options().dtype(yt)) : Tensor();
+  Tensor dw = need_dw ? at::empty({d}, g.options().dtype(at_)) : Tensor();
+  Tensor db = need_db ? at::empty({d}, g.options().dtype(at_)) : Tensor();
+  const Drop dr(p, seed);
+  SUBLAYER_DISPATCH_XY(xt, yt, "add_norm_bwd",
+                       [&] { add_norm_bwd_impl<TX, TY, TO>(g, sum, mean, rstd, w, dx, dy, dw, db, dr, rms); });
+  return {dx, dy, dw, db};
+}
+
+// ------------------------------------------------------------------ FFN: bias + activation + dropout
+enum Act : int64_t { IDENT = 0, RELU = 1, GELU = 2, GELU_TANH = 3, SILU = 4, RELU2 = 5 };
+
+template <typename A> inline A act_f(int64_t act, A z) {
+  switch (act) {
+    case RELU: return z > A(0) ? z : A(0);
+    case GELU: return A(0.5) * z * (A(1) + std::erf(z * A(0.70710678118654752440)));
+    case GELU_TANH: {
+      const A k = A(0.79788456080286535588), u = k * (z + A(0.044715) * z * z * z);
+      return A(0.5) * z * (A(1) + std::tanh(u));
+    }
+    case SILU: return z / (A(1) + std::exp(-z));
+    case RELU2: return z > A(0) ? z * z : A(0);
+    default: return z;
+  }
+}
+template <typename A> inline A act_df(int64_t act, A z) {
+  switch (act) {
+    case RELU: return z > A(0) ? A(1) : A(0);
+    case GELU: {
+      const A cdf = A(0.5) * (A(1) + std::erf(z * A(0.70710678118654752440)));
+      return cdf + z * A(0.39894228040143267794) * std::exp(A(-0.5) * z * z);
+    }
+    case GELU_TANH: {
+      const A k = A(0.79788456080286535588), z2 = z * z, t = std::tanh(k * (z + A(0.044715) * z2 * z));
+      return A(0.5) * (A(1) + t) + A(0.5) * z * (A(1) - t * t) * k * (A(1) + A(3 * 0.044715) * z2);
+    }
+    case SILU: {
+      const A s = A(1) / (A(1) + std::exp(-z));
+      return s * (A(1) + z * (A(1) - s));
+    }
+    case RELU2: return z > A(0) ? A(2) * z : A(0);
+    default: return A(1);
+  }
+}
+
+// h = dropout(act(a + bias)) row by row; out may alias a (in-place).
+template <typename T>
+void act_fwd_impl(const Tensor& a, const Tensor& b, Tensor& out, int64_t act, const Drop& dr) {
+  using A = typename Elt<T>::acc;
+  const int64_t N = a.size(0), f = a.size(1);
+  const auto* ap = ptr<T>(a);
+  auto* op = ptr<T>(out);
+  const A* bp = b.defined() ? static_cast<const A*>(b.data_ptr()) : nullptr;
+  const A scale = A(dr.scale);
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / f), [&](int64_t r0, int64_t r1) {
+    std::vector<uint32_t> rnd(dr.on ? f : 0);
+    std::vector<A> z(f);
+    for (int64_t r = r0; r < r1; ++r) {
+      const auto* ar = ap + r * f;
+      auto* orow = op + r * f;
+      if (bp) {
+#pragma omp simd
+        for (int64_t j = 0; j < f; ++j) z[j] = Elt<T>::ld(ar[j]) + bp[j];
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < f; ++j) z[j] = Elt<T>::ld(ar[j]);
+      }
+      if (dr.on) {
+        philox_fill(uint64_t(r) * f, f, dr.seed, rnd.data());
+#pragma omp simd
+        for (int64_t j = 0; j < f; ++j) orow[j] = Elt<T>::st(rnd[j] >= dr.thr ? act_f(act, z[j]) * scale : A(0));
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < f; ++j) orow[j] = Elt<T>::st(act_f(act, z[j]));
+      }
+    }
+  });
+}
+
+// da = dh * keep * scale * act'(a + bias) (in place into dh when out aliases it); optionally h (recomputed) and
+// the bias gradient sum_rows(da). For RELU, `saved` is h = the fc2 input (h > 0 <=> a > 0 and kept).
+template <typename T>
+void act_bwd_impl(const Tensor& dh, const Tensor& saved, const Tensor& b, Tensor& da, Tensor& h, Tensor& db,
+                  int64_t act, const Drop& dr) {
+  using A = typename Elt<T>::acc;
+  const int64_t N = dh.size(0), f = dh.size(1);
+  const auto* gp = ptr<T>(dh);
+  const auto* svp = saved.defined() ? ptr<T>(saved) : nullptr;
+  const A* bp = b.defined() ? static_cast<const A*>(b.data_ptr()) : nullptr;
+  auto* dap = ptr<T>(da);
+  auto* hp = h.defined() ? ptr<T>(h) : nullptr;
+  const bool want_db = db.defined();
+  const int64_t nch = n_chunks(N), rows_per = (N + nch - 1) / nch;
+  std::vector<A> pb(want_db ? nch * f : 0);
+  const A scale = A(dr.scale);
+  at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<uint32_t> rnd(dr.on ? f : 0);
+    std::vector<A> m(f, scale);  // keep * scale per column
+    for (int64_t c = c0; c < c1; ++c) {
+      A* cb = want_db ? pb.data() + c * f : nullptr;
+      if (cb) std::fill(cb, cb + f, A(0));
+      const int64_t rend = std::min(N, (c + 1) * rows_per);
+      for (int64_t r = c * rows_per; r < rend; ++r) {
+        const auto* gr = gp + r * f;
+        auto* dr_ = dap + r * f;
+        if (act == RELU) {
+          const auto* hr = svp + r * f;
+#pragma omp simd
+          for (int64_t j = 0; j < f; ++j) dr_[j] = Elt<T>::st(Elt<T>::ld(hr[j]) > A(0) ? Elt<T>::ld(gr[j]) * scale : A(0));
+        } else {
+          if (dr.on) {
+            philox_fill(uint64_t(r) * f, f, dr.seed, rnd.data());
+#pragma omp simd
+            for (int64_t j = 0; j < f; ++j) m[j] = rnd[j] >= dr.thr ? scale : A(0);
+          }
+          if (act == IDENT) {
+#pragma omp simd
+            for (int64_t j = 0; j < f; ++j) dr_[j] = Elt<T>::st(Elt<T>::ld(gr[j]) * m[j]);
+          } else {
+            const auto* ar = svp + r * f;
+            auto* hr = hp ? hp + r * f : nullptr;
+#pragma omp simd
+            for (int64_t j = 0; j < f; ++j) {
+              const A z = Elt<T>::ld(ar[j]) + (bp ? bp[j] : A(0));
+              if (hr) hr[j] = Elt<T>::st(act_f(act, z) * m[j]);
+              dr_[j] = Elt<T>::st(Elt<T>::ld(gr[j]) * m[j] * act_df(act, z));
+            }
+          }
+        }
+        if (cb) {
+#pragma omp simd
+          for (int64_t j = 0; j < f; ++j) cb[j] += Elt<T>::ld(dr_[j]);
+        }
+      }
+    }
+  });
+  if (want_db) reduce_chunks(pb, nch, f, static_cast<A*>(db.data_ptr()));
+}
+
+#define SUBLAYER_DISPATCH_T(ST, NAME, ...)                                                      \
+  [&] {                                                                                         \
+    if (ST == at::kFloat) { using T = float; return __VA_ARGS__(); }                            \
+    if (ST == at::kBFloat16) { using T = BF16; return __VA_ARGS__(); }                          \
+    if (ST == at::kDouble) { using T = double; return __VA_ARGS__(); }                          \
+    TORCH_CHECK(false, NAME ": unsupported dtype ", ST);                                        \
+  }()
+
+Tensor act_fwd(const Tensor& a, const std::optional<Tensor>& bias, int64_t act, double p, int64_t seed, bool inplace) {
+  TORCH_CHECK(a.dim() == 2 && a.is_contiguous(), "act_fwd: a must be a contiguous 2-D tensor");
+  TORCH_CHECK(act >= IDENT && act <= RELU2, "act_fwd: unknown activation id ", act);
+  Tensor b = bias.has_value() ? bias->contiguous() : Tensor();
+  TORCH_CHECK(!b.defined() || (b.scalar_type() == acc_type(a.scalar_type()) && b.numel() == a.size(1)),
+              "act_fwd: bias must be (f,) in the accumulation dtype");
+  Tensor out = inplace ? a : at::empty_like(a);
+  const Drop dr(p, seed);
+  SUBLAYER_DISPATCH_T(a.scalar_type(), "act_fwd", [&] { act_fwd_impl<T>(a, b, out, act, dr); });
+  return out;
+}
+
+std::tuple<Tensor, Tensor, Tensor> act_bwd(const Tensor& dh, const std::optional<Tensor>& saved,
+                                           const std::optional<Tensor>& bias, int64_t act, double p, int64_t seed,
+                                           bool want_h, bool want_db, bool inplace) {
+  TORCH_CHECK(dh.dim() == 2 && dh.is_contiguous(), "act_bwd: grad must be a contiguous 2-D tensor");
+  Tensor sv = saved.has_value() ? saved->contiguous() : Tensor();
+  TORCH_CHECK(act == IDENT || (sv.defined() && sv.sizes() == dh.sizes() && sv.scalar_type() == dh.scalar_type()),
+              "act_bwd: saved tensor must match the grad");
+  Tensor b = bias.has_value() ? bias->contiguous() : Tensor();
+  TORCH_CHECK(!b.defined() || (b.scalar_type() == acc_type(dh.scalar_type()) && b.numel() == dh.size(1)),
+              "act_bwd: bias must be (f,) in the accumulation dtype");
+  Tensor da = inplace ? dh : at::empty_like(dh);
+  Tensor h = (want_h && act != IDENT && act != RELU) ? at::empty_like(dh) : Tensor();
+  Tensor db = want_db ? at::empty({dh.size(1)}, dh.options().dtype(acc_type(dh.scalar_type()))) : Tensor();
+  const Drop dr(p, seed);
+  SUBLAYER_DISPATCH_T(dh.scalar_type(), "act_bwd", [&] { act_bwd_impl<T>(dh, sv, b, da, h, db, act, dr); });
+  return {da, h, db};
+}
+
+// Raw Philox words for element indices [start, start + n) (for tests of the stream itself).
+Tensor philox_words(int64_t start, int64_t n, int64_t seed) {
+  Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kLong));
+  std::vector<uint32_t> w(n);
+  philox_fill(uint64_t(start), n, uint64_t(seed), w.data());
+  auto* op = out.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) op[i] = int64_t(w[i]);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sublayer_kernels, m) {
+  m.def("add_norm_fwd(Tensor x, Tensor y, Tensor? weight, Tensor? bias, float eps, float p, int seed, bool rms, "
+        "bool save_sum) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("add_norm_bwd(Tensor g, Tensor sum, Tensor mean, Tensor rstd, Tensor? weight, ScalarType x_dtype, ScalarType y_dtype, "
+        "float p, int seed, bool rms, bool need_dy, bool need_dw, bool need_db) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("act_fwd(Tensor a, Tensor? bias, int act, float p, int seed, bool inplace) -> Tensor");
+  m.def("act_bwd(Tensor dh, Tensor? saved, Tensor? bias, int act, float p, int seed, bool want_h, bool want_db, "
+        "bool inplace) -> (Tensor, Tensor, Tensor)");
+  m.def("philox_words(int start, int n, int seed) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
+  m.impl("add_norm_fwd", &add_norm_fwd);
+  m.impl("add_norm_bwd", &add_norm_bwd);
+  m.impl("act_fwd", &act_fwd);
+  m.impl("act_bwd", &act_bwd);
+}
+
+TORCH_LIBRARY_IMPL(sublayer_kernels, CompositeExplicitAutograd, m) { m.impl("philox_words", &philox_words); }
