@@ -1,0 +1,534 @@
+"""Scale-out on PyTorch's own distributed engine: DTensor tensor parallelism and FSDP2.
+
+Model code knows nothing of this module (torchtitan style): the plans live here and address sub-modules by
+their fully qualified names.
+
+Tensor parallelism (Megatron layout, built with ``parallelize_module``):
+
+- :class:`~sublayer.nn.PositionWiseFFN`: ``fc1`` ``ColwiseParallel`` (for a gated activation a strided column
+  shard, so that each rank holds ``[gate_r; up_r]`` — see below), ``fc2`` ``RowwiseParallel``.
+- :class:`~sublayer.nn.MultiHeadAttention`: ``q_proj``/``k_proj``/``v_proj`` ``ColwiseParallel`` (each rank
+  holds ``n_heads / tp`` whole heads), ``out_proj`` ``RowwiseParallel``.
+- With ``sequence_parallel=True`` the residual stream inside each block / stack is split along the sequence
+  (dim 1) between the ranks; the norms (replicated parameters) run on the local slice, attention and FFN
+  all-gather their input and reduce-scatter their output.
+- Everything else (embeddings, output heads, norms without sequence parallelism) stays replicated: their
+  gradients are the same full gradients on every rank.
+
+Why an extra style on the parent modules. ``ColwiseParallel``/``RowwiseParallel`` turn the Linear's parameters
+into DTensors and hook the Linear's *forward*. Our modules never call their Linears: they pass the weights to the
+one functional reference (``sublayer.functional.feed_forward`` / ``multi_head_attention``). So the plan also puts
+a style on each parent module (:class:`FFNParallel`, :class:`AttentionParallel`) which, for the duration of its
+forward, shows the functional the *local* shards (``DTensor.to_local``: gradients flow back into the DTensor
+parameters) and the local head count, and does the two Megatron collectives with DTensor redistributions:
+identity forward / all-reduce backward on the input, all-reduce forward / identity backward on the output. The
+row-parallel bias is added once, after the reduction (adding it on every rank would count it ``tp`` times), and so
+is the FFN's output dropout.
+
+Pitfalls handled here:
+
+- Gated FFNs pack ``[gate; up]`` along ``fc1``'s output and split the hidden with ``chunk(2)``. A plain column
+  shard would give rank 0 all of ``gate``. The plan shards ``fc1`` with ``_StridedShard(0, split_factor=2)``:
+  rank r holds ``[gate_r; up_r]``, the local chunk(2) is right, and ``full_tensor()`` / checkpoints keep the
+  original row order.
+- GPT-2's fused ``c_attn`` (HF ``Conv1D``, q, k, v packed along the output): ``ColwiseParallel`` refuses a Conv1D,
+  and a column shard of a fused q|k|v *runs but gives wrong numbers* (rank 0 would get all of q and part of k).
+  :class:`sublayer.models.gpt2.GPT2` has separate ``q_proj``/``k_proj``/``v_proj`` — its checkpoint loader splits
+  ``c_attn`` at load time — so the attention plan above applies unchanged (tested on a model loaded from an HF
+  checkpoint).
+- Dropout in training: activations outside the sharded regions are replicated, so every rank must draw the same
+  masks — seed all ranks identically. Inside a region (hidden / attention dropout) each rank then draws its masks
+  from the same generator state for its own shard: valid dropout, but masks repeat across shards; use dropout 0
+  when you need bit-parity with one process.
+- ``need_weights=True`` under TP: the per-head weights are all-gathered (averaged ones all-reduced), so the
+  returned weights equal one process's.
+
+FSDP2: :func:`fully_shard` applies ``torch.distributed.fsdp.fully_shard`` to every block, then to the root.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from .nn.attention import MultiHeadAttention
+from .nn.blocks import DecoderBlock, EncoderBlock
+from .nn.ffn import PositionWiseFFN
+from .nn.norm import LayerNorm, RMSNorm
+from .nn.residual import AddNorm
+from .nn.stacks import TransformerDecoder, TransformerEncoder
+
+try:  # the strided shard that FSDP2 + TP use internally; public-ish since torch 2.5
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - very old torch
+    _StridedShard = None
+
+__all__ = [
+    "tensor_parallel",
+    "tensor_parallel_plan",
+    "fully_shard",
+    "FFNParallel",
+    "AttentionParallel",
+    "GatedColwiseParallel",
+    "SequenceParallelNorm",
+]
+
+_TP_MARK = "_sublayer_tensor_parallel"
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Megatron collectives, as DTensor redistributions (differentiable; gloo, NCCL and the fake backend).
+
+
+def _copy_to_region(x: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Forward identity, backward all-reduce (Megatron's ``f``)."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def _reduce_from_region(x: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Forward all-reduce, backward identity (Megatron's ``g``)."""
+    return DTensor.from_local(x, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+
+def _gather_seq(x: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Sequence-sharded (dim 1) -> full: forward all-gather, backward reduce-scatter of the partial grads."""
+    dt = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+    return dt.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+
+def _reduce_scatter_seq(x: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Partial sums, full sequence -> summed, sequence-sharded: forward reduce-scatter, backward all-gather."""
+    return DTensor.from_local(x, mesh, [Partial()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+
+
+def _split_seq(x: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Replicated -> this rank's sequence slice: forward slice, backward all-gather."""
+    _check_seq_divisible(x, mesh)
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+
+
+def _unsplit_seq(x: Tensor, mesh: DeviceMesh) -> Tensor:
+    """This rank's sequence slice -> replicated: forward all-gather, backward slice (the grad is replicated)."""
+    return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+
+def _check_seq_divisible(x: Tensor, mesh: DeviceMesh) -> None:
+    if x.dim() < 2 or x.shape[1] % mesh.size() != 0:
+        raise ValueError(
+            f"sequence parallelism splits dim 1 of the input between the {mesh.size()} tensor-parallel ranks: "
+            f"its length must be divisible by {mesh.size()}, got shape {tuple(x.shape)}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Showing a module's forward the local shards of DTensor parameters.
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local_replicated(mesh: DeviceMesh) -> Callable[[Tensor], Tensor]:
+    """A replicated parameter used on sequence-sharded activations: its local grad is partial -> all-reduce."""
+
+    def fn(t: Tensor) -> Tensor:
+        return _copy_to_region(_local(t), mesh)
+
+    return fn
+
+
+def _drop_bias(t: Tensor) -> None:
+    return None
+
+
+class _LocalView:
+    """Forward pre-/post-hooks that shadow parameters (and plain attributes) of a module tree for one forward.
+
+    ``params``: (owner module, parameter name, function of the current parameter -> tensor seen by the forward).
+    ``attrs``: (owner module, attribute name, value seen by the forward). The shadow lives in the owner's instance
+    ``__dict__`` (found before ``nn.Module.__getattr__``) and is removed after the forward, also on error, so
+    ``parameters()``, ``state_dict()`` and optimizers only ever see the DTensor parameters. Parameters are read at
+    forward time, so FSDP2's unsharded parameters are the ones shown when FSDP2 wraps the block.
+    """
+
+    def __init__(self, params: list[tuple[nn.Module, str, Callable]], attrs: list[tuple[nn.Module, str, Any]]):
+        self.params, self.attrs = params, attrs
+        self._saved: list[tuple[nn.Module, str, bool, Any]] = []
+
+    def enter(self) -> None:
+        saved = []
+        for owner, name, fn in self.params:
+            p = getattr(owner, name)
+            shown = None if p is None else fn(p)
+            saved.append((owner, name, name in owner.__dict__, owner.__dict__.get(name)))
+            owner.__dict__[name] = shown
+        for owner, name, value in self.attrs:
+            saved.append((owner, name, name in owner.__dict__, owner.__dict__.get(name)))
+            owner.__dict__[name] = value
+        self._saved.append(saved)  # a stack: a module may be re-entered (activation checkpointing)
+
+    def exit(self) -> None:
+        if not self._saved:
+            return
+        for owner, name, had, old in reversed(self._saved.pop()):
+            if had:
+                owner.__dict__[name] = old
+            else:
+                owner.__dict__.pop(name, None)
+
+
+def _install(
+    module: nn.Module,
+    view: _LocalView,
+    prepare_args: Callable[[tuple, dict], tuple[tuple, dict]],
+    finish_output: Callable[[Any], Any],
+) -> None:
+    def pre(mod, args, kwargs):
+        args, kwargs = prepare_args(args, kwargs)
+        view.enter()
+        return args, kwargs
+
+    def post(mod, args, kwargs, output):
+        view.exit()
+        return finish_output(output)
+
+    module.register_forward_pre_hook(pre, with_kwargs=True)
+    # always_call: the shadow must go even when the forward raises
+    module.register_forward_hook(post, with_kwargs=True, always_call=True)
+
+
+def _check_mesh(mesh: object) -> DeviceMesh:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"mesh must be 1-D (the tensor-parallel dimension; pass mesh['tp'] of a 2-D mesh), got "
+            f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}"
+        )
+    return mesh
+
+
+def _check_divisible(what: str, n: int, tp: int, where: str) -> None:
+    if n % tp != 0:
+        raise ValueError(
+            f"{where}: {what} ({n}) must be divisible by the tensor-parallel mesh size ({tp}) "
+            f"to shard it between the ranks"
+        )
+
+
+def _check_materialised(ffn: PositionWiseFFN, where: str) -> None:
+    if isinstance(ffn.fc1, nn.LazyLinear) or isinstance(ffn.fc1.weight, nn.parameter.UninitializedParameter):
+        raise ValueError(f"{where}: fc1 is a LazyLinear not yet materialised; run one forward before sharding")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parallel styles.
+
+
+class GatedColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` for a Linear whose output packs ``[gate; up]`` (gate first): the rows are sharded
+    with ``_StridedShard(0, split_factor=2)``, so rank r holds ``[gate_r; up_r]`` — what a local ``chunk(2)``
+    needs — while ``full_tensor()`` keeps the original order."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if _StridedShard is None:  # pragma: no cover
+            raise RuntimeError("gated FFN tensor parallelism needs torch.distributed.tensor _StridedShard (torch>=2.5)")
+        for pname, param in module.named_parameters():
+            dist_param = nn.Parameter(
+                distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=2)], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad,
+            )
+            module.register_parameter(pname, dist_param)
+
+
+class FFNParallel(ParallelStyle):
+    """Style for a :class:`~sublayer.nn.PositionWiseFFN` whose ``fc1``/``fc2`` are (or will be) column/row
+    sharded: runs the functional on the local shards between the Megatron collectives.
+
+    Args:
+        sequence_parallel: the input arrives sequence-sharded (dim 1) and the output leaves so.
+    """
+
+    def __init__(self, *, sequence_parallel: bool = False) -> None:
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, PositionWiseFFN):
+            raise TypeError(f"FFNParallel applies to a PositionWiseFFN, got {type(module).__name__}")
+        mesh, sp = device_mesh, self.sequence_parallel
+        # with sequence parallelism the bias meets only this rank's positions: its grad is partial
+        bias_view = _local_replicated(mesh) if sp else _local
+        view = _LocalView(
+            params=[
+                (module.fc1, "weight", _local),
+                (module.fc1, "bias", _local),
+                (module.fc2, "weight", _local),
+                (module.fc2, "bias", _drop_bias),  # added once, after the reduction
+            ],
+            attrs=[(module, "output_dropout", 0.0)],
+        )
+
+        def prepare(args, kwargs):
+            x = args[0] if args else kwargs.pop("x")
+            x = _gather_seq(x, mesh) if sp else _copy_to_region(x, mesh)
+            return (x, *args[1:]), kwargs
+
+        def finish(out):
+            out = _reduce_scatter_seq(out, mesh) if sp else _reduce_from_region(out, mesh)
+            if module.fc2.bias is not None:
+                out = out + bias_view(module.fc2.bias)
+            return F.dropout(out, module.output_dropout, module.training)
+
+        _install(module, view, prepare, finish)
+        return module
+
+
+class AttentionParallel(ParallelStyle):
+    """Style for a :class:`~sublayer.nn.MultiHeadAttention` whose q/k/v are column- and ``out_proj`` row-sharded:
+    the functional sees the local shards and ``n_heads / tp`` heads.
+
+    Args:
+        sequence_parallel: the query arrives sequence-sharded (dim 1) and the output leaves so; key/value
+            given explicitly (cross-attention memory) are taken as replicated.
+    """
+
+    def __init__(self, *, sequence_parallel: bool = False) -> None:
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, MultiHeadAttention):
+            raise TypeError(f"AttentionParallel applies to a MultiHeadAttention, got {type(module).__name__}")
+        mesh, sp, tp = device_mesh, self.sequence_parallel, device_mesh.size()
+        bias_view = _local_replicated(mesh) if sp else _local
+        params = [(getattr(module, f"{p}_proj"), n, _local) for p in "qkv" for n in ("weight", "bias")]
+        params += [(module.out_proj, "weight", _local), (module.out_proj, "bias", _drop_bias)]
+        view = _LocalView(params=params, attrs=[(module, "n_heads", module.n_heads // tp)])
+
+        def prepare(args, kwargs):
+            args = list(args)
+            q = args[0] if args else kwargs.pop("query")
+            args[:1] = [_gather_seq(q, mesh) if sp else _copy_to_region(q, mesh)]
+            for i, name in ((1, "key"), (2, "value")):
+                if len(args) > i and args[i] is not None:
+                    args[i] = _copy_to_region(args[i], mesh)
+                elif kwargs.get(name) is not None:
+                    kwargs[name] = _copy_to_region(kwargs[name], mesh)
+            return tuple(args), kwargs
+
+        def finish(output):
+            out, weights = output
+            out = _reduce_scatter_seq(out, mesh) if sp else _reduce_from_region(out, mesh)
+            if module.out_proj.bias is not None:
+                out = out + bias_view(module.out_proj.bias)
+            if weights is not None:
+                if weights.dim() == 3:  # averaged over the local heads: the mean of equal-size groups
+                    weights = DTensor.from_local(weights, mesh, [Partial("avg")], run_check=False)
+                else:  # (B, H_local, T_q, T_k)
+                    weights = DTensor.from_local(weights, mesh, [Shard(1)], run_check=False)
+                weights = weights.redistribute(mesh, [Replicate()]).to_local()
+            return out, weights
+
+        _install(module, view, prepare, finish)
+        return module
+
+
+class SequenceParallelNorm(ParallelStyle):
+    """Sequence parallelism for a norm's replicated parameters: they become ``Replicate`` DTensors and the forward
+    sees local tensors whose gradients (partial: each rank saw its own positions) are all-reduced.
+
+    Used instead of ``torch``'s ``SequenceParallel`` because :class:`~sublayer.nn.AddNorm` reads its norm's
+    weights rather than calling the norm, so hooks on the norm alone would not fire. Apply it to a
+    :class:`LayerNorm`/:class:`RMSNorm` called directly, or to an :class:`AddNorm` (it shards the norm inside).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        norm = module.norm if isinstance(module, AddNorm) else module
+        if not isinstance(norm, (LayerNorm, RMSNorm)):
+            raise TypeError(f"SequenceParallelNorm applies to LayerNorm, RMSNorm or AddNorm, got {type(module).__name__}")
+        params = []
+        for name, p in list(norm.named_parameters(recurse=False)):
+            norm.register_parameter(
+                name, nn.Parameter(distribute_tensor(p.detach(), device_mesh, [Replicate()]), requires_grad=p.requires_grad)
+            )
+            params.append((norm, name, _local_replicated(device_mesh)))
+        _install(module, _LocalView(params, []), lambda a, k: (a, k), lambda o: o)
+        return module
+
+
+class _SequenceRegion(ParallelStyle):
+    """The boundary of a sequence-parallel region (a block or a stack of blocks): the first input (B, T, D) is
+    split along T on entry and the output all-gathered on exit; everything else passes unchanged."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        mesh = device_mesh
+
+        def prepare(args, kwargs):
+            if args:
+                return (_split_seq(args[0], mesh), *args[1:]), kwargs
+            kwargs["x"] = _split_seq(kwargs["x"], mesh)
+            return args, kwargs
+
+        _install(module, _LocalView([], []), prepare, lambda out: _unsplit_seq(out, mesh))
+        return module
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plans.
+
+_STACKS = (TransformerEncoder, TransformerDecoder)
+_BLOCKS = (EncoderBlock, DecoderBlock)
+
+
+def _named(module: nn.Module, types) -> Iterator[tuple[str, nn.Module]]:
+    for name, m in module.named_modules():
+        if isinstance(m, types):
+            yield name, m
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _sp_regions(module: nn.Module) -> list[str]:
+    """Outermost stacks/blocks (by name): each becomes one sequence-parallel region."""
+    regions: list[str] = []
+    for name, m in module.named_modules():
+        if isinstance(m, _STACKS + _BLOCKS) and not any(name == r or name.startswith(r + ".") for r in regions):
+            regions.append(name)
+    return regions
+
+
+def tensor_parallel_plan(module: nn.Module, tp_size: int, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The ``parallelize_module`` plan for ``module``: fully qualified name -> style.
+
+    Covers every :class:`~sublayer.nn.PositionWiseFFN` and :class:`~sublayer.nn.MultiHeadAttention` in the tree
+    (so blocks, stacks, and the models built from them: Transformer, GPT2, Bert); embeddings and heads stay
+    replicated. With ``sequence_parallel`` the outermost blocks/stacks become sequence-parallel regions and the
+    norms inside them get :class:`SequenceParallelNorm`.
+
+    Raises:
+        ValueError: a ``n_heads`` or ``d_ff`` not divisible by ``tp_size`` (naming both numbers and the module);
+            an unmaterialised lazy FFN; no attention or FFN to shard; sequence parallelism without a block.
+    """
+    plan: dict[str, ParallelStyle] = {}
+    sp = sequence_parallel
+    regions = _sp_regions(module) if sp else []
+    if sp and not regions:
+        raise ValueError(
+            "sequence_parallel=True needs an EncoderBlock/DecoderBlock or a stack of them to split the sequence in; "
+            f"got {type(module).__name__}"
+        )
+
+    def in_region(name: str) -> bool:
+        return any(r == "" or name == r or name.startswith(r + ".") for r in regions)
+
+    for name, ffn in _named(module, PositionWiseFFN):
+        where = f"{type(ffn).__name__} {name or '<root>'}"
+        _check_materialised(ffn, where)
+        _check_divisible("d_ff", ffn.d_ff, tp_size, where)
+        plan[_join(name, "fc1")] = GatedColwiseParallel() if ffn.gated else ColwiseParallel()
+        plan[_join(name, "fc2")] = RowwiseParallel()
+        plan[name] = FFNParallel(sequence_parallel=sp and in_region(name))
+    for name, attn in _named(module, MultiHeadAttention):
+        where = f"{type(attn).__name__} {name or '<root>'}"
+        _check_divisible("n_heads", attn.n_heads, tp_size, where)
+        for p in "qkv":
+            plan[_join(name, f"{p}_proj")] = ColwiseParallel()
+        plan[_join(name, "out_proj")] = RowwiseParallel()
+        plan[name] = AttentionParallel(sequence_parallel=sp and in_region(name))
+    if not plan:
+        raise ValueError(
+            f"tensor_parallel found no MultiHeadAttention or PositionWiseFFN to shard in {type(module).__name__}"
+        )
+    if sp:
+        addnorm_children = {_join(n, "norm") for n, _ in _named(module, AddNorm)}
+        for name, m in _named(module, (AddNorm, LayerNorm, RMSNorm)):
+            if in_region(name) and name not in addnorm_children:
+                plan[name] = SequenceParallelNorm()
+        for r in regions:
+            plan[r] = _SequenceRegion()
+    return plan
+
+
+def tensor_parallel(module: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> nn.Module:
+    """Shard ``module`` in place for tensor parallelism over the 1-D ``mesh`` (Megatron layout) and return it.
+
+    Works on :class:`~sublayer.nn.PositionWiseFFN`, :class:`~sublayer.nn.MultiHeadAttention`,
+    :class:`~sublayer.nn.EncoderBlock`, :class:`~sublayer.nn.DecoderBlock`, the stacks, and the models built from
+    them. Outputs (and the gradients of the full parameters, ``param.grad.full_tensor()``) equal the unsharded
+    module's. Inputs are replicated: every rank passes the same tensors (seed identically) and gets the same
+    output. Parameters are taken from rank 0 (``src_data_rank=0``).
+
+    Args:
+        module: the model; its parameters must be on ``mesh``'s device type and materialised.
+        mesh: a 1-D :class:`DeviceMesh` (for 2-D FSDP × TP pass ``mesh["tp"]``).
+        sequence_parallel: also split the residual stream along the sequence inside each block / stack
+            (saves activation memory; sequence lengths must divide by the mesh size; no incremental decoding).
+
+    Returns:
+        ``module`` (sharded in place).
+
+    Raises:
+        TypeError: ``mesh`` not a DeviceMesh. ValueError: see :func:`tensor_parallel_plan`; a 2-D mesh; a module
+        already sharded.
+    """
+    mesh = _check_mesh(mesh)
+    if getattr(module, _TP_MARK, False):
+        raise ValueError(f"{type(module).__name__} is already tensor-parallel; shard it once")
+    plan = tensor_parallel_plan(module, mesh.size(), sequence_parallel=sequence_parallel)
+    parallelize_module(module, mesh, plan)  # key "" = the module itself (a bare FFN, attention or block)
+    setattr(module, _TP_MARK, True)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FSDP2.
+
+
+def _fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks: EncoderBlock/DecoderBlock, and any layer of an nn.ModuleList holding a MultiHeadAttention
+    (model-specific blocks, e.g. GPT-2's)."""
+    units: list[nn.Module] = []
+    seen: set[int] = set()
+    for m in model.modules():
+        cands = [m] if isinstance(m, _BLOCKS) else []
+        if isinstance(m, nn.ModuleList):
+            cands += [c for c in m if any(isinstance(x, MultiHeadAttention) for x in c.modules())]
+        for c in cands:
+            if id(c) not in seen and c is not model:
+                seen.add(id(c))
+                units.append(c)
+    # keep only the outermost (a ModuleList layer that is itself a block appears once)
+    return [u for u in units if not any(u is not o and any(u is x for x in o.modules()) for o in units)]
+
+
+def fully_shard(model: nn.Module, mesh: DeviceMesh | None = None, **kwargs: Any) -> nn.Module:
+    """FSDP2 (``torch.distributed.fsdp.fully_shard``) on every block, then on the root; returns ``model``.
+
+    Data parallel with sharded parameters, gradients and optimizer state: each rank feeds its own batch slice;
+    gradients are averaged across the mesh. Build the optimizer after this call.
+
+    Args:
+        model: the model (a block, a stack or a full model). mesh: a 1-D DeviceMesh (None: the default world).
+        **kwargs: passed to ``torch.distributed.fsdp.fully_shard`` (``reshard_after_forward``, ``mp_policy``...).
+
+    Returns:
+        ``model``, now an ``FSDPModule``.
+
+    Raises:
+        TypeError: ``mesh`` neither None nor a DeviceMesh.
+    """
+    from torch.distributed.fsdp import fully_shard as _fully_shard
+
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
+    for unit in _fsdp_units(model):
+        _fully_shard(unit, mesh=mesh, **kwargs)
+    _fully_shard(model, mesh=mesh, **kwargs)
+    return model
