@@ -51,6 +51,116 @@ def info() -> None:
         typer.echo(f"{k:16s} {v}")
 
 
+# --- generate / embed: Hugging Face-format GPT-2 and BERT folders -----------------------------------------------
+
+
+def _load_tokenizer(folder: Path, *, why: str):
+    """``FOLDER/tokenizer.json`` read with the ``tokenizers`` library; CLIError naming the file if absent/bad."""
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        raise CLIError(f"{why} needs a tokenizer file, but {path} does not exist")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise CLIError("reading tokenizer.json needs the 'tokenizers' package: pip install 'sublayer[cli]'") from None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+        raise CLIError(f"cannot read tokenizer file {path}: {e}") from None
+
+
+def _parse_ids(prompt: str) -> list[int] | None:
+    """``"1 2 3"`` or ``"1,2,3"`` -> ids; None when the prompt is text."""
+    parts = prompt.replace(",", " ").split()
+    if parts and all(p.isascii() and p.isdigit() for p in parts):
+        return [int(p) for p in parts]
+    return None
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help='Token ids ("464 3290 318") or text (text needs tokenizer.json).'),
+    model: Path = typer.Option(..., "--model", "-m", help="Hugging Face-format GPT-2 folder (config.json + weights)."),
+    max_new_tokens: int = typer.Option(20, "--max-new-tokens", "-n", min=0, help="Tokens to add."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature (> 0)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling: smallest set with this mass."),
+    sample: bool = typer.Option(
+        False, "--sample", help="Sample instead of greedy decoding (implied by --temperature/--top-k/--top-p)."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Random seed for sampling."),
+) -> None:
+    """Continue a prompt with a GPT-2 checkpoint (greedy by default; KV-cached decoding).
+
+    Prints the ids (prompt and continuation) for an id prompt, the decoded text for a text prompt.
+    Stops early at the model's eos token.
+    """
+    import torch
+
+    from .models import GPT2
+
+    if not prompt.strip():
+        raise CLIError("the prompt is empty: give token ids like \"1 2 3\" or text")
+    ids = _parse_ids(prompt)
+    tokenizer = None
+    if ids is None:
+        tokenizer = _load_tokenizer(model, why=f"the text prompt {prompt[:40]!r}")
+        ids = tokenizer.encode(prompt).ids
+        if not ids:
+            raise CLIError(f"the prompt {prompt[:40]!r} encodes to no tokens")
+    net = GPT2.from_pretrained(model).eval()
+    do_sample = sample or temperature is not None or top_k is not None or top_p is not None
+    out = net.generate(
+        torch.tensor([ids]),
+        max_new_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_k=top_k,
+        top_p=top_p,
+        do_sample=do_sample,
+        eos_token_id=net.config.eos_token_id,
+        generator=torch.Generator().manual_seed(seed),
+    )[0].tolist()
+    typer.echo(" ".join(map(str, out)) if tokenizer is None else tokenizer.decode(out))
+
+
+@app.command()
+def embed(
+    texts: list[str] = typer.Argument(..., help="One or more texts."),
+    model: Path = typer.Option(..., "--model", "-m", help="Hugging Face-format BERT folder with tokenizer.json."),
+) -> None:
+    """Sentence vectors from a BERT checkpoint: mean-pooled over tokens, L2-normalised.
+
+    Prints JSON: a list of {"text", "embedding"} objects. Texts longer than the model's positions are truncated.
+    """
+    import json
+
+    import torch
+
+    from .models import Bert
+
+    tokenizer = _load_tokenizer(model, why="embed")
+    net = Bert.from_pretrained(model).eval()
+    cfg = net.config
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(max_length=cfg.max_positions)
+    encodings = tokenizer.encode_batch(list(texts))
+    for text, enc in zip(texts, encodings):
+        if not enc.ids:
+            raise CLIError(f"the text {text[:40]!r} encodes to no tokens")
+    t = max(len(e.ids) for e in encodings)
+    pad = cfg.pad_token_id or 0
+    ids = torch.full((len(texts), t), pad, dtype=torch.long)
+    mask = torch.zeros((len(texts), t), dtype=torch.long)
+    types = torch.zeros((len(texts), t), dtype=torch.long)
+    for i, e in enumerate(encodings):
+        n = len(e.ids)
+        ids[i, :n], mask[i, :n], types[i, :n] = torch.tensor(e.ids), 1, torch.tensor(e.type_ids)
+    with torch.no_grad():
+        vectors = net.embed(ids, mask, types)
+    rows = [{"text": text, "embedding": v} for text, v in zip(texts, vectors.tolist())]
+    typer.echo(json.dumps(rows))
+
+
 def main() -> None:
     try:
         app(standalone_mode=False)
