@@ -1,0 +1,189 @@
+"""Weight copying between sublayer modules and their torch.nn / HF references, for the parity tests.
+
+Every helper works from a list of *pairs* ``(name, ours, ref, index)``: ``ours`` is one of our parameters, ``ref``
+the reference parameter, ``index`` the slice of ``ref`` that corresponds (``nn.MultiheadAttention`` packs q, k, v
+in one ``in_proj_weight``) or None. The same pairs copy the weights (:func:`copy_pairs`) and compare the gradients
+(:func:`assert_grads_close`), so a mapping mistake shows up in both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+Pair = tuple[str, nn.Parameter, nn.Parameter, "slice | None"]
+
+
+def randomize_(module: nn.Module, std: float = 0.3) -> nn.Module:
+    """Fill every parameter with N(0, std²) noise — so biases and norm weights are not the trivial 0/1 of their
+    initialisation and a mis-copied bias or a swapped norm cannot hide."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, std)
+    return module
+
+
+def _linear_pairs(prefix: str, ours: nn.Module, ref: nn.Module) -> list[Pair]:
+    pairs: list[Pair] = [(f"{prefix}.weight", ours.weight, ref.weight, None)]
+    if getattr(ours, "bias", None) is not None or getattr(ref, "bias", None) is not None:
+        pairs.append((f"{prefix}.bias", ours.bias, ref.bias, None))
+    return pairs
+
+
+def mha_pairs(ours: nn.Module, ref: nn.MultiheadAttention, prefix: str = "attn") -> list[Pair]:
+    """Our ``MultiHeadAttention`` (q/k/v/out_proj) <-> ``nn.MultiheadAttention`` (packed or separate in_proj)."""
+    d = ref.embed_dim
+    if ref.bias_k is not None or ref.bias_v is not None:
+        raise NotImplementedError("add_bias_kv has no counterpart in MultiHeadAttention")
+    pairs: list[Pair] = []
+    names = ("q_proj", "k_proj", "v_proj")
+    for i, name in enumerate(names):
+        lin = getattr(ours, name)
+        if ref._qkv_same_embed_dim:
+            pairs.append((f"{prefix}.{name}.weight", lin.weight, ref.in_proj_weight, slice(i * d, (i + 1) * d)))
+        else:
+            pairs.append((f"{prefix}.{name}.weight", lin.weight, getattr(ref, f"{name}_weight"), None))
+        if ref.in_proj_bias is not None:
+            pairs.append((f"{prefix}.{name}.bias", lin.bias, ref.in_proj_bias, slice(i * d, (i + 1) * d)))
+    pairs += _linear_pairs(f"{prefix}.out_proj", ours.out_proj, ref.out_proj)
+    return pairs
+
+
+def _norm_pairs(prefix: str, ours: nn.Module, ref: nn.Module) -> list[Pair]:
+    return _linear_pairs(prefix, ours, ref)  # weight and (optional) bias, same layout
+
+
+def encoder_layer_pairs(ours: nn.Module, ref: nn.TransformerEncoderLayer, prefix: str = "layer") -> list[Pair]:
+    """``EncoderBlock`` <-> ``nn.TransformerEncoderLayer``."""
+    return (
+        mha_pairs(ours.self_attn, ref.self_attn, f"{prefix}.self_attn")
+        + _linear_pairs(f"{prefix}.ffn.fc1", ours.ffn.fc1, ref.linear1)
+        + _linear_pairs(f"{prefix}.ffn.fc2", ours.ffn.fc2, ref.linear2)
+        + _norm_pairs(f"{prefix}.norm1", ours.attn_residual.norm, ref.norm1)
+        + _norm_pairs(f"{prefix}.norm2", ours.ffn_residual.norm, ref.norm2)
+    )
+
+
+def decoder_layer_pairs(ours: nn.Module, ref: nn.TransformerDecoderLayer, prefix: str = "layer") -> list[Pair]:
+    """``DecoderBlock`` <-> ``nn.TransformerDecoderLayer``."""
+    return (
+        mha_pairs(ours.self_attn, ref.self_attn, f"{prefix}.self_attn")
+        + mha_pairs(ours.cross_attn, ref.multihead_attn, f"{prefix}.cross_attn")
+        + _linear_pairs(f"{prefix}.ffn.fc1", ours.ffn.fc1, ref.linear1)
+        + _linear_pairs(f"{prefix}.ffn.fc2", ours.ffn.fc2, ref.linear2)
+        + _norm_pairs(f"{prefix}.norm1", ours.self_attn_residual.norm, ref.norm1)
+        + _norm_pairs(f"{prefix}.norm2", ours.cross_attn_residual.norm, ref.norm2)
+        + _norm_pairs(f"{prefix}.norm3", ours.ffn_residual.norm, ref.norm3)
+    )
+
+
+def stack_pairs(ours: nn.Module, ref: nn.Module) -> list[Pair]:
+    """``TransformerEncoder``/``TransformerDecoder`` <-> ``nn.TransformerEncoder``/``nn.TransformerDecoder``."""
+    if len(ours.layers) != len(ref.layers):
+        raise ValueError(f"layer counts differ: {len(ours.layers)} vs {len(ref.layers)}")
+    if (ours.norm is None) != (ref.norm is None):
+        raise ValueError(f"final norms differ: {ours.norm!r} vs {ref.norm!r}")
+    pairs: list[Pair] = []
+    for i, (a, b) in enumerate(zip(ours.layers, ref.layers)):
+        fn = encoder_layer_pairs if isinstance(b, nn.TransformerEncoderLayer) else decoder_layer_pairs
+        pairs += fn(a, b, f"layers.{i}")
+    if ours.norm is not None:
+        pairs += _norm_pairs("norm", ours.norm, ref.norm)
+    return pairs
+
+
+def gpt2_block_pairs(ours: nn.Module, ref: nn.Module) -> list[tuple[str, nn.Parameter, Tensor]]:
+    """A GPT-2-style block of ours (attn_residual, attn, ffn_residual, ffn) <-> HF ``GPT2Block``.
+
+    Returns ``(name, ours, ref_view)`` where ``ref_view`` is already sliced and transposed to our layout:
+    HF ``Conv1D`` stores (in, out) and ``c_attn`` packs q, k, v along its output dim.
+    """
+    d = ref.ln_1.normalized_shape[0]
+    w, b = ref.attn.c_attn.weight, ref.attn.c_attn.bias  # (d, 3d), (3d,)
+    out = [
+        ("ln_1.weight", ours.attn_residual.norm.weight, ref.ln_1.weight),
+        ("ln_1.bias", ours.attn_residual.norm.bias, ref.ln_1.bias),
+        ("ln_2.weight", ours.ffn_residual.norm.weight, ref.ln_2.weight),
+        ("ln_2.bias", ours.ffn_residual.norm.bias, ref.ln_2.bias),
+        ("attn.c_proj.weight", ours.attn.out_proj.weight, ref.attn.c_proj.weight.t()),
+        ("attn.c_proj.bias", ours.attn.out_proj.bias, ref.attn.c_proj.bias),
+        ("mlp.c_fc.weight", ours.ffn.fc1.weight, ref.mlp.c_fc.weight.t()),
+        ("mlp.c_fc.bias", ours.ffn.fc1.bias, ref.mlp.c_fc.bias),
+        ("mlp.c_proj.weight", ours.ffn.fc2.weight, ref.mlp.c_proj.weight.t()),
+        ("mlp.c_proj.bias", ours.ffn.fc2.bias, ref.mlp.c_proj.bias),
+    ]
+    for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
+        lin = getattr(ours.attn, name)
+        out.append((f"attn.c_attn[{name}].weight", lin.weight, w[:, i * d : (i + 1) * d].t()))
+        out.append((f"attn.c_attn[{name}].bias", lin.bias, b[i * d : (i + 1) * d]))
+    return out
+
+
+def bert_layer_pairs(ours: nn.Module, ref: nn.Module) -> list[Pair]:
+    """``EncoderBlock`` (post-norm) <-> HF ``BertLayer``."""
+    att = ref.attention
+    return (
+        _linear_pairs("attention.self.query", ours.self_attn.q_proj, att.self.query)
+        + _linear_pairs("attention.self.key", ours.self_attn.k_proj, att.self.key)
+        + _linear_pairs("attention.self.value", ours.self_attn.v_proj, att.self.value)
+        + _linear_pairs("attention.output.dense", ours.self_attn.out_proj, att.output.dense)
+        + _norm_pairs("attention.output.LayerNorm", ours.attn_residual.norm, att.output.LayerNorm)
+        + _linear_pairs("intermediate.dense", ours.ffn.fc1, ref.intermediate.dense)
+        + _linear_pairs("output.dense", ours.ffn.fc2, ref.output.dense)
+        + _norm_pairs("output.LayerNorm", ours.ffn_residual.norm, ref.output.LayerNorm)
+    )
+
+
+def _ref_view(ref: Tensor, index: slice | None) -> Tensor:
+    return ref if index is None else ref[index]
+
+
+def copy_pairs(pairs: Iterable[Pair]) -> None:
+    """ours <- ref (the reference's weights into our module)."""
+    with torch.no_grad():
+        for name, ours, ref, index in pairs:
+            src = _ref_view(ref, index)
+            if ours.shape != src.shape:
+                raise ValueError(f"{name}: shape {tuple(ours.shape)} vs reference {tuple(src.shape)}")
+            ours.copy_(src)
+
+
+def copy_views(pairs: Iterable[tuple[str, nn.Parameter, Tensor]]) -> None:
+    """ours <- an already-sliced/transposed reference view (HF Conv1D layouts)."""
+    with torch.no_grad():
+        for name, ours, src in pairs:
+            if ours.shape != src.shape:
+                raise ValueError(f"{name}: shape {tuple(ours.shape)} vs reference {tuple(src.shape)}")
+            ours.copy_(src)
+
+
+def assert_grads_close(pairs: Iterable[Pair], **tol) -> None:
+    """Each of our parameters' gradient equals the matching slice of the reference's."""
+    pairs = list(pairs)
+    assert pairs, "no parameter pairs to compare"
+    for name, ours, ref, index in pairs:
+        assert ours.grad is not None, f"{name}: our parameter got no gradient"
+        assert ref.grad is not None, f"{name}: the reference parameter got no gradient"
+        torch.testing.assert_close(ours.grad, _ref_view(ref.grad, index), msg=lambda m, n=name: f"{n}: {m}", **tol)
+
+
+def mha_from_torch(ref: nn.MultiheadAttention, **kw) -> nn.Module:
+    """Our ``MultiHeadAttention`` carrying ``ref``'s weights (same sizes, dtype, device)."""
+    from sublayer import MultiHeadAttention
+
+    p = ref.out_proj.weight
+    ours = MultiHeadAttention(
+        ref.embed_dim,
+        ref.num_heads,
+        dropout=ref.dropout,
+        bias=ref.in_proj_bias is not None,
+        kdim=ref.kdim,
+        vdim=ref.vdim,
+        device=p.device,
+        dtype=p.dtype,
+        **kw,
+    )
+    copy_pairs(mha_pairs(ours, ref))
+    return ours
