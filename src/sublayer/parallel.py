@@ -173,6 +173,10 @@ class _LocalView:
             owner.__dict__[name] = value
         self._saved.append(saved)  # a stack: a module may be re-entered (activation checkpointing)
 
+    @property
+    def active(self) -> bool:
+        return bool(self._saved)
+
     def exit(self) -> None:
         if not self._saved:
             return
@@ -195,8 +199,11 @@ def _install(
         return args, kwargs
 
     def post(mod, args, kwargs, output):
+        if not view.active:  # the pre-hook itself raised (bad input): nothing to undo
+            return output
         view.exit()
-        return finish_output(output)
+        # output None: the forward raised (always_call); only the cleanup above was needed
+        return output if output is None else finish_output(output)
 
     module.register_forward_pre_hook(pre, with_kwargs=True)
     # always_call: the shadow must go even when the forward raises
@@ -395,13 +402,31 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
+def _is_layer(m: nn.Module, parent: nn.Module | None) -> bool:
+    """A block: EncoderBlock/DecoderBlock, or a layer of an nn.ModuleList that holds a MultiHeadAttention
+    (model-specific blocks such as GPT-2's)."""
+    if isinstance(m, _BLOCKS):
+        return True
+    return isinstance(parent, nn.ModuleList) and any(isinstance(x, MultiHeadAttention) for x in m.modules())
+
+
+def _outermost(module: nn.Module, pick: Callable[[nn.Module, nn.Module | None], bool]) -> list[tuple[str, nn.Module]]:
+    found: list[tuple[str, nn.Module]] = []
+
+    def walk(name: str, m: nn.Module, parent: nn.Module | None) -> None:
+        if pick(m, parent):
+            found.append((name, m))
+            return
+        for child_name, child in m.named_children():
+            walk(_join(name, child_name), child, m)
+
+    walk("", module, None)
+    return found
+
+
 def _sp_regions(module: nn.Module) -> list[str]:
     """Outermost stacks/blocks (by name): each becomes one sequence-parallel region."""
-    regions: list[str] = []
-    for name, m in module.named_modules():
-        if isinstance(m, _STACKS + _BLOCKS) and not any(name == r or name.startswith(r + ".") for r in regions):
-            regions.append(name)
-    return regions
+    return [n for n, _ in _outermost(module, lambda m, parent: isinstance(m, _STACKS) or _is_layer(m, parent))]
 
 
 def tensor_parallel_plan(module: nn.Module, tp_size: int, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
@@ -492,20 +517,8 @@ def tensor_parallel(module: nn.Module, mesh: DeviceMesh, *, sequence_parallel: b
 
 
 def _fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The blocks: EncoderBlock/DecoderBlock, and any layer of an nn.ModuleList holding a MultiHeadAttention
-    (model-specific blocks, e.g. GPT-2's)."""
-    units: list[nn.Module] = []
-    seen: set[int] = set()
-    for m in model.modules():
-        cands = [m] if isinstance(m, _BLOCKS) else []
-        if isinstance(m, nn.ModuleList):
-            cands += [c for c in m if any(isinstance(x, MultiHeadAttention) for x in c.modules())]
-        for c in cands:
-            if id(c) not in seen and c is not model:
-                seen.add(id(c))
-                units.append(c)
-    # keep only the outermost (a ModuleList layer that is itself a block appears once)
-    return [u for u in units if not any(u is not o and any(u is x for x in o.modules()) for o in units)]
+    """The outermost blocks (see :func:`_is_layer`), not counting the model itself."""
+    return [m for _, m in _outermost(model, lambda m, parent: parent is not None and _is_layer(m, parent))]
 
 
 def fully_shard(model: nn.Module, mesh: DeviceMesh | None = None, **kwargs: Any) -> nn.Module:

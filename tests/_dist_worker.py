@@ -1,0 +1,240 @@
+"""Scenarios run in each of 2 spawned gloo processes by tests/test_parallel.py (one spawn for all: start-up
+dominates). Every scenario compares the sharded run with the unsharded module on the same rank and records
+``None`` (passed) or the failure text; rank r writes ``results_{r}.json`` into the output folder."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.testing import assert_close
+
+from sublayer.nn import DecoderBlock, EncoderBlock, PositionWiseFFN
+from sublayer.parallel import fully_shard, tensor_parallel
+
+B, T, S, D, H, F = 3, 4, 6, 12, 2, 10  # small dims; T, S even (sequence parallelism over 2 ranks)
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(t.is_floating_point())
+
+
+def compare_fwd_bwd(ref, tp, inputs, kwargs=None, *, seed=1):
+    """Run ref and tp on copies of inputs, backprop the same random cotangent; compare outputs, input grads and
+    every parameter grad (gathered to full)."""
+    kwargs = kwargs or {}
+    a = [_leaf(t) for t in inputs]
+    b = [_leaf(t) for t in inputs]
+    out_r, out_t = ref(*a, **kwargs), tp(*b, **kwargs)
+    assert not isinstance(out_t, DTensor), "tensor_parallel output must be a plain (replicated) tensor"
+    torch.manual_seed(seed)
+    g = torch.randn_like(out_r)
+    out_r.backward(g)
+    out_t.backward(g)
+    assert_close(out_t, out_r)
+    for x, y in zip(b, a):
+        if y.grad is not None:
+            assert_close(x.grad, y.grad)
+    ref_p = dict(ref.named_parameters())
+    tp_p = dict(tp.named_parameters())
+    assert ref_p.keys() == tp_p.keys(), (sorted(ref_p), sorted(tp_p))
+    for name, p in tp_p.items():
+        assert_close(_full(p.grad), ref_p[name].grad, msg=lambda m, name=name: f"grad of {name}: {m}")
+    return tp
+
+
+def sharded_copy(ref, mesh, **kw):
+    return tensor_parallel(copy.deepcopy(ref), mesh, **kw)
+
+
+def scenario_encoder_block(mesh):
+    torch.manual_seed(0)
+    x = torch.randn(B, T, D)
+    kpm = torch.zeros(B, T, dtype=torch.bool)
+    kpm[0, -1] = True
+    for kw in ({}, {"norm_first": True, "activation": "swiglu", "norm": "rms"}):
+        ref = EncoderBlock(D, H, F, **kw)
+        tp = compare_fwd_bwd(ref, sharded_copy(ref, mesh), [x], {"key_padding_mask": kpm})
+        # the sharded parameters are DTensors holding the original values (gated fc1: original row order)
+        w = tp.ffn.fc1.weight
+        assert isinstance(w, DTensor) and w.to_local().shape == (ref.ffn.fc1.weight.shape[0] // 2, D)
+        assert_close(w.full_tensor(), ref.ffn.fc1.weight)
+        assert tp.self_attn.n_heads == H  # the local head count is shown to the forward only
+
+
+def scenario_decoder_block(mesh):
+    torch.manual_seed(0)
+    ref = DecoderBlock(D, H, F, memory_dim=7)
+    x, memory = torch.randn(B, T, D), torch.randn(B, S, 7)
+    mkpm = torch.zeros(B, S, dtype=torch.bool)
+    mkpm[1, -2:] = True
+    compare_fwd_bwd(ref, sharded_copy(ref, mesh), [x, memory], {"memory_key_padding_mask": mkpm})
+
+
+def scenario_sequence_parallel(mesh):
+    torch.manual_seed(0)
+    x, memory = torch.randn(B, T, D), torch.randn(B, S, D)
+    for block, inputs in (
+        (EncoderBlock(D, H, F), [x]),
+        (EncoderBlock(D, H, F, norm_first=True, activation="geglu"), [x]),
+        (DecoderBlock(D, H, F, norm_first=True), [x, memory]),
+    ):
+        compare_fwd_bwd(block, sharded_copy(block, mesh, sequence_parallel=True), inputs)
+
+
+def scenario_attention_weights(mesh):
+    from sublayer.nn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    ref = MultiHeadAttention(D, H)
+    tp = sharded_copy(ref, mesh)
+    x = torch.randn(B, T, D)
+    for avg in (True, False):
+        out_r, w_r = ref(x, need_weights=True, average_attn_weights=avg)
+        out_t, w_t = tp(x, need_weights=True, average_attn_weights=avg)
+        assert_close(out_t, out_r)
+        assert_close(w_t, w_r)
+
+
+def scenario_ffn_bare(mesh):
+    torch.manual_seed(0)
+    x = torch.randn(B, T, D)
+    ref = PositionWiseFFN(D, F, activation="reglu")
+    compare_fwd_bwd(ref, sharded_copy(ref, mesh), [x])
+
+
+def scenario_gpt2_from_hf(mesh, hf_dir):
+    from sublayer.models.gpt2 import GPT2
+
+    ref = GPT2.from_pretrained(hf_dir)
+    torch.manual_seed(0)
+    ids = torch.randint(0, ref.config.vocab_size, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[2, :1] = 0  # left padding
+    hf_logits = torch.load(os.path.join(hf_dir, "logits.pt"), weights_only=True)
+    hf_ids = torch.load(os.path.join(hf_dir, "ids.pt"), weights_only=True)
+    for sp in (False, True):
+        tp = sharded_copy(ref, mesh, sequence_parallel=sp)
+        ref.zero_grad()
+        compare_fwd_bwd(ref, tp, [ids], {"attention_mask": mask})
+        with torch.no_grad():  # and the sharded model still gives the HF model's logits
+            assert_close(tp(hf_ids), hf_logits)
+        if not sp:  # q/k/v each sharded by whole heads: rank r holds heads [r·H/2, (r+1)·H/2)
+            n = ref.config.d_model // 2
+            assert tp.blocks[0].self_attn.q_proj.weight.to_local().shape == (n, ref.config.d_model)
+    # training: 2 AdamW steps (DTensor and plain parameters in one optimizer) give the unsharded losses
+    tp = sharded_copy(ref, mesh)
+    losses = {}
+    for name, model in (("ref", ref), ("tp", tp)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses[name] = []
+        for _ in range(2):
+            logits = model(ids)
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.detach())
+    assert_close(torch.stack(losses["tp"]), torch.stack(losses["ref"]))
+
+
+def scenario_transformer_and_bert(mesh):
+    from sublayer.models.bert import Bert, BertConfig
+    from sublayer.models.transformer import Transformer
+
+    torch.manual_seed(0)
+    ref = Transformer(src_vocab_size=11, tgt_vocab_size=13, d_model=D, n_heads=H, d_ff=F, n_layers=2, dropout=0.0, max_len=16)
+    src, tgt = torch.randint(0, 11, (B, S)), torch.randint(0, 13, (B, T))
+    for sp in (False, True):
+        ref.zero_grad()
+        compare_fwd_bwd(ref, sharded_copy(ref, mesh, sequence_parallel=sp), [src, tgt])
+    bert = Bert(BertConfig(vocab_size=17, d_model=D, n_heads=H, d_ff=F, n_layers=2, max_positions=16, dropout=0.0, attn_dropout=0.0))
+    ids = torch.randint(0, 17, (B, T))
+    compare_fwd_bwd(bert, sharded_copy(bert, mesh), [ids])
+
+
+def scenario_fsdp(mesh):
+    """FSDP2: each rank trains on its half of the batch; 3 SGD steps give the one-process full-batch losses."""
+    from sublayer.nn import TransformerEncoder
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(TransformerEncoder(EncoderBlock(D, H, F, norm_first=True), 2), torch.nn.Linear(D, 5))
+    model = fully_shard(copy.deepcopy(ref), mesh)
+    assert isinstance(next(model.parameters()), DTensor)
+    x, y = torch.randn(4, T, D), torch.randint(0, 5, (4, T))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt_f = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_losses, fsdp_losses = [], []
+    for _ in range(3):
+        loss = torch.nn.functional.cross_entropy(ref(x).flatten(0, 1), y.flatten())
+        opt_r.zero_grad()
+        loss.backward()
+        opt_r.step()
+        ref_losses.append(loss.detach())
+        local = torch.nn.functional.cross_entropy(model(x[mine]).flatten(0, 1), y[mine].flatten())
+        opt_f.zero_grad()
+        local.backward()  # FSDP2 averages the gradients over the ranks
+        opt_f.step()
+        global_loss = local.detach().clone()
+        dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+        fsdp_losses.append(global_loss)
+    assert_close(torch.stack(fsdp_losses), torch.stack(ref_losses))
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.full_tensor(), q, msg=lambda m, n=n: f"{n} after 3 steps: {m}")
+
+
+SCENARIOS = {
+    "encoder_block": scenario_encoder_block,
+    "decoder_block": scenario_decoder_block,
+    "sequence_parallel": scenario_sequence_parallel,
+    "attention_weights": scenario_attention_weights,
+    "ffn_bare": scenario_ffn_bare,
+    "gpt2_from_hf": scenario_gpt2_from_hf,
+    "transformer_and_bert": scenario_transformer_and_bert,
+    "fsdp": scenario_fsdp,
+}
+
+
+def worker(rank: int, world: int, port: int, out_dir: str, hf_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results: dict[str, str | None] = {}
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        for name, fn in SCENARIOS.items():
+            torch.manual_seed(1234)  # every rank starts each scenario from the same generator state
+            try:
+                fn(mesh, hf_dir) if name == "gpt2_from_hf" else fn(mesh)
+                results[name] = None
+            except Exception:  # record, keep going: each scenario is its own test
+                results[name] = traceback.format_exc()
+            dist.barrier()
+    finally:
+        Path(out_dir, f"results_{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # python -m tests._dist_worker OUT_DIR HF_DIR: run one scenario set on 2 local processes
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    mp.spawn(worker, args=(2, free, sys.argv[1], sys.argv[2]), nprocs=2)
