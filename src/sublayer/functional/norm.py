@@ -80,6 +80,9 @@ def rms_norm(
 
     Returns:
         Tensor of the shape and dtype of ``x``.
+
+    Raises:
+        ValueError: if the trailing dims of ``x`` differ from ``normalized_shape``.
     """
     shape = normalize_shape("normalized_shape", normalized_shape)
     check_last_dims("x", x, shape)
