@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_positive_int
+from .._checks import check_positive_int, check_same_dtype_device, check_tensor
 
 __all__ = ["Conv1D"]
 
@@ -45,6 +45,9 @@ class Conv1D(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        check_tensor("x", x)
+        if not torch.is_autocast_enabled(x.device.type):  # autocast casts addmm's operands itself
+            check_same_dtype_device(x=x, weight=self.weight)
         if x.dim() == 0 or x.shape[-1] != self.nx:
             raise ValueError(f"x must have last dim nx={self.nx}, got shape {tuple(x.shape)}")
         flat = x.reshape(-1, self.nx)

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from .. import functional as SF
 from ..functional import fused
-from .._checks import check_choice, check_positive_int, check_probability
+from .._checks import check_choice, check_positive_int, check_probability, check_tensor
 
 __all__ = ["PositionWiseFFN"]
 
@@ -79,6 +79,9 @@ class PositionWiseFFN(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if isinstance(self.fc1, nn.LazyLinear):
+            check_tensor("x", x)
+            if x.dim() == 0:  # else LazyLinear fails deep inside torch (IndexError)
+                raise ValueError(f"x must have a last dim (the input size), got shape {tuple(x.shape)}")
             self.fc1(x[..., :0, :] if x.dim() > 1 else x)  # materialise fc1 from the input size (cheap)
             self.d_model = self.fc1.in_features
         # fused CPU kernel when it applies (sublayer.kernels), else the reference SF.feed_forward
