@@ -131,3 +131,22 @@ def test_wrong_input_last_dim():
 def test_from_linear_rejects_other_modules():
     with pytest.raises(TypeError, match="linear must be an nn.Linear, got Conv1D"):
         Conv1D.from_linear(Conv1D(NF, NX))
+
+
+def test_non_tensor_input_is_type_error():
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        Conv1D(NF, NX)([1.0] * NX)
+
+
+def test_dtype_mismatch_names_both():
+    with pytest.raises(TypeError, match=r"weight dtype torch.float32 does not match x dtype torch.float64"):
+        Conv1D(NF, NX)(torch.randn(2, NX, dtype=torch.float64))
+
+
+def test_autocast_mixed_dtypes_allowed():
+    c = Conv1D(NF, NX)
+    x = torch.randn(3, NX)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = c(x)
+    assert y.dtype == torch.bfloat16
+    assert_close(y.float(), c(x), rtol=2e-2, atol=2e-2)  # bf16 GEMM of O(0.1) values: a few bf16 ulps

@@ -389,3 +389,10 @@ def test_bf16_matches_nn_sequential_within_its_own_error(activation):
         err_ours = (ours.double() - truth).abs().max().item()
         err_ref = (theirs.double() - truth).abs().max().item()
         assert err_ours <= 2 * err_ref + ulp * truth.abs().max().item(), (err_ours, err_ref)
+
+
+def test_lazy_rejects_scalar_and_non_tensor():
+    with pytest.raises(ValueError, match=r"x must have a last dim \(the input size\), got shape \(\)"):
+        PositionWiseFFN(None, 4, d_out=8)(torch.tensor(1.0))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        PositionWiseFFN(None, 4, d_out=8)([1.0, 2.0])
