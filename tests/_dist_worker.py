@@ -55,6 +55,14 @@ def compare_fwd_bwd(ref, tp, inputs, kwargs=None, *, seed=1):
     return tp
 
 
+def randomized(module):
+    """Random values in every parameter (biases are zero at init: a bias sharded wrongly would go unseen)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+    return module
+
+
 def sharded_copy(ref, mesh, **kw):
     return tensor_parallel(copy.deepcopy(ref), mesh, **kw)
 
@@ -65,7 +73,7 @@ def scenario_encoder_block(mesh):
     kpm = torch.zeros(B, T, dtype=torch.bool)
     kpm[0, -1] = True
     for kw in ({}, {"norm_first": True, "activation": "swiglu", "norm": "rms"}):
-        ref = EncoderBlock(D, H, F, **kw)
+        ref = randomized(EncoderBlock(D, H, F, **kw))
         tp = compare_fwd_bwd(ref, sharded_copy(ref, mesh), [x], {"key_padding_mask": kpm})
         # the sharded parameters are DTensors holding the original values (gated fc1: original row order)
         w = tp.ffn.fc1.weight
@@ -76,7 +84,7 @@ def scenario_encoder_block(mesh):
 
 def scenario_decoder_block(mesh):
     torch.manual_seed(0)
-    ref = DecoderBlock(D, H, F, memory_dim=7)
+    ref = randomized(DecoderBlock(D, H, F, memory_dim=7))
     x, memory = torch.randn(B, T, D), torch.randn(B, S, 7)
     mkpm = torch.zeros(B, S, dtype=torch.bool)
     mkpm[1, -2:] = True
@@ -91,6 +99,7 @@ def scenario_sequence_parallel(mesh):
         (EncoderBlock(D, H, F, norm_first=True, activation="geglu"), [x]),
         (DecoderBlock(D, H, F, norm_first=True), [x, memory]),
     ):
+        randomized(block)
         compare_fwd_bwd(block, sharded_copy(block, mesh, sequence_parallel=True), inputs)
 
 
@@ -98,7 +107,7 @@ def scenario_attention_weights(mesh):
     from sublayer.nn import MultiHeadAttention
 
     torch.manual_seed(0)
-    ref = MultiHeadAttention(D, H)
+    ref = randomized(MultiHeadAttention(D, H))
     tp = sharded_copy(ref, mesh)
     x = torch.randn(B, T, D)
     for avg in (True, False):
@@ -111,7 +120,7 @@ def scenario_attention_weights(mesh):
 def scenario_ffn_bare(mesh):
     torch.manual_seed(0)
     x = torch.randn(B, T, D)
-    ref = PositionWiseFFN(D, F, activation="reglu")
+    ref = randomized(PositionWiseFFN(D, F, activation="reglu"))
     compare_fwd_bwd(ref, sharded_copy(ref, mesh), [x])
 
 
