@@ -1,0 +1,280 @@
+"""GPT-2: parity with HF ``GPT2LMHeadModel`` (logits, gradients, greedy ``generate``), sampling, config, checks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from sublayer.checkpoints import gpt2 as keymap
+from sublayer.models import GPT2, GPT2Config
+from sublayer.models.gpt2 import _filtered_probs
+
+from .conftest import EOS, MAX_POS, N_LAYERS, PAD, VOCAB, make_hf_gpt2
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def ours(gpt2_folder) -> GPT2:
+    return GPT2.from_pretrained(gpt2_folder).eval()
+
+
+def _ids(b: int = 3, t: int = 7, seed: int = 5) -> torch.Tensor:
+    # ids >= 3: no special token in prompts (HF's generate treats pad ids in the prompt as padding).
+    return torch.randint(3, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- parity with Hugging Face --------------------------------------------------------------------------------
+
+
+def test_logits_equal_hf(ours, hf_gpt2):
+    x = _ids()
+    with torch.no_grad():
+        assert_close(ours(x), hf_gpt2(x).logits)
+
+
+def test_logits_equal_hf_with_padding_at_real_positions(ours, hf_gpt2):
+    x = _ids()
+    mask = torch.ones_like(x)
+    mask[0, 5:] = 0  # right padding
+    mask[1, :2] = 0  # left padding
+    with torch.no_grad():
+        got = ours(x, attention_mask=mask)
+        want = hf_gpt2(x, attention_mask=mask).logits
+    # Only real query positions are defined: a left-padded query row whose every visible key is padding gives
+    # zeros in our attention (finite), while HF attends somewhere arbitrary.
+    real = mask.bool()
+    assert_close(got[real], want[real])
+
+
+def test_gradients_equal_hf(gpt2_folder, hf_gpt2):
+    model = GPT2.from_pretrained(gpt2_folder).eval()
+    hf = make_hf_gpt2()
+    x = _ids()
+    (model(x).square().mean()).backward()
+    (hf(x).logits.square().mean()).backward()
+    ours_grads = keymap.to_hf({k: p.grad for k, p in model.named_parameters()} | {"lm_head.weight": None}, N_LAYERS)
+    hf_grads = {k.removeprefix("transformer."): p.grad for k, p in hf.named_parameters()}
+    assert set(ours_grads) == set(hf_grads)
+    for k, g in ours_grads.items():
+        assert_close(g, hf_grads[k], msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+def test_logits_equal_hf_other_activations(activation, tmp_path):
+    hf = make_hf_gpt2(activation_function=activation, n_inner=11)
+    hf.save_pretrained(tmp_path)
+    model = GPT2.from_pretrained(tmp_path).eval()
+    assert model.config.activation == activation and model.config.d_ff == 11
+    x = _ids()
+    with torch.no_grad():
+        assert_close(model(x), hf(x).logits)
+
+
+def test_greedy_generate_equals_hf(ours, hf_gpt2):
+    x = _ids(t=4)
+    want = hf_gpt2.generate(x, max_new_tokens=12, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    got = ours.generate(x, 12, eos_token_id=EOS, pad_token_id=PAD)
+    assert got.tolist() == want.tolist()
+
+
+def test_greedy_generate_left_padded_equals_hf(ours, hf_gpt2):
+    x = _ids(t=6, seed=11)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    x = x.masked_fill(mask == 0, PAD)
+    want = hf_gpt2.generate(x, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=PAD)
+    got = ours.generate(x, 10, attention_mask=mask, eos_token_id=hf_gpt2.generation_config.eos_token_id, pad_token_id=PAD)
+    assert got.tolist() == want.tolist()
+
+
+def test_generate_stops_at_eos_like_hf(ours, hf_gpt2):
+    x = _ids(t=4, seed=3)
+    free = ours.generate(x, 8)  # no eos: the tokens the model picks
+    eos = int(free[0, 4 + 1])  # row 0 produces it as its 2nd new token
+    want = hf_gpt2.generate(x, max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
+    got = ours.generate(x, 8, eos_token_id=eos, pad_token_id=PAD)
+    assert got.tolist() == want.tolist()
+    row0 = got[0, 4:].tolist()
+    k = row0.index(eos)  # the first eos; after it only padding
+    assert k <= 1 and all(t == PAD for t in row0[k + 1:]) and k + 1 < len(row0)
+
+
+def test_cached_decoding_equals_full_recompute(ours):
+    # Greedy decoding without any cache: run the whole sequence each step; the KV-cached path must agree.
+    x = _ids(b=2, t=3, seed=8)
+    seq = x
+    with torch.no_grad():
+        for _ in range(9):
+            seq = torch.cat([seq, ours(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert ours.generate(x, 9).tolist() == seq.tolist()
+
+
+def test_causal_future_tokens_do_not_change_past_logits(ours):
+    x = _ids(b=2, t=9)
+    y = x.clone()
+    y[:, 5:] = (y[:, 5:] + 7) % VOCAB
+    with torch.no_grad():
+        assert_close(ours(x)[:, :5], ours(y)[:, :5])
+
+
+def test_batch_row_equals_running_it_alone(ours):
+    x = _ids(b=3, t=6)
+    with torch.no_grad():
+        assert_close(ours(x)[1:2], ours(x[1:2]))
+
+
+# ---- sampling ------------------------------------------------------------------------------------------------
+
+
+def test_sampling_reproducible_with_seed(ours):
+    x = _ids(b=2, t=3)
+
+    def run(seed):
+        g = torch.Generator().manual_seed(seed)
+        return ours.generate(x, 12, do_sample=True, temperature=1.3, generator=g).tolist()
+
+    assert run(4) == run(4)
+    assert run(4) != run(5)
+
+
+def test_top_k_one_equals_greedy(ours):
+    x = _ids(b=2, t=3)
+    g = torch.Generator().manual_seed(0)
+    sampled = ours.generate(x, 10, do_sample=True, top_k=1, temperature=0.7, generator=g)
+    assert sampled.tolist() == ours.generate(x, 10).tolist()
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, None, None), (1.0, 5, None), (1.3, None, 0.6), (0.9, 7, 0.8)])
+def test_sampling_filters_equal_hf_warpers(temperature, top_k, top_p):
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(2)) * 3
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k is not None:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p is not None:
+        warpers.append(TopPLogitsWarper(top_p))
+    want = warpers(None, logits.clone()).softmax(-1)
+    got = _filtered_probs(logits, temperature, top_k, top_p)
+    assert_close(got, want)
+    if top_k is not None:
+        assert bool(((got > 0).sum(-1) <= top_k).all())
+
+
+def test_generate_restores_training_mode(gpt2_folder):
+    model = GPT2.from_pretrained(gpt2_folder).train()
+    out = model.generate(_ids(b=1, t=2), 3)
+    assert model.training and out.shape == (1, 5)
+
+
+def test_generate_zero_new_tokens_returns_prompt(ours):
+    x = _ids()
+    assert torch.equal(ours.generate(x, 0), x)
+
+
+# ---- argument checks -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"temperature": 0.0, "do_sample": True}, ValueError, "temperature must be a float > 0, got 0.0"),
+        ({"top_k": 0}, ValueError, "top_k must be a positive int, got 0"),
+        ({"top_p": 1.5}, ValueError, r"top_p must be in \(0, 1\], got 1.5"),
+        ({"eos_token_id": -1}, ValueError, "eos_token_id must be None or an int >= 0, got -1"),
+    ],
+)
+def test_generate_rejects_bad_options(ours, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        ours.generate(_ids(), 2, **kwargs)
+
+
+def test_generate_rejects_too_long(ours):
+    with pytest.raises(ValueError, match=rf"prompt length 7 \+ max_new_tokens {MAX_POS} exceeds max_positions={MAX_POS}"):
+        ours.generate(_ids(), MAX_POS)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0, got -1"):
+        ours.generate(_ids(), -1)
+
+
+@pytest.mark.parametrize(
+    ("ids", "exc", "match"),
+    [
+        (torch.zeros(2, 3), TypeError, "input_ids must hold integer token ids, got dtype torch.float32"),
+        (torch.zeros(3, dtype=torch.long), ValueError, r"input_ids must have shape \(batch, seq_len\).*got \(3,\)"),
+        (torch.full((1, 2), VOCAB), ValueError, rf"input_ids must lie in \[0, vocab_size={VOCAB}\), got values in \[{VOCAB}, {VOCAB}\]"),
+        (torch.zeros(1, MAX_POS + 1, dtype=torch.long), ValueError, f"input_ids has {MAX_POS + 1} positions, more than max_positions={MAX_POS}"),
+        ([[1, 2]], TypeError, "input_ids must be a torch.Tensor of token ids, got list"),
+    ],
+)
+def test_forward_rejects_bad_ids(ours, ids, exc, match):
+    with pytest.raises(exc, match=match):
+        ours(ids)
+
+
+def test_forward_rejects_bad_attention_mask(ours):
+    x = _ids()
+    with pytest.raises(ValueError, match=r"attention_mask must have the shape of input_ids \(3, 7\), got \(3, 6\)"):
+        ours(x, attention_mask=torch.ones(3, 6))
+    with pytest.raises(ValueError, match="attention_mask must hold only 0"):
+        ours(x, attention_mask=torch.full((3, 7), 2))
+
+
+# ---- config --------------------------------------------------------------------------------------------------
+
+
+def test_config_from_hf_dict_maps_fields(hf_gpt2):
+    cfg = GPT2Config.from_hf_dict(hf_gpt2.config.to_dict())
+    assert (cfg.vocab_size, cfg.max_positions, cfg.d_model, cfg.n_layers, cfg.n_heads) == (VOCAB, MAX_POS, 15, 2, 3)
+    assert cfg.d_ff is None and cfg.hidden_size == 60 and cfg.activation == "gelu_tanh" and cfg.eps == 1e-5
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (1, EOS, None)
+    assert GPT2Config.from_hf_dict(cfg.to_hf_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"model_type": "bert"}, "model_type must be 'gpt2' for GPT-2, got 'bert'"),
+        ({"activation_function": "quick_gelu"}, "unsupported activation_function 'quick_gelu'; supported: gelu_new"),
+        ({"scale_attn_by_inverse_layer_idx": True}, "unsupported GPT-2 option scale_attn_by_inverse_layer_idx=True"),
+        ({"n_embd": 16}, r"d_model \(16\) must be divisible by n_heads \(3\)"),
+        ({"eos_token_id": [2, 3]}, r"eos_token_id must be a single id, got the list \[2, 3\]"),
+    ],
+)
+def test_config_from_hf_dict_rejects(hf_gpt2, change, match):
+    d = hf_gpt2.config.to_dict() | change
+    with pytest.raises(ValueError, match=match):
+        GPT2Config.from_hf_dict(d)
+
+
+def test_config_rejects_unknown_keys():
+    d = dataclasses.asdict(GPT2Config()) | {"n_embd_typo": 3}
+    with pytest.raises(ValueError, match="unknown GPT2Config keys: n_embd_typo"):
+        GPT2Config.from_dict(d)
+    with pytest.raises(ValueError, match="unknown activation 'swiglu'"):
+        GPT2Config(activation="swiglu")
+
+
+def test_tied_head_shares_the_embedding():
+    model = GPT2(GPT2Config(vocab_size=11, max_positions=7, d_model=6, n_layers=1, n_heads=2))
+    assert model.lm_head.weight is model.wte.weight
+    assert len(list(model.parameters())) == len({id(p) for p in model.parameters()})
+    untied = GPT2(dataclasses.replace(model.config, tie_word_embeddings=False))
+    assert untied.lm_head.weight is not untied.wte.weight
+
+
+def test_module_structure_is_plain(ours):
+    # What tensor-parallel plans address: separate q/k/v/out projections and fc1/fc2 (no fused c_attn).
+    block = ours.blocks[0]
+    names = {n for n, _ in block.named_modules()}
+    assert {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "ffn.fc1", "ffn.fc2"} <= names
+    assert isinstance(block.self_attn.q_proj, torch.nn.Linear) and block.self_attn.q_proj.weight.shape == (15, 15)
