@@ -80,6 +80,14 @@ def _build() -> None:
     )
 
 
+def _registered() -> bool:
+    try:
+        getattr(torch.ops, _NAME).act_fwd  # noqa: B018
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def available() -> bool:
     """Build/load the extension once per process; False (with one warning) if that fails."""
     if _state["tried"]:
@@ -87,9 +95,10 @@ def available() -> bool:
     with _lock:
         if not _state["tried"]:
             try:
-                if not hasattr(torch.ops, _NAME) or not hasattr(getattr(torch.ops, _NAME), "act_fwd"):
+                if not _registered():
                     _build()
-                getattr(torch.ops, _NAME).act_fwd  # noqa: B018 - raises if registration failed
+                if not _registered():
+                    raise RuntimeError("the extension loaded but registered no ops")
                 _state["ok"] = True
             except Exception as e:  # no compiler, no ninja, compile error, ...
                 _state["ok"] = False

@@ -4,8 +4,8 @@
 //    backward, statistics in float32 (float64 for float64), two-pass variance; dx and dy from the same pass.
 //  * act_fwd / act_bwd: bias + activation + dropout in one elementwise pass between the FFN's GEMMs, and its
 //    backward (bias gradient reduced in the same pass). act 0 (identity) is "bias + dropout".
-//  * Dropout is a counter-based Philox4x32-10 stream: element e of a (rows, d) tensor keeps iff word e%4 of
-//    philox(counter=e/4, key=seed) >= p * 2^32. The mask is regenerated in backward from the seed; none is stored.
+//  * Dropout is a counter-based Philox4x32-10 stream: element e (row-major flat index) keeps iff its 32-bit word
+//    (see philox_fill) >= p * 2^32. The mask is regenerated in backward from the seed; none is stored.
 //
 // Tensors come in contiguous and 2-D from Python (sublayer/functional/fused.py does the checks). Storage types:
 // float, double and bfloat16 (as raw uint16 with round-to-nearest-even, written so the compiler vectorises it).
@@ -17,6 +17,10 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/core/ScalarType.h>
 #include <torch/library.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -68,42 +72,77 @@ template <typename T> typename Elt<T>::store* ptr(const Tensor& t) {
 }
 
 // ------------------------------------------------------------------ Philox4x32-10
-// out[i] = word (start+i) % 4 of philox((start+i) / 4, seed), for i in [0, n).
-void philox_fill(uint64_t start, int64_t n, uint64_t seed, uint32_t* out) {
-  constexpr int L = 8;
-  const uint64_t cb0 = start >> 2, cend = (start + uint64_t(n) + 3) >> 2;
-  for (uint64_t cb = cb0; cb < cend; cb += L) {
-    uint32_t c0[L], c1[L], c2[L], c3[L];
-    for (int l = 0; l < L; ++l) {
-      const uint64_t c = cb + l;
-      c0[l] = uint32_t(c);
-      c1[l] = uint32_t(c >> 32);
-      c2[l] = 0;
-      c3[l] = 0;
-    }
+// Element e uses word k = (e / 8) % 4 of philox(counter = (e / 32) * 8 + e % 8, key = seed): a block of 32
+// consecutive elements comes from 8 counters, so 8 lanes of AVX2 produce it without a transpose.
+constexpr uint32_t PH_M0 = 0xD2511F53u, PH_M1 = 0xCD9E8D57u, PH_W0 = 0x9E3779B9u, PH_W1 = 0xBB67AE85u;
+
+inline void philox_block_scalar(uint64_t blk, uint64_t seed, uint32_t* out32) {
+  for (int l = 0; l < 8; ++l) {
+    const uint64_t c = blk * 8 + l;
+    uint32_t c0 = uint32_t(c), c1 = uint32_t(c >> 32), c2 = 0, c3 = 0;
     uint32_t k0 = uint32_t(seed), k1 = uint32_t(seed >> 32);
     for (int r = 0; r < 10; ++r) {
-#pragma omp simd
-      for (int l = 0; l < L; ++l) {
-        const uint64_t p0 = uint64_t(0xD2511F53u) * c0[l];
-        const uint64_t p1 = uint64_t(0xCD9E8D57u) * c2[l];
-        const uint32_t n0 = uint32_t(p1 >> 32) ^ c1[l] ^ k0;
-        const uint32_t n2 = uint32_t(p0 >> 32) ^ c3[l] ^ k1;
-        c1[l] = uint32_t(p1);
-        c3[l] = uint32_t(p0);
-        c0[l] = n0;
-        c2[l] = n2;
-      }
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
+      const uint64_t p0 = uint64_t(PH_M0) * c0, p1 = uint64_t(PH_M1) * c2;
+      const uint32_t n0 = uint32_t(p1 >> 32) ^ c1 ^ k0, n2 = uint32_t(p0 >> 32) ^ c3 ^ k1;
+      c1 = uint32_t(p1);
+      c3 = uint32_t(p0);
+      c0 = n0;
+      c2 = n2;
+      k0 += PH_W0;
+      k1 += PH_W1;
     }
-    const uint32_t* w[4] = {c0, c1, c2, c3};
-    for (int l = 0; l < L; ++l) {
-      const int64_t base = int64_t((cb + l) * 4 - start);
-      for (int k = 0; k < 4; ++k) {
-        const int64_t i = base + k;
-        if (i >= 0 && i < n) out[i] = w[k][l];
-      }
+    out32[l] = c0;
+    out32[8 + l] = c1;
+    out32[16 + l] = c2;
+    out32[24 + l] = c3;
+  }
+}
+
+#if defined(__AVX2__)
+inline void philox_block(uint64_t blk, uint64_t seed, uint32_t* out32) {
+  const uint64_t c = blk * 8;
+  __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32(int(uint32_t(c))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i c1 = _mm256_set1_epi32(int(uint32_t(c >> 32)));  // 8 | c, so the low word never wraps inside a block
+  __m256i c2 = _mm256_setzero_si256(), c3 = _mm256_setzero_si256();
+  __m256i k0 = _mm256_set1_epi32(int(uint32_t(seed))), k1 = _mm256_set1_epi32(int(uint32_t(seed >> 32)));
+  const __m256i m0 = _mm256_set1_epi32(int(PH_M0)), m1 = _mm256_set1_epi32(int(PH_M1));
+  const __m256i w0 = _mm256_set1_epi32(int(PH_W0)), w1 = _mm256_set1_epi32(int(PH_W1));
+  for (int r = 0; r < 10; ++r) {
+    const __m256i pe0 = _mm256_mul_epu32(c0, m0), po0 = _mm256_mul_epu32(_mm256_srli_epi64(c0, 32), m0);
+    const __m256i pe1 = _mm256_mul_epu32(c2, m1), po1 = _mm256_mul_epu32(_mm256_srli_epi64(c2, 32), m1);
+    const __m256i lo0 = _mm256_blend_epi32(pe0, _mm256_slli_epi64(po0, 32), 0xAA);
+    const __m256i hi0 = _mm256_blend_epi32(_mm256_srli_epi64(pe0, 32), po0, 0xAA);
+    const __m256i lo1 = _mm256_blend_epi32(pe1, _mm256_slli_epi64(po1, 32), 0xAA);
+    const __m256i hi1 = _mm256_blend_epi32(_mm256_srli_epi64(pe1, 32), po1, 0xAA);
+    c0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), k0);
+    c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), k1);
+    c1 = lo1;
+    c3 = lo0;
+    k0 = _mm256_add_epi32(k0, w0);
+    k1 = _mm256_add_epi32(k1, w1);
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out32), c0);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out32 + 8), c1);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out32 + 16), c2);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out32 + 24), c3);
+}
+#else
+inline void philox_block(uint64_t blk, uint64_t seed, uint32_t* out32) { philox_block_scalar(blk, seed, out32); }
+#endif
+
+// out[i] = the random word of element start + i, for i in [0, n).
+void philox_fill(uint64_t start, int64_t n, uint64_t seed, uint32_t* out) {
+  if (n <= 0) return;
+  const uint64_t end = start + uint64_t(n);
+  alignas(32) uint32_t tmp[32];
+  for (uint64_t blk = start / 32; blk * 32 < end; ++blk) {
+    const uint64_t b0 = blk * 32;
+    if (b0 >= start && b0 + 32 <= end) {
+      philox_block(blk, seed, out + (b0 - start));
+    } else {
+      philox_block(blk, seed, tmp);
+      const uint64_t lo = std::max(b0, start), hi = std::min(b0 + 32, end);
+      for (uint64_t e = lo; e < hi; ++e) out[e - start] = tmp[e - b0];
     }
   }
 }
@@ -343,42 +382,74 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> add_norm_bwd(const Tensor& g, const T
 // ------------------------------------------------------------------ FFN: bias + activation + dropout
 enum Act : int64_t { IDENT = 0, RELU = 1, GELU = 2, GELU_TANH = 3, SILU = 4, RELU2 = 5 };
 
-template <typename A> inline A act_f(int64_t act, A z) {
-  switch (act) {
-    case RELU: return z > A(0) ? z : A(0);
-    case GELU: return A(0.5) * z * (A(1) + std::erf(z * A(0.70710678118654752440)));
-    case GELU_TANH: {
-      const A k = A(0.79788456080286535588), u = k * (z + A(0.044715) * z * z * z);
-      return A(0.5) * z * (A(1) + std::tanh(u));
-    }
-    case SILU: return z / (A(1) + std::exp(-z));
-    case RELU2: return z > A(0) ? z * z : A(0);
-    default: return z;
-  }
+// Vectorisable float32 exp (Cephes expf: range reduction + degree-5 polynomial, ~1 ulp); double uses std::exp.
+inline float exp_f(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500E-4f;
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return y * scale;
 }
-template <typename A> inline A act_df(int64_t act, A z) {
-  switch (act) {
-    case RELU: return z > A(0) ? A(1) : A(0);
-    case GELU: {
-      const A cdf = A(0.5) * (A(1) + std::erf(z * A(0.70710678118654752440)));
-      return cdf + z * A(0.39894228040143267794) * std::exp(A(-0.5) * z * z);
-    }
-    case GELU_TANH: {
-      const A k = A(0.79788456080286535588), z2 = z * z, t = std::tanh(k * (z + A(0.044715) * z2 * z));
-      return A(0.5) * (A(1) + t) + A(0.5) * z * (A(1) - t * t) * k * (A(1) + A(3 * 0.044715) * z2);
-    }
-    case SILU: {
-      const A s = A(1) / (A(1) + std::exp(-z));
-      return s * (A(1) + z * (A(1) - s));
-    }
-    case RELU2: return z > A(0) ? A(2) * z : A(0);
-    default: return A(1);
+inline float vexp(float x) { return exp_f(x); }
+inline double vexp(double x) { return std::exp(x); }
+
+// Phi(z), the standard normal CDF: 0.5*erfc(-z/sqrt2). float: erfc from Numerical Recipes' erfcc (relative error
+// < 1.2e-7 everywhere, so the tails keep their relative accuracy); double: std::erfc.
+inline float norm_cdf(float z) {
+  const float w = std::fabs(z) * 0.70710678118654752440f, t = 1.0f / (1.0f + 0.5f * w);
+  const float poly =
+      -1.26551223f +
+      t * (1.00002368f +
+           t * (0.37409196f +
+                t * (0.09678418f +
+                     t * (-0.18628806f +
+                          t * (0.27886807f + t * (-1.13520398f + t * (1.48851587f + t * (-0.82215223f + t * 0.17087277f))))))));
+  const float half_erfc = 0.5f * t * exp_f(-w * w + poly);
+  return z >= 0.0f ? 1.0f - half_erfc : half_erfc;
+}
+inline double norm_cdf(double z) { return 0.5 * std::erfc(-z * 0.70710678118654752440); }
+
+// tanh-GELU through one exp: 1 + tanh(u) = 2*sigmoid(2u), 1 - tanh(u)^2 = 4*sigmoid(2u)*(1 - sigmoid(2u)).
+template <typename A> inline A sigmoid(A v) { return A(1) / (A(1) + vexp(-v)); }
+
+template <int64_t act, typename A> inline A act_f(A z) {
+  if constexpr (act == RELU) return z > A(0) ? z : A(0);
+  if constexpr (act == GELU) return z * norm_cdf(z);
+  if constexpr (act == GELU_TANH) {
+    const A k = A(0.79788456080286535588), u = k * (z + A(0.044715) * z * z * z);
+    return z * sigmoid(A(2) * u);
   }
+  if constexpr (act == SILU) return z * sigmoid(z);
+  if constexpr (act == RELU2) return z > A(0) ? z * z : A(0);
+  return z;
+}
+template <int64_t act, typename A> inline A act_df(A z) {
+  if constexpr (act == RELU) return z > A(0) ? A(1) : A(0);
+  if constexpr (act == GELU) return norm_cdf(z) + z * A(0.39894228040143267794) * vexp(A(-0.5) * z * z);
+  if constexpr (act == GELU_TANH) {
+    const A k = A(0.79788456080286535588), z2 = z * z, s = sigmoid(A(2) * k * (z + A(0.044715) * z2 * z));
+    return s + A(2) * z * s * (A(1) - s) * k * (A(1) + A(3 * 0.044715) * z2);
+  }
+  if constexpr (act == SILU) {
+    const A s = sigmoid(z);
+    return s * (A(1) + z * (A(1) - s));
+  }
+  if constexpr (act == RELU2) return z > A(0) ? A(2) * z : A(0);
+  return A(1);
 }
 
 // h = dropout(act(a + bias)) row by row; out may alias a (in-place).
-template <typename T>
-void act_fwd_impl(const Tensor& a, const Tensor& b, Tensor& out, int64_t act, const Drop& dr) {
+template <typename T, int64_t act>
+void act_fwd_impl(const Tensor& a, const Tensor& b, Tensor& out, const Drop& dr) {
   using A = typename Elt<T>::acc;
   const int64_t N = a.size(0), f = a.size(1);
   const auto* ap = ptr<T>(a);
@@ -400,11 +471,15 @@ void act_fwd_impl(const Tensor& a, const Tensor& b, Tensor& out, int64_t act, co
       }
       if (dr.on) {
         philox_fill(uint64_t(r) * f, f, dr.seed, rnd.data());
+        if constexpr (act != IDENT) {
 #pragma omp simd
-        for (int64_t j = 0; j < f; ++j) orow[j] = Elt<T>::st(rnd[j] >= dr.thr ? act_f(act, z[j]) * scale : A(0));
+          for (int64_t j = 0; j < f; ++j) z[j] = act_f<act>(z[j]);  // separate loop: keeps both vectorised
+        }
+#pragma omp simd
+        for (int64_t j = 0; j < f; ++j) orow[j] = Elt<T>::st(rnd[j] >= dr.thr ? z[j] * scale : A(0));
       } else {
 #pragma omp simd
-        for (int64_t j = 0; j < f; ++j) orow[j] = Elt<T>::st(act_f(act, z[j]));
+        for (int64_t j = 0; j < f; ++j) orow[j] = Elt<T>::st(act_f<act>(z[j]));
       }
     }
   });
@@ -412,9 +487,9 @@ void act_fwd_impl(const Tensor& a, const Tensor& b, Tensor& out, int64_t act, co
 
 // da = dh * keep * scale * act'(a + bias) (in place into dh when out aliases it); optionally h (recomputed) and
 // the bias gradient sum_rows(da). For RELU, `saved` is h = the fc2 input (h > 0 <=> a > 0 and kept).
-template <typename T>
+template <typename T, int64_t act>
 void act_bwd_impl(const Tensor& dh, const Tensor& saved, const Tensor& b, Tensor& da, Tensor& h, Tensor& db,
-                  int64_t act, const Drop& dr) {
+                  const Drop& dr) {
   using A = typename Elt<T>::acc;
   const int64_t N = dh.size(0), f = dh.size(1);
   const auto* gp = ptr<T>(dh);
@@ -436,7 +511,7 @@ void act_bwd_impl(const Tensor& dh, const Tensor& saved, const Tensor& b, Tensor
       for (int64_t r = c * rows_per; r < rend; ++r) {
         const auto* gr = gp + r * f;
         auto* dr_ = dap + r * f;
-        if (act == RELU) {
+        if constexpr (act == RELU) {
           const auto* hr = svp + r * f;
 #pragma omp simd
           for (int64_t j = 0; j < f; ++j) dr_[j] = Elt<T>::st(Elt<T>::ld(hr[j]) > A(0) ? Elt<T>::ld(gr[j]) * scale : A(0));
@@ -446,7 +521,7 @@ void act_bwd_impl(const Tensor& dh, const Tensor& saved, const Tensor& b, Tensor
 #pragma omp simd
             for (int64_t j = 0; j < f; ++j) m[j] = rnd[j] >= dr.thr ? scale : A(0);
           }
-          if (act == IDENT) {
+          if constexpr (act == IDENT) {
 #pragma omp simd
             for (int64_t j = 0; j < f; ++j) dr_[j] = Elt<T>::st(Elt<T>::ld(gr[j]) * m[j]);
           } else {
@@ -455,8 +530,8 @@ void act_bwd_impl(const Tensor& dh, const Tensor& saved, const Tensor& b, Tensor
 #pragma omp simd
             for (int64_t j = 0; j < f; ++j) {
               const A z = Elt<T>::ld(ar[j]) + (bp ? bp[j] : A(0));
-              if (hr) hr[j] = Elt<T>::st(act_f(act, z) * m[j]);
-              dr_[j] = Elt<T>::st(Elt<T>::ld(gr[j]) * m[j] * act_df(act, z));
+              if (hr) hr[j] = Elt<T>::st(act_f<act>(z) * m[j]);
+              dr_[j] = Elt<T>::st(Elt<T>::ld(gr[j]) * m[j] * act_df<act>(z));
             }
           }
         }
@@ -478,6 +553,18 @@ void act_bwd_impl(const Tensor& dh, const Tensor& saved, const Tensor& b, Tensor
     TORCH_CHECK(false, NAME ": unsupported dtype ", ST);                                        \
   }()
 
+#define SUBLAYER_DISPATCH_ACT(ACTV, ...)                                                          \
+  [&] {                                                                                           \
+    switch (ACTV) {                                                                               \
+      case RELU: { constexpr int64_t ACT = RELU; return __VA_ARGS__(); }                          \
+      case GELU: { constexpr int64_t ACT = GELU; return __VA_ARGS__(); }                          \
+      case GELU_TANH: { constexpr int64_t ACT = GELU_TANH; return __VA_ARGS__(); }                \
+      case SILU: { constexpr int64_t ACT = SILU; return __VA_ARGS__(); }                          \
+      case RELU2: { constexpr int64_t ACT = RELU2; return __VA_ARGS__(); }                        \
+      default: { constexpr int64_t ACT = IDENT; return __VA_ARGS__(); }                           \
+    }                                                                                             \
+  }()
+
 Tensor act_fwd(const Tensor& a, const std::optional<Tensor>& bias, int64_t act, double p, int64_t seed, bool inplace) {
   TORCH_CHECK(a.dim() == 2 && a.is_contiguous(), "act_fwd: a must be a contiguous 2-D tensor");
   TORCH_CHECK(act >= IDENT && act <= RELU2, "act_fwd: unknown activation id ", act);
@@ -486,7 +573,9 @@ Tensor act_fwd(const Tensor& a, const std::optional<Tensor>& bias, int64_t act, 
               "act_fwd: bias must be (f,) in the accumulation dtype");
   Tensor out = inplace ? a : at::empty_like(a);
   const Drop dr(p, seed);
-  SUBLAYER_DISPATCH_T(a.scalar_type(), "act_fwd", [&] { act_fwd_impl<T>(a, b, out, act, dr); });
+  SUBLAYER_DISPATCH_T(a.scalar_type(), "act_fwd", [&] {
+    SUBLAYER_DISPATCH_ACT(act, [&] { act_fwd_impl<T, ACT>(a, b, out, dr); });
+  });
   return out;
 }
 
@@ -504,15 +593,27 @@ std::tuple<Tensor, Tensor, Tensor> act_bwd(const Tensor& dh, const std::optional
   Tensor h = (want_h && act != IDENT && act != RELU) ? at::empty_like(dh) : Tensor();
   Tensor db = want_db ? at::empty({dh.size(1)}, dh.options().dtype(acc_type(dh.scalar_type()))) : Tensor();
   const Drop dr(p, seed);
-  SUBLAYER_DISPATCH_T(dh.scalar_type(), "act_bwd", [&] { act_bwd_impl<T>(dh, sv, b, da, h, db, act, dr); });
+  SUBLAYER_DISPATCH_T(dh.scalar_type(), "act_bwd", [&] {
+    SUBLAYER_DISPATCH_ACT(act, [&] { act_bwd_impl<T, ACT>(dh, sv, b, da, h, db, dr); });
+  });
   return {da, h, db};
 }
 
 // Raw Philox words for element indices [start, start + n) (for tests of the stream itself).
-Tensor philox_words(int64_t start, int64_t n, int64_t seed) {
+// scalar=true: the portable per-lane implementation (tests check the AVX2 one against it).
+Tensor philox_words(int64_t start, int64_t n, int64_t seed, bool scalar) {
   Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kLong));
   std::vector<uint32_t> w(n);
-  philox_fill(uint64_t(start), n, uint64_t(seed), w.data());
+  if (scalar) {
+    uint32_t tmp[32];
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t e = uint64_t(start + i);
+      philox_block_scalar(e / 32, uint64_t(seed), tmp);
+      w[i] = tmp[e % 32];
+    }
+  } else {
+    philox_fill(uint64_t(start), n, uint64_t(seed), w.data());
+  }
   auto* op = out.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) op[i] = int64_t(w[i]);
   return out;
@@ -528,7 +629,7 @@ TORCH_LIBRARY(sublayer_kernels, m) {
   m.def("act_fwd(Tensor a, Tensor? bias, int act, float p, int seed, bool inplace) -> Tensor");
   m.def("act_bwd(Tensor dh, Tensor? saved, Tensor? bias, int act, float p, int seed, bool want_h, bool want_db, "
         "bool inplace) -> (Tensor, Tensor, Tensor)");
-  m.def("philox_words(int start, int n, int seed) -> Tensor");
+  m.def("philox_words(int start, int n, int seed, bool scalar) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
