@@ -74,6 +74,7 @@ __all__ = [
     "tensor_parallel",
     "tensor_parallel_plan",
     "fully_shard",
+    "launch",
     "FFNParallel",
     "AttentionParallel",
     "GatedColwiseParallel",
@@ -545,3 +546,68 @@ def fully_shard(model: nn.Module, mesh: DeviceMesh | None = None, **kwargs: Any)
         _fully_shard(unit, mesh=mesh, **kwargs)
     _fully_shard(model, mesh=mesh, **kwargs)
     return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launching.
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_entry(rank: int, fn: Callable, nproc: int, port: int, backend: str, args: tuple) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))  # fmt: skip
+    dist.init_process_group(backend, rank=rank, world_size=nproc)
+    try:
+        fn(rank, nproc, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes joined in a default process group.
+
+    - Started by ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment, any number of machines): this process
+      is one rank; the group is initialised from the environment (``env://``) and ``fn`` runs here.
+    - Otherwise ``nproc`` > 1: spawns ``nproc`` local processes (``torch.multiprocessing``, rendezvous on
+      127.0.0.1 at a free port) and waits for all; an exception in any of them is raised here.
+    - Otherwise (``nproc`` == 1): ``fn(0, 1, *args)`` in this process, without a process group.
+
+    ``fn`` must be a module-level function (it is pickled for the spawned processes).
+
+    Raises:
+        ValueError: ``nproc`` < 1, or under ``torchrun`` a ``nproc`` other than 1 or ``WORLD_SIZE``.
+    """
+    import os
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        if nproc not in (1, world):
+            raise ValueError(
+                f"under torchrun the process count comes from torchrun (WORLD_SIZE={world}); got nproc={nproc}"
+            )
+        dist.init_process_group(backend)
+        try:
+            fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        return
+    if nproc == 1:
+        fn(0, 1, *args)
+        return
+    mp.spawn(_launch_entry, args=(fn, nproc, _free_port(), backend, args), nprocs=nproc, join=True)
