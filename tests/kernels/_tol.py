@@ -50,3 +50,9 @@ def run(
 
 def as64(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().double().requires_grad_(t.requires_grad) for t in ts]
+
+
+def graph_names(t: torch.Tensor) -> str:
+    """Names of ``t``'s grad_fn and its direct inputs (to see which path produced it through a final view)."""
+    fn = t.grad_fn
+    return " ".join([type(fn).__name__] + [type(n).__name__ for n, _ in fn.next_functions if n is not None])

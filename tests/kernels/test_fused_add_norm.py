@@ -12,7 +12,7 @@ import sublayer.functional as SF
 from sublayer import kernels
 from sublayer.functional import fused
 
-from ._tol import as64, assert_fast_close, run
+from ._tol import as64, assert_fast_close, graph_names, run
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="C++ kernels failed to build (see test_loader)")
 
@@ -146,22 +146,17 @@ def test_eval_is_identity_dropout_and_p0_is_reference():
     assert_close(an0(x, y), SF.add_norm(x, y, 13, an0.norm.weight, an0.norm.bias))
 
 
-def _graph_names(t: torch.Tensor) -> str:
-    fn = t.grad_fn
-    return " ".join([type(fn).__name__] + [type(n).__name__ for n, _ in fn.next_functions if n is not None])
-
-
 def test_module_uses_fused_path_by_default_and_switch_turns_it_off():
     an = sublayer.AddNorm(7, dropout=0.1)
     x, y = torch.randn(2, 7, requires_grad=True), torch.randn(2, 7)
-    assert "AddNormFn" in _graph_names(an(x, y))
+    assert "AddNormFn" in graph_names(an(x, y))
     kernels.set_enabled(False)
     try:
-        assert "AddNormFn" not in _graph_names(an(x, y))
+        assert "AddNormFn" not in graph_names(an(x, y))
     finally:
         kernels.set_enabled(True)
     an.double()  # float64 runs the reference by default (double backward works there)
-    assert "AddNormFn" not in _graph_names(an(x.double(), y.double()))
+    assert "AddNormFn" not in graph_names(an(x.double(), y.double()))
 
 
 def test_autocast_bf16_with_fp32_weights():

@@ -19,7 +19,8 @@ What the fused path changes, and what it does not:
 * The FFN saves its input and, for ReLU, the fc2 input (``h > 0`` tells ReLU's derivative and the dropout mask at
   once), otherwise the fc1 output before bias (the pre-activation); the hidden activation is recomputed in backward.
 * Results equal the reference within its own low-precision error (tests derive the tolerances). The backward is
-  not differentiable again (double backward raises); use ``impl="reference"`` for higher-order gradients.
+  not differentiable again: a backward with ``create_graph=True`` raises ``RuntimeError`` (use
+  ``impl="reference"`` or ``sublayer.kernels.set_enabled(False)`` for higher-order gradients).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .. import kernels
 from .._checks import (
@@ -101,6 +101,16 @@ def _use_fused(impl: str, dtypes_auto_ok: bool, dtypes_fused_ok: bool, *ts: Tens
     return True
 
 
+def _refuse_double_backward() -> None:
+    # A backward run with create_graph=True would silently give gradients that do not depend on the inputs
+    # (the kernels are not differentiable): refuse loudly instead.
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "sublayer's fused CPU kernels do not support double backward (create_graph=True); use "
+            "impl='reference', sublayer.kernels.set_enabled(False) or SUBLAYER_KERNELS=0 for higher-order gradients"
+        )
+
+
 # ----------------------------------------------------------------------------------------------- Add & Norm
 class _AddNormFn(torch.autograd.Function):
     @staticmethod
@@ -116,8 +126,8 @@ class _AddNormFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, g):
+        _refuse_double_backward()
         s, mean, rstd, w = ctx.saved_tensors
         xdt, ydt, p, seed, rms, weight, has_b, bdt = ctx.meta
         nx, ny, nw, nb = ctx.needs_input_grad[:4]
@@ -212,8 +222,8 @@ class _FFNFn(torch.autograd.Function):
         return o
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, go):
+        _refuse_double_backward()
         x, w1, w2, b1a, sv = ctx.saved_tensors
         act, p, p_out, seed1, seed2, b1dt, b2dt = ctx.meta
         nx, nw1, nb1, nw2, nb2 = ctx.needs_input_grad[:5]
@@ -321,8 +331,8 @@ class _DropoutFn(torch.autograd.Function):
         return kernels.ops().act_fwd(x, None, 0, p, seed, False)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, g):
+        _refuse_double_backward()
         p, seed = ctx.meta
         dx, _, _ = kernels.ops().act_bwd(g.contiguous(), None, None, 0, p, seed, False, False, False)
         return dx, None, None

@@ -1,0 +1,201 @@
+"""Fused FFN (sublayer.functional.fused.feed_forward) against the reference sublayer.functional.feed_forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import gradcheck
+from torch.testing import assert_close
+
+import sublayer
+import sublayer.functional as SF
+from sublayer import kernels
+from sublayer.functional import fused
+
+from ._tol import as64, assert_fast_close, graph_names, run
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="C++ kernels failed to build (see test_loader)")
+
+ACTS = list(fused.FUSED_ACTIVATIONS)
+
+
+def _params(d, f, d_out, dtype, bias=True, scale=1.0):
+    w1 = (torch.randn(f, d) / d**0.5).to(dtype).requires_grad_()
+    b1 = (0.3 * torch.randn(f)).to(dtype).requires_grad_(bias)
+    w2 = (torch.randn(d_out, f) / f**0.5).to(dtype).requires_grad_()
+    b2 = (0.3 * torch.randn(d_out)).to(dtype).requires_grad_(bias)
+    return w1, b1, w2, b2
+
+
+def _compare(fast, ref, ins, names=("dx", "dw1", "db1", "dw2", "db2")):
+    fo, fg = run(fast, ins)
+    ro, rg = run(ref, ins)
+    wo, wg = run(ref, as64(ins))
+    assert_fast_close(fo, ro, wo, what="out")
+    for n, a, r, w in zip(names, fg, rg, wg):
+        if r is not None:
+            assert_fast_close(a, r, w, what=n)
+    return fo, fg
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ACTS)
+def test_matches_reference_forward_and_grads(dtype, act):
+    x = (2 * torch.randn(3, 5, 13)).to(dtype).requires_grad_()
+    ins = [x, *_params(13, 37, 11, dtype)]
+
+    def f(impl):
+        return lambda x, w1, b1, w2, b2: fused.feed_forward(x, w1, b1, w2, b2, activation=act, impl=impl)
+
+    _compare(f("fused"), f("reference"), ins)
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_dropout_matches_reference_with_the_same_masks(act):
+    # Seeds are drawn in order: the hidden dropout's, then the output dropout's. Rebuild both masks with
+    # fused.dropout on ones of the same shapes and compare with the reference applied to masked tensors.
+    p, p_out, n, d, f = 0.3, 0.2, 15, 7, 29
+    gen = torch.Generator().manual_seed(4)
+    m1 = fused.dropout(torch.ones(n, f), p, generator=gen, impl="fused")
+    m2 = fused.dropout(torch.ones(n, d), p_out, generator=gen, impl="fused")
+    ins = [torch.randn(n, d, requires_grad=True), *_params(d, f, d, torch.float32)]
+
+    def fast(x, w1, b1, w2, b2):
+        return fused.feed_forward(
+            x, w1, b1, w2, b2, activation=act, dropout=p, output_dropout=p_out, impl="fused",
+            generator=torch.Generator().manual_seed(4),
+        )  # fmt: skip
+
+    def ref(x, w1, b1, w2, b2):
+        h = SF.activation_fn(act)(F.linear(x, w1, b1)) * m1.to(x.dtype)
+        return F.linear(h, w2, b2) * m2.to(x.dtype)
+
+    _compare(fast, ref, ins)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_gradcheck_float64(act):
+    kw = {"dtype": torch.float64, "requires_grad": True}
+    x = torch.randn(4, 5, **kw)
+    w1, b1, w2, b2 = torch.randn(7, 5, **kw), torch.randn(7, **kw), torch.randn(3, 7, **kw), torch.randn(3, **kw)
+    if act in ("relu", "relu2"):  # keep pre-activations away from the kink at 0, where finite differences fail
+        with torch.no_grad():
+            b1 += torch.sign(b1) * 0.5
+
+    def f(x, w1, b1, w2, b2):
+        g = torch.Generator().manual_seed(1)
+        return fused.feed_forward(
+            x, w1, b1, w2, b2, activation=act, dropout=0.25, output_dropout=0.1, impl="fused", generator=g
+        )
+
+    assert gradcheck(f, (x, w1, b1, w2, b2), eps=1e-6, atol=1e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu_tanh"])
+def test_autocast_bf16_with_fp32_weights(act):
+    ffn = sublayer.PositionWiseFFN(16, 32, activation=act)
+    x = torch.randn(2, 9, 16, requires_grad=True)
+
+    def f(x, w1, b1, w2, b2):
+        return fused.feed_forward(x, w1, b1, w2, b2, activation=act)
+
+    params = [ffn.fc1.weight, ffn.fc1.bias, ffn.fc2.weight, ffn.fc2.bias]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fo, fg = run(lambda *a: fused.feed_forward(*a, activation=act, impl="fused"), [x, *params])
+        ro, rg = run(lambda *a: SF.feed_forward(*a, activation=act), [x, *params])
+    wo, wg = run(lambda *a: SF.feed_forward(*a, activation=act), as64([x, *params]))
+    assert fo.dtype == ro.dtype == torch.bfloat16
+    assert all(g.dtype == torch.float32 for g in fg)
+    assert_fast_close(fo, ro, wo.to(torch.float64), what="out")
+    for n, a, r, w in zip(["dx", "dw1", "db1", "dw2", "db2"], fg, rg, wg):
+        assert_fast_close(a, r, w, what=n)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # and the module takes the fused path under autocast
+        assert "FFNFn" in graph_names(ffn(x))
+
+
+def _saved_activation_bytes(fn, params) -> int:
+    """Bytes of the distinct non-parameter tensors autograd saves for backward."""
+    seen: dict[int, int] = {}
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in param_ptrs:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_saves_at_most_60_percent_of_eager(act):
+    d, f = 16, 64
+    eager = nn.Sequential(nn.Linear(d, f), nn.ReLU() if act == "relu" else nn.GELU(), nn.Dropout(0.1), nn.Linear(f, d))
+    ours = sublayer.PositionWiseFFN(d, f, activation=act, dropout=0.1)
+    x = torch.randn(32, 8, d, requires_grad=True)
+    e = _saved_activation_bytes(lambda: eager(x), list(eager.parameters()))
+    o = _saved_activation_bytes(lambda: ours(x), list(ours.parameters()))
+    assert o <= 0.6 * e, (o, e)
+    assert o == (1 + f / d) * x.numel() * 4  # exactly: the input and one (N, f) tensor, no mask
+
+
+def test_odd_shapes_and_layouts():
+    w1, b1, w2, b2 = (t.detach() for t in _params(5, 7, 3, torch.float32))
+    for x in (torch.randn(5), torch.randn(0, 4, 5), torch.randn(5, 6, 4).transpose(0, 2), 1e4 * torch.randn(3, 5)):
+        for act in ACTS:
+            got = fused.feed_forward(x, w1, b1, w2, b2, activation=act, impl="fused")
+            want = SF.feed_forward(x, w1, b1, w2, b2, activation=act)
+            assert got.shape == want.shape == (*x.shape[:-1], 3)
+            assert_close(got, want, rtol=1e-4, atol=1e-5 * max(1.0, x.abs().amax().item() if x.numel() else 0.0))  # |x|=1e4: sums of 1e4s
+    got = fused.feed_forward(torch.randn(3, 5), w1, None, w2, None, impl="fused")  # no biases
+    assert got.shape == (3, 3)
+
+
+def test_batch_zero_backward():
+    ffn = sublayer.PositionWiseFFN(5, 7, dropout=0.1)
+    x = torch.randn(0, 5, requires_grad=True)
+    ffn(x).sum().backward()
+    assert x.grad.shape == (0, 5) and ffn.fc1.bias.grad.abs().sum() == 0
+
+
+def test_dispatch_rules():
+    ffn = sublayer.PositionWiseFFN(6, 8, dropout=0.2)
+    x = torch.randn(3, 6, requires_grad=True)
+    assert "FFNFn" in graph_names(ffn(x))
+    gated = sublayer.PositionWiseFFN(6, 8, activation="swiglu")
+    assert "FFNFn" not in graph_names(gated(x))  # gated: the reference
+    assert_close(gated(x), SF.feed_forward(x, gated.fc1.weight, gated.fc1.bias, gated.fc2.weight, gated.fc2.bias,
+                                            activation="swiglu"))
+    kernels.set_enabled(False)
+    try:
+        assert "FFNFn" not in graph_names(ffn(x))
+    finally:
+        kernels.set_enabled(True)
+    ffn.eval()
+    assert_close(ffn(x), SF.feed_forward(x, ffn.fc1.weight, ffn.fc1.bias, ffn.fc2.weight, ffn.fc2.bias))
+
+
+def test_bad_input_errors_match_reference():
+    w1, b1, w2, b2 = (t.detach() for t in _params(5, 7, 3, torch.float32))
+    with pytest.raises(ValueError, match="d_model=5"):
+        fused.feed_forward(torch.randn(2, 4), w1, b1, w2, b2)
+    with pytest.raises(ValueError, match="unknown activation"):
+        fused.feed_forward(torch.randn(2, 5), w1, b1, w2, b2, activation="tanh")
+    with pytest.raises(TypeError, match="dtype"):
+        fused.feed_forward(torch.randn(2, 5, dtype=torch.float64), w1, b1, w2, b2)
+    with pytest.raises(ValueError, match="impl"):
+        fused.feed_forward(torch.randn(2, 5), w1, b1, w2, b2, impl="nope")
+
+
+def test_double_backward_is_refused_clearly():
+    ffn = sublayer.PositionWiseFFN(4, 6)
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="double backward"):  # never a silently detached gradient
+        torch.autograd.grad(ffn(x).sum(), x, create_graph=True)
+    an = sublayer.AddNorm(4)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(an(x, x).sum(), x, create_graph=True)
