@@ -15,6 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
+transformers.utils.logging.disable_progress_bar()  # quiet save_pretrained in test output
 
 VOCAB = 53
 D_MODEL, N_HEADS, N_LAYERS, BERT_FF, MAX_POS = 15, 3, 2, 23, 31

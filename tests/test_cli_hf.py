@@ -1,0 +1,172 @@
+"""``sublayer generate`` and ``sublayer embed`` on tiny HF-format folders (random weights, a WordLevel
+``tokenizer.json`` built in the test): outputs equal the library calls; errors are one line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from sublayer.cli import CLIError, main  # noqa: E402
+from sublayer.models import GPT2, Bert  # noqa: E402
+from tests.models.conftest import MAX_POS, make_hf_bert, make_hf_gpt2, word_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli_gpt2")
+    make_hf_gpt2().save_pretrained(folder)
+    word_tokenizer().save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli_bert")
+    make_hf_bert().save_pretrained(folder)
+    word_tokenizer(bert=True).save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """Run ``sublayer ARGS`` in-process through ``main()``: (exit code, stdout, stderr)."""
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()  # drop what the fixtures printed (HF progress bars)
+        monkeypatch.setattr(sys, "argv", ["sublayer", *map(str, args)])
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+def _one_line_error(code: int, err: str, match: str) -> None:
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err
+    assert match in lines[0], lines[0]
+
+
+# ---- generate ------------------------------------------------------------------------------------------------
+
+
+def test_generate_ids_equals_library_greedy(cli, gpt2_dir):
+    code, out, _ = cli("generate", "--model", gpt2_dir, "5 9 11", "--max-new-tokens", "6")
+    assert code == 0
+    model = GPT2.from_pretrained(gpt2_dir).eval()
+    want = model.generate(torch.tensor([[5, 9, 11]]), 6, eos_token_id=model.config.eos_token_id)[0].tolist()
+    assert out.split() == [str(t) for t in want]
+    code2, out2, _ = cli("generate", "-m", gpt2_dir, "5,9,11", "-n", "6")  # commas and short options
+    assert (code2, out2) == (0, out)
+
+
+def test_generate_text_uses_tokenizer_json(cli, gpt2_dir):
+    code, out, _ = cli("generate", "--model", gpt2_dir, "the quick brown fox", "--max-new-tokens", "4")
+    assert code == 0
+    tok = word_tokenizer()
+    model = GPT2.from_pretrained(gpt2_dir).eval()
+    ids = torch.tensor([tok.encode("the quick brown fox").ids])
+    want = tok.decode(model.generate(ids, 4, eos_token_id=model.config.eos_token_id)[0].tolist())
+    assert out.strip() == want and out.startswith("the quick brown fox")
+
+
+def test_generate_sampling_seeded(cli, gpt2_dir):
+    args = ("generate", "--model", gpt2_dir, "5 9 11", "-n", "10", "--temperature", "1.5")
+    a, b = cli(*args, "--seed", "1"), cli(*args, "--seed", "1")
+    c = cli(*args, "--seed", "2")
+    assert a[0] == 0 and a == b and a[1] != c[1]
+    greedy = cli("generate", "--model", gpt2_dir, "5 9 11", "-n", "10")
+    assert cli("generate", "--model", gpt2_dir, "5 9 11", "-n", "10", "--sample", "--top-k", "1")[1] == greedy[1]
+    assert cli(*args[:6], "--top-p", "0.9", "--seed", "3")[0] == 0
+
+
+def test_generate_text_without_tokenizer(cli, tmp_path):
+    make_hf_gpt2().save_pretrained(tmp_path)
+    code, _, err = cli("generate", "--model", tmp_path, "hello world")
+    _one_line_error(code, err, f"needs a tokenizer file, but {tmp_path / 'tokenizer.json'} does not exist")
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("--model", "{missing}", "1 2"), "checkpoint folder not found"),
+        (("--model", "{gpt2}", "1 2", "-n", str(MAX_POS)), f"exceeds max_positions={MAX_POS}"),
+        (("--model", "{gpt2}", "1 2", "--top-p", "2"), "top_p must be in (0, 1], got 2.0"),
+        (("--model", "{gpt2}", "1 999"), "input_ids must lie in [0, vocab_size=53)"),
+        (("--model", "{gpt2}", "   "), "the prompt is empty"),
+        (("--model", "{bert}", "1 2"), "model_type must be 'gpt2' for GPT-2, got 'bert'"),
+    ],
+)
+def test_generate_errors_are_one_line(cli, gpt2_dir, bert_dir, tmp_path, args, match):
+    fill = {"missing": tmp_path / "missing", "gpt2": gpt2_dir, "bert": bert_dir}
+    code, _, err = cli("generate", *(a.format(**{k: str(v) for k, v in fill.items()}) for a in args))
+    _one_line_error(code, err, match)
+
+
+def test_bad_tokenizer_file(cli, tmp_path):
+    make_hf_gpt2().save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    code, _, err = cli("generate", "--model", tmp_path, "hello")
+    _one_line_error(code, err, f"cannot read tokenizer file {tmp_path / 'tokenizer.json'}")
+
+
+def test_debug_shows_the_exception(cli, tmp_path):
+    with pytest.raises(CLIError, match="needs a tokenizer file"):
+        cli("--debug", "generate", "--model", tmp_path, "hello")
+
+
+def test_real_entry_point_exit_code(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "sublayer.cli", "generate", "--model", str(tmp_path / "none"), "1 2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: checkpoint folder not found: {tmp_path / 'none'}"
+
+
+# ---- embed ---------------------------------------------------------------------------------------------------
+
+
+def test_embed_prints_json_vectors_equal_to_library(cli, bert_dir):
+    texts = ["the cat sat on a mat", "hello world", "big dog"]
+    code, out, _ = cli("embed", "--model", bert_dir, *texts)
+    assert code == 0
+    rows = json.loads(out)
+    assert [r["text"] for r in rows] == texts
+    got = torch.tensor([r["embedding"] for r in rows])
+    tok = word_tokenizer(bert=True)
+    model = Bert.from_pretrained(bert_dir).eval()
+    with torch.no_grad():
+        for text, vec in zip(texts, got):  # each text alone, no padding
+            ids = torch.tensor([tok.encode(text).ids])
+            assert ids[0, 0] == 2 and ids[0, -1] == 3  # [CLS] ... [SEP]
+            assert_close(vec, model.embed(ids)[0])
+    assert_close(got.norm(dim=-1), torch.ones(3))
+
+
+def test_embed_truncates_long_text(cli, bert_dir):
+    code, out, _ = cli("embed", "--model", bert_dir, " ".join(["sun"] * (MAX_POS + 9)))
+    assert code == 0 and len(json.loads(out)[0]["embedding"]) == 15
+
+
+def test_embed_errors(cli, bert_dir, gpt2_dir, tmp_path):
+    make_hf_bert().save_pretrained(tmp_path)
+    code, _, err = cli("embed", "--model", tmp_path, "hello")
+    _one_line_error(code, err, "embed needs a tokenizer file")
+    code, _, err = cli("embed", "--model", gpt2_dir, "hello")
+    _one_line_error(code, err, "model_type must be 'bert' for BERT, got 'gpt2'")
+    code, _, err = cli("embed", "--model", bert_dir)
+    assert code == 2 and "Missing" in err and "texts" in err.lower()  # a usage error, exit 2
