@@ -3,3 +3,8 @@
 from .config import ModelConfig
 
 __all__ = ["ModelConfig"]
+
+from .bert import Bert, BertConfig  # noqa: E402
+from .gpt2 import GPT2, GPT2Config  # noqa: E402
+
+__all__ += ["Bert", "BertConfig", "GPT2", "GPT2Config"]
