@@ -143,6 +143,9 @@ def scenario_gpt2_from_hf(mesh, hf_dir):
         if not sp:  # q/k/v each sharded by whole heads: rank r holds heads [r·H/2, (r+1)·H/2)
             n = ref.config.d_model // 2
             assert tp.blocks[0].self_attn.q_proj.weight.to_local().shape == (n, ref.config.d_model)
+            # KV-cache decoding with local heads: the same tokens
+            prompt = hf_ids[:, :3]
+            assert torch.equal(tp.generate(prompt, 5), ref.generate(prompt, 5))
     # training: 2 AdamW steps (DTensor and plain parameters in one optimizer) give the unsharded losses
     tp = sharded_copy(ref, mesh)
     losses = {}
