@@ -122,8 +122,16 @@ def test_pooled_without_pooler_raises(bert_folder):
     ("kwargs", "exc", "match"),
     [
         ({"token_type_ids": torch.full((3, 7), 2)}, ValueError, r"token_type_ids must lie in \[0, vocab_size=2\)"),
-        ({"token_type_ids": torch.zeros(3, 6, dtype=torch.long)}, ValueError, r"token_type_ids must have the shape of input_ids \(3, 7\), got \(3, 6\)"),
-        ({"attention_mask": torch.ones(2, 7)}, ValueError, r"attention_mask must have the shape of input_ids \(3, 7\), got \(2, 7\)"),
+        (
+            {"token_type_ids": torch.zeros(3, 6, dtype=torch.long)},
+            ValueError,
+            r"token_type_ids must have the shape of input_ids \(3, 7\), got \(3, 6\)",
+        ),
+        (
+            {"attention_mask": torch.ones(2, 7)},
+            ValueError,
+            r"attention_mask must have the shape of input_ids \(3, 7\), got \(2, 7\)",
+        ),
         ({"attention_mask": torch.full((3, 7), -1)}, ValueError, "attention_mask must hold only 0"),
         ({"input_ids": torch.full((3, 7), VOCAB)}, ValueError, rf"input_ids must lie in \[0, vocab_size={VOCAB}\)"),
         ({"input_ids": torch.ones(3, 7)}, TypeError, "input_ids must hold integer token ids"),

@@ -211,8 +211,16 @@ def test_generate_rejects_too_long(ours):
     [
         (torch.zeros(2, 3), TypeError, "input_ids must hold integer token ids, got dtype torch.float32"),
         (torch.zeros(3, dtype=torch.long), ValueError, r"input_ids must have shape \(batch, seq_len\).*got \(3,\)"),
-        (torch.full((1, 2), VOCAB), ValueError, rf"input_ids must lie in \[0, vocab_size={VOCAB}\), got values in \[{VOCAB}, {VOCAB}\]"),
-        (torch.zeros(1, MAX_POS + 1, dtype=torch.long), ValueError, f"input_ids has {MAX_POS + 1} positions, more than max_positions={MAX_POS}"),
+        (
+            torch.full((1, 2), VOCAB),
+            ValueError,
+            rf"input_ids must lie in \[0, vocab_size={VOCAB}\), got values in \[{VOCAB}, {VOCAB}\]",
+        ),
+        (
+            torch.zeros(1, MAX_POS + 1, dtype=torch.long),
+            ValueError,
+            f"input_ids has {MAX_POS + 1} positions, more than max_positions={MAX_POS}",
+        ),
         ([[1, 2]], TypeError, "input_ids must be a torch.Tensor of token ids, got list"),
     ],
 )

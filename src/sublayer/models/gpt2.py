@@ -215,7 +215,9 @@ class GPT2Block(nn.Module):
         self.ffn_residual = PreNormResidual(d, config.dropout, eps=config.eps, **kw)
         self.ffn = PositionWiseFFN(d, config.hidden_size, activation=config.activation, **kw)
 
-    def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None, kv_cache: SF.KVCache | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, *, key_padding_mask: Tensor | None = None, kv_cache: SF.KVCache | None = None
+    ) -> Tensor:
         def attn(h: Tensor) -> Tensor:
             # is_causal is bottom-right aligned: a 1-token query after a cached prefix sees the whole prefix.
             return self.self_attn(h, key_padding_mask=key_padding_mask, is_causal=True, kv_cache=kv_cache)[0]
