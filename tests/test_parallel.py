@@ -170,3 +170,21 @@ def test_bad_mesh_and_modules(fake_mesh):
         tensor_parallel(block, fake_mesh)
     with pytest.raises(TypeError, match="mesh must be a torch.distributed DeviceMesh or None, got int"):
         fully_shard(EncoderBlock(16, 8, 8), 3)
+
+
+def test_launch_one_process_runs_inline_and_checks_nproc(monkeypatch):
+    from sublayer.parallel import launch
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    seen = []
+    launch(lambda rank, world, tag: seen.append((rank, world, tag)), 1, "x")
+    assert seen == [(0, 1, "x")] and not dist.is_initialized()
+    for bad in (0, -2, True, 1.5):
+        with pytest.raises(ValueError, match=r"nproc must be an int >= 1, got"):
+            launch(print, bad)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(ValueError, match=r"under torchrun .* \(WORLD_SIZE=2\); got nproc=3"):
+        launch(print, 3)
