@@ -95,9 +95,7 @@ def test_real_missing_compiler_in_a_fresh_process(tmp_path):
     assert res.stdout.split() == ["1", "False", "0.0"], (res.stdout, res.stderr)
 
 
-def test_env_switch_in_a_fresh_process():
-    code = "from sublayer import kernels; print(kernels.status())"
-    env = dict(os.environ, SUBLAYER_KERNELS="0")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.startswith("off"), res.stdout
+def test_env_switch():
+    assert kernels._env_enabled({}) and kernels._env_enabled({"SUBLAYER_KERNELS": "1"})
+    for off in ("0", "false", "OFF", "no"):
+        assert not kernels._env_enabled({"SUBLAYER_KERNELS": off})

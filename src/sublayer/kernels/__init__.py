@@ -29,7 +29,14 @@ LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 _state: dict = {"tried": False, "ok": False, "error": None, "warned": False}
-_enabled = os.environ.get("SUBLAYER_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _env_enabled(environ=os.environ) -> bool:
+    """``SUBLAYER_KERNELS`` = 0/false/off/no switches the kernels off (read once, at import)."""
+    return environ.get("SUBLAYER_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+_enabled = _env_enabled()
 
 
 def set_enabled(flag: bool) -> None:
