@@ -20,7 +20,9 @@ def _stack(block: nn.Module, n_layers: int, cls: type, final_norm: bool | None):
     check_positive_int("n_layers", n_layers)
     layers = nn.ModuleList([block] + [copy.deepcopy(block) for _ in range(n_layers - 1)])
     for layer in list(layers)[1:]:  # fresh initialisation for each copy (the first keeps the given weights)
-        for m in layer.modules():
+        # children before parents, so a parent's own init (MultiHeadAttention: xavier q/k/v, zero biases) wins
+        # over its nn.Linear children's default, as in a newly built block
+        for m in reversed(list(layer.modules())):
             if m is not layer and hasattr(m, "reset_parameters"):
                 m.reset_parameters()
     if final_norm is None:
