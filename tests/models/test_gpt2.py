@@ -280,6 +280,11 @@ def test_tied_head_shares_the_embedding():
     assert untied.lm_head.weight is not untied.wte.weight
 
 
+def test_loaded_head_stays_tied(ours):
+    assert ours.lm_head.weight is ours.wte.weight
+    assert len(list(ours.parameters())) == len({id(p) for p in ours.parameters()})
+
+
 def test_module_structure_is_plain(ours):
     # What tensor-parallel plans address: separate q/k/v/out projections and fc1/fc2 (no fused c_attn).
     block = ours.blocks[0]

@@ -291,12 +291,13 @@ class Bert(nn.Module):
             raise ckpt.CheckpointError(f"config file {os.path.join(folder, ckpt.io.CONFIG_NAME)}: {e}") from None
         tensors, source = ckpt.read_state_dict(folder)
         pooler = any((keymap.canonical(k) or "").startswith("pooler.") for k in tensors)
-        model = cls(config, pooler=pooler, dtype=dtype)
-        meta = {k: v.to("meta") for k, v in model.state_dict().items()}
-        expected = {k: tuple(v.shape) for k, v in keymap.to_hf(meta, config.n_layers, pooler=pooler).items()}
+        model = cls(config, pooler=pooler, device="meta", dtype=dtype)  # no random init: all is loaded below
+        hf_meta = keymap.to_hf(model.state_dict(), config.n_layers, pooler=pooler)
+        expected = {k: tuple(v.shape) for k, v in hf_meta.items()}
         found = ckpt.check_and_convert(tensors, expected, canonical=keymap.canonical, source=source)
-        model.load_state_dict(keymap.from_hf(found, config.n_layers, pooler=pooler))
-        return model.to(device) if device is not None else model
+        model.to_empty(device=device if device is not None else "cpu")
+        model.load_state_dict(keymap.from_hf(found, config.n_layers, pooler=pooler))  # strict: fills every parameter
+        return model
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         """Write ``model.safetensors`` (``BertModel`` keys) and ``config.json`` that HF

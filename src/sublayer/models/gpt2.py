@@ -253,9 +253,12 @@ class GPT2(nn.Module):
         self.blocks = nn.ModuleList([GPT2Block(config, **kw) for _ in range(config.n_layers)])
         self.ln_f = LayerNorm(config.d_model, config.eps, **kw)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, **kw)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.wte.weight
+        self._tie_weights()
         self.reset_parameters()
+
+    def _tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.wte.weight
 
     def reset_parameters(self) -> None:
         """GPT-2's init: N(0, 0.02) weights, zero biases, residual output projections scaled by 1/sqrt(2·n_layers)."""
@@ -407,15 +410,17 @@ class GPT2(nn.Module):
         except (ValueError, TypeError) as e:
             raise ckpt.CheckpointError(f"config file {os.path.join(folder, ckpt.io.CONFIG_NAME)}: {e}") from None
         tensors, source = ckpt.read_state_dict(folder)
-        model = cls(config, dtype=dtype)
+        model = cls(config, device="meta", dtype=dtype)  # no random init: every parameter is loaded below
         tied = config.tie_word_embeddings
-        meta = {k: v.to("meta") for k, v in model.state_dict().items()}
-        expected = {k: tuple(v.shape) for k, v in keymap.to_hf(meta, config.n_layers, tied=tied).items()}
+        hf_meta = keymap.to_hf(model.state_dict(), config.n_layers, tied=tied)
+        expected = {k: tuple(v.shape) for k, v in hf_meta.items()}
         found = ckpt.check_and_convert(
             tensors, expected, canonical=lambda k: keymap.canonical(k, tied=tied), source=source
         )
-        model.load_state_dict(keymap.from_hf(found, config.n_layers, tied=tied))
-        return model.to(device) if device is not None else model
+        model.to_empty(device=device if device is not None else "cpu")
+        model._tie_weights()  # to_empty makes new parameters: tie again
+        model.load_state_dict(keymap.from_hf(found, config.n_layers, tied=tied))  # strict: fills every parameter
+        return model
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         """Write ``model.safetensors`` and ``config.json`` that HF ``GPT2LMHeadModel.from_pretrained`` loads
