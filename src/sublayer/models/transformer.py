@@ -1,0 +1,428 @@
+"""The encoder–decoder Transformer of "Attention Is All You Need", built from the sub-layers.
+
+Token embeddings scaled by √d_model plus sinusoidal positional encodings, an encoder stack and a decoder stack
+(:class:`sublayer.nn.TransformerEncoder` / :class:`sublayer.nn.TransformerDecoder`), and an output projection.
+Decoding (greedy or beam search) runs incrementally with key/value caches. Checkpoints are a folder holding
+``model.safetensors`` and ``config.json``; nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from .. import functional as SF
+from .._checks import check_choice, check_positive_int, check_probability, check_tensor
+from ..nn import DecoderBlock, EncoderBlock, TransformerDecoder, TransformerEncoder
+from .config import ModelConfig
+
+__all__ = ["Transformer", "TransformerConfig", "sinusoidal_positional_encoding", "atomic_write"]
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+@dataclasses.dataclass
+class TransformerConfig(ModelConfig):
+    """Sizes of a :class:`Transformer`. ``from_dict`` rejects unknown keys.
+
+    Attributes:
+        src_vocab_size, tgt_vocab_size: vocabulary sizes. d_model: model width. n_heads: attention heads
+        (must divide d_model). d_ff: FFN hidden size. n_layers: blocks in each of the encoder and decoder.
+        dropout: everywhere (embeddings, attention weights, FFN hidden, residual branches).
+        max_len: longest source or target sequence (size of the positional-encoding table).
+        norm_first: pre-norm blocks (with one final norm per stack) instead of the original post-norm.
+        activation: FFN activation (see :class:`sublayer.nn.PositionWiseFFN`).
+    """
+
+    src_vocab_size: int
+    tgt_vocab_size: int
+    d_model: int = 512
+    n_heads: int = 8
+    d_ff: int = 2048
+    n_layers: int = 6
+    dropout: float = 0.1
+    max_len: int = 512
+    norm_first: bool = False
+    activation: str = "relu"
+
+    def validate(self) -> None:
+        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len"):
+            check_positive_int(name, getattr(self, name))
+        check_probability("dropout", self.dropout)
+        check_choice("activation", self.activation, SF.ACTIVATIONS)
+        if not isinstance(self.norm_first, bool):
+            raise TypeError(f"norm_first must be a bool, got {self.norm_first!r}")
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+
+
+def sinusoidal_positional_encoding(max_len: int, d_model: int, *, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The sinusoidal table of Vaswani et al.: ``P[t, 2i] = sin(t / 10000^(2i/d))``, ``P[t, 2i+1] = cos(...)``.
+
+    Returns:
+        (max_len, d_model); an odd d_model drops the last cosine column.
+    """
+    check_positive_int("max_len", max_len)
+    check_positive_int("d_model", d_model)
+    pos = torch.arange(max_len, dtype=torch.float64)[:, None]
+    freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(max_len, d_model + d_model % 2, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * freq)
+    table[:, 1::2] = torch.cos(pos * freq)
+    return table[:, :d_model].to(dtype)
+
+
+def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
+    """Write a file through ``write(tmp_path)`` to a temporary name in the same folder, then rename it over
+    ``path`` (``os.replace`` is atomic): an interrupted write never leaves a half-written ``path``."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _check_tokens(name: str, x: object, vocab: int, max_len: int) -> None:
+    check_tensor(name, x)
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D token ids (batch, seq), got shape {tuple(x.shape)}")
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got dtype {x.dtype}")
+    if x.shape[1] > max_len:
+        raise ValueError(f"{name} length {x.shape[1]} exceeds max_len {max_len}")
+    if x.numel() and (int(x.min()) < 0 or int(x.max()) >= vocab):
+        raise ValueError(f"{name} ids must lie in [0, {vocab}), got min {int(x.min())}, max {int(x.max())}")
+
+
+def _check_padding_mask(name: str, mask: Tensor | None, tokens: Tensor, tokens_name: str) -> None:
+    if mask is None:
+        return
+    check_tensor(name, mask)
+    if mask.shape != tokens.shape:
+        raise ValueError(
+            f"{name} must have the shape of {tokens_name} {tuple(tokens.shape)}, got {tuple(mask.shape)}"
+        )
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be bool (True = padding), got dtype {mask.dtype}")
+
+
+class Transformer(nn.Module):
+    """Encoder–decoder Transformer (Vaswani et al. 2017), post-norm by default.
+
+    Args:
+        src_vocab_size, tgt_vocab_size, d_model, n_heads, d_ff, n_layers, dropout, max_len, norm_first,
+        activation: see :class:`TransformerConfig`.
+        device, dtype: factory kwargs for the parameters.
+
+    Attributes:
+        config (:class:`TransformerConfig`), src_embed / tgt_embed (``nn.Embedding``), encoder
+        (:class:`TransformerEncoder`), decoder (:class:`TransformerDecoder`), out_proj (``nn.Linear``),
+        pos_encoding: (max_len, d_model) non-persistent buffer.
+
+    Shape:
+        src (B, S) and tgt (B, T) integer ids; padding masks (B, S) / (B, T) bool, True = padding
+        -> logits (B, T, tgt_vocab_size). Position t of the logits predicts target token t + 1.
+
+    Raises:
+        ValueError/TypeError: bad sizes at construction; at call time, non-2-D or non-integer ids, ids out of
+        range, sequences longer than max_len, masks of the wrong shape or dtype, batch mismatches.
+    """
+
+    def __init__(
+        self,
+        src_vocab_size: int,
+        tgt_vocab_size: int,
+        *,
+        d_model: int = 512,
+        n_heads: int = 8,
+        d_ff: int = 2048,
+        n_layers: int = 6,
+        dropout: float = 0.1,
+        max_len: int = 512,
+        norm_first: bool = False,
+        activation: str = "relu",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        cfg = TransformerConfig(
+            src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, d_model=d_model, n_heads=n_heads,
+            d_ff=d_ff, n_layers=n_layers, dropout=dropout, max_len=max_len, norm_first=norm_first,
+            activation=activation,
+        )  # fmt: skip
+        self.config = cfg
+        kw = {"device": device, "dtype": dtype}
+        block = {"dropout": dropout, "activation": activation, "norm_first": norm_first, **kw}
+        self.src_embed = nn.Embedding(src_vocab_size, d_model, **kw)
+        self.tgt_embed = nn.Embedding(tgt_vocab_size, d_model, **kw)
+        pe = sinusoidal_positional_encoding(max_len, d_model, dtype=dtype or torch.get_default_dtype())
+        self.register_buffer("pos_encoding", pe.to(device), persistent=False)
+        self.encoder = TransformerEncoder(EncoderBlock(d_model, n_heads, d_ff, **block), n_layers)
+        self.decoder = TransformerDecoder(DecoderBlock(d_model, n_heads, d_ff, **block), n_layers)
+        self.out_proj = nn.Linear(d_model, tgt_vocab_size, **kw)
+        self.reset_embeddings()
+
+    def reset_embeddings(self) -> None:
+        """Embeddings ~ N(0, 1/d_model): after the √d_model scale they are unit-variance, on the scale of the
+        positional encodings (fairseq's choice; ``nn.Embedding``'s N(0, 1) would drown them)."""
+        for emb in (self.src_embed, self.tgt_embed):
+            nn.init.normal_(emb.weight, std=self.config.d_model**-0.5)
+
+    @classmethod
+    def from_config(cls, config: TransformerConfig, **factory) -> Transformer:
+        """Build from a :class:`TransformerConfig` (``factory``: device=, dtype=)."""
+        if not isinstance(config, TransformerConfig):
+            raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
+        return cls(**config.to_dict(), **factory)
+
+    def _embed(self, emb: nn.Embedding, ids: Tensor, start: int = 0) -> Tensor:
+        x = emb(ids) * math.sqrt(self.config.d_model) + self.pos_encoding[start : start + ids.shape[1]]
+        return nn.functional.dropout(x, self.config.dropout, self.training)
+
+    def encode(self, src: Tensor, *, src_key_padding_mask: Tensor | None = None) -> Tensor:
+        """Encode source ids (B, S) -> memory (B, S, d_model)."""
+        c = self.config
+        _check_tokens("src", src, c.src_vocab_size, c.max_len)
+        _check_padding_mask("src_key_padding_mask", src_key_padding_mask, src, "src")
+        return self.encoder(self._embed(self.src_embed, src), key_padding_mask=src_key_padding_mask)
+
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        *,
+        memory_key_padding_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+        caches: list[tuple[SF.KVCache, SF.KVCache]] | None = None,
+    ) -> Tensor:
+        """Decode target ids (B, T) against ``memory`` (B, S, d_model) -> logits (B, T, tgt_vocab_size).
+
+        With ``caches`` (from ``self.decoder.new_caches()``), ``tgt`` holds only the new positions, which
+        follow the ``len(caches[0][0])`` positions decoded before; ``tgt_key_padding_mask`` then covers the
+        cached positions too.
+        """
+        c = self.config
+        start = len(caches[0][0]) if caches else 0
+        _check_tokens("tgt", tgt, c.tgt_vocab_size, c.max_len - start)
+        check_tensor("memory", memory)
+        if memory.dim() != 3 or memory.shape[0] != tgt.shape[0] or memory.shape[2] != c.d_model:
+            raise ValueError(
+                f"memory must have shape (batch={tgt.shape[0]}, src_len, d_model={c.d_model}), "
+                f"got {tuple(memory.shape)}"
+            )
+        if caches is None:
+            _check_padding_mask("tgt_key_padding_mask", tgt_key_padding_mask, tgt, "tgt")
+        x = self._embed(self.tgt_embed, tgt, start)
+        h = self.decoder(
+            x,
+            memory,
+            tgt_key_padding_mask=tgt_key_padding_mask,
+            memory_key_padding_mask=memory_key_padding_mask,
+            caches=caches,
+        )
+        return self.out_proj(h)
+
+    def forward(
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        *,
+        src_key_padding_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Teacher-forced logits: src (B, S), tgt (B, T) -> (B, T, tgt_vocab_size); causal inside."""
+        check_tensor("src", src)
+        check_tensor("tgt", tgt)
+        if src.dim() == 2 and tgt.dim() == 2 and src.shape[0] != tgt.shape[0]:
+            raise ValueError(f"src and tgt must share the batch size, got {tuple(src.shape)} and {tuple(tgt.shape)}")
+        memory = self.encode(src, src_key_padding_mask=src_key_padding_mask)
+        return self.decode(
+            tgt, memory, memory_key_padding_mask=src_key_padding_mask, tgt_key_padding_mask=tgt_key_padding_mask
+        )
+
+    def cross_attention_weights(
+        self, src: Tensor, tgt: Tensor, *, src_key_padding_mask: Tensor | None = None
+    ) -> list[Tensor]:
+        """Per-head cross-attention weights of a teacher-forced pass: one (B, n_heads, T, S) tensor per decoder
+        layer (rows: target positions, columns: source positions). Runs without gradients."""
+        weights: list[Tensor] = []
+
+        def hook(module, args, kwargs, output):
+            kw = {**kwargs, "need_weights": True, "average_attn_weights": False}
+            weights.append(module.forward(*args, **kw)[1])  # .forward: no hooks, no recursion
+
+        handles = [layer.cross_attn.register_forward_hook(hook, with_kwargs=True) for layer in self.decoder.layers]
+        try:
+            with torch.no_grad():
+                self(src, tgt, src_key_padding_mask=src_key_padding_mask)
+        finally:
+            for h in handles:
+                h.remove()
+        return weights
+
+    @torch.no_grad()
+    def translate(
+        self,
+        src: Tensor,
+        max_len: int,
+        *,
+        bos: int,
+        eos: int,
+        src_key_padding_mask: Tensor | None = None,
+        beam_size: int = 1,
+        pad: int | None = None,
+        length_penalty: float = 1.0,
+    ) -> Tensor:
+        """Decode greedily (``beam_size=1``) or with beam search, with key/value caches; runs in eval mode
+        (restoring the previous mode after).
+
+        Args:
+            src: (B, S) source ids. max_len: most tokens to generate (eos included).
+            bos, eos: begin / end of sequence target ids. src_key_padding_mask: (B, S) True = padding.
+            beam_size: beams per sentence. pad: id written after a row's eos (default: eos).
+            length_penalty: beam search ranks finished hypotheses by ``logprob / length**length_penalty``.
+
+        Returns:
+            (B, L) generated ids without ``bos``, L ≤ max_len; each row ends at its first ``eos`` (kept) and is
+            filled with ``pad`` after it.
+        """
+        c = self.config
+        check_positive_int("max_len", max_len)
+        check_positive_int("beam_size", beam_size)
+        if max_len > c.max_len:
+            raise ValueError(f"max_len ({max_len}) exceeds the model's max_len ({c.max_len})")
+        for name, v in (("bos", bos), ("eos", eos), ("pad", pad)):
+            if v is None and name == "pad":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < c.tgt_vocab_size:
+                raise ValueError(f"{name} must be a target id in [0, {c.tgt_vocab_size}), got {v!r}")
+        pad = eos if pad is None else pad
+        was_training = self.training
+        self.eval()
+        try:
+            memory = self.encode(src, src_key_padding_mask=src_key_padding_mask)
+            if beam_size == 1:
+                return self._greedy(memory, src_key_padding_mask, max_len, bos, eos, pad)
+            return self._beam(memory, src_key_padding_mask, max_len, bos, eos, pad, beam_size, length_penalty)
+        finally:
+            self.train(was_training)
+
+    def _greedy(self, memory, mask, max_len, bos, eos, pad) -> Tensor:
+        b = memory.shape[0]
+        caches = self.decoder.new_caches()
+        tok = torch.full((b, 1), bos, dtype=torch.long, device=memory.device)
+        done = torch.zeros(b, dtype=torch.bool, device=memory.device)
+        out = []
+        for _ in range(max_len):
+            logits = self.decode(tok, memory, memory_key_padding_mask=mask, caches=caches)
+            nxt = logits[:, -1].argmax(-1)
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+            out.append(nxt)
+            done = done | (nxt == eos)
+            tok = nxt[:, None]
+            if bool(done.all()):
+                break
+        return torch.stack(out, dim=1)
+
+    def _beam(self, memory, mask, max_len, bos, eos, pad, k, length_penalty) -> Tensor:
+        b, s, d = memory.shape
+        dev = memory.device
+        # every sentence's memory repeated for its k beams: row i*k + j is beam j of sentence i
+        memory = memory.repeat_interleave(k, dim=0)
+        mask = None if mask is None else mask.repeat_interleave(k, dim=0)
+        caches = self.decoder.new_caches()
+        scores = torch.full((b, k), float("-inf"), device=dev)
+        scores[:, 0] = 0.0  # start from one live beam, so the first step does not pick k copies of one token
+        seqs = torch.zeros(b * k, 0, dtype=torch.long, device=dev)
+        lengths = torch.zeros(b, k, device=dev)
+        done = torch.zeros(b, k, dtype=torch.bool, device=dev)
+        tok = torch.full((b * k, 1), bos, dtype=torch.long, device=dev)
+        for _ in range(max_len):
+            logp = self.decode(tok, memory, memory_key_padding_mask=mask, caches=caches)[:, -1].log_softmax(-1)
+            v = logp.shape[-1]
+            logp = logp.view(b, k, v).float()
+            # a finished beam continues only with `pad` at no cost, so it keeps its score
+            frozen = torch.full_like(logp, float("-inf"))
+            frozen[..., pad] = 0.0
+            logp = torch.where(done[..., None], frozen, logp)
+            cand = (scores[..., None] + logp).view(b, k * v)
+            scores, idx = cand.topk(k, dim=-1)
+            beam, nxt = idx // v, idx % v
+            rows = (beam + torch.arange(b, device=dev)[:, None] * k).view(-1)
+            for sc, cc in caches:
+                sc.reorder(rows)
+            seqs = torch.cat([seqs.index_select(0, rows), nxt.view(-1, 1)], dim=1)
+            was_done = done.gather(1, beam)
+            lengths = lengths.gather(1, beam) + (~was_done).float()
+            done = was_done | (nxt == eos)
+            tok = nxt.view(-1, 1)
+            if bool(done.all()):
+                break
+        ranked = scores / lengths.clamp(min=1.0) ** length_penalty
+        best = ranked.argmax(-1) + torch.arange(b, device=dev) * k
+        return seqs.index_select(0, best)
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write ``model.safetensors`` and ``config.json`` to ``folder`` (created if needed), each atomically."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        atomic_write(folder / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+        text = json.dumps(self.config.to_dict(), indent=2, sort_keys=True) + "\n"
+        atomic_write(folder / CONFIG_NAME, lambda p: Path(p).write_text(text))
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, **factory) -> Transformer:
+        """Load a folder written by :meth:`save_pretrained` (strict: every key present, none extra, shapes
+        equal; one error lists all problems). ``factory``: device=, dtype=.
+
+        Raises:
+            FileNotFoundError: missing folder or file (named). ValueError: bad config, unreadable weights,
+            key/shape mismatches.
+        """
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"checkpoint folder not found: {folder}")
+        config = TransformerConfig.load(folder / CONFIG_NAME)
+        path = folder / WEIGHTS_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"weights file not found: {path}")
+        try:
+            state = load_file(str(path))
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+            raise ValueError(f"cannot read weights file {path}: {e}") from None
+        model = cls.from_config(config, **factory)
+        expected = model.state_dict()
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        wrong = sorted(
+            f"{k} (expected {tuple(expected[k].shape)}, got {tuple(state[k].shape)})"
+            for k in set(expected) & set(state)
+            if expected[k].shape != state[k].shape
+        )
+        if missing or unexpected or wrong:
+            parts = [f"{n}: {', '.join(v)}" for n, v in (("missing", missing), ("unexpected", unexpected),
+                                                          ("wrong shape", wrong)) if v]  # fmt: skip
+            raise ValueError(f"weights in {path} do not match the config: " + "; ".join(parts))
+        model.load_state_dict(state)
+        return model
