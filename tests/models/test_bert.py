@@ -6,6 +6,9 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 from torch.testing import assert_close
 
@@ -182,3 +185,14 @@ def test_config_rejects_unknown_keys_and_bad_values():
         BertConfig(vocab_size=5, pad_token_id=5)
     with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1.5"):
         BertConfig(dropout=1.5)
+
+
+@hsettings(max_examples=8)
+@given(n=st.integers(1, 9), pad=st.integers(0, 5), seed=st.integers(0, 99))
+def test_embed_invariant_to_right_padding(ours, n, pad, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (1, n + pad), generator=g)
+    mask = torch.ones_like(ids)
+    mask[:, n:] = 0
+    with torch.no_grad():
+        assert_close(ours.embed(ids, mask), ours.embed(ids[:, :n]))

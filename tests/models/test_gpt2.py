@@ -6,6 +6,9 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from sublayer.checkpoints import gpt2 as keymap
@@ -291,3 +294,22 @@ def test_module_structure_is_plain(ours):
     names = {n for n, _ in block.named_modules()}
     assert {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "ffn.fc1", "ffn.fc2"} <= names
     assert isinstance(block.self_attn.q_proj, torch.nn.Linear) and block.self_attn.q_proj.weight.shape == (15, 15)
+
+
+# ---- properties ----------------------------------------------------------------------------------------------
+
+
+@hsettings(max_examples=8)
+@given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=3), new=st.integers(1, 6), seed=st.integers(0, 99))
+def test_left_padded_batch_generates_like_each_row_alone(ours, lengths, new, seed):
+    # Padding, the positions derived from the mask and the cached decoding together: every row of a left-padded
+    # batch continues exactly as the same prompt run alone without padding.
+    t = max(lengths)
+    x = _ids(b=len(lengths), t=t, seed=seed)
+    mask = torch.zeros_like(x)
+    for i, n in enumerate(lengths):
+        mask[i, t - n :] = 1
+    batch = ours.generate(x.masked_fill(mask == 0, PAD), new, attention_mask=mask)
+    for i, n in enumerate(lengths):
+        alone = ours.generate(x[i : i + 1, t - n :], new)
+        assert batch[i, t - n :].tolist() == alone[0].tolist()
