@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
-import torch
 from hypothesis import given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
+import pytest
+import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
-import torch
 from hypothesis import given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
+import pytest
+import torch
 from torch.testing import assert_close
 
 from sublayer.checkpoints import gpt2 as keymap
