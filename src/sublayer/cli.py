@@ -51,6 +51,35 @@ def info() -> None:
         typer.echo(f"{k:16s} {v}")
 
 
+# --- demo: train the encoder-decoder Transformer on numbers in words <-> digits -------------------------------
+
+
+@app.command()
+def demo(
+    out: Path = typer.Option(Path("runs/demo"), "--out", "-o", help="Folder for metrics, plots and checkpoint."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Total training steps (default 1200)."),
+    seed: int = typer.Option(0, "--seed", help="Random seed (weights, data, held-out split of samples)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out (up to --steps)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sentence pairs per step (default 96)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: all cores)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or tables."),
+) -> None:
+    """Train a small Transformer to translate numbers between English words and digits, both ways.
+
+    Shows a progress bar, then the held-out exact-match accuracy and sample translations; writes
+    metrics.json, loss.png, attention.png and a safetensors checkpoint to --out. Ctrl-C saves a checkpoint
+    (continue with --resume).
+    """
+    from .demo import DemoConfig, train
+
+    kw = {"out": str(out), "seed": seed, "resume": resume, "threads": threads, "quiet": quiet}
+    if steps is not None:
+        kw["steps"] = steps
+    if batch_size is not None:
+        kw["batch_size"] = batch_size
+    train(DemoConfig(**kw))
+
+
 # --- generate / embed: Hugging Face-format GPT-2 and BERT folders -----------------------------------------------
 
 

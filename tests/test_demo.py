@@ -1,0 +1,219 @@
+"""``sublayer demo``: the task generator, a few-step training run in a temp folder (files, checkpoint, resume,
+Ctrl-C), the data-parallel loss normalisation and the CLI's errors."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from sublayer import demo as D
+from sublayer.models.transformer import atomic_write
+
+TINY = {"batch_size": 8, "d_model": 16, "n_heads": 2, "d_ff": 24, "n_layers": 1, "eval_every": 2, "n_val": 16,
+        "n_test": 20, "quiet": True, "threads": 1, "warmup": 2}  # fmt: skip
+
+
+# ---- the task --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "n, words",
+    [(0, "zero"), (13, "thirteen"), (40, "forty"), (105, "one hundred five"), (1000, "one thousand"),
+     (342006, "three hundred forty-two thousand six"), (100010, "one hundred thousand ten"),
+     (999999, "nine hundred ninety-nine thousand nine hundred ninety-nine")],
+)  # fmt: skip
+def test_number_to_words(n, words):
+    assert D.number_to_words(n) == words
+    assert D.words_to_number(words) == n
+
+
+def test_words_round_trip_and_bad_numbers():
+    rng = random.Random(0)
+    for n in [rng.randrange(10**6) for _ in range(2000)]:
+        assert D.words_to_number(D.number_to_words(n)) == n
+    with pytest.raises(ValueError, match=r"n must be an int in \[0, 999999\], got 1000000"):
+        D.number_to_words(1_000_000)
+    with pytest.raises(ValueError, match="direction must be one of"):
+        D.make_pair(5, "<to-roman>")
+
+
+def test_pairs_and_vocab():
+    src, tgt = D.make_pair(2021, D.TO_DIGITS)
+    assert src == ["<to-digits>", "two", "thousand", "twenty", "-", "one"] and tgt == list("2021")
+    src, tgt = D.make_pair(2021, D.TO_WORDS)
+    assert src == ["<to-words>", *"2021"] and tgt == ["two", "thousand", "twenty", "-", "one"]
+    v = D.Vocab.default()
+    assert v.decode(v.encode(tgt) + [v.eos, 7]) == tgt
+    assert v.pad == 0
+    with pytest.raises(ValueError, match="must come first"):
+        D.Vocab(["<bos>", "<pad>", "<eos>", "<unk>"])
+
+
+def test_held_out_numbers_never_trained_on():
+    v = D.Vocab.default()
+    seen = set()
+    for step in range(20):
+        b = D.train_batch(3, step, 64, v)
+        for row in b.src.tolist():
+            toks = v.decode(row)
+            seen.add(int("".join(toks[1:])) if toks[0] == D.TO_WORDS else D.words_to_number(D._detokenize(toks[1:])))
+    assert not any(D.is_held_out(n) for n in seen)
+    assert len(seen) > 1000
+    held = D.held_out_pairs(0, 50, salt=2)
+    assert all(D.is_held_out(int("".join(x[1:] if x[0] == D.TO_WORDS else y))) for x, y in held)
+    assert 0.09 < sum(map(D.is_held_out, range(1000, 101000))) / 100000 < 0.11
+
+
+def test_train_batch_is_a_function_of_seed_and_step():
+    v = D.Vocab.default()
+    a, b = D.train_batch(0, 5, 16, v), D.train_batch(0, 5, 16, v)
+    assert torch.equal(a.src, b.src) and torch.equal(a.tgt_out, b.tgt_out)
+    assert not torch.equal(D.train_batch(0, 6, 16, v).tgt_out, a.tgt_out)
+    assert not torch.equal(D.train_batch(1, 5, 16, v).tgt_out, a.tgt_out)
+    assert a.src.shape[0] == 16 and torch.equal(a.src_mask, a.src == v.pad)
+    tokens = (a.tgt_out[:, :-1] != v.pad) & (a.tgt_out[:, :-1] != v.eos)  # tgt_in is tgt_out shifted right
+    assert torch.equal(a.tgt_in[:, 1:][tokens], a.tgt_out[:, :-1][tokens])
+    assert (a.tgt_in[:, 0] == v.bos).all() and ((a.tgt_out == v.eos).sum(1) == 1).all()
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="steps must be a positive int, got 0"):
+        D.DemoConfig(steps=0)
+    with pytest.raises(ValueError, match=r"d_model \(30\) must be divisible by n_heads \(4\)"):
+        D.DemoConfig(d_model=30)
+    with pytest.raises(ValueError, match="lr must be a positive number, got -1"):
+        D.DemoConfig(lr=-1)
+    with pytest.raises(ValueError, match=r"batch_size \(9\) must be divisible by world_size \(2\)"):
+        D.train(D.DemoConfig(batch_size=9), rank=0, world_size=2)
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\), got 2"):
+        D.train(D.DemoConfig(batch_size=8), rank=2, world_size=2)
+
+
+def test_lr_schedule():
+    c = D.DemoConfig(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1)
+    assert c.lr_at(0) == pytest.approx(0.1) and c.lr_at(9) == pytest.approx(1.0)
+    assert c.lr_at(100) == pytest.approx(0.1)
+    assert all(c.lr_at(s) >= c.lr_at(s + 1) for s in range(10, 100))
+
+
+def test_rank_shards_average_to_the_global_gradient():
+    """Each rank's loss is its token sum / global tokens · world_size, so the mean of the ranks' gradients
+    (what DDP computes) equals one process's gradient on the whole batch."""
+    v = D.Vocab.default()
+    cfg = D.DemoConfig(**TINY)
+    torch.manual_seed(0)
+    m = D.Transformer.from_config(cfg.model_config(len(v)))
+    batch = D.train_batch(0, 0, 8, v)
+    n = batch.n_target_tokens
+    (D._loss(m, batch, 0.0) / n).backward()
+    full = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    for rank in range(2):
+        (D._loss(m, batch.rows(slice(rank, None, 2)), 0.0) * (2 / n) / 2).backward()  # / 2: DDP's average
+    for g, p in zip(full, m.parameters()):
+        assert_close(p.grad, g)
+
+
+def test_atomic_write_leaves_no_partial_file(tmp_path):
+    def bad(p):
+        open(p, "w").write("half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(tmp_path / "x.json", bad)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- a real (tiny) run -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    metrics = D.train(D.DemoConfig(out=str(out), steps=4, **TINY))
+    return out, metrics
+
+
+def test_run_writes_valid_outputs(run):
+    out, metrics = run
+    names = {p.name for p in out.iterdir()}
+    assert names == {"metrics.json", "loss.png", "attention.png", "model.safetensors", "config.json", "vocab.json",
+                     "optimizer.safetensors", "trainer_state.json"}  # fmt: skip
+    saved = json.loads((out / "metrics.json").read_text())
+    for key in ("exact_match", "steps", "train_seconds", "tokens_per_second", "final_train_loss", "final_val_loss",
+                "exact_match_by_direction", "samples", "n_test"):  # fmt: skip
+        assert key in saved, key
+    assert saved["steps"] == 4 and saved["n_test"] == 20 and 0.0 <= saved["exact_match"] <= 1.0
+    assert saved["exact_match"] == metrics["exact_match"]
+    from matplotlib.image import imread
+
+    for png in ("loss.png", "attention.png"):
+        img = imread(out / png)
+        assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+
+
+def test_checkpoint_loads_and_gives_the_same_outputs(run):
+    out, metrics = run
+    model, vocab, state = D.load_checkpoint(out)
+    assert state["step"] == 4 and len(state["history"]["train"]) == 4
+    acc, records = D.evaluate(model, vocab, D.held_out_pairs(0, 20, salt=2))
+    assert acc == metrics["exact_match"]
+    assert records[:12] == metrics["samples"]
+
+
+def test_resume_continues_exactly(tmp_path, run):
+    out, _ = run
+    D.train(D.DemoConfig(out=str(tmp_path), steps=2, **TINY))
+    steps_seen = []
+    D.train(D.DemoConfig(out=str(tmp_path), steps=4, resume=True, **TINY), on_step=lambda s, i: steps_seen.append(s))
+    assert steps_seen == [3, 4]
+    straight, _, _ = D.load_checkpoint(out)
+    resumed, _, state = D.load_checkpoint(tmp_path)
+    assert state["step"] == 4
+    for (k, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert_close(a, b, msg=k)
+
+
+def test_ctrl_c_saves_a_checkpoint(tmp_path):
+    def stop(step, info):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        D.train(D.DemoConfig(out=str(tmp_path), steps=10, **TINY), on_step=stop)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert not (tmp_path / "metrics.json").exists()
+    _, _, state = D.load_checkpoint(tmp_path)
+    assert state["step"] == 3
+    with pytest.raises(FileNotFoundError, match="--resume: no checkpoint in"):
+        D.train(D.DemoConfig(out=str(tmp_path / "empty"), resume=True, **TINY))
+
+
+# ---- the CLI ---------------------------------------------------------------------------------------------------
+
+
+def _cli(monkeypatch, capsys, *args):
+    from sublayer import cli
+
+    monkeypatch.setattr(sys, "argv", ["sublayer", *args])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    return e.value.code, capsys.readouterr()
+
+
+@pytest.mark.parametrize("steps", ["0", "-3"])
+def test_cli_bad_steps(monkeypatch, capsys, tmp_path, steps):
+    code, io = _cli(monkeypatch, capsys, "demo", "--steps", steps, "--out", str(tmp_path / "o"))
+    assert code == 2
+    assert io.err == f"error: steps must be a positive int, got {steps}\n"
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_resume_without_checkpoint(monkeypatch, capsys, tmp_path):
+    code, io = _cli(monkeypatch, capsys, "demo", "--resume", "--out", str(tmp_path))
+    assert code == 2 and io.err.count("\n") == 1 and "no checkpoint" in io.err
