@@ -94,25 +94,32 @@ def stack_pairs(ours: nn.Module, ref: nn.Module) -> list[Pair]:
     return pairs
 
 
-def gpt2_block_pairs(ours: nn.Module, ref: nn.Module) -> list[tuple[str, nn.Parameter, Tensor]]:
+def gpt2_block_pairs(ours: nn.Module, ref: nn.Module, *, grad: bool = False) -> list[tuple[str, nn.Parameter, Tensor]]:
     """A GPT-2-style block of ours (attn_residual, attn, ffn_residual, ffn) <-> HF ``GPT2Block``.
 
-    Returns ``(name, ours, ref_view)`` where ``ref_view`` is already sliced and transposed to our layout:
-    HF ``Conv1D`` stores (in, out) and ``c_attn`` packs q, k, v along its output dim.
+    Returns ``(name, ours, ref_view)`` where ``ref_view`` is the HF tensor (its ``.grad`` when ``grad``) already
+    sliced and transposed to our layout: HF ``Conv1D`` stores (in, out) and ``c_attn`` packs q, k, v along its
+    output dim.
     """
     d = ref.ln_1.normalized_shape[0]
-    w, b = ref.attn.c_attn.weight, ref.attn.c_attn.bias  # (d, 3d), (3d,)
+
+    def get(p: nn.Parameter) -> Tensor:
+        if grad and p.grad is None:
+            raise AssertionError("a GPT2Block parameter got no gradient")
+        return p.grad if grad else p
+
+    w, b = get(ref.attn.c_attn.weight), get(ref.attn.c_attn.bias)  # (d, 3d), (3d,)
     out = [
-        ("ln_1.weight", ours.attn_residual.norm.weight, ref.ln_1.weight),
-        ("ln_1.bias", ours.attn_residual.norm.bias, ref.ln_1.bias),
-        ("ln_2.weight", ours.ffn_residual.norm.weight, ref.ln_2.weight),
-        ("ln_2.bias", ours.ffn_residual.norm.bias, ref.ln_2.bias),
-        ("attn.c_proj.weight", ours.attn.out_proj.weight, ref.attn.c_proj.weight.t()),
-        ("attn.c_proj.bias", ours.attn.out_proj.bias, ref.attn.c_proj.bias),
-        ("mlp.c_fc.weight", ours.ffn.fc1.weight, ref.mlp.c_fc.weight.t()),
-        ("mlp.c_fc.bias", ours.ffn.fc1.bias, ref.mlp.c_fc.bias),
-        ("mlp.c_proj.weight", ours.ffn.fc2.weight, ref.mlp.c_proj.weight.t()),
-        ("mlp.c_proj.bias", ours.ffn.fc2.bias, ref.mlp.c_proj.bias),
+        ("ln_1.weight", ours.attn_residual.norm.weight, get(ref.ln_1.weight)),
+        ("ln_1.bias", ours.attn_residual.norm.bias, get(ref.ln_1.bias)),
+        ("ln_2.weight", ours.ffn_residual.norm.weight, get(ref.ln_2.weight)),
+        ("ln_2.bias", ours.ffn_residual.norm.bias, get(ref.ln_2.bias)),
+        ("attn.c_proj.weight", ours.attn.out_proj.weight, get(ref.attn.c_proj.weight).t()),
+        ("attn.c_proj.bias", ours.attn.out_proj.bias, get(ref.attn.c_proj.bias)),
+        ("mlp.c_fc.weight", ours.ffn.fc1.weight, get(ref.mlp.c_fc.weight).t()),
+        ("mlp.c_fc.bias", ours.ffn.fc1.bias, get(ref.mlp.c_fc.bias)),
+        ("mlp.c_proj.weight", ours.ffn.fc2.weight, get(ref.mlp.c_proj.weight).t()),
+        ("mlp.c_proj.bias", ours.ffn.fc2.bias, get(ref.mlp.c_proj.bias)),
     ]
     for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
         lin = getattr(ours.attn, name)
