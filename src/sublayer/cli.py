@@ -63,6 +63,10 @@ def demo(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sentence pairs per step (default 96)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: all cores)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or tables."),
+    nproc: int = typer.Option(
+        1, "--nproc",
+        help="Train data-parallel on N local CPU processes (gloo, DDP); under torchrun leave it out.",
+    ),
 ) -> None:
     """Train a small Transformer to translate numbers between English words and digits, both ways.
 
@@ -70,14 +74,41 @@ def demo(
     metrics.json, loss.png, attention.png and a safetensors checkpoint to --out. Ctrl-C saves a checkpoint
     (continue with --resume).
     """
-    from .demo import DemoConfig, train
+    from .demo import DemoConfig
 
     kw = {"out": str(out), "seed": seed, "resume": resume, "threads": threads, "quiet": quiet}
     if steps is not None:
         kw["steps"] = steps
     if batch_size is not None:
         kw["batch_size"] = batch_size
-    train(DemoConfig(**kw))
+    if nproc < 1:
+        raise CLIError(f"--nproc must be >= 1, got {nproc}")
+    cfg = DemoConfig(**kw)
+    if cfg.batch_size % nproc:
+        raise CLIError(f"--batch-size ({cfg.batch_size}) must be divisible by --nproc ({nproc})")
+    from torch.multiprocessing import ProcessRaisedException
+
+    from .parallel import launch
+
+    try:  # one process: train() here; N: N spawned ranks; under torchrun: this process is one rank
+        launch(_demo_rank, nproc, cfg)
+    except ProcessRaisedException as e:
+        if _state["debug"]:
+            raise
+        last = [line for line in str(e).splitlines() if line.strip()][-1]
+        raise CLIError(f"a demo process failed: {last}") from None
+
+
+def _demo_rank(rank: int, world_size: int, cfg) -> None:
+    """One rank of ``sublayer demo`` (module level: it is pickled into the spawned processes)."""
+    from .demo import train
+
+    if world_size == 1:
+        train(cfg)
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    train(cfg, rank=rank, world_size=world_size, wrap_model=DistributedDataParallel)
 
 
 # --- generate / embed: Hugging Face-format GPT-2 and BERT folders -----------------------------------------------
@@ -207,20 +238,36 @@ def main() -> None:
         typer.echo("interrupted", err=True)
         sys.exit(130)
     except Exception as e:  # click usage errors and the like
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
+        usage, exit_, abort = _click_exception_types()
+        if isinstance(e, usage):
+            # one line, as every CLI error: "error: Missing parameter: texts"
+            typer.echo(f"error: {e.format_message()}", err=True)
             sys.exit(2)
-        if isinstance(e, click.exceptions.Exit):
+        if isinstance(e, exit_):
             sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
+        if isinstance(e, abort):
             sys.exit(130)
         if _state["debug"]:
             raise
         typer.echo(f"error: {type(e).__name__}: {e}", err=True)
         sys.exit(2)
 
+
+def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """click's exception classes — typer ≥ 0.2x ships its own copy of click, so check both."""
+    import click
+
+    mods = [click.exceptions]
+    try:
+        from typer._click import exceptions as typer_click_exceptions
+
+        mods.append(typer_click_exceptions)
+    except ImportError:
+        pass
+    def types(name: str) -> tuple[type, ...]:
+        return tuple(getattr(m, name) for m in mods if hasattr(m, name))
+
+    return types("ClickException"), types("Exit"), types("Abort")
 
 if __name__ == "__main__":
     main()
