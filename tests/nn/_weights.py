@@ -8,7 +8,8 @@ in one ``in_proj_weight``) or None. The same pairs copy the weights (:func:`copy
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -194,3 +195,95 @@ def mha_from_torch(ref: nn.MultiheadAttention, **kw) -> nn.Module:
     )
     copy_pairs(mha_pairs(ours, ref))
     return ours
+
+
+# --------------------------------------------------------------------------- every public module, with inputs
+# (shared by test_module_contract.py and test_compile.py)
+
+CD, CH, CF, CS = 6, 2, 5, 3  # d_model, heads, d_ff, memory length: tiny on purpose
+
+
+@dataclass(frozen=True)
+class ModuleCase:
+    """A public module: ``build(**factory_kw)`` and ``inputs(b, t, dtype, device)`` -> (args, kwargs)."""
+
+    name: str
+    build: Callable[..., nn.Module]
+    inputs: Callable[..., tuple[tuple, dict]]
+    out_dim: int = CD
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _x(b, t, d, dtype, device, seed=0):
+    if torch.device(device).type == "meta":
+        return torch.empty(b, t, d, dtype=dtype, device=device)
+    return torch.randn(b, t, d, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)
+
+
+def _kpm(b, t, device):
+    kpm = torch.zeros(b, t, dtype=torch.bool)
+    kpm[1::2, t // 2 + 1 :] = True  # odd rows padded at the end; key 0 always real
+    return kpm.to(device)
+
+
+def _one(b, t, dtype, device):
+    return (_x(b, t, CD, dtype, device),), {}
+
+
+def _two(b, t, dtype, device):
+    return (_x(b, t, CD, dtype, device), _x(b, t, CD, dtype, device, seed=1)), {}
+
+
+def _with_tanh(b, t, dtype, device):
+    return (_x(b, t, CD, dtype, device), torch.tanh), {}
+
+
+def _self_attn(b, t, dtype, device):
+    return (_x(b, t, CD, dtype, device),), {"key_padding_mask": _kpm(b, t, device), "is_causal": True}
+
+
+def _cross_attn(b, t, dtype, device):
+    args = (_x(b, t, CD, dtype, device), _x(b, CS, 7, dtype, device, 1), _x(b, CS, 5, dtype, device, 2))
+    return args, {"key_padding_mask": _kpm(b, CS, device), "need_weights": True}
+
+
+def _encoder(b, t, dtype, device):
+    return (_x(b, t, CD, dtype, device),), {"key_padding_mask": _kpm(b, t, device)}
+
+
+def _decoder(b, t, dtype, device):
+    args = (_x(b, t, CD, dtype, device), _x(b, CS, CD, dtype, device, 1))
+    return args, {"tgt_key_padding_mask": _kpm(b, t, device), "memory_key_padding_mask": _kpm(b, CS, device)}
+
+
+def _module_cases() -> list[ModuleCase]:
+    import sublayer as S
+
+    return [
+        ModuleCase("PositionWiseFFN", lambda **kw: S.PositionWiseFFN(CD, CF, **kw), _one),
+        ModuleCase("PositionWiseFFN_swiglu", lambda **kw: S.PositionWiseFFN(CD, CF, d_out=7, activation="swiglu", **kw), _one, 7),
+        ModuleCase("Conv1D", lambda **kw: S.Conv1D(7, CD, **kw), _one, 7),
+        ModuleCase("LayerNorm", lambda **kw: S.LayerNorm(CD, **kw), _one),
+        ModuleCase("RMSNorm", lambda **kw: S.RMSNorm(CD, **kw), _one),
+        ModuleCase("AddNorm", lambda **kw: S.AddNorm(CD, **kw), _two),
+        ModuleCase("AddNorm_rms", lambda **kw: S.AddNorm(CD, norm="rms", **kw), _two),
+        ModuleCase("ResidualConnection", lambda **kw: S.ResidualConnection(**kw), _with_tanh),
+        ModuleCase("PreNormResidual", lambda **kw: S.PreNormResidual(CD, **kw), _with_tanh),
+        ModuleCase("MultiHeadAttention", lambda **kw: S.MultiHeadAttention(CD, CH, **kw), _self_attn),
+        ModuleCase("MultiHeadAttention_cross", lambda **kw: S.MultiHeadAttention(CD, CH, kdim=7, vdim=5, **kw), _cross_attn),
+        ModuleCase("EncoderBlock", lambda **kw: S.EncoderBlock(CD, CH, CF, **kw), _encoder),
+        ModuleCase("EncoderBlock_prenorm_rms", lambda **kw: S.EncoderBlock(CD, CH, CF, norm_first=True, norm="rms", **kw), _encoder),
+        ModuleCase("DecoderBlock", lambda **kw: S.DecoderBlock(CD, CH, CF, activation="gelu", **kw), _decoder),
+        ModuleCase("TransformerEncoder", lambda **kw: S.TransformerEncoder(S.EncoderBlock(CD, CH, CF, norm_first=True, **kw), 2), _encoder),
+        ModuleCase("TransformerDecoder", lambda **kw: S.TransformerDecoder(S.DecoderBlock(CD, CH, CF, norm_first=True, **kw), 2), _decoder),
+    ]
+
+
+MODULE_CASES = _module_cases()
+
+
+def output(out) -> Tensor:
+    """The tensor output of a module (MultiHeadAttention returns (out, weights))."""
+    return out[0] if isinstance(out, tuple) else out

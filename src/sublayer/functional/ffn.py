@@ -87,7 +87,8 @@ def feed_forward(
         raise ValueError(
             f"x must have last dim d_model={fc1_weight.shape[-1]}, got shape {tuple(x.shape)}"
         )
-    if not torch.is_autocast_enabled(x.device.type):
+    # (the meta device has no autocast: torch.is_autocast_enabled("meta") raises)
+    if x.device.type == "meta" or not torch.is_autocast_enabled(x.device.type):
         check_same_dtype_device(x=x, fc1_weight=fc1_weight)
     h = F.linear(x, fc1_weight, fc1_bias)
     if activation in _GATES:

@@ -46,7 +46,8 @@ class Conv1D(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         check_tensor("x", x)
-        if not torch.is_autocast_enabled(x.device.type):  # autocast casts addmm's operands itself
+        # autocast casts addmm's operands itself; the meta device has no autocast (is_autocast_enabled raises)
+        if x.device.type == "meta" or not torch.is_autocast_enabled(x.device.type):
             check_same_dtype_device(x=x, weight=self.weight)
         if x.dim() == 0 or x.shape[-1] != self.nx:
             raise ValueError(f"x must have last dim nx={self.nx}, got shape {tuple(x.shape)}")

@@ -74,11 +74,21 @@ class AddNorm(nn.Module):
 class ResidualConnection(nn.Module):
     """The plain residual: ``x + dropout(sublayer(x))``.
 
+    Args:
+        dropout: on the sub-layer's output in training.
+        device, dtype: accepted like every module's factory kwargs; there are no parameters to place.
+
     Shape:
         x: (..., D); ``sublayer`` must keep the shape.
     """
 
-    def __init__(self, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        dropout: float = 0.0,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         check_probability("dropout", dropout)
         self.dropout = float(dropout)
