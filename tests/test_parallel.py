@@ -10,29 +10,21 @@
 from __future__ import annotations
 
 import json
-import socket
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from sublayer.models.gpt2 import GPT2, GPT2Config
 from sublayer.nn import DecoderBlock, EncoderBlock, MultiHeadAttention, PositionWiseFFN, TransformerEncoder
-from sublayer.parallel import fully_shard, tensor_parallel, tensor_parallel_plan
+from sublayer.parallel import fully_shard, launch, tensor_parallel, tensor_parallel_plan
 
 from . import _dist_worker
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +48,12 @@ def hf_gpt2_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory, hf_gpt2_dir):
-    """Spawn 2 gloo processes once; returns {scenario: [failure text or None per rank]}."""
+    """Spawn 2 gloo processes once (with ``sublayer.parallel.launch``); returns {scenario: [failure text or None per rank]}."""
     out = tmp_path_factory.mktemp("dist")
-    mp.spawn(_dist_worker.worker, args=(WORLD, _free_port(), str(out), str(hf_gpt2_dir)), nprocs=WORLD, join=True)
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):  # not under torchrun: spawn
+            mp.delenv(var, raising=False)
+        launch(_dist_worker.worker, WORLD, str(out), str(hf_gpt2_dir), timeout_s=120)
     per_rank = [json.loads((out / f"results_{r}.json").read_text()) for r in range(WORLD)]
     return {name: [res.get(name, "not run") for res in per_rank] for name in _dist_worker.SCENARIOS}
 
@@ -188,3 +183,25 @@ def test_launch_one_process_runs_inline_and_checks_nproc(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     with pytest.raises(ValueError, match=r"under torchrun .* \(WORLD_SIZE=2\); got nproc=3"):
         launch(print, 3)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sublayer demo --nproc N (its training equivalence runs in the 2 processes above: scenario demo_ddp).
+
+
+def test_demo_cli_nproc_checks(monkeypatch, capsys, tmp_path):
+    import sys
+
+    from sublayer import cli
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["sublayer", "demo", "--out", str(tmp_path / "o"), *args])
+        with pytest.raises(SystemExit) as e:
+            cli.main()
+        return e.value.code, capsys.readouterr().err
+
+    code, err = run("--nproc", "2", "--batch-size", "9")
+    assert code == 2 and err == "error: --batch-size (9) must be divisible by --nproc (2)\n"
+    code, err = run("--nproc", "0")
+    assert code == 2 and err == "error: --nproc must be >= 1, got 0\n"
+    assert not (tmp_path / "o").exists()

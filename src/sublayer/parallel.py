@@ -560,21 +560,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_entry(rank: int, fn: Callable, nproc: int, port: int, backend: str, args: tuple) -> None:
+def _launch_entry(rank: int, fn: Callable, nproc: int, port: int, backend: str, timeout, args: tuple) -> None:
     import os
 
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))  # fmt: skip
-    dist.init_process_group(backend, rank=rank, world_size=nproc)
+    dist.init_process_group(backend, rank=rank, world_size=nproc, timeout=timeout)
     try:
         fn(rank, nproc, *args)
     finally:
         dist.destroy_process_group()
 
 
-def launch(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo") -> None:
+def launch(
+    fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo", timeout_s: float | None = None
+) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes joined in a default process group.
 
     - Started by ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment, any number of machines): this process
@@ -583,16 +585,19 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo"
       127.0.0.1 at a free port) and waits for all; an exception in any of them is raised here.
     - Otherwise (``nproc`` == 1): ``fn(0, 1, *args)`` in this process, without a process group.
 
-    ``fn`` must be a module-level function (it is pickled for the spawned processes).
+    ``fn`` must be a module-level function (it is pickled for the spawned processes). ``timeout_s``: how long a
+    collective may wait for the other ranks (None: torch's default).
 
     Raises:
         ValueError: ``nproc`` < 1, or under ``torchrun`` a ``nproc`` other than 1 or ``WORLD_SIZE``.
     """
     import os
+    from datetime import timedelta
 
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
@@ -601,7 +606,7 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo"
             raise ValueError(
                 f"under torchrun the process count comes from torchrun (WORLD_SIZE={world}); got nproc={nproc}"
             )
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
         try:
             fn(rank, world, *args)
         finally:
@@ -610,4 +615,4 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo"
     if nproc == 1:
         fn(0, 1, *args)
         return
-    mp.spawn(_launch_entry, args=(fn, nproc, _free_port(), backend, args), nprocs=nproc, join=True)
+    mp.spawn(_launch_entry, args=(fn, nproc, _free_port(), backend, timeout, args), nprocs=nproc, join=True)
