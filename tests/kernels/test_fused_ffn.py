@@ -93,8 +93,10 @@ def test_gradcheck_float64(act):
     assert gradcheck(f, (x, w1, b1, w2, b2), eps=1e-6, atol=1e-5, rtol=1e-3)
 
 
+@pytest.mark.parametrize("native_bf16", [True, False])  # bf16 GEMMs native, or in fp32 rounded to bf16
 @pytest.mark.parametrize("act", ["relu", "gelu_tanh"])
-def test_autocast_bf16_with_fp32_weights(act):
+def test_autocast_bf16_with_fp32_weights(act, native_bf16, monkeypatch):
+    monkeypatch.setattr(kernels, "_native_bf16", native_bf16)
     ffn = sublayer.PositionWiseFFN(16, 32, activation=act)
     x = torch.randn(2, 9, 16, requires_grad=True)
 

@@ -1,0 +1,428 @@
+"""``sublayer bench``: sublayer's fused CPU paths side by side with eager PyTorch (and HF, torch.compile).
+
+Every case runs the eager reference and sublayer in the same process, interleaved, on the same inputs; the report
+gives medians (and the inter-quartile spread, because shared machines are noisy), the ratio eager/sublayer
+(> 1: sublayer is faster), the FFN's time against its GEMMs alone, Add & Norm's bandwidth against a measured copy,
+and the bytes each saves for backward (``torch.autograd.graph.saved_tensors_hooks``, parameters excluded).
+
+Writes ``bench.json``, ``bench.md`` and ``bench.png`` to ``out``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = ["Shape", "SHAPES", "QUICK_SHAPES", "run_bench"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    batch: int
+    seq: int
+    d: int
+    f: int
+    heads: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+SHAPES = [
+    Shape("tutorial 64x256 d512", 64, 256, 512, 2048, 8),
+    Shape("BERT-base 32x128", 32, 128, 768, 3072, 12),
+    Shape("MiniLM 64x128", 64, 128, 384, 1536, 12),
+]
+QUICK_SHAPES = [Shape("tutorial 8x256 d512", 8, 256, 512, 2048, 8)]
+DROPOUT = 0.1
+
+
+@dataclass
+class Row:
+    case: str
+    shape: str
+    dtype: str
+    mode: str  # "forward" (eval, no grad) or "training" (train mode, forward + backward)
+    times_ms: dict[str, float] = field(default_factory=dict)  # impl -> median ms
+    spread: dict[str, float] = field(default_factory=dict)  # impl -> (p75 - p25) / median
+    extra: dict[str, float | str] = field(default_factory=dict)
+
+    def ratio(self, impl: str = "sublayer", base: str = "eager") -> float | None:
+        if impl in self.times_ms and base in self.times_ms and self.times_ms[impl] > 0:
+            return self.times_ms[base] / self.times_ms[impl]
+        return None
+
+
+def _quantiles(ts: list[float]) -> tuple[float, float]:
+    ts = sorted(ts)
+    med = statistics.median(ts)
+    q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [med, med, med]
+    return med * 1e3, (q[2] - q[0]) / med if med > 0 else 0.0
+
+
+def _time_interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int) -> dict[str, tuple[float, float]]:
+    """Run each fn ``warmup`` times, then ``reps`` rounds of all fns in turn (noise hits all alike)."""
+    for f in fns.values():
+        for _ in range(warmup):
+            f()
+    ts: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            ts[k].append(time.perf_counter() - t0)
+    return {k: _quantiles(v) for k, v in ts.items()}
+
+
+def _saved_bytes(fn: Callable[[], torch.Tensor], params) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves during ``fn()``."""
+    pptrs = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in pptrs:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def _autocast(bf16: bool):
+    return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
+def _step_fns(mods: dict[str, nn.Module], inputs: Callable[[], tuple], bf16: bool, mode: str, call=None):
+    """fn per impl: a forward (eval, no_grad) or a training step (train, forward + backward)."""
+    call = call or (lambda m, *a: m(*a))
+    fns = {}
+    for name, m in mods.items():
+        if mode == "forward":
+            m.eval()
+
+            def f(m=m):
+                with torch.no_grad(), _autocast(bf16):
+                    call(m, *inputs())
+
+        else:
+            m.train()
+            params = [p for p in m.parameters()]
+
+            def f(m=m, params=params):
+                for p in params:
+                    p.grad = None
+                args = inputs()
+                with _autocast(bf16):
+                    out = call(m, *args)
+                out.backward(torch.ones_like(out))
+
+        fns[name] = f
+    return fns
+
+
+class _EagerFFN(nn.Sequential):
+    def __init__(self, d, f, p):
+        super().__init__(nn.Linear(d, f), nn.ReLU(), nn.Dropout(p), nn.Linear(f, d))
+
+
+class _EagerAddNorm(nn.Module):
+    def __init__(self, d, p, dtype=None):
+        super().__init__()
+        self.drop, self.norm = nn.Dropout(p), nn.LayerNorm(d, dtype=dtype)
+
+    def forward(self, x, y):
+        return self.norm(x + self.drop(y))
+
+
+def _maybe_compile(m: nn.Module, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        return torch.compile(m)
+    except Exception:  # noqa: BLE001 - a missing compiler toolchain etc.: just no column
+        return None
+
+
+def _copy_gbps(n_elem: int, dtype: torch.dtype, reps: int) -> float:
+    a = torch.randn(n_elem).to(dtype)
+    b = torch.empty_like(a)
+    (t, _), = _time_interleaved({"copy": lambda: b.copy_(a)}, reps, 2).values()
+    return 2 * a.numel() * a.element_size() / (t * 1e-3) / 1e9
+
+
+def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compile: bool) -> Row:
+    import sublayer
+
+    torch.manual_seed(0)
+    eager = _EagerFFN(s.d, s.f, DROPOUT)
+    ours = sublayer.PositionWiseFFN(s.d, s.f, dropout=DROPOUT)
+    ours.fc1.load_state_dict(eager[0].state_dict())
+    ours.fc2.load_state_dict(eager[3].state_dict())
+    x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
+    mods = {"eager": eager, "sublayer": ours}
+    comp = _maybe_compile(eager, use_compile)
+    if comp is not None:
+        mods["compile"] = comp
+    fns = _step_fns(mods, lambda: (x,), bf16, mode)
+    # the GEMMs alone, in the dtype the FFN computes them in
+    dt = torch.bfloat16 if bf16 else torch.float32
+    x2 = x.detach().reshape(-1, s.d).to(dt)
+    w1, w2 = eager[0].weight.detach().to(dt), eager[3].weight.detach().to(dt)
+    h = torch.relu(x2 @ w1.t())
+
+    def gemms():
+        a = torch.mm(x2, w1.t())
+        o = torch.mm(h, w2.t())
+        if mode == "training":
+            torch.mm(o, w2)
+            torch.mm(o.t(), h)
+            torch.mm(a.t(), x2)
+            torch.mm(a, w1)
+
+    fns["gemms"] = gemms
+    res = _time_interleaved(fns, reps, warmup)
+    row = Row("FFN relu (nn.Sequential)", s.name, "bf16 autocast" if bf16 else "fp32", mode)
+    for k, (t, sp) in res.items():
+        row.times_ms[k], row.spread[k] = t, sp
+    row.extra["sublayer / GEMMs alone"] = round(res["sublayer"][0] / res["gemms"][0], 3)
+    row.extra["eager / GEMMs alone"] = round(res["eager"][0] / res["gemms"][0], 3)
+    if mode == "training":
+        for name, m in (("eager", eager), ("sublayer", ours)):
+            m.train()
+
+            def fwd(m=m):
+                with _autocast(bf16):
+                    return m(x)
+
+            row.extra[f"saved MB {name}"] = round(_saved_bytes(fwd, list(m.parameters())) / 2**20, 2)
+        row.extra["saved ratio"] = round(row.extra["saved MB sublayer"] / row.extra["saved MB eager"], 3)
+    return row
+
+
+def bench_add_norm(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compile: bool, copy_gbps: float) -> Row:
+    import sublayer
+
+    dt = torch.bfloat16 if bf16 else torch.float32
+    torch.manual_seed(0)
+    eager = _EagerAddNorm(s.d, DROPOUT, dtype=dt)
+    ours = sublayer.AddNorm(s.d, DROPOUT, dtype=dt)
+    rg = mode == "training"
+    x = torch.randn(s.batch, s.seq, s.d).to(dt).requires_grad_(rg)
+    y = torch.randn(s.batch, s.seq, s.d).to(dt).requires_grad_(rg)
+    mods = {"eager": eager, "sublayer": ours}
+    comp = _maybe_compile(eager, use_compile)
+    if comp is not None:
+        mods["compile"] = comp
+    fns = _step_fns(mods, lambda: (x, y), False, mode)
+    res = _time_interleaved(fns, reps, warmup)
+    row = Row("Add&Norm LN(x + Dropout(y))", s.name, "bf16" if bf16 else "fp32", mode)
+    for k, (t, sp) in res.items():
+        row.times_ms[k], row.spread[k] = t, sp
+    n, es = x.numel(), x.element_size()
+    # minimal traffic: forward (no grad) reads x, y and writes out (3s); training also writes the sum (4s) and
+    # its backward reads g, sum and writes dx, dy (4s).
+    nbytes = (3 if mode == "forward" else 8) * n * es
+    row.extra["sublayer GB/s"] = round(nbytes / (res["sublayer"][0] * 1e-3) / 1e9, 2)
+    row.extra["copy GB/s"] = round(copy_gbps, 2)
+    if mode == "training":
+        for name, m in (("eager", eager), ("sublayer", ours)):
+            row.extra[f"saved MB {name}"] = round(_saved_bytes(lambda m=m: m(x, y), list(m.parameters())) / 2**20, 2)
+        row.extra["saved ratio"] = round(row.extra["saved MB sublayer"] / row.extra["saved MB eager"], 3)
+    return row
+
+
+def bench_encoder(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> Row:
+    import sublayer
+
+    torch.manual_seed(0)
+    eager = nn.TransformerEncoderLayer(s.d, s.heads, s.f, dropout=DROPOUT, batch_first=True)
+    ours = sublayer.EncoderBlock(s.d, s.heads, s.f, dropout=DROPOUT)
+    x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
+    fns = _step_fns({"eager": eager, "sublayer": ours}, lambda: (x,), bf16, mode)
+    res = _time_interleaved(fns, reps, warmup)
+    row = Row("EncoderBlock vs nn.TransformerEncoderLayer", s.name, "bf16 autocast" if bf16 else "fp32", mode)
+    for k, (t, sp) in res.items():
+        row.times_ms[k], row.spread[k] = t, sp
+    return row
+
+
+def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Row]:
+    try:
+        from transformers import BertConfig, GPT2Config
+        from transformers.models.bert.modeling_bert import BertOutput
+        from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+    except Exception:  # noqa: BLE001 - transformers is optional here
+        return []
+    import sublayer
+
+    rows = []
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_embd=s.d, n_inner=s.f, resid_pdrop=DROPOUT, activation_function="gelu_new")
+    hf = GPT2MLP(s.f, cfg)
+    ours = sublayer.PositionWiseFFN(s.d, s.f, activation="gelu_tanh", output_dropout=DROPOUT)
+    x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
+    res = _time_interleaved(_step_fns({"eager": hf, "sublayer": ours}, lambda: (x,), bf16, mode), reps, warmup)
+    row = Row("HF GPT2MLP (gelu_new, resid dropout)", s.name, "bf16 autocast" if bf16 else "fp32", mode)
+    for k, (t, sp) in res.items():
+        row.times_ms[k], row.spread[k] = t, sp
+    rows.append(row)
+
+    bcfg = BertConfig(hidden_size=s.d, intermediate_size=s.f, hidden_dropout_prob=DROPOUT, layer_norm_eps=1e-12)
+    hf_out = BertOutput(bcfg)
+
+    class _OursBertOutput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dense = nn.Linear(s.f, s.d)
+            self.addnorm = sublayer.AddNorm(s.d, DROPOUT, eps=1e-12)
+
+        def forward(self, h, inp):
+            return self.addnorm(inp, self.dense(h))
+
+    ob = _OursBertOutput()
+    h = torch.randn(s.batch, s.seq, s.f, requires_grad=(mode == "training"))
+    inp = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
+    res = _time_interleaved(_step_fns({"eager": hf_out, "sublayer": ob}, lambda: (h, inp), bf16, mode), reps, warmup)
+    row = Row("HF BertOutput (dense, dropout, LN)", s.name, "bf16 autocast" if bf16 else "fp32", mode)
+    for k, (t, sp) in res.items():
+        row.times_ms[k], row.spread[k] = t, sp
+    rows.append(row)
+    return rows
+
+
+def _fmt(v: float | None, nd: int = 2) -> str:
+    return "—" if v is None else f"{v:.{nd}f}"
+
+
+def to_markdown(rows: list[Row], meta: dict) -> str:
+    lines = [
+        f"sublayer bench — torch {meta['torch']}, {meta['threads']} threads, {meta['cpu']}, kernels: {meta['kernels']}",
+        "",
+        "Times are medians in ms (± inter-quartile range / median); ratio = eager / sublayer (> 1: faster).",
+        "",
+        "| case | shape | dtype | mode | eager ms | sublayer ms | ratio | compile ms | notes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        def t(k):
+            return f"{r.times_ms[k]:.2f} ±{100 * r.spread[k]:.0f}%" if k in r.times_ms else "—"
+
+        notes = ", ".join(f"{k} {v}" for k, v in r.extra.items())
+        lines.append(
+            f"| {r.case} | {r.shape} | {r.dtype} | {r.mode} | {t('eager')} | {t('sublayer')} | "
+            f"{_fmt(r.ratio())} | {t('compile')} | {notes} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.case.split(' ')[0]} {r.shape.split(' ')[0]} {r.dtype.split(' ')[0]} {r.mode[:5]}" for r in rows]
+    vals = [r.ratio() or 0.0 for r in rows]
+    fig, ax = plt.subplots(figsize=(9, max(3, 0.3 * len(rows) + 1)))
+    ax.barh(range(len(rows)), vals, color=["tab:green" if v >= 1 else "tab:red" for v in vals])
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("speed-up vs eager PyTorch (eager time / sublayer time)")
+    ax.set_title("sublayer vs eager (dropout 0.1)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_bench(
+    out: str | Path = "runs/bench",
+    *,
+    quick: bool = False,
+    use_compile: bool | None = None,
+    reps: int | None = None,
+    log: Callable[[str], None] = print,
+) -> list[Row]:
+    """Run every case; write bench.json / bench.md / bench.png to ``out``; return the rows."""
+    from . import kernels
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = QUICK_SHAPES if quick else SHAPES
+    reps = reps or (5 if quick else 9)
+    warmup = 1 if quick else 2
+    use_compile = (not quick) if use_compile is None else use_compile
+    kernels.available()  # build first so the first timing does not include it
+    meta = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}",
+        "kernels": kernels.status(),
+        "quick": quick,
+        "reps": reps,
+        "dropout": DROPOUT,
+    }
+    rows: list[Row] = []
+    copy = {dt: _copy_gbps(shapes[0].tokens * shapes[0].d, dt, reps) for dt in (torch.float32, torch.bfloat16)}
+    t_start = time.perf_counter()
+    for s in shapes:
+        for mode in ("training", "forward"):
+            for bf16 in (False, True):
+                comp = use_compile and not bf16 and s is shapes[0]
+                steps = [
+                    lambda: [bench_add_norm(s, bf16, mode, reps, warmup, comp, copy[torch.bfloat16 if bf16 else torch.float32])],
+                    lambda: [bench_ffn(s, bf16, mode, reps, warmup, comp)],
+                ]
+                if not quick or mode == "training":
+                    steps.append(lambda: [bench_encoder(s, bf16, mode, reps, warmup)])
+                if not quick and s is shapes[0]:
+                    steps.append(lambda: bench_hf(s, bf16, mode, reps, warmup))
+                for step in steps:
+                    for r in step():
+                        rows.append(r)
+                        log(
+                            f"{r.case:44s} {r.shape:22s} {r.dtype:13s} {r.mode:8s} "
+                            f"eager {r.times_ms['eager']:9.2f} ms  sublayer {r.times_ms['sublayer']:9.2f} ms  "
+                            f"x{_fmt(r.ratio())}"
+                        )
+    meta["seconds"] = round(time.perf_counter() - t_start, 1)
+    (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+    (out / "bench.md").write_text(to_markdown(rows, meta))
+    try:
+        _plot(rows, out / "bench.png")
+    except ImportError:
+        log("matplotlib missing: no bench.png")
+    log(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'} in {meta['seconds']} s")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m sublayer.bench [--quick] [--out DIR] [--no-compile]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/bench")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--compile", dest="use_compile", action="store_true", default=None)
+    ap.add_argument("--no-compile", dest="use_compile", action="store_false")
+    ap.add_argument("--reps", type=int, default=None)
+    a = ap.parse_args(argv)
+    run_bench(a.out, quick=a.quick, use_compile=a.use_compile, reps=a.reps)
+
+
+if __name__ == "__main__":
+    main()
