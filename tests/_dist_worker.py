@@ -167,12 +167,17 @@ def scenario_transformer_and_bert(mesh):
     from sublayer.models.transformer import Transformer
 
     torch.manual_seed(0)
-    ref = Transformer(src_vocab_size=11, tgt_vocab_size=13, d_model=D, n_heads=H, d_ff=F, n_layers=2, dropout=0.0, max_len=16)
+    ref = Transformer(
+        src_vocab_size=11, tgt_vocab_size=13, d_model=D, n_heads=H, d_ff=F, n_layers=2, dropout=0.0, max_len=16
+    )
     src, tgt = torch.randint(0, 11, (B, S)), torch.randint(0, 13, (B, T))
     for sp in (False, True):
         ref.zero_grad()
         compare_fwd_bwd(ref, sharded_copy(ref, mesh, sequence_parallel=sp), [src, tgt])
-    bert = Bert(BertConfig(vocab_size=17, d_model=D, n_heads=H, d_ff=F, n_layers=2, max_positions=16, dropout=0.0, attn_dropout=0.0))
+    bert_cfg = BertConfig(
+        vocab_size=17, d_model=D, n_heads=H, d_ff=F, n_layers=2, max_positions=16, dropout=0.0, attn_dropout=0.0
+    )
+    bert = Bert(bert_cfg)
     ids = torch.randint(0, 17, (B, T))
     compare_fwd_bwd(bert, sharded_copy(bert, mesh), [ids])
 

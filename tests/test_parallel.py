@@ -48,7 +48,7 @@ def hf_gpt2_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory, hf_gpt2_dir):
-    """Spawn 2 gloo processes once (with ``sublayer.parallel.launch``); returns {scenario: [failure text or None per rank]}."""
+    """Spawn 2 gloo processes once (``sublayer.parallel.launch``): {scenario: [failure text or None, per rank]}."""
     out = tmp_path_factory.mktemp("dist")
     with pytest.MonkeyPatch.context() as mp:
         for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):  # not under torchrun: spawn
@@ -139,7 +139,8 @@ def test_indivisible_heads_and_hidden_name_both_numbers(fake_mesh):
     with pytest.raises(ValueError, match=r"d_ff \(12\) must be divisible by the tensor-parallel mesh size \(8\)"):
         tensor_parallel(EncoderBlock(16, 8, 12), fake_mesh)
     with pytest.raises(ValueError, match=r"ffn: d_ff \(20\)"):
-        tensor_parallel_plan(GPT2(GPT2Config(vocab_size=5, max_positions=4, d_model=8, n_layers=1, n_heads=2, d_ff=20)), 8)
+        cfg = GPT2Config(vocab_size=5, max_positions=4, d_model=8, n_layers=1, n_heads=2, d_ff=20)
+        tensor_parallel_plan(GPT2(cfg), 8)
 
 
 def test_sequence_length_must_divide(fake_mesh):

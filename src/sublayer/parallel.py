@@ -51,7 +51,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -249,7 +248,9 @@ class GatedColwiseParallel(ColwiseParallel):
             raise RuntimeError("gated FFN tensor parallelism needs torch.distributed.tensor _StridedShard (torch>=2.5)")
         for pname, param in module.named_parameters():
             dist_param = nn.Parameter(
-                distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=2)], src_data_rank=self.src_data_rank),
+                distribute_tensor(
+                    param, device_mesh, [_StridedShard(0, split_factor=2)], src_data_rank=self.src_data_rank
+                ),
                 requires_grad=param.requires_grad,
             )
             module.register_parameter(pname, dist_param)
@@ -358,12 +359,13 @@ class SequenceParallelNorm(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         norm = module.norm if isinstance(module, AddNorm) else module
         if not isinstance(norm, (LayerNorm, RMSNorm)):
-            raise TypeError(f"SequenceParallelNorm applies to LayerNorm, RMSNorm or AddNorm, got {type(module).__name__}")
+            raise TypeError(
+                f"SequenceParallelNorm applies to LayerNorm, RMSNorm or AddNorm, got {type(module).__name__}"
+            )
         params = []
         for name, p in list(norm.named_parameters(recurse=False)):
-            norm.register_parameter(
-                name, nn.Parameter(distribute_tensor(p.detach(), device_mesh, [Replicate()]), requires_grad=p.requires_grad)
-            )
+            replicated = distribute_tensor(p.detach(), device_mesh, [Replicate()])
+            norm.register_parameter(name, nn.Parameter(replicated, requires_grad=p.requires_grad))
             params.append((norm, name, _local_replicated(device_mesh)))
         _install(module, _LocalView(params, []), lambda a, k: (a, k), lambda o: o)
         return module
@@ -430,7 +432,9 @@ def _sp_regions(module: nn.Module) -> list[str]:
     return [n for n, _ in _outermost(module, lambda m, parent: isinstance(m, _STACKS) or _is_layer(m, parent))]
 
 
-def tensor_parallel_plan(module: nn.Module, tp_size: int, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+def tensor_parallel_plan(
+    module: nn.Module, tp_size: int, *, sequence_parallel: bool = False
+) -> dict[str, ParallelStyle]:
     """The ``parallelize_module`` plan for ``module``: fully qualified name -> style.
 
     Covers every :class:`~sublayer.nn.PositionWiseFFN` and :class:`~sublayer.nn.MultiHeadAttention` in the tree
