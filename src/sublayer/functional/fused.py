@@ -76,14 +76,15 @@ def _plain_cpu(*ts: Tensor | None) -> bool:
 
 def _why_not_fused(dtypes_ok: bool, *ts: Tensor | None) -> str | None:
     """None if the fused path can run on these tensors, else the reason."""
+    # first: under torch.compile, kernels.available() (a lock, maybe a build) would be a graph break
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return "torch.compile / functorch transforms use the reference path"
     if not kernels.available():
         return f"the kernels are unavailable ({kernels.build_error()})"
     if not _plain_cpu(*ts):
         return "the fused path needs plain CPU tensors"
     if not dtypes_ok:
         return "unsupported dtype combination for the fused path"
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return "torch.compile / functorch transforms use the reference path"
     if torch.autograd.forward_ad._current_level >= 0:
         return "forward-mode AD uses the reference path"
     return None
