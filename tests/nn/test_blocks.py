@@ -24,20 +24,22 @@ def leaf(t):
     return t.detach().clone().requires_grad_(True)
 
 
-def encoder_pair(norm_first=False, activation="relu", **kw):
+def encoder_pair(norm_first=False, activation="relu", bias=True):
     ref = nn.TransformerEncoderLayer(
-        D, H, F, dropout=0.0, activation=activation, batch_first=True, norm_first=norm_first, **kw
+        D, H, F, dropout=0.0, activation=activation, batch_first=True, norm_first=norm_first, bias=bias
     )
     randomize_(ref)
-    ours = EncoderBlock(D, H, F, activation=activation, norm_first=norm_first)
+    ours = EncoderBlock(D, H, F, activation=activation, norm_first=norm_first, bias=bias)
     copy_pairs(encoder_layer_pairs(ours, ref))
     return ours, ref
 
 
-def decoder_pair(norm_first=False, activation="relu"):
-    ref = nn.TransformerDecoderLayer(D, H, F, dropout=0.0, activation=activation, batch_first=True, norm_first=norm_first)
+def decoder_pair(norm_first=False, activation="relu", bias=True):
+    ref = nn.TransformerDecoderLayer(
+        D, H, F, dropout=0.0, activation=activation, batch_first=True, norm_first=norm_first, bias=bias
+    )
     randomize_(ref)
-    ours = DecoderBlock(D, H, F, activation=activation, norm_first=norm_first)
+    ours = DecoderBlock(D, H, F, activation=activation, norm_first=norm_first, bias=bias)
     copy_pairs(decoder_layer_pairs(ours, ref))
     return ours, ref
 
@@ -149,6 +151,27 @@ def test_decoder_block_matches_torch(norm_first, activation, mode):
     )  # fmt: skip
     torch.testing.assert_close(out, ref_out)
     check_backward(out, ref_out, [(x1, x2), (m1, m2)], decoder_layer_pairs(ours, ref))
+
+
+@pytest.mark.parametrize("kind", ["encoder-post", "decoder-pre"])
+def test_no_bias_blocks_match_torch(kind):
+    """``bias=False`` as in torch: no bias in any linear nor in the LayerNorms."""
+    enc = kind.startswith("encoder")
+    ours, ref = encoder_pair(False, bias=False) if enc else decoder_pair(True, bias=False)
+    assert not any(n.endswith("bias") for n, _ in ours.named_parameters())
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in ref.parameters())
+    x, mem = leaf(torch.randn(B, T, D)), torch.randn(B, S, D)
+    x2 = leaf(x)
+    kpm = padding(LENGTHS, T)
+    if enc:
+        out, ref_out = ours(x, key_padding_mask=kpm), ref(x2, src_key_padding_mask=kpm)
+        pairs = encoder_layer_pairs(ours, ref)
+    else:
+        tri = torch.ones(T, T, dtype=torch.bool).triu(1)
+        out, ref_out = ours(x, mem, tgt_key_padding_mask=kpm), ref(x2, mem, tgt_mask=tri, tgt_key_padding_mask=kpm)
+        pairs = decoder_layer_pairs(ours, ref)
+    torch.testing.assert_close(out, ref_out)
+    check_backward(out, ref_out, [(x, x2)], pairs)
 
 
 def test_decoder_self_attention_is_causal():

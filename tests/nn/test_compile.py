@@ -20,6 +20,8 @@ import torch._dynamo
 from ._weights import MODULE_CASES, output, randomize_
 
 CASES = {c.name: c for c in MODULE_CASES}
+# raised inside torch while Dynamo/inductor import their own modules, not by our code
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 B, T = 3, 4
 
 

@@ -29,10 +29,11 @@ def leaf(t):
     return t.detach().clone().requires_grad_(True)
 
 
-def encoder_pair(norm_first):
-    ours = TransformerEncoder(EncoderBlock(D, H, F, norm_first=norm_first), N)
-    layer = nn.TransformerEncoderLayer(D, H, F, dropout=0.0, batch_first=True, norm_first=norm_first)
-    ref = nn.TransformerEncoder(layer, N, norm=nn.LayerNorm(D) if norm_first else None, enable_nested_tensor=False)
+def encoder_pair(norm_first, bias=True):
+    ours = TransformerEncoder(EncoderBlock(D, H, F, norm_first=norm_first, bias=bias), N)
+    layer = nn.TransformerEncoderLayer(D, H, F, dropout=0.0, batch_first=True, norm_first=norm_first, bias=bias)
+    final = nn.LayerNorm(D, bias=bias) if norm_first else None
+    ref = nn.TransformerEncoder(layer, N, norm=final, enable_nested_tensor=False)
     randomize_(ref)
     copy_pairs(stack_pairs(ours, ref))
     return ours, ref
@@ -56,9 +57,11 @@ def backward_both(out, ref_out, inputs, pairs):
     assert_grads_close(pairs)
 
 
-@pytest.mark.parametrize("norm_first", [False, True], ids=["post", "pre"])
-def test_encoder_stack_matches_torch(norm_first):
-    ours, ref = encoder_pair(norm_first)
+@pytest.mark.parametrize(("norm_first", "bias"), [(False, True), (True, True), (True, False)], ids=["post", "pre", "pre-nobias"])
+def test_encoder_stack_matches_torch(norm_first, bias):
+    ours, ref = encoder_pair(norm_first, bias)
+    if not bias:
+        assert ours.norm.bias is None and not any(n.endswith("bias") for n, _ in ours.named_parameters())
     x1, x2 = leaf(torch.randn(B, T, D)), None
     x2 = leaf(x1)
     out, ref_out = ours(x1, key_padding_mask=TKPM), ref(x2, src_key_padding_mask=TKPM)

@@ -9,14 +9,18 @@ from .. import functional as SF
 from .._checks import check_choice, check_positive_int, check_probability
 from .attention import MultiHeadAttention
 from .ffn import PositionWiseFFN
+from .norm import LayerNorm
 from .residual import AddNorm, PreNormResidual
 
 __all__ = ["EncoderBlock", "DecoderBlock"]
 
 
-def _residual(norm_first: bool, d_model: int, dropout: float, norm: str, eps: float, kw: dict) -> nn.Module:
+def _residual(norm_first: bool, d_model: int, dropout: float, norm: str, eps: float, bias: bool, kw: dict) -> nn.Module:
     cls = PreNormResidual if norm_first else AddNorm
-    return cls(d_model, dropout, norm=norm, eps=eps, **kw)
+    residual = cls(d_model, dropout, norm=norm, eps=eps, **kw)
+    if not bias and norm == "layer":  # as nn.TransformerEncoderLayer(bias=False): no LayerNorm bias either
+        residual.norm = LayerNorm(d_model, eps, bias=False, **kw)
+    return residual
 
 
 class _Block(nn.Module):
@@ -37,7 +41,7 @@ class _Block(nn.Module):
 
     def _make_residual(self) -> nn.Module:
         b = self._build
-        return _residual(self.norm_first, self.d_model, b["dropout"], self.norm, b["eps"], b["kw"])
+        return _residual(self.norm_first, self.d_model, b["dropout"], self.norm, b["eps"], b["bias"], b["kw"])
 
     def _attn(self, **extra) -> MultiHeadAttention:
         b = self._build
@@ -60,6 +64,7 @@ class EncoderBlock(_Block):
         dropout: on attention weights, the FFN hidden and both residual branches (as torch does).
         activation: FFN activation name (see :class:`PositionWiseFFN`).
         norm_first: pre-norm when True. norm: ``"layer"`` or ``"rms"``. eps: the norms' eps.
+        bias: biases in the attention and FFN linears and the LayerNorms (``bias=False``: none, as in torch).
 
     Attributes:
         self_attn (:class:`MultiHeadAttention`), ffn (:class:`PositionWiseFFN`), attn_residual / ffn_residual

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from .. import functional as SF
 from .._checks import check_positive_int
 from .blocks import DecoderBlock, EncoderBlock
-from .norm import make_norm
+from .norm import LayerNorm, make_norm
 
 __all__ = ["TransformerEncoder", "TransformerDecoder"]
 
@@ -30,6 +30,8 @@ def _stack(block: nn.Module, n_layers: int, cls: type, final_norm: bool | None):
     if final_norm:
         ref = block.ffn_residual.norm
         norm = make_norm(block.norm, block.d_model, ref.eps, device=ref.weight.device, dtype=ref.weight.dtype)
+        if isinstance(ref, LayerNorm) and ref.bias is None:  # a bias=False block: a bias-free final norm too
+            norm = LayerNorm(block.d_model, ref.eps, bias=False, device=ref.weight.device, dtype=ref.weight.dtype)
     else:
         norm = None
     return layers, norm
