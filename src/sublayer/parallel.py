@@ -43,7 +43,17 @@ Pitfalls handled here:
 - ``need_weights=True`` under TP: the per-head weights are all-gathered (averaged ones all-reduced), so the
   returned weights equal one process's.
 
-FSDP2: :func:`fully_shard` applies ``torch.distributed.fsdp.fully_shard`` to every block, then to the root.
+- Saving: parameters are DTensors; ``save_pretrained`` needs plain tensors — gather a full state dict first
+  (``p.full_tensor()``, or ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` with
+  ``full_state_dict=True``), or save shards with ``torch.distributed.checkpoint``.
+
+FSDP2: :func:`fully_shard` applies ``torch.distributed.fsdp.fully_shard`` to every block, then to the root. On a
+2-D mesh, ``tensor_parallel(model, mesh["tp"])`` then ``fully_shard(model, mesh["dp"])`` trains like one process
+(checked by hand on 4 processes; not in CI). Known limit there: for a *gated* FFN, torch gathers the nested strided
+shard of ``fc1`` in the wrong row order in ``full_tensor()`` (training itself matched).
+
+:func:`launch` runs a function on N local processes (or as one rank under ``torchrun``): ``sublayer demo
+--nproc N`` uses it.
 """
 
 from __future__ import annotations
