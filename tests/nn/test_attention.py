@@ -31,9 +31,9 @@ def leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_(True)
 
 
-def run_pair(ours, ref, q, k=None, v=None, *, dead=None, ours_kw=None, ref_kw=None, check_weights=True):
+def run_pair(ours, ref, q, k=None, v=None, *, dead=None, ours_kw=None, ref_kw=None, check_weights=True, seed=None):
     """Forward and backward of both modules with one upstream gradient; compare outputs, weights, input grads
-    and every parameter grad. ``dead`` (B, T_q) bool marks query rows with no key left: there
+    and every parameter grad (``seed``: reseed the global RNG before each forward, for dropout). ``dead`` (B, T_q) bool marks query rows with no key left: there
     ``nn.MultiheadAttention`` may give NaN, so those rows are compared only where the reference is finite, and
     ours must give the attention-free output (``out_proj.bias``) with finite gradients."""
     ours_kw, ref_kw = dict(ours_kw or {}), dict(ref_kw or ours_kw or {})
@@ -42,7 +42,11 @@ def run_pair(ours, ref, q, k=None, v=None, *, dead=None, ours_kw=None, ref_kw=No
     v = k if v is None else v
     q1, k1, v1 = leaf(q), leaf(k), leaf(v)
     q2, k2, v2 = leaf(q), leaf(k), leaf(v)
+    if seed is not None:
+        torch.manual_seed(seed)
     out, w = ours(q1, None if self_attn else k1, None if self_attn else v1, **ours_kw)
+    if seed is not None:
+        torch.manual_seed(seed)
     ref_out, ref_w = ref(q2, q2 if self_attn else k2, q2 if self_attn else v2, **ref_kw)
     g = torch.randn_like(out)
     loss = (out * g).sum()
@@ -461,6 +465,22 @@ def test_dropout_active_in_training_only():
     torch.testing.assert_close(w1, w2)  # same seed → same dropout mask
 
 
+@pytest.mark.parametrize("need_weights", [False, True], ids=["sdpa", "weights"])
+def test_training_dropout_matches_torch_same_seed(need_weights):
+    """With dropout > 0 in training both draw one dropout mask over the (B·H, T, S) weights from the global RNG
+    (torch 2.13's SDPA and its explicit path alike), so the same seed gives the same output, the same returned
+    weights (after dropout, as torch returns them) and the same gradients."""
+    ref = randomize_(nn.MultiheadAttention(D, H, dropout=0.3, batch_first=True))
+    ours = mha_from_torch(ref)
+    assert ours.training and ref.training
+    x = torch.randn(B, T, D)
+    kpm = torch.arange(T)[None, :] >= torch.tensor([T, 5, 3])[:, None]
+    torch.manual_seed(11)
+    a, _ = ours(x, key_padding_mask=kpm)
+    out = run_pair(ours, ref, x, ours_kw={"key_padding_mask": kpm, "need_weights": need_weights}, seed=12)
+    assert not torch.allclose(out[0], a), "dropout is active: another mask gives another output"
+
+
 # --------------------------------------------------------------------------- bad input
 
 
@@ -513,6 +533,12 @@ def test_qkv_dtype_mismatch(mha):
         mha(x, x.double(), x)
     with pytest.raises(TypeError, match=r"value dtype torch.float16 does not match query dtype torch.float32"):
         mha(x, x, x.half())
+
+
+def test_qkv_device_mismatch(mha):
+    x = torch.randn(2, 4, 6)
+    with pytest.raises(ValueError, match=r"key device meta does not match query device cpu"):
+        mha(x, torch.empty(2, 4, 6, device="meta"), x)
 
 
 def test_query_must_be_3d(mha):

@@ -165,7 +165,9 @@ def attention(
         weights = scores.softmax(dim=-1)
         if dead is not None:
             weights = weights.masked_fill(dead, 0.0)
-        out = F.dropout(weights, p, training) @ v
+        # the weights returned are the ones applied, after dropout (as nn.MultiheadAttention and HF's eager path)
+        weights = F.dropout(weights, p, training)
+        out = weights @ v
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=sdpa_causal, scale=scale)
     if dead is not None:
