@@ -45,7 +45,7 @@ SHAPES = [
     Shape("BERT-base 32x128", 32, 128, 768, 3072, 12),
     Shape("MiniLM 64x128", 64, 128, 384, 1536, 12),
 ]
-QUICK_SHAPES = [Shape("tutorial 8x256 d512", 8, 256, 512, 2048, 8)]
+QUICK_SHAPES = [Shape("tutorial-quick 2x128 d512", 2, 128, 512, 2048, 8)]
 DROPOUT = 0.1
 
 
@@ -355,15 +355,34 @@ def run_bench(
     quick: bool = False,
     use_compile: bool | None = None,
     reps: int | None = None,
+    threads: int | None = None,
+    shapes: str | None = None,
     log: Callable[[str], None] = print,
 ) -> list[Row]:
-    """Run every case; write bench.json / bench.md / bench.png to ``out``; return the rows."""
+    """Run every case; write bench.json / bench.md / bench.png to ``out``; return the rows.
+
+    Raises:
+        ValueError: ``shapes`` matches no shape, or ``reps``/``threads`` below 1.
+    """
     from . import kernels
 
+    if reps is not None and reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    all_shapes = QUICK_SHAPES if quick else SHAPES
+    if shapes:
+        keys = [k.strip().lower() for k in shapes.split(",") if k.strip()]
+        picked = [s for s in all_shapes if any(k in s.name.lower() for k in keys)]
+        if not picked:
+            raise ValueError(f"--shapes {shapes!r} matches none of: {', '.join(s.name for s in all_shapes)}")
+        all_shapes = picked
+    shapes = all_shapes
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    shapes = QUICK_SHAPES if quick else SHAPES
-    reps = reps or (5 if quick else 9)
+    reps = reps or (3 if quick else 7)
     warmup = 1 if quick else 2
     use_compile = (not quick) if use_compile is None else use_compile
     kernels.available()  # build first so the first timing does not include it
@@ -377,9 +396,9 @@ def run_bench(
         "dropout": DROPOUT,
     }
     rows: list[Row] = []
-    copy = {dt: _copy_gbps(shapes[0].tokens * shapes[0].d, dt, reps) for dt in (torch.float32, torch.bfloat16)}
     t_start = time.perf_counter()
     for s in shapes:
+        copy = {dt: _copy_gbps(s.tokens * s.d, dt, max(reps, 5)) for dt in (torch.float32, torch.bfloat16)}
         for mode in ("training", "forward"):
             for bf16 in (False, True):
                 comp = use_compile and not bf16 and s is shapes[0]
@@ -420,8 +439,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", dest="use_compile", action="store_true", default=None)
     ap.add_argument("--no-compile", dest="use_compile", action="store_false")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--shapes", default=None)
     a = ap.parse_args(argv)
-    run_bench(a.out, quick=a.quick, use_compile=a.use_compile, reps=a.reps)
+    run_bench(a.out, quick=a.quick, use_compile=a.use_compile, reps=a.reps, threads=a.threads, shapes=a.shapes)
 
 
 if __name__ == "__main__":

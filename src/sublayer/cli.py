@@ -47,6 +47,9 @@ def info() -> None:
         rows["amx-bf16"] = "yes" if "amx_bf16" in flags else "no"
     except (OSError, IndexError):
         pass
+    from . import kernels
+
+    rows["fast kernels"] = kernels.status()  # builds (or loads the cached) C++ extension once
     for k, v in rows.items():
         typer.echo(f"{k:16s} {v}")
 
@@ -219,6 +222,26 @@ def embed(
         vectors = net.embed(ids, mask, types)
     rows = [{"text": text, "embedding": v} for text, v in zip(texts, vectors.tolist())]
     typer.echo(json.dumps(rows))
+
+
+# --- bench: sublayer's fused CPU paths vs eager PyTorch ------------------------------------------------------
+
+
+@app.command()
+def bench(
+    out: Path = typer.Option(Path("runs/bench"), "--out", "-o", help="Folder for bench.json, bench.md, bench.png."),
+    quick: bool = typer.Option(False, "--quick", help="One small shape, fewer repetitions (about a minute)."),
+    compile: Optional[bool] = typer.Option(
+        None, "--compile/--no-compile", help="Also time torch.compile of the eager references (default: full runs)."
+    ),
+    reps: Optional[int] = typer.Option(None, "--reps", min=1, help="Timed repetitions per case (median reported)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's)."),
+    shapes: Optional[str] = typer.Option(None, "--shapes", help="Comma-separated substrings of shape names to run."),
+) -> None:
+    """Time sublayer's fused FFN / Add & Norm / EncoderBlock against eager PyTorch, HF and torch.compile."""
+    from .bench import run_bench
+
+    run_bench(out, quick=quick, use_compile=compile, reps=reps, threads=threads, shapes=shapes, log=typer.echo)
 
 
 def main() -> None:

@@ -4,8 +4,8 @@
 //    backward, statistics in float32 (float64 for float64), two-pass variance; dx and dy from the same pass.
 //  * act_fwd / act_bwd: bias + activation + dropout in one elementwise pass between the FFN's GEMMs, and its
 //    backward (bias gradient reduced in the same pass). act 0 (identity) is "bias + dropout".
-//  * Dropout is a counter-based Philox4x32-10 stream: element e (row-major flat index) keeps iff its 32-bit word
-//    (see philox_fill) >= p * 2^32. The mask is regenerated in backward from the seed; none is stored.
+//  * Dropout is a counter-based Philox4x32-10 stream: element e (row-major flat index) keeps iff its 16-bit draw
+//    (see philox_fill) >= round(p * 2^16). The mask is regenerated in backward from the seed; none is stored.
 //
 // Tensors come in contiguous and 2-D from Python (sublayer/functional/fused.py does the checks). Storage types:
 // float, double and bfloat16 (as raw uint16 with round-to-nearest-even, written so the compiler vectorises it).
@@ -130,23 +130,47 @@ inline void philox_block(uint64_t blk, uint64_t seed, uint32_t* out32) {
 inline void philox_block(uint64_t blk, uint64_t seed, uint32_t* out32) { philox_block_scalar(blk, seed, out32); }
 #endif
 
-// out[i] = the random word of element start + i, for i in [0, n).
-void philox_fill(uint64_t start, int64_t n, uint64_t seed, uint32_t* out) {
+// Raw 32-bit words: out[i] = word (start + i) of the stream (word w of a block of 32 is word w / 8 of counter w % 8).
+void philox_words_fill(uint64_t start, int64_t n, uint64_t seed, uint32_t* out) {
   if (n <= 0) return;
   const uint64_t end = start + uint64_t(n);
   alignas(32) uint32_t tmp[32];
   for (uint64_t blk = start / 32; blk * 32 < end; ++blk) {
     const uint64_t b0 = blk * 32;
-    if (b0 >= start && b0 + 32 <= end) {
-      philox_block(blk, seed, out + (b0 - start));
+    philox_block(blk, seed, tmp);
+    const uint64_t lo = std::max(b0, start), hi = std::min(b0 + 32, end);
+    for (uint64_t e = lo; e < hi; ++e) out[e - start] = tmp[e - b0];
+  }
+}
+
+// Dropout draws: 16 bits per element. Element e uses block e / 64: its word (e % 64) % 32, low half for
+// e % 64 < 32, high half otherwise. out[i] (0..65535) is the draw of element start + i, for i in [0, n).
+void philox_fill(uint64_t start, int64_t n, uint64_t seed, uint32_t* out) {
+  if (n <= 0) return;
+  const uint64_t end = start + uint64_t(n);
+  alignas(32) uint32_t w[32];
+  for (uint64_t blk = start / 64; blk * 64 < end; ++blk) {
+    const uint64_t b0 = blk * 64;
+    philox_block(blk, seed, w);
+    if (b0 >= start && b0 + 64 <= end) {
+      uint32_t* o = out + (b0 - start);
+#pragma omp simd
+      for (int i = 0; i < 32; ++i) {
+        o[i] = w[i] & 0xffffu;
+        o[32 + i] = w[i] >> 16;
+      }
     } else {
-      philox_block(blk, seed, tmp);
-      const uint64_t lo = std::max(b0, start), hi = std::min(b0 + 32, end);
-      for (uint64_t e = lo; e < hi; ++e) out[e - start] = tmp[e - b0];
+      const uint64_t lo = std::max(b0, start), hi = std::min(b0 + 64, end);
+      for (uint64_t e = lo; e < hi; ++e) {
+        const uint64_t i = e - b0;
+        out[e - start] = i < 32 ? (w[i] & 0xffffu) : (w[i - 32] >> 16);
+      }
     }
   }
 }
 
+// keep iff draw >= thr, thr = round(p * 2^16): the keep probability is 1 - p rounded to a multiple of 2^-16 (the
+// scale stays 1/(1-p), as F.dropout's).
 struct Drop {
   bool on;
   uint32_t thr;
@@ -154,8 +178,8 @@ struct Drop {
   uint64_t seed;
   Drop(double p, int64_t s) : on(p > 0), thr(0), scale(1.0), seed(uint64_t(s)) {
     if (on) {
-      const double t = std::nearbyint(p * 4294967296.0);
-      thr = t >= 4294967295.0 ? 0xffffffffu : uint32_t(t);
+      const double t = std::nearbyint(p * 65536.0);
+      thr = t >= 65535.0 ? 65535u : uint32_t(std::max(t, 1.0));
       scale = 1.0 / (1.0 - p);
     }
   }
@@ -190,6 +214,7 @@ void add_norm_fwd_impl(const Tensor& x, const Tensor& y, const Tensor& w, const 
   A* mp = static_cast<A*>(mean.data_ptr());
   A* rp = static_cast<A*>(rstd.data_ptr());
   const A scale = A(dr.scale), aeps = A(eps), inv_d = A(1) / A(d);
+  const int32_t thr = int32_t(dr.thr);  // draws are 16-bit: a signed compare vectorises
   at::parallel_for(0, N, std::max<int64_t>(1, 16384 / d), [&](int64_t r0, int64_t r1) {
     std::vector<A> s(d);
     std::vector<uint32_t> rnd(dr.on ? d : 0);
@@ -201,7 +226,7 @@ void add_norm_fwd_impl(const Tensor& x, const Tensor& y, const Tensor& w, const 
       if (dr.on) {
 #pragma omp simd reduction(+ : acc)
         for (int64_t j = 0; j < d; ++j) {
-          const A yv = rnd[j] >= dr.thr ? Elt<TY>::ld(yr[j]) * scale : A(0);
+          const A yv = Elt<TY>::ld(yr[j]) * (A(int32_t(rnd[j]) >= thr) * scale);
           const A v = Elt<TO>::ld(Elt<TO>::st(Elt<TX>::ld(xr[j]) + yv));  // the sum, rounded to the output type
           s[j] = v;
           acc += v;
@@ -256,6 +281,7 @@ void add_norm_bwd_impl(const Tensor& g, const Tensor& sum, const Tensor& mean, c
   const int64_t nch = n_chunks(N), rows_per = (N + nch - 1) / nch;
   std::vector<A> pw(want_dw ? nch * d : 0), pb(want_db ? nch * d : 0);
   const A scale = A(dr.scale), inv_d = A(1) / A(d);
+  const int32_t thr = int32_t(dr.thr);  // draws are 16-bit: a signed compare vectorises
   at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
     std::vector<A> xh(d), gx(d);
     std::vector<uint32_t> rnd(dr.on && dyp ? d : 0);
@@ -300,7 +326,7 @@ void add_norm_bwd_impl(const Tensor& g, const Tensor& sum, const Tensor& mean, c
             for (int64_t j = 0; j < d; ++j) {
               const A ds = rs * (gx[j] - a - xh[j] * bb);
               dxr[j] = Elt<TX>::st(ds);
-              dyr[j] = Elt<TY>::st(rnd[j] >= dr.thr ? ds * scale : A(0));
+              dyr[j] = Elt<TY>::st(ds * (A(int32_t(rnd[j]) >= thr) * scale));
             }
           } else {
 #pragma omp simd
@@ -456,6 +482,7 @@ void act_fwd_impl(const Tensor& a, const Tensor& b, Tensor& out, const Drop& dr)
   auto* op = ptr<T>(out);
   const A* bp = b.defined() ? static_cast<const A*>(b.data_ptr()) : nullptr;
   const A scale = A(dr.scale);
+  const int32_t thr = int32_t(dr.thr);  // draws are 16-bit: a signed compare vectorises
   at::parallel_for(0, N, std::max<int64_t>(1, 16384 / f), [&](int64_t r0, int64_t r1) {
     std::vector<uint32_t> rnd(dr.on ? f : 0);
     std::vector<A> z(f);
@@ -476,7 +503,7 @@ void act_fwd_impl(const Tensor& a, const Tensor& b, Tensor& out, const Drop& dr)
           for (int64_t j = 0; j < f; ++j) z[j] = act_f<act>(z[j]);  // separate loop: keeps both vectorised
         }
 #pragma omp simd
-        for (int64_t j = 0; j < f; ++j) orow[j] = Elt<T>::st(rnd[j] >= dr.thr ? z[j] * scale : A(0));
+        for (int64_t j = 0; j < f; ++j) orow[j] = Elt<T>::st(z[j] * (A(int32_t(rnd[j]) >= thr) * scale));
       } else {
 #pragma omp simd
         for (int64_t j = 0; j < f; ++j) orow[j] = Elt<T>::st(act_f<act>(z[j]));
@@ -501,9 +528,11 @@ void act_bwd_impl(const Tensor& dh, const Tensor& saved, const Tensor& b, Tensor
   const int64_t nch = n_chunks(N), rows_per = (N + nch - 1) / nch;
   std::vector<A> pb(want_db ? nch * f : 0);
   const A scale = A(dr.scale);
+  const int32_t thr = int32_t(dr.thr);  // draws are 16-bit: a signed compare vectorises
   at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
     std::vector<uint32_t> rnd(dr.on ? f : 0);
     std::vector<A> m(f, scale);  // keep * scale per column
+    std::vector<A> z(f);
     for (int64_t c = c0; c < c1; ++c) {
       A* cb = want_db ? pb.data() + c * f : nullptr;
       if (cb) std::fill(cb, cb + f, A(0));
@@ -519,20 +548,27 @@ void act_bwd_impl(const Tensor& dh, const Tensor& saved, const Tensor& b, Tensor
           if (dr.on) {
             philox_fill(uint64_t(r) * f, f, dr.seed, rnd.data());
 #pragma omp simd
-            for (int64_t j = 0; j < f; ++j) m[j] = rnd[j] >= dr.thr ? scale : A(0);
+            for (int64_t j = 0; j < f; ++j) m[j] = A(int32_t(rnd[j]) >= thr) * scale;
           }
           if constexpr (act == IDENT) {
 #pragma omp simd
             for (int64_t j = 0; j < f; ++j) dr_[j] = Elt<T>::st(Elt<T>::ld(gr[j]) * m[j]);
           } else {
             const auto* ar = svp + r * f;
-            auto* hr = hp ? hp + r * f : nullptr;
+            if (bp) {
 #pragma omp simd
-            for (int64_t j = 0; j < f; ++j) {
-              const A z = Elt<T>::ld(ar[j]) + (bp ? bp[j] : A(0));
-              if (hr) hr[j] = Elt<T>::st(act_f<act>(z) * m[j]);
-              dr_[j] = Elt<T>::st(Elt<T>::ld(gr[j]) * m[j] * act_df<act>(z));
+              for (int64_t j = 0; j < f; ++j) z[j] = Elt<T>::ld(ar[j]) + bp[j];
+            } else {
+#pragma omp simd
+              for (int64_t j = 0; j < f; ++j) z[j] = Elt<T>::ld(ar[j]);
             }
+            if (hp) {
+              auto* hr = hp + r * f;
+#pragma omp simd
+              for (int64_t j = 0; j < f; ++j) hr[j] = Elt<T>::st(act_f<act>(z[j]) * m[j]);
+            }
+#pragma omp simd
+            for (int64_t j = 0; j < f; ++j) dr_[j] = Elt<T>::st(Elt<T>::ld(gr[j]) * m[j] * act_df<act>(z[j]));
           }
         }
         if (cb) {
@@ -612,7 +648,7 @@ Tensor philox_words(int64_t start, int64_t n, int64_t seed, bool scalar) {
       w[i] = tmp[e % 32];
     }
   } else {
-    philox_fill(uint64_t(start), n, uint64_t(seed), w.data());
+    philox_words_fill(uint64_t(start), n, uint64_t(seed), w.data());
   }
   auto* op = out.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) op[i] = int64_t(w[i]);
