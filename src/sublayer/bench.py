@@ -164,6 +164,12 @@ def _copy_gbps(n_elem: int, dtype: torch.dtype, reps: int) -> float:
     return 2 * a.numel() * a.element_size() / (t * 1e-3) / 1e9
 
 
+def _saved_extra(row: Row, saved: dict[str, int]) -> None:
+    for name, b in saved.items():
+        row.extra[f"saved MiB {name}"] = round(b / 2**20, 3)
+    row.extra["saved ratio"] = round(saved["sublayer"] / saved["eager"], 3) if saved["eager"] else float("nan")
+
+
 def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compile: bool) -> Row:
     import sublayer
 
@@ -201,6 +207,7 @@ def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compi
     row.extra["sublayer / GEMMs alone"] = round(res["sublayer"][0] / res["gemms"][0], 3)
     row.extra["eager / GEMMs alone"] = round(res["eager"][0] / res["gemms"][0], 3)
     if mode == "training":
+        saved: dict[str, int] = {}
         for name, m in (("eager", eager), ("sublayer", ours)):
             m.train()
 
@@ -208,8 +215,8 @@ def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compi
                 with _autocast(bf16):
                     return m(x)
 
-            row.extra[f"saved MB {name}"] = round(_saved_bytes(fwd, list(m.parameters())) / 2**20, 2)
-        row.extra["saved ratio"] = round(row.extra["saved MB sublayer"] / row.extra["saved MB eager"], 3)
+            saved[name] = _saved_bytes(fwd, list(m.parameters()))
+        _saved_extra(row, saved)
     return row
 
 
@@ -239,9 +246,10 @@ def bench_add_norm(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_
     row.extra["sublayer GB/s"] = round(nbytes / (res["sublayer"][0] * 1e-3) / 1e9, 2)
     row.extra["copy GB/s"] = round(copy_gbps, 2)
     if mode == "training":
+        saved = {}
         for name, m in (("eager", eager), ("sublayer", ours)):
-            row.extra[f"saved MB {name}"] = round(_saved_bytes(lambda m=m: m(x, y), list(m.parameters())) / 2**20, 2)
-        row.extra["saved ratio"] = round(row.extra["saved MB sublayer"] / row.extra["saved MB eager"], 3)
+            saved[name] = _saved_bytes(lambda m=m: m(x, y), list(m.parameters()))
+        _saved_extra(row, saved)
     return row
 
 
@@ -357,6 +365,7 @@ def run_bench(
     reps: int | None = None,
     threads: int | None = None,
     shapes: str | None = None,
+    dtypes: str = "fp32,bf16",
     log: Callable[[str], None] = print,
 ) -> list[Row]:
     """Run every case; write bench.json / bench.md / bench.png to ``out``; return the rows.
@@ -380,6 +389,9 @@ def run_bench(
             raise ValueError(f"--shapes {shapes!r} matches none of: {', '.join(s.name for s in all_shapes)}")
         all_shapes = picked
     shapes = all_shapes
+    dts = [t.strip().lower() for t in dtypes.split(",") if t.strip()]
+    if not dts or set(dts) - {"fp32", "bf16"}:
+        raise ValueError(f"dtypes must be a comma-separated subset of fp32,bf16, got {dtypes!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     reps = reps or (3 if quick else 7)
@@ -394,13 +406,15 @@ def run_bench(
         "quick": quick,
         "reps": reps,
         "dropout": DROPOUT,
+        "dtypes": dts,
+        "native bf16 GEMM": kernels.native_bf16_gemm(),
     }
     rows: list[Row] = []
     t_start = time.perf_counter()
     for s in shapes:
         copy = {dt: _copy_gbps(s.tokens * s.d, dt, max(reps, 5)) for dt in (torch.float32, torch.bfloat16)}
         for mode in ("training", "forward"):
-            for bf16 in (False, True):
+            for bf16 in [dt == "bf16" for dt in ("fp32", "bf16") if dt in dts]:
                 comp = use_compile and not bf16 and s is shapes[0]
                 steps = [
                     lambda: [bench_add_norm(s, bf16, mode, reps, warmup, comp, copy[torch.bfloat16 if bf16 else torch.float32])],
@@ -441,8 +455,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--shapes", default=None)
+    ap.add_argument("--dtypes", default="fp32,bf16")
     a = ap.parse_args(argv)
-    run_bench(a.out, quick=a.quick, use_compile=a.use_compile, reps=a.reps, threads=a.threads, shapes=a.shapes)
+    run_bench(
+        a.out, quick=a.quick, use_compile=a.use_compile, reps=a.reps, threads=a.threads, shapes=a.shapes,
+        dtypes=a.dtypes,
+    )
 
 
 if __name__ == "__main__":

@@ -237,11 +237,14 @@ def bench(
     reps: Optional[int] = typer.Option(None, "--reps", min=1, help="Timed repetitions per case (median reported)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's)."),
     shapes: Optional[str] = typer.Option(None, "--shapes", help="Comma-separated substrings of shape names to run."),
+    dtypes: str = typer.Option("fp32,bf16", "--dtypes", help="fp32 and/or bf16 (bf16: autocast for FFN/blocks)."),
 ) -> None:
     """Time sublayer's fused FFN / Add & Norm / EncoderBlock against eager PyTorch, HF and torch.compile."""
     from .bench import run_bench
 
-    run_bench(out, quick=quick, use_compile=compile, reps=reps, threads=threads, shapes=shapes, log=typer.echo)
+    run_bench(
+        out, quick=quick, use_compile=compile, reps=reps, threads=threads, shapes=shapes, dtypes=dtypes, log=typer.echo
+    )
 
 
 def main() -> None:
