@@ -172,7 +172,11 @@ def test_causal_mask_is_bottom_right_aligned(t_q, extra):
     assert torch.equal(m, torch.ones(t_q, t_k, dtype=torch.bool).tril(diagonal=extra))
     assert m[-1].all(), "the last query sees every key"
     # a query block that continues a prefix gives the rows of the full causal pass
-    q, k, v = torch.randn(1, 2, t_k, 3, dtype=torch.float64), torch.randn(1, 2, t_k, 3, dtype=torch.float64), torch.randn(1, 2, t_k, 3, dtype=torch.float64)
+    q, k, v = (
+        torch.randn(1, 2, t_k, 3, dtype=torch.float64),
+        torch.randn(1, 2, t_k, 3, dtype=torch.float64),
+        torch.randn(1, 2, t_k, 3, dtype=torch.float64),
+    )
     full, _ = attention(q, k, v, is_causal=True)
     tail, _ = attention(q[..., extra:, :], k, v, is_causal=True)
     torch.testing.assert_close(tail, full[..., extra:, :])
@@ -216,7 +220,9 @@ def test_dead_rows_give_zeros_and_zero_grads(need_weights):
     assert (out[:, :, 2] == 0).all()
     if need_weights:
         assert (w[:, :, 2] == 0).all()
-        torch.testing.assert_close(w[:, :, [i for i in range(T) if i != 2]].sum(-1), torch.ones(B, H, T - 1, dtype=torch.float64))
+        torch.testing.assert_close(
+            w[:, :, [i for i in range(T) if i != 2]].sum(-1), torch.ones(B, H, T - 1, dtype=torch.float64)
+        )
     out.sum().backward()
     assert (q.grad[:, :, 2] == 0).all() and torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
 

@@ -87,7 +87,7 @@ def stack_pairs(ours: nn.Module, ref: nn.Module) -> list[Pair]:
     if (ours.norm is None) != (ref.norm is None):
         raise ValueError(f"final norms differ: {ours.norm!r} vs {ref.norm!r}")
     pairs: list[Pair] = []
-    for i, (a, b) in enumerate(zip(ours.layers, ref.layers)):
+    for i, (a, b) in enumerate(zip(ours.layers, ref.layers, strict=True)):
         fn = encoder_layer_pairs if isinstance(b, nn.TransformerEncoderLayer) else decoder_layer_pairs
         pairs += fn(a, b, f"layers.{i}")
     if ours.norm is not None:
@@ -263,7 +263,12 @@ def _module_cases() -> list[ModuleCase]:
 
     return [
         ModuleCase("PositionWiseFFN", lambda **kw: S.PositionWiseFFN(CD, CF, **kw), _one),
-        ModuleCase("PositionWiseFFN_swiglu", lambda **kw: S.PositionWiseFFN(CD, CF, d_out=7, activation="swiglu", **kw), _one, 7),
+        ModuleCase(
+            "PositionWiseFFN_swiglu",
+            lambda **kw: S.PositionWiseFFN(CD, CF, d_out=7, activation="swiglu", **kw),
+            _one,
+            7,
+        ),
         ModuleCase("Conv1D", lambda **kw: S.Conv1D(7, CD, **kw), _one, 7),
         ModuleCase("LayerNorm", lambda **kw: S.LayerNorm(CD, **kw), _one),
         ModuleCase("RMSNorm", lambda **kw: S.RMSNorm(CD, **kw), _one),
@@ -272,12 +277,26 @@ def _module_cases() -> list[ModuleCase]:
         ModuleCase("ResidualConnection", lambda **kw: S.ResidualConnection(**kw), _with_tanh),
         ModuleCase("PreNormResidual", lambda **kw: S.PreNormResidual(CD, **kw), _with_tanh),
         ModuleCase("MultiHeadAttention", lambda **kw: S.MultiHeadAttention(CD, CH, **kw), _self_attn),
-        ModuleCase("MultiHeadAttention_cross", lambda **kw: S.MultiHeadAttention(CD, CH, kdim=7, vdim=5, **kw), _cross_attn),
+        ModuleCase(
+            "MultiHeadAttention_cross", lambda **kw: S.MultiHeadAttention(CD, CH, kdim=7, vdim=5, **kw), _cross_attn
+        ),
         ModuleCase("EncoderBlock", lambda **kw: S.EncoderBlock(CD, CH, CF, **kw), _encoder),
-        ModuleCase("EncoderBlock_prenorm_rms", lambda **kw: S.EncoderBlock(CD, CH, CF, norm_first=True, norm="rms", **kw), _encoder),
+        ModuleCase(
+            "EncoderBlock_prenorm_rms",
+            lambda **kw: S.EncoderBlock(CD, CH, CF, norm_first=True, norm="rms", **kw),
+            _encoder,
+        ),
         ModuleCase("DecoderBlock", lambda **kw: S.DecoderBlock(CD, CH, CF, activation="gelu", **kw), _decoder),
-        ModuleCase("TransformerEncoder", lambda **kw: S.TransformerEncoder(S.EncoderBlock(CD, CH, CF, norm_first=True, **kw), 2), _encoder),
-        ModuleCase("TransformerDecoder", lambda **kw: S.TransformerDecoder(S.DecoderBlock(CD, CH, CF, norm_first=True, **kw), 2), _decoder),
+        ModuleCase(
+            "TransformerEncoder",
+            lambda **kw: S.TransformerEncoder(S.EncoderBlock(CD, CH, CF, norm_first=True, **kw), 2),
+            _encoder,
+        ),
+        ModuleCase(
+            "TransformerDecoder",
+            lambda **kw: S.TransformerDecoder(S.DecoderBlock(CD, CH, CF, norm_first=True, **kw), 2),
+            _decoder,
+        ),
     ]
 
 

@@ -33,9 +33,11 @@ def leaf(t: torch.Tensor) -> torch.Tensor:
 
 def run_pair(ours, ref, q, k=None, v=None, *, dead=None, ours_kw=None, ref_kw=None, check_weights=True, seed=None):
     """Forward and backward of both modules with one upstream gradient; compare outputs, weights, input grads
-    and every parameter grad (``seed``: reseed the global RNG before each forward, for dropout). ``dead`` (B, T_q) bool marks query rows with no key left: there
-    ``nn.MultiheadAttention`` may give NaN, so those rows are compared only where the reference is finite, and
-    ours must give the attention-free output (``out_proj.bias``) with finite gradients."""
+    and every parameter grad (``seed``: reseed the global RNG before each forward, for dropout).
+
+    ``dead`` (B, T_q) bool marks query rows with no key left: there ``nn.MultiheadAttention`` may give NaN, so
+    those rows are compared only where the reference is finite, and ours must give the attention-free output
+    (``out_proj.bias``) with finite gradients."""
     ours_kw, ref_kw = dict(ours_kw or {}), dict(ref_kw or ours_kw or {})
     self_attn = k is None
     k = q if k is None else k
@@ -76,8 +78,10 @@ def run_pair(ours, ref, q, k=None, v=None, *, dead=None, ours_kw=None, ref_kw=No
         expected_dead = (ours.out_proj.bias if ours.out_proj.bias is not None else torch.zeros(D)).expand_as(out)
         torch.testing.assert_close(out[dead], expected_dead[dead])
         if w is not None:
-            torch.testing.assert_close(w[live] if w.dim() == 3 else w.transpose(1, 2)[live], 
-                                       ref_w[live] if w.dim() == 3 else ref_w.transpose(1, 2)[live])
+            torch.testing.assert_close(
+                w[live] if w.dim() == 3 else w.transpose(1, 2)[live],
+                ref_w[live] if w.dim() == 3 else ref_w.transpose(1, 2)[live],
+            )
             dead_w = w[dead] if w.dim() == 3 else w.transpose(1, 2)[dead]
             assert (dead_w == 0).all()
         for t in (q1, k1, v1, *ours.parameters()):
@@ -153,7 +157,9 @@ def _attn_masks(kind: str):
 
 
 @pytest.mark.parametrize("need_weights", [False, True], ids=["no_weights", "weights"])
-@pytest.mark.parametrize("kind", ["bool_2d", "float_2d", "bool_3d", "float_3d", "bool_4d", "float_4d", "bool_b1", "float_1h"])
+@pytest.mark.parametrize(
+    "kind", ["bool_2d", "float_2d", "bool_3d", "float_3d", "bool_4d", "float_4d", "bool_b1", "float_1h"]
+)
 def test_attn_mask_matches_torch(kind, need_weights):
     ours, ref = make_pair()
     q, mem = torch.randn(B, T, D), torch.randn(B, S, D)
@@ -247,7 +253,9 @@ def _dead_masks(kind: str):
 def test_fully_padded_rows_match_torch_elsewhere(kind, need_weights):
     ours, ref = make_pair()
     kpm, dead = _dead_masks(kind)
-    run_pair(ours, ref, torch.randn(B, T, D), dead=dead, ours_kw={"key_padding_mask": kpm, "need_weights": need_weights})
+    run_pair(
+        ours, ref, torch.randn(B, T, D), dead=dead, ours_kw={"key_padding_mask": kpm, "need_weights": need_weights}
+    )
 
 
 @pytest.mark.parametrize("need_weights", [False, True], ids=["no_weights", "weights"])
@@ -290,7 +298,8 @@ def test_fully_masked_rows_zero_output_and_finite_grads(kind, need_weights):
 
 
 def test_causal_query_longer_than_keys_gives_dead_rows():
-    """Bottom-right causal alignment with T_q > T_k: the first T_q − T_k queries see no key → zeros, finite grads."""
+    """Bottom-right causal alignment with T_q > T_k: the first T_q − T_k queries see no key → zeros, finite
+    grads."""
     mha = randomize_(MultiHeadAttention(D, H))
     q, kv = leaf(torch.randn(B, T, D)), leaf(torch.randn(B, S, D))
     for need_weights in (False, True):
@@ -341,7 +350,12 @@ def test_padded_tokens_do_not_change_real_positions(seed, lengths, causal):
 
 
 @_small
-@given(seed=st.integers(0, 2**16), kind=st.sampled_from(["bool", "float"]), causal=st.booleans(), need_weights=st.booleans())
+@given(
+    seed=st.integers(0, 2**16),
+    kind=st.sampled_from(["bool", "float"]),
+    causal=st.booleans(),
+    need_weights=st.booleans(),
+)
 def test_all_false_padding_mask_equals_no_mask(seed, kind, causal, need_weights):
     g = _gen(seed)
     mha = MultiHeadAttention(D, H)
@@ -360,7 +374,11 @@ def test_all_false_padding_mask_equals_no_mask(seed, kind, causal, need_weights)
 def test_permuting_keys_with_values_leaves_output_unchanged(seed, s):
     g = _gen(seed)
     mha = MultiHeadAttention(D, H, kdim=KDIM, vdim=VDIM)
-    q, k, v = torch.randn(2, T, D, generator=g), torch.randn(2, s, KDIM, generator=g), torch.randn(2, s, VDIM, generator=g)
+    q, k, v = (
+        torch.randn(2, T, D, generator=g),
+        torch.randn(2, s, KDIM, generator=g),
+        torch.randn(2, s, VDIM, generator=g),
+    )
     kpm = torch.rand(2, s, generator=g) < 0.3
     kpm[:, 0] = False
     perm = torch.randperm(s, generator=g)
@@ -413,7 +431,9 @@ def test_kv_cache_with_padding_mask_over_cached_keys():
     with torch.no_grad():
         full, _ = mha(x, key_padding_mask=kpm, is_causal=True)
         cache = KVCache()
-        outs = [mha(x[:, t : t + 1], key_padding_mask=kpm[:, : t + 1], is_causal=True, kv_cache=cache)[0] for t in range(T)]
+        outs = [
+            mha(x[:, t : t + 1], key_padding_mask=kpm[:, : t + 1], is_causal=True, kv_cache=cache)[0] for t in range(T)
+        ]
     torch.testing.assert_close(torch.cat(outs, dim=1), full)
 
 
@@ -523,7 +543,9 @@ def test_wrong_padding_mask_shape(mha, shape):
 
 @pytest.mark.parametrize("shape", [(4, 5), (3, 4, 4), (2, 3, 4, 4), (3, 2, 4, 4), (2, 2, 4, 5), (4,)], ids=str)
 def test_wrong_attn_mask_shape(mha, shape):
-    with pytest.raises(ValueError, match=r"attn_mask must have shape \(4, 4\), \(4, 4, 4\) or \(2 or 1, 2 or 1, 4, 4\), got"):
+    with pytest.raises(
+        ValueError, match=r"attn_mask must have shape \(4, 4\), \(4, 4, 4\) or \(2 or 1, 2 or 1, 4, 4\), got"
+    ):
         mha(torch.randn(2, 4, 6), attn_mask=torch.zeros(shape, dtype=torch.bool))
 
 

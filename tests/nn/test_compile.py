@@ -35,7 +35,10 @@ def _fresh_dynamo():
 
 
 def _leafs(args):
-    return tuple(a.detach().clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    return tuple(
+        a.detach().clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+        for a in args
+    )
 
 
 @pytest.mark.parametrize("case", MODULE_CASES, ids=[c.name for c in MODULE_CASES])
@@ -67,11 +70,15 @@ def test_aot_compile_forward_and_backward_match_eager(name):
     a1, a2 = _leafs(args), _leafs(args)
     compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
     out_c = output(compiled(*a1, **kwargs))
-    grads_c = torch.autograd.grad(out_c.square().sum(), [p for p in m.parameters()] + [a for a in a1 if isinstance(a, torch.Tensor)])
+    grads_c = torch.autograd.grad(
+        out_c.square().sum(), [p for p in m.parameters()] + [a for a in a1 if isinstance(a, torch.Tensor)]
+    )
     out_e = output(m(*a2, **kwargs))
-    grads_e = torch.autograd.grad(out_e.square().sum(), [p for p in m.parameters()] + [a for a in a2 if isinstance(a, torch.Tensor)])
+    grads_e = torch.autograd.grad(
+        out_e.square().sum(), [p for p in m.parameters()] + [a for a in a2 if isinstance(a, torch.Tensor)]
+    )
     torch.testing.assert_close(out_c, out_e)
-    for gc, ge in zip(grads_c, grads_e):
+    for gc, ge in zip(grads_c, grads_e, strict=True):
         torch.testing.assert_close(gc, ge)
 
 

@@ -16,7 +16,14 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: E402
 
 from sublayer import EncoderBlock, MultiHeadAttention, PositionWiseFFN, PreNormResidual  # noqa: E402
 
-from ._weights import assert_grads_close, bert_layer_pairs, copy_pairs, copy_views, gpt2_block_pairs, randomize_  # noqa: E402
+from ._weights import (  # noqa: E402
+    assert_grads_close,
+    bert_layer_pairs,
+    copy_pairs,
+    copy_views,
+    gpt2_block_pairs,
+    randomize_,
+)
 
 D, H, F = 15, 3, 11
 B, T = 3, 6

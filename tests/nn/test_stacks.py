@@ -57,13 +57,15 @@ def backward_both(out, ref_out, inputs, pairs):
     assert_grads_close(pairs)
 
 
-@pytest.mark.parametrize(("norm_first", "bias"), [(False, True), (True, True), (True, False)], ids=["post", "pre", "pre-nobias"])
+@pytest.mark.parametrize(
+    ("norm_first", "bias"), [(False, True), (True, True), (True, False)], ids=["post", "pre", "pre-nobias"]
+)
 def test_encoder_stack_matches_torch(norm_first, bias):
     ours, ref = encoder_pair(norm_first, bias)
     if not bias:
         assert ours.norm.bias is None and not any(n.endswith("bias") for n, _ in ours.named_parameters())
-    x1, x2 = leaf(torch.randn(B, T, D)), None
-    x2 = leaf(x1)
+    x = torch.randn(B, T, D)
+    x1, x2 = leaf(x), leaf(x)
     out, ref_out = ours(x1, key_padding_mask=TKPM), ref(x2, src_key_padding_mask=TKPM)
     torch.testing.assert_close(out, ref_out)
     backward_both(out, ref_out, [(x1, x2)], stack_pairs(ours, ref))
@@ -103,7 +105,11 @@ def _norms(module):
 @pytest.mark.parametrize("kind", ["encoder", "decoder"])
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post", "pre"])
 def test_pre_norm_stack_has_exactly_one_final_norm(kind, norm_first):
-    block = EncoderBlock(D, H, F, norm_first=norm_first) if kind == "encoder" else DecoderBlock(D, H, F, norm_first=norm_first)
+    block = (
+        EncoderBlock(D, H, F, norm_first=norm_first)
+        if kind == "encoder"
+        else DecoderBlock(D, H, F, norm_first=norm_first)
+    )
     per_block = len(_norms(block))
     stack = (TransformerEncoder if kind == "encoder" else TransformerDecoder)(block, N)
     assert len(stack.layers) == N
