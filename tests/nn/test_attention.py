@@ -3,6 +3,7 @@ rows, hypothesis properties, the KV cache and bad input."""
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -219,6 +220,25 @@ def test_float64_matches_torch():
     x = torch.randn(B, T, D, dtype=torch.float64)
     kpm = torch.arange(T)[None, :] >= torch.tensor([T, 5, 3])[:, None]
     run_pair(ours, ref, x, ours_kw={"key_padding_mask": kpm, "need_weights": True})
+
+
+@pytest.mark.parametrize("need_weights", [False, True], ids=["sdpa", "weights"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_error_within_torch_error(dtype, need_weights):
+    """Low precision: no fixed tolerance; our error against the float64 reference must stay within 2× the error of
+    ``nn.MultiheadAttention`` run in the same precision (REFERENCE.md §3)."""
+    ref = randomize_(nn.MultiheadAttention(D, H, batch_first=True, dtype=torch.float64))
+    ours = mha_from_torch(ref)
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    kpm = torch.arange(T)[None, :] >= torch.tensor([T, 5, 3])[:, None]
+    with torch.no_grad():
+        exact = ref(x, x, x, key_padding_mask=kpm)[0]
+        ref_lp, ours_lp, x_lp = copy.deepcopy(ref).to(dtype), copy.deepcopy(ours).to(dtype), x.to(dtype)
+        out = ours_lp(x_lp, key_padding_mask=kpm, need_weights=need_weights)[0]
+        ref_out = ref_lp(x_lp, x_lp, x_lp, key_padding_mask=kpm, need_weights=need_weights)[0]
+    assert out.dtype == dtype
+    ours_err, ref_err = (out.double() - exact).abs().max(), (ref_out.double() - exact).abs().max()
+    assert ref_err > 0 and ours_err <= 2 * ref_err, (ours_err, ref_err)
 
 
 def test_eval_fast_path_matches_torch():

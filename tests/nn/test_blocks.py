@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -82,6 +84,29 @@ def test_encoder_block_matches_torch_eval_fast_path(norm_first):
     with torch.no_grad():
         out, ref_out = ours(x, key_padding_mask=kpm), ref(x, src_key_padding_mask=kpm)
     torch.testing.assert_close(out[~kpm], ref_out[~kpm])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post", "pre"])
+def test_encoder_block_half_precision_error_within_torch_error(norm_first, dtype):
+    """Low precision: our error against torch's float64 layer must stay within 2× the error of torch's own layer
+    run in the same precision (REFERENCE.md §3) — no magic tolerance."""
+    ref = nn.TransformerEncoderLayer(D, H, F, dropout=0.0, batch_first=True, norm_first=norm_first, dtype=torch.float64)
+    randomize_(ref)
+    ours = EncoderBlock(D, H, F, norm_first=norm_first, dtype=torch.float64)
+    copy_pairs(encoder_layer_pairs(ours, ref))
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    kpm = padding(LENGTHS, T)
+    with torch.no_grad():
+        exact = ref(x, src_key_padding_mask=kpm)
+        ref_lp, ours_lp, x_lp = copy.deepcopy(ref).to(dtype), copy.deepcopy(ours).to(dtype), x.to(dtype)
+        ref_out = ref_lp(x_lp, src_key_padding_mask=kpm)
+        out = ours_lp(x_lp, key_padding_mask=kpm)
+    assert out.dtype == dtype
+    real = ~kpm  # torch's no-grad fast path may zero padded positions
+    ours_err = (out.double() - exact)[real].abs().max()
+    ref_err = (ref_out.double() - exact)[real].abs().max()
+    assert ref_err > 0 and ours_err <= 2 * ref_err, (ours_err, ref_err)
 
 
 @pytest.mark.parametrize("kind", ["bool_mask", "float_mask", "causal"])
