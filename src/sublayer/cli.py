@@ -238,12 +238,16 @@ def bench(
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's)."),
     shapes: Optional[str] = typer.Option(None, "--shapes", help="Comma-separated substrings of shape names to run."),
     dtypes: str = typer.Option("fp32,bf16", "--dtypes", help="fp32 and/or bf16 (bf16: autocast for FFN/blocks)."),
+    reuse_memory: bool = typer.Option(
+        False, "--reuse-memory", help="glibc keeps freed memory (no page faults on fresh buffers), for both sides."
+    ),
 ) -> None:
     """Time sublayer's fused FFN / Add & Norm / EncoderBlock against eager PyTorch, HF and torch.compile."""
     from .bench import run_bench
 
     run_bench(
-        out, quick=quick, use_compile=compile, reps=reps, threads=threads, shapes=shapes, dtypes=dtypes, log=typer.echo
+        out, quick=quick, use_compile=compile, reps=reps, threads=threads, shapes=shapes, dtypes=dtypes,
+        reuse_memory=reuse_memory, log=typer.echo,
     )
 
 
