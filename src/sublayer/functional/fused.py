@@ -125,14 +125,18 @@ class _AddNormFn(torch.autograd.Function):
         out, s, mean, rstd = kernels.ops().add_norm_fwd(x, y, w, b, eps, p, seed, rms, need)
         if need:
             ctx.save_for_backward(s, mean, rstd, w)
-        ctx.meta = (x.dtype, y.dtype, p, seed, rms, weight, bias is not None, bias.dtype if bias is not None else None)
+        ctx.meta = (
+            x.dtype, y.dtype, p, seed, rms,
+            weight.dtype if weight is not None else None, bias.dtype if bias is not None else None,
+        )  # fmt: skip
         return out
 
     @staticmethod
     def backward(ctx, g):
         _refuse_double_backward()
         s, mean, rstd, w = ctx.saved_tensors
-        xdt, ydt, p, seed, rms, weight, has_b, bdt = ctx.meta
+        xdt, ydt, p, seed, rms, wdt, bdt = ctx.meta
+        has_b = bdt is not None
         nx, ny, nw, nb = ctx.needs_input_grad[:4]
         share = p == 0.0 and xdt == ydt  # one gradient tensor for both inputs
         dx, dy, dw, db = kernels.ops().add_norm_bwd(
@@ -144,7 +148,7 @@ class _AddNormFn(torch.autograd.Function):
         return (
             dx if nx else None,
             dy if ny else None,
-            dw.to(weight.dtype) if (nw and w is not None) else None,
+            dw.to(wdt) if (nw and w is not None) else None,
             db.to(bdt) if (nb and has_b) else None,
             None, None, None, None,
         )  # fmt: skip
