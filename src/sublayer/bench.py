@@ -367,7 +367,10 @@ def _plot(rows: list[Row], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r.case.split(' ')[0]} {r.shape.split(' ')[0]} {r.dtype.split(' ')[0]} {r.mode[:5]}" for r in rows]
+    def short(case: str) -> str:
+        return case.split(" (")[0].split(" vs ")[0].replace("HF ", "").replace(" LN", "")
+
+    labels = [f"{short(r.case)} {r.shape.split(' ')[0]} {r.dtype.split(' ')[0]} {r.mode[:5]}" for r in rows]
     vals = [r.ratio() or 0.0 for r in rows]
     fig, ax = plt.subplots(figsize=(9, max(3, 0.3 * len(rows) + 1)))
     ax.barh(range(len(rows)), vals, color=["tab:green" if v >= 1 else "tab:red" for v in vals])
