@@ -3,7 +3,7 @@
 Shapes are batch-first (B, T, D); ``key_padding_mask`` True = padding.
 """
 
-from . import functional
+from . import functional, models
 from .functional import KVCache
 from .nn import (
     AddNorm,
@@ -38,4 +38,5 @@ __all__ = [
     "TransformerEncoder",
     "__version__",
     "functional",
+    "models",
 ]
