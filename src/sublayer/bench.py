@@ -335,6 +335,67 @@ def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Ro
     return rows
 
 
+def bench_bert_inference(quick: bool, reps: int, warmup: int) -> list[Row]:
+    """BERT inference at MiniLM size (hidden 384, 6 layers, 12 heads, d_ff 1536; batch 64 x 128 tokens, real
+    lengths uniform in 32..128): ``sublayer.models.fast.fast_inference(Bert)`` vs HF ``BertModel`` under bf16
+    autocast ("eager" column), HF fp32 and our plain fp32 ``Bert``, all with the same weights and padding mask.
+    ``--quick``: a tiny model (2 layers, d 96) on 4 x 32 tokens."""
+    try:
+        import transformers
+    except Exception:  # noqa: BLE001 - transformers is optional here
+        return []
+    from .checkpoints import bert as keymap
+    from .models import Bert, BertConfig
+    from .models.fast import fast_inference
+
+    torch.manual_seed(0)
+    if quick:
+        cfg = BertConfig(vocab_size=1000, d_model=96, n_layers=2, n_heads=12, d_ff=384)
+        b, t, lo, name = 4, 32, 8, "tiny 4x32 (len 8..32)"
+    else:
+        cfg = BertConfig(d_model=384, n_layers=6, n_heads=12, d_ff=1536)
+        b, t, lo, name = 64, 128, 32, "MiniLM 64x128 (len 32..128)"
+    ours = Bert(cfg).eval()
+    hf_cfg = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("model_type", "architectures")}
+    hf = transformers.BertModel(transformers.BertConfig(**hf_cfg)).eval()
+    hf.load_state_dict(keymap.to_hf(ours.state_dict(), cfg.n_layers, pooler=True))
+    fast = fast_inference(ours, dtype=torch.bfloat16)
+    lens = torch.randint(lo, t + 1, (b,))
+    mask = (torch.arange(t)[None] < lens[:, None]).long()
+    ids = torch.randint(1, cfg.vocab_size, (b, t)) * mask
+
+    def hf_call(bf16: bool):
+        def f():
+            with torch.no_grad(), _autocast(bf16):
+                return hf(input_ids=ids, attention_mask=mask).last_hidden_state
+
+        return f
+
+    def ours_fp32():
+        with torch.no_grad():
+            return ours(ids, mask)
+
+    fns = {
+        "eager": hf_call(True), "sublayer": lambda: fast(ids, mask), "HF fp32": hf_call(False),
+        "sublayer fp32": ours_fp32,
+    }  # fmt: skip
+    # HF under bf16 autocast takes seconds per call on CPUs without native bf16 GEMMs: few rounds
+    res = _time_interleaved(fns, min(reps, 3), min(warmup, 1))
+    row = Row("BERT inference: fast path vs HF BertModel bf16 autocast", name, "bf16", "forward")
+    for k, (tm, sp) in res.items():
+        row.times_ms[k], row.spread[k] = tm, sp
+    real = mask.bool()
+    ref = hf_call(False)()
+    cos = torch.nn.functional.cosine_similarity(fast(ids, mask)[real], ref[real], dim=-1).min()
+    row.extra["fast compute dtype"] = str(fast.compute_dtype).replace("torch.", "")
+    row.extra["HF attn"] = str(hf.config._attn_implementation)
+    row.extra["real tokens"] = f"{int(real.sum())}/{b * t}"
+    row.extra["x vs HF fp32"] = round(row.ratio("sublayer", "HF fp32"), 2)
+    row.extra["x vs sublayer fp32"] = round(row.ratio("sublayer", "sublayer fp32"), 2)
+    row.extra["min cos vs HF fp32"] = round(float(cos), 5)
+    return [row]
+
+
 def _fmt(v: float | None, nd: int = 2) -> str:
     return "—" if v is None else f"{v:.{nd}f}"
 
@@ -462,6 +523,13 @@ def run_bench(
                             f"eager {r.times_ms['eager']:9.2f} ms  sublayer {r.times_ms['sublayer']:9.2f} ms  "
                             f"x{_fmt(r.ratio())}"
                         )
+    if "bf16" in dts and (quick or any("minilm" in s.name.lower() for s in shapes)):
+        for r in bench_bert_inference(quick, reps, warmup):
+            rows.append(r)
+            log(
+                f"{r.case:44s} {r.shape:22s} {r.dtype:13s} {r.mode:8s} "
+                f"eager {r.times_ms['eager']:9.2f} ms  sublayer {r.times_ms['sublayer']:9.2f} ms  x{_fmt(r.ratio())}"
+            )
     meta["seconds"] = round(time.perf_counter() - t_start, 1)
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     (out / "bench.md").write_text(to_markdown(rows, meta))

@@ -84,7 +84,9 @@ def _layer_norm(x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
     return F.layer_norm(x.float(), w.shape, w, b, eps).to(x.dtype)
 
 
-def _add_norm(x: Tensor, y: Tensor, w: Tensor, b: Tensor, eps: float, *, want_sum: bool) -> tuple[Tensor, Tensor | None]:
+def _add_norm(
+    x: Tensor, y: Tensor, w: Tensor, b: Tensor, eps: float, *, want_sum: bool
+) -> tuple[Tensor, Tensor | None]:
     """``(LN(x + y), x + y if want_sum)`` for 2-D (N, d) x, y; w, b float32."""
     if _kernels_on():
         out, s, _, _ = kernels.ops().add_norm_fwd(x, y, w, b, eps, 0.0, 0, False, want_sum)
