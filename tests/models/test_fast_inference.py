@@ -1,0 +1,199 @@
+"""sublayer.models.fast: the inference fast path of Bert and GPT2 against the fp32 models themselves (which
+test_bert.py / test_gpt2.py check against Hugging Face).
+
+Both compute dtypes run here: float32, and bf16 forced with ``kernels._native_bf16 = True`` (on CPUs without native
+bf16 GEMMs ``dtype=torch.bfloat16`` would otherwise compute in float32), each with the fused kernels on and off.
+The bf16 bound is the one the issue sets: cosine similarity >= 0.999 to the fp32 model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sublayer import kernels
+from sublayer.models import GPT2, Bert, BertConfig, GPT2Config
+from sublayer.models.fast import FastBert, FastGPT2, fast_inference
+
+COS_MIN = 0.999  # issue 5: the bf16 fast path keeps cosine >= 0.999 to fp32
+
+
+def _randomize(model: torch.nn.Module, seed: int = 7) -> torch.nn.Module:
+    # random biases and LayerNorm gains (the default init has zeros/ones that would hide a wrong mapping)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gain = p.dim() == 1 and "norm" in name and name.endswith("weight")
+            p.copy_(torch.randn(p.shape, generator=g) * (0.1 if gain else 0.2) + (1.0 if gain else 0.0))
+    return model.eval()
+
+
+def make_bert(pooler: bool = True) -> Bert:
+    cfg = BertConfig(
+        vocab_size=53, d_model=15, n_layers=2, n_heads=3, d_ff=23, max_positions=31, dropout=0.1, attn_dropout=0.1
+    )
+    return _randomize(Bert(cfg, pooler=pooler))
+
+
+def make_gpt2() -> GPT2:
+    cfg = GPT2Config(vocab_size=53, max_positions=31, d_model=15, n_layers=2, n_heads=3, d_ff=29)
+    return _randomize(GPT2(cfg))
+
+
+def _batch(b: int = 5, t: int = 11, vocab: int = 53):
+    lens = torch.tensor([t, 7, 3, 1, 10][:b])
+    mask = (torch.arange(t)[None] < lens[:, None]).long()
+    ids = torch.randint(1, vocab, (b, t)) * mask
+    return ids, mask
+
+
+@pytest.fixture(params=["kernels", "no-kernels"])
+def kernels_mode(request):
+    was = kernels._enabled
+    kernels.set_enabled(request.param == "kernels")
+    yield request.param
+    kernels.set_enabled(was)
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def compute(request, monkeypatch):
+    if request.param == torch.bfloat16:
+        monkeypatch.setattr(kernels, "_native_bf16", True)  # as on an AVX512_BF16/AMX CPU
+    return request.param
+
+
+def _min_cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(F.cosine_similarity(a.double(), b.double(), dim=-1).min())
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == torch.float32 and not out.requires_grad
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref)
+    else:
+        assert _min_cos(out, ref) >= COS_MIN
+
+
+def test_compute_dtype_follows_the_cpu(monkeypatch):
+    m = make_bert()
+    monkeypatch.setattr(kernels, "_native_bf16", False)
+    assert fast_inference(m).compute_dtype == torch.float32  # AVX2: bf16 GEMMs would be ~8x slower
+    monkeypatch.setattr(kernels, "_native_bf16", True)
+    assert fast_inference(m).compute_dtype == torch.bfloat16
+    assert fast_inference(m, dtype=torch.float32).compute_dtype == torch.float32
+
+
+def test_bert_matches_fp32_with_padding(kernels_mode, compute):
+    m = make_bert()
+    ids, mask = _batch()
+    types = torch.randint(0, 2, ids.shape)
+    fast = fast_inference(m, dtype=compute)
+    assert isinstance(fast, FastBert) and fast.compute_dtype == compute
+    with torch.no_grad():
+        ref = m(ids, mask, types)
+        out = fast(ids, mask, types)
+        real = mask.bool()
+        _check(out[real], ref[real], compute)
+        assert torch.equal(out[~real], torch.zeros_like(out[~real]))  # padded positions: zeros (documented)
+        _check(fast.embed(ids, mask, types), m.embed(ids, mask, types), compute)
+        _check(fast.pooled(ids, mask, types), m.pooled(ids, mask, types), compute)
+        _check(fast(ids), m(ids), compute)  # no mask at all
+
+
+def test_bert_padding_does_not_leak(kernels_mode, compute):
+    m = make_bert()
+    ids, mask = _batch()
+    fast = fast_inference(m, dtype=compute)
+    other = torch.where(mask.bool(), ids, torch.randint(1, 53, ids.shape))  # new tokens at padded positions
+    a, b = fast(ids, mask), fast(other, mask)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # a row alone, cut to its length, equals its row in the padded batch (rows do not interact)
+    n = int(mask[1].sum())
+    alone = fast(ids[1:2, :n])
+    if compute == torch.float32:
+        torch.testing.assert_close(alone[0], a[1, :n])
+    else:
+        assert _min_cos(alone[0], a[1, :n]) >= COS_MIN
+
+
+def test_gpt2_logits_match_fp32(kernels_mode, compute):
+    m = make_gpt2()
+    ids = torch.randint(0, 53, (3, 13))
+    fast = fast_inference(m, dtype=compute)
+    assert isinstance(fast, FastGPT2)
+    with torch.no_grad():
+        _check(fast(ids), m(ids), compute)
+        mask = torch.ones_like(ids)
+        mask[0, :4] = 0  # left padding
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        real = mask.bool()
+        out = fast(ids, attention_mask=mask, position_ids=pos)
+        _check(out[real], m(ids, attention_mask=mask, position_ids=pos)[real], compute)
+
+
+def test_gpt2_greedy_generate_equal(kernels_mode, compute):
+    m = make_gpt2()
+    fast = fast_inference(m, dtype=compute)
+    ids = torch.randint(0, 53, (3, 5))
+    assert torch.equal(fast.generate(ids, 9), m.generate(ids, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    assert torch.equal(fast.generate(ids, 7, attention_mask=mask), m.generate(ids, 7, attention_mask=mask))
+
+
+def test_weights_are_never_stale_and_training_is_untouched():
+    m = make_bert()
+    twin = copy.deepcopy(m)
+    fast = fast_inference(m, dtype=torch.float32)
+    ids, mask = _batch()
+    before = fast(ids, mask)
+    # training the model after making the wrapper: the same gradients as a model that was never wrapped
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    grads = []
+    for model in (m, twin):
+        model.train()
+        torch.manual_seed(3)  # same dropout masks
+        model(ids, mask).square().mean().backward()
+        grads.append([p.grad for p in model.parameters() if p.grad is not None])  # the pooler has none
+        model.eval()
+    assert len(grads[0]) == len(grads[1]) > 20
+    for g1, g2 in zip(*grads, strict=True):
+        torch.testing.assert_close(g1, g2, rtol=0, atol=0)
+    opt.step()
+    after = fast(ids, mask)
+    assert not torch.allclose(after, before)
+    with torch.no_grad():
+        real = mask.bool()
+        torch.testing.assert_close(after[real], m(ids, mask)[real])  # re-cached after the step
+        m.load_state_dict(twin.state_dict())  # and after load_state_dict
+        torch.testing.assert_close(fast(ids, mask), before)
+    with pytest.raises(RuntimeError, match="inference-only wrapper; train the model itself"):
+        fast.train()
+
+
+def test_bad_input():
+    m = make_bert(pooler=False)
+    with pytest.raises(TypeError, match="needs a sublayer Bert or GPT2 model, got Linear"):
+        fast_inference(torch.nn.Linear(3, 5))
+    with pytest.raises(ValueError, match=r"dtype must be torch.float32 or torch.bfloat16, got torch.float16"):
+        fast_inference(m, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"needs float32 CPU parameters; .* is torch.bfloat16"):
+        fast_inference(copy.deepcopy(m).to(torch.bfloat16))
+    fast = fast_inference(m)
+    ids, mask = _batch()
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size=53\)"):
+        fast(ids + 53, mask)
+    with pytest.raises(ValueError, match=r"attention_mask must have the shape of input_ids \(5, 11\), got \(5, 3\)"):
+        fast(ids, mask[:, :3])
+    with pytest.raises(TypeError, match="input_ids must hold integer token ids"):
+        fast(ids.float())
+    with pytest.raises(ValueError, match="has no pooler"):
+        fast.pooled(ids, mask)
+    g = fast_inference(make_gpt2())
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0, got -1"):
+        g.generate(ids, -1)
+    with pytest.raises(ValueError, match=r"position_ids must have shape \(5 or 1, 11\)"):
+        g(ids, position_ids=torch.zeros(2, 11, dtype=torch.long))
