@@ -103,6 +103,18 @@ def test_bert_matches_fp32_with_padding(kernels_mode, compute):
         _check(fast(ids), m(ids), compute)  # no mask at all
 
 
+def test_autocast_outside_changes_nothing():
+    # the wrapper switches autocast off inside: its compute dtype, not the caller's autocast, decides the GEMMs
+    m, g = make_bert(), make_gpt2()
+    ids, mask = _batch()
+    fb, fg = fast_inference(m, dtype=torch.float32), fast_inference(g, dtype=torch.float32)
+    plain_b, plain_g, plain_gen = fb(ids, mask), fg(ids), fg.generate(ids[:, :4], 5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(fb(ids, mask), plain_b, rtol=0, atol=0)
+        torch.testing.assert_close(fg(ids), plain_g, rtol=0, atol=0)
+        assert torch.equal(fg.generate(ids[:, :4], 5), plain_gen)
+
+
 def test_bert_padding_does_not_leak(kernels_mode, compute):
     m = make_bert()
     ids, mask = _batch()
