@@ -243,12 +243,14 @@ class FastBert(_FastBase):
             mask = None
         x = _layer_norm(x, W["nw"], W["nb"], W["eps"]).to(cd)  # (N, d), N = real tokens
         scale = 1.0 / math.sqrt(hd)
+        full = None
         for L in W["layers"]:
             qkv = torch.addmm(L["bqkv"], x, L["wqkv_t"])  # (N, 3d)
             if keep is not None:
-                full = qkv.new_zeros(B * T, 3 * d)
-                full.index_copy_(0, keep, qkv)
-                qkv = full
+                # one zeroed (B·T, 3d) buffer for all layers: the padded rows stay zero (masked keys still
+                # multiply their zero weights, so they must hold no garbage)
+                full = qkv.new_zeros(B * T, 3 * d) if full is None else full
+                qkv = full.index_copy_(0, keep, qkv)
             q, k, v = qkv.view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)  # each (B, H, T, hd)
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
             ctx = ctx.transpose(1, 2).reshape(B * T, d)
