@@ -182,6 +182,12 @@ def test_weights_are_never_stale_and_training_is_untouched():
         torch.testing.assert_close(after[real], m(ids, mask)[real])  # re-cached after the step
         m.load_state_dict(twin.state_dict())  # and after load_state_dict
         torch.testing.assert_close(fast(ids, mask), before)
+        # writes through .data bypass the version counter: refresh() is the documented way
+        q = m.encoder.layers[0].self_attn.q_proj.weight
+        q.data.mul_(2.0)
+        fast(ids, mask)
+        fast.refresh()
+        torch.testing.assert_close(fast(ids, mask)[real], m(ids, mask)[real])
     with pytest.raises(RuntimeError, match="inference-only wrapper; train the model itself"):
         fast.train()
 

@@ -16,7 +16,11 @@
   says) and with autocast switched off inside (the compute dtype above decides; calling it under
   ``torch.autocast`` changes nothing);
 * never uses stale weights: every call compares the parameters' version counters and storages with those it cached
-  and re-caches after an optimizer step, ``load_state_dict`` or ``.to()``.
+  and re-caches after an optimizer step, ``load_state_dict`` or ``.to()``. Writes through ``param.data`` bypass
+  the version counter: call :meth:`FastBert.refresh` / :meth:`FastGPT2.refresh` after those.
+
+Memory: with float32 compute the cache aliases the parameters except the fused q/k/v weight (one copy of the
+attention input projections); with bf16 compute it holds a bf16 copy of every matrix (half the model's size).
 
 Outputs are float32 (the model's dtype), like ``BertModel`` under ``torch.autocast("cpu", dtype=torch.bfloat16)``.
 In bf16 the results keep cosine similarity >= 0.999 to the fp32 model (tests check it).
@@ -163,6 +167,10 @@ class _FastBase:
         w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], 0)
         b = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], 0)
         return self._c(w), self._c(b)
+
+    def refresh(self) -> None:
+        """Re-cast the weights on the next call (needed only after writes through ``param.data``)."""
+        self._cache._stamp = None
 
     def eval(self):
         return self
