@@ -2,7 +2,19 @@
 
 from .bert import Bert, BertConfig
 from .config import ModelConfig
+from .fast import FastBert, FastGPT2, fast_inference
 from .gpt2 import GPT2, GPT2Config
 from .transformer import Transformer, TransformerConfig
 
-__all__ = ["Bert", "BertConfig", "GPT2", "GPT2Config", "ModelConfig", "Transformer", "TransformerConfig"]
+__all__ = [
+    "Bert",
+    "BertConfig",
+    "FastBert",
+    "FastGPT2",
+    "GPT2",
+    "GPT2Config",
+    "ModelConfig",
+    "Transformer",
+    "TransformerConfig",
+    "fast_inference",
+]
