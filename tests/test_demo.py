@@ -12,7 +12,7 @@ import torch
 from torch.testing import assert_close
 
 from sublayer import demo as D
-from sublayer.models.transformer import atomic_write
+from sublayer.checkpoints.io import atomic_write
 
 TINY = {"batch_size": 8, "d_model": 16, "n_heads": 2, "d_ff": 24, "n_layers": 1, "eval_every": 2, "n_val": 16,
         "n_test": 20, "quiet": True, "threads": 1, "warmup": 2}  # fmt: skip

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._checks import check_positive_int, check_probability
-from .models.transformer import Transformer, TransformerConfig, atomic_write
+from .checkpoints.io import atomic_write
+from .models.transformer import Transformer, TransformerConfig
 
 __all__ = [
     "DemoConfig",

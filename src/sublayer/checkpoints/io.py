@@ -30,6 +30,7 @@ __all__ = [
     "resolve_folder",
     "read_config",
     "read_state_dict",
+    "atomic_write",
     "write_folder",
     "check_and_convert",
     "HF_ACTIVATIONS",
@@ -140,12 +141,14 @@ def read_state_dict(folder: str | os.PathLike) -> tuple[dict[str, Tensor], Path]
     )
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    # Write to a temporary name in the same folder, then rename: an interrupted save leaves no half file.
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+    """Write a file through ``write(tmp_path)`` to a temporary name in the same folder, then rename it over
+    ``path`` (``os.replace`` is atomic): an interrupted write (Ctrl-C, a full disk) never leaves a half file."""
+    path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        write(Path(tmp))
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -164,9 +167,9 @@ def write_folder(folder: str | os.PathLike, tensors: Mapping[str, Tensor], confi
     path.mkdir(parents=True, exist_ok=True)
     # clone: safetensors refuses tensors that share memory (tied weights) and non-contiguous views.
     data = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    _atomic_write(path / SAFETENSORS_NAME, lambda p: save_file(data, str(p), metadata={"format": "pt"}))
+    atomic_write(path / SAFETENSORS_NAME, lambda p: save_file(data, p, metadata={"format": "pt"}))
     text = json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
-    _atomic_write(path / CONFIG_NAME, lambda p: p.write_text(text, encoding="utf-8"))
+    atomic_write(path / CONFIG_NAME, lambda p: Path(p).write_text(text, encoding="utf-8"))
     return path
 
 

@@ -11,20 +11,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from .. import functional as SF
+from ..checkpoints.io import atomic_write
 from .._checks import check_choice, check_positive_int, check_probability, check_tensor
 from ..nn import DecoderBlock, EncoderBlock, TransformerDecoder, TransformerEncoder
 from .config import ModelConfig
 
-__all__ = ["Transformer", "TransformerConfig", "sinusoidal_positional_encoding", "atomic_write"]
+__all__ = ["Transformer", "TransformerConfig", "sinusoidal_positional_encoding"]
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -79,21 +77,6 @@ def sinusoidal_positional_encoding(max_len: int, d_model: int, *, dtype: torch.d
     table[:, 0::2] = torch.sin(pos * freq)
     table[:, 1::2] = torch.cos(pos * freq)
     return table[:, :d_model].to(dtype)
-
-
-def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
-    """Write a file through ``write(tmp_path)`` to a temporary name in the same folder, then rename it over
-    ``path`` (``os.replace`` is atomic): an interrupted write never leaves a half-written ``path``."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _check_tokens(name: str, x: object, vocab: int, max_len: int) -> None:
