@@ -284,51 +284,50 @@ void add_norm_fwd_impl(const Tensor& x, const Tensor& y, const Tensor& w, const 
   at::parallel_for(0, N, std::max<int64_t>(1, 16384 / d), [&](int64_t r0, int64_t r1) {
     std::vector<A> s(d);
     std::vector<uint32_t> rnd(dr.on ? d : 0);
+    std::vector<typename Elt<TO>::store> scratch(sp ? 0 : d);  // the rounded sum's row when it is not saved
     for (int64_t r = r0; r < r1; ++r) {
       const auto* xr = xp + r * d;
       const auto* yr = yp + r * d;
-      if (dr.on) philox_fill(uint64_t(r) * d, d, dr.seed, rnd.data());
+      auto* sr = sp ? sp + r * d : scratch.data();
+      A* sv = s.data();
       A acc = 0;
       if (dr.on) {
-        A* sv = s.data();
+        philox_fill(uint64_t(r) * d, d, dr.seed, rnd.data());
         const uint32_t* rv = rnd.data();
 #pragma omp simd
         for (int64_t j = 0; j < d; ++j) {
           const A yv = Elt<TY>::ld(yr[j]) * (A(int32_t(rv[j]) >= thr) * scale);
-          sv[j] = Elt<TO>::ld(Elt<TO>::st(Elt<TX>::ld(xr[j]) + yv));  // the sum, rounded to the output type
+          const auto t = Elt<TO>::st(Elt<TX>::ld(xr[j]) + yv);  // the sum, rounded to the output type
+          sr[j] = t;
+          sv[j] = Elt<TO>::ld(t);
         }
-#pragma omp simd reduction(+ : acc)
-        for (int64_t j = 0; j < d; ++j) acc += sv[j];
       } else {
-        A* sv = s.data();
 #pragma omp simd
-        for (int64_t j = 0; j < d; ++j) sv[j] = Elt<TO>::ld(Elt<TO>::st(Elt<TX>::ld(xr[j]) + Elt<TY>::ld(yr[j])));
+        for (int64_t j = 0; j < d; ++j) {
+          const auto t = Elt<TO>::st(Elt<TX>::ld(xr[j]) + Elt<TY>::ld(yr[j]));
+          sr[j] = t;
+          sv[j] = Elt<TO>::ld(t);
+        }
+      }
 #pragma omp simd reduction(+ : acc)
-        for (int64_t j = 0; j < d; ++j) acc += sv[j];
-      }
-      if (sp) {
-        auto* sr = sp + r * d;
-        const A* sv = s.data();
-#pragma omp simd
-        for (int64_t j = 0; j < d; ++j) sr[j] = Elt<TO>::st(sv[j]);
-      }
+      for (int64_t j = 0; j < d; ++j) acc += sv[j];
       const A m = rms ? A(0) : acc * inv_d;
       A var = 0;
 #pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < d; ++j) var += (s[j] - m) * (s[j] - m);
+      for (int64_t j = 0; j < d; ++j) var += (sv[j] - m) * (sv[j] - m);
       const A rs = A(1) / std::sqrt(var * inv_d + aeps);
       mp[r] = m;
       rp[r] = rs;
       auto* orow = op + r * d;
       if (wp && bp) {
 #pragma omp simd
-        for (int64_t j = 0; j < d; ++j) orow[j] = Elt<TO>::st((s[j] - m) * rs * wp[j] + bp[j]);
+        for (int64_t j = 0; j < d; ++j) orow[j] = Elt<TO>::st((sv[j] - m) * rs * wp[j] + bp[j]);
       } else if (wp) {
 #pragma omp simd
-        for (int64_t j = 0; j < d; ++j) orow[j] = Elt<TO>::st((s[j] - m) * rs * wp[j]);
+        for (int64_t j = 0; j < d; ++j) orow[j] = Elt<TO>::st((sv[j] - m) * rs * wp[j]);
       } else {
 #pragma omp simd
-        for (int64_t j = 0; j < d; ++j) orow[j] = Elt<TO>::st((s[j] - m) * rs);
+        for (int64_t j = 0; j < d; ++j) orow[j] = Elt<TO>::st((sv[j] - m) * rs);
       }
     }
   });
@@ -369,7 +368,17 @@ void add_norm_bwd_impl(const Tensor& g, const Tensor& sum, const Tensor& mean, c
         A sg = 0, sgx = 0;
         A* xhp = xh.data();
         A* gxp = gx.data();
-        if (wp) {
+        if (wp && cw && cb) {  // the usual training case: weight and bias gradients in the same pass
+#pragma omp simd
+          for (int64_t j = 0; j < d; ++j) {
+            const A gv = Elt<TO>::ld(gr[j]);
+            const A xv = (Elt<TO>::ld(sr[j]) - m) * rs;
+            xhp[j] = xv;
+            gxp[j] = gv * wp[j];
+            cw[j] += gv * xv;
+            cb[j] += gv;
+          }
+        } else if (wp) {
 #pragma omp simd
           for (int64_t j = 0; j < d; ++j) {
             const A gv = Elt<TO>::ld(gr[j]);
@@ -388,7 +397,9 @@ void add_norm_bwd_impl(const Tensor& g, const Tensor& sum, const Tensor& mean, c
           sg += gxp[j];
           sgx += gxp[j] * xhp[j];
         }
-        if (cw && cb) {
+        if (wp && cw && cb) {
+          // accumulated above
+        } else if (cw && cb) {
 #pragma omp simd
           for (int64_t j = 0; j < d; ++j) {
             const A gv = Elt<TO>::ld(gr[j]);
