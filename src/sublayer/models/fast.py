@@ -163,6 +163,21 @@ class _FastBase:
     def _f(t: Tensor | None) -> Tensor | None:
         return None if t is None else t.detach().float().contiguous()
 
+    def _block_weights(self, blk) -> dict:
+        """One block's cached weights: fused q|k|v, out-projection, both norms and the FFN (GEMM weights
+        transposed once, in the compute dtype; norm parameters in fp32)."""
+        a, f = blk.self_attn, blk.ffn
+        n1, n2 = blk.attn_residual.norm, blk.ffn_residual.norm
+        wqkv, bqkv = self._qkv(a)
+        return {
+            "wqkv_t": wqkv.t(), "bqkv": bqkv,
+            "wo_t": self._c(a.out_proj.weight).t(), "bo": self._c(a.out_proj.bias),
+            "n1w": self._f(n1.weight), "n1b": self._f(n1.bias), "eps1": n1.eps,
+            "w1_t": self._c(f.fc1.weight).t(), "b1": self._f(f.fc1.bias),
+            "w2_t": self._c(f.fc2.weight).t(), "b2": self._c(f.fc2.bias),
+            "n2w": self._f(n2.weight), "n2b": self._f(n2.bias), "eps2": n2.eps,
+        }  # fmt: skip
+
     def _qkv(self, attn) -> tuple[Tensor, Tensor]:
         w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], 0)
         b = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], 0)
@@ -205,19 +220,7 @@ class FastBert(_FastBase):
     def _build(self) -> dict:
         m = self.model
         e = m.embeddings
-        layers = []
-        for blk in m.encoder.layers:
-            a, f = blk.self_attn, blk.ffn
-            n1, n2 = blk.attn_residual.norm, blk.ffn_residual.norm
-            wqkv, bqkv = self._qkv(a)
-            layers.append({
-                "wqkv_t": wqkv.t(), "bqkv": bqkv,
-                "wo_t": self._c(a.out_proj.weight).t(), "bo": self._c(a.out_proj.bias),
-                "n1w": self._f(n1.weight), "n1b": self._f(n1.bias), "eps1": n1.eps,
-                "w1_t": self._c(f.fc1.weight).t(), "b1": self._f(f.fc1.bias),
-                "w2_t": self._c(f.fc2.weight).t(), "b2": self._c(f.fc2.bias),
-                "n2w": self._f(n2.weight), "n2b": self._f(n2.bias), "eps2": n2.eps,
-            })  # fmt: skip
+        layers = [self._block_weights(blk) for blk in m.encoder.layers]
         pool = None
         if m.pooler is not None:
             pool = (self._f(m.pooler.dense.weight).t(), self._f(m.pooler.dense.bias))
@@ -326,19 +329,7 @@ class FastGPT2(_FastBase):
 
     def _build(self) -> dict:
         m = self.model
-        layers = []
-        for blk in m.blocks:
-            a, f = blk.self_attn, blk.ffn
-            n1, n2 = blk.attn_residual.norm, blk.ffn_residual.norm
-            wqkv, bqkv = self._qkv(a)
-            layers.append({
-                "wqkv_t": wqkv.t(), "bqkv": bqkv,
-                "wo_t": self._c(a.out_proj.weight).t(), "bo": self._c(a.out_proj.bias),
-                "n1w": self._f(n1.weight), "n1b": self._f(n1.bias), "eps1": n1.eps,
-                "w1_t": self._c(f.fc1.weight).t(), "b1": self._f(f.fc1.bias),
-                "w2_t": self._c(f.fc2.weight).t(), "b2": self._c(f.fc2.bias),
-                "n2w": self._f(n2.weight), "n2b": self._f(n2.bias), "eps2": n2.eps,
-            })  # fmt: skip
+        layers = [self._block_weights(blk) for blk in m.blocks]
         return {
             "wte": m.wte.weight.detach(), "wpe": m.wpe.weight.detach(), "layers": layers,
             "nfw": self._f(m.ln_f.weight), "nfb": self._f(m.ln_f.bias), "epsf": m.ln_f.eps,
