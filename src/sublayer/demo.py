@@ -706,7 +706,9 @@ def plot_cross_attention(model: Transformer, vocab: Vocab, pair: tuple[list[str]
     weights = model.cross_attention_weights(b.src, b.tgt_in, src_key_padding_mask=b.src_mask)
     src_tokens, tgt_tokens = pair[0], [*pair[1], EOS]
     n_layers, n_heads = len(weights), weights[0].shape[1]
-    fig = Figure(figsize=(2.6 * n_heads + 1, 2.4 * n_layers + 0.6))
+    # size each panel from its token counts (square cells), plus room for labels, so rows don't float apart
+    cell = 2.4 / max(len(src_tokens), 1)
+    fig = Figure(figsize=(2.6 * n_heads + 1, n_layers * (cell * len(tgt_tokens) + 0.3) + 1.3), layout="constrained")
     axes = fig.subplots(n_layers, n_heads, squeeze=False, sharex=True, sharey=True)
     im = None
     for i in range(n_layers):
