@@ -30,6 +30,7 @@ __all__ = [
     "resolve_folder",
     "read_config",
     "read_state_dict",
+    "read_hf_folder",
     "atomic_write",
     "write_folder",
     "check_and_convert",
@@ -139,6 +140,24 @@ def read_state_dict(folder: str | os.PathLike) -> tuple[dict[str, Tensor], Path]
     raise FileNotFoundError(
         f"no weights file in {path}: expected {SAFETENSORS_NAME}, {SAFETENSORS_INDEX_NAME} or {TORCH_BIN_NAME}"
     )
+
+
+def read_hf_folder(
+    folder: str | os.PathLike, from_hf_dict: Callable[[dict[str, Any]], Any]
+) -> tuple[Any, dict[str, Tensor], Path]:
+    """Read an HF model folder: ``(config built by from_hf_dict(config.json), tensors, weights file)``.
+
+    Raises:
+        FileNotFoundError: no folder, config or weights file. CheckpointError: bad JSON, a config that
+        ``from_hf_dict`` rejects (named with the file), an unreadable weights file.
+    """
+    hf_config = read_config(folder)
+    try:
+        config = from_hf_dict(hf_config)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"config file {os.path.join(folder, CONFIG_NAME)}: {e}") from None
+    tensors, source = read_state_dict(folder)
+    return config, tensors, source
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:

@@ -284,12 +284,7 @@ class Bert(nn.Module):
             FileNotFoundError: no folder, config or weights file. CheckpointError (a ValueError): bad JSON,
             unsupported config, unreadable file, or one message listing every missing/unexpected/wrong-shape key.
         """
-        hf_config = ckpt.read_config(folder)
-        try:
-            config = BertConfig.from_hf_dict(hf_config)
-        except (ValueError, TypeError) as e:
-            raise ckpt.CheckpointError(f"config file {os.path.join(folder, ckpt.io.CONFIG_NAME)}: {e}") from None
-        tensors, source = ckpt.read_state_dict(folder)
+        config, tensors, source = ckpt.read_hf_folder(folder, BertConfig.from_hf_dict)
         pooler = any((keymap.canonical(k) or "").startswith("pooler.") for k in tensors)
         model = cls(config, pooler=pooler, device="meta", dtype=dtype)  # no random init: all is loaded below
         hf_meta = keymap.to_hf(model.state_dict(), config.n_layers, pooler=pooler)

@@ -404,12 +404,7 @@ class GPT2(nn.Module):
             FileNotFoundError: no folder, config or weights file. CheckpointError (a ValueError): bad JSON,
             unsupported config, unreadable file, or one message listing every missing/unexpected/wrong-shape key.
         """
-        hf_config = ckpt.read_config(folder)
-        try:
-            config = GPT2Config.from_hf_dict(hf_config)
-        except (ValueError, TypeError) as e:
-            raise ckpt.CheckpointError(f"config file {os.path.join(folder, ckpt.io.CONFIG_NAME)}: {e}") from None
-        tensors, source = ckpt.read_state_dict(folder)
+        config, tensors, source = ckpt.read_hf_folder(folder, GPT2Config.from_hf_dict)
         model = cls(config, device="meta", dtype=dtype)  # no random init: every parameter is loaded below
         tied = config.tie_word_embeddings
         hf_meta = keymap.to_hf(model.state_dict(), config.n_layers, tied=tied)
