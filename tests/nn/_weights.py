@@ -177,6 +177,22 @@ def assert_grads_close(pairs: Iterable[Pair], **tol) -> None:
         torch.testing.assert_close(ours.grad, _ref_view(ref.grad, index), msg=lambda m, n=name: f"{n}: {m}", **tol)
 
 
+def leaf(t: Tensor) -> Tensor:
+    """A fresh leaf copy of ``t`` that records its gradient."""
+    return t.detach().clone().requires_grad_(True)
+
+
+def backward_both(out: Tensor, ref_out: Tensor, inputs: Iterable[tuple[Tensor, Tensor]], pairs: Iterable[Pair]) -> None:
+    """Backpropagate the same random cotangent through ours and the reference, then compare the input grads
+    (``(ours, ref)`` pairs) and every parameter grad."""
+    g = torch.randn_like(out)
+    (out * g).sum().backward()
+    (ref_out * g).sum().backward()
+    for a, b in inputs:
+        torch.testing.assert_close(a.grad, b.grad)
+    assert_grads_close(pairs)
+
+
 def mha_from_torch(ref: nn.MultiheadAttention, **kw) -> nn.Module:
     """Our ``MultiHeadAttention`` carrying ``ref``'s weights (same sizes, dtype, device)."""
     from sublayer import MultiHeadAttention

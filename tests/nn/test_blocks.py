@@ -11,7 +11,14 @@ from torch import nn
 
 from sublayer import AddNorm, DecoderBlock, EncoderBlock, KVCache, LayerNorm, PreNormResidual, RMSNorm
 
-from ._weights import assert_grads_close, copy_pairs, decoder_layer_pairs, encoder_layer_pairs, randomize_
+from ._weights import (
+    backward_both,
+    copy_pairs,
+    decoder_layer_pairs,
+    encoder_layer_pairs,
+    leaf,
+    randomize_,
+)
 
 D, H, F = 15, 3, 11
 B, T, S = 3, 7, 5
@@ -20,10 +27,6 @@ LENGTHS, MEM_LENGTHS = [T, 5, 2], [S, 1, 3]  # right padding; every row keeps at
 
 def padding(lengths, t):
     return torch.arange(t)[None, :] >= torch.tensor(lengths)[:, None]  # True = padding
-
-
-def leaf(t):
-    return t.detach().clone().requires_grad_(True)
 
 
 def encoder_pair(norm_first=False, activation="relu", bias=True):
@@ -46,15 +49,6 @@ def decoder_pair(norm_first=False, activation="relu", bias=True):
     return ours, ref
 
 
-def check_backward(out, ref_out, inputs, pairs):
-    g = torch.randn_like(out)
-    (out * g).sum().backward()
-    (ref_out * g).sum().backward()
-    for a, b in inputs:
-        torch.testing.assert_close(a.grad, b.grad)
-    assert_grads_close(pairs)
-
-
 # --------------------------------------------------------------------------- encoder
 
 
@@ -70,7 +64,7 @@ def test_encoder_block_matches_torch(norm_first, activation, mode):
     out = ours(x1, key_padding_mask=kpm)
     ref_out = ref(x2, src_key_padding_mask=kpm)  # grad enabled: torch's slow (reference) path
     torch.testing.assert_close(out, ref_out)
-    check_backward(out, ref_out, [(x1, x2)], encoder_layer_pairs(ours, ref))
+    backward_both(out, ref_out, [(x1, x2)], encoder_layer_pairs(ours, ref))
 
 
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post", "pre"])
@@ -125,7 +119,7 @@ def test_encoder_block_attn_mask_matches_torch(kind):
     else:
         out, ref_out = ours(x1, is_causal=True), ref(x2, src_mask=tri, is_causal=True)
     torch.testing.assert_close(out, ref_out)
-    check_backward(out, ref_out, [(x1, x2)], encoder_layer_pairs(ours, ref))
+    backward_both(out, ref_out, [(x1, x2)], encoder_layer_pairs(ours, ref))
 
 
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post", "pre"])
@@ -142,7 +136,7 @@ def test_encoder_block_rms_norm_matches_torch_with_rmsnorm(norm_first):
     kpm = padding(LENGTHS, T)
     out, ref_out = ours(x1, key_padding_mask=kpm), ref(x2, src_key_padding_mask=kpm)
     torch.testing.assert_close(out, ref_out)
-    check_backward(out, ref_out, [(x1, x2)], encoder_layer_pairs(ours, ref))
+    backward_both(out, ref_out, [(x1, x2)], encoder_layer_pairs(ours, ref))
 
 
 def test_encoder_block_padding_invariance_and_batch_row():
@@ -175,7 +169,7 @@ def test_decoder_block_matches_torch(norm_first, activation, mode):
         tgt_key_padding_mask=tkpm, memory_key_padding_mask=mkpm,
     )  # fmt: skip
     torch.testing.assert_close(out, ref_out)
-    check_backward(out, ref_out, [(x1, x2), (m1, m2)], decoder_layer_pairs(ours, ref))
+    backward_both(out, ref_out, [(x1, x2), (m1, m2)], decoder_layer_pairs(ours, ref))
 
 
 @pytest.mark.parametrize("kind", ["encoder-post", "decoder-pre"])
@@ -196,7 +190,7 @@ def test_no_bias_blocks_match_torch(kind):
         out, ref_out = ours(x, mem, tgt_key_padding_mask=kpm), ref(x2, mem, tgt_mask=tri, tgt_key_padding_mask=kpm)
         pairs = decoder_layer_pairs(ours, ref)
     torch.testing.assert_close(out, ref_out)
-    check_backward(out, ref_out, [(x, x2)], pairs)
+    backward_both(out, ref_out, [(x, x2)], pairs)
 
 
 def test_decoder_self_attention_is_causal():

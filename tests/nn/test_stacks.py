@@ -17,16 +17,12 @@ from sublayer import (
     TransformerEncoder,
 )
 
-from ._weights import assert_grads_close, copy_pairs, randomize_, stack_pairs
+from ._weights import backward_both, copy_pairs, leaf, randomize_, stack_pairs
 
 D, H, F, N = 15, 3, 11, 3
 B, T, S = 3, 6, 5
 TKPM = torch.arange(T)[None, :] >= torch.tensor([T, 4, 1])[:, None]
 MKPM = torch.arange(S)[None, :] >= torch.tensor([S, 2, 3])[:, None]
-
-
-def leaf(t):
-    return t.detach().clone().requires_grad_(True)
 
 
 def encoder_pair(norm_first, bias=True):
@@ -46,15 +42,6 @@ def decoder_pair(norm_first):
     randomize_(ref)
     copy_pairs(stack_pairs(ours, ref))
     return ours, ref
-
-
-def backward_both(out, ref_out, inputs, pairs):
-    g = torch.randn_like(out)
-    (out * g).sum().backward()
-    (ref_out * g).sum().backward()
-    for a, b in inputs:
-        torch.testing.assert_close(a.grad, b.grad)
-    assert_grads_close(pairs)
 
 
 @pytest.mark.parametrize(
