@@ -639,8 +639,12 @@ void act_bwd_impl(const Tensor& dh, const Tensor& saved, const Tensor& b, Tensor
         auto* dr_ = dap + r * f;
         if constexpr (act == RELU) {
           const auto* hr = svp + r * f;
+          const A sc = scale;
 #pragma omp simd
-          for (int64_t j = 0; j < f; ++j) dr_[j] = Elt<T>::st(Elt<T>::ld(hr[j]) > A(0) ? Elt<T>::ld(gr[j]) * scale : A(0));
+          for (int64_t j = 0; j < f; ++j) {  // both loads unconditional and a local scale: vectorises
+            const A gv = Elt<T>::ld(gr[j]), hv = Elt<T>::ld(hr[j]);
+            dr_[j] = Elt<T>::st(hv > A(0) ? gv * sc : A(0));
+          }
         } else {
           if (dr.on) {
             philox_fill(uint64_t(r) * f, f, dr.seed, rnd.data());
