@@ -5,6 +5,11 @@ gives medians (and the inter-quartile spread, because shared machines are noisy)
 (> 1: sublayer is faster), the FFN's time against its GEMMs alone, Add & Norm's bandwidth against a measured copy,
 and the bytes each saves for backward (``torch.autograd.graph.saved_tensors_hooks``, parameters excluded).
 
+A training step is what the sub-layer does inside a network: forward, then backward of a fixed upstream gradient
+(random, made once), with the inputs' and parameters' ``.grad`` cleared first (inputs stand for activations, whose
+gradients flow on instead of accumulating). Harness work (filling a gradient, accumulating into old ``.grad``) would
+otherwise be timed on both sides and flatten the ratios.
+
 Writes ``bench.json``, ``bench.md`` and ``bench.png`` to ``out``.
 """
 
@@ -139,14 +144,19 @@ def _step_fns(mods: dict[str, nn.Module], inputs: Callable[[], tuple], bf16: boo
         else:
             m.train()
             params = [p for p in m.parameters()]
+            upstream: dict[tuple, torch.Tensor] = {}  # one fixed upstream gradient per output shape/dtype
 
-            def f(m=m, params=params):
-                for p in params:
-                    p.grad = None
+            def f(m=m, params=params, upstream=upstream):
                 args = inputs()
+                for t in (*params, *args):
+                    if isinstance(t, torch.Tensor):
+                        t.grad = None
                 with _autocast(bf16):
                     out = call(m, *args)
-                out.backward(torch.ones_like(out))
+                key = (out.shape, out.dtype)
+                if key not in upstream:
+                    upstream[key] = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out.dtype)
+                out.backward(upstream[key])
 
         fns[name] = f
     return fns

@@ -12,10 +12,12 @@ What the fused path changes, and what it does not:
 
 * Dropout uses a counter-based Philox4x32-10 stream keyed by a 64-bit seed drawn from torch's default generator (or
   ``generator=``), so ``torch.manual_seed`` reproduces it; the mask is NOT the one ``F.dropout`` would draw (only its
-  distribution is the same: keep-rate ``1 - p`` to 2^-32, kept values scaled by ``1/(1-p)``). Backward regenerates
-  the mask from the seed: no mask tensor is ever stored.
-* Add & Norm saves only the (rounded) sum ``x + dropout(y)`` and per-row float32 mean/rstd; its backward computes
-  the sum's gradient once and hands it to both inputs (the same tensor when there is no dropout and the dtypes match).
+  distribution is the same: keep-rate ``1 - p`` to 2^-16, kept values scaled by ``1/(1-p)``). The FFN's backward
+  regenerates its masks from the seeds; Add & Norm keeps its mask as 1 bit per element (d/8 bytes a row), cheaper
+  than drawing it again. No full-precision mask is ever stored.
+* Add & Norm saves only the (rounded) sum ``x + dropout(y)``, per-row float32 mean/rstd and the 1-bit mask; its
+  backward computes the sum's gradient once and hands it to both inputs (the same tensor when there is no dropout
+  and the dtypes match).
 * The FFN saves its input and, for ReLU, the fc2 input (``h > 0`` tells ReLU's derivative and the dropout mask at
   once), otherwise the fc1 output before bias (the pre-activation); the hidden activation is recomputed in backward.
 * bf16 GEMMs on a CPU without AVX512_BF16/AMX run in fp32 on upcast operands, rounded to bf16 once
@@ -122,11 +124,11 @@ class _AddNormFn(torch.autograd.Function):
         w = weight.to(acc) if weight is not None else None
         b = bias.to(acc) if bias is not None else None
         need = any(ctx.needs_input_grad[:4])
-        out, s, mean, rstd = kernels.ops().add_norm_fwd(x, y, w, b, eps, p, seed, rms, need)
+        out, s, mean, rstd, keep = kernels.ops().add_norm_fwd(x, y, w, b, eps, p, seed, rms, need)
         if need:
-            ctx.save_for_backward(s, mean, rstd, w)
+            ctx.save_for_backward(s, mean, rstd, w, keep)
         ctx.meta = (
-            x.dtype, y.dtype, p, seed, rms,
+            x.dtype, y.dtype, p, rms,
             weight.dtype if weight is not None else None, bias.dtype if bias is not None else None,
         )  # fmt: skip
         return out
@@ -134,13 +136,13 @@ class _AddNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         _refuse_double_backward()
-        s, mean, rstd, w = ctx.saved_tensors
-        xdt, ydt, p, seed, rms, wdt, bdt = ctx.meta
+        s, mean, rstd, w, keep = ctx.saved_tensors  # keep: the dropout mask, 1 bit per element
+        xdt, ydt, p, rms, wdt, bdt = ctx.meta
         has_b = bdt is not None
         nx, ny, nw, nb = ctx.needs_input_grad[:4]
         share = p == 0.0 and xdt == ydt  # one gradient tensor for both inputs
         dx, dy, dw, db = kernels.ops().add_norm_bwd(
-            g.contiguous(), s, mean, rstd, w, xdt, ydt, p, seed, rms,
+            g.contiguous(), s, mean, rstd, w, keep, xdt, ydt, p, rms,
             bool(ny and not share), bool(nw and w is not None), bool(nb and has_b),
         )  # fmt: skip
         if share:

@@ -107,7 +107,7 @@ def _add_norm(
 ) -> tuple[Tensor, Tensor | None]:
     """``(LN(x + y), x + y if want_sum)`` for 2-D (N, d) x, y; w, b float32."""
     if _kernels_on():
-        out, s, _, _ = kernels.ops().add_norm_fwd(x, y, w, b, eps, 0.0, 0, False, want_sum)
+        out, s, _, _, _ = kernels.ops().add_norm_fwd(x, y, w, b, eps, 0.0, 0, False, want_sum)
         return out, (s if want_sum else None)
     s = x + y
     return _layer_norm(s, w, b, eps), s

@@ -1,11 +1,13 @@
 // sublayer fused CPU kernels (registered as torch.ops.sublayer_kernels.*).
 //
 //  * add_norm_fwd / add_norm_bwd: dropout(y) + x -> LayerNorm/RMSNorm, one pass over each row forward and one
-//    backward, statistics in float32 (float64 for float64), two-pass variance; dx and dy from the same pass.
+//    backward, statistics in float32 (float64 for float64), two-pass variance; dx and dy from the same pass;
+//    forward saves the sum, mean, rstd and the dropout mask as bits for backward.
 //  * act_fwd / act_bwd: bias + activation + dropout in one elementwise pass between the FFN's GEMMs, and its
 //    backward (bias gradient reduced in the same pass). act 0 (identity) is "bias + dropout".
 //  * Dropout is a counter-based Philox4x32-10 stream: element e (row-major flat index) keeps iff its 16-bit draw
-//    (see philox_fill) >= round(p * 2^16). The mask is regenerated in backward from the seed; none is stored.
+//    (see philox_fill) >= round(p * 2^16). The FFN regenerates the mask in backward from the seed; Add & Norm
+//    saves it as 1 bit per element (pack_keep), which costs d/8 bytes a row and spares its backward the draws.
 //
 // Tensors come in contiguous and 2-D from Python (sublayer/functional/fused.py does the checks). Storage types:
 // float, double and bfloat16 (as raw uint16 with round-to-nearest-even, written so the compiler vectorises it).
@@ -26,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -265,10 +268,114 @@ void reduce_chunks(const std::vector<A>& part, int64_t nch, int64_t d, A* out) {
 
 at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
+// Row reductions with 4 independent vector accumulators (a single one is bound by the add latency). The order of
+// the additions depends on d only: results are bitwise reproducible.
+template <typename A> constexpr int64_t kLanes = 4 * 32 / int64_t(sizeof(A));
+
+// v[j] = f(j) for j < d, returning sum_j v[j].
+template <typename A, typename F> inline A fill_sum(A* v, int64_t d, F&& f) {
+  constexpr int64_t L = kLanes<A>;
+  A part[L] = {};
+  int64_t j = 0;
+  for (; j + L <= d; j += L) {
+#pragma omp simd
+    for (int64_t k = 0; k < L; ++k) {
+      const A t = f(j + k);
+      v[j + k] = t;
+      part[k] += t;
+    }
+  }
+  A acc = 0;
+  for (; j < d; ++j) {
+    const A t = f(j);
+    v[j] = t;
+    acc += t;
+  }
+  for (int64_t k = 0; k < L; ++k) acc += part[k];
+  return acc;
+}
+
+template <typename A> inline A row_sqdev(const A* v, A m, int64_t d) {  // sum (v - m)^2
+  constexpr int64_t L = kLanes<A>;
+  A part[L] = {};
+  int64_t j = 0;
+  for (; j + L <= d; j += L) {
+#pragma omp simd
+    for (int64_t k = 0; k < L; ++k) part[k] += (v[j + k] - m) * (v[j + k] - m);
+  }
+  A acc = 0;
+  for (; j < d; ++j) acc += (v[j] - m) * (v[j] - m);
+  for (int64_t k = 0; k < L; ++k) acc += part[k];
+  return acc;
+}
+
+// s1 = sum_j a_j and s2 = sum_j b_j where f(j, a_j, b_j) gives them (and may do more per element), with 4
+// independent vector accumulators each, in an order that depends on d only.
+template <typename A, typename F> inline void sum2(int64_t d, A& s1, A& s2, F&& f) {
+  constexpr int64_t L = kLanes<A>;
+  A p1[L] = {}, p2[L] = {};
+  int64_t j = 0;
+  for (; j + L <= d; j += L) {
+#pragma omp simd
+    for (int64_t k = 0; k < L; ++k) {
+      A a, b;
+      f(j + k, a, b);
+      p1[k] += a;
+      p2[k] += b;
+    }
+  }
+  s1 = 0;
+  s2 = 0;
+  for (; j < d; ++j) {
+    A a, b;
+    f(j, a, b);
+    s1 += a;
+    s2 += b;
+  }
+  for (int64_t k = 0; k < L; ++k) {
+    s1 += p1[k];
+    s2 += p2[k];
+  }
+}
+
+// Dropout keep bits of one row (1 bit per element, what Add & Norm saves for backward instead of regenerating
+// the draws): bit j % 8 of byte j / 8 is set iff element j is kept (its draw >= thr).
+inline void pack_keep(const uint32_t* rnd, int64_t d, int32_t thr, uint8_t* bits) {
+  int64_t j = 0;
+#if defined(__AVX2__)
+  const __m256i t = _mm256_set1_epi32(thr - 1);
+  for (; j + 8 <= d; j += 8) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rnd + j));
+    bits[j >> 3] = uint8_t(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(v, t))));
+  }
+#endif
+  for (; j < d; j += 8) {
+    uint32_t b = 0;
+    for (int64_t k = 0; k < 8 && j + k < d; ++k) b |= uint32_t(int32_t(rnd[j + k]) >= thr) << k;
+    bits[j >> 3] = uint8_t(b);
+  }
+}
+
+// m[j] = scale if element j's keep bit is set, else 0.
+template <typename A> inline void unpack_keep(const uint8_t* bits, int64_t d, A scale, A* m) {
+  int64_t j = 0;
+#if defined(__AVX2__)
+  if constexpr (std::is_same_v<A, float>) {
+    const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256 s = _mm256_set1_ps(scale);
+    for (; j + 8 <= d; j += 8) {
+      const __m256i b = _mm256_and_si256(_mm256_set1_epi32(bits[j >> 3]), sel);
+      _mm256_storeu_ps(m + j, _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(b, sel)), s));
+    }
+  }
+#endif
+  for (; j < d; ++j) m[j] = ((bits[j >> 3] >> (j & 7)) & 1) ? scale : A(0);
+}
+
 // ------------------------------------------------------------------ Add & Norm
 template <typename TX, typename TY, typename TO>
 void add_norm_fwd_impl(const Tensor& x, const Tensor& y, const Tensor& w, const Tensor& b, Tensor& out, Tensor& sum,
-                       Tensor& mean, Tensor& rstd, double eps, const Drop& dr, bool rms) {
+                       Tensor& mean, Tensor& rstd, Tensor& mask, double eps, const Drop& dr, bool rms) {
   using A = typename Elt<TO>::acc;
   const int64_t N = x.size(0), d = x.size(1);
   const auto* xp = ptr<TX>(x);
@@ -279,9 +386,13 @@ void add_norm_fwd_impl(const Tensor& x, const Tensor& y, const Tensor& w, const 
   auto* sp = sum.numel() ? ptr<TO>(sum) : nullptr;
   A* mp = static_cast<A*>(mean.data_ptr());
   A* rp = static_cast<A*>(rstd.data_ptr());
+  uint8_t* kp = mask.numel() ? mask.data_ptr<uint8_t>() : nullptr;
+  const int64_t nb = (d + 7) / 8;  // mask bytes per row
   const A scale = A(dr.scale), aeps = A(eps), inv_d = A(1) / A(d);
   const int32_t thr = int32_t(dr.thr);  // draws are 16-bit: a signed compare vectorises
   at::parallel_for(0, N, std::max<int64_t>(1, 16384 / d), [&](int64_t r0, int64_t r1) {
+    const A sc = scale;  // locals, not captured references: keeps the inner loops vectorised
+    const int32_t th = thr;
     std::vector<A> s(d);
     std::vector<uint32_t> rnd(dr.on ? d : 0);
     std::vector<typename Elt<TO>::store> scratch(sp ? 0 : d);  // the rounded sum's row when it is not saved
@@ -290,31 +401,25 @@ void add_norm_fwd_impl(const Tensor& x, const Tensor& y, const Tensor& w, const 
       const auto* yr = yp + r * d;
       auto* sr = sp ? sp + r * d : scratch.data();
       A* sv = s.data();
-      A acc = 0;
+      A total;  // sum of the row: sv (float) and sr (storage type) get the sum rounded to the output type
       if (dr.on) {
         philox_fill(uint64_t(r) * d, d, dr.seed, rnd.data());
         const uint32_t* rv = rnd.data();
-#pragma omp simd
-        for (int64_t j = 0; j < d; ++j) {
-          const A yv = Elt<TY>::ld(yr[j]) * (A(int32_t(rv[j]) >= thr) * scale);
-          const auto t = Elt<TO>::st(Elt<TX>::ld(xr[j]) + yv);  // the sum, rounded to the output type
+        if (kp) pack_keep(rv, d, th, kp + r * nb);
+        total = fill_sum(sv, d, [&](int64_t j) {
+          const auto t = Elt<TO>::st(Elt<TX>::ld(xr[j]) + Elt<TY>::ld(yr[j]) * (A(int32_t(rv[j]) >= th) * sc));
           sr[j] = t;
-          sv[j] = Elt<TO>::ld(t);
-        }
+          return Elt<TO>::ld(t);
+        });
       } else {
-#pragma omp simd
-        for (int64_t j = 0; j < d; ++j) {
+        total = fill_sum(sv, d, [&](int64_t j) {
           const auto t = Elt<TO>::st(Elt<TX>::ld(xr[j]) + Elt<TY>::ld(yr[j]));
           sr[j] = t;
-          sv[j] = Elt<TO>::ld(t);
-        }
+          return Elt<TO>::ld(t);
+        });
       }
-#pragma omp simd reduction(+ : acc)
-      for (int64_t j = 0; j < d; ++j) acc += sv[j];
-      const A m = rms ? A(0) : acc * inv_d;
-      A var = 0;
-#pragma omp simd reduction(+ : var)
-      for (int64_t j = 0; j < d; ++j) var += (sv[j] - m) * (sv[j] - m);
+      const A m = rms ? A(0) : total * inv_d;
+      const A var = row_sqdev(sv, m, d);
       const A rs = A(1) / std::sqrt(var * inv_d + aeps);
       mp[r] = m;
       rp[r] = rs;
@@ -335,7 +440,7 @@ void add_norm_fwd_impl(const Tensor& x, const Tensor& y, const Tensor& w, const 
 
 template <typename TX, typename TY, typename TO>
 void add_norm_bwd_impl(const Tensor& g, const Tensor& sum, const Tensor& mean, const Tensor& rstd, const Tensor& w,
-                       Tensor& dx, Tensor& dy, Tensor& dw, Tensor& db, const Drop& dr, bool rms) {
+                       const Tensor& mask, Tensor& dx, Tensor& dy, Tensor& dw, Tensor& db, const Drop& dr, bool rms) {
   using A = typename Elt<TO>::acc;
   const int64_t N = g.size(0), d = g.size(1);
   const auto* gp = ptr<TO>(g);
@@ -349,93 +454,80 @@ void add_norm_bwd_impl(const Tensor& g, const Tensor& sum, const Tensor& mean, c
   const int64_t nch = n_chunks(N), rows_per = (N + nch - 1) / nch;
   std::vector<A> pw(want_dw ? nch * d : 0), pb(want_db ? nch * d : 0);
   const A scale = A(dr.scale), inv_d = A(1) / A(d);
-  const int32_t thr = int32_t(dr.thr);  // draws are 16-bit: a signed compare vectorises
+  const uint8_t* kp = mask.defined() && mask.numel() ? mask.data_ptr<uint8_t>() : nullptr;  // saved keep bits
+  const int64_t nb = (d + 7) / 8;
   at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<A> xh(d), gx(d);
-    std::vector<uint32_t> rnd(dr.on && dyp ? d : 0);
+    const A sc = scale;  // a local, not a captured reference: keeps the inner loops vectorised
+    std::vector<A> keep(dr.on && dyp ? d : 0), gws(d);
     for (int64_t c = c0; c < c1; ++c) {
       A* cw = want_dw ? pw.data() + c * d : nullptr;
       A* cb = want_db ? pb.data() + c * d : nullptr;
-      for (int64_t j = 0; j < d; ++j) {
-        if (cw) cw[j] = 0;
-        if (cb) cb[j] = 0;
-      }
+      if (cw) std::fill(cw, cw + d, A(0));
+      if (cb) std::fill(cb, cb + d, A(0));
       const int64_t rend = std::min(N, (c + 1) * rows_per);
       for (int64_t r = c * rows_per; r < rend; ++r) {
         const auto* gr = gp + r * d;
         const auto* sr = sp + r * d;
         const A m = mp[r], rs = rp[r];
-        A sg = 0, sgx = 0;
-        A* xhp = xh.data();
-        A* gxp = gx.data();
+        // x^ = (sum - m) * rstd is recomputed where needed rather than stored (the loops are bound by stores, not
+        // arithmetic); g * w is stored, so that the final loop uses the very values summed (d = 1 gives dx = 0
+        // exactly, whatever the compiler contracts into FMAs).
+        auto xh = [&](int64_t j) { return (Elt<TO>::ld(sr[j]) - m) * rs; };
+        A* gw_ = gws.data();
+        A sg, sgx;  // sum of g*w and of g*w*x^ over the row
         if (wp && cw && cb) {  // the usual training case: weight and bias gradients in the same pass
-#pragma omp simd
-          for (int64_t j = 0; j < d; ++j) {
-            const A gv = Elt<TO>::ld(gr[j]);
-            const A xv = (Elt<TO>::ld(sr[j]) - m) * rs;
-            xhp[j] = xv;
-            gxp[j] = gv * wp[j];
+          sum2(d, sg, sgx, [&](int64_t j, A& s1, A& s2) {
+            const A gv = Elt<TO>::ld(gr[j]), xv = xh(j), gw = gv * wp[j];
             cw[j] += gv * xv;
             cb[j] += gv;
-          }
-        } else if (wp) {
-#pragma omp simd
-          for (int64_t j = 0; j < d; ++j) {
-            const A gv = Elt<TO>::ld(gr[j]);
-            xhp[j] = (Elt<TO>::ld(sr[j]) - m) * rs;
-            gxp[j] = gv * wp[j];
-          }
+            gw_[j] = gw;
+            s1 = gw;
+            s2 = gw * xv;
+          });
         } else {
-#pragma omp simd
-          for (int64_t j = 0; j < d; ++j) {
-            xhp[j] = (Elt<TO>::ld(sr[j]) - m) * rs;
-            gxp[j] = Elt<TO>::ld(gr[j]);
+          if (wp) {
+            sum2(d, sg, sgx, [&](int64_t j, A& s1, A& s2) {
+              s1 = gw_[j] = Elt<TO>::ld(gr[j]) * wp[j];
+              s2 = s1 * xh(j);
+            });
+          } else {
+            sum2(d, sg, sgx, [&](int64_t j, A& s1, A& s2) {
+              s1 = gw_[j] = Elt<TO>::ld(gr[j]);
+              s2 = s1 * xh(j);
+            });
           }
-        }
-#pragma omp simd reduction(+ : sg, sgx)
-        for (int64_t j = 0; j < d; ++j) {
-          sg += gxp[j];
-          sgx += gxp[j] * xhp[j];
-        }
-        if (wp && cw && cb) {
-          // accumulated above
-        } else if (cw && cb) {
+          if (cw) {
 #pragma omp simd
-          for (int64_t j = 0; j < d; ++j) {
-            const A gv = Elt<TO>::ld(gr[j]);
-            cw[j] += gv * xhp[j];
-            cb[j] += gv;
+            for (int64_t j = 0; j < d; ++j) cw[j] += Elt<TO>::ld(gr[j]) * xh(j);
           }
-        } else if (cw) {
+          if (cb) {
 #pragma omp simd
-          for (int64_t j = 0; j < d; ++j) cw[j] += Elt<TO>::ld(gr[j]) * xhp[j];
-        } else if (cb) {
-#pragma omp simd
-          for (int64_t j = 0; j < d; ++j) cb[j] += Elt<TO>::ld(gr[j]);
+            for (int64_t j = 0; j < d; ++j) cb[j] += Elt<TO>::ld(gr[j]);
+          }
         }
         const A a = rms ? A(0) : sg * inv_d, bb = sgx * inv_d;
+        A* kv = keep.data();
+        if (dyp && dr.on) unpack_keep(kp + r * nb, d, sc, kv);
         auto* dxr = dxp + r * d;
-        if (dyp) {
-          auto* dyr = dyp + r * d;
-          if (dr.on) {
-            philox_fill(uint64_t(r) * d, d, dr.seed, rnd.data());
+        auto* dyr = dyp ? dyp + r * d : nullptr;
+        auto ds_at = [&](int64_t j) { return rs * (gw_[j] - a - xh(j) * bb); };  // dx = ds; dy = ds * keep * scale
+        if (dyr && dr.on) {
 #pragma omp simd
-            for (int64_t j = 0; j < d; ++j) {
-              const A ds = rs * (gx[j] - a - xh[j] * bb);
-              dxr[j] = Elt<TX>::st(ds);
-              dyr[j] = Elt<TY>::st(ds * (A(int32_t(rnd[j]) >= thr) * scale));
-            }
-          } else {
+          for (int64_t j = 0; j < d; ++j) {
+            const A ds = ds_at(j);
+            dxr[j] = Elt<TX>::st(ds);
+            dyr[j] = Elt<TY>::st(ds * kv[j]);
+          }
+        } else if (dyr) {
 #pragma omp simd
-            for (int64_t j = 0; j < d; ++j) {
-              const A ds = rs * (gx[j] - a - xh[j] * bb);
-              dxr[j] = Elt<TX>::st(ds);
-              dyr[j] = Elt<TY>::st(ds);
-            }
+          for (int64_t j = 0; j < d; ++j) {
+            const A ds = ds_at(j);
+            dxr[j] = Elt<TX>::st(ds);
+            dyr[j] = Elt<TY>::st(ds);
           }
         } else {
 #pragma omp simd
-          for (int64_t j = 0; j < d; ++j) dxr[j] = Elt<TX>::st(rs * (gx[j] - a - xh[j] * bb));
+          for (int64_t j = 0; j < d; ++j) dxr[j] = Elt<TX>::st(ds_at(j));
         }
       }
     }
@@ -458,7 +550,7 @@ void add_norm_bwd_impl(const Tensor& g, const Tensor& sum, const Tensor& mean, c
     TORCH_CHECK(false, NAME ": unsupported dtypes ", XT, " and ", YT);                               \
   }()
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> add_norm_fwd(const Tensor& x, const Tensor& y,
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> add_norm_fwd(const Tensor& x, const Tensor& y,
                                                         const std::optional<Tensor>& weight,
                                                         const std::optional<Tensor>& bias, double eps, double p,
                                                         int64_t seed, bool rms, bool save_sum) {
@@ -471,19 +563,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> add_norm_fwd(const Tensor& x, const T
   Tensor sum = at::empty({save_sum ? N : 0, d}, x.options().dtype(ot));
   Tensor mean = at::empty({N}, x.options().dtype(at_));
   Tensor rstd = at::empty({N}, x.options().dtype(at_));
+  Tensor mask = at::empty({save_sum && p > 0 ? N : 0, (d + 7) / 8}, x.options().dtype(at::kByte));  // keep bits
   Tensor w = weight.has_value() ? weight->contiguous() : Tensor();
   Tensor b = bias.has_value() ? bias->contiguous() : Tensor();
   TORCH_CHECK(!w.defined() || (w.scalar_type() == at_ && w.numel() == d), "add_norm_fwd: weight must be (d,) acc");
   TORCH_CHECK(!b.defined() || (b.scalar_type() == at_ && b.numel() == d), "add_norm_fwd: bias must be (d,) acc");
   const Drop dr(p, seed);
   SUBLAYER_DISPATCH_XY(x.scalar_type(), y.scalar_type(), "add_norm_fwd",
-                       [&] { add_norm_fwd_impl<TX, TY, TO>(x, y, w, b, out, sum, mean, rstd, eps, dr, rms); });
-  return {out, sum, mean, rstd};
+                       [&] { add_norm_fwd_impl<TX, TY, TO>(x, y, w, b, out, sum, mean, rstd, mask, eps, dr, rms); });
+  return {out, sum, mean, rstd, mask};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> add_norm_bwd(const Tensor& g, const Tensor& sum, const Tensor& mean,
                                                         const Tensor& rstd, const std::optional<Tensor>& weight,
-                                                        at::ScalarType xt, at::ScalarType yt, double p, int64_t seed,
+                                                        const std::optional<Tensor>& mask, at::ScalarType xt, at::ScalarType yt, double p,
                                                         bool rms, bool need_dy, bool need_dw, bool need_db) {
   TORCH_CHECK(g.dim() == 2 && g.sizes() == sum.sizes() && g.is_contiguous() && sum.is_contiguous(),
               "add_norm_bwd: grad and saved sum must be contiguous 2-D tensors of one shape");
@@ -492,13 +585,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> add_norm_bwd(const Tensor& g, const T
   const auto at_ = acc_type(ot);
   const int64_t N = g.size(0), d = g.size(1);
   Tensor w = weight.has_value() ? weight->contiguous() : Tensor();
+  Tensor k = mask.has_value() ? *mask : Tensor();
+  TORCH_CHECK(!(p > 0 && need_dy) || (k.defined() && k.scalar_type() == at::kByte && k.is_contiguous() &&
+                                      k.dim() == 2 && k.size(0) == N && k.size(1) == (d + 7) / 8),
+              "add_norm_bwd: with dropout, mask must be the (N, ceil(d / 8)) uint8 keep bits of add_norm_fwd");
   Tensor dx = at::empty({N, d}, g.options().dtype(xt));
   Tensor dy = need_dy ? at::empty({N, d}, g.options().dtype(yt)) : Tensor();
   Tensor dw = need_dw ? at::empty({d}, g.options().dtype(at_)) : Tensor();
   Tensor db = need_db ? at::empty({d}, g.options().dtype(at_)) : Tensor();
-  const Drop dr(p, seed);
+  const Drop dr(p, 0);  // the mask comes saved: no draws
   SUBLAYER_DISPATCH_XY(xt, yt, "add_norm_bwd",
-                       [&] { add_norm_bwd_impl<TX, TY, TO>(g, sum, mean, rstd, w, dx, dy, dw, db, dr, rms); });
+                       [&] { add_norm_bwd_impl<TX, TY, TO>(g, sum, mean, rstd, w, k, dx, dy, dw, db, dr, rms); });
   return {dx, dy, dw, db};
 }
 
@@ -760,9 +857,9 @@ Tensor philox_words(int64_t start, int64_t n, int64_t seed, bool scalar) {
 
 TORCH_LIBRARY(sublayer_kernels, m) {
   m.def("add_norm_fwd(Tensor x, Tensor y, Tensor? weight, Tensor? bias, float eps, float p, int seed, bool rms, "
-        "bool save_sum) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("add_norm_bwd(Tensor g, Tensor sum, Tensor mean, Tensor rstd, Tensor? weight, ScalarType x_dtype, ScalarType y_dtype, "
-        "float p, int seed, bool rms, bool need_dy, bool need_dw, bool need_db) -> (Tensor, Tensor, Tensor, Tensor)");
+        "bool save_sum) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("add_norm_bwd(Tensor g, Tensor sum, Tensor mean, Tensor rstd, Tensor? weight, Tensor? mask, ScalarType x_dtype, ScalarType y_dtype, "
+        "float p, bool rms, bool need_dy, bool need_dw, bool need_db) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("act_fwd(Tensor a, Tensor? bias, int act, float p, int seed, bool inplace) -> Tensor");
   m.def("act_bwd(Tensor dh, Tensor? saved, Tensor? bias, int act, float p, int seed, bool want_h, bool want_db, "
         "bool inplace) -> (Tensor, Tensor, Tensor)");
