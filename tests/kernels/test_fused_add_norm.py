@@ -131,6 +131,28 @@ def test_dropout_matches_reference_with_the_same_mask(dtype):
     assert (fg[1][mask == 0] == 0).all()
 
 
+@pytest.mark.parametrize("d", [5, 16, 37])  # tail bits only, whole bytes, both
+def test_saves_the_dropout_mask_as_bits_and_backward_uses_it(d):
+    # Saved for backward: the sum (N, d), mean and rstd (N,), the weight and the mask as (N, ceil(d/8)) uint8 — one
+    # bit per element, never a full-precision mask. The gradient of y is zero exactly where the bit is clear.
+    n, p = 11, 0.5
+    x, y = torch.randn(n, d, requires_grad=True), torch.randn(n, d, requires_grad=True)
+    w, b = torch.randn(d, requires_grad=True), torch.randn(d, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fused.add_norm(x, y, d, w, b, dropout=p, impl="fused", generator=torch.Generator().manual_seed(4))
+    masks = [t for t in saved if t.dtype == torch.uint8]
+    assert len(masks) == 1 and masks[0].shape == (n, (d + 7) // 8)
+    assert not any(t.shape == (n, d) and t.dtype != x.dtype for t in saved)
+    bits = masks[0].view(-1, 1).bitwise_right_shift(torch.arange(8, dtype=torch.uint8)).bitwise_and(1)
+    keep = bits.view(n, -1)[:, :d].bool()  # bit j % 8 of byte j // 8
+    gy = torch.autograd.grad(out, y, torch.randn(n, d))[0]
+    assert 0 < keep.sum() < keep.numel()
+    assert torch.equal(gy != 0, keep)
+    ref = fused.dropout(torch.ones(n, d), p, generator=torch.Generator().manual_seed(4), impl="fused")
+    assert torch.equal(ref != 0, keep)  # the same Philox mask the forward applied
+
+
 def test_gradient_shared_by_both_inputs_without_dropout():
     x, y = torch.randn(4, 9, requires_grad=True), torch.randn(4, 9, requires_grad=True)
     out = fused.add_norm(x, y, 9, impl="fused")
