@@ -19,11 +19,13 @@ from ._tol import as64, assert_fast_close, graph_names, run
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="C++ kernels failed to build (see test_loader)")
 
 ACTS = list(fused.FUSED_ACTIVATIONS)
+assert {"swiglu", "geglu", "reglu"} <= set(ACTS)  # gated FFNs are fused too
 
 
-def _params(d, f, d_out, dtype, bias=True, scale=1.0):
-    w1 = (torch.randn(f, d) / d**0.5).to(dtype).requires_grad_()
-    b1 = (0.3 * torch.randn(f)).to(dtype).requires_grad_(bias)
+def _params(d, f, d_out, dtype, bias=True, act="relu"):
+    f1 = 2 * f if act in SF.GATED_ACTIVATIONS else f  # gated: fc1 packs [gate; up]
+    w1 = (torch.randn(f1, d) / d**0.5).to(dtype).requires_grad_()
+    b1 = (0.3 * torch.randn(f1)).to(dtype).requires_grad_(bias)
     w2 = (torch.randn(d_out, f) / f**0.5).to(dtype).requires_grad_()
     b2 = (0.3 * torch.randn(d_out)).to(dtype).requires_grad_(bias)
     return w1, b1, w2, b2
@@ -44,12 +46,48 @@ def _compare(fast, ref, ins, names=("dx", "dw1", "db1", "dw2", "db2")):
 @pytest.mark.parametrize("act", ACTS)
 def test_matches_reference_forward_and_grads(dtype, act):
     x = (2 * torch.randn(3, 5, 13)).to(dtype).requires_grad_()
-    ins = [x, *_params(13, 37, 11, dtype)]
+    ins = [x, *_params(13, 37, 11, dtype, act=act)]
 
     def f(impl):
         return lambda x, w1, b1, w2, b2: fused.feed_forward(x, w1, b1, w2, b2, activation=act, impl=impl)
 
     _compare(f("fused"), f("reference"), ins)
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu", "swiglu"])
+def test_recompute_gives_the_same_results_and_saves_only_the_input(act):
+    # recompute=True: fc1 (and the activation, with the same dropout mask) runs again in backward; every number
+    # equals the default path's bit for bit (same kernels, same seeds), and autograd keeps the input alone.
+    x = torch.randn(3, 5, 13, requires_grad=True)
+    ins = [x, *_params(13, 37, 11, torch.float32, act=act)]
+
+    def f(recompute):
+        gen = torch.Generator().manual_seed(2)
+        return lambda *a: fused.feed_forward(
+            *a, activation=act, dropout=0.3, output_dropout=0.1, recompute=recompute, impl="fused", generator=gen
+        )
+
+    (ao, ag), (bo, bg) = run(f(False), ins), run(f(True), ins)
+    assert torch.equal(ao, bo)
+    for a, b in zip(ag, bg):
+        assert torch.equal(a, b)
+    saved = _saved_activation_bytes(lambda: f(True)(*ins), ins[1:])
+    assert saved == x.numel() * 4, saved
+    # and the reference path checkpoints: same numbers as without recompute, input saved only
+    ref = [run(lambda *a, r=r: SF.feed_forward(*a, activation=act), ins) for r in (False,)][0]
+    chk = run(lambda *a: fused.feed_forward(*a, activation=act, recompute=True, impl="reference"), ins)
+    assert_close(chk[0], ref[0])
+    for a, b in zip(chk[1], ref[1]):
+        assert_close(a, b)
+
+
+def test_module_recompute_option():
+    ffn = sublayer.PositionWiseFFN(6, 10, activation="geglu", dropout=0.2, recompute=True)
+    assert "recompute=True" in repr(ffn)
+    x = torch.randn(4, 6, requires_grad=True)
+    assert _saved_activation_bytes(lambda: ffn(x), list(ffn.parameters())) == x.numel() * 4
+    with pytest.raises(TypeError, match="recompute must be a bool, got 'yes'"):
+        sublayer.PositionWiseFFN(6, 10, recompute="yes")
 
 
 @pytest.mark.parametrize("act", ["relu", "gelu"])
@@ -79,8 +117,9 @@ def test_dropout_matches_reference_with_the_same_masks(act):
 def test_gradcheck_float64(act):
     kw = {"dtype": torch.float64, "requires_grad": True}
     x = torch.randn(4, 5, **kw)
-    w1, b1, w2, b2 = torch.randn(7, 5, **kw), torch.randn(7, **kw), torch.randn(3, 7, **kw), torch.randn(3, **kw)
-    if act in ("relu", "relu2"):  # keep pre-activations away from the kink at 0, where finite differences fail
+    f1 = 14 if act in SF.GATED_ACTIVATIONS else 7
+    w1, b1, w2, b2 = torch.randn(f1, 5, **kw), torch.randn(f1, **kw), torch.randn(3, 7, **kw), torch.randn(3, **kw)
+    if act in ("relu", "relu2", "reglu"):  # keep pre-activations away from the kink at 0, where finite differences fail
         with torch.no_grad():
             b1 += torch.sign(b1) * 0.5
 
@@ -94,7 +133,7 @@ def test_gradcheck_float64(act):
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])  # bf16 GEMMs native, or in fp32 rounded to bf16
-@pytest.mark.parametrize("act", ["relu", "gelu_tanh"])
+@pytest.mark.parametrize("act", ["relu", "gelu_tanh", "swiglu"])
 def test_autocast_bf16_with_fp32_weights(act, native_bf16, monkeypatch):
     monkeypatch.setattr(kernels, "_native_bf16", native_bf16)
     ffn = sublayer.PositionWiseFFN(16, 32, activation=act)
@@ -133,28 +172,41 @@ def _saved_activation_bytes(fn, params) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("act", ["relu", "gelu"])
+@pytest.mark.parametrize("act", ["relu", "gelu", "swiglu"])
 def test_saves_at_most_60_percent_of_eager(act):
     d, f = 16, 64
-    eager = nn.Sequential(nn.Linear(d, f), nn.ReLU() if act == "relu" else nn.GELU(), nn.Dropout(0.1), nn.Linear(f, d))
     ours = sublayer.PositionWiseFFN(d, f, activation=act, dropout=0.1)
     x = torch.randn(32, 8, d, requires_grad=True)
-    e = _saved_activation_bytes(lambda: eager(x), list(eager.parameters()))
+    if act == "swiglu":  # eager SwiGLU as users write it (HF LlamaMLP plus dropout)
+        w = ours.fc1.weight
+
+        def eager_fn():
+            gate, up = F.linear(x, w, ours.fc1.bias).chunk(2, dim=-1)
+            return ours.fc2(F.dropout(F.silu(gate) * up, 0.1))
+
+        e = _saved_activation_bytes(eager_fn, list(ours.parameters()))
+    else:
+        eager = nn.Sequential(nn.Linear(d, f), nn.ReLU() if act == "relu" else nn.GELU(), nn.Dropout(0.1), nn.Linear(f, d))
+        e = _saved_activation_bytes(lambda: eager(x), list(eager.parameters()))
     o = _saved_activation_bytes(lambda: ours(x), list(ours.parameters()))
     assert o <= 0.6 * e, (o, e)
-    assert o == (1 + f / d) * x.numel() * 4  # exactly: the input and one (N, f) tensor, no mask
+    hidden = 2 * f if act == "swiglu" else f  # the input and one (N, f) tensor — (N, 2f) packed when gated; no mask
+    assert o == (1 + hidden / d) * x.numel() * 4
 
 
 def test_odd_shapes_and_layouts():
-    w1, b1, w2, b2 = (t.detach() for t in _params(5, 7, 3, torch.float32))
     for x in (torch.randn(5), torch.randn(0, 4, 5), torch.randn(5, 6, 4).transpose(0, 2), 1e4 * torch.randn(3, 5)):
         for act in ACTS:
+            w1, b1, w2, b2 = (t.detach() for t in _params(5, 7, 3, torch.float32, act=act))
             got = fused.feed_forward(x, w1, b1, w2, b2, activation=act, impl="fused")
             want = SF.feed_forward(x, w1, b1, w2, b2, activation=act)
             assert got.shape == want.shape == (*x.shape[:-1], 3)
             assert_close(got, want, rtol=1e-4, atol=1e-5 * max(1.0, x.abs().amax().item() if x.numel() else 0.0))  # |x|=1e4: sums of 1e4s
-    got = fused.feed_forward(torch.randn(3, 5), w1, None, w2, None, impl="fused")  # no biases
-    assert got.shape == (3, 3)
+    for act in ("relu", "swiglu"):  # no biases
+        w1, _, w2, _ = (t.detach() for t in _params(5, 7, 3, torch.float32, act=act))
+        x = torch.randn(3, 5)
+        got = fused.feed_forward(x, w1, None, w2, None, activation=act, impl="fused")
+        assert_close(got, SF.feed_forward(x, w1, None, w2, None, activation=act))
 
 
 def test_batch_zero_backward():
@@ -169,7 +221,7 @@ def test_dispatch_rules():
     x = torch.randn(3, 6, requires_grad=True)
     assert "FFNFn" in graph_names(ffn(x))
     gated = sublayer.PositionWiseFFN(6, 8, activation="swiglu")
-    assert "FFNFn" not in graph_names(gated(x))  # gated: the reference
+    assert "FFNFn" in graph_names(gated(x))  # gated activations take the fused path too
     assert_close(gated(x), SF.feed_forward(x, gated.fc1.weight, gated.fc1.bias, gated.fc2.weight, gated.fc2.bias,
                                             activation="swiglu"))
     kernels.set_enabled(False)

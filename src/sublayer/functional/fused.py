@@ -33,6 +33,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 from .. import kernels
@@ -50,9 +51,10 @@ from . import norm as _norm
 __all__ = ["add_norm", "feed_forward", "dropout", "dropout_seed", "FUSED_ACTIVATIONS", "IMPLS"]
 
 IMPLS = ("auto", "fused", "reference")
-# activation name -> kernel id (csrc/kernels.cpp: enum Act). Gated activations run the reference.
+# activation name -> kernel id (csrc/kernels.cpp: enum Act); a gated name -> its gate's id, run by glu_fwd/glu_bwd
 _ACT_IDS = {"relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4, "relu2": 5}
-FUSED_ACTIVATIONS: tuple[str, ...] = tuple(_ACT_IDS)
+_GLU_IDS = {"swiglu": 4, "geglu": 2, "reglu": 1}
+FUSED_ACTIVATIONS: tuple[str, ...] = (*_ACT_IDS, *_GLU_IDS)
 _RELU = 1
 _AUTO_DTYPES = (torch.float32, torch.bfloat16)
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
@@ -212,30 +214,34 @@ def add_norm(
 # ----------------------------------------------------------------------------------------------- FFN
 class _FFNFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, act, p, p_out, seed1, seed2):  # x: (N, d) contiguous, one dtype for all
+    def forward(ctx, x, w1, b1, w2, b2, act, gated, p, p_out, seed1, seed2, recompute):
+        # x: (N, d) contiguous, one dtype for all; gated: fc1's output packs [gate | up], (N, 2f)
         ops = kernels.ops()
         acc = _acc(x.dtype)
         need = any(ctx.needs_input_grad[:5])
         up, mm = _gemm(x.dtype)
         b1a = b1.to(acc) if b1 is not None else None
         b2a = b2.to(acc) if b2 is not None else None
-        a = mm(up(x), up(w1).t())  # (N, f), bias added in the elementwise pass
-        keep_a = need and act != _RELU
-        h = ops.act_fwd(a, b1a, act, p, seed1, not keep_a)  # in place unless the pre-activation is saved
+        a = mm(up(x), up(w1).t())  # (N, f) or (N, 2f), bias added in the elementwise pass
+        keep_a = need and (gated or act != _RELU) and not recompute
+        h = _hidden(ops, a, b1a, act, gated, p, seed1, inplace=not keep_a)
         o = mm(up(h), up(w2).t())
         if b2a is not None or p_out > 0:
             o = ops.act_fwd(o, b2a, 0, p_out, seed2, True)  # bias + output dropout, in place
         if need:
-            # ReLU: h alone gives both relu' and the mask; else the pre-activation a (h is recomputed).
-            ctx.save_for_backward(x, w1, w2, b1a if keep_a else None, a if keep_a else h)
-        ctx.meta = (act, p, p_out, seed1, seed2, b1.dtype if b1 is not None else None, b2.dtype if b2 is not None else None)
+            # recompute: x alone (fc1 runs again in backward). Else ReLU: h alone gives both relu' and the mask;
+            # other activations: the pre-activation a (h is recomputed).
+            sv = None if recompute else (a if keep_a else h)
+            ctx.save_for_backward(x, w1, w2, b1a, sv)
+        ctx.meta = (act, gated, p, p_out, seed1, seed2, recompute,
+                    b1.dtype if b1 is not None else None, b2.dtype if b2 is not None else None)  # fmt: skip
         return o
 
     @staticmethod
     def backward(ctx, go):
         _refuse_double_backward()
         x, w1, w2, b1a, sv = ctx.saved_tensors
-        act, p, p_out, seed1, seed2, b1dt, b2dt = ctx.meta
+        act, gated, p, p_out, seed1, seed2, recompute, b1dt, b2dt = ctx.meta
         nx, nw1, nb1, nw2, nb2 = ctx.needs_input_grad[:5]
         nb1, nb2 = nb1 and b1dt is not None, nb2 and b2dt is not None
         ops = kernels.ops()
@@ -246,22 +252,35 @@ class _FFNFn(torch.autograd.Function):
         else:
             g2 = go
             db2 = go.sum(0, dtype=_acc(go.dtype)) if nb2 else None
+        if recompute:  # fc1 again (and, for ReLU, the hidden activation with the same dropout mask)
+            sv = mm(up(x), up(w1).t())
+            if act == _RELU and not gated:
+                sv = ops.act_fwd(sv, b1a, act, p, seed1, True)
         g2u = up(g2)
         dh = mm(g2u, up(w2))  # (N, f)
-        if act == _RELU:
+        if gated:
+            da, h, db1 = ops.glu_bwd(dh, sv, b1a, act, p, seed1, bool(nw2), bool(nb1))
+        elif act == _RELU:
             da, _, db1 = ops.act_bwd(dh, sv, None, act, p, seed1, False, bool(nb1), True)
             h = sv
         else:
             da, h, db1 = ops.act_bwd(dh, sv, b1a, act, p, seed1, bool(nw2), bool(nb1), True)
         dw2 = mm(g2u.t(), up(h)) if nw2 else None
-        del h, g2u
+        del h, g2u, sv
         dau = up(da)
         dw1 = mm(dau.t(), up(x)) if nw1 else None
         dx = mm(dau, up(w1)) if nx else None
         return (
             dx, dw1, db1.to(b1dt) if nb1 else None, dw2, db2.to(b2dt) if nb2 else None,
-            None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )  # fmt: skip
+
+
+def _hidden(ops, a: Tensor, b1a: Tensor | None, act: int, gated: bool, p: float, seed: int, *, inplace: bool) -> Tensor:
+    """dropout(act(a + b1)) — or, gated, dropout(act(gate) * up) of the packed a — in one elementwise pass."""
+    if gated:
+        return ops.glu_fwd(a, b1a, act, p, seed)
+    return ops.act_fwd(a, b1a, act, p, seed, inplace)
 
 
 def _gemm(dtype: torch.dtype):
@@ -283,6 +302,7 @@ def feed_forward(
     dropout: float = 0.0,
     output_dropout: float = 0.0,
     training: bool = True,
+    recompute: bool = False,
     impl: str = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
@@ -291,7 +311,10 @@ def feed_forward(
 
     Args:
         x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, dropout, output_dropout, training: as the
-            reference. Gated activations always run the reference.
+            reference (gated activations included: ``fc1`` packs [gate; up]).
+        recompute: save only the input for backward and run fc1 (and the activation) again there: one more
+            GEMM for no hidden-size tensor kept. The reference path does the same through
+            ``torch.utils.checkpoint`` (which also re-runs fc2).
         impl: ``"auto"``, ``"fused"`` or ``"reference"`` (see the module docstring).
         generator: where the fused dropout's seeds come from (default: torch's CPU generator).
 
@@ -308,12 +331,13 @@ def feed_forward(
     check_tensor("x", x)
     check_choice("impl", impl, IMPLS)
     ts = (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
+    gated = activation in _GLU_IDS
     shapes_ok = (
         x.dim() >= 1
         and fc1_weight.dim() == 2
         and fc2_weight.dim() == 2
         and x.shape[-1] == fc1_weight.shape[1]
-        and fc2_weight.shape[1] == fc1_weight.shape[0]
+        and fc2_weight.shape[1] * (2 if gated else 1) == fc1_weight.shape[0]
         and (fc1_bias is None or fc1_bias.shape == (fc1_weight.shape[0],))
         and (fc2_bias is None or fc2_bias.shape == (fc2_weight.shape[0],))
     )
@@ -326,12 +350,14 @@ def feed_forward(
     else:
         auto_ok = len(dts) == 1 and dts <= set(_AUTO_DTYPES)
         fused_ok = len(dts) == 1 and dts <= set(_FUSED_DTYPES)
-    ok = activation in _ACT_IDS and shapes_ok
+    ok = activation in FUSED_ACTIVATIONS and shapes_ok
     if not _use_fused(impl, ok and auto_ok, ok and fused_ok, *ts):
-        return _ffn.feed_forward(
-            x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation=activation, dropout=dropout,
-            output_dropout=output_dropout, training=training,
-        )  # fmt: skip
+        kw = {"activation": activation, "dropout": dropout, "output_dropout": output_dropout, "training": training}
+        if recompute and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(
+                _ffn.feed_forward, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, use_reentrant=False, **kw
+            )
+        return _ffn.feed_forward(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, **kw)
     if autocast:
         ts = tuple(t.to(cast_to) if t is not None else None for t in ts)
     x, w1, b1, w2, b2 = ts
@@ -341,7 +367,8 @@ def feed_forward(
     seed2 = dropout_seed(generator) if p_out > 0 else 0
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     with torch.autocast("cpu", enabled=False):
-        out = _FFNFn.apply(x2, w1, b1, w2, b2, _ACT_IDS[activation], p, p_out, seed1, seed2)
+        act = _GLU_IDS[activation] if gated else _ACT_IDS[activation]
+        out = _FFNFn.apply(x2, w1, b1, w2, b2, act, gated, p, p_out, seed1, seed2, bool(recompute))
     return out.view(*x.shape[:-1], w2.shape[0])
 
 

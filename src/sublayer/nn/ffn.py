@@ -24,6 +24,8 @@ class PositionWiseFFN(nn.Module):
         dropout: on the hidden activation (the tutorials' placement).
         output_dropout: on the output (GPT-2's ``resid_pdrop`` placement).
         bias: biases on both linears.
+        recompute: keep only the input for backward and run fc1 and the activation again there (one more GEMM,
+            no hidden-size tensor saved; see :func:`sublayer.functional.fused.feed_forward`).
 
     Attributes:
         fc1: ``nn.Linear(d_model, d_ff)`` (gated: ``(d_model, 2·d_ff)``). fc2: ``nn.Linear(d_ff, d_out)``.
@@ -34,6 +36,7 @@ class PositionWiseFFN(nn.Module):
     Raises:
         ValueError: non-positive sizes, dropout outside [0, 1), unknown activation (listing the choices);
         at call time, an input whose last dim is not d_model.
+        TypeError: ``recompute`` not a bool.
     """
 
     def __init__(
@@ -46,6 +49,7 @@ class PositionWiseFFN(nn.Module):
         dropout: float = 0.0,
         output_dropout: float = 0.0,
         bias: bool = True,
+        recompute: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -56,6 +60,8 @@ class PositionWiseFFN(nn.Module):
         check_choice("activation", activation, SF.ACTIVATIONS)
         check_probability("dropout", dropout)
         check_probability("output_dropout", output_dropout)
+        if not isinstance(recompute, bool):
+            raise TypeError(f"recompute must be a bool, got {recompute!r}")
         if d_ff is None:
             if d_model is None:
                 raise ValueError("d_ff must be given when d_model is None (lazy input size), got d_ff=None")
@@ -68,6 +74,7 @@ class PositionWiseFFN(nn.Module):
         self.activation = activation
         self.dropout = float(dropout)
         self.output_dropout = float(output_dropout)
+        self.recompute = recompute
         kw = {"device": device, "dtype": dtype}
         hidden = 2 * d_ff if activation in SF.GATED_ACTIVATIONS else d_ff
         self.fc1 = nn.Linear(d_model, hidden, bias=bias, **kw) if d_model else nn.LazyLinear(hidden, bias=bias, **kw)
@@ -95,7 +102,9 @@ class PositionWiseFFN(nn.Module):
             dropout=self.dropout,
             output_dropout=self.output_dropout,
             training=self.training,
+            recompute=self.recompute,
         )
 
     def extra_repr(self) -> str:
-        return f"activation={self.activation!r}, dropout={self.dropout}, output_dropout={self.output_dropout}"
+        s = f"activation={self.activation!r}, dropout={self.dropout}, output_dropout={self.output_dropout}"
+        return s + (", recompute=True" if self.recompute else "")

@@ -5,6 +5,7 @@
 //    forward saves the sum, mean, rstd and the dropout mask as bits for backward.
 //  * act_fwd / act_bwd: bias + activation + dropout in one elementwise pass between the FFN's GEMMs, and its
 //    backward (bias gradient reduced in the same pass). act 0 (identity) is "bias + dropout".
+//  * glu_fwd / glu_bwd: the same for gated FFNs (SwiGLU, GeGLU, ReGLU): act(gate) * up from fc1's packed output.
 //  * Dropout is a counter-based Philox4x32-10 stream: element e (row-major flat index) keeps iff its 16-bit draw
 //    (see philox_fill) >= round(p * 2^16). The FFN regenerates the mask in backward from the seed; Add & Norm
 //    saves it as 1 bit per element (pack_keep), which costs d/8 bytes a row and spares its backward the draws.
@@ -833,6 +834,153 @@ std::tuple<Tensor, Tensor, Tensor> act_bwd(const Tensor& dh, const std::optional
   return {da, h, db};
 }
 
+// ------------------------------------------------------------------ gated FFN (SwiGLU / GeGLU / ReGLU)
+// a: (N, 2f) = x @ W1.T packed [gate | up] along the last dim (bias added here); h = dropout(act(gate) * up), (N, f).
+// Dropout element e is the flat index in h, as for the ungated FFN.
+
+// m[j] = keep * scale of row r's dropout draws (1 without dropout).
+template <typename A>
+inline void keep_scale_row(const Drop& dr, int64_t r, int64_t f, uint32_t* rnd, A* m) {
+  if (!dr.on) {
+    std::fill(m, m + f, A(1));
+    return;
+  }
+  philox_fill(uint64_t(r) * f, f, dr.seed, rnd);
+  const A sc = A(dr.scale);
+  const int32_t th = int32_t(dr.thr);
+#pragma omp simd
+  for (int64_t j = 0; j < f; ++j) m[j] = A(int32_t(rnd[j]) >= th) * sc;
+}
+
+template <typename T, int64_t act>
+void glu_fwd_impl(const Tensor& a, const std::vector<typename Elt<T>::acc>& bias, Tensor& out, const Drop& dr) {
+  using A = typename Elt<T>::acc;
+  const int64_t N = a.size(0), f = out.size(1);
+  const auto* ap = ptr<T>(a);
+  auto* op = ptr<T>(out);  // bias: gate bias (zeros without bias), then the up bias
+  at::parallel_for(0, N, std::max<int64_t>(1, 8192 / f), [&](int64_t r0, int64_t r1) {
+    const A* bg = bias.data();  // locals, not captured references: keeps the inner loops vectorised
+    const int64_t f = out.size(1);
+    std::vector<uint32_t> rnd(dr.on ? f : 0);
+    std::vector<A> m(f);
+    for (int64_t r = r0; r < r1; ++r) {
+      const auto* gr = ap + r * 2 * f;
+      const auto* ur = gr + f;
+      auto* orow = op + r * f;
+      A* mv = m.data();
+      keep_scale_row(dr, r, f, rnd.data(), mv);
+      const A* bu = bg + f;
+#pragma omp simd
+      for (int64_t j = 0; j < f; ++j) {
+        const A z = Elt<T>::ld(gr[j]) + bg[j], u = Elt<T>::ld(ur[j]) + bu[j];
+        orow[j] = Elt<T>::st(act_f<act>(z) * u * mv[j]);
+      }
+    }
+  });
+}
+
+// da = [dh * keep * scale * up * act'(gate) | dh * keep * scale * act(gate)], (N, 2f); optionally h (recomputed,
+// for fc2's weight gradient) and the bias gradient sum_rows(da), (2f,).
+template <typename T, int64_t act>
+void glu_bwd_impl(const Tensor& dh, const Tensor& a, const std::vector<typename Elt<T>::acc>& bias, Tensor& da,
+                  Tensor& h, Tensor& db, const Drop& dr) {
+  using A = typename Elt<T>::acc;
+  const int64_t N = dh.size(0), f = dh.size(1), f2 = 2 * f;
+  const auto* gp = ptr<T>(dh);
+  const auto* ap = ptr<T>(a);
+  auto* dap = ptr<T>(da);
+  auto* hp = h.defined() ? ptr<T>(h) : nullptr;
+  const bool want_db = db.defined();
+  const int64_t nch = n_chunks(N), rows_per = (N + nch - 1) / nch;
+  std::vector<A> pb(want_db ? nch * f2 : 0);
+  at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
+    const A* bg = bias.data();  // locals, not captured references: keeps the inner loops vectorised
+    const int64_t f = dh.size(1), f2 = 2 * f;
+    std::vector<uint32_t> rnd(dr.on ? f : 0);
+    std::vector<A> m(f);
+    for (int64_t c = c0; c < c1; ++c) {
+      A* cb = want_db ? pb.data() + c * f2 : nullptr;
+      if (cb) std::fill(cb, cb + f2, A(0));
+      const int64_t rend = std::min(N, (c + 1) * rows_per);
+      for (int64_t r = c * rows_per; r < rend; ++r) {
+        const auto* gr = gp + r * f;
+        const auto* zr = ap + r * f2;
+        const auto* ur = zr + f;
+        auto* dg = dap + r * f2;
+        auto* du = dg + f;
+        A* mv = m.data();
+        keep_scale_row(dr, r, f, rnd.data(), mv);
+        const A* bu = bg + f;
+#pragma omp simd
+        for (int64_t j = 0; j < f; ++j) {
+          const A z = Elt<T>::ld(zr[j]) + bg[j], u = Elt<T>::ld(ur[j]) + bu[j];
+          const A gm = Elt<T>::ld(gr[j]) * mv[j];
+          dg[j] = Elt<T>::st(gm * u * act_df<act>(z));
+          du[j] = Elt<T>::st(gm * act_f<act>(z));
+        }
+        if (hp) {
+          auto* hr = hp + r * f;
+#pragma omp simd
+          for (int64_t j = 0; j < f; ++j) {
+            const A z = Elt<T>::ld(zr[j]) + bg[j], u = Elt<T>::ld(ur[j]) + bu[j];
+            hr[j] = Elt<T>::st(act_f<act>(z) * u * mv[j]);
+          }
+        }
+        if (cb) {
+#pragma omp simd
+          for (int64_t j = 0; j < f2; ++j) cb[j] += Elt<T>::ld(dg[j]);
+        }
+      }
+    }
+  });
+  if (want_db) reduce_chunks(pb, nch, f2, static_cast<A*>(db.data_ptr()));
+}
+
+// The bias as a (2f,) accumulation-type vector, zeros when absent (one loop for both cases).
+template <typename A> std::vector<A> glu_bias(const std::optional<Tensor>& bias, int64_t f2) {
+  std::vector<A> v(f2, A(0));
+  if (bias.has_value()) {
+    const Tensor b = bias->contiguous();
+    TORCH_CHECK(b.numel() == f2 && b.scalar_type() == (sizeof(A) == 8 ? at::kDouble : at::kFloat),
+                "glu: bias must be (2f,) in the accumulation dtype");
+    std::copy(b.data_ptr<A>(), b.data_ptr<A>() + f2, v.begin());
+  }
+  return v;
+}
+
+Tensor glu_fwd(const Tensor& a, const std::optional<Tensor>& bias, int64_t act, double p, int64_t seed) {
+  TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && a.size(1) % 2 == 0,
+              "glu_fwd: a must be a contiguous (N, 2f) tensor");
+  TORCH_CHECK(act >= RELU && act <= RELU2, "glu_fwd: unknown gate activation id ", act);
+  const int64_t f = a.size(1) / 2;
+  Tensor out = at::empty({a.size(0), f}, a.options());
+  const Drop dr(p, seed);
+  SUBLAYER_DISPATCH_T(a.scalar_type(), "glu_fwd", [&] {
+    const auto b = glu_bias<typename Elt<T>::acc>(bias, 2 * f);
+    SUBLAYER_DISPATCH_ACT(act, [&] { glu_fwd_impl<T, ACT>(a, b, out, dr); });
+  });
+  return out;
+}
+
+std::tuple<Tensor, Tensor, Tensor> glu_bwd(const Tensor& dh, const Tensor& a, const std::optional<Tensor>& bias,
+                                           int64_t act, double p, int64_t seed, bool want_h, bool want_db) {
+  TORCH_CHECK(dh.dim() == 2 && dh.is_contiguous(), "glu_bwd: grad must be a contiguous 2-D tensor");
+  TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && a.size(0) == dh.size(0) && a.size(1) == 2 * dh.size(1) &&
+                  a.scalar_type() == dh.scalar_type(),
+              "glu_bwd: saved pre-activation must be (N, 2f) of the grad's dtype");
+  TORCH_CHECK(act >= RELU && act <= RELU2, "glu_bwd: unknown gate activation id ", act);
+  const int64_t f = dh.size(1);
+  Tensor da = at::empty_like(a);
+  Tensor h = want_h ? at::empty_like(dh) : Tensor();
+  Tensor db = want_db ? at::empty({2 * f}, dh.options().dtype(acc_type(dh.scalar_type()))) : Tensor();
+  const Drop dr(p, seed);
+  SUBLAYER_DISPATCH_T(dh.scalar_type(), "glu_bwd", [&] {
+    const auto b = glu_bias<typename Elt<T>::acc>(bias, 2 * f);
+    SUBLAYER_DISPATCH_ACT(act, [&] { glu_bwd_impl<T, ACT>(dh, a, b, da, h, db, dr); });
+  });
+  return {da, h, db};
+}
+
 // Raw Philox words for element indices [start, start + n) (for tests of the stream itself).
 // scalar=true: the portable per-lane implementation (tests check the AVX2 one against it).
 Tensor philox_words(int64_t start, int64_t n, int64_t seed, bool scalar) {
@@ -863,6 +1011,9 @@ TORCH_LIBRARY(sublayer_kernels, m) {
   m.def("act_fwd(Tensor a, Tensor? bias, int act, float p, int seed, bool inplace) -> Tensor");
   m.def("act_bwd(Tensor dh, Tensor? saved, Tensor? bias, int act, float p, int seed, bool want_h, bool want_db, "
         "bool inplace) -> (Tensor, Tensor, Tensor)");
+  m.def("glu_fwd(Tensor a, Tensor? bias, int act, float p, int seed) -> Tensor");
+  m.def("glu_bwd(Tensor dh, Tensor a, Tensor? bias, int act, float p, int seed, bool want_h, bool want_db) -> "
+        "(Tensor, Tensor, Tensor)");
   m.def("philox_words(int start, int n, int seed, bool scalar) -> Tensor");
 }
 
@@ -871,6 +1022,8 @@ TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
   m.impl("add_norm_bwd", &add_norm_bwd);
   m.impl("act_fwd", &act_fwd);
   m.impl("act_bwd", &act_bwd);
+  m.impl("glu_fwd", &glu_fwd);
+  m.impl("glu_bwd", &glu_bwd);
 }
 
 TORCH_LIBRARY_IMPL(sublayer_kernels, CompositeExplicitAutograd, m) { m.impl("philox_words", &philox_words); }
