@@ -19,7 +19,9 @@ What the fused path changes, and what it does not:
   backward computes the sum's gradient once and hands it to both inputs (the same tensor when there is no dropout
   and the dtypes match).
 * The FFN saves its input and, for ReLU, the fc2 input (``h > 0`` tells ReLU's derivative and the dropout mask at
-  once), otherwise the fc1 output before bias (the pre-activation); the hidden activation is recomputed in backward.
+  once), otherwise the fc1 output before bias (the pre-activation; packed ``[gate | up]`` for SwiGLU/GeGLU/ReGLU);
+  the hidden activation is recomputed in backward. With ``recompute=True`` it saves the input only and runs fc1
+  again in backward.
 * bf16 GEMMs on a CPU without AVX512_BF16/AMX run in fp32 on upcast operands, rounded to bf16 once
   (:func:`sublayer.kernels.native_bf16_gemm`), because oneDNN's bf16 GEMM is ~8x slower than fp32 there.
 * Results equal the reference within its own low-precision error (tests derive the tolerances). The backward is
