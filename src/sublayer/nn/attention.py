@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional as SF
+from ..functional import fused
 from .._checks import check_positive_int, check_probability
 
 __all__ = ["MultiHeadAttention"]
@@ -112,6 +113,7 @@ class MultiHeadAttention(nn.Module):
             need_weights=need_weights,
             average_attn_weights=average_attn_weights,
             kv_cache=kv_cache,
+            linear=fused.linear,
         )
 
     def extra_repr(self) -> str:

@@ -1,0 +1,90 @@
+"""fused.linear: bf16 linears whose GEMMs run in fp32 on CPUs without native bf16 GEMMs, against F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import sublayer
+from sublayer import kernels
+from sublayer.functional import fused
+
+from ._tol import as64, assert_fast_close, run
+
+
+def _names(t: torch.Tensor) -> str:
+    """Names of every autograd node behind ``t`` (which path produced it)."""
+    seen, todo, names = set(), [t.grad_fn], []
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.append(type(fn).__name__)
+        todo.extend(n for n, _ in fn.next_functions)
+    return " ".join(names)
+
+
+@pytest.fixture
+def slow_native_bf16(monkeypatch):
+    monkeypatch.setattr(kernels, "_native_bf16", False)  # as on AVX2-only CPUs like this project's
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("autocast", [True, False])  # fp32 weights under autocast, or bf16 tensors
+def test_matches_f_linear_within_bf16_error(slow_native_bf16, autocast, bias):
+    dt = torch.float32 if autocast else torch.bfloat16
+    x = torch.randn(3, 7, 13).to(dt).requires_grad_()
+    w = (torch.randn(11, 13) / 13**0.5).to(dt).requires_grad_()
+    b = torch.randn(11).to(dt).requires_grad_() if bias else None
+    ins = [x, w] + ([b] if bias else [])
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with ctx:
+        fo, fg = run(lambda *a: fused.linear(*a), ins)
+        ro, rg = run(lambda *a: F.linear(*a), ins)
+        assert "Bf16LinearFn" in _names(fused.linear(*ins))
+    wo, wg = run(lambda *a: F.linear(*a), as64(ins))
+    assert fo.dtype == ro.dtype == torch.bfloat16
+    assert_fast_close(fo, ro, wo, what="out")
+    for n, a, r, w64 in zip(["dx", "dw", "db"], fg, rg, wg):
+        assert a.dtype == r.dtype == dt  # gradients come back in the leaves' dtypes, as with F.linear
+        assert_fast_close(a, r, w64, what=n)
+
+
+def test_everything_else_is_f_linear_itself(monkeypatch):
+    x, w, b = torch.randn(4, 5), torch.randn(3, 5), torch.randn(3)
+    assert torch.equal(fused.linear(x, w, b), F.linear(x, w, b))  # fp32, no autocast
+    monkeypatch.setattr(kernels, "_native_bf16", True)  # a CPU with AMX / AVX512_BF16: oneDNN's own bf16 GEMM
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        x.requires_grad_()
+        assert "Bf16LinearFn" not in _names(fused.linear(x, w, b))
+        assert torch.equal(fused.linear(x, w, b), F.linear(x, w, b))
+    monkeypatch.setattr(kernels, "_native_bf16", False)
+    kernels.set_enabled(False)  # the switch turns it off with the other fast paths
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert "Bf16LinearFn" not in _names(fused.linear(x, w, b))
+    finally:
+        kernels.set_enabled(True)
+    with pytest.raises(RuntimeError):  # a shape mismatch is F.linear's own error
+        fused.linear(torch.randn(2, 4).bfloat16(), w.bfloat16())
+
+
+def test_attention_module_uses_it_under_autocast(slow_native_bf16):
+    torch.manual_seed(0)
+    mha = sublayer.MultiHeadAttention(12, 3)
+    x = torch.randn(2, 5, 12, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = mha(x)
+        assert "Bf16LinearFn" in _names(out)
+        kernels.set_enabled(False)
+        try:
+            ref, _ = mha(x)
+        finally:
+            kernels.set_enabled(True)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert_close(out, ref, rtol=2e-2, atol=2e-2)  # two paths, each with bf16 rounding of q/k/v and the output
+    out.float().sum().backward()
+    assert x.grad is not None and mha.q_proj.weight.grad.dtype == torch.float32
