@@ -668,6 +668,20 @@ template <int64_t act, typename A> inline A act_df(A z) {
   return A(1);
 }
 
+// m[j] = keep * scale of row r's dropout draws (1 without dropout).
+template <typename A>
+inline void keep_scale_row(const Drop& dr, int64_t r, int64_t f, uint32_t* rnd, A* m) {
+  if (!dr.on) {
+    std::fill(m, m + f, A(1));
+    return;
+  }
+  philox_fill(uint64_t(r) * f, f, dr.seed, rnd);
+  const A sc = A(dr.scale);
+  const int32_t th = int32_t(dr.thr);
+#pragma omp simd
+  for (int64_t j = 0; j < f; ++j) m[j] = A(int32_t(rnd[j]) >= th) * sc;
+}
+
 // h = dropout(act(a + bias)) row by row; out may alias a (in-place).
 template <typename T, int64_t act>
 void act_fwd_impl(const Tensor& a, const Tensor& b, Tensor& out, const Drop& dr) {
@@ -723,7 +737,6 @@ void act_bwd_impl(const Tensor& dh, const Tensor& saved, const Tensor& b, Tensor
   const int64_t nch = n_chunks(N), rows_per = (N + nch - 1) / nch;
   std::vector<A> pb(want_db ? nch * f : 0);
   const A scale = A(dr.scale);
-  const int32_t thr = int32_t(dr.thr);  // draws are 16-bit: a signed compare vectorises
   at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
     std::vector<uint32_t> rnd(dr.on ? f : 0);
     std::vector<A> m(f, scale);  // keep * scale per column
@@ -744,11 +757,7 @@ void act_bwd_impl(const Tensor& dh, const Tensor& saved, const Tensor& b, Tensor
             dr_[j] = Elt<T>::st(hv > A(0) ? gv * sc : A(0));
           }
         } else {
-          if (dr.on) {
-            philox_fill(uint64_t(r) * f, f, dr.seed, rnd.data());
-#pragma omp simd
-            for (int64_t j = 0; j < f; ++j) m[j] = A(int32_t(rnd[j]) >= thr) * scale;
-          }
+          if (dr.on) keep_scale_row(dr, r, f, rnd.data(), m.data());
           if constexpr (act == IDENT) {
 #pragma omp simd
             for (int64_t j = 0; j < f; ++j) dr_[j] = Elt<T>::st(Elt<T>::ld(gr[j]) * m[j]);
@@ -837,20 +846,6 @@ std::tuple<Tensor, Tensor, Tensor> act_bwd(const Tensor& dh, const std::optional
 // ------------------------------------------------------------------ gated FFN (SwiGLU / GeGLU / ReGLU)
 // a: (N, 2f) = x @ W1.T packed [gate | up] along the last dim (bias added here); h = dropout(act(gate) * up), (N, f).
 // Dropout element e is the flat index in h, as for the ungated FFN.
-
-// m[j] = keep * scale of row r's dropout draws (1 without dropout).
-template <typename A>
-inline void keep_scale_row(const Drop& dr, int64_t r, int64_t f, uint32_t* rnd, A* m) {
-  if (!dr.on) {
-    std::fill(m, m + f, A(1));
-    return;
-  }
-  philox_fill(uint64_t(r) * f, f, dr.seed, rnd);
-  const A sc = A(dr.scale);
-  const int32_t th = int32_t(dr.thr);
-#pragma omp simd
-  for (int64_t j = 0; j < f; ++j) m[j] = A(int32_t(rnd[j]) >= th) * sc;
-}
 
 template <typename T, int64_t act>
 void glu_fwd_impl(const Tensor& a, const std::vector<typename Elt<T>::acc>& bias, Tensor& out, const Drop& dr) {
