@@ -202,6 +202,30 @@ def test_residual_dropout_statistics(cls, p):
 
 
 @pytest.mark.parametrize("cls", ["residual", "prenorm"])
+def test_residual_dropout_is_the_fused_philox_dropout_with_its_gradient(cls):
+    # On the CPU the residual's dropout is sublayer's Philox dropout (seeded from torch's generator): the same mask
+    # fused.dropout draws from the same seed, forward and backward.
+    from sublayer.functional import fused
+
+    m = ResidualConnection(0.4) if cls == "residual" else PreNormResidual(D, 0.4)
+    lin = _randomize_(nn.Linear(D, D))
+    norm = (lambda t: t) if cls == "residual" else m.norm
+    x = torch.randn(5, 3, D, requires_grad=True)
+    torch.manual_seed(11)
+    out = m(x, lin)
+    torch.manual_seed(11)
+    mask = fused.dropout(torch.ones(5, 3, D), 0.4)  # 0 or 1/(1-p)
+    assert 0 < (mask == 0).sum() < mask.numel()
+    xr = _leaf(x)
+    ref = xr + lin(norm(xr)) * mask
+    assert_close(out, ref)
+    g = torch.randn_like(out)
+    (gx,) = torch.autograd.grad(out, x, g)
+    (gr,) = torch.autograd.grad(ref, xr, g)
+    assert_close(gx, gr)
+
+
+@pytest.mark.parametrize("cls", ["residual", "prenorm"])
 def test_residual_dropout_eval_identity(cls):
     m = (ResidualConnection(0.5) if cls == "residual" else PreNormResidual(D, 0.5)).eval()
     lin = nn.Linear(D, D)

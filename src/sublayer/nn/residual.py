@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import functional as SF
@@ -75,7 +74,8 @@ class ResidualConnection(nn.Module):
     """The plain residual: ``x + dropout(sublayer(x))``.
 
     Args:
-        dropout: on the sub-layer's output in training.
+        dropout: on the sub-layer's output in training (on the CPU, :func:`sublayer.functional.fused.dropout`:
+            Philox masks, regenerated in backward).
         device, dtype: accepted like every module's factory kwargs; there are no parameters to place.
 
     Shape:
@@ -94,7 +94,7 @@ class ResidualConnection(nn.Module):
         self.dropout = float(dropout)
 
     def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
-        return x + F.dropout(sublayer(x), self.dropout, self.training)
+        return x + fused.dropout(sublayer(x), self.dropout, self.training)  # Philox dropout on the CPU
 
     def extra_repr(self) -> str:
         return f"dropout={self.dropout}"
@@ -107,7 +107,8 @@ class PreNormResidual(nn.Module):
 
     Args:
         normalized_shape: int or tuple — the trailing dims.
-        dropout: on the sub-layer's output in training.
+        dropout: on the sub-layer's output in training (on the CPU, :func:`sublayer.functional.fused.dropout`:
+            Philox masks, regenerated in backward).
         norm: ``"layer"`` or ``"rms"``. eps: None -> the norm's default.
 
     Shape:
@@ -131,7 +132,7 @@ class PreNormResidual(nn.Module):
         self.norm = make_norm(norm, normalized_shape, eps, device=device, dtype=dtype)
 
     def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
-        return x + F.dropout(sublayer(self.norm(x)), self.dropout, self.training)
+        return x + fused.dropout(sublayer(self.norm(x)), self.dropout, self.training)  # Philox dropout on the CPU
 
     def extra_repr(self) -> str:
         return f"dropout={self.dropout}"
