@@ -770,13 +770,18 @@ void act_bwd_impl(const Tensor& dh, const Tensor& saved, const Tensor& b, Tensor
 #pragma omp simd
               for (int64_t j = 0; j < f; ++j) z[j] = Elt<T>::ld(ar[j]);
             }
-            if (hp) {
+            if (hp) {  // h and da in one loop: act and act' share their exp / cdf terms
               auto* hr = hp + r * f;
 #pragma omp simd
-              for (int64_t j = 0; j < f; ++j) hr[j] = Elt<T>::st(act_f<act>(z[j]) * m[j]);
-            }
+              for (int64_t j = 0; j < f; ++j) {
+                const A zj = z[j], mj = m[j];
+                hr[j] = Elt<T>::st(act_f<act>(zj) * mj);
+                dr_[j] = Elt<T>::st(Elt<T>::ld(gr[j]) * mj * act_df<act>(zj));
+              }
+            } else {
 #pragma omp simd
-            for (int64_t j = 0; j < f; ++j) dr_[j] = Elt<T>::st(Elt<T>::ld(gr[j]) * m[j] * act_df<act>(z[j]));
+              for (int64_t j = 0; j < f; ++j) dr_[j] = Elt<T>::st(Elt<T>::ld(gr[j]) * m[j] * act_df<act>(z[j]));
+            }
           }
         }
         if (cb) {
@@ -906,19 +911,23 @@ void glu_bwd_impl(const Tensor& dh, const Tensor& a, const std::vector<typename 
         A* mv = m.data();
         keep_scale_row(dr, r, f, rnd.data(), mv);
         const A* bu = bg + f;
-#pragma omp simd
-        for (int64_t j = 0; j < f; ++j) {
-          const A z = Elt<T>::ld(zr[j]) + bg[j], u = Elt<T>::ld(ur[j]) + bu[j];
-          const A gm = Elt<T>::ld(gr[j]) * mv[j];
-          dg[j] = Elt<T>::st(gm * u * act_df<act>(z));
-          du[j] = Elt<T>::st(gm * act_f<act>(z));
-        }
-        if (hp) {
+        if (hp) {  // h in the same loop: act(gate) is computed once
           auto* hr = hp + r * f;
 #pragma omp simd
           for (int64_t j = 0; j < f; ++j) {
             const A z = Elt<T>::ld(zr[j]) + bg[j], u = Elt<T>::ld(ur[j]) + bu[j];
-            hr[j] = Elt<T>::st(act_f<act>(z) * u * mv[j]);
+            const A gm = Elt<T>::ld(gr[j]) * mv[j], fz = act_f<act>(z);
+            dg[j] = Elt<T>::st(gm * u * act_df<act>(z));
+            du[j] = Elt<T>::st(gm * fz);
+            hr[j] = Elt<T>::st(fz * u * mv[j]);
+          }
+        } else {
+#pragma omp simd
+          for (int64_t j = 0; j < f; ++j) {
+            const A z = Elt<T>::ld(zr[j]) + bg[j], u = Elt<T>::ld(ur[j]) + bu[j];
+            const A gm = Elt<T>::ld(gr[j]) * mv[j];
+            dg[j] = Elt<T>::st(gm * u * act_df<act>(z));
+            du[j] = Elt<T>::st(gm * act_f<act>(z));
           }
         }
         if (cb) {
