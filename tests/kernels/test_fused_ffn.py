@@ -12,6 +12,7 @@ from torch.testing import assert_close
 import sublayer
 import sublayer.functional as SF
 from sublayer import kernels
+from sublayer.bench import _saved_bytes as _saved_activation_bytes  # bytes autograd saves, parameters excluded
 from sublayer.functional import fused
 
 from ._tol import as64, assert_fast_close, graph_names, run
@@ -154,22 +155,6 @@ def test_autocast_bf16_with_fp32_weights(act, native_bf16, monkeypatch):
         assert_fast_close(a, r, w, what=n)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # and the module takes the fused path under autocast
         assert "FFNFn" in graph_names(ffn(x))
-
-
-def _saved_activation_bytes(fn, params) -> int:
-    """Bytes of the distinct non-parameter tensors autograd saves for backward."""
-    seen: dict[int, int] = {}
-    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in param_ptrs:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
 
 
 @pytest.mark.parametrize("act", ["relu", "gelu", "swiglu"])
