@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.autograd import gradcheck
 from torch.testing import assert_close
 
 import sublayer
@@ -51,6 +52,15 @@ def test_matches_f_linear_within_bf16_error(slow_native_bf16, autocast, bias):
     for n, a, r, w64 in zip(["dx", "dw", "db"], fg, rg, wg):
         assert a.dtype == r.dtype == dt  # gradients come back in the leaves' dtypes, as with F.linear
         assert_fast_close(a, r, w64, what=n)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradcheck_float64_of_the_bf16_linear_function(bias):
+    # the autograd Function behind the bf16 path, on float64 operands (it keeps their dtype)
+    kw = {"dtype": torch.float64, "requires_grad": True}
+    x, w = torch.randn(6, 5, **kw), torch.randn(3, 5, **kw)
+    b = torch.randn(3, **kw) if bias else None
+    assert gradcheck(lambda x, w, b: fused._Bf16LinearFn.apply(x, w, b), (x, w, b))
 
 
 def test_everything_else_is_f_linear_itself(monkeypatch):

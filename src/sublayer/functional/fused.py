@@ -377,25 +377,28 @@ def feed_forward(
 # ----------------------------------------------------------------------------------------------- linear
 class _Bf16LinearFn(torch.autograd.Function):
     """A bf16 linear whose GEMMs multiply the bf16 operands in fp32 and round the product to bf16 once (what a bf16
-    GEMM with fp32 accumulation returns), for CPUs whose native bf16 GEMM is slow."""
+    GEMM with fp32 accumulation returns), for CPUs whose native bf16 GEMM is slow. (float64 operands stay float64:
+    the same code is gradchecked.)"""
 
     @staticmethod
-    def forward(ctx, x, w, b):  # bf16: x (N, in), w (out, in), b (out,) or None
+    def forward(ctx, x, w, b):  # one dtype: x (N, in), w (out, in), b (out,) or None
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
-        xf, wf = x.float(), w.float()
-        out = torch.addmm(b.float(), xf, wf.t()) if b is not None else torch.mm(xf, wf.t())
-        return out.to(torch.bfloat16)
+        acc = _acc(x.dtype)
+        xa, wa = x.to(acc), w.to(acc)
+        out = torch.addmm(b.to(acc), xa, wa.t()) if b is not None else torch.mm(xa, wa.t())
+        return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, g):
         _refuse_double_backward()
         x, w = ctx.saved_tensors
         nx, nw, nb = ctx.needs_input_grad
-        gf = g.float()
-        dx = torch.mm(gf, w.float()).to(torch.bfloat16) if nx else None
-        dw = torch.mm(gf.t(), x.float()).to(torch.bfloat16) if nw else None
-        db = gf.sum(0).to(torch.bfloat16) if nb and ctx.has_bias else None
+        acc = _acc(x.dtype)
+        ga = g.to(acc)
+        dx = torch.mm(ga, w.to(acc)).to(x.dtype) if nx else None
+        dw = torch.mm(ga.t(), x.to(acc)).to(x.dtype) if nw else None
+        db = ga.sum(0).to(x.dtype) if nb and ctx.has_bias else None
         return dx, dw, db
 
 
