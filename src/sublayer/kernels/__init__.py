@@ -22,7 +22,9 @@ import torch
 
 __all__ = ["available", "enabled", "set_enabled", "ops", "status", "build_error", "cache_dir", "native_bf16_gemm"]
 
-_SRC = Path(__file__).parent / "csrc" / "kernels.cpp"
+# Every csrc/*.cpp is one translation unit of the extension: kernels.cpp holds TORCH_LIBRARY(sublayer_kernels),
+# the other files add their ops with TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m).
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 _NAME = "sublayer_kernels"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
@@ -105,7 +107,7 @@ def _build() -> None:
     d.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name=_NAME,
-        sources=[str(_SRC)],
+        sources=[str(p) for p in _SOURCES],
         extra_cflags=CFLAGS,
         extra_ldflags=LDFLAGS,
         build_directory=str(d),
