@@ -57,18 +57,26 @@ def test_pooler_equals_hf(ours, hf_bert):
         assert_close(ours.pooled(ids, mask, types), hf_bert(ids, attention_mask=mask, token_type_ids=types).pooler_output)
 
 
+def _hf_grads(hf, ids, mask, types) -> dict:
+    out = hf(ids, attention_mask=mask, token_type_ids=types)
+    ((out.last_hidden_state * mask[..., None]).square().sum() + out.pooler_output.sum()).backward()
+    return {k: p.grad for k, p in hf.named_parameters()}
+
+
 def test_gradients_equal_hf(bert_folder):
     model = Bert.from_pretrained(bert_folder).eval()
-    hf = make_hf_bert()
     ids, mask, types = _batch()
-    out = hf(ids, attention_mask=mask, token_type_ids=types)
     ((model(ids, mask, types) * mask[..., None]).square().sum() + model.pooled(ids, mask, types).sum()).backward()
-    ((out.last_hidden_state * mask[..., None]).square().sum() + out.pooler_output.sum()).backward()
-    ours_grads = keymap.to_hf({k: p.grad for k, p in model.named_parameters()}, N_LAYERS)
-    hf_grads = dict(hf.named_parameters())
-    assert set(ours_grads) == set(hf_grads)
-    for k, g in ours_grads.items():
-        assert_close(g, hf_grads[k].grad, msg=lambda m, k=k: f"{k}: {m}")
+    ours = keymap.to_hf({k: p.grad for k, p in model.named_parameters()}, N_LAYERS)
+    hf32 = _hf_grads(make_hf_bert(), ids, mask, types)
+    hf64 = _hf_grads(make_hf_bert().double(), ids, mask, types)
+    assert set(ours) == set(hf32)
+    for k, g in ours.items():
+        # Embedding-table gradients sum the squared-output loss over every token, with cancellation: HF's own fp32
+        # gradient is ~1e-5 off the float64 truth there. Ours must be as close to the truth as HF's fp32 is (x4),
+        # and within the fp32 defaults wherever HF's fp32 is.
+        ref_err = (hf32[k].double() - hf64[k]).abs().max().item()
+        assert_close(g.double(), hf64[k], rtol=1.3e-6, atol=max(1e-5, 4 * ref_err), msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("act", ["gelu_new", "relu"])
