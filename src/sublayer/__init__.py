@@ -3,7 +3,7 @@
 Shapes are batch-first (B, T, D); ``key_padding_mask`` True = padding.
 """
 
-from . import functional, models, plot
+from . import d2l, functional, models, plot
 from .functional import KVCache
 from .nn import (
     AddNorm,
@@ -38,6 +38,7 @@ __all__ = [
     "TransformerDecoder",
     "TransformerEncoder",
     "__version__",
+    "d2l",
     "functional",
     "models",
     "plot",

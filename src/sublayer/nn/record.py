@@ -45,7 +45,12 @@ def record_attention(module: nn.Module, *, detach: bool = True) -> Iterator[dict
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    targets = [(name or "attention", m) for name, m in module.named_modules() if isinstance(m, MultiHeadAttention)]
+    # subclasses with a forward of their own (sublayer.d2l's, which keep ``attention_weights``) are left alone
+    targets = [
+        (name or "attention", m)
+        for name, m in module.named_modules()
+        if isinstance(m, MultiHeadAttention) and type(m).forward is MultiHeadAttention.forward
+    ]
     if not targets:
         raise ValueError(f"module ({type(module).__name__}) holds no sublayer MultiHeadAttention to record")
     maps: dict[str, list[Tensor]] = {name: [] for name, _ in targets}
