@@ -358,3 +358,11 @@ def test_valid_lens_errors_and_zero_length_rows():
         mha(x, x, x, [1, 2, 3])
     out = mha(x, x, x, torch.tensor([0, 2, 3]))  # a sequence with no valid key: zeros, finite (documented)
     assert torch.isfinite(out).all() and (mha.attention_weights[:H] == 0).all()
+
+
+def test_gradcheck_encoder_block_float64_with_per_query_valid_lens():
+    blk = randomize_(d2l.TransformerEncoderBlock(6, 5, 2, 0.0, use_bias=True)).double()
+    blk.ffn(torch.zeros(1, 1, 6, dtype=torch.float64))  # materialise the lazy input layer
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    vl = torch.tensor([[1, 2, 3], [3, 1, 2]])
+    assert torch.autograd.gradcheck(lambda t: blk(t, vl), (x,), eps=1e-6, atol=1e-5, rtol=1e-3)

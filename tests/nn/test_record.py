@@ -61,3 +61,18 @@ def test_record_rejects_bad_modules():
     with pytest.raises(ValueError, match="PositionWiseFFN.*no sublayer MultiHeadAttention"):
         with record_attention(PositionWiseFFN(D, 11)):
             pass
+
+
+def test_transformer_model_cross_attention_equals_its_own_accessor():
+    from sublayer.models import Transformer
+
+    model = Transformer(11, 13, d_model=D, n_heads=H, d_ff=7, n_layers=2, dropout=0.0).eval()
+    src, tgt = torch.randint(0, 11, (B, S)), torch.randint(0, 13, (B, T))
+    pad = torch.arange(S)[None] >= torch.tensor([S, 2])[:, None]
+    with record_attention(model) as maps:
+        logits = model(src, tgt, src_key_padding_mask=pad)
+    assert logits.shape == (B, T, 13)
+    cross = [maps[f"decoder.layers.{i}.cross_attn"][0] for i in range(2)]
+    for got, want in zip(cross, model.cross_attention_weights(src, tgt, src_key_padding_mask=pad), strict=True):
+        torch.testing.assert_close(got, want)
+    assert maps["encoder.layers.0.self_attn"][0].shape == (B, H, S, S)
