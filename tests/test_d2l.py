@@ -362,7 +362,7 @@ def test_valid_lens_errors_and_zero_length_rows():
 
 def test_gradcheck_encoder_block_float64_with_per_query_valid_lens():
     blk = randomize_(d2l.TransformerEncoderBlock(6, 5, 2, 0.0, use_bias=True)).double()
-    blk.ffn(torch.zeros(1, 1, 6, dtype=torch.float64))  # materialise the lazy input layer
+    assert not isinstance(blk.ffn.fc1, nn.LazyLinear)  # the block knows its input size: nothing lazy
     x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
     vl = torch.tensor([[1, 2, 3], [3, 1, 2]])
     assert torch.autograd.gradcheck(lambda t: blk(t, vl), (x,), eps=1e-6, atol=1e-5, rtol=1e-3)

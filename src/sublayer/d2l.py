@@ -125,6 +125,13 @@ class PositionWiseFFN(snn.PositionWiseFFN):
         super().__init__(None, ffn_num_hiddens, d_out=ffn_num_outputs)
         self.register_load_state_dict_pre_hook(_rename_book_keys)
 
+    def _materialize(self, num_inputs: int) -> PositionWiseFFN:
+        # in the book's blocks the input size is known: make the lazy layer real at once (a LazyLinear cannot be
+        # deep-copied or wrapped by DDP before its first call)
+        self.fc1(torch.zeros(0, num_inputs))
+        self.d_model = num_inputs
+        return self
+
     @property
     def dense1(self) -> nn.Module:
         return self.fc1
@@ -228,7 +235,7 @@ class TransformerEncoderBlock(nn.Module):
         super().__init__()
         self.attention = MultiHeadAttention(num_hiddens, num_heads, dropout, use_bias)
         self.addnorm1 = AddNorm(num_hiddens, dropout)
-        self.ffn = PositionWiseFFN(ffn_num_hiddens, num_hiddens)
+        self.ffn = PositionWiseFFN(ffn_num_hiddens, num_hiddens)._materialize(num_hiddens)
         self.addnorm2 = AddNorm(num_hiddens, dropout)
 
     def forward(self, X: Tensor, valid_lens: Tensor | None) -> Tensor:
@@ -295,7 +302,7 @@ class TransformerDecoderBlock(nn.Module):
         self.addnorm1 = AddNorm(num_hiddens, dropout)
         self.attention2 = MultiHeadAttention(num_hiddens, num_heads, dropout)
         self.addnorm2 = AddNorm(num_hiddens, dropout)
-        self.ffn = PositionWiseFFN(ffn_num_hiddens, num_hiddens)
+        self.ffn = PositionWiseFFN(ffn_num_hiddens, num_hiddens)._materialize(num_hiddens)
         self.addnorm3 = AddNorm(num_hiddens, dropout)
 
     def forward(self, X: Tensor, state: list) -> tuple[Tensor, list]:
