@@ -45,3 +45,15 @@ def test_errors_name_the_problem():
         plot.attention([[0.5, 0.5]])
     with pytest.raises(ValueError, match="share one shape"):
         plot.attention([torch.rand(2, 3, 3), torch.rand(2, 3, 4)])
+
+
+def test_d2l_show_heatmaps_keeps_the_books_call():
+    from sublayer import d2l
+
+    w = torch.rand(2, 4, 5, 5)  # (num_blks, num_heads, queries, keys), as the chapter's enc_attention_weights
+    fig = d2l.show_heatmaps(
+        w, xlabel="Key positions", ylabel="Query positions", titles=["Head %d" % i for i in range(1, 5)], figsize=(7, 3.5)
+    )
+    axes = fig.get_axes()
+    assert len(axes) == 2 * 4 + 1 and axes[5].get_title() == "Head 2" and axes[4].get_xlabel() == "Key positions"
+    assert tuple(fig.get_size_inches()) == (7.0, 3.5)

@@ -50,6 +50,7 @@ __all__ = [
     "TransformerEncoderBlock",
     "check_shape",
     "ones",
+    "show_heatmaps",
     "tensor",
     "valid_lens_masks",
 ]
@@ -66,6 +67,20 @@ def check_shape(a: Tensor, shape: tuple[int, ...]) -> None:
     """
     if tuple(a.shape) != tuple(shape):
         raise ValueError(f"tensor's shape {tuple(a.shape)} != expected shape {tuple(shape)}")
+
+
+def show_heatmaps(matrices, xlabel, ylabel, titles=None, figsize=(2.5, 2.5), cmap="Reds"):
+    """The book's heatmap grid, drawn by :func:`sublayer.plot.attention`: ``matrices`` (rows, columns, queries,
+    keys), one column title per entry of ``titles``; returns the matplotlib ``Figure``."""
+    from . import plot
+
+    fig = plot.attention(matrices, xlabel=xlabel, ylabel=ylabel, cmap=cmap)
+    fig.set_size_inches(*figsize)
+    if titles is not None:
+        n_cols = plot._as_grid(matrices).shape[1]
+        for i, ax in enumerate(fig.get_axes()[: -1]):  # the last axes is the colour bar
+            ax.set_title(titles[i % n_cols], fontsize=8)
+    return fig
 
 
 def valid_lens_masks(

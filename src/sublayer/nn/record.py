@@ -31,6 +31,9 @@ def record_attention(module: nn.Module, *, detach: bool = True) -> Iterator[dict
             encoder(x, key_padding_mask=pad)
         maps["layers.0.self_attn"][0]  # (B, n_heads, T_q, T_k), rows sum to 1 (0 for fully masked rows)
 
+    Subclasses with a ``forward`` of their own (:mod:`sublayer.d2l`'s, which keep the book's ``attention_weights``)
+    are not recorded.
+
     Args:
         module: a block, stack or model (or a :class:`MultiHeadAttention` itself, recorded as ``"attention"``).
         detach: keep detached tensors (default); False keeps them in the autograd graph.
