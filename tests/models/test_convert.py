@@ -131,3 +131,14 @@ def test_unconvertible_models_get_clear_errors():
         GPT2.from_hf(make_hf_gpt2(activation_function="quick_gelu"))
     with pytest.raises(CheckpointError, match=r"BertForSequenceClassification \(in memory\).*unexpected keys.*classifier"):
         Bert.from_hf(make_hf_bert("BertForSequenceClassification"))
+
+
+def test_gpt2_from_a_headless_gpt2model():
+    from .conftest import hf_gpt2_config
+
+    torch.manual_seed(0)
+    hf = transformers.GPT2Model(hf_gpt2_config()).eval()  # no lm_head: the tied head is the embedding
+    ours = GPT2.from_hf(hf)
+    x = _ids()
+    with torch.no_grad():
+        assert_close(ours(x), hf(x).last_hidden_state @ hf.wte.weight.t())
