@@ -3,7 +3,7 @@
 Shapes are batch-first (B, T, D); ``key_padding_mask`` True = padding.
 """
 
-from . import functional, models
+from . import d2l, functional, models, plot
 from .functional import KVCache
 from .nn import (
     AddNorm,
@@ -19,6 +19,7 @@ from .nn import (
     TransformerDecoder,
     TransformerEncoder,
 )
+from .nn.record import record_attention
 
 __version__ = "0.1.0"
 
@@ -37,6 +38,9 @@ __all__ = [
     "TransformerDecoder",
     "TransformerEncoder",
     "__version__",
+    "d2l",
     "functional",
     "models",
+    "plot",
+    "record_attention",
 ]

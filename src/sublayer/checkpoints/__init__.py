@@ -5,7 +5,7 @@
 The models' ``from_pretrained``/``save_pretrained`` use them.
 """
 
-from . import bert, gpt2
+from . import bert, gpt2, live
 from .io import (
     CheckpointError,
     check_and_convert,
@@ -23,6 +23,7 @@ __all__ = [
     "check_and_convert",
     "gpt2",
     "hf_activation",
+    "live",
     "read_config",
     "read_hf_folder",
     "read_state_dict",

@@ -294,6 +294,37 @@ class Bert(nn.Module):
         model.load_state_dict(keymap.from_hf(found, config.n_layers, pooler=pooler))  # strict: fills every parameter
         return model
 
+    @classmethod
+    def from_hf(cls, model: nn.Module, *, device=None, dtype=None) -> Bert:
+        """Convert a live Hugging Face ``BertModel`` (or a task model's ``bert.`` part, ``cls.*`` heads ignored, as
+        for folders): same hidden states and gradients. A model without pooler gives one without pooler.
+
+        The copy lives on the HF model's device and dtype unless ``device``/``dtype`` say otherwise, in its
+        train/eval mode.
+
+        Raises:
+            TypeError: not an HF model. CheckpointError (a ValueError): unsupported config, or one message listing
+            every missing/unexpected/wrong-shape key.
+        """
+        config, tensors, source = ckpt.live.read_hf_model(model, BertConfig.from_hf_dict)
+        pooler = any((keymap.canonical(k) or "").startswith("pooler.") for k in tensors)
+        where, dtype0 = ckpt.live.placement(model)
+        ours = cls(config, pooler=pooler, device="meta", dtype=dtype or dtype0)
+        n = config.n_layers
+        return ckpt.live.load_checked(
+            ours, tensors, source, canonical=keymap.canonical, device=device or where,
+            to_hf=lambda sd: keymap.to_hf(sd, n, pooler=pooler), from_hf=lambda sd: keymap.from_hf(sd, n, pooler=pooler),
+        ).train(model.training)  # fmt: skip
+
+    def to_hf(self) -> nn.Module:
+        """This model as a Hugging Face ``transformers.BertModel`` (weights copied; same device, dtype, train/eval
+        mode; a pooler iff this model has one). Needs ``transformers``."""
+        pooler = self.pooler is not None
+        tensors = keymap.to_hf(self.state_dict(), self.config.n_layers, pooler=pooler)
+        return ckpt.live.build_hf_model(
+            "BertModel", self.config.to_hf_dict(), tensors, training=self.training, add_pooling_layer=pooler
+        )
+
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         """Write ``model.safetensors`` (``BertModel`` keys) and ``config.json`` that HF
         ``BertModel.from_pretrained`` loads. Files are written under a temporary name and renamed."""

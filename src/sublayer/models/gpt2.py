@@ -417,6 +417,34 @@ class GPT2(nn.Module):
         model.load_state_dict(keymap.from_hf(found, config.n_layers, tied=tied))  # strict: fills every parameter
         return model
 
+    @classmethod
+    def from_hf(cls, model: nn.Module, *, device=None, dtype=None) -> GPT2:
+        """Convert a live Hugging Face ``GPT2LMHeadModel`` (or ``GPT2Model``): same logits and gradients.
+
+        Keys are mapped by :mod:`sublayer.checkpoints.gpt2` as for a folder, strictly; the copy lives on the HF
+        model's device and dtype unless ``device``/``dtype`` say otherwise, in its train/eval mode.
+
+        Raises:
+            TypeError: not an HF model. CheckpointError (a ValueError): unsupported config, or one message listing
+            every missing/unexpected/wrong-shape key.
+        """
+        config, tensors, source = ckpt.live.read_hf_model(model, GPT2Config.from_hf_dict)
+        where, dtype0 = ckpt.live.placement(model)
+        ours = cls(config, device="meta", dtype=dtype or dtype0)
+        n, tied = config.n_layers, config.tie_word_embeddings
+        return ckpt.live.load_checked(
+            ours, tensors, source, canonical=lambda k: keymap.canonical(k, tied=tied), device=device or where,
+            to_hf=lambda sd: keymap.to_hf(sd, n, tied=tied), from_hf=lambda sd: keymap.from_hf(sd, n, tied=tied),
+            after_empty=ours._tie_weights,
+        ).train(model.training)  # fmt: skip
+
+    def to_hf(self) -> nn.Module:
+        """This model as a Hugging Face ``transformers.GPT2LMHeadModel`` (weights copied; same device, dtype,
+        train/eval mode). Needs ``transformers``."""
+        tensors = keymap.to_hf(self.state_dict(), self.config.n_layers, tied=self.config.tie_word_embeddings)
+        tensors = {(k if k == "lm_head.weight" else keymap.PREFIX + k): v for k, v in tensors.items()}
+        return ckpt.live.build_hf_model("GPT2LMHeadModel", self.config.to_hf_dict(), tensors, training=self.training)
+
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         """Write ``model.safetensors`` and ``config.json`` that HF ``GPT2LMHeadModel.from_pretrained`` loads
         (keys with the ``transformer.`` prefix; a tied ``lm_head`` is not written). Files are written under a

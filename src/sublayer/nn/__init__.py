@@ -5,6 +5,7 @@ from .blocks import DecoderBlock, EncoderBlock
 from .conv1d import Conv1D
 from .ffn import PositionWiseFFN
 from .norm import LayerNorm, RMSNorm, make_norm
+from .record import record_attention
 from .residual import AddNorm, PreNormResidual, ResidualConnection
 from .stacks import TransformerDecoder, TransformerEncoder
 
@@ -22,4 +23,5 @@ __all__ = [
     "TransformerDecoder",
     "TransformerEncoder",
     "make_norm",
+    "record_attention",
 ]

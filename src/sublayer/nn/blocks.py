@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from .. import functional as SF
 from .._checks import check_choice, check_positive_int, check_probability
 from .attention import MultiHeadAttention
+from .convert import block_from_torch
 from .ffn import PositionWiseFFN
 from .norm import LayerNorm
 from .residual import AddNorm, PreNormResidual
@@ -100,6 +101,16 @@ class EncoderBlock(_Block):
         self.ffn_residual = self._make_residual()
         del self._build
 
+    @classmethod
+    def from_torch(cls, layer: nn.TransformerEncoderLayer) -> EncoderBlock:
+        """An ``EncoderBlock`` with the weights and options of an ``nn.TransformerEncoderLayer`` (``in_proj_weight``
+        split into q/k/v, norms, activation, ``norm_first``, eps, bias, dropout); see :mod:`sublayer.nn.convert`.
+
+        Raises:
+            TypeError: not an ``nn.TransformerEncoderLayer``. ValueError: an option with no counterpart, named.
+        """
+        return block_from_torch(cls, layer)
+
     def forward(
         self,
         x: Tensor,
@@ -158,6 +169,16 @@ class DecoderBlock(_Block):
         self.cross_attn_residual = self._make_residual()
         self.ffn_residual = self._make_residual()
         del self._build
+
+    @classmethod
+    def from_torch(cls, layer: nn.TransformerDecoderLayer) -> DecoderBlock:
+        """A ``DecoderBlock`` with the weights and options of an ``nn.TransformerDecoderLayer`` (equal to the layer
+        called with a causal ``tgt_mask``); see :mod:`sublayer.nn.convert`.
+
+        Raises:
+            TypeError: not an ``nn.TransformerDecoderLayer``. ValueError: an option with no counterpart, named.
+        """
+        return block_from_torch(cls, layer)
 
     def forward(
         self,
