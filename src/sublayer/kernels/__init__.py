@@ -1,9 +1,19 @@
 """``sublayer.kernels``: fused CPU kernels (a C++ extension compiled at first use, cached).
 
-The extension is built with ``torch.utils.cpp_extension.load`` the first time a fast path asks for it, into a cache
-folder keyed by torch version and CPU flags (``$SUBLAYER_KERNELS_CACHE`` or ``~/.cache/sublayer/kernels``), so the
-next process only loads the shared library. If it cannot be built (no compiler, no ninja, a compile error) ONE
-warning is emitted and the modules use the pure-PyTorch reference path of :mod:`sublayer.functional`.
+The first process that needs the extension compiles it with ``torch.utils.cpp_extension`` (one line on stderr says
+so: "compiling sublayer's fused CPU kernels (once, ~N s)…") and stores the shared library in a cache folder
+(``$SUBLAYER_KERNELS_CACHE`` or ``~/.cache/sublayer/kernels``) named by a hash of everything that changes the
+binary: the C++ sources, the compiler flags, the torch and Python versions, the CPU's flags and the compiler's
+version — never paths, so another virtual environment with the same torch reuses it. Later processes load that
+library directly (no ninja, no compiler run). ``python -m sublayer.kernels`` builds it ahead of time (e.g. in a
+Dockerfile after ``pip install``).
+
+Concurrent first uses wait on an OS file lock (``flock``) held by the builder; the OS drops it when the builder dies,
+so a build killed midway never blocks later processes (its half-built folder is removed and the build restarts).
+A builder still alive after ``$SUBLAYER_KERNELS_LOCK_TIMEOUT`` seconds (default 600) is given up on.
+
+If the extension cannot be built (no compiler, no ninja, a compile error, the lock timeout) ONE warning names the
+cause and the modules use the pure-PyTorch reference path of :mod:`sublayer.functional`.
 
 Switches: ``SUBLAYER_KERNELS=0`` in the environment, or :func:`set_enabled` (``False`` forces the reference path).
 This package imports nothing else from sublayer.
@@ -11,10 +21,19 @@ This package imports nothing else from sublayer.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -25,12 +44,16 @@ __all__ = ["available", "enabled", "set_enabled", "ops", "status", "build_error"
 # Every csrc/*.cpp is one translation unit of the extension: kernels.cpp holds TORCH_LIBRARY(sublayer_kernels),
 # the other files add their ops with TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m).
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _NAME = "sublayer_kernels"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 _state: dict = {"tried": False, "ok": False, "error": None, "warned": False}
+_key: dict = {}
+# First build measured on this project's 2-core EPYC (see the README); shown in the "compiling" line.
+_BUILD_SECONDS_ESTIMATE = 50
 
 
 def _env_enabled(environ=os.environ) -> bool:
@@ -92,28 +115,178 @@ def _cpu_tag() -> str:
     return hashlib.sha1(info.encode()).hexdigest()[:10]
 
 
+def _compiler() -> tuple[str, str | None]:
+    """The C++ compiler torch's build uses (``$CXX`` or ``c++``) and its version line (None: not runnable)."""
+    cxx = os.environ.get("CXX", "c++")
+    path = shutil.which(cxx)
+    if path is None:
+        return cxx, None
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return cxx, None
+    return cxx, (out.strip().splitlines() or [""])[0]
+
+
+def _key_inputs() -> dict:
+    """What changes the binary (and nothing else: no venv or torch install paths), memoised per process."""
+    if not _key:
+        h = hashlib.sha256()
+        for p in _SOURCES + _HEADERS:
+            h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+        cxx, version = _compiler()
+        _key.update(
+            sources=h.hexdigest(),
+            cflags=list(CFLAGS),
+            ldflags=list(LDFLAGS),
+            torch=torch.__version__,
+            torch_git=getattr(torch.version, "git_version", ""),
+            cxx11_abi=bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+            python=sys.implementation.cache_tag,
+            cpu=_cpu_tag(),
+            compiler=version if version is not None else f"{cxx} (not found)",
+        )
+    return _key
+
+
 def cache_dir() -> Path:
-    """Where the extension is built and cached."""
+    """Where this build of the extension is cached: one folder per hash of :func:`_key_inputs`."""
     root = os.environ.get("SUBLAYER_KERNELS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "sublayer", "kernels")
-    tag = f"torch{torch.__version__.split('+')[0]}-{_cpu_tag()}"
-    return Path(root) / tag
+    digest = hashlib.sha256(json.dumps(_key_inputs(), sort_keys=True).encode()).hexdigest()[:16]
+    return Path(root) / f"torch{torch.__version__.split('+')[0]}-{digest}"
 
 
-def _build() -> None:
-    """Compile (or load the cached) extension; registers ``torch.ops.sublayer_kernels``. Raises on failure."""
+def _lock_timeout() -> float:
+    try:
+        return float(os.environ.get("SUBLAYER_KERNELS_LOCK_TIMEOUT", "600"))
+    except ValueError:
+        return 600.0
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path, timeout: float):
+    """Hold an exclusive ``flock`` on ``path`` (the OS releases it if this process dies); TimeoutError after
+    ``timeout`` s of a live holder. The file records the holder ("pid@host") for the waiting message."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no cross-process lock (each builder uses its own temporary folder anyway)
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            print(f"sublayer: waiting for another process ({owner}) compiling the fused CPU kernels…", file=sys.stderr, flush=True)
+            deadline = time.monotonic() + timeout
+            while True:
+                time.sleep(0.1)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"another process ({owner}) has held {path} for over {timeout:g} s "
+                            "(SUBLAYER_KERNELS_LOCK_TIMEOUT)"
+                        ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}@{socket.gethostname()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _check_toolchain() -> None:
+    """Raise with the plain cause when the build cannot start (before torch prints a long command line)."""
     from torch.utils import cpp_extension
 
-    d = cache_dir()
-    d.mkdir(parents=True, exist_ok=True)
+    cxx, version = _compiler()
+    if version is None:
+        raise RuntimeError(f"{cxx}: not found (install a C++ compiler such as g++, or set CXX)")
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("ninja: not found (pip install ninja)")
+
+
+def _compile(build_dir: Path) -> Path:
+    """Compile the extension in ``build_dir`` with torch's JIT builder (this also loads it); return the library."""
+    from torch.utils import cpp_extension
+
     cpp_extension.load(
         name=_NAME,
         sources=[str(p) for p in _SOURCES],
-        extra_cflags=CFLAGS,
-        extra_ldflags=LDFLAGS,
-        build_directory=str(d),
+        extra_cflags=list(CFLAGS),  # copies: torch appends to these lists (library paths of this venv)
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(build_dir),
         is_python_module=False,
         verbose=os.environ.get("SUBLAYER_KERNELS_VERBOSE", "0") == "1",
     )
+    return build_dir / f"{_NAME}.so"
+
+
+def _load_library(path: Path) -> None:
+    torch.ops.load_library(str(path))
+
+
+def _build() -> None:
+    """Load the cached library, or compile it once; registers ``torch.ops.sublayer_kernels``. Raises on failure."""
+    d = cache_dir()
+    lib = d / f"{_NAME}.so"
+    if lib.is_file():
+        _load_library(lib)
+        return
+    d.mkdir(parents=True, exist_ok=True)
+    with _build_lock(d / "build.lock", _lock_timeout()):
+        if lib.is_file():  # another process built it while we waited
+            _load_library(lib)
+            return
+        # We hold the lock, so any build-* folder is left by a build that was killed midway: start afresh.
+        stale = sorted(d.glob("build-*"))
+        for p in stale:
+            shutil.rmtree(p, ignore_errors=True)
+        _check_toolchain()
+        note = " (an interrupted earlier build was discarded)" if stale else ""
+        print(
+            f"sublayer: compiling sublayer's fused CPU kernels (once, ~{_BUILD_SECONDS_ESTIMATE} s){note}…",
+            file=sys.stderr,
+            flush=True,
+        )
+        t0 = time.perf_counter()
+        tmp = Path(tempfile.mkdtemp(prefix="build-", dir=d))
+        try:
+            built = _compile(tmp)
+            (d / "key.json").write_text(json.dumps(_key_inputs(), indent=1, sort_keys=True))
+            os.replace(built, lib)  # atomic: a library in the cache is always a complete one
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        print(f"sublayer: compiled in {time.perf_counter() - t0:.0f} s, cached in {d}", file=sys.stderr, flush=True)
+
+
+def _cause(e: BaseException) -> str:
+    """The line that says why the build failed — a compiler diagnostic, not the (long) command line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    command = re.compile(r"^(\[\d+/\d+\]|FAILED:|\S*(c\+\+|g\+\+|gcc|clang\+?\+?|cc)\s)|\s-o\s|\s-c\s")
+    diagnostics = [ln for ln in lines if not command.search(ln) and not ln.startswith("Error building extension")]
+    first = next((ln for ln in diagnostics if re.search(r"error|not found|no such file", ln, re.I)), None)
+    first = first or (diagnostics or lines or [""])[0]
+    if len(first) > 500:
+        first = first[:500] + "…"
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn`` stacklevel that points at the first frame outside sublayer and torch (the user's line),
+    for a warn() called in the function that calls this one."""
+    internal = tuple(str(Path(m.__file__).resolve().parent) + os.sep for m in (sys.modules[__name__.split(".")[0]], torch))
+
+    def is_internal(name: str) -> bool:
+        return name.startswith("<frozen ") or os.path.realpath(name).startswith(internal)
+
+    frame, level = sys._getframe(1), 1
+    while frame is not None and is_internal(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 def _registered() -> bool:
@@ -136,18 +309,16 @@ def available() -> bool:
                 if not _registered():
                     raise RuntimeError("the extension loaded but registered no ops")
                 _state["ok"] = True
-            except Exception as e:  # no compiler, no ninja, compile error, ...
+            except Exception as e:  # no compiler, no ninja, compile error, lock timeout, ...
                 _state["ok"] = False
-                lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [""]
-                first_error = next((ln for ln in lines if "error" in ln.lower()), lines[-1])
-                _state["error"] = f"{type(e).__name__}: {first_error[:300]}"
+                _state["error"] = _cause(e)
                 if not _state["warned"]:
                     _state["warned"] = True
                     warnings.warn(
                         f"sublayer: fast CPU kernels unavailable ({_state['error']}); "
-                        "using the pure-PyTorch reference path",
+                        "using the pure-PyTorch reference path (same results, slower; SUBLAYER_KERNELS=0 hides this)",
                         RuntimeWarning,
-                        stacklevel=3,
+                        stacklevel=_user_stacklevel(),
                     )
             _state["tried"] = True
     return _state["ok"]
@@ -176,3 +347,4 @@ def status() -> str:
 def _reset_for_tests() -> None:
     """Forget the load attempt (tests simulate a missing compiler with it)."""
     _state.update(tried=False, ok=False, error=None, warned=False)
+    _key.clear()
