@@ -227,3 +227,10 @@ def test_the_cause_of_a_failed_build_is_shown_not_the_command():
     )
     assert kernels._cause(e) == "RuntimeError: /src/kernels.cpp:12:5: error: 'foo' was not declared in this scope"
     assert kernels._cause(RuntimeError("Error building extension 'x':\n/bin/sh: 1: c++: not found")).endswith("c++: not found")
+
+
+def test_build_ahead_of_time_command():
+    # `python -m sublayer.kernels` (e.g. in a Dockerfile after pip install): builds or loads, prints the status
+    res = subprocess.run([sys.executable, "-m", "sublayer.kernels"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("active") and str(kernels.cache_dir()) in res.stdout
