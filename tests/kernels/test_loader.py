@@ -234,3 +234,13 @@ def test_build_ahead_of_time_command():
     res = subprocess.run([sys.executable, "-m", "sublayer.kernels"], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("active") and str(kernels.cache_dir()) in res.stdout
+
+
+def test_ninja_of_an_unactivated_venv_is_found(monkeypatch, tmp_path):
+    # `.venv/bin/python` run without activating the venv: PATH lacks the ninja that pip installed
+    pytest.importorskip("ninja")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert shutil.which("ninja") is None
+    with kernels._ninja_on_path():
+        assert shutil.which("ninja") is not None
+    assert os.environ["PATH"] == str(tmp_path)

@@ -205,8 +205,31 @@ def _check_toolchain() -> None:
     cxx, version = _compiler()
     if version is None:
         raise RuntimeError(f"{cxx}: not found (install a C++ compiler such as g++, or set CXX)")
-    if not cpp_extension.is_ninja_available():
-        raise RuntimeError("ninja: not found (pip install ninja)")
+    with _ninja_on_path():
+        if not cpp_extension.is_ninja_available():
+            raise RuntimeError("ninja: not found (pip install ninja)")
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """Put the ``ninja`` package's binary on PATH while building when PATH has none (a venv used without being
+    activated: ``.venv/bin/python`` finds no ``ninja`` although the dependency is installed)."""
+    old = os.environ.get("PATH")
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+
+            extra = getattr(ninja, "BIN_DIR", None) or os.path.dirname(sys.executable)
+        except ImportError:
+            extra = os.path.dirname(sys.executable)
+        os.environ["PATH"] = os.pathsep.join([extra, old]) if old else extra
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = old
 
 
 def _compile(build_dir: Path) -> Path:
@@ -255,7 +278,8 @@ def _build() -> None:
         t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix="build-", dir=d))
         try:
-            built = _compile(tmp)
+            with _ninja_on_path():
+                built = _compile(tmp)
             (d / "key.json").write_text(json.dumps(_key_inputs(), indent=1, sort_keys=True))
             os.replace(built, lib)  # atomic: a library in the cache is always a complete one
         finally:
