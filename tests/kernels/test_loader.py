@@ -151,7 +151,8 @@ def test_a_build_killed_midway_is_discarded_and_rebuilt(fake_build, capfd):
     assert fake_build["compile"] == 1 and fake_build["load"] == []
     assert (d / "sublayer_kernels.so").is_file() and not list(d.glob("build-*"))
     err = capfd.readouterr().err
-    assert "compiling sublayer's fused CPU kernels (once" in err and "interrupted earlier build" in err
+    assert "compiling sublayer's fused CPU kernels (once, ~50 s)" in err and "interrupted earlier build" in err
+    assert (d.parent / "last_build_seconds").read_text().strip() == "0"  # the next estimate: this machine's time
     # the next process loads the cached library: no compile, no message
     kernels._reset_for_tests()
     fake_build["registered"] = False

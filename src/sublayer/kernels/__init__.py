@@ -52,7 +52,8 @@ LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _state: dict = {"tried": False, "ok": False, "error": None, "warned": False}
 _key: dict = {}
-# First build measured on this project's 2-core EPYC (see the README); shown in the "compiling" line.
+# First build measured on this project's 2-core machine (see the README); the "compiling" line shows it until
+# this machine has built once (then the last build's time).
 _BUILD_SECONDS_ESTIMATE = 50
 
 
@@ -271,7 +272,7 @@ def _build() -> None:
         _check_toolchain()
         note = " (an interrupted earlier build was discarded)" if stale else ""
         print(
-            f"sublayer: compiling sublayer's fused CPU kernels (once, ~{_BUILD_SECONDS_ESTIMATE} s){note}…",
+            f"sublayer: compiling sublayer's fused CPU kernels (once, ~{_build_estimate(d.parent)} s){note}…",
             file=sys.stderr,
             flush=True,
         )
@@ -284,7 +285,18 @@ def _build() -> None:
             os.replace(built, lib)  # atomic: a library in the cache is always a complete one
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        print(f"sublayer: compiled in {time.perf_counter() - t0:.0f} s, cached in {d}", file=sys.stderr, flush=True)
+        seconds = time.perf_counter() - t0
+        with contextlib.suppress(OSError):
+            (d.parent / "last_build_seconds").write_text(f"{seconds:.0f}\n")
+        print(f"sublayer: compiled in {seconds:.0f} s, cached in {d}", file=sys.stderr, flush=True)
+
+
+def _build_estimate(root: Path) -> int:
+    """Seconds the last build under ``root`` took on this machine (the measured default before any)."""
+    try:
+        return max(1, round(float((root / "last_build_seconds").read_text())))
+    except (OSError, ValueError):
+        return _BUILD_SECONDS_ESTIMATE
 
 
 def _cause(e: BaseException) -> str:
