@@ -167,11 +167,12 @@ def _lock_timeout() -> float:
 @contextlib.contextmanager
 def _build_lock(path: Path, timeout: float):
     """Hold an exclusive ``flock`` on ``path`` (the OS releases it if this process dies); TimeoutError after
-    ``timeout`` s of a live holder. The file records the holder ("pid@host") for the waiting message."""
+    ``timeout`` s of a live holder. The file records the holder ("pid@host") for the waiting message.
+    Yields whether the lock is exclusive (False without ``fcntl``: each builder still uses its own folder)."""
     try:
         import fcntl
-    except ImportError:  # not POSIX: no cross-process lock (each builder uses its own temporary folder anyway)
-        yield
+    except ImportError:  # not POSIX
+        yield False
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
@@ -194,7 +195,7 @@ def _build_lock(path: Path, timeout: float):
                         ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()}@{socket.gethostname()}\n".encode(), 0)
-        yield
+        yield True
     finally:
         os.close(fd)  # releases the lock
 
@@ -261,12 +262,12 @@ def _build() -> None:
         _load_library(lib)
         return
     d.mkdir(parents=True, exist_ok=True)
-    with _build_lock(d / "build.lock", _lock_timeout()):
+    with _build_lock(d / "build.lock", _lock_timeout()) as exclusive:
         if lib.is_file():  # another process built it while we waited
             _load_library(lib)
             return
         # We hold the lock, so any build-* folder is left by a build that was killed midway: start afresh.
-        stale = sorted(d.glob("build-*"))
+        stale = sorted(d.glob("build-*")) if exclusive else []
         for p in stale:
             shutil.rmtree(p, ignore_errors=True)
         _check_toolchain()
