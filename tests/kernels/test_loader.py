@@ -16,6 +16,7 @@ from torch.testing import assert_close
 import sublayer
 import sublayer.functional as SF
 from sublayer import kernels
+from sublayer.kernels import _loader
 from sublayer.functional import fused
 
 
@@ -126,9 +127,9 @@ def fake_build(monkeypatch, tmp_path):
         return lib
 
     monkeypatch.setenv("SUBLAYER_KERNELS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(kernels, "_check_toolchain", lambda: None)
-    monkeypatch.setattr(kernels, "_compile", compile_)
-    monkeypatch.setattr(kernels, "_load_library", lambda path: calls.update(registered=True, load=[*calls["load"], path]))
+    monkeypatch.setattr(_loader, "_check_toolchain", lambda: None)
+    monkeypatch.setattr(_loader, "_compile", compile_)
+    monkeypatch.setattr(_loader, "_load_library", lambda path: calls.update(registered=True, load=[*calls["load"], path]))
     monkeypatch.setattr(kernels, "_registered", lambda: calls["registered"])
     kernels._reset_for_tests()
     yield calls
@@ -193,7 +194,7 @@ def test_a_live_builder_is_waited_for_then_given_up_with_one_warning(fake_build,
 
 
 def test_cache_key_follows_the_binary_not_the_paths(monkeypatch, tmp_path):
-    key = kernels._key_inputs()
+    key = _loader.key_inputs()
     text = json.dumps(key)
     assert sys.prefix not in text and os.path.dirname(torch.__file__) not in text
     assert {"sources", "cflags", "torch", "cpu", "compiler", "python"} <= set(key)
@@ -202,19 +203,19 @@ def test_cache_key_follows_the_binary_not_the_paths(monkeypatch, tmp_path):
         src = tmp_path / "kernels.cpp"
         src.write_bytes(kernels._SOURCES[0].read_bytes() + b"\n// changed\n")
         monkeypatch.setattr(kernels, "_SOURCES", [src, *kernels._SOURCES[1:]])
-        kernels._key.clear()
+        _loader._key.clear()
         changed_source = kernels.cache_dir()
         monkeypatch.undo()
         monkeypatch.setattr(kernels, "CFLAGS", kernels.CFLAGS + ["-DSOMETHING"])
-        kernels._key.clear()
+        _loader._key.clear()
         changed_flags = kernels.cache_dir()
         monkeypatch.undo()
         monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
-        kernels._key.clear()
+        _loader._key.clear()
         changed_compiler = kernels.cache_dir()
     finally:
         monkeypatch.undo()
-        kernels._key.clear()
+        _loader._key.clear()
     assert len({base, changed_source, changed_flags, changed_compiler}) == 4
     assert kernels.cache_dir() == base
     assert changed_source.parent == base.parent  # same root, another key folder
@@ -226,8 +227,8 @@ def test_the_cause_of_a_failed_build_is_shown_not_the_command():
         "Error building extension 'sublayer_kernels': " + cmd + "\nFAILED: kernels.o\n" + cmd.replace("[1/2] ", "")
         + "\n/src/kernels.cpp:12:5: error: 'foo' was not declared in this scope\nninja: build stopped: subcommand failed."
     )
-    assert kernels._cause(e) == "RuntimeError: /src/kernels.cpp:12:5: error: 'foo' was not declared in this scope"
-    assert kernels._cause(RuntimeError("Error building extension 'x':\n/bin/sh: 1: c++: not found")).endswith("c++: not found")
+    assert _loader.cause(e) == "RuntimeError: /src/kernels.cpp:12:5: error: 'foo' was not declared in this scope"
+    assert _loader.cause(RuntimeError("Error building extension 'x':\n/bin/sh: 1: c++: not found")).endswith("c++: not found")
 
 
 def test_build_ahead_of_time_command():
@@ -242,6 +243,6 @@ def test_ninja_of_an_unactivated_venv_is_found(monkeypatch, tmp_path):
     pytest.importorskip("ninja")
     monkeypatch.setenv("PATH", str(tmp_path))
     assert shutil.which("ninja") is None
-    with kernels._ninja_on_path():
+    with _loader._ninja_on_path():
         assert shutil.which("ninja") is not None
     assert os.environ["PATH"] == str(tmp_path)
