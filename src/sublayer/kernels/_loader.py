@@ -101,31 +101,39 @@ def _lock_timeout() -> float:
 def _build_lock(path: Path, timeout: float):
     """Hold an exclusive ``flock`` on ``path`` (the OS releases it if this process dies); TimeoutError after
     ``timeout`` s of a live holder. The file records the holder ("pid@host") for the waiting message.
-    Yields whether the lock is exclusive (False without ``fcntl``: each builder still uses its own folder)."""
+    Yields whether the lock is exclusive (False without ``fcntl`` or on a file system without locks: each
+    builder still uses its own folder)."""
     try:
         import fcntl
     except ImportError:  # not POSIX
         yield False
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
+
+    def try_lock() -> bool | None:  # True: ours; False: held by a live process; None: no locks on this fs
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
         except BlockingIOError:
+            return False
+        except OSError:  # ENOLCK
+            return None
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        got = try_lock()
+        if got is None:
+            yield False
+            return
+        if not got:
             owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
             print(f"sublayer: waiting for another process ({owner}) compiling the fused CPU kernels…", file=sys.stderr, flush=True)
             deadline = time.monotonic() + timeout
-            while True:
+            while not try_lock():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"another process ({owner}) has held {path} for over {timeout:g} s (SUBLAYER_KERNELS_LOCK_TIMEOUT)"
+                    )
                 time.sleep(0.1)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"another process ({owner}) has held {path} for over {timeout:g} s "
-                            "(SUBLAYER_KERNELS_LOCK_TIMEOUT)"
-                        ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()}@{socket.gethostname()}\n".encode(), 0)
         yield True
