@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch lies on this machine's disk; an unpinned torch would pull a CUDA build.
 	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
 	$(BIN)/python -m pip install --quiet -e ".[test,cli]"
+	# Compile the fused CPU kernels now (once, cached) rather than at first use; without a compiler: one warning.
+	-$(BIN)/python -m sublayer.kernels
 	touch $(STAMP)
 
 install: $(STAMP)

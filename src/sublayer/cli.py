@@ -10,7 +10,27 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import typer
+# Packages of the optional extras -> the extra that installs them (a missing one is named in one line).
+_EXTRAS = {"typer": "cli", "click": "cli", "rich": "cli", "matplotlib": "cli", "tokenizers": "cli"}
+
+
+def _missing_package(name: str | None) -> str | None:
+    """One line naming the install command for a missing optional package (None: not an optional one)."""
+    top = (name or "").split(".")[0]
+    if top in _EXTRAS:
+        return f'{top!r} is not installed: pip install "sublayer[{_EXTRAS[top]}]"'
+    if top == "transformers":
+        return "'transformers' is not installed: pip install transformers"
+    return None
+
+
+try:
+    import typer
+except ModuleNotFoundError as _e:  # `pip install sublayer` without the [cli] extra: one line, no traceback
+    if _missing_package(_e.name) is None:
+        raise
+    print(f"error: {_missing_package(_e.name)}", file=sys.stderr)
+    raise SystemExit(2) from None
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="sublayer: Transformer sub-layers, models and demos.")
 _state = {"debug": False}
@@ -89,6 +109,9 @@ def demo(
     cfg = DemoConfig(**kw)
     if cfg.batch_size % nproc:
         raise CLIError(f"--batch-size ({cfg.batch_size}) must be divisible by --nproc ({nproc})")
+    from . import kernels
+
+    kernels.enabled()  # build (once, announced on stderr) before training starts, so tok/s never includes it
     from torch.multiprocessing import ProcessRaisedException
 
     from .parallel import launch
@@ -258,6 +281,11 @@ def main() -> None:
         if _state["debug"]:
             raise
         typer.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except ModuleNotFoundError as e:
+        if _state["debug"]:
+            raise
+        typer.echo(f"error: {_missing_package(e.name) or f'{type(e).__name__}: {e}'}", err=True)
         sys.exit(2)
     except (ValueError, TypeError, FileNotFoundError, OSError) as e:
         if _state["debug"]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ from torch.testing import assert_close
 import sublayer
 import sublayer.functional as SF
 from sublayer import kernels
+from sublayer.kernels import _loader
 from sublayer.functional import fused
 
 
@@ -79,7 +81,8 @@ def test_switch_off_never_builds(monkeypatch):
 
 
 def test_real_missing_compiler_in_a_fresh_process(tmp_path):
-    # A fresh process, an empty cache and a compiler that does not exist: one warning, then the reference.
+    # A fresh process, an empty cache and a compiler that does not exist: one warning that names the cause and
+    # points at the user's line (here the module call in the -c script), then the reference path.
     code = (
         "import warnings, torch, sublayer\n"
         "from sublayer import kernels\n"
@@ -87,15 +90,173 @@ def test_real_missing_compiler_in_a_fresh_process(tmp_path):
         "    warnings.simplefilter('always')\n"
         "    out = sublayer.AddNorm(4)(torch.ones(2, 4), torch.zeros(2, 4))\n"
         "    sublayer.PositionWiseFFN(4, 8)(torch.ones(2, 4))\n"
-        "print(len([m for m in w if 'reference path' in str(m.message)]), kernels.available(), float(out.abs().sum()))\n"
+        "ws = [m for m in w if 'reference path' in str(m.message)]\n"
+        "print(len(ws), kernels.available(), float(out.abs().sum()), ws[0].filename, ws[0].lineno)\n"
+        "print(ws[0].message)\n"
     )
-    env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"), SUBLAYER_KERNELS_CACHE=str(tmp_path / "cache"))
+    cxx = tmp_path / "no-such-c++"
+    env = dict(os.environ, CXX=str(cxx), SUBLAYER_KERNELS_CACHE=str(tmp_path / "cache"))
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split() == ["1", "False", "0.0"], (res.stdout, res.stderr)
+    first, message = res.stdout.splitlines()
+    assert first.split() == ["1", "False", "0.0", "<string>", "5"], (res.stdout, res.stderr)
+    assert f"{cxx}: not found" in message and "-isystem" not in message, message
+    assert "compiling" not in res.stderr  # nothing was started
 
 
 def test_env_switch():
     assert kernels._env_enabled({}) and kernels._env_enabled({"SUBLAYER_KERNELS": "1"})
     for off in ("0", "false", "OFF", "no"):
         assert not kernels._env_enabled({"SUBLAYER_KERNELS": off})
+
+
+# --- the build cache: keyed on what changes the binary, a lock the OS releases, a clear cause --------------------
+
+
+@pytest.fixture
+def fake_build(monkeypatch, tmp_path):
+    """An empty cache in tmp_path and a 'compiler' that writes a dummy library; records compiles and loads."""
+    calls = {"compile": 0, "load": [], "registered": False}  # registered: the ops exist in this "process"
+
+    def compile_(build_dir):
+        calls["compile"] += 1
+        calls["registered"] = True
+        assert not (build_dir / "lock").exists()  # a fresh folder: torch's own lock can never be a stale one
+        lib = build_dir / "sublayer_kernels.so"
+        lib.write_bytes(b"not really a library")
+        return lib
+
+    monkeypatch.setenv("SUBLAYER_KERNELS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(_loader, "_check_toolchain", lambda: None)
+    monkeypatch.setattr(_loader, "_compile", compile_)
+    monkeypatch.setattr(_loader, "_load_library", lambda path: calls.update(registered=True, load=[*calls["load"], path]))
+    monkeypatch.setattr(kernels, "_registered", lambda: calls["registered"])
+    kernels._reset_for_tests()
+    yield calls
+    monkeypatch.undo()
+    kernels._reset_for_tests()
+    assert kernels.available()  # the real extension (already loaded in this process)
+
+
+def test_a_build_killed_midway_is_discarded_and_rebuilt(fake_build, capfd):
+    # What a killed first build leaves: its half-built folder (with torch's lock in it) and our lock file, whose
+    # flock the OS released when the process died.
+    d = kernels.cache_dir()
+    (d / "build-dead1").mkdir(parents=True)
+    (d / "build-dead1" / "lock").touch()
+    (d / "build-dead1" / "kernels.o").write_bytes(b"half")
+    (d / "build.lock").write_text("pid 999999@elsewhere\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a rebuild is not a failure: no warning
+        assert kernels.available()
+    assert fake_build["compile"] == 1 and fake_build["load"] == []
+    assert (d / "sublayer_kernels.so").is_file() and not list(d.glob("build-*"))
+    err = capfd.readouterr().err
+    assert "compiling sublayer's fused CPU kernels (once, ~50 s)" in err and "interrupted earlier build" in err
+    assert (d.parent / "last_build_seconds").read_text().strip() == "0"  # the next estimate: this machine's time
+    # the next process loads the cached library: no compile, no message
+    kernels._reset_for_tests()
+    fake_build["registered"] = False
+    assert kernels.available()
+    assert fake_build["compile"] == 1 and fake_build["load"] == [d / "sublayer_kernels.so"]
+    assert "compiling" not in capfd.readouterr().err
+
+
+def test_a_live_builder_is_waited_for_then_given_up_with_one_warning(fake_build, monkeypatch, tmp_path, capfd):
+    d = kernels.cache_dir()
+    d.mkdir(parents=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import fcntl, os, sys, time\n"
+         f"fd = os.open({str(d / 'build.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, b'pid 4242@builder'); print('held', flush=True)\n"
+         "time.sleep(120)\n"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setenv("SUBLAYER_KERNELS_LOCK_TIMEOUT", "0.3")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert not kernels.available()
+        msgs = [str(w.message) for w in caught]
+        assert len(msgs) == 1 and "TimeoutError" in msgs[0] and "pid 4242@builder" in msgs[0], msgs
+        assert caught[0].filename == __file__  # points at the caller's line, not at sublayer's
+        assert "waiting for another process (pid 4242@builder)" in capfd.readouterr().err
+        assert fake_build["compile"] == 0
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder died (SIGKILL: no clean-up at all): its lock is gone with it, the next attempt builds at once
+    kernels._reset_for_tests()
+    fake_build["registered"] = False
+    assert kernels.available() and fake_build["compile"] == 1
+
+
+def test_a_file_system_without_locks_still_builds(fake_build, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    d = kernels.cache_dir()
+    (d / "build-other").mkdir(parents=True)  # without a lock it may be a live builder's: left alone
+    assert kernels.available() and fake_build["compile"] == 1
+    assert (d / "build-other").is_dir() and (d / "sublayer_kernels.so").is_file()
+
+
+def test_cache_key_follows_the_binary_not_the_paths(monkeypatch, tmp_path):
+    key = _loader.key_inputs()
+    text = json.dumps(key)
+    assert sys.prefix not in text and os.path.dirname(torch.__file__) not in text
+    assert {"sources", "cflags", "torch", "cpu", "compiler", "python"} <= set(key)
+    base = kernels.cache_dir()
+    try:
+        src = tmp_path / "kernels.cpp"
+        src.write_bytes(kernels._SOURCES[0].read_bytes() + b"\n// changed\n")
+        monkeypatch.setattr(kernels, "_SOURCES", [src, *kernels._SOURCES[1:]])
+        _loader._key.clear()
+        changed_source = kernels.cache_dir()
+        monkeypatch.undo()
+        monkeypatch.setattr(kernels, "CFLAGS", kernels.CFLAGS + ["-DSOMETHING"])
+        _loader._key.clear()
+        changed_flags = kernels.cache_dir()
+        monkeypatch.undo()
+        monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+        _loader._key.clear()
+        changed_compiler = kernels.cache_dir()
+    finally:
+        monkeypatch.undo()
+        _loader._key.clear()
+    assert len({base, changed_source, changed_flags, changed_compiler}) == 4
+    assert kernels.cache_dir() == base
+    assert changed_source.parent == base.parent  # same root, another key folder
+
+
+def test_the_cause_of_a_failed_build_is_shown_not_the_command():
+    cmd = "[1/2] c++ -MMD -MF kernels.o.d -DTORCH_EXTENSION_NAME=sublayer_kernels " + "-isystem /x " * 60 + "-c k.cpp -o k.o"
+    e = RuntimeError(
+        "Error building extension 'sublayer_kernels': " + cmd + "\nFAILED: kernels.o\n" + cmd.replace("[1/2] ", "")
+        + "\n/src/kernels.cpp:12:5: error: 'foo' was not declared in this scope\nninja: build stopped: subcommand failed."
+    )
+    assert _loader.cause(e) == "RuntimeError: /src/kernels.cpp:12:5: error: 'foo' was not declared in this scope"
+    assert _loader.cause(RuntimeError("Error building extension 'x':\n/bin/sh: 1: c++: not found")).endswith("c++: not found")
+
+
+def test_build_ahead_of_time_command():
+    # `python -m sublayer.kernels` (e.g. in a Dockerfile after pip install): builds or loads, prints the status
+    res = subprocess.run([sys.executable, "-m", "sublayer.kernels"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("active") and str(kernels.cache_dir()) in res.stdout
+
+
+def test_ninja_of_an_unactivated_venv_is_found(monkeypatch, tmp_path):
+    # `.venv/bin/python` run without activating the venv: PATH lacks the ninja that pip installed
+    pytest.importorskip("ninja")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert shutil.which("ninja") is None
+    with _loader._ninja_on_path():
+        assert shutil.which("ninja") is not None
+    assert os.environ["PATH"] == str(tmp_path)

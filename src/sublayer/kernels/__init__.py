@@ -1,9 +1,19 @@
 """``sublayer.kernels``: fused CPU kernels (a C++ extension compiled at first use, cached).
 
-The extension is built with ``torch.utils.cpp_extension.load`` the first time a fast path asks for it, into a cache
-folder keyed by torch version and CPU flags (``$SUBLAYER_KERNELS_CACHE`` or ``~/.cache/sublayer/kernels``), so the
-next process only loads the shared library. If it cannot be built (no compiler, no ninja, a compile error) ONE
-warning is emitted and the modules use the pure-PyTorch reference path of :mod:`sublayer.functional`.
+The first process that needs the extension compiles it with ``torch.utils.cpp_extension`` (one line on stderr says
+so: "compiling sublayer's fused CPU kernels (once, ~N s)…") and stores the shared library in a cache folder
+(``$SUBLAYER_KERNELS_CACHE`` or ``~/.cache/sublayer/kernels``) named by a hash of everything that changes the
+binary: the C++ sources, the compiler flags, the torch and Python versions, the CPU's flags and the compiler's
+version — never paths, so another virtual environment with the same torch reuses it. Later processes load that
+library directly (no ninja, no compiler run). ``python -m sublayer.kernels`` builds it ahead of time (e.g. in a
+Dockerfile after ``pip install``).
+
+Concurrent first uses wait on an OS file lock (``flock``) held by the builder; the OS drops it when the builder dies,
+so a build killed midway never blocks later processes (its half-built folder is removed and the build restarts).
+A builder still alive after ``$SUBLAYER_KERNELS_LOCK_TIMEOUT`` seconds (default 600) is given up on.
+
+If the extension cannot be built (no compiler, no ninja, a compile error, the lock timeout) ONE warning names the
+cause and the modules use the pure-PyTorch reference path of :mod:`sublayer.functional`.
 
 Switches: ``SUBLAYER_KERNELS=0`` in the environment, or :func:`set_enabled` (``False`` forces the reference path).
 This package imports nothing else from sublayer.
@@ -11,7 +21,6 @@ This package imports nothing else from sublayer.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import threading
@@ -20,17 +29,22 @@ from pathlib import Path
 
 import torch
 
+from . import _loader
+from ._loader import cache_dir
+
 __all__ = ["available", "enabled", "set_enabled", "ops", "status", "build_error", "cache_dir", "native_bf16_gemm"]
 
 # Every csrc/*.cpp is one translation unit of the extension: kernels.cpp holds TORCH_LIBRARY(sublayer_kernels),
-# the other files add their ops with TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m).
+# the other files add their ops with TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m). (_loader reads these names.)
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _NAME = "sublayer_kernels"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 _state: dict = {"tried": False, "ok": False, "error": None, "warned": False}
+_build = _loader.build  # a name of its own: tests replace it to simulate a failed build
 
 
 def _env_enabled(environ=os.environ) -> bool:
@@ -79,43 +93,6 @@ def native_bf16_gemm() -> bool:
     return _native_bf16
 
 
-def _cpu_tag() -> str:
-    # -march=native code must not be reused on another CPU: key the cache on the CPU's flags.
-    info = platform.machine()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        flags = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
-        model = next((ln for ln in text.splitlines() if ln.startswith("model name")), "")
-        info += flags + model
-    except OSError:
-        pass
-    return hashlib.sha1(info.encode()).hexdigest()[:10]
-
-
-def cache_dir() -> Path:
-    """Where the extension is built and cached."""
-    root = os.environ.get("SUBLAYER_KERNELS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "sublayer", "kernels")
-    tag = f"torch{torch.__version__.split('+')[0]}-{_cpu_tag()}"
-    return Path(root) / tag
-
-
-def _build() -> None:
-    """Compile (or load the cached) extension; registers ``torch.ops.sublayer_kernels``. Raises on failure."""
-    from torch.utils import cpp_extension
-
-    d = cache_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=_NAME,
-        sources=[str(p) for p in _SOURCES],
-        extra_cflags=CFLAGS,
-        extra_ldflags=LDFLAGS,
-        build_directory=str(d),
-        is_python_module=False,
-        verbose=os.environ.get("SUBLAYER_KERNELS_VERBOSE", "0") == "1",
-    )
-
-
 def _registered() -> bool:
     try:
         getattr(torch.ops, _NAME).act_fwd  # noqa: B018
@@ -136,18 +113,16 @@ def available() -> bool:
                 if not _registered():
                     raise RuntimeError("the extension loaded but registered no ops")
                 _state["ok"] = True
-            except Exception as e:  # no compiler, no ninja, compile error, ...
+            except Exception as e:  # no compiler, no ninja, compile error, lock timeout, ...
                 _state["ok"] = False
-                lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [""]
-                first_error = next((ln for ln in lines if "error" in ln.lower()), lines[-1])
-                _state["error"] = f"{type(e).__name__}: {first_error[:300]}"
+                _state["error"] = _loader.cause(e)
                 if not _state["warned"]:
                     _state["warned"] = True
                     warnings.warn(
                         f"sublayer: fast CPU kernels unavailable ({_state['error']}); "
-                        "using the pure-PyTorch reference path",
+                        "using the pure-PyTorch reference path (same results, slower; SUBLAYER_KERNELS=0 hides this)",
                         RuntimeWarning,
-                        stacklevel=3,
+                        stacklevel=_loader.user_stacklevel(),
                     )
             _state["tried"] = True
     return _state["ok"]
@@ -176,3 +151,4 @@ def status() -> str:
 def _reset_for_tests() -> None:
     """Forget the load attempt (tests simulate a missing compiler with it)."""
     _state.update(tried=False, ok=False, error=None, warned=False)
+    _loader._key.clear()

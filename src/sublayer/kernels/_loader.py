@@ -1,0 +1,268 @@
+"""Building, caching and loading the fused kernels' extension (used by :mod:`sublayer.kernels`).
+
+The cache folder is named by a hash of what changes the binary (:func:`key_inputs`); a cached library is loaded
+with ``torch.ops.load_library``; a missing one is compiled under an OS file lock in a fresh temporary folder and
+moved into place atomically. See the package docstring for the user-facing behaviour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+_key: dict = {}  # key_inputs(), computed once per process
+# First build measured on this project's 2-core machine (see the README); the "compiling" line shows it until
+# this machine has built once (then the last build's time).
+_BUILD_SECONDS_ESTIMATE = 50
+
+
+def _pkg():
+    """The package :mod:`sublayer.kernels`: it names what is built (``_SOURCES``, ``_HEADERS``, ``_NAME``,
+    ``CFLAGS``, ``LDFLAGS``); read at call time, so a test can change them."""
+    return sys.modules[__package__]
+
+
+def _cpu_tag() -> str:
+    # -march=native code must not be reused on another CPU: key the cache on the CPU's flags.
+    info = platform.machine()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
+        model = next((ln for ln in text.splitlines() if ln.startswith("model name")), "")
+        info += flags + model
+    except OSError:
+        pass
+    return hashlib.sha1(info.encode()).hexdigest()[:10]
+
+
+def _compiler() -> tuple[str, str | None]:
+    """The C++ compiler torch's build uses (``$CXX`` or ``c++``) and its version line (None: not runnable)."""
+    cxx = os.environ.get("CXX", "c++")
+    path = shutil.which(cxx)
+    if path is None:
+        return cxx, None
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return cxx, None
+    return cxx, (out.strip().splitlines() or [""])[0]
+
+
+def key_inputs() -> dict:
+    """What changes the binary (and nothing else: no venv or torch install paths), memoised per process."""
+    if not _key:
+        h = hashlib.sha256()
+        pkg = _pkg()
+        for p in pkg._SOURCES + pkg._HEADERS:
+            h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+        cxx, version = _compiler()
+        _key.update(
+            sources=h.hexdigest(),
+            cflags=list(pkg.CFLAGS),
+            ldflags=list(pkg.LDFLAGS),
+            torch=torch.__version__,
+            torch_git=getattr(torch.version, "git_version", ""),
+            cxx11_abi=bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+            python=sys.implementation.cache_tag,
+            cpu=_cpu_tag(),
+            compiler=version if version is not None else f"{cxx} (not found)",
+        )
+    return _key
+
+
+def cache_dir() -> Path:
+    """Where this build of the extension is cached: one folder per hash of :func:`key_inputs`."""
+    root = os.environ.get("SUBLAYER_KERNELS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "sublayer", "kernels")
+    digest = hashlib.sha256(json.dumps(key_inputs(), sort_keys=True).encode()).hexdigest()[:16]
+    return Path(root) / f"torch{torch.__version__.split('+')[0]}-{digest}"
+
+
+def _lock_timeout() -> float:
+    try:
+        return float(os.environ.get("SUBLAYER_KERNELS_LOCK_TIMEOUT", "600"))
+    except ValueError:
+        return 600.0
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path, timeout: float):
+    """Hold an exclusive ``flock`` on ``path`` (the OS releases it if this process dies); TimeoutError after
+    ``timeout`` s of a live holder. The file records the holder ("pid@host") for the waiting message.
+    Yields whether the lock is exclusive (False without ``fcntl`` or on a file system without locks: each
+    builder still uses its own folder)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield False
+        return
+
+    def try_lock() -> bool | None:  # True: ours; False: held by a live process; None: no locks on this fs
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        except OSError:  # ENOLCK
+            return None
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        got = try_lock()
+        if got is None:
+            yield False
+            return
+        if not got:
+            owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            print(f"sublayer: waiting for another process ({owner}) compiling the fused CPU kernels…", file=sys.stderr, flush=True)
+            deadline = time.monotonic() + timeout
+            while not try_lock():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"another process ({owner}) has held {path} for over {timeout:g} s (SUBLAYER_KERNELS_LOCK_TIMEOUT)"
+                    )
+                time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}@{socket.gethostname()}\n".encode(), 0)
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _check_toolchain() -> None:
+    """Raise with the plain cause when the build cannot start (before torch prints a long command line)."""
+    from torch.utils import cpp_extension
+
+    cxx, version = _compiler()
+    if version is None:
+        raise RuntimeError(f"{cxx}: not found (install a C++ compiler such as g++, or set CXX)")
+    with _ninja_on_path():
+        if not cpp_extension.is_ninja_available():
+            raise RuntimeError("ninja: not found (pip install ninja)")
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """Put the ``ninja`` package's binary on PATH while building when PATH has none (a venv used without being
+    activated: ``.venv/bin/python`` finds no ``ninja`` although the dependency is installed)."""
+    old = os.environ.get("PATH")
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+
+            extra = getattr(ninja, "BIN_DIR", None) or os.path.dirname(sys.executable)
+        except ImportError:
+            extra = os.path.dirname(sys.executable)
+        os.environ["PATH"] = os.pathsep.join([extra, old]) if old else extra
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = old
+
+
+def _compile(build_dir: Path) -> Path:
+    """Compile the extension in ``build_dir`` with torch's JIT builder (this also loads it); return the library."""
+    from torch.utils import cpp_extension
+
+    pkg = _pkg()
+    cpp_extension.load(
+        name=pkg._NAME,
+        sources=[str(p) for p in pkg._SOURCES],
+        extra_cflags=list(pkg.CFLAGS),  # copies: torch appends to these lists (library paths of this venv)
+        extra_ldflags=list(pkg.LDFLAGS),
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=os.environ.get("SUBLAYER_KERNELS_VERBOSE", "0") == "1",
+    )
+    return build_dir / f"{pkg._NAME}.so"
+
+
+def _load_library(path: Path) -> None:
+    torch.ops.load_library(str(path))
+
+
+def build() -> None:
+    """Load the cached library, or compile it once; registers ``torch.ops.sublayer_kernels``. Raises on failure."""
+    d = cache_dir()
+    lib = d / f"{_pkg()._NAME}.so"
+    if lib.is_file():
+        _load_library(lib)
+        return
+    d.mkdir(parents=True, exist_ok=True)
+    with _build_lock(d / "build.lock", _lock_timeout()) as exclusive:
+        if lib.is_file():  # another process built it while we waited
+            _load_library(lib)
+            return
+        # We hold the lock, so any build-* folder is left by a build that was killed midway: start afresh.
+        stale = sorted(d.glob("build-*")) if exclusive else []
+        for p in stale:
+            shutil.rmtree(p, ignore_errors=True)
+        _check_toolchain()
+        note = " (an interrupted earlier build was discarded)" if stale else ""
+        print(
+            f"sublayer: compiling sublayer's fused CPU kernels (once, ~{_build_estimate(d.parent)} s){note}…",
+            file=sys.stderr,
+            flush=True,
+        )
+        t0 = time.perf_counter()
+        tmp = Path(tempfile.mkdtemp(prefix="build-", dir=d))
+        try:
+            with _ninja_on_path():
+                built = _compile(tmp)
+            (d / "key.json").write_text(json.dumps(key_inputs(), indent=1, sort_keys=True))
+            os.replace(built, lib)  # atomic: a library in the cache is always a complete one
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        seconds = time.perf_counter() - t0
+        with contextlib.suppress(OSError):
+            (d.parent / "last_build_seconds").write_text(f"{seconds:.0f}\n")
+        print(f"sublayer: compiled in {seconds:.0f} s, cached in {d}", file=sys.stderr, flush=True)
+
+
+def _build_estimate(root: Path) -> int:
+    """Seconds the last build under ``root`` took on this machine (the measured default before any)."""
+    try:
+        return max(1, round(float((root / "last_build_seconds").read_text())))
+    except (OSError, ValueError):
+        return _BUILD_SECONDS_ESTIMATE
+
+
+def cause(e: BaseException) -> str:
+    """The line that says why the build failed — a compiler diagnostic, not the (long) command line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    command = re.compile(r"^(\[\d+/\d+\]|FAILED:|\S*(c\+\+|g\+\+|gcc|clang\+?\+?|cc)\s)|\s-o\s|\s-c\s")
+    diagnostics = [ln for ln in lines if not command.search(ln) and not ln.startswith("Error building extension")]
+    first = next((ln for ln in diagnostics if re.search(r"error|not found|no such file", ln, re.I)), None)
+    first = first or (diagnostics or lines or [""])[0]
+    if len(first) > 500:
+        first = first[:500] + "…"
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def user_stacklevel() -> int:
+    """``warnings.warn`` stacklevel that points at the first frame outside sublayer and torch (the user's line),
+    for a warn() called in the function that calls this one."""
+    internal = tuple(str(Path(m.__file__).resolve().parent) + os.sep for m in (sys.modules[__name__.split(".")[0]], torch))
+
+    def is_internal(name: str) -> bool:
+        return name.startswith("<frozen ") or os.path.realpath(name).startswith(internal)
+
+    frame, level = sys._getframe(1), 1
+    while frame is not None and is_internal(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
