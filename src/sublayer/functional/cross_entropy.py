@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .._checks import check_choice, check_positive_int, check_tensor
 
-__all__ = ["linear_cross_entropy", "check_targets", "REDUCTIONS"]
+__all__ = ["linear_cross_entropy", "check_targets", "check_options", "REDUCTIONS"]
 
 REDUCTIONS = ("mean", "sum")
 _CHUNK_ELEMENTS = 1 << 22  # default chunk: about 4M logits (16 MB in fp32)
@@ -77,19 +77,24 @@ def _check_args(h, weight, bias, target, ignore_index, label_smoothing, reductio
             raise ValueError(f"{name} device {t.device} does not match h device {h.device}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must have shape (vocab_size={weight.shape[0]},), got {tuple(bias.shape)}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    check_options(ignore_index, label_smoothing, reduction)
     check_targets("target", target, weight.shape[0], ignore_index)
     if tuple(target.shape) != (h.shape[0],):
         raise ValueError(f"target must have shape (N={h.shape[0]},), got {tuple(target.shape)}")
     if target.device != h.device:
         raise ValueError(f"target device {target.device} does not match h device {h.device}")
+    check_positive_int("chunk_size", chunk_size, allow_none=True)
+
+
+def check_options(ignore_index: object, label_smoothing: object = 0.0, reduction: object = "mean") -> None:
+    """``ignore_index`` an int, ``label_smoothing`` a float in [0, 1], ``reduction`` one of :data:`REDUCTIONS`."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
         raise TypeError(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     check_choice("reduction", reduction, REDUCTIONS)
-    check_positive_int("chunk_size", chunk_size, allow_none=True)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
