@@ -117,6 +117,20 @@ def test_bfloat16_computes_in_float32():
         assert_close(g, r.to(torch.bfloat16))
 
 
+def test_bfloat16_rows_with_float32_weight_as_under_autocast():
+    h, w, b, t = _inputs()
+    hb = h.detach().bfloat16().requires_grad_()
+    got = linear_cross_entropy(hb, w, t, bias=b)
+    h32 = hb.detach().float().requires_grad_()
+    want = _ref(h32, w, b, t)
+    assert_close(got, want)
+    gh, gw = torch.autograd.grad(got, (hb, w))
+    rh, rw = torch.autograd.grad(want, (h32, w))
+    assert gh.dtype == torch.bfloat16 and gw.dtype == torch.float32
+    assert_close(gh, rh.bfloat16())
+    assert_close(gw, rw)
+
+
 def test_retained_graph_backward_twice():
     h, w, b, t = _inputs()
     for mode in MODES:
@@ -143,8 +157,8 @@ def test_bad_inputs():
         linear_cross_entropy(h, w[:, :6], t)
     with pytest.raises(ValueError, match=r"h must have shape \(N, D\)"):
         linear_cross_entropy(h[None], w, t)
-    with pytest.raises(TypeError, match="weight dtype torch.float64 does not match h dtype torch.float32"):
-        linear_cross_entropy(h, w.double(), t)
+    with pytest.raises(TypeError, match="weight must be a floating-point tensor, got dtype torch.int64"):
+        linear_cross_entropy(h, w.long(), t)
     with pytest.raises(ValueError, match=r"bias must have shape \(vocab_size=13,\), got \(12,\)"):
         linear_cross_entropy(h, w, t, bias=b[:12])
     with pytest.raises(ValueError, match=r"target must have shape \(N=11,\), got \(10,\)"):

@@ -21,9 +21,9 @@ Two ways to place the backward work (``grad_in_forward``):
   default; the gradient is computed even if ``backward`` is never called (with grad mode on and inputs requiring
   grad).
 
-Dtypes: float32 and float64 compute in their own dtype; bfloat16/float16 inputs are upcast chunk by chunk and
-computed in float32 (the loss is float32 as HF's upcast logits give; the gradients are rounded to the inputs'
-dtypes once). The backward is not differentiable again.
+Dtypes: float64 if any input is float64, else float32: bfloat16/float16 inputs (also mixed with float32 weights, as
+under autocast) are upcast chunk by chunk (the loss is float32, as HF's upcast logits give; each gradient is
+rounded to its input's dtype once). The backward is not differentiable again.
 
 All targets ignored: with ``reduction="mean"`` torch and HF return NaN (a mean over zero terms); here it is a
 ``ValueError``. With ``reduction="sum"`` the loss is 0 with zero gradients, as torch.
@@ -71,8 +71,8 @@ def _check_args(h, weight, bias, target, ignore_index, label_smoothing, reductio
         if t is None:
             continue
         check_tensor(name, t)
-        if t.dtype != h.dtype:
-            raise TypeError(f"{name} dtype {t.dtype} does not match h dtype {h.dtype}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
         if t.device != h.device:
             raise ValueError(f"{name} device {t.device} does not match h device {h.device}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
@@ -97,8 +97,9 @@ def check_options(ignore_index: object, label_smoothing: object = 0.0, reduction
     check_choice("reduction", reduction, REDUCTIONS)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """float64 if any input is float64, else float32 (half inputs are upcast)."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 def _logits(hc: Tensor, w: Tensor, b: Tensor | None, out: Tensor) -> Tensor:
@@ -120,7 +121,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, weight, bias, target, ignore_index, smoothing, reduction, chunk, grad_in_forward, need_grad):
         n_all, d = h.shape
         vocab = weight.shape[0]
-        cdt = _compute_dtype(h.dtype)
+        cdt = _compute_dtype(h.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
         keep = target != ignore_index
         n = int(keep.sum())
         if n == 0 and reduction == "mean":
@@ -168,8 +169,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     dw.addmm_(p.t(), hc, alpha=scale)
                 if db is not None:
                     db.add_(p.sum(0), alpha=scale)
-        loss = row_loss.sum(dtype=torch.float64 if cdt == torch.float64 else torch.float32) * scale
-        ctx.meta = (n_all, idx, tk, smoothing, scale, elements, in_fwd, h.dtype, weight.dtype)
+        loss = row_loss.sum() * scale
+        b_dtype = None if bias is None else bias.dtype
+        ctx.meta = (n_all, idx, tk, smoothing, scale, elements, in_fwd, h.dtype, weight.dtype, b_dtype)
         if in_fwd:
             ctx.grads = (dh, dw, db)
         elif need_grad:
@@ -179,7 +181,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        n_all, idx, tk, smoothing, scale, elements, in_fwd, h_dtype, w_dtype = ctx.meta
+        n_all, idx, tk, smoothing, scale, elements, in_fwd, h_dtype, w_dtype, b_dtype = ctx.meta
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         if in_fwd:
             # out of place: a retained graph may run this backward again
@@ -221,7 +223,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dh = torch.zeros(n_all, dh.shape[1], dtype=dh.dtype, device=dh.device).index_copy_(0, idx, dh)
             dh = dh.to(h_dtype)
         dw = None if dw is None else dw.to(w_dtype)
-        db = None if db is None else db.to(w_dtype)
+        db = None if db is None else db.to(b_dtype)
         return dh, dw, db, None, None, None, None, None, None, None
 
 
@@ -245,7 +247,7 @@ def linear_cross_entropy(
 
     Args:
         h: (N, D) hidden rows (float32, float64, bfloat16 or float16).
-        weight: (V, D) output projection (``nn.Linear`` layout; GPT-2's tied ``wte.weight``), dtype of ``h``.
+        weight: (V, D) output projection (``nn.Linear`` layout; GPT-2's tied ``wte.weight``).
         target: (N,) integer class ids in [0, V) or ``ignore_index``.
         bias: (V,) or None.
         ignore_index: targets with this value add nothing (their rows are never computed).
@@ -260,7 +262,7 @@ def linear_cross_entropy(
         A 0-dim tensor: float32 (float64 for float64 inputs).
 
     Raises:
-        TypeError: non-tensors, a non-floating ``h``, non-integer targets, dtype mismatches, bad option types.
+        TypeError: non-tensors, non-floating ``h``/``weight``/``bias``, non-integer targets, bad option types.
         ValueError: shapes that do not fit (expected vs got), targets outside the vocabulary, ``label_smoothing``
             outside [0, 1], unknown ``reduction``, ``chunk_size`` < 1, and ``reduction="mean"`` with every target
             ignored (torch's NaN).
