@@ -131,6 +131,17 @@ def test_bfloat16_rows_with_float32_weight_as_under_autocast():
     assert_close(gw, rw)
 
 
+@pytest.mark.parametrize("grad_in_forward", MODES)
+def test_frozen_weight_and_bias(grad_in_forward):
+    h, w, b, t = _inputs()
+    w, b = w.detach(), b.detach()
+    got = linear_cross_entropy(h, w, t, bias=b, grad_in_forward=grad_in_forward)
+    got.backward()
+    want = _ref(h, w, b, t)
+    assert_close(h.grad, torch.autograd.grad(want, h)[0])
+    assert w.grad is None and b.grad is None
+
+
 def test_retained_graph_backward_twice():
     h, w, b, t = _inputs()
     for mode in MODES:

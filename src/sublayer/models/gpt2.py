@@ -322,7 +322,8 @@ class GPT2(nn.Module):
             ignore_index: label value that adds nothing to the loss.
 
         Returns:
-            0-dim float32 tensor: the mean over all (row, position) pairs that have a target.
+            0-dim tensor (float32; float64 for a float64 model): the mean over all (row, position) pairs that
+            have a target.
 
         Raises:
             TypeError/ValueError: as :meth:`forward`; labels not integer, of another shape, or outside the
