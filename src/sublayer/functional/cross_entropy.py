@@ -6,8 +6,9 @@ label_smoothing=..., reduction=...)`` (forward and the gradients of ``h``, ``wei
 fused-linear-cross-entropy idea, on the CPU:
 
 * only rows whose target is not ``ignore_index`` are computed (they are gathered once);
-* the logits are made ``chunk_size`` rows at a time into one reused buffer, turned in place into the softmax and the
-  gradient of the logits, and immediately reduced to the loss, ``dh`` rows and ``dW += dlogits^T h``;
+* the logits are made about ``chunk_size`` at a time into one reused buffer (forward: blocks of rows; recomputing
+  backward: blocks of vocabulary columns, so each block of ``dW`` is written once), turned in place into
+  log-probabilities / the gradient of the logits, and immediately reduced to the loss, ``dh`` and ``dW``;
 * nothing of size ``(N, vocab)`` outlives a chunk.
 
 Two ways to place the backward work (``grad_in_forward``):
@@ -171,23 +172,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     db.add_(p.sum(0), alpha=scale)
         loss = row_loss.sum() * scale
         b_dtype = None if bias is None else bias.dtype
-        ctx.meta = (n_all, idx, tk, smoothing, scale, elements, in_fwd, h.dtype, weight.dtype, b_dtype)
+        ctx.meta = (n_all, smoothing, scale, elements, in_fwd, h.dtype, weight.dtype, b_dtype)
         if in_fwd:
-            ctx.grads = (dh, dw, db)
+            ctx.grads = (dh, dw, db)  # not saved tensors: bench_loss counts them separately
+            ctx.save_for_backward(idx)
         elif need_grad:
-            ctx.save_for_backward(hk, weight, bias, lse)
+            ctx.save_for_backward(idx, hk, tk, weight, bias, lse)
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        n_all, idx, tk, smoothing, scale, elements, in_fwd, h_dtype, w_dtype, b_dtype = ctx.meta
+        n_all, smoothing, scale, elements, in_fwd, h_dtype, w_dtype, b_dtype = ctx.meta
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        idx = ctx.saved_tensors[0]
         if in_fwd:
             # out of place: a retained graph may run this backward again
             dh, dw, db = (None if t is None else t * g.to(t.dtype) for t in ctx.grads)
         else:
-            hk, weight, bias, lse = ctx.saved_tensors
+            _, hk, tk, weight, bias, lse = ctx.saved_tensors
             cdt = lse.dtype
             n, d = hk.shape
             vocab = weight.shape[0]
@@ -253,8 +256,9 @@ def linear_cross_entropy(
         ignore_index: targets with this value add nothing (their rows are never computed).
         label_smoothing: ε in [0, 1]: the target distribution is ``(1-ε)·onehot + ε/V`` (torch's definition).
         reduction: ``"mean"`` (over non-ignored targets) or ``"sum"``.
-        chunk_size: rows per chunk; None -> about 2M logits a chunk (at least 16 rows). Results do not depend on
-            it beyond rounding.
+        chunk_size: logits made at once (forward: ``ceil(chunk_size / V)`` rows; recomputing backward:
+            ``ceil(chunk_size / n)`` vocabulary columns); None -> 4M (16 MB in fp32). Results do not depend on it
+            beyond rounding.
         grad_in_forward: compute the gradients during the forward (faster, keeps a (V, D) gradient; see the
             module doc). The default recomputes each chunk's logits in backward.
 
