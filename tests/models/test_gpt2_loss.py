@@ -128,3 +128,18 @@ def test_bad_inputs(ours):
         ours.loss(x, attention_mask=torch.ones(3, 6))
     with pytest.raises(TypeError, match="input_ids must hold integer token ids"):
         ours.loss(x.float())
+
+
+def test_training_with_the_fused_loss_converges(gpt2_folder):
+    torch.manual_seed(0)
+    model = GPT2.from_pretrained(gpt2_folder).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    x, mask = _right_padded()
+    first = None
+    for _ in range(40):
+        loss = model.loss(x, attention_mask=mask)
+        first = loss.item() if first is None else first
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.2 * first
