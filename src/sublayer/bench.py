@@ -540,6 +540,13 @@ def run_bench(
                 f"{r.case:44s} {r.shape:22s} {r.dtype:13s} {r.mode:8s} "
                 f"eager {r.times_ms['eager']:9.2f} ms  sublayer {r.times_ms['sublayer']:9.2f} ms  x{_fmt(r.ratio())}"
             )
+    if "fp32" in dts:  # the fused LM-head loss (sublayer.bench_loss): the op alone and a GPT-2 training step
+        from .bench_loss import bench_loss
+
+        for r in bench_loss(quick, reps, warmup):
+            rows.append(r)
+            log(f"{r.case:44s} {r.shape:22s} fp32 training  eager {r.times_ms['eager']:9.2f} ms  "
+                f"sublayer {r.times_ms['sublayer']:9.2f} ms  x{_fmt(r.ratio())}")  # fmt: skip
     meta["seconds"] = round(time.perf_counter() - t_start, 1)
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     (out / "bench.md").write_text(to_markdown(rows, meta))

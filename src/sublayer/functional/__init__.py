@@ -1,6 +1,7 @@
 """``sublayer.functional``: the math of every sub-layer, one reference per op; the modules call these."""
 
 from .attention import KVCache, attention, causal_mask, multi_head_attention
+from .cross_entropy import linear_cross_entropy
 from .ffn import ACTIVATIONS, GATED_ACTIVATIONS, activation_fn, feed_forward
 from .norm import NORMS, add_norm, layer_norm, rms_norm
 
@@ -15,6 +16,7 @@ __all__ = [
     "causal_mask",
     "feed_forward",
     "layer_norm",
+    "linear_cross_entropy",
     "multi_head_attention",
     "rms_norm",
 ]

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from .. import checkpoints as ckpt
 from .. import functional as SF
+from ..functional.cross_entropy import check_options, check_targets
 from .._checks import check_choice, check_eps, check_positive_int, check_probability
 from ..checkpoints import gpt2 as keymap
 from ..nn import LayerNorm, MultiHeadAttention, PositionWiseFFN, PreNormResidual
@@ -301,6 +302,56 @@ class GPT2(nn.Module):
                     f"position_ids must have shape ({b} or 1, {t}), got {tuple(position_ids.shape)}"
                 )
         return self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
+
+    def loss(
+        self,
+        input_ids: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        ignore_index: int = -100,
+    ) -> Tensor:
+        """Mean next-token cross-entropy, equal to HF ``GPT2LMHeadModel(input_ids, attention_mask=...,
+        labels=...).loss``; the LM head runs only at positions that have a target, as one fused linear +
+        cross-entropy (:func:`sublayer.functional.linear_cross_entropy`): no (B, T, vocab) logits are kept.
+
+        Args:
+            input_ids: (B, T) ids. attention_mask: (B, T) 1 = token, 0 = padding (HF convention), optional.
+            labels: (B, T) ids in [0, vocab_size) or ``ignore_index``; None -> ``input_ids`` with padding set
+                to ``ignore_index``. Shifted inside as HF does: position t predicts ``labels[:, t + 1]``.
+            ignore_index: label value that adds nothing to the loss.
+
+        Returns:
+            0-dim tensor (float32; float64 for a float64 model): the mean over all (row, position) pairs that
+            have a target.
+
+        Raises:
+            TypeError/ValueError: as :meth:`forward`; labels not integer, of another shape, or outside the
+            vocabulary; no position with a target (T = 1, or every label ``ignore_index``): HF returns NaN there.
+        """
+        check_input_ids("input_ids", input_ids, self.config.vocab_size, self.config.max_positions)
+        b, t = input_ids.shape
+        kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
+        check_options(ignore_index)
+        if labels is None:
+            labels = input_ids if kpm is None else input_ids.masked_fill(kpm, ignore_index)
+        else:
+            check_targets("labels", labels, self.config.vocab_size, ignore_index)
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels must have the shape of input_ids {(b, t)}, got {tuple(labels.shape)}")
+        # HF: pad labels with ignore_index on the right, then shift left by one
+        targets = torch.cat([labels[:, 1:], labels.new_full((b, 1), ignore_index)], dim=1)
+        if not bool((targets != ignore_index).any()):
+            raise ValueError(
+                f"no position has a target (seq_len={t}, every shifted label is ignore_index={ignore_index}): the "
+                "mean loss is undefined (HF returns nan)"
+            )
+        position_ids = torch.arange(t, device=input_ids.device)[None]
+        h = self._hidden(input_ids, position_ids, kpm, None)
+        return SF.linear_cross_entropy(
+            h.reshape(b * t, -1), self.lm_head.weight, targets.reshape(-1), bias=self.lm_head.bias,
+            ignore_index=ignore_index,
+        )  # fmt: skip
 
     @torch.no_grad()
     def generate(

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional as SF
+from ..functional.cross_entropy import check_options, check_targets
 from ..checkpoints.io import atomic_write
 from .._checks import check_choice, check_positive_int, check_probability, check_tensor
 from ..nn import DecoderBlock, EncoderBlock, TransformerDecoder, TransformerEncoder
@@ -236,6 +237,73 @@ class Transformer(nn.Module):
         return self.decode(
             tgt, memory, memory_key_padding_mask=src_key_padding_mask, tgt_key_padding_mask=tgt_key_padding_mask
         )
+
+    def loss(
+        self,
+        src: Tensor,
+        tgt_in: Tensor,
+        tgt_out: Tensor,
+        *,
+        src_key_padding_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+        label_smoothing: float = 0.0,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+    ) -> Tensor:
+        """Teacher-forced cross-entropy of ``tgt_out`` given ``src`` and ``tgt_in``, without a (B, T, vocab) logits
+        tensor: the output projection and the loss run as one fused, chunked op
+        (:func:`sublayer.functional.linear_cross_entropy`) on the positions that have a target only.
+
+        Equals ``F.cross_entropy(self(src, tgt_in, src_key_padding_mask=..., tgt_key_padding_mask=...)
+        .flatten(0, 1), tgt_out.flatten(), ignore_index=ignore_index, label_smoothing=label_smoothing,
+        reduction=reduction)`` with ``tgt_out`` set to ``ignore_index`` where ``tgt_key_padding_mask`` is True.
+
+        Args:
+            src: (B, S) source ids. tgt_in: (B, T) decoder input ids (bos + target).
+            tgt_out: (B, T) ids the positions predict (target + eos), or ``ignore_index``.
+            src_key_padding_mask, tgt_key_padding_mask: (B, S) / (B, T) bool, True = padding; padded target
+                positions add nothing to the loss.
+            label_smoothing: ε in [0, 1] (torch's definition). reduction: ``"mean"`` over targets or ``"sum"``.
+
+        Returns:
+            0-dim tensor (float32 for float32 / bfloat16 models).
+
+        Raises:
+            ValueError/TypeError: as :meth:`forward`; ``tgt_out`` not integer, of another shape than ``tgt_in``,
+            or outside the target vocabulary; bad ``label_smoothing`` / ``reduction``; ``reduction="mean"``
+            with no target left (torch returns nan there).
+        """
+        check_tensor("tgt_in", tgt_in)
+        check_tensor("tgt_out", tgt_out)
+        check_options(ignore_index, label_smoothing, reduction)
+        c = self.config
+        _check_tokens("tgt_in", tgt_in, c.tgt_vocab_size, c.max_len)
+        if tgt_out.shape != tgt_in.shape:
+            raise ValueError(f"tgt_out must have the shape of tgt_in {tuple(tgt_in.shape)}, got {tuple(tgt_out.shape)}")
+        check_targets("tgt_out", tgt_out, c.tgt_vocab_size, ignore_index)
+        check_tensor("src", src)
+        if src.dim() == 2 and src.shape[0] != tgt_in.shape[0]:
+            raise ValueError(
+                f"src and tgt_in must share the batch size, got {tuple(src.shape)} and {tuple(tgt_in.shape)}"
+            )
+        _check_padding_mask("tgt_key_padding_mask", tgt_key_padding_mask, tgt_in, "tgt_in")
+        targets = tgt_out if tgt_key_padding_mask is None else tgt_out.masked_fill(tgt_key_padding_mask, ignore_index)
+        if reduction == "mean" and not bool((targets != ignore_index).any()):
+            raise ValueError(
+                f"no target position (every tgt_out is ignore_index={ignore_index} or padding): the mean loss is "
+                "undefined (torch returns nan); use reduction='sum' or give at least one target"
+            )
+        memory = self.encode(src, src_key_padding_mask=src_key_padding_mask)
+        h = self.decoder(
+            self._embed(self.tgt_embed, tgt_in),
+            memory,
+            tgt_key_padding_mask=tgt_key_padding_mask,
+            memory_key_padding_mask=src_key_padding_mask,
+        )
+        return SF.linear_cross_entropy(
+            h.reshape(-1, h.shape[-1]), self.out_proj.weight, targets.reshape(-1), bias=self.out_proj.bias,
+            ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction,
+        )  # fmt: skip
 
     def cross_attention_weights(
         self, src: Tensor, tgt: Tensor, *, src_key_padding_mask: Tensor | None = None

@@ -1,0 +1,281 @@
+"""Fused linear + cross-entropy: the LM-head loss without a ``(N, vocab)`` logits tensor kept for backward.
+
+:func:`linear_cross_entropy` equals ``F.cross_entropy(F.linear(h, weight, bias), target, ignore_index=...,
+label_smoothing=..., reduction=...)`` (forward and the gradients of ``h``, ``weight``, ``bias``) and is the loss of
+:meth:`sublayer.models.GPT2.loss` and :meth:`sublayer.models.Transformer.loss`. Liger-Kernel's
+fused-linear-cross-entropy idea, on the CPU:
+
+* only rows whose target is not ``ignore_index`` are computed (they are gathered once);
+* the logits are made about ``chunk_size`` at a time into one reused buffer (forward: blocks of rows; recomputing
+  backward: blocks of vocabulary columns, so each block of ``dW`` is written once), turned in place into
+  log-probabilities / the gradient of the logits, and immediately reduced to the loss, ``dh`` and ``dW``;
+* nothing of size ``(N, vocab)`` outlives a chunk.
+
+Two ways to place the backward work (``grad_in_forward``):
+
+* ``False`` (default): the forward keeps the gathered rows of ``h`` and one log-sum-exp per row; the backward makes
+  each chunk's logits again (one extra GEMM: 4 GEMMs in all against eager's 3) and turns them into the gradients.
+  Bytes saved for backward: ``n·D`` + ``n`` floats — what eager keeps is ``n·V`` log-probabilities.
+* ``True``: the forward already computes ``dh`` (n, D), ``dW`` (V, D) and ``db`` and keeps them; the backward only
+  scales them by the incoming gradient (3 GEMMs, as eager). Faster, but it holds a weight-sized gradient from the
+  forward until the backward (V·D floats: 154 MB for GPT-2's head), so it saves more bytes for backward than the
+  default; the gradient is computed even if ``backward`` is never called (with grad mode on and inputs requiring
+  grad).
+
+Dtypes: float64 if any input is float64, else float32: bfloat16/float16 inputs (also mixed with float32 weights, as
+under autocast) are upcast chunk by chunk (the loss is float32, as HF's upcast logits give; each gradient is
+rounded to its input's dtype once). The backward is not differentiable again.
+
+All targets ignored: with ``reduction="mean"`` torch and HF return NaN (a mean over zero terms); here it is a
+``ValueError``. With ``reduction="sum"`` the loss is 0 with zero gradients, as torch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._checks import check_choice, check_positive_int, check_tensor
+
+__all__ = ["linear_cross_entropy", "check_targets", "check_options", "REDUCTIONS"]
+
+REDUCTIONS = ("mean", "sum")
+_CHUNK_ELEMENTS = 1 << 22  # default chunk: about 4M logits (16 MB in fp32)
+
+
+def check_targets(name: str, target: object, vocab_size: int, ignore_index: int) -> None:
+    """``target`` must be an integer tensor with values in ``[0, vocab_size)`` or equal to ``ignore_index``."""
+    check_tensor(name, target)
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer class ids, got dtype {target.dtype}")
+    if target.numel():
+        bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+        if bool(bad.any()):
+            v = int(target[bad][0])
+            raise ValueError(
+                f"{name} must lie in [0, vocab_size={vocab_size}) or equal ignore_index={ignore_index}, got {v}"
+            )
+
+
+def _check_args(h, weight, bias, target, ignore_index, label_smoothing, reduction, chunk_size) -> None:
+    check_tensor("h", h)
+    check_tensor("weight", weight)
+    if not h.dtype.is_floating_point:
+        raise TypeError(f"h must be a floating-point tensor, got dtype {h.dtype}")
+    if h.dim() != 2:
+        raise ValueError(f"h must have shape (N, D), got {tuple(h.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != h.shape[1]:
+        raise ValueError(f"weight must have shape (vocab_size, D={h.shape[1]}), got {tuple(weight.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one row (vocab_size >= 1)")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        check_tensor(name, t)
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.device != h.device:
+            raise ValueError(f"{name} device {t.device} does not match h device {h.device}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must have shape (vocab_size={weight.shape[0]},), got {tuple(bias.shape)}")
+    check_options(ignore_index, label_smoothing, reduction)
+    check_targets("target", target, weight.shape[0], ignore_index)
+    if tuple(target.shape) != (h.shape[0],):
+        raise ValueError(f"target must have shape (N={h.shape[0]},), got {tuple(target.shape)}")
+    if target.device != h.device:
+        raise ValueError(f"target device {target.device} does not match h device {h.device}")
+    check_positive_int("chunk_size", chunk_size, allow_none=True)
+
+
+def check_options(ignore_index: object, label_smoothing: object = 0.0, reduction: object = "mean") -> None:
+    """``ignore_index`` an int, ``label_smoothing`` a float in [0, 1], ``reduction`` one of :data:`REDUCTIONS`."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise TypeError(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    check_choice("reduction", reduction, REDUCTIONS)
+
+
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """float64 if any input is float64, else float32 (half inputs are upcast)."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _logits(hc: Tensor, w: Tensor, b: Tensor | None, out: Tensor) -> Tensor:
+    """``out = hc @ w.T + b`` (c, V)."""
+    if b is None:
+        return torch.mm(hc, w.t(), out=out)
+    return torch.addmm(b, hc, w.t(), out=out)
+
+
+def _onehot_sub_(p: Tensor, tc: Tensor, v0: int, value: float) -> None:
+    """``p[i, tc[i] - v0] -= value`` for the rows whose target lies in the block ``[v0, v0 + p.shape[1])``."""
+    inside = (tc >= v0) & (tc < v0 + p.shape[1])
+    rows = inside.nonzero().squeeze(1)
+    p.index_put_((rows, tc[rows] - v0), torch.tensor(-value, dtype=p.dtype, device=p.device), accumulate=True)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, bias, target, ignore_index, smoothing, reduction, chunk, grad_in_forward, need_grad):
+        n_all, d = h.shape
+        vocab = weight.shape[0]
+        cdt = _compute_dtype(h.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
+        keep = target != ignore_index
+        n = int(keep.sum())
+        if n == 0 and reduction == "mean":
+            raise ValueError(
+                f"every target is ignore_index={ignore_index} (or there are none): the mean cross-entropy over "
+                "zero targets is undefined (torch and HF return nan); pass reduction='sum' or at least one target"
+            )
+        idx = None if n == n_all else keep.nonzero().squeeze(1)
+        hk = h if idx is None else h.index_select(0, idx)
+        tk = (target if idx is None else target.index_select(0, idx)).long()
+        w = weight.to(cdt)
+        b = None if bias is None else bias.to(cdt)
+        scale = 1.0 / n if reduction == "mean" and n else 1.0
+        elements = chunk or _CHUNK_ELEMENTS
+        rows = max(1, -(-elements // vocab))
+        buf = torch.empty(min(rows, max(n, 1)), vocab, dtype=cdt, device=h.device)
+        row_loss = torch.empty(n, dtype=cdt, device=h.device)
+        lse = torch.empty(n, dtype=cdt, device=h.device)
+        in_fwd = grad_in_forward and need_grad
+        want_h, want_w, want_b = ctx.needs_input_grad[:3] if in_fwd else (False, False, False)
+        dh = torch.empty(n, d, dtype=cdt, device=h.device) if want_h else None
+        dw = torch.zeros(vocab, d, dtype=cdt, device=h.device) if want_w else None
+        db = torch.zeros(vocab, dtype=cdt, device=h.device) if want_b else None
+        for s in range(0, n, rows):
+            hc = hk[s : s + rows].to(cdt)
+            tc = tk[s : s + rows]
+            c = hc.shape[0]
+            z = _logits(hc, w, b, buf[:c])
+            zt = z.gather(1, tc[:, None]).squeeze(1)
+            logp = torch.ops.aten._log_softmax.out(z, 1, False, out=z)  # in place: one fused pass
+            lpt = logp.gather(1, tc[:, None]).squeeze(1)
+            lse[s : s + c] = zt - lpt
+            loss_c = row_loss[s : s + c]
+            torch.mul(lpt, smoothing - 1.0, out=loss_c)
+            if smoothing:
+                loss_c.sub_(logp.sum(1), alpha=smoothing / vocab)
+            if in_fwd:  # d loss / d z = scale * (softmax - (1-eps) onehot - eps/V)
+                p = logp.exp_()
+                _onehot_sub_(p, tc, 0, 1.0 - smoothing)
+                if smoothing:
+                    p.sub_(smoothing / vocab)
+                if dh is not None:
+                    torch.mm(p, w, out=dh[s : s + c]).mul_(scale)
+                if dw is not None:
+                    dw.addmm_(p.t(), hc, alpha=scale)
+                if db is not None:
+                    db.add_(p.sum(0), alpha=scale)
+        loss = row_loss.sum() * scale
+        b_dtype = None if bias is None else bias.dtype
+        ctx.meta = (n_all, smoothing, scale, elements, in_fwd, h.dtype, weight.dtype, b_dtype)
+        if in_fwd:
+            ctx.grads = (dh, dw, db)  # not saved tensors: bench_loss counts them separately
+            ctx.save_for_backward(idx)
+        elif need_grad:
+            ctx.save_for_backward(idx, hk, tk, weight, bias, lse)
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        n_all, smoothing, scale, elements, in_fwd, h_dtype, w_dtype, b_dtype = ctx.meta
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        idx = ctx.saved_tensors[0]
+        if in_fwd:
+            # out of place: a retained graph may run this backward again
+            dh, dw, db = (None if t is None else t * g.to(t.dtype) for t in ctx.grads)
+        else:
+            _, hk, tk, weight, bias, lse = ctx.saved_tensors
+            cdt = lse.dtype
+            n, d = hk.shape
+            vocab = weight.shape[0]
+            step = scale * float(g)
+            # vocabulary blocks: each dW block is written once (no accumulation traffic), dh (n, D) accumulates
+            cols = min(vocab, max(1, -(-elements // max(n, 1))))
+            hc = hk.to(cdt)
+            buf = torch.empty(max(n, 1) * cols, dtype=cdt, device=hk.device)
+            dh = torch.zeros(n, d, dtype=cdt, device=hk.device) if want_h else None
+            dw = torch.empty(vocab, d, dtype=cdt, device=hk.device) if want_w else None
+            db = torch.empty(vocab, dtype=cdt, device=hk.device) if want_b and bias is not None else None
+            neg_lse = -lse[:, None]
+            for v0 in range(0, vocab, cols):
+                v1 = min(vocab, v0 + cols)
+                wb = weight[v0:v1].to(cdt)
+                z = buf[: n * (v1 - v0)].view(n, v1 - v0)
+                if bias is None:
+                    torch.addmm(neg_lse, hc, wb.t(), out=z)  # z - lse, in the GEMM
+                else:
+                    _logits(hc, wb, bias[v0:v1].to(cdt), z).add_(neg_lse)
+                p = z.exp_()  # softmax
+                _onehot_sub_(p, tk, v0, 1.0 - smoothing)
+                if smoothing:
+                    p.sub_(smoothing / vocab)
+                if dh is not None:
+                    dh.addmm_(p, wb, alpha=step)
+                if dw is not None:
+                    torch.addmm(dw[v0:v1], p.t(), hc, beta=0.0, alpha=step, out=dw[v0:v1])
+                if db is not None:
+                    torch.sum(p, 0, out=db[v0:v1]).mul_(step)
+        if dh is not None:
+            if idx is not None:
+                dh = torch.zeros(n_all, dh.shape[1], dtype=dh.dtype, device=dh.device).index_copy_(0, idx, dh)
+            dh = dh.to(h_dtype)
+        dw = None if dw is None else dw.to(w_dtype)
+        db = None if db is None else db.to(b_dtype)
+        return dh, dw, db, None, None, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    h: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    *,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+    grad_in_forward: bool = False,
+) -> Tensor:
+    """Cross-entropy of ``h @ weight.T + bias`` against ``target``, made in row chunks (see the module doc).
+
+    Equals ``F.cross_entropy(F.linear(h, weight, bias), target, ignore_index=ignore_index,
+    label_smoothing=label_smoothing, reduction=reduction)``; the mean is over the targets that are not
+    ``ignore_index``.
+
+    Args:
+        h: (N, D) hidden rows (float32, float64, bfloat16 or float16).
+        weight: (V, D) output projection (``nn.Linear`` layout; GPT-2's tied ``wte.weight``).
+        target: (N,) integer class ids in [0, V) or ``ignore_index``.
+        bias: (V,) or None.
+        ignore_index: targets with this value add nothing (their rows are never computed).
+        label_smoothing: ε in [0, 1]: the target distribution is ``(1-ε)·onehot + ε/V`` (torch's definition).
+        reduction: ``"mean"`` (over non-ignored targets) or ``"sum"``.
+        chunk_size: logits made at once (forward: ``ceil(chunk_size / V)`` rows; recomputing backward:
+            ``ceil(chunk_size / n)`` vocabulary columns); None -> 4M (16 MB in fp32). Results do not depend on it
+            beyond rounding.
+        grad_in_forward: compute the gradients during the forward (faster, keeps a (V, D) gradient; see the
+            module doc). The default recomputes each chunk's logits in backward.
+
+    Returns:
+        A 0-dim tensor: float32 (float64 for float64 inputs).
+
+    Raises:
+        TypeError: non-tensors, non-floating ``h``/``weight``/``bias``, non-integer targets, bad option types.
+        ValueError: shapes that do not fit (expected vs got), targets outside the vocabulary, ``label_smoothing``
+            outside [0, 1], unknown ``reduction``, ``chunk_size`` < 1, and ``reduction="mean"`` with every target
+            ignored (torch's NaN).
+    """
+    _check_args(h, weight, bias, target, ignore_index, label_smoothing, reduction, chunk_size)
+    if not isinstance(grad_in_forward, bool):
+        raise TypeError(f"grad_in_forward must be a bool, got {grad_in_forward!r}")
+    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, weight, bias))
+    return _LinearCrossEntropy.apply(
+        h, weight, bias, target, ignore_index, float(label_smoothing), reduction, chunk_size, grad_in_forward,
+        need_grad,
+    )  # fmt: skip

@@ -1,0 +1,192 @@
+"""Fused linear + cross-entropy: parity with ``F.cross_entropy(F.linear(...))`` forward and backward, gradcheck,
+chunk-size independence, ignored rows, label smoothing, bf16, saved bytes, argument errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from sublayer.bench import _saved_bytes
+from sublayer.functional import linear_cross_entropy
+
+N, D, V = 11, 7, 13
+MODES = [False, True]  # grad_in_forward
+
+
+def _inputs(n=N, d=D, v=V, *, bias=True, dtype=torch.float32, seed=0, ignore=(1, 4)):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    w = (torch.randn(v, d, generator=g, dtype=torch.float64) * 0.7).to(dtype).requires_grad_()
+    b = (torch.randn(v, generator=g, dtype=torch.float64) * 0.3).to(dtype).requires_grad_() if bias else None
+    t = torch.randint(0, v, (n,), generator=g)
+    t[list(ignore)] = -100
+    return h, w, b, t
+
+
+def _params(h, w, b):
+    return [x for x in (h, w, b) if x is not None]
+
+
+def _ref(h, w, b, t, **kw):
+    return F.cross_entropy(F.linear(h, w, b), t, **kw)
+
+
+@pytest.mark.parametrize("grad_in_forward", MODES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("kw", [{}, {"label_smoothing": 0.2}, {"reduction": "sum"}, {"ignore_index": 5}])
+def test_forward_backward_equal_eager(grad_in_forward, bias, kw):
+    h, w, b, t = _inputs(bias=bias)
+    if "ignore_index" in kw:
+        t = t.masked_fill(t == -100, 5)
+    want = _ref(h, w, b, t, **kw)
+    got = linear_cross_entropy(h, w, t, bias=b, chunk_size=3 * V, grad_in_forward=grad_in_forward, **kw)
+    assert got.dtype == torch.float32
+    assert_close(got, want)
+    for g, r in zip(torch.autograd.grad(got, _params(h, w, b)), torch.autograd.grad(want, _params(h, w, b))):
+        assert_close(g, r)
+
+
+@pytest.mark.parametrize("grad_in_forward", MODES)
+@pytest.mark.parametrize("smoothing", [0.0, 0.3])
+def test_gradcheck_float64(grad_in_forward, smoothing):
+    h, w, b, t = _inputs(5, 3, 7, dtype=torch.float64, ignore=(2,))
+
+    def f(h, w, b):
+        return linear_cross_entropy(
+            h, w, t, bias=b, label_smoothing=smoothing, chunk_size=10, grad_in_forward=grad_in_forward
+        )
+
+    assert torch.autograd.gradcheck(f, (h, w, b))
+
+
+@pytest.mark.parametrize("grad_in_forward", MODES)
+def test_chunk_size_does_not_change_the_result(grad_in_forward):
+    h, w, b, t = _inputs(17, 5, 11)
+    results = []
+    for chunk in (1, 7, 11 * 3, 11 * 17, 10_000):
+        loss = linear_cross_entropy(h, w, t, bias=b, chunk_size=chunk, grad_in_forward=grad_in_forward)
+        results.append((loss, *torch.autograd.grad(loss, (h, w, b))))
+    for r in results[1:]:
+        for a, c in zip(r, results[0]):
+            assert_close(a, c)
+
+
+def test_ignored_rows_get_zero_gradient_and_their_values_do_not_matter():
+    h, w, b, t = _inputs()
+    loss = linear_cross_entropy(h, w, t, bias=b)
+    (gh,) = torch.autograd.grad(loss, h)
+    assert (gh[t == -100] == 0).all() and (gh[t != -100] != 0).any()
+    h2 = h.detach().clone()
+    h2[t == -100] = 1e4  # would overflow a softmax if the row were computed
+    assert_close(linear_cross_entropy(h2, w, t, bias=b), loss)
+
+
+def test_all_targets_ignored():
+    h, w, b, t = _inputs()
+    t = torch.full_like(t, -100)
+    with pytest.raises(ValueError, match="every target is ignore_index=-100.*undefined"):
+        linear_cross_entropy(h, w, t, bias=b)
+    assert torch.isnan(_ref(h, w, b, t))  # the reason: torch's mean over zero targets
+    for mode in MODES:  # a sum over zero targets is 0, with zero gradients, as torch
+        loss = linear_cross_entropy(h, w, t, bias=b, reduction="sum", grad_in_forward=mode)
+        assert_close(loss, _ref(h, w, b, t, reduction="sum"))
+        for g in torch.autograd.grad(loss, (h, w, b)):
+            assert (g == 0).all()
+
+
+def test_one_row_and_no_grad():
+    h, w, b, t = _inputs(1, ignore=())
+    assert_close(linear_cross_entropy(h, w, t, bias=b), _ref(h, w, b, t))
+    with torch.no_grad():
+        assert_close(linear_cross_entropy(h, w, t, grad_in_forward=True), _ref(h, w, None, t))
+
+
+def test_bfloat16_computes_in_float32():
+    h, w, b, t = _inputs(bias=True, dtype=torch.bfloat16)
+    got = linear_cross_entropy(h, w, t, bias=b)
+    grads = torch.autograd.grad(got, (h, w, b))
+    # the same math on the exact fp32 upcast of the bf16 values; gradients rounded to bf16 once
+    h32, w32, b32 = (x.detach().float().requires_grad_() for x in (h, w, b))
+    want = _ref(h32, w32, b32, t)
+    assert got.dtype == torch.float32
+    assert_close(got, want)
+    for g, r in zip(grads, torch.autograd.grad(want, (h32, w32, b32))):
+        assert g.dtype == torch.bfloat16
+        assert_close(g, r.to(torch.bfloat16))
+
+
+def test_bfloat16_rows_with_float32_weight_as_under_autocast():
+    h, w, b, t = _inputs()
+    hb = h.detach().bfloat16().requires_grad_()
+    got = linear_cross_entropy(hb, w, t, bias=b)
+    h32 = hb.detach().float().requires_grad_()
+    want = _ref(h32, w, b, t)
+    assert_close(got, want)
+    gh, gw = torch.autograd.grad(got, (hb, w))
+    rh, rw = torch.autograd.grad(want, (h32, w))
+    assert gh.dtype == torch.bfloat16 and gw.dtype == torch.float32
+    assert_close(gh, rh.bfloat16())
+    assert_close(gw, rw)
+
+
+@pytest.mark.parametrize("grad_in_forward", MODES)
+def test_frozen_weight_and_bias(grad_in_forward):
+    h, w, b, t = _inputs()
+    w, b = w.detach(), b.detach()
+    got = linear_cross_entropy(h, w, t, bias=b, grad_in_forward=grad_in_forward)
+    got.backward()
+    want = _ref(h, w, b, t)
+    assert_close(h.grad, torch.autograd.grad(want, h)[0])
+    assert w.grad is None and b.grad is None
+
+
+def test_retained_graph_backward_twice():
+    h, w, b, t = _inputs()
+    for mode in MODES:
+        loss = linear_cross_entropy(h, w, t, bias=b, grad_in_forward=mode)
+        g1 = torch.autograd.grad(loss, h, retain_graph=True)[0]
+        g2 = torch.autograd.grad(loss * 2, h)[0]
+        assert_close(g2, 2 * g1)
+
+
+def test_saves_no_logits_for_backward():
+    n, d, v = 64, 16, 512
+    h, w, b, t = _inputs(n, d, v, bias=False, ignore=())
+    eager = _saved_bytes(lambda: _ref(h, w, None, t), [w])
+    fused = _saved_bytes(lambda: linear_cross_entropy(h, w, t), [w])
+    assert eager >= n * v * 4  # the log-probabilities
+    assert fused <= n * d * 4 + 2 * n * 8  # h rows, one log-sum-exp per row (and the targets)
+
+
+def test_bad_inputs():
+    h, w, b, t = _inputs()
+    with pytest.raises(TypeError, match="h must be a torch.Tensor"):
+        linear_cross_entropy(h.tolist(), w, t)
+    with pytest.raises(ValueError, match=r"weight must have shape \(vocab_size, D=7\), got \(13, 6\)"):
+        linear_cross_entropy(h, w[:, :6], t)
+    with pytest.raises(ValueError, match=r"h must have shape \(N, D\)"):
+        linear_cross_entropy(h[None], w, t)
+    with pytest.raises(TypeError, match="weight must be a floating-point tensor, got dtype torch.int64"):
+        linear_cross_entropy(h, w.long(), t)
+    with pytest.raises(ValueError, match=r"bias must have shape \(vocab_size=13,\), got \(12,\)"):
+        linear_cross_entropy(h, w, t, bias=b[:12])
+    with pytest.raises(ValueError, match=r"target must have shape \(N=11,\), got \(10,\)"):
+        linear_cross_entropy(h, w, t[:10])
+    with pytest.raises(TypeError, match="target must hold integer class ids"):
+        linear_cross_entropy(h, w, t.float())
+    with pytest.raises(ValueError, match=r"target must lie in \[0, vocab_size=13\) or equal ignore_index=-100, got 13"):
+        linear_cross_entropy(h, w, t.masked_fill(t == 0, 13))
+    with pytest.raises(ValueError, match="label_smoothing must be in \\[0, 1\\], got 1.5"):
+        linear_cross_entropy(h, w, t, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="unknown reduction 'none'"):
+        linear_cross_entropy(h, w, t, reduction="none")
+    with pytest.raises(ValueError, match="chunk_size must be a positive int, got 0"):
+        linear_cross_entropy(h, w, t, chunk_size=0)
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        linear_cross_entropy(h, w, t, ignore_index=None)
+    with pytest.raises(TypeError, match="grad_in_forward must be a bool"):
+        linear_cross_entropy(h, w, t, grad_in_forward="yes")
+    with pytest.raises(TypeError, match="h must be a floating-point tensor"):
+        linear_cross_entropy(t[:, None].expand(N, D), w, t)
