@@ -1,0 +1,94 @@
+"""The demo's checkpoint: model, vocabulary, optimizer and trainer state, written atomically with Ctrl-C held."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..checkpoints.io import atomic_write
+from ..models.transformer import Transformer
+from .task import Vocab
+
+OPTIMIZER_NAME = "optimizer.safetensors"
+STATE_NAME = "trainer_state.json"
+VOCAB_NAME = "vocab.json"
+
+
+@contextlib.contextmanager
+def _defer_sigint():
+    """Hold Ctrl-C until the block ends, so that a checkpoint's files are written together."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[Any] = []
+    old = signal.signal(signal.SIGINT, lambda *a: got.append(a))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if got:
+            raise KeyboardInterrupt
+
+
+def _write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda p: Path(p).write_text(text))
+
+
+def save_checkpoint(folder: Path, model: Transformer, opt: torch.optim.Optimizer, vocab: Vocab, state: dict) -> None:
+    """Model (safetensors + config), vocabulary, optimizer state (tensors in safetensors, the rest in JSON) and
+    the trainer state (step, loss history, RNG), each file written atomically, Ctrl-C held meanwhile."""
+    from safetensors.torch import save_file
+
+    sd = opt.state_dict()
+    tensors = {f"state.{i}.{k}": v.detach().contiguous().cpu() for i, st in sd["state"].items() for k, v in st.items()}
+    tensors["torch_rng_state"] = torch.get_rng_state()
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+    with _defer_sigint():
+        folder.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(folder)
+        _write_text(folder / VOCAB_NAME, vocab.to_json())
+        atomic_write(folder / OPTIMIZER_NAME, lambda p: save_file(tensors, p))
+        _write_text(folder / STATE_NAME, json.dumps({**state, "param_groups": groups}, indent=1) + "\n")
+
+
+def load_checkpoint(folder: str | Path) -> tuple[Transformer, Vocab, dict]:
+    """(model, vocabulary, trainer state) from a demo folder. Raises FileNotFoundError naming a missing file."""
+    folder = Path(folder)
+    model = Transformer.from_pretrained(folder)
+    vocab = Vocab.load(folder / VOCAB_NAME)
+    path = folder / STATE_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"trainer state not found: {path} (not a demo checkpoint?)")
+    try:
+        state = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"trainer state {path} is not valid JSON: {e}") from None
+    return model, vocab, state
+
+
+def _load_optimizer(folder: Path, opt: torch.optim.Optimizer, groups: list[dict]) -> None:
+    from safetensors.torch import load_file
+
+    path = folder / OPTIMIZER_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"optimizer state not found: {path}")
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:
+        raise ValueError(f"cannot read optimizer state {path}: {e}") from None
+    state: dict[int, dict[str, Tensor]] = {}
+    for key, v in tensors.items():
+        if key.startswith("state."):
+            _, i, name = key.split(".", 2)
+            state.setdefault(int(i), {})[name] = v
+    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
+    opt.load_state_dict({"state": state, "param_groups": groups})
+    if "torch_rng_state" in tensors:
+        torch.set_rng_state(tensors["torch_rng_state"])
