@@ -16,8 +16,8 @@ What the fused path changes, and what it does not:
   regenerates its masks from the seeds; Add & Norm keeps its mask as 1 bit per element (d/8 bytes a row), cheaper
   than drawing it again. No full-precision mask is ever stored.
 * Add & Norm saves only the (rounded) sum ``x + dropout(y)``, per-row float32 mean/rstd and the 1-bit mask; its
-  backward computes the sum's gradient once and hands it to both inputs (the same tensor when there is no dropout
-  and the dtypes match).
+  backward computes the sum's gradient once and hands it to both inputs (a copy of it when there is no dropout
+  and the dtypes match: gradients returned by an autograd Function must never alias each other).
 * The FFN saves its input and, for ReLU, the fc2 input (``h > 0`` tells ReLU's derivative and the dropout mask at
   once), otherwise the fc1 output before bias (the pre-activation; packed ``[gate | up]`` for SwiGLU/GeGLU/ReGLU);
   the hidden activation is recomputed in backward. With ``recompute=True`` it saves the input only and runs fc1
@@ -149,8 +149,8 @@ class _AddNormFn(torch.autograd.Function):
             g.contiguous(), s, mean, rstd, w, keep, xdt, ydt, p, rms,
             bool(ny and not share), bool(nw and w is not None), bool(nb and has_b),
         )  # fmt: skip
-        if share:
-            dy = dx
+        if share:  # a copy when both are returned: aliased gradients would be accumulated twice into leaves
+            dy = dx.clone() if nx else dx
         return (
             dx if nx else None,
             dy if ny else None,
