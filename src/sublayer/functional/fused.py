@@ -367,7 +367,7 @@ def feed_forward(
     p_out = float(output_dropout) if training else 0.0
     seed1 = dropout_seed(generator) if p > 0 else 0
     seed2 = dropout_seed(generator) if p_out > 0 else 0
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()  # not -1: x may be empty
     with torch.autocast("cpu", enabled=False):
         act = _GLU_IDS[activation] if gated else _ACT_IDS[activation]
         out = _FFNFn.apply(x2, w1, b1, w2, b2, act, gated, p, p_out, seed1, seed2, bool(recompute))
@@ -426,7 +426,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         or not _plain_cpu(x, weight, bias)
     ):
         return torch.nn.functional.linear(x, weight, bias)
-    x2 = x.to(torch.bfloat16).reshape(-1, x.shape[-1])
+    x2 = x.to(torch.bfloat16).reshape(math.prod(x.shape[:-1]), x.shape[-1])
     b = bias.to(torch.bfloat16) if bias is not None else None
     with torch.autocast("cpu", enabled=False):
         out = _Bf16LinearFn.apply(x2, weight.to(torch.bfloat16), b)
@@ -489,5 +489,6 @@ def dropout(
         return torch.nn.functional.dropout(x, p, training)
     if not training or p == 0:
         return x
-    x2 = x.reshape(-1, x.shape[-1] if x.dim() else 1).contiguous()
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    x2 = x2.contiguous()  # (not reshape(-1, d): x may be empty, its last dim 0 included)
     return _DropoutFn.apply(x2, float(p), dropout_seed(generator)).view(x.shape)

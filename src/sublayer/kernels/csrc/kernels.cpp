@@ -391,7 +391,7 @@ void add_norm_fwd_impl(const Tensor& x, const Tensor& y, const Tensor& w, const 
   const int64_t nb = (d + 7) / 8;  // mask bytes per row
   const A scale = A(dr.scale), aeps = A(eps), inv_d = A(1) / A(d);
   const int32_t thr = int32_t(dr.thr);  // draws are 16-bit: a signed compare vectorises
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / d), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, d)), [&](int64_t r0, int64_t r1) {
     const A sc = scale;  // locals, not captured references: keeps the inner loops vectorised
     const int32_t th = thr;
     std::vector<A> s(d);
@@ -692,7 +692,7 @@ void act_fwd_impl(const Tensor& a, const Tensor& b, Tensor& out, const Drop& dr)
   const A* bp = b.defined() ? static_cast<const A*>(b.data_ptr()) : nullptr;
   const A scale = A(dr.scale);
   const int32_t thr = int32_t(dr.thr);  // draws are 16-bit: a signed compare vectorises
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / f), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, f)), [&](int64_t r0, int64_t r1) {
     std::vector<uint32_t> rnd(dr.on ? f : 0);
     std::vector<A> z(f);
     for (int64_t r = r0; r < r1; ++r) {
@@ -858,7 +858,7 @@ void glu_fwd_impl(const Tensor& a, const std::vector<typename Elt<T>::acc>& bias
   const int64_t N = a.size(0), f = out.size(1);
   const auto* ap = ptr<T>(a);
   auto* op = ptr<T>(out);  // bias: gate bias (zeros without bias), then the up bias
-  at::parallel_for(0, N, std::max<int64_t>(1, 8192 / f), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, N, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, f)), [&](int64_t r0, int64_t r1) {
     const A* bg = bias.data();  // locals, not captured references: keeps the inner loops vectorised
     const int64_t f = out.size(1);
     std::vector<uint32_t> rnd(dr.on ? f : 0);
