@@ -239,8 +239,9 @@ void philox_fill(uint64_t start, int64_t n, uint64_t seed, uint32_t* out) {
   }
 }
 
-// keep iff draw >= thr, thr = round(p * 2^16): the keep probability is 1 - p rounded to a multiple of 2^-16 (the
-// scale stays 1/(1-p), as F.dropout's).
+// keep iff draw >= thr, thr = round(p * 2^16): the keep probability is 1 - p rounded to a multiple of 2^-16, and
+// kept values are scaled by 1 / that probability (not 1/(1-p): near p = 1 the two differ a lot, and only the real
+// keep probability leaves the mean unbiased). Python rejects p whose threshold would round to 0 or 2^16.
 struct Drop {
   bool on;
   uint32_t thr;
@@ -250,7 +251,7 @@ struct Drop {
     if (on) {
       const double t = std::nearbyint(p * 65536.0);
       thr = t >= 65535.0 ? 65535u : uint32_t(std::max(t, 1.0));
-      scale = 1.0 / (1.0 - p);
+      scale = 65536.0 / (65536.0 - double(thr));
     }
   }
 };
