@@ -217,3 +217,93 @@ def test_cli_bad_steps(monkeypatch, capsys, tmp_path, steps):
 def test_cli_resume_without_checkpoint(monkeypatch, capsys, tmp_path):
     code, io = _cli(monkeypatch, capsys, "demo", "--resume", "--out", str(tmp_path))
     assert code == 2 and io.err.count("\n") == 1 and "no checkpoint" in io.err
+
+
+# ---- interrupts: wherever one lands, --resume gives the uninterrupted run bit for bit ---------------------------
+
+DROPPY = {**TINY, "dropout": 0.1, "eval_every": 3}  # dropout: the torch RNG state must be the step's too
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    T = sys.modules[D.train.__module__]
+    finish, T._finish = T._finish, lambda *a: None  # the final checkpoint is written before evaluation
+    try:
+        D.train(D.DemoConfig(out=str(out), steps=3, **DROPPY))
+    finally:
+        T._finish = finish
+    return out
+
+
+def _saved(folder):
+    from safetensors.torch import load_file
+
+    state = json.loads((folder / "trainer_state.json").read_text())
+    return load_file(folder / "model.safetensors"), load_file(folder / "optimizer.safetensors"), state["history"]
+
+
+@pytest.mark.parametrize(
+    "where", ["forward", "before_update", "as_update_returns", "after_step", "sigint_in_update", "sigterm_in_update"]
+)
+def test_interrupt_anywhere_then_resume_equals_the_uninterrupted_run(where, straight, tmp_path, monkeypatch):
+    import os
+    import signal
+
+    T = sys.modules[D.train.__module__]  # the training loop's module
+    calls = {"step": 0, "loss": 0}
+    real_step, real_loss = torch.optim.AdamW.step, T._loss
+
+    def step(self, *a, **k):
+        calls["step"] += 1
+        second = calls["step"] == 2
+        if second and where == "before_update":
+            raise KeyboardInterrupt
+        if second and where.startswith("sig"):  # a real signal in the middle of the update: held until it ends
+            os.kill(os.getpid(), signal.SIGINT if where == "sigint_in_update" else signal.SIGTERM)
+        out = real_step(self, *a, **k)
+        if second and where == "as_update_returns":
+            raise KeyboardInterrupt
+        return out
+
+    def loss(model, batch, smoothing, reduction="sum"):
+        out = real_loss(model, batch, smoothing, reduction)  # the forward draws dropout seeds
+        if reduction == "sum":
+            calls["loss"] += 1
+            if calls["loss"] == 2 and where == "forward":
+                raise KeyboardInterrupt
+        return out
+
+    def on_step(s, info):
+        if s == 2 and where == "after_step":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    monkeypatch.setattr(T, "_loss", loss)
+    with pytest.raises(KeyboardInterrupt):
+        D.train(D.DemoConfig(out=str(tmp_path), steps=3, **DROPPY), on_step=on_step)
+    monkeypatch.undo()
+    done = json.loads((tmp_path / "trainer_state.json").read_text())["step"]
+    assert done == (1 if where in ("forward", "before_update") else 2)
+    monkeypatch.setattr(T, "_finish", lambda *a: None)  # the final checkpoint is written before evaluation
+    D.train(D.DemoConfig(out=str(tmp_path), steps=3, resume=True, **DROPPY))
+    (w1, o1, h1), (w2, o2, h2) = _saved(straight), _saved(tmp_path)
+    assert h1 == h2
+    for a, b in ((w1, w2), (o1, o2)):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_cli_interrupt_exits_130(monkeypatch, capsys, tmp_path):
+    def interrupted(cfg, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(D, "train", interrupted)
+    code, io = _cli(monkeypatch, capsys, "demo", "--out", str(tmp_path))
+    assert code == 130 and io.err == "interrupted\n"
+
+
+def test_cli_without_arguments_prints_help_and_no_error_line(monkeypatch, capsys):
+    code, io = _cli(monkeypatch, capsys)
+    assert code == 2 and "demo" in io.out and "error" not in io.err

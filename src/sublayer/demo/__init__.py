@@ -28,7 +28,7 @@ from .report import evaluate
 from .task import (BOS, DIRECTIONS, EOS, MAX_NUMBER, PAD, TO_DIGITS, TO_WORDS, UNK, Batch, Vocab, _detokenize,
                    collate, held_out_pairs, is_held_out, make_pair, number_to_words, sample_numbers, train_batch,
                    words_to_number)  # fmt: skip
-from .train import _loss, train
+from .training import _loss, train
 
 __all__ = [
     "DemoConfig",

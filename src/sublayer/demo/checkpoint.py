@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
-import threading
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..checkpoints.io import atomic_write
 from ..models.transformer import Transformer
+from .signals import hold_signals
 from .task import Vocab
 
 OPTIMIZER_NAME = "optimizer.safetensors"
@@ -21,36 +18,24 @@ STATE_NAME = "trainer_state.json"
 VOCAB_NAME = "vocab.json"
 
 
-@contextlib.contextmanager
-def _defer_sigint():
-    """Hold Ctrl-C until the block ends, so that a checkpoint's files are written together."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    got: list[Any] = []
-    old = signal.signal(signal.SIGINT, lambda *a: got.append(a))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
-        if got:
-            raise KeyboardInterrupt
-
-
 def _write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda p: Path(p).write_text(text))
 
 
-def save_checkpoint(folder: Path, model: Transformer, opt: torch.optim.Optimizer, vocab: Vocab, state: dict) -> None:
+def save_checkpoint(
+    folder: Path, model: Transformer, opt: torch.optim.Optimizer, vocab: Vocab, state: dict,
+    rng_state: Tensor | None = None,
+) -> None:
     """Model (safetensors + config), vocabulary, optimizer state (tensors in safetensors, the rest in JSON) and
-    the trainer state (step, loss history, RNG), each file written atomically, Ctrl-C held meanwhile."""
+    the trainer state (step, loss history, RNG: ``rng_state``, default torch's now), each file written
+    atomically, Ctrl-C and SIGTERM held meanwhile."""
     from safetensors.torch import save_file
 
     sd = opt.state_dict()
     tensors = {f"state.{i}.{k}": v.detach().contiguous().cpu() for i, st in sd["state"].items() for k, v in st.items()}
-    tensors["torch_rng_state"] = torch.get_rng_state()
+    tensors["torch_rng_state"] = torch.get_rng_state() if rng_state is None else rng_state
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
-    with _defer_sigint():
+    with hold_signals():
         folder.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(folder)
         _write_text(folder / VOCAB_NAME, vocab.to_json())

@@ -16,6 +16,7 @@ from .._checks import check_positive_int
 from ..models.transformer import Transformer
 from .checkpoint import STATE_NAME, _load_optimizer, load_checkpoint, save_checkpoint
 from .config import DemoConfig
+from .signals import hold_signals, interrupts_raise
 from .report import _finish
 from .task import Batch, Vocab, collate, held_out_pairs, train_batch
 
@@ -116,6 +117,11 @@ def train(
         torch.set_num_threads(old_threads)
 
 
+def _optimizer_steps(opt: torch.optim.Optimizer) -> int:
+    """How many updates the optimizer has made (AdamW's per-parameter ``step`` counters; 0 before the first)."""
+    return max((int(s["step"]) for s in opt.state.values() if "step" in s), default=0)
+
+
 def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict | None:
     vocab = Vocab.default()
     history: dict[str, list] = {"train": [], "val": []}
@@ -141,11 +147,14 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
     net = wrap_model(model)
     val_batch = collate(held_out_pairs(cfg.seed, cfg.n_val, salt=1), vocab)
 
+    # the state at the start of step `step`: what a checkpoint saves, whatever point of a step an interrupt hits
+    rng = torch.get_rng_state()
+
     def checkpoint(step: int) -> None:
         if main:
             state = {"step": step, "history": history, "train_seconds": train_seconds, "tokens_seen": tokens_seen,
                      "demo_config": dataclasses.asdict(cfg)}  # fmt: skip
-            save_checkpoint(out, model, opt, vocab, state)
+            save_checkpoint(out, model, opt, vocab, state, rng_state=rng)
 
     if main:
         out.mkdir(parents=True, exist_ok=True)
@@ -157,7 +166,7 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
     step = start
     model.train()
     try:
-        with _Progress(not quiet, cfg.steps, start) as bar:
+        with interrupts_raise(), _Progress(not quiet, cfg.steps, start) as bar:
             t_last, tok_window, t_window = time.perf_counter(), 0, 0.0
             while step < cfg.steps:
                 t0 = time.perf_counter()
@@ -171,16 +180,23 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
                 # sum over this rank's tokens / global tokens · world_size: averaged over ranks = global mean
                 (loss_sum * (world_size / n_global)).backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                step += 1
+                loss = float(loss_sum.detach()) / max(1, local.n_target_tokens)
+                # The step lands whole or not at all: signals are held until its bookkeeping is done, and an
+                # interrupt raised as the update returns still counts the step (AdamW's counter says it landed).
+                with hold_signals():
+                    try:
+                        opt.step()
+                    finally:
+                        if _optimizer_steps(opt) > step:
+                            opt.zero_grad(set_to_none=True)
+                            step += 1
+                            history["train"].append([step, loss])
+                            rng = torch.get_rng_state()
                 dt = time.perf_counter() - t0
                 train_seconds += dt
                 tokens_seen += batch.n_tokens
                 tok_window += batch.n_tokens
                 t_window += dt
-                loss = float(loss_sum.detach()) / max(1, local.n_target_tokens)
-                history["train"].append([step, loss])
                 if on_step is not None:
                     on_step(step, {"loss": loss, "lr": lr, "tokens": batch.n_tokens})
                 if main:
@@ -195,10 +211,11 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
                     bar.update(**fields)
                     if step % cfg.save_every == 0 and step < cfg.steps:
                         checkpoint(step)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if main:
             checkpoint(step)
-            _echo(False, f"interrupted at step {step}: checkpoint saved in {out}/ — continue with --resume")
+            why = f" by {e}" if str(e).startswith("SIG") else ""
+            _echo(False, f"interrupted{why} at step {step}: checkpoint saved in {out}/ — continue with --resume")
         raise
     if not main:
         return None
