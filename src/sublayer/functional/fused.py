@@ -45,6 +45,7 @@ from .. import kernels
 from .._checks import (
     check_choice,
     check_last_dims,
+    check_param_shape,
     check_probability,
     check_same_shape,
     check_tensor,
@@ -223,7 +224,9 @@ def add_norm(
     check_last_dims("x", x, shape)
     rms = norm == "rms"
     b = None if rms else bias
-    ok = [t is None or t.shape == torch.Size(shape) for t in (weight, b)]
+    check_param_shape("weight", weight, shape)
+    check_param_shape("bias", b, shape)
+    ok = []
     ok.append(_fused_p_ok(impl, dropout=float(dropout) if training else 0.0))
     auto_ok = x.dtype in _AUTO_DTYPES and y.dtype in _AUTO_DTYPES and all(ok)
     fused_ok = (x.dtype in _AUTO_DTYPES and y.dtype in _AUTO_DTYPES or x.dtype == y.dtype == torch.float64) and all(ok)
