@@ -307,3 +307,71 @@ def test_cli_interrupt_exits_130(monkeypatch, capsys, tmp_path):
 def test_cli_without_arguments_prints_help_and_no_error_line(monkeypatch, capsys):
     code, io = _cli(monkeypatch, capsys)
     assert code == 2 and "demo" in io.out and "error" not in io.err
+
+
+# ---- bad checkpoints, bad settings, what is printed ------------------------------------------------------------
+
+
+def _copy_run(run, tmp_path):
+    import shutil
+
+    out, _ = run
+    dst = tmp_path / "ckpt"
+    shutil.copytree(out, dst)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "state, what",
+    [
+        ("[]", "expected a JSON object, got list"),
+        ('{"step": 4}', "'history' is missing"),
+        ('{"step": "4", "history": {}, "train_seconds": 1, "tokens_seen": 1, "param_groups": []}',
+         "'step' must be an int ≥ 0"),
+        ('{"step": 4, "history": {"train": 3}, "train_seconds": 1, "tokens_seen": 1, "param_groups": []}',
+         r"history\['train'\] must be a list of \[step, loss\] pairs"),
+    ],
+)  # fmt: skip
+def test_resume_from_a_broken_trainer_state_names_the_file(run, tmp_path, state, what):
+    ckpt = _copy_run(run, tmp_path)
+    (ckpt / "trainer_state.json").write_text(state)
+    with pytest.raises(ValueError, match=f"trainer state {ckpt / 'trainer_state.json'} is not valid: {what}"):
+        D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
+
+
+def test_resume_with_a_mismatched_optimizer_state_names_the_file(run, tmp_path):
+    ckpt = _copy_run(run, tmp_path)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["param_groups"] = state["param_groups"][:1]
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=f"optimizer state {ckpt / 'optimizer.safetensors'} does not fit"):
+        D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
+
+
+def test_resume_with_fewer_steps_than_the_checkpoint_says_so(run, tmp_path):
+    ckpt = _copy_run(run, tmp_path)
+    with pytest.raises(ValueError, match=r"is at step 4, past steps=3: nothing to train"):
+        D.train(D.DemoConfig(out=str(ckpt), steps=3, resume=True, **TINY))
+
+
+def test_quiet_still_prints_the_final_accuracy(run, tmp_path, capsys):
+    ckpt = _copy_run(run, tmp_path)
+    metrics = D.train(D.DemoConfig(out=str(ckpt), steps=4, resume=True, **TINY))  # at step 4: evaluates only
+    out = capsys.readouterr().out
+    assert f"exact match on 20 held-out numbers: {metrics['exact_match']:.1%}" in out
+    assert "held-out samples" not in out and "wrote" not in out  # no table, no file list
+
+
+def test_cli_seed_out_of_range(monkeypatch, capsys, tmp_path):
+    code, io = _cli(monkeypatch, capsys, "demo", "--seed", "99999999999999999999", "--out", str(tmp_path / "o"))
+    assert code == 2 and io.err == r"error: seed must be an int in [0, 2**63), got 99999999999999999999" + "\n"
+
+
+def test_sample_table_shows_each_record_once_with_labelled_columns():
+    recs = [{"direction": D.DIRECTIONS[i % 2], "source": str(i), "target": str(i), "prediction": "x",
+             "correct": i % 3 != 0} for i in range(20)]  # fmt: skip
+    rows = D.sample_rows(recs)
+    assert len({id(r) for r in rows}) == len(rows) == 10  # 4 + 4 + 2 wrong ones not shown yet
+    assert sum(not r["correct"] for r in rows[8:]) == 2
+    table = D.sample_table(recs)
+    assert [c.header for c in table.columns] == ["direction", "source", "prediction", "correct?"]

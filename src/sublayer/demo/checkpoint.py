@@ -55,7 +55,37 @@ def load_checkpoint(folder: str | Path) -> tuple[Transformer, Vocab, dict]:
         state = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"trainer state {path} is not valid JSON: {e}") from None
+    _check_state(state, path)
     return model, vocab, state
+
+
+# key: (types, what the error says)
+_STATE_TYPES = {
+    "step": (int, "an int ≥ 0"), "history": (dict, "an object"), "train_seconds": ((int, float), "a number ≥ 0"),
+    "tokens_seen": (int, "an int ≥ 0"), "param_groups": (list, "a list"),
+}  # fmt: skip
+
+
+def _check_state(state: object, path: Path) -> None:
+    """ValueError naming ``path`` and the first problem, unless ``state`` has the trainer state's keys and types."""
+
+    def bad(what: str):
+        return ValueError(f"trainer state {path} is not valid: {what}")
+
+    if not isinstance(state, dict):
+        raise bad(f"expected a JSON object, got {type(state).__name__}")
+    for key, (types, what) in _STATE_TYPES.items():
+        if key not in state:
+            raise bad(f"{key!r} is missing")
+        v = state[key]
+        if isinstance(v, bool) or not isinstance(v, types) or (isinstance(v, (int, float)) and v < 0):
+            raise bad(f"{key!r} must be {what}, got {json.dumps(v)[:40]}")
+    for name in ("train", "val"):
+        rows = state["history"].get(name)
+        if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 2 for r in rows):
+            raise bad(f"history[{name!r}] must be a list of [step, loss] pairs")
+    if not all(isinstance(g, dict) for g in state["param_groups"]):
+        raise bad("'param_groups' must be a list of objects")
 
 
 def _load_optimizer(folder: Path, opt: torch.optim.Optimizer, groups: list[dict]) -> None:
@@ -69,11 +99,14 @@ def _load_optimizer(folder: Path, opt: torch.optim.Optimizer, groups: list[dict]
     except Exception as e:
         raise ValueError(f"cannot read optimizer state {path}: {e}") from None
     state: dict[int, dict[str, Tensor]] = {}
-    for key, v in tensors.items():
-        if key.startswith("state."):
-            _, i, name = key.split(".", 2)
-            state.setdefault(int(i), {})[name] = v
-    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
-    opt.load_state_dict({"state": state, "param_groups": groups})
+    try:
+        for key, v in tensors.items():
+            if key.startswith("state."):
+                _, i, name = key.split(".", 2)
+                state.setdefault(int(i), {})[name] = v
+        groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
+        opt.load_state_dict({"state": state, "param_groups": groups})
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise ValueError(f"optimizer state {path} does not fit this model and {STATE_NAME}: {e}") from None
     if "torch_rng_state" in tensors:
         torch.set_rng_state(tensors["torch_rng_state"])

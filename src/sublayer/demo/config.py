@@ -43,8 +43,8 @@ class DemoConfig:
                      "save_every", "n_val", "n_test"):  # fmt: skip
             check_positive_int(name, getattr(self, name))
         check_positive_int("threads", self.threads, allow_none=True)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be an int ≥ 0, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")  # torch.manual_seed's range
         check_probability("dropout", self.dropout)
         check_probability("label_smoothing", self.label_smoothing)
         check_probability("min_lr_ratio", self.min_lr_ratio)

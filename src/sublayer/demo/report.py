@@ -67,23 +67,41 @@ def _finish(cfg, model, vocab, history, step, train_seconds, tokens_seen, out, q
     plot_losses(history, out / "loss.png")
     sample = next(r for r in records if r["direction"] == TO_DIGITS)
     plot_cross_attention(model, vocab, make_pair(int(sample["target"]), TO_DIGITS), out / "attention.png")
-    if not quiet:
-        from rich.table import Table
-        from rich.console import Console
+    from rich.console import Console
 
-        table = Table(title="held-out samples (never seen in training)")
-        for col in ("source", "prediction", ""):
-            table.add_column(col)
-        shown = [r for r in records if r["direction"] == TO_DIGITS][:4] + [r for r in records if r["direction"] == TO_WORDS][:4]
-        for r in shown + [r for r in records if not r["correct"]][:2]:
-            mark = "[green]✓[/]" if r["correct"] else f"[red]✗[/] (expected {r['target']})"
-            table.add_row(r["source"], r["prediction"], mark)
-        console = Console(highlight=False)
-        console.print(table)
-        console.print(
-            f"[bold]exact match on {len(records)} held-out numbers: {acc:.1%}[/] "
-            f"(words→digits {by_dir[TO_DIGITS]:.1%}, digits→words {by_dir[TO_WORDS]:.1%}); "
-            f"{step} steps, {train_seconds:.0f} s training, {metrics['tokens_per_second']:,.0f} tok/s"
-        )
+    console = Console(highlight=False)
+    if not quiet:
+        console.print(sample_table(records))
+    # the result line even with --quiet: it is what the run is for
+    console.print(
+        f"[bold]exact match on {len(records)} held-out numbers: {acc:.1%}[/] "
+        f"(words→digits {by_dir[TO_DIGITS]:.1%}, digits→words {by_dir[TO_WORDS]:.1%}); "
+        f"{step} steps, {train_seconds:.0f} s training, {metrics['tokens_per_second']:,.0f} tok/s"
+    )
+    if not quiet:
         console.print(f"wrote {out}/: metrics.json, loss.png, attention.png, model.safetensors, config.json, vocab.json")
     return metrics
+
+
+def sample_rows(records: list[dict], per_direction: int = 4, wrong: int = 2) -> list[dict]:
+    """The records the sample table shows: the first ``per_direction`` of each direction, then up to ``wrong``
+    mistakes not already among them — each record once."""
+    shown = [r for d in DIRECTIONS for r in [r for r in records if r["direction"] == d][:per_direction]]
+    shown += [r for r in records if not r["correct"] and not any(r is s for s in shown)][:wrong]
+    return shown
+
+
+def sample_table(records: list[dict]):
+    """A rich Table of :func:`sample_rows`: direction, source, prediction, and whether it is right."""
+    from rich.table import Table
+
+    table = Table(title="held-out samples (never seen in training)")
+    for col in ("direction", "source", "prediction", "correct?"):
+        table.add_column(col)
+    for r in sample_rows(records):
+        mark = "[green]✓[/]" if r["correct"] else f"[red]✗[/] expected {r['target']}"
+        table.add_row(_DIRECTION_LABELS[r["direction"]], r["source"], r["prediction"], mark)
+    return table
+
+
+_DIRECTION_LABELS = {TO_DIGITS: "words→digits", TO_WORDS: "digits→words"}

@@ -132,6 +132,11 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
         model, vocab, state = load_checkpoint(out)
         start, history = state["step"], state["history"]
         train_seconds, tokens_seen = state["train_seconds"], state["tokens_seen"]
+        if start > cfg.steps:
+            raise ValueError(
+                f"--resume: the checkpoint in {out} is at step {start}, past steps={cfg.steps}: nothing to train "
+                f"(give a larger --steps to continue)"
+            )
     else:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = Transformer.from_config(cfg.model_config(len(vocab)))
