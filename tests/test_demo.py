@@ -375,3 +375,20 @@ def test_sample_table_shows_each_record_once_with_labelled_columns():
     assert sum(not r["correct"] for r in rows[8:]) == 2
     table = D.sample_table(recs)
     assert [c.header for c in table.columns] == ["direction", "source", "prediction", "correct?"]
+
+
+def test_loss_curve_smoothing_has_no_lag_and_ticks_are_plain_numbers():
+    assert D.smooth(list(range(30))) == pytest.approx(list(range(30)))  # a trend is kept: no lag
+    step = [4.0] * 15 + [1.0] * 15
+    s = D.smooth(step, window=5)
+    assert s[:13] == [4.0] * 13 and s[17:] == [1.0] * 13 and s[14] + s[15] == pytest.approx(5.0)  # centred
+    # a short run spanning less than a decade (the case that read "4×10⁰")
+    history = {"train": [[i + 1, 4.0 - 0.1 * i] for i in range(20)], "val": [[10, 3.5], [20, 2.5]]}
+    fig = D.loss_figure(history)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels(minor=False) + ax.get_yticklabels(minor=True)]
+    shown = [t for t in labels if t]
+    assert shown and all(float(t) > 0 for t in shown), labels  # plain numbers: float() parses each
+    smoothed = ax.get_lines()[1].get_ydata()
+    assert abs(smoothed[-5] - history["train"][-5][1]) < 1e-9  # on the straight line, not lagging above it

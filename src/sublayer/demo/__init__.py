@@ -23,7 +23,7 @@ shows progress.
 from ..models.transformer import Transformer
 from .checkpoint import OPTIMIZER_NAME, STATE_NAME, VOCAB_NAME, load_checkpoint, save_checkpoint
 from .config import DemoConfig
-from .plots import plot_cross_attention, plot_losses
+from .plots import loss_figure, plot_cross_attention, plot_losses, smooth
 from .report import evaluate, sample_rows, sample_table
 from .task import (BOS, DIRECTIONS, EOS, MAX_NUMBER, PAD, TO_DIGITS, TO_WORDS, UNK, Batch, Vocab, _detokenize,
                    collate, held_out_pairs, is_held_out, make_pair, number_to_words, sample_numbers, train_batch,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..checkpoints.io import atomic_write
@@ -13,30 +14,49 @@ def _save_figure(fig, path: Path) -> None:
     atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=110, bbox_inches="tight"))
 
 
-def plot_losses(history: dict, path: str | Path) -> None:
-    """Training loss (raw and smoothed) and validation loss against steps, log scale."""
+def smooth(values: Sequence[float], window: int | None = None) -> list[float]:
+    """Centred moving average (no lag, unlike an EMA on a short run); the window shrinks symmetrically at the
+    ends, so a linear trend is kept exactly. Default window: about a tenth of the run, odd, 1 to 51."""
+    n = len(values)
+    half = (window if window is not None else max(1, min(51, n // 10))) // 2
+    out = []
+    for i in range(n):
+        h = min(half, i, n - 1 - i)
+        out.append(sum(values[i - h : i + h + 1]) / (2 * h + 1))
+    return out
+
+
+def loss_figure(history: dict):
+    """The figure of :func:`plot_losses` (a matplotlib Figure)."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     fig = Figure(figsize=(6.4, 4.0))
     ax = fig.add_subplot()
     if history["train"]:
         steps, losses = zip(*history["train"])
         ax.plot(steps, losses, color="tab:blue", alpha=0.25, lw=0.8)
-        ema, sm = [], losses[0]
-        for v in losses:
-            sm = 0.95 * sm + 0.05 * v
-            ema.append(sm)
-        ax.plot(steps, ema, color="tab:blue", label="train (smoothed)")
+        ax.plot(steps, smooth(losses), color="tab:blue", label="train (smoothed)")
     if history["val"]:
         vs, vl = zip(*history["val"])
         ax.plot(vs, vl, "o-", color="tab:orange", ms=3, label="validation (held-out)")
     ax.set_yscale("log")
+    # plain numbers ("4", "0.3"), not "4×10⁰"; the 2..9 ticks get labels only when less than a decade is shown
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    lo, hi = ax.get_ylim()
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain if hi / lo < 10 else NullFormatter())
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy per token")
     ax.set_title("sublayer demo: numbers words ↔ digits")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    _save_figure(fig, Path(path))
+    return fig
+
+
+def plot_losses(history: dict, path: str | Path) -> None:
+    """Training loss (raw and smoothed) and validation loss against steps, log scale."""
+    _save_figure(loss_figure(history), Path(path))
 
 
 def plot_cross_attention(model: Transformer, vocab: Vocab, pair: tuple[list[str], list[str]], path: str | Path) -> None:
