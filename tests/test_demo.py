@@ -244,8 +244,10 @@ def _saved(folder):
 
 
 @pytest.mark.parametrize(
-    "where", ["forward", "before_update", "as_update_returns", "after_step", "sigint_in_update", "sigterm_in_update"]
-)
+    "where",
+    ["forward", "before_update", "as_update_returns", "after_step", "after_validation", "sigint_in_update",
+     "sigterm_in_update"],
+)  # fmt: skip
 def test_interrupt_anywhere_then_resume_equals_the_uninterrupted_run(where, straight, tmp_path, monkeypatch):
     import os
     import signal
@@ -277,6 +279,8 @@ def test_interrupt_anywhere_then_resume_equals_the_uninterrupted_run(where, stra
     def on_step(s, info):
         if s == 2 and where == "after_step":
             raise KeyboardInterrupt
+        if s == 3 and where == "after_validation":  # eval_every=3: the step's validation loss is in the history
+            raise KeyboardInterrupt
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
     monkeypatch.setattr(T, "_loss", loss)
@@ -284,7 +288,7 @@ def test_interrupt_anywhere_then_resume_equals_the_uninterrupted_run(where, stra
         D.train(D.DemoConfig(out=str(tmp_path), steps=3, **DROPPY), on_step=on_step)
     monkeypatch.undo()
     done = json.loads((tmp_path / "trainer_state.json").read_text())["step"]
-    assert done == (1 if where in ("forward", "before_update") else 2)
+    assert done == {"forward": 1, "before_update": 1, "after_validation": 3}.get(where, 2)
     monkeypatch.setattr(T, "_finish", lambda *a: None)  # the final checkpoint is written before evaluation
     D.train(D.DemoConfig(out=str(tmp_path), steps=3, resume=True, **DROPPY))
     (w1, o1, h1), (w2, o2, h2) = _saved(straight), _saved(tmp_path)

@@ -12,7 +12,8 @@ Everything is written to ``--out`` (default ``runs/demo``): ``metrics.json``, ``
 validation loss), ``attention.png`` (cross-attention heatmaps of one sample, one panel per layer and head) and a
 checkpoint (``model.safetensors`` + ``config.json``, ``vocab.json``, ``optimizer.safetensors`` +
 ``trainer_state.json`` for ``--resume``). Every file is written to a temporary name in the same folder and then
-renamed, so an interrupted run (Ctrl-C) never leaves a half-written file.
+renamed, so an interrupted run (Ctrl-C, SIGTERM) never leaves a half-written file; a checkpoint holds whole steps
+only (:mod:`.signals`), so ``--resume`` continues exactly where the uninterrupted run would be.
 
 :func:`train` is written for data parallelism: every rank draws the same global batch from ``(seed, step)`` and
 keeps rows ``rank::world_size``; the loss is normalised by the global token count times ``world_size``, so

@@ -186,8 +186,10 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
                 (loss_sum * (world_size / n_global)).backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
                 loss = float(loss_sum.detach()) / max(1, local.n_target_tokens)
-                # The step lands whole or not at all: signals are held until its bookkeeping is done, and an
-                # interrupt raised as the update returns still counts the step (AdamW's counter says it landed).
+                # The step lands whole or not at all: signals are held until its bookkeeping (validation
+                # included) is done, and an interrupt raised as the update returns still counts the step
+                # (AdamW's counter says it landed).
+                val = None
                 with hold_signals():
                     try:
                         opt.step()
@@ -197,6 +199,9 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
                             step += 1
                             history["train"].append([step, loss])
                             rng = torch.get_rng_state()
+                    if main and (step % cfg.eval_every == 0 or step == cfg.steps):
+                        val = _val_loss(model, val_batch)
+                        history["val"].append([step, val])
                 dt = time.perf_counter() - t0
                 train_seconds += dt
                 tokens_seen += batch.n_tokens
@@ -206,10 +211,8 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
                     on_step(step, {"loss": loss, "lr": lr, "tokens": batch.n_tokens})
                 if main:
                     fields = {"completed": step, "loss": loss}
-                    if step % cfg.eval_every == 0 or step == cfg.steps:
-                        v = _val_loss(model, val_batch)
-                        history["val"].append([step, v])
-                        fields["val"] = f"{v:.3f}"
+                    if val is not None:
+                        fields["val"] = f"{val:.3f}"
                     if time.perf_counter() - t_last > 0.5 or step == cfg.steps:
                         fields["tps"] = tok_window / max(t_window, 1e-9)
                         t_last, tok_window, t_window = time.perf_counter(), 0, 0.0

@@ -15,9 +15,8 @@ What the fused path changes, and what it does not:
   distribution is the same: keep-rate ``1 - p`` rounded to a multiple of 2^-16, kept values scaled by 1 / that
   rate — :func:`keep_probability` — so the mean is exactly unbiased). A ``p`` whose rounded threshold would be 0 or
   2^16 (``p < 2^-17`` or ``p > 1 - 2^-17``) takes the reference path under ``impl="auto"`` and is a ``ValueError``
-  under ``impl="fused"``. The FFN's backward
-  regenerates its masks from the seeds; Add & Norm keeps its mask as 1 bit per element (d/8 bytes a row), cheaper
-  than drawing it again. No full-precision mask is ever stored.
+  under ``impl="fused"``. The FFN's backward regenerates its masks from the seeds; Add & Norm keeps its mask as 1
+  bit per element (d/8 bytes a row), cheaper than drawing it again. No full-precision mask is ever stored.
 * Add & Norm saves only the (rounded) sum ``x + dropout(y)``, per-row float32 mean/rstd and the 1-bit mask; its
   backward computes the sum's gradient once and hands it to both inputs (a copy of it when there is no dropout
   and the dtypes match: gradients returned by an autograd Function must never alias each other).
@@ -226,10 +225,9 @@ def add_norm(
     b = None if rms else bias
     check_param_shape("weight", weight, shape)
     check_param_shape("bias", b, shape)
-    ok = []
-    ok.append(_fused_p_ok(impl, dropout=float(dropout) if training else 0.0))
-    auto_ok = x.dtype in _AUTO_DTYPES and y.dtype in _AUTO_DTYPES and all(ok)
-    fused_ok = (x.dtype in _AUTO_DTYPES and y.dtype in _AUTO_DTYPES or x.dtype == y.dtype == torch.float64) and all(ok)
+    p_ok = _fused_p_ok(impl, dropout=float(dropout) if training else 0.0)
+    auto_ok = x.dtype in _AUTO_DTYPES and y.dtype in _AUTO_DTYPES and p_ok
+    fused_ok = (x.dtype in _AUTO_DTYPES and y.dtype in _AUTO_DTYPES or x.dtype == y.dtype == torch.float64) and p_ok
     if not _use_fused(impl, auto_ok, fused_ok, x, y, weight, b):
         return _norm.add_norm(x, y, shape, weight, bias, eps, dropout=dropout, training=training, norm=norm)
     d = math.prod(shape)
