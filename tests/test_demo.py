@@ -217,3 +217,182 @@ def test_cli_bad_steps(monkeypatch, capsys, tmp_path, steps):
 def test_cli_resume_without_checkpoint(monkeypatch, capsys, tmp_path):
     code, io = _cli(monkeypatch, capsys, "demo", "--resume", "--out", str(tmp_path))
     assert code == 2 and io.err.count("\n") == 1 and "no checkpoint" in io.err
+
+
+# ---- interrupts: wherever one lands, --resume gives the uninterrupted run bit for bit ---------------------------
+
+DROPPY = {**TINY, "dropout": 0.1, "eval_every": 3}  # dropout: the torch RNG state must be the step's too
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    T = sys.modules[D.train.__module__]
+    finish, T._finish = T._finish, lambda *a: None  # the final checkpoint is written before evaluation
+    try:
+        D.train(D.DemoConfig(out=str(out), steps=3, **DROPPY))
+    finally:
+        T._finish = finish
+    return out
+
+
+def _saved(folder):
+    from safetensors.torch import load_file
+
+    state = json.loads((folder / "trainer_state.json").read_text())
+    return load_file(folder / "model.safetensors"), load_file(folder / "optimizer.safetensors"), state["history"]
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["forward", "before_update", "as_update_returns", "after_step", "after_validation", "sigint_in_update",
+     "sigterm_in_update"],
+)  # fmt: skip
+def test_interrupt_anywhere_then_resume_equals_the_uninterrupted_run(where, straight, tmp_path, monkeypatch):
+    import os
+    import signal
+
+    T = sys.modules[D.train.__module__]  # the training loop's module
+    calls = {"step": 0, "loss": 0}
+    real_step, real_loss = torch.optim.AdamW.step, T._loss
+
+    def step(self, *a, **k):
+        calls["step"] += 1
+        second = calls["step"] == 2
+        if second and where == "before_update":
+            raise KeyboardInterrupt
+        if second and where.startswith("sig"):  # a real signal in the middle of the update: held until it ends
+            os.kill(os.getpid(), signal.SIGINT if where == "sigint_in_update" else signal.SIGTERM)
+        out = real_step(self, *a, **k)
+        if second and where == "as_update_returns":
+            raise KeyboardInterrupt
+        return out
+
+    def loss(model, batch, smoothing, reduction="sum"):
+        out = real_loss(model, batch, smoothing, reduction)  # the forward draws dropout seeds
+        if reduction == "sum":
+            calls["loss"] += 1
+            if calls["loss"] == 2 and where == "forward":
+                raise KeyboardInterrupt
+        return out
+
+    def on_step(s, info):
+        if s == 2 and where == "after_step":
+            raise KeyboardInterrupt
+        if s == 3 and where == "after_validation":  # eval_every=3: the step's validation loss is in the history
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    monkeypatch.setattr(T, "_loss", loss)
+    with pytest.raises(KeyboardInterrupt):
+        D.train(D.DemoConfig(out=str(tmp_path), steps=3, **DROPPY), on_step=on_step)
+    monkeypatch.undo()
+    done = json.loads((tmp_path / "trainer_state.json").read_text())["step"]
+    assert done == {"forward": 1, "before_update": 1, "after_validation": 3}.get(where, 2)
+    monkeypatch.setattr(T, "_finish", lambda *a: None)  # the final checkpoint is written before evaluation
+    D.train(D.DemoConfig(out=str(tmp_path), steps=3, resume=True, **DROPPY))
+    (w1, o1, h1), (w2, o2, h2) = _saved(straight), _saved(tmp_path)
+    assert h1 == h2
+    for a, b in ((w1, w2), (o1, o2)):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_cli_interrupt_exits_130(monkeypatch, capsys, tmp_path):
+    def interrupted(cfg, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(D, "train", interrupted)
+    code, io = _cli(monkeypatch, capsys, "demo", "--out", str(tmp_path))
+    assert code == 130 and io.err == "interrupted\n"
+
+
+def test_cli_without_arguments_prints_help_and_no_error_line(monkeypatch, capsys):
+    code, io = _cli(monkeypatch, capsys)
+    assert code == 2 and "demo" in io.out and "error" not in io.err
+
+
+# ---- bad checkpoints, bad settings, what is printed ------------------------------------------------------------
+
+
+def _copy_run(run, tmp_path):
+    import shutil
+
+    out, _ = run
+    dst = tmp_path / "ckpt"
+    shutil.copytree(out, dst)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "state, what",
+    [
+        ("[]", "expected a JSON object, got list"),
+        ('{"step": 4}', "'history' is missing"),
+        ('{"step": "4", "history": {}, "train_seconds": 1, "tokens_seen": 1, "param_groups": []}',
+         "'step' must be an int ≥ 0"),
+        ('{"step": 4, "history": {"train": 3}, "train_seconds": 1, "tokens_seen": 1, "param_groups": []}',
+         r"history\['train'\] must be a list of \[step, loss\] pairs"),
+    ],
+)  # fmt: skip
+def test_resume_from_a_broken_trainer_state_names_the_file(run, tmp_path, state, what):
+    ckpt = _copy_run(run, tmp_path)
+    (ckpt / "trainer_state.json").write_text(state)
+    with pytest.raises(ValueError, match=f"trainer state {ckpt / 'trainer_state.json'} is not valid: {what}"):
+        D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
+
+
+def test_resume_with_a_mismatched_optimizer_state_names_the_file(run, tmp_path):
+    ckpt = _copy_run(run, tmp_path)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["param_groups"] = state["param_groups"][:1]
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=f"optimizer state {ckpt / 'optimizer.safetensors'} does not fit"):
+        D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
+
+
+def test_resume_with_fewer_steps_than_the_checkpoint_says_so(run, tmp_path):
+    ckpt = _copy_run(run, tmp_path)
+    with pytest.raises(ValueError, match=r"is at step 4, past steps=3: nothing to train"):
+        D.train(D.DemoConfig(out=str(ckpt), steps=3, resume=True, **TINY))
+
+
+def test_quiet_still_prints_the_final_accuracy(run, tmp_path, capsys):
+    ckpt = _copy_run(run, tmp_path)
+    metrics = D.train(D.DemoConfig(out=str(ckpt), steps=4, resume=True, **TINY))  # at step 4: evaluates only
+    out = capsys.readouterr().out
+    assert f"exact match on 20 held-out numbers: {metrics['exact_match']:.1%}" in out
+    assert "held-out samples" not in out and "wrote" not in out  # no table, no file list
+
+
+def test_cli_seed_out_of_range(monkeypatch, capsys, tmp_path):
+    code, io = _cli(monkeypatch, capsys, "demo", "--seed", "99999999999999999999", "--out", str(tmp_path / "o"))
+    assert code == 2 and io.err == r"error: seed must be an int in [0, 2**63), got 99999999999999999999" + "\n"
+
+
+def test_sample_table_shows_each_record_once_with_labelled_columns():
+    recs = [{"direction": D.DIRECTIONS[i % 2], "source": str(i), "target": str(i), "prediction": "x",
+             "correct": i % 3 != 0} for i in range(20)]  # fmt: skip
+    rows = D.sample_rows(recs)
+    assert len({id(r) for r in rows}) == len(rows) == 10  # 4 + 4 + 2 wrong ones not shown yet
+    assert sum(not r["correct"] for r in rows[8:]) == 2
+    table = D.sample_table(recs)
+    assert [c.header for c in table.columns] == ["direction", "source", "prediction", "correct?"]
+
+
+def test_loss_curve_smoothing_has_no_lag_and_ticks_are_plain_numbers():
+    assert D.smooth(list(range(30))) == pytest.approx(list(range(30)))  # a trend is kept: no lag
+    step = [4.0] * 15 + [1.0] * 15
+    s = D.smooth(step, window=5)
+    assert s[:13] == [4.0] * 13 and s[17:] == [1.0] * 13 and s[14] + s[15] == pytest.approx(5.0)  # centred
+    # a short run spanning less than a decade (the case that read "4×10⁰")
+    history = {"train": [[i + 1, 4.0 - 0.1 * i] for i in range(20)], "val": [[10, 3.5], [20, 2.5]]}
+    fig = D.loss_figure(history)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels(minor=False) + ax.get_yticklabels(minor=True)]
+    shown = [t for t in labels if t]
+    assert shown and all(float(t) > 0 for t in shown), labels  # plain numbers: float() parses each
+    smoothed = ax.get_lines()[1].get_ydata()
+    assert abs(smoothed[-5] - history["train"][-5][1]) < 1e-9  # on the straight line, not lagging above it

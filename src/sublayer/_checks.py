@@ -20,6 +20,7 @@ __all__ = [
     "check_same_shape",
     "check_tensor",
     "check_same_dtype_device",
+    "check_param_shape",
 ]
 
 
@@ -101,3 +102,12 @@ def check_same_dtype_device(**tensors: torch.Tensor | None) -> None:
             raise TypeError(f"{n} dtype {t.dtype} does not match {n0} dtype {t0.dtype}")
         if t.device != t0.device:
             raise ValueError(f"{n} device {t.device} does not match {n0} device {t0.device}")
+
+
+def check_param_shape(name: str, t: torch.Tensor | None, shape: tuple[int, ...]) -> None:
+    """``t`` is None or a tensor of exactly ``shape`` (a norm's weight/bias: no silent broadcasting)."""
+    if t is None:
+        return
+    check_tensor(name, t)
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} (normalized_shape), got {tuple(t.shape)}")

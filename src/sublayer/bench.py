@@ -432,27 +432,31 @@ def to_markdown(rows: list[Row], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot(rows: list[Row], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _figure(rows: list[Row]):
+    """The bench.png figure: one bar per row (its full label: case, shape, dtype, mode), its ratio written on it."""
+    from matplotlib.figure import Figure
 
     def short(case: str) -> str:
         return case.split(" (")[0].split(" vs ")[0].replace("HF ", "").replace(" LN", "")
 
-    labels = [f"{short(r.case)} {r.shape.split(' ')[0]} {r.dtype.split(' ')[0]} {r.mode[:5]}" for r in rows]
+    labels = [f"{short(r.case)} {r.shape.split(' ')[0]} {r.dtype.split(' ')[0]} {r.mode}" for r in rows]
     vals = [r.ratio() or 0.0 for r in rows]
-    fig, ax = plt.subplots(figsize=(9, max(3, 0.3 * len(rows) + 1)))
-    ax.barh(range(len(rows)), vals, color=["tab:green" if v >= 1 else "tab:red" for v in vals])
+    fig = Figure(figsize=(9, max(3, 0.3 * len(rows) + 1)))
+    ax = fig.add_subplot()
+    bars = ax.barh(range(len(rows)), vals, color=["tab:green" if v >= 1 else "tab:red" for v in vals])
+    ax.bar_label(bars, labels=[f"{v:.2f}×" for v in vals], fontsize=7, padding=2)
+    ax.set_xlim(0, max(vals + [1.0]) * 1.15)  # room for the values
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("speed-up vs eager PyTorch (eager time / sublayer time)")
     ax.set_title("sublayer vs eager (dropout 0.1)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def _plot(rows: list[Row], path: Path) -> None:
+    # bbox_inches="tight": the figure grows to hold the longest label instead of cutting it
+    _figure(rows).savefig(path, dpi=120, bbox_inches="tight")
 
 
 def run_bench(
@@ -491,6 +495,10 @@ def run_bench(
     dts = [t.strip().lower() for t in dtypes.split(",") if t.strip()]
     if not dts or set(dts) - {"fp32", "bf16"}:
         raise ValueError(f"dtypes must be a comma-separated subset of fp32,bf16, got {dtypes!r}")
+    try:
+        import transformers  # noqa: F401
+    except Exception:  # noqa: BLE001 - transformers is optional here
+        log("transformers is not installed: skipping the Hugging Face rows (pip install transformers to time them)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     reps = reps or (3 if quick else 7)

@@ -276,7 +276,7 @@ def bench(
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)
     except CLIError as e:
         if _state["debug"]:
             raise
@@ -298,8 +298,10 @@ def main() -> None:
     except Exception as e:  # click usage errors and the like
         usage, exit_, abort = _click_exception_types()
         if isinstance(e, usage):
-            # one line, as every CLI error: "error: Missing parameter: texts"
-            typer.echo(f"error: {e.format_message()}", err=True)
+            # one line, as every CLI error: "error: Missing parameter: texts" (none after the help that
+            # `sublayer` alone prints: its usage error has no message)
+            if e.format_message().strip():
+                typer.echo(f"error: {e.format_message()}", err=True)
             sys.exit(2)
         if isinstance(e, exit_):
             sys.exit(e.exit_code)
@@ -309,6 +311,10 @@ def main() -> None:
             raise
         typer.echo(f"error: {type(e).__name__}: {e}", err=True)
         sys.exit(2)
+    if isinstance(code, int) and code:  # typer returns (not raises) 130 for a KeyboardInterrupt in a command
+        if code == 130:
+            typer.echo("interrupted", err=True)
+        sys.exit(code)
 
 
 def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -210,3 +212,25 @@ def test_add_norm_unknown_norm_lists_choices():
 def test_add_norm_dropout_out_of_range(p):
     with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got"):
         SF.add_norm(torch.randn(2, 5), torch.randn(2, 5), 5, dropout=p)
+
+
+@pytest.mark.parametrize("wshape", [(1,), (4, 7), (7, 1)])
+@pytest.mark.parametrize("impl", ["fused", "reference"])
+def test_weight_and_bias_must_have_normalized_shape(wshape, impl):
+    """F.layer_norm raises for a weight of shape (1,) or (N, d); ours used to broadcast it silently."""
+    from sublayer.functional import fused
+
+    x = torch.randn(4, 7)
+    bad, good = torch.ones(wshape), torch.ones(7)
+    with pytest.raises(RuntimeError):
+        F.layer_norm(x, (7,), bad, good)
+    for w, b, name in ((bad, good, "weight"), (good, bad, "bias")):
+        msg = rf"{name} must have shape \(7,\) \(normalized_shape\), got {re.escape(str(wshape))}"
+        with pytest.raises(ValueError, match=msg):
+            fused.add_norm(x, x, 7, w, b, impl=impl)
+        if impl == "reference":
+            with pytest.raises(ValueError, match=msg):
+                SF.layer_norm(x, 7, w, b)
+    if impl == "reference":
+        with pytest.raises(ValueError, match=r"weight must have shape \(7,\)"):
+            SF.rms_norm(x, 7, bad)

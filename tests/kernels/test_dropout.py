@@ -34,7 +34,10 @@ def test_keep_rate_and_scaling(p, dtype):
     kept = out != 0
     rate = kept.double().mean().item()
     assert abs(rate - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)  # 5 sigma
-    assert_close(out[kept], (x[kept].double() / (1 - p)).to(dtype))  # kept values scaled by 1/(1-p)
+    # kept values scaled by 1 / the real keep rate (1 - p rounded to 2^-16), not 1/(1-p): the mean is unbiased
+    keep = fused.keep_probability(p)
+    assert abs(keep - (1 - p)) <= 2**-17
+    assert_close(out[kept], (x[kept].double() / keep).to(dtype))
 
 
 def test_mask_is_not_biased_by_position():
@@ -115,3 +118,29 @@ def test_reference_impl_is_torch_dropout():
     assert torch.equal(a, torch.nn.functional.dropout(x, 0.5))
     with pytest.raises(ValueError, match="p must be in"):
         fused.dropout(x, 1.5)
+
+
+@pytest.mark.parametrize("p", [0.999999, 1 - 2**-18, 1e-7])
+def test_p_the_16_bit_threshold_cannot_express_is_refused_or_left_to_torch(p):
+    """round(p · 2^16) of 0 or 2^16 would be clamped: a keep rate far from 1 - p. impl="fused" says so; "auto"
+    takes F.dropout (here: mean of a large ones tensor within 5 sigma of 1; fused once gave 14.7 for p=0.999999)."""
+    x = torch.ones(4096, 1024)
+    with pytest.raises(ValueError, match=rf"p={p} is too close to [01] for the fused dropout's 16-bit keep threshold"):
+        fused.dropout(x, p, impl="fused")
+    with pytest.raises(ValueError, match=r"dropout=.* is too close to"):
+        fused.add_norm(x, x, 1024, dropout=p, impl="fused")
+    with pytest.raises(ValueError, match=r"output_dropout=.* is too close to"):
+        fused.feed_forward(x[:2], torch.ones(3, 1024), None, torch.ones(5, 3), None, output_dropout=p, impl="fused")
+    torch.manual_seed(0)
+    mean = fused.dropout(x, p).double().mean().item()
+    assert abs(mean - 1) < 5 * math.sqrt(p / (1 - p) / x.numel())
+
+
+@pytest.mark.parametrize("p", [0.3, 0.99, 0.9999])
+def test_mean_is_unbiased_near_p_1(p):
+    """Kept values are scaled by the real keep rate: E[dropout(1)] = 1 exactly in expectation (5 sigma)."""
+    x = torch.ones(4096, 1024)
+    out = fused.dropout(x, p, impl="fused", generator=torch.Generator().manual_seed(1))
+    keep = fused.keep_probability(p)
+    assert abs(out.double().mean().item() - 1) < 5 * math.sqrt((1 - keep) / keep / x.numel())
+    assert_close(out[out != 0], torch.full_like(out[out != 0], 1 / keep))

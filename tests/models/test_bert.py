@@ -132,7 +132,7 @@ def test_pooled_without_pooler_raises(bert_folder):
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
     [
-        ({"token_type_ids": torch.full((3, 7), 2)}, ValueError, r"token_type_ids must lie in \[0, vocab_size=2\)"),
+        ({"token_type_ids": torch.full((3, 7), 2)}, ValueError, r"token_type_ids must lie in \[0, type_vocab_size=2\)"),
         (
             {"token_type_ids": torch.zeros(3, 6, dtype=torch.long)},
             ValueError,
@@ -204,3 +204,19 @@ def test_embed_invariant_to_right_padding(ours, n, pad, seed):
     mask[:, n:] = 0
     with torch.no_grad():
         assert_close(ours.embed(ids, mask), ours.embed(ids[:, :n]))
+
+
+def test_from_pretrained_is_in_eval_mode_and_embed_ignores_the_mode(tmp_path):
+    """HF's from_pretrained returns eval; embedding the same text twice must give the same vector in any mode
+    (the README's ``Bert.from_pretrained(...).embed(...)`` applied dropout: cosine 0.92)."""
+    cfg = BertConfig(vocab_size=VOCAB, d_model=15, n_layers=1, n_heads=3, d_ff=BERT_FF, max_positions=MAX_POS,
+                     dropout=0.3, attn_dropout=0.3)  # fmt: skip
+    Bert(cfg).save_pretrained(tmp_path)
+    model = Bert.from_pretrained(tmp_path)
+    assert not any(m.training for m in model.modules())
+    ids = torch.randint(1, VOCAB, (3, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    first = model.embed(ids, mask)
+    model.train()
+    assert torch.equal(model.embed(ids, mask), first) and torch.equal(model.embed(ids, mask), first)
+    assert model.training and all(m.training for m in model.modules())  # the mode is restored

@@ -292,3 +292,26 @@ def test_wrong_model_type_names_the_config(bert_folder, gpt2_folder):
 
 def test_checkpoint_error_is_a_value_error():
     assert issubclass(CheckpointError, ValueError)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_atomic_write_gives_the_mode_open_would(tmp_path, umask):
+    """mkstemp makes 0600 files: checkpoints and plots were unreadable to the other users of a shared folder."""
+    import stat
+
+    from sublayer.checkpoints.io import atomic_write
+
+    def mode(p):
+        return stat.S_IMODE(os.stat(p).st_mode)
+
+    old = os.umask(umask)
+    try:
+        atomic_write(tmp_path / "a.json", lambda p: open(p, "w").write("{}"))
+        with open(tmp_path / "b.json", "w") as f:
+            f.write("{}")
+        assert mode(tmp_path / "a.json") == mode(tmp_path / "b.json") == 0o666 & ~umask
+        os.chmod(tmp_path / "a.json", 0o640)  # an existing file keeps its mode, as open() keeps it
+        atomic_write(tmp_path / "a.json", lambda p: open(p, "w").write("[]"))
+        assert mode(tmp_path / "a.json") == 0o640 and (tmp_path / "a.json").read_text() == "[]"
+    finally:
+        os.umask(old)

@@ -215,3 +215,21 @@ def test_bad_input():
         g.generate(ids, -1)
     with pytest.raises(ValueError, match=r"position_ids must have shape \(5 or 1, 11\)"):
         g(ids, position_ids=torch.zeros(2, 11, dtype=torch.long))
+
+
+def test_weights_made_under_inference_mode(tmp_path):
+    """A model built or loaded inside torch.inference_mode() (a serving function) has inference tensors, which
+    have no version counter: the weight cache must not need one."""
+    ids, mask = _batch()
+    bert, gpt2 = make_bert(), make_gpt2()
+    bert.save_pretrained(tmp_path / "bert")
+    with torch.inference_mode():
+        built = make_bert()
+        loaded = Bert.from_pretrained(tmp_path / "bert")
+        inf_gpt2 = make_gpt2()
+    assert next(built.parameters()).is_inference() and next(loaded.parameters()).is_inference()
+    want = fast_inference(bert, dtype=torch.float32)(ids, mask)
+    for m in (built, loaded):
+        torch.testing.assert_close(fast_inference(m, dtype=torch.float32)(ids, mask), want)
+    prompt = ids[:1, :3].clamp(min=1)
+    assert torch.equal(fast_inference(inf_gpt2).generate(prompt, 4), fast_inference(gpt2).generate(prompt, 4))

@@ -313,3 +313,31 @@ def test_left_padded_batch_generates_like_each_row_alone(ours, lengths, new, see
     for i, n in enumerate(lengths):
         alone = ours.generate(x[i : i + 1, t - n :], new)
         assert batch[i, t - n :].tolist() == alone[0].tolist()
+
+
+def test_from_pretrained_is_in_eval_mode_and_generate_ignores_the_mode(tmp_path):
+    cfg = GPT2Config(vocab_size=VOCAB, max_positions=MAX_POS, d_model=12, n_layers=1, n_heads=3, dropout=0.3,
+                     embd_dropout=0.3, attn_dropout=0.3)  # fmt: skip
+    GPT2(cfg).save_pretrained(tmp_path)
+    model = GPT2.from_pretrained(tmp_path)
+    assert not any(m.training for m in model.modules())  # as HF's from_pretrained
+    x = _ids(b=1, t=3)
+    first = model.generate(x, 5)
+    assert torch.equal(model.train().generate(x, 5), first) and model.training
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int8, torch.bool])
+def test_small_integer_ids_are_refused_with_the_dtype_named(ours, dtype):
+    """uint8 ids passed the check, then indexed as a mask inside torch."""
+    from sublayer.models.fast import fast_inference
+
+    ids = _ids().to(dtype)
+    for model in (ours, fast_inference(ours)):
+        with pytest.raises(TypeError, match=rf"input_ids must hold integer token ids, got dtype {dtype} \(int64 or int32"):
+            model(ids)
+    assert ours(_ids().to(torch.int32)).shape == ours(_ids()).shape  # int32 ids are fine
+
+
+def test_position_ids_range_error_names_max_positions(ours):
+    with pytest.raises(ValueError, match=rf"position_ids must lie in \[0, max_positions={MAX_POS}\)"):
+        ours(_ids(), position_ids=torch.full((3, 7), MAX_POS))

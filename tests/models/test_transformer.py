@@ -287,6 +287,8 @@ def test_bad_inputs():
         m(src[0], tgt)
     with pytest.raises(TypeError, match="src must hold integer token ids, got dtype torch.float32"):
         m(src.float(), tgt)
+    with pytest.raises(TypeError, match=r"tgt must hold integer token ids, got dtype torch.uint8 \(int64 or int32"):
+        m(src, tgt.to(torch.uint8))  # uint8 would index as a mask inside torch
     with pytest.raises(ValueError, match=r"tgt ids must lie in \[0, 13\), got min 13, max 13"):
         m(src, torch.full((2, 4), 13))
     with pytest.raises(ValueError, match="src length 24 exceeds max_len 23"):
@@ -343,3 +345,8 @@ def test_converges_on_reversal():
     src = torch.randint(2, 8, (16, 5))
     out = m.translate(src, 5, bos=1, eos=0)
     assert (out == src.flip(1)).float().mean() > 0.9
+
+
+def test_from_pretrained_is_in_eval_mode(tmp_path):
+    tiny(norm_first=True, seed=9).train().save_pretrained(tmp_path)
+    assert not any(m.training for m in Transformer.from_pretrained(tmp_path).modules())

@@ -160,14 +160,28 @@ def read_hf_folder(
     return config, tensors, source
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only portable way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     """Write a file through ``write(tmp_path)`` to a temporary name in the same folder, then rename it over
-    ``path`` (``os.replace`` is atomic): an interrupted write (Ctrl-C, a full disk) never leaves a half file."""
+    ``path`` (``os.replace`` is atomic): an interrupted write (Ctrl-C, a full disk) never leaves a half file.
+
+    The file gets the permissions ``open()`` would give it: an existing file's mode, else ``0o666`` less the
+    umask (``mkstemp``'s ``0o600`` would hide checkpoints from the other users of a shared file system)."""
     path = Path(path)
+    try:
+        mode = path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

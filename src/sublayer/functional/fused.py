@@ -12,12 +12,14 @@ What the fused path changes, and what it does not:
 
 * Dropout uses a counter-based Philox4x32-10 stream keyed by a 64-bit seed drawn from torch's default generator (or
   ``generator=``), so ``torch.manual_seed`` reproduces it; the mask is NOT the one ``F.dropout`` would draw (only its
-  distribution is the same: keep-rate ``1 - p`` to 2^-16, kept values scaled by ``1/(1-p)``). The FFN's backward
-  regenerates its masks from the seeds; Add & Norm keeps its mask as 1 bit per element (d/8 bytes a row), cheaper
-  than drawing it again. No full-precision mask is ever stored.
+  distribution is the same: keep-rate ``1 - p`` rounded to a multiple of 2^-16, kept values scaled by 1 / that
+  rate — :func:`keep_probability` — so the mean is exactly unbiased). A ``p`` whose rounded threshold would be 0 or
+  2^16 (``p < 2^-17`` or ``p > 1 - 2^-17``) takes the reference path under ``impl="auto"`` and is a ``ValueError``
+  under ``impl="fused"``. The FFN's backward regenerates its masks from the seeds; Add & Norm keeps its mask as 1
+  bit per element (d/8 bytes a row), cheaper than drawing it again. No full-precision mask is ever stored.
 * Add & Norm saves only the (rounded) sum ``x + dropout(y)``, per-row float32 mean/rstd and the 1-bit mask; its
-  backward computes the sum's gradient once and hands it to both inputs (the same tensor when there is no dropout
-  and the dtypes match).
+  backward computes the sum's gradient once and hands it to both inputs (a copy of it when there is no dropout
+  and the dtypes match: gradients returned by an autograd Function must never alias each other).
 * The FFN saves its input and, for ReLU, the fc2 input (``h > 0`` tells ReLU's derivative and the dropout mask at
   once), otherwise the fc1 output before bias (the pre-activation; packed ``[gate | up]`` for SwiGLU/GeGLU/ReGLU);
   the hidden activation is recomputed in backward. With ``recompute=True`` it saves the input only and runs fc1
@@ -42,6 +44,7 @@ from .. import kernels
 from .._checks import (
     check_choice,
     check_last_dims,
+    check_param_shape,
     check_probability,
     check_same_shape,
     check_tensor,
@@ -50,7 +53,9 @@ from .._checks import (
 from . import ffn as _ffn
 from . import norm as _norm
 
-__all__ = ["add_norm", "feed_forward", "dropout", "linear", "dropout_seed", "FUSED_ACTIVATIONS", "IMPLS"]
+__all__ = [
+    "add_norm", "feed_forward", "dropout", "linear", "dropout_seed", "keep_probability", "FUSED_ACTIVATIONS", "IMPLS",
+]  # fmt: skip
 
 IMPLS = ("auto", "fused", "reference")
 # activation name -> kernel id (csrc/kernels.cpp: enum Act); a gated name -> its gate's id, run by glu_fwd/glu_bwd
@@ -65,6 +70,26 @@ _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 def dropout_seed(generator: torch.Generator | None = None) -> int:
     """A 63-bit dropout seed drawn from ``generator`` (default: torch's CPU generator, so ``manual_seed`` rules)."""
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator))
+
+
+def keep_probability(p: float) -> float:
+    """The keep rate of the fused dropout for drop probability ``p``: ``1 - round(p · 2^16) / 2^16`` (its 16-bit
+    threshold); kept values are scaled by its inverse. Equals ``1 - p`` to 2^-17."""
+    return 1.0 - round(p * 65536) / 65536
+
+
+def _fused_p_ok(impl: str, **ps: float) -> bool:
+    """True if every drop probability is 0 or expressible by the fused dropout's 16-bit keep threshold
+    (``round(p · 2^16)`` in [1, 2^16 - 1]); else False, or a ValueError for ``impl="fused"``."""
+    for name, p in ps.items():
+        if p > 0 and not 1 <= round(p * 65536) <= 65535:
+            if impl == "fused":
+                raise ValueError(
+                    f"{name}={p} is too close to {0 if p < 0.5 else 1} for the fused dropout's 16-bit keep threshold "
+                    f"(it needs 2^-17 <= p <= 1 - 2^-17 or p = 0); use impl='reference' (torch's dropout)"
+                )
+            return False
+    return True
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -149,8 +174,8 @@ class _AddNormFn(torch.autograd.Function):
             g.contiguous(), s, mean, rstd, w, keep, xdt, ydt, p, rms,
             bool(ny and not share), bool(nw and w is not None), bool(nb and has_b),
         )  # fmt: skip
-        if share:
-            dy = dx
+        if share:  # a copy when both are returned: aliased gradients would be accumulated twice into leaves
+            dy = dx.clone() if nx else dx
         return (
             dx if nx else None,
             dy if ny else None,
@@ -198,9 +223,11 @@ def add_norm(
     check_last_dims("x", x, shape)
     rms = norm == "rms"
     b = None if rms else bias
-    ok = [t is None or t.shape == torch.Size(shape) for t in (weight, b)]
-    auto_ok = x.dtype in _AUTO_DTYPES and y.dtype in _AUTO_DTYPES and all(ok)
-    fused_ok = (x.dtype in _AUTO_DTYPES and y.dtype in _AUTO_DTYPES or x.dtype == y.dtype == torch.float64) and all(ok)
+    check_param_shape("weight", weight, shape)
+    check_param_shape("bias", b, shape)
+    p_ok = _fused_p_ok(impl, dropout=float(dropout) if training else 0.0)
+    auto_ok = x.dtype in _AUTO_DTYPES and y.dtype in _AUTO_DTYPES and p_ok
+    fused_ok = (x.dtype in _AUTO_DTYPES and y.dtype in _AUTO_DTYPES or x.dtype == y.dtype == torch.float64) and p_ok
     if not _use_fused(impl, auto_ok, fused_ok, x, y, weight, b):
         return _norm.add_norm(x, y, shape, weight, bias, eps, dropout=dropout, training=training, norm=norm)
     d = math.prod(shape)
@@ -353,6 +380,8 @@ def feed_forward(
         auto_ok = len(dts) == 1 and dts <= set(_AUTO_DTYPES)
         fused_ok = len(dts) == 1 and dts <= set(_FUSED_DTYPES)
     ok = activation in FUSED_ACTIVATIONS and shapes_ok
+    if training:
+        ok = ok and _fused_p_ok(impl, dropout=float(dropout), output_dropout=float(output_dropout))
     if not _use_fused(impl, ok and auto_ok, ok and fused_ok, *ts):
         kw = {"activation": activation, "dropout": dropout, "output_dropout": output_dropout, "training": training}
         if recompute and torch.is_grad_enabled():
@@ -367,7 +396,7 @@ def feed_forward(
     p_out = float(output_dropout) if training else 0.0
     seed1 = dropout_seed(generator) if p > 0 else 0
     seed2 = dropout_seed(generator) if p_out > 0 else 0
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()  # not -1: x may be empty
     with torch.autocast("cpu", enabled=False):
         act = _GLU_IDS[activation] if gated else _ACT_IDS[activation]
         out = _FFNFn.apply(x2, w1, b1, w2, b2, act, gated, p, p_out, seed1, seed2, bool(recompute))
@@ -426,7 +455,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         or not _plain_cpu(x, weight, bias)
     ):
         return torch.nn.functional.linear(x, weight, bias)
-    x2 = x.to(torch.bfloat16).reshape(-1, x.shape[-1])
+    x2 = x.to(torch.bfloat16).reshape(math.prod(x.shape[:-1]), x.shape[-1])
     b = bias.to(torch.bfloat16) if bias is not None else None
     with torch.autocast("cpu", enabled=False):
         out = _Bf16LinearFn.apply(x2, weight.to(torch.bfloat16), b)
@@ -481,13 +510,16 @@ def dropout(
         Tensor like ``x``.
 
     Raises:
-        ValueError: ``p`` outside [0, 1) or an unknown ``impl``.
+        ValueError: ``p`` outside [0, 1), an unknown ``impl``, or with ``impl="fused"`` a ``p`` its 16-bit keep
+            threshold cannot express (see :func:`keep_probability`).
     """
     check_probability("p", p)
     check_tensor("x", x)
-    if not _use_fused(impl, x.dtype in _AUTO_DTYPES, x.dtype in _FUSED_DTYPES, x):
+    p_ok = not training or _fused_p_ok(impl, p=float(p))
+    if not _use_fused(impl, p_ok and x.dtype in _AUTO_DTYPES, p_ok and x.dtype in _FUSED_DTYPES, x):
         return torch.nn.functional.dropout(x, p, training)
     if not training or p == 0:
         return x
-    x2 = x.reshape(-1, x.shape[-1] if x.dim() else 1).contiguous()
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    x2 = x2.contiguous()  # (not reshape(-1, d): x may be empty, its last dim 0 included)
     return _DropoutFn.apply(x2, float(p), dropout_seed(generator)).view(x.shape)

@@ -12,7 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._checks import check_choice, check_last_dims, check_probability, check_same_shape, normalize_shape
+from .._checks import (
+    check_choice,
+    check_last_dims,
+    check_param_shape,
+    check_probability,
+    check_same_shape,
+    normalize_shape,
+)
 
 __all__ = ["layer_norm", "rms_norm", "add_norm", "NORMS"]
 
@@ -45,10 +52,13 @@ def layer_norm(
         Tensor of the shape and dtype of ``x``.
 
     Raises:
-        ValueError: if the trailing dims of ``x`` differ from ``normalized_shape``.
+        ValueError: if the trailing dims of ``x`` (or the shape of ``weight``/``bias``) differ from
+            ``normalized_shape``.
     """
     shape = normalize_shape("normalized_shape", normalized_shape)
     check_last_dims("x", x, shape)
+    check_param_shape("weight", weight, shape)
+    check_param_shape("bias", bias, shape)
     dims = tuple(range(-len(shape), 0))
     xf = x.to(_stat_dtype(x.dtype))
     mean = xf.mean(dim=dims, keepdim=True)
@@ -82,10 +92,12 @@ def rms_norm(
         Tensor of the shape and dtype of ``x``.
 
     Raises:
-        ValueError: if the trailing dims of ``x`` differ from ``normalized_shape``.
+        ValueError: if the trailing dims of ``x`` (or the shape of ``weight``/``bias``) differ from
+            ``normalized_shape``.
     """
     shape = normalize_shape("normalized_shape", normalized_shape)
     check_last_dims("x", x, shape)
+    check_param_shape("weight", weight, shape)
     dims = tuple(range(-len(shape), 0))
     xf = x.to(_stat_dtype(x.dtype))
     y = xf * torch.rsqrt((xf * xf).mean(dim=dims, keepdim=True) + eps)

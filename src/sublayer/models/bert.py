@@ -225,7 +225,7 @@ class Bert(nn.Module):
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         else:
-            check_input_ids("token_type_ids", token_type_ids, cfg.type_vocab_size)
+            check_input_ids("token_type_ids", token_type_ids, cfg.type_vocab_size, limit_name="type_vocab_size")
             if token_type_ids.shape != input_ids.shape:
                 raise ValueError(
                     f"token_type_ids must have the shape of input_ids {tuple(input_ids.shape)}, "
@@ -256,12 +256,18 @@ class Bert(nn.Module):
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> Tensor:
         """Sentence vectors: the last hidden states averaged over real tokens (``attention_mask`` 1), then
-        L2-normalised (sentence-transformers' mean pooling). Returns (B, d_model), rows of unit norm.
+        L2-normalised (sentence-transformers' mean pooling). Returns (B, d_model), rows of unit norm. Runs in
+        eval mode whatever the module's mode (no dropout: the same text always gives the same vector).
 
         Raises:
             ValueError: as :meth:`forward`, or a row with no token (attention_mask all 0).
         """
-        h = self(input_ids, attention_mask, token_type_ids)
+        was_training = self.training
+        self.eval()
+        try:
+            h = self(input_ids, attention_mask, token_type_ids)
+        finally:
+            self.train(was_training)
         if attention_mask is None:
             mean = h.mean(dim=1)
         else:
@@ -274,7 +280,8 @@ class Bert(nn.Module):
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None) -> Bert:
-        """Load a Hugging Face BERT folder (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``).
+        """Load a Hugging Face BERT folder (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``), in
+        eval mode (as HF's ``from_pretrained``).
 
         Key names are mapped by :mod:`sublayer.checkpoints.bert` (``bert.`` prefix, ``gamma``/``beta``,
         ignored ``position_ids`` buffer and ``cls.*`` heads). A file without any ``pooler.*`` key gives a
@@ -292,7 +299,7 @@ class Bert(nn.Module):
         found = ckpt.check_and_convert(tensors, expected, canonical=keymap.canonical, source=source)
         model.to_empty(device=device if device is not None else "cpu")
         model.load_state_dict(keymap.from_hf(found, config.n_layers, pooler=pooler))  # strict: fills every parameter
-        return model
+        return model.eval()  # as HF's from_pretrained: dropout off until .train()
 
     @classmethod
     def from_hf(cls, model: nn.Module, *, device=None, dtype=None) -> Bert:

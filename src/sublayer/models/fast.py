@@ -127,7 +127,11 @@ class _Cache:
         self._model, self._build, self._stamp, self.w = model, build, None, None
 
     def _current_stamp(self) -> tuple:
-        return tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in self._model.parameters())
+        # inference tensors (made under torch.inference_mode) have no version counter: their storage, dtype and
+        # device still tell a replaced parameter, not one changed in place under inference_mode
+        return tuple(
+            (-1 if p.is_inference() else p._version, p.data_ptr(), p.dtype, p.device) for p in self._model.parameters()
+        )
 
     def get(self):
         stamp = self._current_stamp()
@@ -400,7 +404,7 @@ class FastGPT2(_FastBase):
         if position_ids is None:
             position_ids = torch.arange(t, device=input_ids.device)[None]
         else:
-            check_input_ids("position_ids", position_ids, cfg.max_positions)
+            check_input_ids("position_ids", position_ids, cfg.max_positions, limit_name="max_positions")
             if position_ids.shape[-1] != t or position_ids.shape[0] not in (1, b):
                 raise ValueError(f"position_ids must have shape ({b} or 1, {t}), got {tuple(position_ids.shape)}")
         kpm = kpm if kpm is not None and bool(kpm.any()) else None

@@ -170,19 +170,22 @@ class GPT2Config(ModelConfig):
         }
 
 
-def check_input_ids(name: str, ids: object, vocab_size: int, max_len: int | None = None) -> None:
-    """``ids`` must be an integer tensor (B, T), T >= 1, values in [0, vocab_size), T <= max_len."""
+def check_input_ids(
+    name: str, ids: object, vocab_size: int, max_len: int | None = None, *, limit_name: str = "vocab_size"
+) -> None:
+    """``ids`` must be an int64/int32 tensor (B, T), T >= 1, values in [0, vocab_size), T <= max_len.
+    ``limit_name`` names ``vocab_size`` in the error (``max_positions`` for position ids...)."""
     if not isinstance(ids, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(ids).__name__}")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+    if ids.dtype not in (torch.int64, torch.int32):  # what embedding lookups take (uint8/bool would mask-index)
+        raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype} (int64 or int32: use .long())")
     if ids.dim() != 2 or ids.shape[1] == 0:
         raise ValueError(f"{name} must have shape (batch, seq_len) with seq_len >= 1, got {tuple(ids.shape)}")
     if max_len is not None and ids.shape[1] > max_len:
         raise ValueError(f"{name} has {ids.shape[1]} positions, more than max_positions={max_len}")
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise ValueError(
-            f"{name} must lie in [0, vocab_size={vocab_size}), got values in [{int(ids.min())}, {int(ids.max())}]"
+            f"{name} must lie in [0, {limit_name}={vocab_size}), got values in [{int(ids.min())}, {int(ids.max())}]"
         )
 
 
@@ -296,7 +299,7 @@ class GPT2(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(t, device=input_ids.device)[None]
         else:
-            check_input_ids("position_ids", position_ids, self.config.max_positions)
+            check_input_ids("position_ids", position_ids, self.config.max_positions, limit_name="max_positions")
             if position_ids.shape[-1] != t or position_ids.shape[0] not in (1, b):
                 raise ValueError(
                     f"position_ids must have shape ({b} or 1, {t}), got {tuple(position_ids.shape)}"
@@ -447,7 +450,8 @@ class GPT2(nn.Module):
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None) -> GPT2:
-        """Load a Hugging Face GPT-2 folder (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``).
+        """Load a Hugging Face GPT-2 folder (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``), in
+        eval mode (as HF's ``from_pretrained``).
 
         Key names and layouts are mapped by :mod:`sublayer.checkpoints.gpt2`; loading is strict.
 
@@ -466,7 +470,7 @@ class GPT2(nn.Module):
         model.to_empty(device=device if device is not None else "cpu")
         model._tie_weights()  # to_empty makes new parameters: tie again
         model.load_state_dict(keymap.from_hf(found, config.n_layers, tied=tied))  # strict: fills every parameter
-        return model
+        return model.eval()  # as HF's from_pretrained: dropout off until .train()
 
     @classmethod
     def from_hf(cls, model: nn.Module, *, device=None, dtype=None) -> GPT2:

@@ -84,8 +84,8 @@ def _check_tokens(name: str, x: object, vocab: int, max_len: int) -> None:
     check_tensor(name, x)
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2-D token ids (batch, seq), got shape {tuple(x.shape)}")
-    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
-        raise TypeError(f"{name} must hold integer token ids, got dtype {x.dtype}")
+    if x.dtype not in (torch.int64, torch.int32):  # what embedding lookups take
+        raise TypeError(f"{name} must hold integer token ids, got dtype {x.dtype} (int64 or int32: use .long())")
     if x.shape[1] > max_len:
         raise ValueError(f"{name} length {x.shape[1]} exceeds max_len {max_len}")
     if x.numel() and (int(x.min()) < 0 or int(x.max()) >= vocab):
@@ -443,7 +443,7 @@ class Transformer(nn.Module):
     @classmethod
     def from_pretrained(cls, folder: str | Path, **factory) -> Transformer:
         """Load a folder written by :meth:`save_pretrained` (strict: every key present, none extra, shapes
-        equal; one error lists all problems). ``factory``: device=, dtype=.
+        equal; one error lists all problems), in eval mode. ``factory``: device=, dtype=.
 
         Raises:
             FileNotFoundError: missing folder or file (named). ValueError: bad config, unreadable weights,
@@ -476,4 +476,4 @@ class Transformer(nn.Module):
                                                           ("wrong shape", wrong)) if v]  # fmt: skip
             raise ValueError(f"weights in {path} do not match the config: " + "; ".join(parts))
         model.load_state_dict(state)
-        return model
+        return model.eval()  # as HF's from_pretrained: dropout off until .train()

@@ -239,8 +239,9 @@ void philox_fill(uint64_t start, int64_t n, uint64_t seed, uint32_t* out) {
   }
 }
 
-// keep iff draw >= thr, thr = round(p * 2^16): the keep probability is 1 - p rounded to a multiple of 2^-16 (the
-// scale stays 1/(1-p), as F.dropout's).
+// keep iff draw >= thr, thr = round(p * 2^16): the keep probability is 1 - p rounded to a multiple of 2^-16, and
+// kept values are scaled by 1 / that probability (not 1/(1-p): near p = 1 the two differ a lot, and only the real
+// keep probability leaves the mean unbiased). Python rejects p whose threshold would round to 0 or 2^16.
 struct Drop {
   bool on;
   uint32_t thr;
@@ -250,7 +251,7 @@ struct Drop {
     if (on) {
       const double t = std::nearbyint(p * 65536.0);
       thr = t >= 65535.0 ? 65535u : uint32_t(std::max(t, 1.0));
-      scale = 1.0 / (1.0 - p);
+      scale = 65536.0 / (65536.0 - double(thr));
     }
   }
 };
@@ -391,7 +392,7 @@ void add_norm_fwd_impl(const Tensor& x, const Tensor& y, const Tensor& w, const 
   const int64_t nb = (d + 7) / 8;  // mask bytes per row
   const A scale = A(dr.scale), aeps = A(eps), inv_d = A(1) / A(d);
   const int32_t thr = int32_t(dr.thr);  // draws are 16-bit: a signed compare vectorises
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / d), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, d)), [&](int64_t r0, int64_t r1) {
     const A sc = scale;  // locals, not captured references: keeps the inner loops vectorised
     const int32_t th = thr;
     std::vector<A> s(d);
@@ -692,7 +693,7 @@ void act_fwd_impl(const Tensor& a, const Tensor& b, Tensor& out, const Drop& dr)
   const A* bp = b.defined() ? static_cast<const A*>(b.data_ptr()) : nullptr;
   const A scale = A(dr.scale);
   const int32_t thr = int32_t(dr.thr);  // draws are 16-bit: a signed compare vectorises
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / f), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, f)), [&](int64_t r0, int64_t r1) {
     std::vector<uint32_t> rnd(dr.on ? f : 0);
     std::vector<A> z(f);
     for (int64_t r = r0; r < r1; ++r) {
@@ -858,7 +859,7 @@ void glu_fwd_impl(const Tensor& a, const std::vector<typename Elt<T>::acc>& bias
   const int64_t N = a.size(0), f = out.size(1);
   const auto* ap = ptr<T>(a);
   auto* op = ptr<T>(out);  // bias: gate bias (zeros without bias), then the up bias
-  at::parallel_for(0, N, std::max<int64_t>(1, 8192 / f), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, N, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, f)), [&](int64_t r0, int64_t r1) {
     const A* bg = bias.data();  // locals, not captured references: keeps the inner loops vectorised
     const int64_t f = out.size(1);
     std::vector<uint32_t> rnd(dr.on ? f : 0);

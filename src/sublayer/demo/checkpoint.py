@@ -1,0 +1,112 @@
+"""The demo's checkpoint: model, vocabulary, optimizer and trainer state, written atomically with Ctrl-C held."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..checkpoints.io import atomic_write
+from ..models.transformer import Transformer
+from .signals import hold_signals
+from .task import Vocab
+
+OPTIMIZER_NAME = "optimizer.safetensors"
+STATE_NAME = "trainer_state.json"
+VOCAB_NAME = "vocab.json"
+
+
+def _write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda p: Path(p).write_text(text))
+
+
+def save_checkpoint(
+    folder: Path, model: Transformer, opt: torch.optim.Optimizer, vocab: Vocab, state: dict,
+    rng_state: Tensor | None = None,
+) -> None:
+    """Model (safetensors + config), vocabulary, optimizer state (tensors in safetensors, the rest in JSON) and
+    the trainer state (step, loss history, RNG: ``rng_state``, default torch's now), each file written
+    atomically, Ctrl-C and SIGTERM held meanwhile."""
+    from safetensors.torch import save_file
+
+    sd = opt.state_dict()
+    tensors = {f"state.{i}.{k}": v.detach().contiguous().cpu() for i, st in sd["state"].items() for k, v in st.items()}
+    tensors["torch_rng_state"] = torch.get_rng_state() if rng_state is None else rng_state
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+    with hold_signals():
+        folder.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(folder)
+        _write_text(folder / VOCAB_NAME, vocab.to_json())
+        atomic_write(folder / OPTIMIZER_NAME, lambda p: save_file(tensors, p))
+        _write_text(folder / STATE_NAME, json.dumps({**state, "param_groups": groups}, indent=1) + "\n")
+
+
+def load_checkpoint(folder: str | Path) -> tuple[Transformer, Vocab, dict]:
+    """(model, vocabulary, trainer state) from a demo folder. Raises FileNotFoundError naming a missing file."""
+    folder = Path(folder)
+    model = Transformer.from_pretrained(folder)
+    vocab = Vocab.load(folder / VOCAB_NAME)
+    path = folder / STATE_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"trainer state not found: {path} (not a demo checkpoint?)")
+    try:
+        state = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"trainer state {path} is not valid JSON: {e}") from None
+    _check_state(state, path)
+    return model, vocab, state
+
+
+# key: (types, what the error says)
+_STATE_TYPES = {
+    "step": (int, "an int ≥ 0"), "history": (dict, "an object"), "train_seconds": ((int, float), "a number ≥ 0"),
+    "tokens_seen": (int, "an int ≥ 0"), "param_groups": (list, "a list"),
+}  # fmt: skip
+
+
+def _check_state(state: object, path: Path) -> None:
+    """ValueError naming ``path`` and the first problem, unless ``state`` has the trainer state's keys and types."""
+
+    def bad(what: str):
+        return ValueError(f"trainer state {path} is not valid: {what}")
+
+    if not isinstance(state, dict):
+        raise bad(f"expected a JSON object, got {type(state).__name__}")
+    for key, (types, what) in _STATE_TYPES.items():
+        if key not in state:
+            raise bad(f"{key!r} is missing")
+        v = state[key]
+        if isinstance(v, bool) or not isinstance(v, types) or (isinstance(v, (int, float)) and v < 0):
+            raise bad(f"{key!r} must be {what}, got {json.dumps(v)[:40]}")
+    for name in ("train", "val"):
+        rows = state["history"].get(name)
+        if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 2 for r in rows):
+            raise bad(f"history[{name!r}] must be a list of [step, loss] pairs")
+    if not all(isinstance(g, dict) for g in state["param_groups"]):
+        raise bad("'param_groups' must be a list of objects")
+
+
+def _load_optimizer(folder: Path, opt: torch.optim.Optimizer, groups: list[dict]) -> None:
+    from safetensors.torch import load_file
+
+    path = folder / OPTIMIZER_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"optimizer state not found: {path}")
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:
+        raise ValueError(f"cannot read optimizer state {path}: {e}") from None
+    state: dict[int, dict[str, Tensor]] = {}
+    try:
+        for key, v in tensors.items():
+            if key.startswith("state."):
+                _, i, name = key.split(".", 2)
+                state.setdefault(int(i), {})[name] = v
+        groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
+        opt.load_state_dict({"state": state, "param_groups": groups})
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise ValueError(f"optimizer state {path} does not fit this model and {STATE_NAME}: {e}") from None
+    if "torch_rng_state" in tensors:
+        torch.set_rng_state(tensors["torch_rng_state"])

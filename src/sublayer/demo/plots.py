@@ -1,0 +1,89 @@
+"""The demo's figures: loss curves and cross-attention heatmaps."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..checkpoints.io import atomic_write
+from ..models.transformer import Transformer
+from .task import EOS, Vocab, _detokenize, collate
+
+
+def _save_figure(fig, path: Path) -> None:
+    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=110, bbox_inches="tight"))
+
+
+def smooth(values: Sequence[float], window: int | None = None) -> list[float]:
+    """Centred moving average (no lag, unlike an EMA on a short run); the window shrinks symmetrically at the
+    ends, so a linear trend is kept exactly. Default window: about a tenth of the run, odd, 1 to 51."""
+    n = len(values)
+    half = (window if window is not None else max(1, min(51, n // 10))) // 2
+    out = []
+    for i in range(n):
+        h = min(half, i, n - 1 - i)
+        out.append(sum(values[i - h : i + h + 1]) / (2 * h + 1))
+    return out
+
+
+def loss_figure(history: dict):
+    """The figure of :func:`plot_losses` (a matplotlib Figure)."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    fig = Figure(figsize=(6.4, 4.0))
+    ax = fig.add_subplot()
+    if history["train"]:
+        steps, losses = zip(*history["train"])
+        ax.plot(steps, losses, color="tab:blue", alpha=0.25, lw=0.8)
+        ax.plot(steps, smooth(losses), color="tab:blue", label="train (smoothed)")
+    if history["val"]:
+        vs, vl = zip(*history["val"])
+        ax.plot(vs, vl, "o-", color="tab:orange", ms=3, label="validation (held-out)")
+    ax.set_yscale("log")
+    # plain numbers ("4", "0.3"), not "4×10⁰"; the 2..9 ticks get labels only when less than a decade is shown
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    lo, hi = ax.get_ylim()
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain if hi / lo < 10 else NullFormatter())
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy per token")
+    ax.set_title("sublayer demo: numbers words ↔ digits")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return fig
+
+
+def plot_losses(history: dict, path: str | Path) -> None:
+    """Training loss (raw and smoothed) and validation loss against steps, log scale."""
+    _save_figure(loss_figure(history), Path(path))
+
+
+def plot_cross_attention(model: Transformer, vocab: Vocab, pair: tuple[list[str], list[str]], path: str | Path) -> None:
+    """Cross-attention heatmaps of one pair, d2l style: a grid of layers × heads, keys (source tokens) on x,
+    queries (the target token each position predicts) on y, one shared colour bar."""
+    from matplotlib.figure import Figure
+
+    b = collate([pair], vocab)
+    weights = model.cross_attention_weights(b.src, b.tgt_in, src_key_padding_mask=b.src_mask)
+    src_tokens, tgt_tokens = pair[0], [*pair[1], EOS]
+    n_layers, n_heads = len(weights), weights[0].shape[1]
+    # size each panel from its token counts (square cells), plus room for labels, so rows don't float apart
+    cell = 2.4 / max(len(src_tokens), 1)
+    fig = Figure(figsize=(2.6 * n_heads + 1, n_layers * (cell * len(tgt_tokens) + 0.3) + 1.3), layout="constrained")
+    axes = fig.subplots(n_layers, n_heads, squeeze=False, sharex=True, sharey=True)
+    im = None
+    for i in range(n_layers):
+        for j in range(n_heads):
+            ax = axes[i][j]
+            im = ax.imshow(weights[i][0, j].numpy(), cmap="Reds", vmin=0.0, vmax=1.0)
+            ax.set_xticks(range(len(src_tokens)), src_tokens, rotation=90, fontsize=7)
+            ax.set_yticks(range(len(tgt_tokens)), tgt_tokens, fontsize=7)
+            ax.set_title(f"layer {i + 1}, head {j + 1}", fontsize=8)
+            if i == n_layers - 1:
+                ax.set_xlabel("Key positions (source)", fontsize=8)
+            if j == 0:
+                ax.set_ylabel("Query positions (output)", fontsize=8)
+    fig.colorbar(im, ax=axes, shrink=0.6)
+    fig.suptitle(f"cross-attention: {_detokenize(pair[0][1:])} → {_detokenize(pair[1])}", fontsize=9)
+    _save_figure(fig, Path(path))
