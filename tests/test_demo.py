@@ -110,11 +110,12 @@ def test_rank_shards_average_to_the_global_gradient():
     m = D.Transformer.from_config(cfg.model_config(len(v)))
     batch = D.train_batch(0, 0, 8, v)
     n = batch.n_target_tokens
-    (D._loss(m, batch, 0.0) / n).backward()
+    net = D._TransformerLoss(m)
+    (D._loss(net, batch, 0.0) / n).backward()
     full = [p.grad.clone() for p in m.parameters()]
     m.zero_grad()
     for rank in range(2):
-        (D._loss(m, batch.rows(slice(rank, None, 2)), 0.0) * (2 / n) / 2).backward()  # / 2: DDP's average
+        (D._loss(net, batch.rows(slice(rank, None, 2)), 0.0) * (2 / n) / 2).backward()  # / 2: DDP's average
     for g, p in zip(full, m.parameters()):
         assert_close(p.grad, g)
 

@@ -29,7 +29,7 @@ from .report import evaluate, sample_rows, sample_table
 from .task import (BOS, DIRECTIONS, EOS, MAX_NUMBER, PAD, TO_DIGITS, TO_WORDS, UNK, Batch, Vocab, _detokenize,
                    collate, held_out_pairs, is_held_out, make_pair, number_to_words, sample_numbers, train_batch,
                    words_to_number)  # fmt: skip
-from .training import _loss, train
+from .training import _loss, _TransformerLoss, train
 
 __all__ = [
     "DemoConfig",

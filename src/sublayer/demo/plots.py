@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..checkpoints.io import atomic_write
 from ..models.transformer import Transformer
+from ..plot import attention
 from .task import EOS, Vocab, _detokenize, collate
 
 
@@ -66,24 +67,12 @@ def plot_cross_attention(model: Transformer, vocab: Vocab, pair: tuple[list[str]
 
     b = collate([pair], vocab)
     weights = model.cross_attention_weights(b.src, b.tgt_in, src_key_padding_mask=b.src_mask)
-    src_tokens, tgt_tokens = pair[0], [*pair[1], EOS]
-    n_layers, n_heads = len(weights), weights[0].shape[1]
-    # size each panel from its token counts (square cells), plus room for labels, so rows don't float apart
-    cell = 2.4 / max(len(src_tokens), 1)
-    fig = Figure(figsize=(2.6 * n_heads + 1, n_layers * (cell * len(tgt_tokens) + 0.3) + 1.3), layout="constrained")
-    axes = fig.subplots(n_layers, n_heads, squeeze=False, sharex=True, sharey=True)
-    im = None
-    for i in range(n_layers):
-        for j in range(n_heads):
-            ax = axes[i][j]
-            im = ax.imshow(weights[i][0, j].numpy(), cmap="Reds", vmin=0.0, vmax=1.0)
-            ax.set_xticks(range(len(src_tokens)), src_tokens, rotation=90, fontsize=7)
-            ax.set_yticks(range(len(tgt_tokens)), tgt_tokens, fontsize=7)
-            ax.set_title(f"layer {i + 1}, head {j + 1}", fontsize=8)
-            if i == n_layers - 1:
-                ax.set_xlabel("Key positions (source)", fontsize=8)
-            if j == 0:
-                ax.set_ylabel("Query positions (output)", fontsize=8)
-    fig.colorbar(im, ax=axes, shrink=0.6)
-    fig.suptitle(f"cross-attention: {_detokenize(pair[0][1:])} → {_detokenize(pair[1])}", fontsize=9)
+    fig = attention(
+        [w[0] for w in weights],
+        pair[0],
+        [*pair[1], EOS],
+        xlabel="Key positions (source)",
+        ylabel="Query positions (output)",
+        title=f"cross-attention: {_detokenize(pair[0][1:])} → {_detokenize(pair[1])}",
+    )
     _save_figure(fig, Path(path))

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._checks import check_positive_int
@@ -21,12 +20,22 @@ from .report import _finish
 from .task import Batch, Vocab, collate, held_out_pairs, train_batch
 
 
-def _loss(model: nn.Module, batch: Batch, label_smoothing: float, reduction: str = "sum") -> Tensor:
-    logits = model(batch.src, batch.tgt_in, src_key_padding_mask=batch.src_mask)
-    return F.cross_entropy(
-        logits.flatten(0, 1), batch.tgt_out.flatten(), ignore_index=0, label_smoothing=label_smoothing,
-        reduction=reduction,
-    )  # fmt: skip
+class _TransformerLoss(nn.Module):
+    """Routes ``Transformer.loss`` (the fused LM-head + cross-entropy: no (B, T, vocab) logits kept for backward)
+    through ``forward``, so a wrapper such as DistributedDataParallel sees the call. Pad id 0 is ignored."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, **kw) -> Tensor:
+        return self.model.loss(src, tgt_in, tgt_out, ignore_index=0, **kw)
+
+
+def _loss(net: nn.Module, batch: Batch, label_smoothing: float, reduction: str = "sum") -> Tensor:
+    """``net``: a :class:`_TransformerLoss` (possibly wrapped, e.g. by DDP)."""
+    return net(batch.src, batch.tgt_in, batch.tgt_out, src_key_padding_mask=batch.src_mask,
+               label_smoothing=label_smoothing, reduction=reduction)  # fmt: skip
 
 
 @torch.no_grad()
@@ -34,7 +43,7 @@ def _val_loss(model: Transformer, batch: Batch) -> float:
     was = model.training
     model.eval()
     try:
-        return float(_loss(model, batch, 0.0, "mean"))
+        return float(_loss(_TransformerLoss(model), batch, 0.0, "mean"))
     finally:
         model.train(was)
 
@@ -149,7 +158,7 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
     )  # fmt: skip
     if cfg.resume:
         _load_optimizer(out, opt, state["param_groups"])
-    net = wrap_model(model)
+    net = wrap_model(_TransformerLoss(model))
     val_batch = collate(held_out_pairs(cfg.seed, cfg.n_val, salt=1), vocab)
 
     # the state at the start of step `step`: what a checkpoint saves, whatever point of a step an interrupt hits
