@@ -374,6 +374,12 @@ template <typename A> inline void unpack_keep(const uint8_t* bits, int64_t d, A 
 }
 
 // ------------------------------------------------------------------ Add & Norm
+}  // namespace
+namespace sublayer_cache {  // buffer_cache.cpp: big buffers kept for reuse (no fresh-page faults step after step)
+at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype);
+}  // namespace sublayer_cache
+namespace {
+
 template <typename TX, typename TY, typename TO>
 void add_norm_fwd_impl(const Tensor& x, const Tensor& y, const Tensor& w, const Tensor& b, Tensor& out, Tensor& sum,
                        Tensor& mean, Tensor& rstd, Tensor& mask, double eps, const Drop& dr, bool rms) {
@@ -560,11 +566,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> add_norm_fwd(const Tensor& x,
   const auto ot = c10::promoteTypes(x.scalar_type(), y.scalar_type());
   const auto at_ = acc_type(ot);
   const int64_t N = x.size(0), d = x.size(1);
-  Tensor out = at::empty({N, d}, x.options().dtype(ot));
-  Tensor sum = at::empty({save_sum ? N : 0, d}, x.options().dtype(ot));
-  Tensor mean = at::empty({N}, x.options().dtype(at_));
-  Tensor rstd = at::empty({N}, x.options().dtype(at_));
-  Tensor mask = at::empty({save_sum && p > 0 ? N : 0, (d + 7) / 8}, x.options().dtype(at::kByte));  // keep bits
+  const int64_t nb = (d + 7) / 8;  // keep bits: bytes per row
+  Tensor out = sublayer_cache::empty({N, d}, ot);
+  Tensor sum, mean, rstd, mask;
+  if (save_sum) {  // what backward needs, in ONE block: sum | keep bits | mean | rstd (each 64-byte aligned)
+    auto al = [](int64_t n) { return (n + 63) / 64 * 64; };
+    const int64_t sb = al(N * d * int64_t(c10::elementSize(ot))), mb = p > 0 ? al(N * nb) : 0;
+    const int64_t rb = al(N * int64_t(c10::elementSize(at_)));
+    Tensor block = sublayer_cache::empty({sb + mb + 2 * rb}, at::kByte);
+    sum = block.narrow(0, 0, N * d * int64_t(c10::elementSize(ot))).view(ot).view({N, d});
+    mask = block.narrow(0, sb, p > 0 ? N * nb : 0).view({p > 0 ? N : 0, nb});
+    mean = block.narrow(0, sb + mb, N * int64_t(c10::elementSize(at_))).view(at_);
+    rstd = block.narrow(0, sb + mb + rb, N * int64_t(c10::elementSize(at_))).view(at_);
+  } else {
+    Tensor stats = at::empty({2, N}, x.options().dtype(at_));
+    sum = at::empty({0, d}, x.options().dtype(ot));
+    mask = at::empty({0, nb}, x.options().dtype(at::kByte));
+    mean = stats[0];
+    rstd = stats[1];
+  }
   Tensor w = weight.has_value() ? weight->contiguous() : Tensor();
   Tensor b = bias.has_value() ? bias->contiguous() : Tensor();
   TORCH_CHECK(!w.defined() || (w.scalar_type() == at_ && w.numel() == d), "add_norm_fwd: weight must be (d,) acc");
@@ -590,8 +610,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> add_norm_bwd(const Tensor& g, const T
   TORCH_CHECK(!(p > 0 && need_dy) || (k.defined() && k.scalar_type() == at::kByte && k.is_contiguous() &&
                                       k.dim() == 2 && k.size(0) == N && k.size(1) == (d + 7) / 8),
               "add_norm_bwd: with dropout, mask must be the (N, ceil(d / 8)) uint8 keep bits of add_norm_fwd");
-  Tensor dx = at::empty({N, d}, g.options().dtype(xt));
-  Tensor dy = need_dy ? at::empty({N, d}, g.options().dtype(yt)) : Tensor();
+  Tensor dx = sublayer_cache::empty({N, d}, xt);  // two tensors, never one aliased
+  Tensor dy = need_dy ? sublayer_cache::empty({N, d}, yt) : Tensor();
   Tensor dw = need_dw ? at::empty({d}, g.options().dtype(at_)) : Tensor();
   Tensor db = need_db ? at::empty({d}, g.options().dtype(at_)) : Tensor();
   const Drop dr(p, 0);  // the mask comes saved: no draws
