@@ -3,8 +3,9 @@
 Shapes are batch-first (B, T, D); ``key_padding_mask`` True = padding.
 """
 
-from . import functional, models
+from . import functional, memory, models
 from .functional import KVCache
+from .memory import set_memory_reuse
 from .nn import (
     AddNorm,
     Conv1D,
@@ -38,5 +39,7 @@ __all__ = [
     "TransformerEncoder",
     "__version__",
     "functional",
+    "memory",
     "models",
+    "set_memory_reuse",
 ]
