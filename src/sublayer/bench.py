@@ -110,6 +110,10 @@ def _quantiles(ts: list[float]) -> tuple[float, float]:
 
 
 _FAULTS: dict[str, float] = {}  # impl -> median minor page faults per call of the last _time_interleaved
+# what a timing measures: "wall" (time.perf_counter) or "cpu" (this process's CPU time, page faults included; with
+# --threads 1 it is the wall time minus the time other processes took the core: steadier on a shared machine)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = {"now": time.perf_counter}
 
 
 def _time_interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int) -> dict[str, tuple[float, float]]:
@@ -124,9 +128,10 @@ def _time_interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int
     for _ in range(reps):
         for k, f in fns.items():
             f0 = _minflt()
-            t0 = time.perf_counter()
+            now = _clock["now"]
+            t0 = now()
             f()
-            ts[k].append(time.perf_counter() - t0)
+            ts[k].append(now() - t0)
             flt[k].append(_minflt() - f0)
     _FAULTS.clear()
     _FAULTS.update({k: statistics.median(v) for k, v in flt.items()})
@@ -467,8 +472,9 @@ def to_markdown(rows: list[Row], meta: dict) -> str:
         "",
         which,
         "",
-        "Times are medians in ms (± inter-quartile range / median); ratio = eager / sublayer (> 1: faster); faults = "
-        "median minor page faults per call (eager / sublayer).",
+        f"Times are medians in ms of {'CPU time' if meta.get('clock') == 'cpu' else 'wall time'} (± inter-quartile "
+        "range / median); ratio = eager / sublayer (> 1: faster); faults = median minor page faults per call "
+        "(eager / sublayer).",
         "",
     ]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -612,6 +618,7 @@ def _child(spec_path: str) -> None:
         raise SystemExit("memory reuse is unavailable here (not glibc)")
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
+    _clock["now"] = CLOCKS[spec["clock"]]
     shapes = [Shape(**s) for s in spec["shapes"]]
     rows = _measure(
         shapes, quick=spec["quick"], use_compile=spec["use_compile"], reps=spec["reps"], dts=spec["dts"],
@@ -632,6 +639,7 @@ def run_bench(
     dtypes: str = "fp32,bf16",
     cases: str | None = None,
     malloc: str = "both",
+    clock: str = "wall",
     reuse_memory: bool = False,
     log: Callable[[str], None] = print,
 ) -> list[Row]:
@@ -642,6 +650,8 @@ def run_bench(
             (default: each case under both, reported side by side). A setting this process does not have runs in
             a child process; this process's own allocator setting is never changed.
         cases: comma-separated subset of addnorm, ffn, encoder, hf, bert (default: all).
+        clock: ``"wall"`` (default) or ``"cpu"``: this process's CPU time per call, for shared machines (use it
+            with ``threads=1``: with more threads it adds up the threads' times).
         reuse_memory: old spelling of ``malloc="reuse"``.
 
     Raises:
@@ -656,6 +666,9 @@ def run_bench(
         raise ValueError(f"threads must be >= 1, got {threads}")
     if reuse_memory:
         malloc = "reuse"
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be wall or cpu, got {clock!r}")
+    _clock["now"] = CLOCKS[clock]
     if malloc not in (*MALLOC_SETTINGS, "both"):
         raise ValueError(f"malloc must be one of default, reuse, both, got {malloc!r}")
     all_shapes = QUICK_SHAPES if quick else SHAPES
@@ -689,6 +702,7 @@ def run_bench(
         "dropout": DROPOUT,
         "dtypes": dts,
         "cases": picked_cases,
+        "clock": clock,
         "native bf16 GEMM": kernels.native_bf16_gemm(),
         "malloc settings": settings,
         "malloc": " and ".join(MALLOC_SETTINGS[m] for m in settings),
@@ -707,6 +721,7 @@ def run_bench(
             spec = {
                 "malloc": setting, "shapes": [asdict(s) for s in all_shapes], "quick": quick,
                 "use_compile": use_compile, "reps": reps, "dts": dts, "cases": picked_cases, "extras": extras,
+                "clock": clock,
                 "threads": torch.get_num_threads(),
             }  # fmt: skip
             child_rows, meta["allocator"][setting] = _measure_in_child(spec, log)
@@ -737,6 +752,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", default=None)
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--cases", default=None)
+    ap.add_argument("--clock", default="wall", choices=list(CLOCKS))
     ap.add_argument("--malloc", default="both", choices=[*MALLOC_SETTINGS, "both"])
     ap.add_argument("--reuse-memory", action="store_true", help="same as --malloc reuse")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -746,7 +762,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     run_bench(
         a.out, quick=a.quick, use_compile=a.use_compile, reps=a.reps, threads=a.threads, shapes=a.shapes,
-        dtypes=a.dtypes, cases=a.cases, malloc=a.malloc, reuse_memory=a.reuse_memory,
+        dtypes=a.dtypes, cases=a.cases, malloc=a.malloc, clock=a.clock, reuse_memory=a.reuse_memory,
     )
 
 

@@ -257,6 +257,9 @@ def bench(
         help="Allocator setting(s) to measure under: default (glibc's), reuse (sublayer.set_memory_reuse) or both, "
         "side by side (the default one runs in a child process).",
     ),
+    clock: str = typer.Option(
+        "wall", "--clock", help="wall, or cpu: this process's CPU time (steadier on a shared machine; use --threads 1)."
+    ),
     reuse_memory: bool = typer.Option(False, "--reuse-memory", help="Same as --malloc reuse."),
 ) -> None:
     """Time sublayer's fused FFN / Add & Norm / EncoderBlock against eager PyTorch, HF and torch.compile."""
@@ -264,7 +267,7 @@ def bench(
 
     run_bench(
         out, quick=quick, use_compile=compile, reps=reps, threads=threads, shapes=shapes, dtypes=dtypes, cases=cases,
-        malloc=malloc, reuse_memory=reuse_memory, log=typer.echo,
+        malloc=malloc, clock=clock, reuse_memory=reuse_memory, log=typer.echo,
     )
 
 
