@@ -98,7 +98,8 @@ def demo(
         raise CLIError(f"--batch-size ({cfg.batch_size}) must be divisible by --nproc ({nproc})")
     from .memory import allocator_setting
 
-    typer.echo(f"allocator: {allocator_setting()}")
+    if not quiet:
+        typer.echo(f"allocator: {allocator_setting()}")
     from torch.multiprocessing import ProcessRaisedException
 
     from .parallel import launch
