@@ -24,8 +24,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import platform
 import os
+import platform
 import statistics
 import subprocess
 import sys
