@@ -3,8 +3,9 @@
 Shapes are batch-first (B, T, D); ``key_padding_mask`` True = padding.
 """
 
-from . import d2l, functional, models, plot
+from . import d2l, functional, memory, models, plot
 from .functional import KVCache
+from .memory import set_memory_reuse
 from .nn import (
     AddNorm,
     Conv1D,
@@ -40,7 +41,9 @@ __all__ = [
     "__version__",
     "d2l",
     "functional",
+    "memory",
     "models",
     "plot",
     "record_attention",
+    "set_memory_reuse",
 ]

@@ -10,6 +10,12 @@ A training step is what the sub-layer does inside a network: forward, then backw
 gradients flow on instead of accumulating). Harness work (filling a gradient, accumulating into old ``.grad``) would
 otherwise be timed on both sides and flatten the ratios.
 
+Allocator: every case runs under glibc's default ``malloc`` (what a user's script gets) and, by default, again with
+memory reuse (:func:`sublayer.set_memory_reuse`); the report puts the two side by side, with the minor page faults
+per call. ``mallopt`` cannot be undone inside a process, so a setting the current process no longer has runs in a
+fresh child process (``python -m sublayer.bench`` with the same options): the default one in a process where memory
+reuse is on (the ``sublayer`` CLI turns it on), or where ``LD_PRELOAD``/``MALLOC_*`` set another allocator.
+
 Writes ``bench.json``, ``bench.md`` and ``bench.png`` to ``out``.
 """
 
@@ -18,8 +24,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -28,7 +38,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["Shape", "SHAPES", "QUICK_SHAPES", "run_bench"]
+from . import memory
+
+__all__ = ["Shape", "SHAPES", "QUICK_SHAPES", "MALLOC_SETTINGS", "run_bench"]
+
+# allocator settings the bench can measure: name -> how the report calls it
+MALLOC_SETTINGS = {
+    "default": "glibc default",
+    "reuse": "memory reuse (sublayer.set_memory_reuse)",
+}
 
 
 @dataclass(frozen=True)
@@ -47,11 +65,13 @@ class Shape:
 
 SHAPES = [
     Shape("tutorial 64x256 d512", 64, 256, 512, 2048, 8),
+    Shape("small 16x128 d512", 16, 128, 512, 2048, 8),
     Shape("BERT-base 32x128", 32, 128, 768, 3072, 12),
     Shape("MiniLM 64x128", 64, 128, 384, 1536, 12),
 ]
 QUICK_SHAPES = [Shape("tutorial-quick 2x128 d512", 2, 128, 512, 2048, 8)]
 DROPOUT = 0.1
+CASES = ("addnorm", "ffn", "encoder", "hf", "bert", "loss")  # --cases picks among these
 
 
 @dataclass
@@ -63,11 +83,23 @@ class Row:
     times_ms: dict[str, float] = field(default_factory=dict)  # impl -> median ms
     spread: dict[str, float] = field(default_factory=dict)  # impl -> (p75 - p25) / median
     extra: dict[str, float | str] = field(default_factory=dict)
+    malloc: str = "default"  # a key of MALLOC_SETTINGS: the allocator setting it ran under
+    faults: dict[str, float] = field(default_factory=dict)  # impl -> median minor page faults per call
 
     def ratio(self, impl: str = "sublayer", base: str = "eager") -> float | None:
         if impl in self.times_ms and base in self.times_ms and self.times_ms[impl] > 0:
             return self.times_ms[base] / self.times_ms[impl]
         return None
+
+
+def _minflt() -> int:
+    """Minor page faults of this process so far (0 where getrusage is unavailable)."""
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    except (ImportError, OSError):
+        return 0
 
 
 def _quantiles(ts: list[float]) -> tuple[float, float]:
@@ -77,18 +109,42 @@ def _quantiles(ts: list[float]) -> tuple[float, float]:
     return med * 1e3, (q[2] - q[0]) / med if med > 0 else 0.0
 
 
+_FAULTS: dict[str, float] = {}  # impl -> median minor page faults per call of the last _time_interleaved
+# what a timing measures: "wall" (time.perf_counter) or "cpu" (this process's CPU time, page faults included; with
+# --threads 1 it is the wall time minus the time other processes took the core: steadier on a shared machine)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = {"now": time.perf_counter}
+
+
 def _time_interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int) -> dict[str, tuple[float, float]]:
-    """Run each fn ``warmup`` times, then ``reps`` rounds of all fns in turn (noise hits all alike)."""
+    """Run each fn ``warmup`` times, then ``reps`` rounds of all fns in turn (noise hits all alike).
+
+    Also counts each call's minor page faults (median per fn in ``_FAULTS``)."""
     for f in fns.values():
         for _ in range(warmup):
             f()
     ts: dict[str, list[float]] = {k: [] for k in fns}
+    flt: dict[str, list[int]] = {k: [] for k in fns}
     for _ in range(reps):
         for k, f in fns.items():
-            t0 = time.perf_counter()
+            f0 = _minflt()
+            now = _clock["now"]
+            t0 = now()
             f()
-            ts[k].append(time.perf_counter() - t0)
+            ts[k].append(now() - t0)
+            flt[k].append(_minflt() - f0)
+    _FAULTS.clear()
+    _FAULTS.update({k: statistics.median(v) for k, v in flt.items()})
     return {k: _quantiles(v) for k, v in ts.items()}
+
+
+def _fill(row: Row, res: dict[str, tuple[float, float]]) -> Row:
+    """Times, spreads and page faults of a _time_interleaved result into ``row``."""
+    for k, (t, sp) in res.items():
+        row.times_ms[k], row.spread[k] = t, sp
+        if k in _FAULTS:
+            row.faults[k] = _FAULTS[k]
+    return row
 
 
 def _saved_bytes(fn: Callable[[], torch.Tensor], params) -> int:
@@ -108,21 +164,8 @@ def _saved_bytes(fn: Callable[[], torch.Tensor], params) -> int:
 
 
 def malloc_reuse() -> bool:
-    """Make glibc keep freed memory for reuse (no mmap for big blocks, no trimming), process-wide.
-
-    Fresh multi-MB buffers page-fault on every touch (≈3-4 µs per 4 KiB page in this VM: filling a new 32 MiB
-    tensor takes 20-30 ms, copying into an old one 4 ms), which can dominate memory-bound ops. Both eager and
-    sublayer profit; the bench reports which allocator setting it ran with. Returns False where unsupported.
-    """
-    try:
-        import ctypes
-        import ctypes.util
-
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        m_trim_threshold, m_mmap_max = -1, -4
-        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
-    except (OSError, AttributeError):
-        return False
+    """:func:`sublayer.set_memory_reuse` (kept for old callers)."""
+    return memory.set_memory_reuse()
 
 
 def _autocast(bf16: bool):
@@ -235,8 +278,7 @@ def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compi
     fns["gemms"] = gemms
     res = _time_interleaved(fns, reps, warmup)
     row = Row("FFN relu (nn.Sequential)", s.name, "bf16 autocast" if bf16 else "fp32", mode)
-    for k, (t, sp) in res.items():
-        row.times_ms[k], row.spread[k] = t, sp
+    _fill(row, res)
     row.extra["sublayer / GEMMs alone"] = round(res["sublayer"][0] / res["gemms"][0], 3)
     row.extra["eager / GEMMs alone"] = round(res["eager"][0] / res["gemms"][0], 3)
     if mode == "training":
@@ -270,8 +312,7 @@ def bench_add_norm(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_
     fns = _step_fns(mods, lambda: (x, y), False, mode)
     res = _time_interleaved(fns, reps, warmup)
     row = Row("Add&Norm LN(x + Dropout(y))", s.name, "bf16" if bf16 else "fp32", mode)
-    for k, (t, sp) in res.items():
-        row.times_ms[k], row.spread[k] = t, sp
+    _fill(row, res)
     n, es = x.numel(), x.element_size()
     # minimal traffic: forward (no grad) reads x, y and writes out (3s); training also writes the sum (4s) and
     # its backward reads g, sum and writes dx, dy (4s).
@@ -296,8 +337,7 @@ def bench_encoder(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> Ro
     fns = _step_fns({"eager": eager, "sublayer": ours}, lambda: (x,), bf16, mode)
     res = _time_interleaved(fns, reps, warmup)
     row = Row("EncoderBlock vs nn.TransformerEncoderLayer", s.name, "bf16 autocast" if bf16 else "fp32", mode)
-    for k, (t, sp) in res.items():
-        row.times_ms[k], row.spread[k] = t, sp
+    _fill(row, res)
     return row
 
 
@@ -318,8 +358,7 @@ def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Ro
     x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
     res = _time_interleaved(_step_fns({"eager": hf, "sublayer": ours}, lambda: (x,), bf16, mode), reps, warmup)
     row = Row("HF GPT2MLP (gelu_new, resid dropout)", s.name, "bf16 autocast" if bf16 else "fp32", mode)
-    for k, (t, sp) in res.items():
-        row.times_ms[k], row.spread[k] = t, sp
+    _fill(row, res)
     rows.append(row)
 
     bcfg = BertConfig(hidden_size=s.d, intermediate_size=s.f, hidden_dropout_prob=DROPOUT, layer_norm_eps=1e-12)
@@ -339,8 +378,7 @@ def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Ro
     inp = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
     res = _time_interleaved(_step_fns({"eager": hf_out, "sublayer": ob}, lambda: (h, inp), bf16, mode), reps, warmup)
     row = Row("HF BertOutput (dense, dropout, LN)", s.name, "bf16 autocast" if bf16 else "fp32", mode)
-    for k, (t, sp) in res.items():
-        row.times_ms[k], row.spread[k] = t, sp
+    _fill(row, res)
     rows.append(row)
     return rows
 
@@ -392,8 +430,7 @@ def bench_bert_inference(quick: bool, reps: int, warmup: int) -> list[Row]:
     # HF under bf16 autocast takes seconds per call on CPUs without native bf16 GEMMs: few rounds
     res = _time_interleaved(fns, min(reps, 3), min(warmup, 1))
     row = Row("BERT inference: fast path vs HF BertModel bf16 autocast", name, "bf16", "forward")
-    for k, (tm, sp) in res.items():
-        row.times_ms[k], row.spread[k] = tm, sp
+    _fill(row, res)
     real = mask.bool()
     ref = hf_call(False)()
     cos = torch.nn.functional.cosine_similarity(fast(ids, mask)[real], ref[real], dim=-1).min()
@@ -410,25 +447,58 @@ def _fmt(v: float | None, nd: int = 2) -> str:
     return "—" if v is None else f"{v:.{nd}f}"
 
 
+def _key(r: Row) -> tuple[str, str, str, str]:
+    return (r.case, r.shape, r.dtype, r.mode)
+
+
 def to_markdown(rows: list[Row], meta: dict) -> str:
+    """The report: one table; with both allocator settings, the memory-reuse run in columns beside the default's."""
+    settings = list(dict.fromkeys(r.malloc for r in rows)) or [meta.get("malloc settings", ["default"])[0]]
+    first = settings[0]
+    other = {_key(r): r for r in rows if r.malloc != first}
+    malloc_line = "; ".join(f"{MALLOC_SETTINGS[m]}: {meta['allocator'][m]}" for m in settings if m in meta.get("allocator", {}))
+    cols = ["case", "shape", "dtype", "mode", "eager ms", "sublayer ms", "ratio", "faults"]
+    o = "reuse" if first == "default" else "default"
+    if other:
+        cols += [f"{o}: eager ms", f"{o}: sublayer ms", f"{o}: ratio", f"{o}: faults"]
+        which = f"Columns without a prefix: {MALLOC_SETTINGS[first]}; '{o}:' columns: {MALLOC_SETTINGS[o]}."
+    else:
+        which = f"All columns: {MALLOC_SETTINGS[first]}."
+    cols += ["compile ms", "notes"]
     lines = [
-        f"sublayer bench — torch {meta['torch']}, {meta['threads']} threads, {meta['cpu']}, malloc: {meta['malloc']}, "
-        f"kernels: {meta['kernels']}",
+        f"sublayer bench — torch {meta['torch']}, {meta['threads']} threads, {meta['cpu']}, kernels: {meta['kernels']}",
         "",
-        "Times are medians in ms (± inter-quartile range / median); ratio = eager / sublayer (> 1: faster).",
+        f"malloc — {malloc_line or meta.get('malloc', '')}",
         "",
-        "| case | shape | dtype | mode | eager ms | sublayer ms | ratio | compile ms | notes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        which,
+        "",
+        f"Times are medians in ms of {'CPU time' if meta.get('clock') == 'cpu' else 'wall time'} (± inter-quartile "
+        "range / median); ratio = eager / sublayer (> 1: faster); faults = median minor page faults per call "
+        "(eager / sublayer).",
+        "",
     ]
-    for r in rows:
+    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+    def cells(r: Row | None) -> list[str]:
+        if r is None:
+            return ["—"] * 4
+
         def t(k):
             return f"{r.times_ms[k]:.2f} ±{100 * r.spread[k]:.0f}%" if k in r.times_ms else "—"
 
-        notes = ", ".join(f"{k} {v}" for k, v in r.extra.items())
-        lines.append(
-            f"| {r.case} | {r.shape} | {r.dtype} | {r.mode} | {t('eager')} | {t('sublayer')} | "
-            f"{_fmt(r.ratio())} | {t('compile')} | {notes} |"
-        )
+        f = r.faults
+        flt = f"{f['eager']:.0f} / {f['sublayer']:.0f}" if "eager" in f and "sublayer" in f else "—"
+        return [t("eager"), t("sublayer"), _fmt(r.ratio()), flt]
+
+    for r in rows:
+        if r.malloc != first:
+            continue
+        c = [r.case, r.shape, r.dtype, r.mode, *cells(r)]
+        if other:
+            c += cells(other.get(_key(r)))
+        c += [f"{r.times_ms['compile']:.2f}" if "compile" in r.times_ms else "—",
+              ", ".join(f"{k} {v}" for k, v in r.extra.items())]  # fmt: skip
+        lines.append("| " + " | ".join(c) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -439,7 +509,11 @@ def _figure(rows: list[Row]):
     def short(case: str) -> str:
         return case.split(" (")[0].split(" vs ")[0].replace("HF ", "").replace(" LN", "")
 
-    labels = [f"{short(r.case)} {r.shape.split(' ')[0]} {r.dtype.split(' ')[0]} {r.mode}" for r in rows]
+    both = len({r.malloc for r in rows}) > 1
+    labels = [
+        f"{short(r.case)} {r.shape.split(' ')[0]} {r.dtype.split(' ')[0]} {r.mode}" + (f" [{r.malloc}]" if both else "")
+        for r in rows
+    ]
     vals = [r.ratio() or 0.0 for r in rows]
     fig = Figure(figsize=(9, max(3, 0.3 * len(rows) + 1)))
     ax = fig.add_subplot()
@@ -450,13 +524,116 @@ def _figure(rows: list[Row]):
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("speed-up vs eager PyTorch (eager time / sublayer time)")
-    ax.set_title("sublayer vs eager (dropout 0.1)")
+    ax.set_title("sublayer vs eager (dropout 0.1)" + (" — [default] glibc malloc, [reuse] memory reuse" if both else ""))
     return fig
 
 
 def _plot(rows: list[Row], path: Path) -> None:
     # bbox_inches="tight": the figure grows to hold the longest label instead of cutting it
     _figure(rows).savefig(path, dpi=120, bbox_inches="tight")
+
+
+def _log_row(r: Row, log: Callable[[str], None]) -> None:
+    flt = f"  faults {r.faults['eager']:.0f}/{r.faults['sublayer']:.0f}" if {"eager", "sublayer"} <= r.faults.keys() else ""
+    log(
+        f"[{r.malloc:7s}] {r.case:44s} {r.shape:22s} {r.dtype:13s} {r.mode:8s} "
+        f"eager {r.times_ms['eager']:9.2f} ms  sublayer {r.times_ms['sublayer']:9.2f} ms  x{_fmt(r.ratio())}{flt}"
+    )
+
+
+def _measure(
+    shapes: list[Shape], *, quick: bool, use_compile: bool, reps: int, dts: list[str], cases: list[str],
+    extras: bool, malloc: str, log: Callable[[str], None],
+) -> list[Row]:
+    """Every case of every shape in THIS process (whose allocator setting is ``malloc``); ``extras``: also
+    torch.compile and the BERT inference case."""
+    from . import kernels
+
+    kernels.available()  # build first so the first timing does not include it
+    warmup = 1 if quick else 2
+    rows: list[Row] = []
+
+    def add(rs: list[Row]) -> None:
+        for r in rs:
+            r.malloc = malloc
+            rows.append(r)
+            _log_row(r, log)
+
+    for s in shapes:
+        copy = {dt: _copy_gbps(s.tokens * s.d, dt, max(reps, 5)) for dt in (torch.float32, torch.bfloat16)}
+        for mode in ("training", "forward"):
+            for bf16 in [dt == "bf16" for dt in ("fp32", "bf16") if dt in dts]:
+                comp = extras and use_compile and not bf16 and s is shapes[0]
+                steps = [
+                    ("addnorm", lambda: [bench_add_norm(s, bf16, mode, reps, warmup, comp, copy[torch.bfloat16 if bf16 else torch.float32])]),
+                    ("ffn", lambda: [bench_ffn(s, bf16, mode, reps, warmup, comp)]),
+                ]
+                if not quick or mode == "training":
+                    steps.append(("encoder", lambda: [bench_encoder(s, bf16, mode, reps, warmup)]))
+                if not quick and s is shapes[0]:
+                    steps.append(("hf", lambda: bench_hf(s, bf16, mode, reps, warmup)))
+                for case, step in steps:
+                    if case in cases:
+                        add(step())
+    if extras and "bert" in cases and "bf16" in dts and (quick or any("minilm" in s.name.lower() for s in shapes)):
+        add(bench_bert_inference(quick, reps, warmup))
+    if extras and "loss" in cases and "fp32" in dts:  # the fused LM-head loss (sublayer.bench_loss): op and GPT-2 step
+        from .bench_loss import bench_loss
+
+        add(bench_loss(quick, reps, warmup))
+    return rows
+
+
+def _runs_here(setting: str) -> bool:
+    """Whether this process has (or can take, without losing another) the allocator ``setting``."""
+    if setting == "reuse":
+        return memory.memory_reuse_active()
+    return not memory.memory_reuse_active() and memory._env_allocator() is None
+
+
+def _measure_in_child(spec: dict, log: Callable[[str], None]) -> tuple[list[Row], str]:
+    """Run ``_measure`` in a fresh ``python -m sublayer.bench --child`` process; its rows and allocator line."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, rows_path = Path(tmp) / "spec.json", Path(tmp) / "rows.json"
+        spec_path.write_text(json.dumps({**spec, "rows_out": str(rows_path)}))
+        env = dict(os.environ)
+        if spec["malloc"] == "default":  # nothing from outside either: glibc as a user's script gets it
+            for k in [k for k in env if k.startswith("MALLOC_") and k.endswith("_")] + ["LD_PRELOAD"]:
+                env.pop(k, None)
+        src = str(Path(__file__).resolve().parents[1])  # this sublayer, even when it is not installed
+        env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sublayer.bench", "--child", str(spec_path)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        tail: list[str] = []
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail = (tail + [line])[-20:]
+            if line.startswith("["):
+                log(line)
+        if proc.wait() != 0:
+            raise RuntimeError(f"the bench's {spec['malloc']!r} allocator run failed:\n" + "\n".join(tail))
+        data = json.loads(rows_path.read_text())
+    return [Row(**r) for r in data["rows"]], data["allocator"]
+
+
+def _child(spec_path: str) -> None:
+    """``python -m sublayer.bench --child SPEC``: one allocator setting's rows, written to spec["rows_out"]."""
+    spec = json.loads(Path(spec_path).read_text())
+    if spec["malloc"] == "reuse" and not memory.set_memory_reuse():
+        raise SystemExit("memory reuse is unavailable here (not glibc)")
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    _clock["now"] = CLOCKS[spec["clock"]]
+    shapes = [Shape(**s) for s in spec["shapes"]]
+    rows = _measure(
+        shapes, quick=spec["quick"], use_compile=spec["use_compile"], reps=spec["reps"], dts=spec["dts"],
+        cases=spec["cases"], extras=spec["extras"], malloc=spec["malloc"], log=lambda line: print(line, flush=True),
+    )  # fmt: skip
+    out = {"rows": [asdict(r) for r in rows], "allocator": memory.allocator_setting()}
+    Path(spec["rows_out"]).write_text(json.dumps(out))
 
 
 def run_bench(
@@ -468,22 +645,40 @@ def run_bench(
     threads: int | None = None,
     shapes: str | None = None,
     dtypes: str = "fp32,bf16",
+    cases: str | None = None,
+    malloc: str = "both",
+    clock: str = "wall",
     reuse_memory: bool = False,
     log: Callable[[str], None] = print,
 ) -> list[Row]:
     """Run every case; write bench.json / bench.md / bench.png to ``out``; return the rows.
 
+    Args:
+        malloc: ``"default"`` (glibc's defaults), ``"reuse"`` (:func:`sublayer.set_memory_reuse`) or ``"both"``
+            (default: each case under both, reported side by side). A setting this process does not have runs in
+            a child process; this process's own allocator setting is never changed.
+        cases: comma-separated subset of addnorm, ffn, encoder, hf, bert (default: all).
+        clock: ``"wall"`` (default) or ``"cpu"``: this process's CPU time per call, for shared machines (use it
+            with ``threads=1``: with more threads it adds up the threads' times).
+        reuse_memory: old spelling of ``malloc="reuse"``.
+
     Raises:
-        ValueError: ``shapes`` matches no shape, or ``reps``/``threads`` below 1.
+        ValueError: ``shapes`` matches no shape, ``reps``/``threads`` below 1, or an unknown ``dtypes``/``cases``/
+            ``malloc``.
     """
     from . import kernels
 
     if reps is not None and reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
-    if threads is not None:
-        if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    if reuse_memory:
+        malloc = "reuse"
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be wall or cpu, got {clock!r}")
+    _clock["now"] = CLOCKS[clock]
+    if malloc not in (*MALLOC_SETTINGS, "both"):
+        raise ValueError(f"malloc must be one of default, reuse, both, got {malloc!r}")
     all_shapes = QUICK_SHAPES if quick else SHAPES
     if shapes:
         keys = [k.strip().lower() for k in shapes.split(",") if k.strip()]
@@ -491,7 +686,6 @@ def run_bench(
         if not picked:
             raise ValueError(f"--shapes {shapes!r} matches none of: {', '.join(s.name for s in all_shapes)}")
         all_shapes = picked
-    shapes = all_shapes
     dts = [t.strip().lower() for t in dtypes.split(",") if t.strip()]
     if not dts or set(dts) - {"fp32", "bf16"}:
         raise ValueError(f"dtypes must be a comma-separated subset of fp32,bf16, got {dtypes!r}")
@@ -499,13 +693,17 @@ def run_bench(
         import transformers  # noqa: F401
     except Exception:  # noqa: BLE001 - transformers is optional here
         log("transformers is not installed: skipping the Hugging Face rows (pip install transformers to time them)")
+    picked_cases = [c.strip().lower() for c in (cases or ",".join(CASES)).split(",") if c.strip()]
+    if not picked_cases or set(picked_cases) - set(CASES):
+        raise ValueError(f"cases must be a comma-separated subset of {','.join(CASES)}, got {cases!r}")
+    if threads is not None:
+        torch.set_num_threads(threads)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     reps = reps or (3 if quick else 7)
-    warmup = 1 if quick else 2
     use_compile = (not quick) if use_compile is None else use_compile
-    kernels.available()  # build first so the first timing does not include it
-    reused = malloc_reuse() if reuse_memory else False
+    settings = list(MALLOC_SETTINGS) if malloc == "both" else [malloc]
+    kernels.available()
     meta = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -515,46 +713,31 @@ def run_bench(
         "reps": reps,
         "dropout": DROPOUT,
         "dtypes": dts,
+        "cases": picked_cases,
+        "clock": clock,
         "native bf16 GEMM": kernels.native_bf16_gemm(),
-        "malloc": "reuse freed memory (mallopt)" if reused else "glibc default",
+        "malloc settings": settings,
+        "malloc": " and ".join(MALLOC_SETTINGS[m] for m in settings),
+        "allocator": {},
     }
     rows: list[Row] = []
     t_start = time.perf_counter()
-    for s in shapes:
-        copy = {dt: _copy_gbps(s.tokens * s.d, dt, max(reps, 5)) for dt in (torch.float32, torch.bfloat16)}
-        for mode in ("training", "forward"):
-            for bf16 in [dt == "bf16" for dt in ("fp32", "bf16") if dt in dts]:
-                comp = use_compile and not bf16 and s is shapes[0]
-                steps = [
-                    lambda: [bench_add_norm(s, bf16, mode, reps, warmup, comp, copy[torch.bfloat16 if bf16 else torch.float32])],
-                    lambda: [bench_ffn(s, bf16, mode, reps, warmup, comp)],
-                ]
-                if not quick or mode == "training":
-                    steps.append(lambda: [bench_encoder(s, bf16, mode, reps, warmup)])
-                if not quick and s is shapes[0]:
-                    steps.append(lambda: bench_hf(s, bf16, mode, reps, warmup))
-                for step in steps:
-                    for r in step():
-                        rows.append(r)
-                        log(
-                            f"{r.case:44s} {r.shape:22s} {r.dtype:13s} {r.mode:8s} "
-                            f"eager {r.times_ms['eager']:9.2f} ms  sublayer {r.times_ms['sublayer']:9.2f} ms  "
-                            f"x{_fmt(r.ratio())}"
-                        )
-    if "bf16" in dts and (quick or any("minilm" in s.name.lower() for s in shapes)):
-        for r in bench_bert_inference(quick, reps, warmup):
-            rows.append(r)
-            log(
-                f"{r.case:44s} {r.shape:22s} {r.dtype:13s} {r.mode:8s} "
-                f"eager {r.times_ms['eager']:9.2f} ms  sublayer {r.times_ms['sublayer']:9.2f} ms  x{_fmt(r.ratio())}"
-            )
-    if "fp32" in dts:  # the fused LM-head loss (sublayer.bench_loss): the op alone and a GPT-2 training step
-        from .bench_loss import bench_loss
-
-        for r in bench_loss(quick, reps, warmup):
-            rows.append(r)
-            log(f"{r.case:44s} {r.shape:22s} fp32 training  eager {r.times_ms['eager']:9.2f} ms  "
-                f"sublayer {r.times_ms['sublayer']:9.2f} ms  x{_fmt(r.ratio())}")  # fmt: skip
+    for i, setting in enumerate(settings):
+        extras = i == 0  # torch.compile and BERT inference: under the first setting only
+        log(f"--- malloc: {MALLOC_SETTINGS[setting]} ---")
+        if _runs_here(setting):
+            rows += _measure(all_shapes, quick=quick, use_compile=use_compile, reps=reps, dts=dts,
+                             cases=picked_cases, extras=extras, malloc=setting, log=log)  # fmt: skip
+            meta["allocator"][setting] = memory.allocator_setting()
+        else:
+            spec = {
+                "malloc": setting, "shapes": [asdict(s) for s in all_shapes], "quick": quick,
+                "use_compile": use_compile, "reps": reps, "dts": dts, "cases": picked_cases, "extras": extras,
+                "clock": clock,
+                "threads": torch.get_num_threads(),
+            }  # fmt: skip
+            child_rows, meta["allocator"][setting] = _measure_in_child(spec, log)
+            rows += child_rows
     meta["seconds"] = round(time.perf_counter() - t_start, 1)
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     (out / "bench.md").write_text(to_markdown(rows, meta))
@@ -562,12 +745,13 @@ def run_bench(
         _plot(rows, out / "bench.png")
     except ImportError:
         log("matplotlib missing: no bench.png")
+    log(f"malloc: {meta['malloc']}")
     log(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'} in {meta['seconds']} s")
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m sublayer.bench [--quick] [--out DIR] [--no-compile]``."""
+    """``python -m sublayer.bench [--quick] [--out DIR] [--no-compile] [--malloc default|reuse|both]``."""
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -579,11 +763,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--shapes", default=None)
     ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--reuse-memory", action="store_true")
+    ap.add_argument("--cases", default=None)
+    ap.add_argument("--clock", default="wall", choices=list(CLOCKS))
+    ap.add_argument("--malloc", default="both", choices=[*MALLOC_SETTINGS, "both"])
+    ap.add_argument("--reuse-memory", action="store_true", help="same as --malloc reuse")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.child:
+        _child(a.child)
+        return
     run_bench(
         a.out, quick=a.quick, use_compile=a.use_compile, reps=a.reps, threads=a.threads, shapes=a.shapes,
-        dtypes=a.dtypes, reuse_memory=a.reuse_memory,
+        dtypes=a.dtypes, cases=a.cases, malloc=a.malloc, clock=a.clock, reuse_memory=a.reuse_memory,
     )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .bench import Row, _saved_bytes, _time_interleaved
+from .bench import Row, _fill, _saved_bytes, _time_interleaved
 from .functional import linear_cross_entropy
 
 __all__ = ["bench_loss", "bench_lm_head", "bench_gpt2_loss_step"]
@@ -26,12 +26,6 @@ def _held_bytes(loss: torch.Tensor) -> int:
     """Gradients a ``grad_in_forward`` loss holds for its backward (not seen by saved-tensor hooks)."""
     grads = getattr(loss.grad_fn, "grads", ()) or ()
     return sum(t.untyped_storage().nbytes() for t in grads if t is not None)
-
-
-def _fill(row: Row, res: dict) -> Row:
-    for k, (t, sp) in res.items():
-        row.times_ms[k], row.spread[k] = t, sp
-    return row
 
 
 def bench_lm_head(quick: bool, reps: int, warmup: int) -> Row:

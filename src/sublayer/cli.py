@@ -43,6 +43,9 @@ class CLIError(Exception):
 @app.callback()
 def _root(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors.")) -> None:
     _state["debug"] = debug
+    from .memory import set_memory_reuse
+
+    set_memory_reuse()  # every command: glibc keeps freed memory (no page faults on recycled big buffers)
 
 
 @app.command()
@@ -70,6 +73,10 @@ def info() -> None:
     from . import kernels
 
     rows["fast kernels"] = kernels.status()  # builds (or loads the cached) C++ extension once
+    from .memory import allocator_setting, buffer_cache
+
+    rows["allocator"] = allocator_setting()
+    rows["buffer cache"] = f"Add & Norm keeps up to {buffer_cache()['limit_mb']:g} MiB of freed buffers (SUBLAYER_BUFFER_CACHE_MB)"
     for k, v in rows.items():
         typer.echo(f"{k:16s} {v}")
 
@@ -112,6 +119,10 @@ def demo(
     from . import kernels
 
     kernels.enabled()  # build (once, announced on stderr) before training starts, so tok/s never includes it
+    from .memory import allocator_setting
+
+    if not quiet:
+        typer.echo(f"allocator: {allocator_setting()}")
     from torch.multiprocessing import ProcessRaisedException
 
     from .parallel import launch
@@ -128,6 +139,9 @@ def demo(
 def _demo_rank(rank: int, world_size: int, cfg) -> None:
     """One rank of ``sublayer demo`` (module level: it is pickled into the spawned processes)."""
     from .demo import train
+    from .memory import set_memory_reuse
+
+    set_memory_reuse()  # a spawned rank is a fresh process
 
     if world_size == 1:
         train(cfg)
@@ -261,16 +275,23 @@ def bench(
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's)."),
     shapes: Optional[str] = typer.Option(None, "--shapes", help="Comma-separated substrings of shape names to run."),
     dtypes: str = typer.Option("fp32,bf16", "--dtypes", help="fp32 and/or bf16 (bf16: autocast for FFN/blocks)."),
-    reuse_memory: bool = typer.Option(
-        False, "--reuse-memory", help="glibc keeps freed memory (no page faults on fresh buffers), for both sides."
+    cases: Optional[str] = typer.Option(None, "--cases", help="Comma-separated subset of addnorm,ffn,encoder,hf,bert."),
+    malloc: str = typer.Option(
+        "both", "--malloc",
+        help="Allocator setting(s) to measure under: default (glibc's), reuse (sublayer.set_memory_reuse) or both, "
+        "side by side (the default one runs in a child process).",
     ),
+    clock: str = typer.Option(
+        "wall", "--clock", help="wall, or cpu: this process's CPU time (steadier on a shared machine; use --threads 1)."
+    ),
+    reuse_memory: bool = typer.Option(False, "--reuse-memory", help="Same as --malloc reuse."),
 ) -> None:
     """Time sublayer's fused FFN / Add & Norm / EncoderBlock against eager PyTorch, HF and torch.compile."""
     from .bench import run_bench
 
     run_bench(
-        out, quick=quick, use_compile=compile, reps=reps, threads=threads, shapes=shapes, dtypes=dtypes,
-        reuse_memory=reuse_memory, log=typer.echo,
+        out, quick=quick, use_compile=compile, reps=reps, threads=threads, shapes=shapes, dtypes=dtypes, cases=cases,
+        malloc=malloc, clock=clock, reuse_memory=reuse_memory, log=typer.echo,
     )
 
 

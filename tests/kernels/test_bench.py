@@ -6,14 +6,26 @@ import json
 
 import pytest
 
-from sublayer import bench
+from sublayer import bench, memory
+
+TINY = bench.Shape("tiny", 1, 8, 16, 32, 2)
+
+
+def _here() -> str:
+    """The allocator setting this test process has (measured in-process: no child process)."""
+    return "reuse" if memory.memory_reuse_active() else "default"
 
 
 def test_quick_bench_writes_json_markdown_and_png(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "QUICK_SHAPES", [bench.Shape("tiny", 1, 8, 16, 32, 2)])
-    rows = bench.run_bench(tmp_path, quick=True, reps=1, log=lambda s: None)
+    monkeypatch.setattr(bench, "QUICK_SHAPES", [TINY])
+    here = _here()
+    rows = bench.run_bench(tmp_path, quick=True, reps=1, malloc=here, log=lambda s: None)
     data = json.loads((tmp_path / "bench.json").read_text())
     assert len(data["rows"]) == len(rows) > 0
+    assert {r["malloc"] for r in data["rows"]} == {here}
+    assert data["meta"]["malloc"] == bench.MALLOC_SETTINGS[here]
+    assert data["meta"]["allocator"][here] == memory.allocator_setting()
+    assert all(set(r["faults"]) >= {"eager", "sublayer"} for r in data["rows"])  # page faults counted per call
     cases = {r["case"].split(" ")[0] for r in data["rows"]}
     assert {"Add&Norm", "FFN", "EncoderBlock"} <= cases
     for r in data["rows"]:
@@ -21,8 +33,29 @@ def test_quick_bench_writes_json_markdown_and_png(tmp_path, monkeypatch):
     ffn = next(r for r in data["rows"] if r["case"].startswith("FFN") and r["mode"] == "training")
     assert ffn["extra"]["saved ratio"] <= 0.6  # the input and one hidden tensor, no mask
     md = (tmp_path / "bench.md").read_text()
-    assert "| case | shape | dtype | mode | eager ms | sublayer ms | ratio |" in md
+    assert "| case | shape | dtype | mode | eager ms | sublayer ms | ratio | faults |" in md
+    assert f"All columns: {bench.MALLOC_SETTINGS[here]}." in md  # the report states the allocator setting
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_both_allocator_settings_side_by_side_without_changing_this_process(tmp_path, monkeypatch):
+    # the setting this process lacks runs in a child process; this process's own setting stays as it was
+    monkeypatch.setattr(bench, "QUICK_SHAPES", [TINY])
+    before = memory.memory_reuse_active()
+    lines: list[str] = []
+    bench.run_bench(tmp_path, quick=True, reps=1, dtypes="fp32", cases="addnorm", clock="cpu", log=lines.append)
+    assert memory.memory_reuse_active() == before
+    data = json.loads((tmp_path / "bench.json").read_text())
+    by = {(r["malloc"], r["mode"]) for r in data["rows"]}
+    assert by == {(m, mode) for m in ("default", "reuse") for mode in ("training", "forward")}
+    assert data["meta"]["allocator"]["default"].startswith("glibc default")
+    assert "memory reuse on" in data["meta"]["allocator"]["reuse"]
+    md = (tmp_path / "bench.md").read_text()
+    assert "| reuse: eager ms | reuse: sublayer ms | reuse: ratio | reuse: faults |" in md
+    assert "Columns without a prefix: glibc default; 'reuse:' columns: memory reuse" in md
+    assert "ms of CPU time" in md
+    assert any(ln.startswith("[reuse  ] Add&Norm") for ln in lines)  # the child's rows are logged too
+    assert any(ln.startswith("[default] Add&Norm") for ln in lines)
 
 
 def test_bad_options():
@@ -30,6 +63,12 @@ def test_bad_options():
         bench.run_bench("unused", quick=True, shapes="nope")
     with pytest.raises(ValueError, match="dtypes"):
         bench.run_bench("unused", quick=True, dtypes="fp16")
+    with pytest.raises(ValueError, match="cases must be a comma-separated subset of addnorm,ffn"):
+        bench.run_bench("unused", quick=True, cases="addnorm,gemm")
+    with pytest.raises(ValueError, match="malloc must be one of default, reuse, both, got 'jemalloc'"):
+        bench.run_bench("unused", quick=True, malloc="jemalloc")
+    with pytest.raises(ValueError, match="clock must be wall or cpu, got 'gpu'"):
+        bench.run_bench("unused", quick=True, clock="gpu")
 
 
 def test_bench_png_has_whole_labels_and_the_values():
