@@ -1,0 +1,426 @@
+"""int8 inference for :class:`~sublayer.models.Bert` (and :class:`~sublayer.models.GPT2`):
+``fast_inference(model, quantize="int8")`` or :func:`quantize`.
+
+What is quantized, and how:
+
+* every dense layer of the blocks (fused q|k|v, attention output, FFN in and out): weights **int8, symmetric per
+  output channel** (``w ≈ q · s[j]``, ``s[j] = max|w[j, :]| / 127``), quantized once when the wrapper is built;
+* their inputs are quantized **dynamically** on each call by fbgemm's ``quantized::linear_dynamic`` (the engine of
+  ``torch.ao.quantization.quantize_dynamic``): uint8, asymmetric, one scale per call, int32 accumulation, output
+  float32 with the float bias added. On this project's AVX2 CPU that GEMM runs at ~400 GOP/s against ~170 GFLOP/s
+  for fp32. Without fbgemm (another CPU architecture) :func:`int8_linear_reference` computes the same numbers in
+  plain PyTorch (slowly: it is the reference the fast path is tested against);
+* what stays float32: embeddings, LayerNorms, softmax/attention (SDPA), the GELU, the pooler, the GPT-2 LM head,
+  and the dense layers named by ``keep_float`` (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}``);
+  the default (:data:`DEFAULT_KEEP_FLOAT`) was chosen by measurement on all-MiniLM-L6-v2 (see README).
+
+The wrapper is independent of the float model once built (it holds only the quantized and float tensors it uses):
+:meth:`QuantizedBert.save_pretrained` writes them to ``model.safetensors`` + ``config.json`` (the HF config with
+a ``quantization_config`` entry), :func:`load_quantized` reads them back without quantizing again. The float
+``Bert.from_pretrained`` refuses such a folder (it names this function).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import checkpoints as ckpt
+from .bert import Bert, BertConfig
+from .fast import _add_norm, _bias_act, _inference, _layer_norm
+
+__all__ = [
+    "QUANTIZE_CHOICES",
+    "DEFAULT_KEEP_FLOAT",
+    "QUANT_METHOD",
+    "quantize",
+    "load_quantized",
+    "quantize_weight",
+    "int8_linear_reference",
+    "Int8Linear",
+    "QuantizedBert",
+]
+
+QUANTIZE_CHOICES = ("int8",)
+QUANT_METHOD = "sublayer-int8"
+DEFAULT_KEEP_FLOAT: tuple[str, ...] = ()
+SMOOTH_ALPHA = 0.5
+_LINEARS = ("qkv", "out", "fc1", "fc2")
+
+
+def check_quantize(quantize: object) -> None:
+    """Raises ValueError unless ``quantize`` is None or one of :data:`QUANTIZE_CHOICES`."""
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be None or one of {', '.join(map(repr, QUANTIZE_CHOICES))}, got {quantize!r}")
+
+
+def _fbgemm() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+# ----------------------------------------------------------------------------------------------- one linear
+def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-output-channel int8: ``(q (M, K) int8, scale (M,) float32)`` with ``w ≈ q * scale[:, None]``,
+    ``|w - q * scale| <= scale / 2`` elementwise, ``q`` in [-127, 127]. An all-zero row gets scale 1 (q = 0)."""
+    w = w.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def activation_qparams(x: Tensor, reduce_range: bool = False) -> tuple[float, int]:
+    """fbgemm's dynamic input quantization parameters: uint8 over ``[min(x, 0), max(x, 0)]`` (127 levels with
+    ``reduce_range``), ``(scale, zero_point)``."""
+    lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+    qmax = 127 if reduce_range else 255
+    scale = (hi - lo) / qmax if hi > lo else 1.0
+    zp = int(min(max(round(-lo / scale), 0), qmax))
+    return scale, zp
+
+
+def _row_scale(x: Tensor) -> Tensor:
+    """Per-token scale ``max|x[i, :]|`` (N, 1); 1 for an all-zero row."""
+    r = x.abs().amax(dim=1, keepdim=True)
+    return torch.where(r > 0, r, torch.ones_like(r))
+
+
+def int8_linear_reference(
+    x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None, smooth: Tensor | None = None
+) -> Tensor:
+    """What :class:`Int8Linear` computes, in plain PyTorch (float64, exact for these integer sums): each token
+    divided by its ``max|x|`` (per-token scale ``r``), the result quantized to uint8 with
+    :func:`activation_qparams` (one scale for the call, so per token the grid step is ``r * 2/255`` or finer),
+    times ``q``, rescaled by ``r * scale``, plus ``bias``. With ``smooth`` (K,), ``x / smooth`` is quantized
+    (``q`` then holds ``W * smooth``). (N, K) -> (N, M) float32."""
+    x = x.double() if smooth is None else x.double() / smooth.double()
+    r = _row_scale(x)
+    xn = x / r
+    sx, zp = activation_qparams(xn)
+    xq = torch.clamp(torch.round(xn / sx) + zp, 0, 255) - zp
+    y = (xq @ q.double().t()) * (sx * scale.double()) * r
+    if bias is not None:
+        y = y + bias.double()
+    return y.float()
+
+
+class Int8Linear:
+    """``y = x @ dequant(q).T + bias`` with ``x`` quantized dynamically (see the module docstring).
+
+    Args:
+        q: (M, K) int8 weight; scale: (M,) float32 per output channel; bias: (M,) float32 or None;
+        smooth: (K,) float32 or None: per-input-channel divisor of ``x`` whose inverse ``q`` carries
+            (``q * scale ≈ W * smooth``), SmoothQuant's migration of activation outliers into the weights.
+
+    Call: ``x`` (N, K) float32 -> (N, M) float32.
+    """
+
+    def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None, smooth: Tensor | None = None) -> None:
+        self.q, self.scale, self.bias = q, scale.float(), None if bias is None else bias.float()
+        self.smooth = smooth
+        self._inv = None if smooth is None else (1.0 / smooth.float())
+        self._packed = None
+        if _fbgemm():
+            torch.backends.quantized.engine = "fbgemm"
+            with warnings.catch_warnings():  # quantized tensor creation is marked deprecated; fbgemm still needs it
+                warnings.simplefilter("ignore")
+                wq = torch._make_per_channel_quantized_tensor(
+                    q, self.scale.double(), torch.zeros_like(self.scale, dtype=torch.long), 0
+                )
+                self._packed = torch.ops.quantized.linear_prepack(wq, None)
+
+    def mm(self, x: Tensor) -> Tensor:
+        """``x @ W.T`` without the bias (per-token scaling: fbgemm quantizes ``x / r`` with one scale per call)."""
+        if self._packed is None:
+            return int8_linear_reference(x, self.q, self.scale, None, self.smooth)
+        if self._inv is not None:
+            x = x * self._inv
+            r = _row_scale(x)
+            x.div_(r)
+        else:
+            r = _row_scale(x)
+            x = x / r
+        return torch.ops.quantized.linear_dynamic(x, self._packed, False).mul_(r)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y = self.mm(x)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+class FloatLinear:
+    """``addmm(b, x, w.T)`` with ``w`` transposed once: the layers kept in float. ``amax``: when not None, each
+    call folds its input's per-channel ``max|x|`` into it (calibration)."""
+
+    def __init__(self, w: Tensor, b: Tensor | None) -> None:
+        self.w, self.bias = w.detach().float().contiguous(), None if b is None else b.detach().float()
+        self._wt = self.w.t()
+        self.amax: Tensor | None = None
+
+    def mm(self, x: Tensor) -> Tensor:
+        if self.amax is not None:
+            torch.maximum(self.amax, x.abs().amax(dim=0), out=self.amax)
+        return torch.mm(x, self._wt)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y = self.mm(x)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+def smooth_factors(x_amax: Tensor, w: Tensor, alpha: float = SMOOTH_ALPHA) -> Tensor:
+    """SmoothQuant's per-input-channel factors ``s = max|x|^alpha / max|W[:, k]|^(1 - alpha)`` (K,), clamped to
+    [1e-5, 1e5]; channels never seen or with zero weights get 1."""
+    w_amax = w.detach().float().abs().amax(dim=0)
+    s = x_amax.float().clamp_min(1e-5).pow(alpha) / w_amax.clamp_min(1e-5).pow(1.0 - alpha)
+    ok = (x_amax > 0) & (w_amax > 0)
+    return torch.where(ok, s.clamp(1e-5, 1e5), torch.ones_like(s))
+
+
+def _linear_tensors(name: str, w: Tensor, b: Tensor | None, keep: bool, x_amax: Tensor | None) -> dict[str, Tensor]:
+    """Stored tensors of one dense layer: ``name.weight`` float32 (kept), or ``name.qweight`` int8 +
+    ``name.scale`` (+ ``name.smooth`` when calibrated)."""
+    out = {} if b is None else {f"{name}.bias": b.detach().float().contiguous()}
+    if keep:
+        out[f"{name}.weight"] = w.detach().float().contiguous()
+        return out
+    w = w.detach().float()
+    if x_amax is not None:
+        out[f"{name}.smooth"] = smooth = smooth_factors(x_amax, w)
+        w = w * smooth
+    out[f"{name}.qweight"], out[f"{name}.scale"] = quantize_weight(w)
+    return out
+
+
+def _make_linear(t: dict[str, Tensor], name: str):
+    b = t.get(f"{name}.bias")
+    if f"{name}.qweight" in t:
+        return Int8Linear(t[f"{name}.qweight"], t[f"{name}.scale"], b, t.get(f"{name}.smooth"))
+    return FloatLinear(t[f"{name}.weight"], b)
+
+
+def _check_float_cpu(model: torch.nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if p.device.type != "cpu":
+            raise ValueError(f"int8 quantization runs on the CPU only; parameter {name} is on {p.device}")
+        if p.dtype != torch.float32:
+            raise ValueError(f"int8 quantization needs float32 parameters; {name} is {p.dtype} (call model.float())")
+
+
+def _check_keep_float(keep_float: object) -> tuple[str, ...]:
+    if isinstance(keep_float, str) or not all(isinstance(p, str) for p in keep_float):  # type: ignore[union-attr]
+        raise TypeError(f"keep_float must be a sequence of fnmatch patterns (str), got {keep_float!r}")
+    return tuple(keep_float)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------------- BERT
+class QuantizedBert:
+    """int8 inference wrapper of a :class:`Bert` (build with :func:`quantize` / ``fast_inference(quantize="int8")``).
+
+    Forward: as :meth:`Bert.forward` (``input_ids``, ``attention_mask`` 1 = token, ``token_type_ids``) -> float32
+    (B, T, d_model); hidden states at padded positions are zeros. ``embed`` and ``pooled`` as the model's.
+    The dense layers see only real tokens (padding dropped before the GEMMs), as in :class:`~.fast.FastBert`.
+
+    Raises:
+        TypeError/ValueError: as :meth:`Bert.forward`.
+    """
+
+    def __init__(self, config: BertConfig, tensors: dict[str, Tensor], keep_float: tuple[str, ...]) -> None:
+        self.config, self.tensors, self.keep_float = config, tensors, tuple(keep_float)
+        self._prep = Bert(config, pooler="pooler.dense.weight" in tensors, device="meta")._prepare  # checks only
+        self.pooler = "pooler.dense.weight" in tensors
+        self.compute_dtype = torch.float32
+        self.training = False
+        self.layers = [{k: _make_linear(tensors, f"layers.{i}.{k}") for k in _LINEARS} for i in range(config.n_layers)]
+
+    @classmethod
+    def from_model(
+        cls, model: Bert, keep_float=DEFAULT_KEEP_FLOAT, calibration: Tensor | None | bool = None
+    ) -> QuantizedBert:
+        """See :func:`quantize`."""
+        keep_float = _check_keep_float(keep_float)
+        _check_float_cpu(model)
+        e, t, dense = model.embeddings, {}, {}
+        for n in ("word", "position", "token_type"):
+            t[f"embeddings.{n}"] = getattr(e, f"{n}_embeddings").weight.detach().float().contiguous()
+        t["embeddings.norm.weight"], t["embeddings.norm.bias"] = e.norm.weight.detach(), e.norm.bias.detach()
+        for i, blk in enumerate(model.encoder.layers):
+            a, f = blk.self_attn, blk.ffn
+            p = f"layers.{i}"
+            dense[f"{p}.qkv"] = (
+                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).detach(),
+                torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0).detach(),
+            )
+            dense[f"{p}.out"] = (a.out_proj.weight.detach(), a.out_proj.bias.detach())
+            dense[f"{p}.fc1"] = (f.fc1.weight.detach(), f.fc1.bias.detach())
+            dense[f"{p}.fc2"] = (f.fc2.weight.detach(), f.fc2.bias.detach())
+            for j, norm in ((1, blk.attn_residual.norm), (2, blk.ffn_residual.norm)):
+                t[f"{p}.norm{j}.weight"], t[f"{p}.norm{j}.bias"] = norm.weight.detach(), norm.bias.detach()
+        if model.pooler is not None:
+            t["pooler.dense.weight"] = model.pooler.dense.weight.detach()
+            t["pooler.dense.bias"] = model.pooler.dense.bias.detach()
+        amax = {}
+        if calibration is not False:
+            ref = cls(model.config, t | {f"{k}.weight": w for k, (w, _) in dense.items()}
+                      | {f"{k}.bias": b for k, (_, b) in dense.items()}, ("*",))
+            for i, L in enumerate(ref.layers):
+                for k, lin in L.items():
+                    lin.amax = amax[f"layers.{i}.{k}"] = torch.zeros(lin.w.shape[1])
+            ref(_calibration_ids(model.config, calibration))
+        for k, (w, b) in dense.items():
+            keep = any(fnmatch.fnmatchcase(k, pat) for pat in keep_float)
+            t |= _linear_tensors(k, w, b, keep, amax.get(k))
+        t = {k: v.contiguous() for k, v in t.items()}
+        return cls(model.config, t, keep_float)
+
+    # -- forward
+    @_inference
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        kpm, token_type_ids = self._prep(input_ids, attention_mask, token_type_ids)
+        t, cfg = self.tensors, self.config
+        B, T = input_ids.shape
+        d, H, eps = cfg.d_model, cfg.n_heads, cfg.eps
+        hd = d // H
+        x = t["embeddings.word"][input_ids] + t["embeddings.position"][:T][None] + t["embeddings.token_type"][token_type_ids]
+        keep = None
+        if kpm is not None and bool(kpm.any()):
+            keep = (~kpm).reshape(-1).nonzero().squeeze(1)
+            x = x.reshape(B * T, d).index_select(0, keep)
+            mask = (~kpm)[:, None, None, :]
+        else:
+            x = x.reshape(B * T, d)
+            mask = None
+        x = _layer_norm(x, t["embeddings.norm.weight"], t["embeddings.norm.bias"], eps)
+        scale = 1.0 / math.sqrt(hd)
+        full = None
+        for i, L in enumerate(self.layers):
+            p = f"layers.{i}"
+            qkv = L["qkv"](x)
+            if keep is not None:
+                full = qkv.new_zeros(B * T, 3 * d) if full is None else full
+                qkv = full.index_copy_(0, keep, qkv)
+            q, k, v = qkv.view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            ctx = ctx.transpose(1, 2).reshape(B * T, d)
+            if keep is not None:
+                ctx = ctx.index_select(0, keep)
+            x, _ = _add_norm(x, L["out"](ctx), t[f"{p}.norm1.weight"], t[f"{p}.norm1.bias"], eps, want_sum=False)
+            h = _bias_act(L["fc1"].mm(x), L["fc1"].bias, cfg.activation)
+            x, _ = _add_norm(x, L["fc2"](h), t[f"{p}.norm2.weight"], t[f"{p}.norm2.bias"], eps, want_sum=False)
+        if keep is not None:
+            out = x.new_zeros(B * T, d)
+            out.index_copy_(0, keep, x)
+            x = out
+        return x.view(B, T, d)
+
+    __call__ = forward
+
+    @_inference
+    def pooled(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        """As :meth:`Bert.pooled` (the pooler in float32). Raises ValueError: no pooler."""
+        if not self.pooler:
+            raise ValueError("this Bert has no pooler (built with pooler=False or loaded from a file without one)")
+        h = self(input_ids, attention_mask, token_type_ids)
+        t = self.tensors
+        return torch.tanh(F.linear(h[:, 0], t["pooler.dense.weight"], t["pooler.dense.bias"]))
+
+    @_inference
+    def embed(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        """As :meth:`Bert.embed`: mean over real tokens, L2-normalised, (B, d_model) float32."""
+        return Bert.embed(self, input_ids, attention_mask, token_type_ids)  # type: ignore[arg-type]
+
+    # -- save / load
+    def save_pretrained(self, folder: str | os.PathLike) -> None:
+        """``model.safetensors`` (the int8 and float tensors) + ``config.json`` (HF BERT config with
+        ``quantization_config``); read back with :func:`load_quantized`."""
+        cfg = self.config.to_hf_dict()
+        cfg["quantization_config"] = _quant_config(self.keep_float)
+        ckpt.write_folder(folder, self.tensors, cfg)
+
+    def eval(self):
+        return self
+
+    def train(self, mode: bool = True):
+        if mode:
+            raise RuntimeError("QuantizedBert is inference-only; train the float model and quantize it again")
+        return self
+
+    def __repr__(self) -> str:
+        n_q = sum(isinstance(lin, Int8Linear) for L in self.layers for lin in L.values())
+        return f"QuantizedBert(int8 layers={n_q}/{4 * len(self.layers)}, keep_float={self.keep_float})"
+
+
+def _calibration_ids(config: BertConfig, calibration: Tensor | None | bool) -> Tensor:
+    """The ids the float model runs on to measure each dense layer's input range: the user's (B, T) ids, or
+    (default) 8 x min(128, max_positions) random ids from a fixed seed."""
+    if isinstance(calibration, Tensor):
+        return calibration
+    g = torch.Generator().manual_seed(0)
+    lo = 1 if config.vocab_size > 1 else 0
+    return torch.randint(lo, config.vocab_size, (8, min(128, config.max_positions)), generator=g)
+
+
+def _quant_config(keep_float: tuple[str, ...]) -> dict[str, Any]:
+    return {
+        "quant_method": QUANT_METHOD,
+        "weights": "int8 symmetric per output channel",
+        "activations": "uint8 dynamic per call (fbgemm linear_dynamic)",
+        "keep_float": list(keep_float),
+    }
+
+
+# ----------------------------------------------------------------------------------------------- entry points
+def quantize(model: Bert, *, keep_float=DEFAULT_KEEP_FLOAT) -> QuantizedBert:
+    """The int8 inference wrapper of ``model`` (see the module docstring).
+
+    Args:
+        model: a :class:`Bert` with float32 CPU parameters.
+        keep_float: ``fnmatch`` patterns of dense layers left in float32, over ``layers.{i}.{qkv,out,fc1,fc2}``.
+
+    Raises:
+        TypeError: not a Bert, or bad ``keep_float``. ValueError: parameters not float32 or not on the CPU.
+    """
+    if isinstance(model, Bert):
+        return QuantizedBert.from_model(model, keep_float)
+    raise TypeError(f"int8 quantization needs a sublayer Bert model, got {type(model).__name__}")
+
+
+def load_quantized(folder: str | os.PathLike) -> QuantizedBert:
+    """Read a folder written by :meth:`QuantizedBert.save_pretrained`.
+
+    Raises:
+        FileNotFoundError: no folder/config/weights. CheckpointError: not a sublayer int8 folder, or keys missing.
+    """
+    hf = ckpt.read_config(folder)
+    qc = hf.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
+        raise ckpt.CheckpointError(
+            f"{folder} is not a sublayer int8 folder (config.json has no quantization_config with "
+            f"quant_method={QUANT_METHOD!r}); load float folders with Bert.from_pretrained and quantize them"
+        )
+    try:
+        config = BertConfig.from_hf_dict({k: v for k, v in hf.items() if k != "quantization_config"})
+    except (ValueError, TypeError) as e:
+        raise ckpt.CheckpointError(f"config file {os.path.join(folder, ckpt.CONFIG_NAME)}: {e}") from None
+    tensors, source = ckpt.read_state_dict(folder)
+    keep = tuple(qc.get("keep_float", ()))
+    need = ["embeddings.word", "embeddings.position", "embeddings.token_type", "embeddings.norm.weight"]
+    for i in range(config.n_layers):
+        for k in _LINEARS:
+            p = f"layers.{i}.{k}"
+            need.append(f"{p}.weight" if f"{p}.weight" in tensors else f"{p}.qweight")
+    missing = [k for k in need if k not in tensors]
+    if missing:
+        raise ckpt.CheckpointError(f"{source}: missing quantized tensors {missing[:10]}")
+    return QuantizedBert(config, dict(tensors), keep)
