@@ -33,8 +33,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import checkpoints as ckpt
+from .. import kernels
+from ..functional import fused
 from .bert import Bert, BertConfig
-from .fast import _add_norm, _bias_act, _inference, _layer_norm
+from .fast import _add_norm, _bias_act, _inference, _kernels_on, _layer_norm
 
 __all__ = [
     "QUANTIZE_CHOICES",
@@ -136,21 +138,26 @@ class Int8Linear:
                 )
                 self._packed = torch.ops.quantized.linear_prepack(wq, None)
 
-    def mm(self, x: Tensor) -> Tensor:
-        """``x @ W.T`` without the bias (per-token scaling: fbgemm quantizes ``x / r`` with one scale per call)."""
+    def prepare(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(xs, r)``: ``x / smooth`` divided by its per-token max ``r`` (N, 1): what the int8 GEMM quantizes."""
+        if _kernels_on():
+            return kernels.ops().int8_scale_rows(x, self._inv)
+        x = x if self._inv is None else x * self._inv
+        r = _row_scale(x)
+        return x / r, r
+
+    def raw(self, x: Tensor, pre: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """``(y, r)`` with ``y * r = x @ W.T`` (no bias): the int8 GEMM of ``pre`` or of ``prepare(x)``."""
+        xs, r = pre if pre is not None else self.prepare(x)
         if self._packed is None:
-            return int8_linear_reference(x, self.q, self.scale, None, self.smooth)
-        if self._inv is not None:
-            x = x * self._inv
-            r = _row_scale(x)
-            x.div_(r)
-        else:
-            r = _row_scale(x)
-            x = x / r
-        return torch.ops.quantized.linear_dynamic(x, self._packed, False).mul_(r)
+            return int8_linear_reference(xs, self.q, self.scale, None), r
+        return torch.ops.quantized.linear_dynamic(xs, self._packed, False), r
 
     def __call__(self, x: Tensor) -> Tensor:
-        y = self.mm(x)
+        y, r = self.raw(x)
+        if _kernels_on():
+            return kernels.ops().int8_rescale_rows_(y, r, self.bias)
+        y.mul_(r)
         return y if self.bias is None else y.add_(self.bias)
 
 
@@ -163,13 +170,16 @@ class FloatLinear:
         self._wt = self.w.t()
         self.amax: Tensor | None = None
 
-    def mm(self, x: Tensor) -> Tensor:
+    _inv = None  # no input scaling
+
+    def raw(self, x: Tensor, pre=None) -> tuple[Tensor, None]:
+        """``(x @ W.T, None)`` (no bias), as :meth:`Int8Linear.raw`; records ``amax`` when calibrating."""
         if self.amax is not None:
             torch.maximum(self.amax, x.abs().amax(dim=0), out=self.amax)
-        return torch.mm(x, self._wt)
+        return torch.mm(x, self._wt), None
 
     def __call__(self, x: Tensor) -> Tensor:
-        y = self.mm(x)
+        y, _ = self.raw(x)
         return y if self.bias is None else y.add_(self.bias)
 
 
@@ -216,6 +226,47 @@ def _check_keep_float(keep_float: object) -> tuple[str, ...]:
     if isinstance(keep_float, str) or not all(isinstance(p, str) for p in keep_float):  # type: ignore[union-attr]
         raise TypeError(f"keep_float must be a sequence of fnmatch patterns (str), got {keep_float!r}")
     return tuple(keep_float)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------- epilogues: rescale, bias, act / add & norm, prepare
+# Each takes a GEMM's raw output ``y`` and its per-token scales ``r`` (None for a float layer) and, when the next
+# linear is int8, also returns that linear's prepared input ``(xs, r)`` (None otherwise), in one pass with the
+# kernels on; the reference expressions otherwise.
+def _prepare(lin, x: Tensor):
+    return lin.prepare(x) if isinstance(lin, Int8Linear) else None
+
+
+def _epilogue(y: Tensor, r: Tensor | None, b: Tensor | None) -> Tensor:
+    """``y * r + b``."""
+    if r is None:
+        return y if b is None else y.add_(b)
+    if _kernels_on():
+        return kernels.ops().int8_rescale_rows_(y, r, b)
+    y.mul_(r)
+    return y if b is None else y.add_(b)
+
+
+def _epilogue_act(y: Tensor, r: Tensor | None, b: Tensor | None, act: str, nxt):
+    """``h = act(y * r + b)`` -> ``(h, None)``, or ``(xs, (xs, r2))`` prepared for the int8 ``nxt``."""
+    inv = nxt._inv if isinstance(nxt, Int8Linear) else None
+    if _kernels_on() and act in fused._ACT_IDS:
+        h, r2 = kernels.ops().int8_act_rows_(y, r, b, fused._ACT_IDS[act], inv)
+        return (h, (h, r2)) if isinstance(nxt, Int8Linear) else (h, None)
+    if r is not None:
+        y.mul_(r)
+    h = _bias_act(y, b, act)
+    return h, _prepare(nxt, h)
+
+
+def _epilogue_add_norm(y, r, b, resid, w, beta, eps: float, nxt):
+    """``x = LN(y * r + b + resid)`` -> ``(x, nxt's prepared input or None)``."""
+    inv = nxt._inv if isinstance(nxt, Int8Linear) else None
+    if _kernels_on():
+        x, xs, r2 = kernels.ops().int8_add_norm_rows_(y, r, b, resid, w, beta, eps, inv)
+        return x, ((xs, r2) if isinstance(nxt, Int8Linear) else None)
+    y = _epilogue(y, r, b)
+    x, _ = _add_norm(resid, y, w, beta, eps, want_sum=False)
+    return x, _prepare(nxt, x)
 
 
 # ----------------------------------------------------------------------------------------------- BERT
@@ -300,9 +351,12 @@ class QuantizedBert:
         x = _layer_norm(x, t["embeddings.norm.weight"], t["embeddings.norm.bias"], eps)
         scale = 1.0 / math.sqrt(hd)
         full = None
-        for i, L in enumerate(self.layers):
+        layers = self.layers
+        pre = _prepare(layers[0]["qkv"], x)
+        for i, L in enumerate(layers):
             p = f"layers.{i}"
-            qkv = L["qkv"](x)
+            y, r = L["qkv"].raw(x, pre)
+            qkv = _epilogue(y, r, L["qkv"].bias)
             if keep is not None:
                 full = qkv.new_zeros(B * T, 3 * d) if full is None else full
                 qkv = full.index_copy_(0, keep, qkv)
@@ -311,9 +365,13 @@ class QuantizedBert:
             ctx = ctx.transpose(1, 2).reshape(B * T, d)
             if keep is not None:
                 ctx = ctx.index_select(0, keep)
-            x, _ = _add_norm(x, L["out"](ctx), t[f"{p}.norm1.weight"], t[f"{p}.norm1.bias"], eps, want_sum=False)
-            h = _bias_act(L["fc1"].mm(x), L["fc1"].bias, cfg.activation)
-            x, _ = _add_norm(x, L["fc2"](h), t[f"{p}.norm2.weight"], t[f"{p}.norm2.bias"], eps, want_sum=False)
+            y, r = L["out"].raw(ctx)
+            x, pre = _epilogue_add_norm(y, r, L["out"].bias, x, t[f"{p}.norm1.weight"], t[f"{p}.norm1.bias"], eps, L["fc1"])
+            y, r = L["fc1"].raw(x, pre)
+            h, pre = _epilogue_act(y, r, L["fc1"].bias, cfg.activation, L["fc2"])
+            y, r = L["fc2"].raw(h, pre)
+            nxt = layers[i + 1]["qkv"] if i + 1 < len(layers) else None
+            x, pre = _epilogue_add_norm(y, r, L["fc2"].bias, x, t[f"{p}.norm2.weight"], t[f"{p}.norm2.bias"], eps, nxt)
         if keep is not None:
             out = x.new_zeros(B * T, d)
             out.index_copy_(0, keep, x)
