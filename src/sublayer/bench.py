@@ -465,9 +465,13 @@ def run_bench(
     shapes: str | None = None,
     dtypes: str = "fp32,bf16",
     reuse_memory: bool = False,
+    model: str | Path | None = None,
     log: Callable[[str], None] = print,
 ) -> list[Row]:
     """Run every case; write bench.json / bench.md / bench.png to ``out``; return the rows.
+
+    ``dtypes`` containing ``int8`` adds the int8 BERT inference row (:mod:`sublayer.bench_int8`) on the weights of
+    the BERT folder ``model`` (random MiniLM-size weights without it).
 
     Raises:
         ValueError: ``shapes`` matches no shape, or ``reps``/``threads`` below 1.
@@ -489,8 +493,8 @@ def run_bench(
         all_shapes = picked
     shapes = all_shapes
     dts = [t.strip().lower() for t in dtypes.split(",") if t.strip()]
-    if not dts or set(dts) - {"fp32", "bf16"}:
-        raise ValueError(f"dtypes must be a comma-separated subset of fp32,bf16, got {dtypes!r}")
+    if not dts or set(dts) - {"fp32", "bf16", "int8"}:
+        raise ValueError(f"dtypes must be a comma-separated subset of fp32,bf16,int8, got {dtypes!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     reps = reps or (3 if quick else 7)
@@ -540,6 +544,12 @@ def run_bench(
                 f"{r.case:44s} {r.shape:22s} {r.dtype:13s} {r.mode:8s} "
                 f"eager {r.times_ms['eager']:9.2f} ms  sublayer {r.times_ms['sublayer']:9.2f} ms  x{_fmt(r.ratio())}"
             )
+    if "int8" in dts:
+        from .bench_int8 import bench_int8
+
+        for r in bench_int8(model, quick, reps, warmup):
+            rows.append(r)
+            log(f"{r.case:44s} {r.shape:22s} fp32 {r.times_ms['eager']:9.2f} ms  int8 {r.times_ms['sublayer']:9.2f} ms  {r.extra}")
     meta["seconds"] = round(time.perf_counter() - t_start, 1)
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     (out / "bench.md").write_text(to_markdown(rows, meta))
@@ -565,10 +575,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", default=None)
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--reuse-memory", action="store_true")
+    ap.add_argument("--model", default=None)
     a = ap.parse_args(argv)
     run_bench(
         a.out, quick=a.quick, use_compile=a.use_compile, reps=a.reps, threads=a.threads, shapes=a.shapes,
-        dtypes=a.dtypes, reuse_memory=a.reuse_memory,
+        dtypes=a.dtypes, reuse_memory=a.reuse_memory, model=a.model,
     )
 
 

@@ -44,6 +44,8 @@ __all__ = [
     "QUANT_METHOD",
     "quantize",
     "load_quantized",
+    "is_quantized_folder",
+    "check_quantize",
     "quantize_weight",
     "int8_linear_reference",
     "Int8Linear",
@@ -131,7 +133,8 @@ class Int8Linear:
     def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None, smooth: Tensor | None = None) -> None:
         self.q, self.scale, self.bias = q, scale.float(), None if bias is None else bias.float()
         self.smooth = smooth
-        self._inv = None if smooth is None else (1.0 / smooth.float())
+        # the kernels' "prepare the next input" switch is this vector being given: ones when not smoothed
+        self._inv = torch.ones(q.shape[1]) if smooth is None else (1.0 / smooth.float())
         self._packed = None
         if _fbgemm():
             torch.backends.quantized.engine = "fbgemm"
@@ -456,6 +459,15 @@ def quantize(model: Bert, *, keep_float=DEFAULT_KEEP_FLOAT) -> QuantizedBert:
     if isinstance(model, Bert):
         return QuantizedBert.from_model(model, keep_float)
     raise TypeError(f"int8 quantization needs a sublayer Bert model, got {type(model).__name__}")
+
+
+def is_quantized_folder(folder: str | os.PathLike) -> bool:
+    """Whether ``folder/config.json`` names sublayer's int8 format (False when there is no readable config)."""
+    try:
+        qc = ckpt.read_config(folder).get("quantization_config")
+    except (OSError, ValueError):
+        return False
+    return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
 
 
 def load_quantized(folder: str | os.PathLike) -> QuantizedBert:
