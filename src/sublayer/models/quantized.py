@@ -1,23 +1,31 @@
-"""int8 inference for :class:`~sublayer.models.Bert` (and :class:`~sublayer.models.GPT2`):
-``fast_inference(model, quantize="int8")`` or :func:`quantize`.
+"""int8 inference for :class:`~sublayer.models.Bert`: ``fast_inference(model, quantize="int8")`` or
+:func:`quantize` (GPT-2 is not quantized yet: ``quantize`` refuses it).
 
 What is quantized, and how:
 
-* every dense layer of the blocks (fused q|k|v, attention output, FFN in and out): weights **int8, symmetric per
-  output channel** (``w ≈ q · s[j]``, ``s[j] = max|w[j, :]| / 127``), quantized once when the wrapper is built;
-* their inputs are quantized **dynamically** on each call by fbgemm's ``quantized::linear_dynamic`` (the engine of
-  ``torch.ao.quantization.quantize_dynamic``): uint8, asymmetric, one scale per call, int32 accumulation, output
-  float32 with the float bias added. On this project's AVX2 CPU that GEMM runs at ~400 GOP/s against ~170 GFLOP/s
-  for fp32. Without fbgemm (another CPU architecture) :func:`int8_linear_reference` computes the same numbers in
-  plain PyTorch (slowly: it is the reference the fast path is tested against);
-* what stays float32: embeddings, LayerNorms, softmax/attention (SDPA), the GELU, the pooler, the GPT-2 LM head,
-  and the dense layers named by ``keep_float`` (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}``);
-  the default (:data:`DEFAULT_KEEP_FLOAT`) was chosen by measurement on all-MiniLM-L6-v2 (see README).
+* every dense layer of the blocks (fused q|k|v, attention output, FFN in and out) except those named by
+  ``keep_float``: weights **int8, symmetric per output channel** (``w ≈ q · s[j]``, ``s[j] = max|w[j, :]| / 127``),
+  quantized once when the wrapper is built;
+* their inputs are quantized **dynamically, per token**: each token (row) is divided by its own ``max|x|`` and the
+  result goes through fbgemm's ``quantized::linear_dynamic`` (the engine of the deprecated
+  ``torch.ao.quantization.quantize_dynamic``: uint8 with one scale per call, which on rows of max 1 is a per-token
+  grid of step <= 2/255; int32 accumulation); the output is multiplied back per token and the float bias added.
+  On this project's AVX2 CPU that GEMM runs at ~400 GOP/s against ~170 GFLOP/s for fp32. The scaling and the
+  epilogues (bias + GELU, bias + residual + LayerNorm) are fused C++ passes (``kernels/csrc/int8.cpp``) that also
+  prepare the next layer's scaled input; the PyTorch expressions in this file are their reference;
+* **SmoothQuant**: before quantizing, ``quantize`` runs the float layers once on calibration ids (default: 8
+  random sequences from a fixed seed; ``calibration=`` takes the user's) and divides each input channel by
+  ``s[k] = sqrt(max|x[:, k]| / max|W[:, k]|)``, multiplying the weight's column by it: the LayerNorm outputs'
+  outlier channels (~15x the median in all-MiniLM-L6-v2) move into the weights, which per-channel int8 absorbs;
+* what stays float32: embeddings, LayerNorms, attention (SDPA), GELU, the pooler, and the dense layers matched by
+  ``keep_float`` (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}``; default :data:`DEFAULT_KEEP_FLOAT`,
+  chosen by measurement, see its comment). Without fbgemm (another CPU architecture)
+  :func:`int8_linear_reference` computes the same numbers in plain PyTorch (slowly).
 
-The wrapper is independent of the float model once built (it holds only the quantized and float tensors it uses):
+The wrapper is independent of the float model once built (it holds only the tensors it uses):
 :meth:`QuantizedBert.save_pretrained` writes them to ``model.safetensors`` + ``config.json`` (the HF config with
 a ``quantization_config`` entry), :func:`load_quantized` reads them back without quantizing again. The float
-``Bert.from_pretrained`` refuses such a folder (it names this function).
+``Bert.from_pretrained`` refuses such a folder and names :func:`load_quantized`.
 """
 
 from __future__ import annotations
@@ -137,13 +145,17 @@ class Int8Linear:
         self._inv = torch.ones(q.shape[1]) if smooth is None else (1.0 / smooth.float())
         self._packed = None
         if _fbgemm():
-            torch.backends.quantized.engine = "fbgemm"
-            with warnings.catch_warnings():  # quantized tensor creation is marked deprecated; fbgemm still needs it
-                warnings.simplefilter("ignore")
-                wq = torch._make_per_channel_quantized_tensor(
-                    q, self.scale.double(), torch.zeros_like(self.scale, dtype=torch.long), 0
-                )
-                self._packed = torch.ops.quantized.linear_prepack(wq, None)
+            engine = torch.backends.quantized.engine
+            torch.backends.quantized.engine = "fbgemm"  # packs for fbgemm; the packed object keeps its engine
+            try:
+                with warnings.catch_warnings():  # quantized tensors are marked deprecated; fbgemm still takes them
+                    warnings.simplefilter("ignore")
+                    wq = torch._make_per_channel_quantized_tensor(
+                        q, self.scale.double(), torch.zeros_like(self.scale, dtype=torch.long), 0
+                    )
+                    self._packed = torch.ops.quantized.linear_prepack(wq, None)
+            finally:
+                torch.backends.quantized.engine = engine
 
     def prepare(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``(xs, r)``: ``x / smooth`` divided by its per-token max ``r`` (N, 1): what the int8 GEMM quantizes."""
@@ -446,18 +458,23 @@ def _quant_config(keep_float: tuple[str, ...]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- entry points
-def quantize(model: Bert, *, keep_float=DEFAULT_KEEP_FLOAT) -> QuantizedBert:
+def quantize(
+    model: Bert, *, keep_float=DEFAULT_KEEP_FLOAT, calibration: Tensor | None | bool = None
+) -> QuantizedBert:
     """The int8 inference wrapper of ``model`` (see the module docstring).
 
     Args:
         model: a :class:`Bert` with float32 CPU parameters.
         keep_float: ``fnmatch`` patterns of dense layers left in float32, over ``layers.{i}.{qkv,out,fc1,fc2}``.
+        calibration: (B, T) token ids the float layers run on to measure input ranges for the smoothing factors;
+            None: 8 random sequences (fixed seed); False: no smoothing.
 
     Raises:
-        TypeError: not a Bert, or bad ``keep_float``. ValueError: parameters not float32 or not on the CPU.
+        TypeError: not a Bert, or bad ``keep_float``. ValueError: parameters not float32 or not on the CPU, bad
+        calibration ids (as :meth:`Bert.forward`).
     """
     if isinstance(model, Bert):
-        return QuantizedBert.from_model(model, keep_float)
+        return QuantizedBert.from_model(model, keep_float, calibration)
     raise TypeError(f"int8 quantization needs a sublayer Bert model, got {type(model).__name__}")
 
 
