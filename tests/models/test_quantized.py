@@ -105,7 +105,7 @@ def test_int8_linear_within_derived_bound(smoothed, fbgemm, monkeypatch):
     assert float(bound.max()) < 0.1 * float(exact.abs().max())  # and the bound is far from vacuous
 
 
-def test_fbgemm_matches_the_reference_linear():
+def test_int8_engine_matches_the_reference_linear():
     if not Q._fbgemm():
         pytest.skip("no fbgemm engine in this torch build")
     g = torch.Generator().manual_seed(2)
