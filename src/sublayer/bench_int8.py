@@ -5,6 +5,8 @@ Engines, all on the same ids (batch 64 x 128 padded, real lengths uniform in 32.
 * ``sublayer fp32``: ``fast_inference(model, dtype=torch.float32)`` (the "eager" column: the baseline),
 * ``sublayer int8``: ``fast_inference(model, quantize="int8")`` (the "sublayer" column),
 * ``HF fp32``: ``transformers.BertModel`` (the accuracy reference, timed too),
+* ``sublayer bf16``: ``fast_inference(model, dtype=torch.bfloat16)``, only where the CPU multiplies bf16 natively
+  (AMX / AVX512_BF16: there it is the other fast choice),
 * ``CT2 int8``: CTranslate2's ``Encoder`` with ``compute_type="int8"`` when ``ctranslate2`` is installed
   (``pip install 'sublayer[peers]'``) and ``--model`` names a folder with a tokenizer (converted once under
   ``build/ct2/``).
@@ -95,6 +97,12 @@ def bench_int8(model_folder: str | Path | None, quick: bool, reps: int, warmup: 
             return hf(input_ids=ids, attention_mask=mask).last_hidden_state
 
     fns = {"eager": lambda: fp32(ids, mask), "sublayer": lambda: int8(ids, mask), "HF fp32": hf_call}
+    from . import kernels
+    from .models import quantized
+
+    if kernels.native_bf16_gemm():  # on such CPUs (AMX) the bf16 fast path is the other choice
+        bf16 = fast_inference(ours, dtype=torch.bfloat16)
+        fns["sublayer bf16"] = lambda: bf16(ids, mask)
     ct2 = _ct2_encoder(folder) if folder is not None else None
     if ct2 is not None:
         lists = [row[: int(n)].tolist() for row, n in zip(ids, lens)]
@@ -108,6 +116,11 @@ def bench_int8(model_folder: str | Path | None, quick: bool, reps: int, warmup: 
         tok, sent = accuracy(h, ref, mask)
         row.extra[f"{label} min token cos"] = round(tok, 5)
         row.extra[f"{label} min sentence cos"] = round(sent, 5)
+    if "sublayer bf16" in fns:
+        tok, sent = accuracy(bf16(ids, mask), ref, mask)
+        row.extra["sublayer bf16 min token cos"], row.extra["sublayer bf16 min sentence cos"] = round(tok, 5), round(sent, 5)
+        row.extra["bf16 x vs sublayer fp32"] = round(row.ratio("sublayer bf16", "eager"), 2)
+    row.extra["int8 engine"] = quantized.engine()
     row.extra["int8 x vs sublayer fp32"] = round(row.ratio("sublayer", "eager"), 2)
     row.extra["int8 x vs HF fp32"] = round(row.ratio("sublayer", "HF fp32"), 2)
     if ct2 is not None:

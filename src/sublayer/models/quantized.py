@@ -7,10 +7,11 @@ What is quantized, and how:
   ``keep_float``: weights **int8, symmetric per output channel** (``w ≈ q · s[j]``, ``s[j] = max|w[j, :]| / 127``),
   quantized once when the wrapper is built;
 * their inputs are quantized **dynamically, per token**: each token (row) is divided by its own ``max|x|`` and the
-  result goes through fbgemm's ``quantized::linear_dynamic`` (the engine of the deprecated
+  result goes through ``quantized::linear_dynamic`` (the op of the deprecated
   ``torch.ao.quantization.quantize_dynamic``: uint8 with one scale per call, which on rows of max 1 is a per-token
   grid of step <= 2/255; int32 accumulation); the output is multiplied back per token and the float bias added.
-  On this project's AVX2 CPU that GEMM runs at ~400 GOP/s against ~170 GFLOP/s for fp32. The scaling and the
+  Its engine (:func:`engine`): fbgemm on AVX2 CPUs (~400 GOP/s against ~170 GFLOP/s for fp32), oneDNN where the
+  CPU has AMX-INT8 / AVX512-VNNI. The scaling and the
   epilogues (bias + GELU, bias + residual + LayerNorm) are fused C++ passes (``kernels/csrc/int8.cpp``) that also
   prepare the next layer's scaled input; the PyTorch expressions in this file are their reference;
 * **SmoothQuant**: before quantizing, ``quantize`` runs the float layers once on calibration ids (default: 8
