@@ -82,11 +82,11 @@ def _linear_bound(x, w, smooth):
 
 
 @pytest.mark.parametrize("smoothed", [False, True])
-@pytest.mark.parametrize("fbgemm", [True, False])
-def test_int8_linear_within_derived_bound(smoothed, fbgemm, monkeypatch):
-    if fbgemm and not Q._fbgemm():
-        pytest.skip("no fbgemm engine in this torch build")
-    monkeypatch.setattr(Q, "_fbgemm", lambda: fbgemm)
+@pytest.mark.parametrize("engine", [True, False])  # the int8 engine (fbgemm / oneDNN), or the reference
+def test_int8_linear_within_derived_bound(smoothed, engine, monkeypatch):
+    if engine and not Q._fbgemm():
+        pytest.skip("no int8 engine in this torch build")
+    monkeypatch.setattr(Q, "_fbgemm", lambda: engine)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(13, 29, generator=g)
     x[:, 4] *= 30  # an outlier input channel
@@ -95,7 +95,7 @@ def test_int8_linear_within_derived_bound(smoothed, fbgemm, monkeypatch):
     smooth = Q.smooth_factors(x.abs().amax(0), w) if smoothed else None
     tensors = Q._linear_tensors("lin", w, b, keep=False, x_amax=x.abs().amax(0) if smoothed else None)
     lin = Q._make_linear(tensors, "lin")
-    assert (lin._packed is not None) == fbgemm
+    assert (lin._packed is not None) == engine
     y = lin(x)
     exact = (x.double() @ w.double().t() + b.double())
     err = (y.double() - exact).abs()
