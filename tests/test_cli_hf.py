@@ -162,6 +162,25 @@ def test_embed_truncates_long_text(cli, bert_dir):
     assert code == 0 and len(json.loads(out)[0]["embedding"]) == 15
 
 
+def test_embed_quantize_int8(cli, bert_dir, tmp_path):
+    import shutil
+
+    from sublayer.models import quantized
+
+    texts = ["the cat sat on a mat", "hello world"]
+    _, out, _ = cli("embed", "--model", bert_dir, *texts)
+    code, out8, _ = cli("embed", "--model", bert_dir, "--quantize", "int8", *texts)
+    assert code == 0
+    f32, i8 = (torch.tensor([r["embedding"] for r in json.loads(o)]) for o in (out, out8))
+    assert not torch.equal(f32, i8) and float((f32 * i8).sum(-1).min()) > 0.99
+    quantized.quantize(Bert.from_pretrained(bert_dir)).save_pretrained(tmp_path)  # a saved int8 folder loads as is
+    shutil.copy(bert_dir / "tokenizer.json", tmp_path)
+    code, saved, _ = cli("embed", "--model", tmp_path, *texts)
+    assert code == 0 and torch.equal(torch.tensor([r["embedding"] for r in json.loads(saved)]), i8)
+    code, _, err = cli("embed", "--model", bert_dir, "--quantize", "int4", "hello")
+    _one_line_error(code, err, "quantize must be None or one of 'int8', got 'int4'")
+
+
 def test_embed_errors(cli, bert_dir, gpt2_dir, tmp_path):
     make_hf_bert().save_pretrained(tmp_path)
     code, _, err = cli("embed", "--model", tmp_path, "hello")

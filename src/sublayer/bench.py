@@ -649,6 +649,7 @@ def run_bench(
     malloc: str = "both",
     clock: str = "wall",
     reuse_memory: bool = False,
+    model: str | Path | None = None,
     log: Callable[[str], None] = print,
 ) -> list[Row]:
     """Run every case; write bench.json / bench.md / bench.png to ``out``; return the rows.
@@ -657,10 +658,12 @@ def run_bench(
         malloc: ``"default"`` (glibc's defaults), ``"reuse"`` (:func:`sublayer.set_memory_reuse`) or ``"both"``
             (default: each case under both, reported side by side). A setting this process does not have runs in
             a child process; this process's own allocator setting is never changed.
-        cases: comma-separated subset of addnorm, ffn, encoder, hf, bert (default: all).
+        cases: comma-separated subset of addnorm, ffn, encoder, hf, bert, loss (default: all).
         clock: ``"wall"`` (default) or ``"cpu"``: this process's CPU time per call, for shared machines (use it
             with ``threads=1``: with more threads it adds up the threads' times).
         reuse_memory: old spelling of ``malloc="reuse"``.
+        model: a BERT folder whose weights the int8 row (``dtypes`` containing ``int8``,
+            :mod:`sublayer.bench_int8`) uses (random MiniLM-size weights without it).
 
     Raises:
         ValueError: ``shapes`` matches no shape, ``reps``/``threads`` below 1, or an unknown ``dtypes``/``cases``/
@@ -687,8 +690,8 @@ def run_bench(
             raise ValueError(f"--shapes {shapes!r} matches none of: {', '.join(s.name for s in all_shapes)}")
         all_shapes = picked
     dts = [t.strip().lower() for t in dtypes.split(",") if t.strip()]
-    if not dts or set(dts) - {"fp32", "bf16"}:
-        raise ValueError(f"dtypes must be a comma-separated subset of fp32,bf16, got {dtypes!r}")
+    if not dts or set(dts) - {"fp32", "bf16", "int8"}:
+        raise ValueError(f"dtypes must be a comma-separated subset of fp32,bf16,int8, got {dtypes!r}")
     try:
         import transformers  # noqa: F401
     except Exception:  # noqa: BLE001 - transformers is optional here
@@ -738,6 +741,13 @@ def run_bench(
             }  # fmt: skip
             child_rows, meta["allocator"][setting] = _measure_in_child(spec, log)
             rows += child_rows
+    if "int8" in dts:  # int8 BERT inference vs fp32 and CTranslate2 (sublayer.bench_int8), in this process
+        from .bench_int8 import bench_int8
+
+        for r in bench_int8(model, quick, reps, 1 if quick else 2):
+            r.malloc = "reuse" if memory.memory_reuse_active() else "default"
+            rows.append(r)
+            _log_row(r, log)
     meta["seconds"] = round(time.perf_counter() - t_start, 1)
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     (out / "bench.md").write_text(to_markdown(rows, meta))
@@ -768,13 +778,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--malloc", default="both", choices=[*MALLOC_SETTINGS, "both"])
     ap.add_argument("--reuse-memory", action="store_true", help="same as --malloc reuse")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help="BERT folder for the int8 row")
     a = ap.parse_args(argv)
     if a.child:
         _child(a.child)
         return
     run_bench(
         a.out, quick=a.quick, use_compile=a.use_compile, reps=a.reps, threads=a.threads, shapes=a.shapes,
-        dtypes=a.dtypes, cases=a.cases, malloc=a.malloc, clock=a.clock, reuse_memory=a.reuse_memory,
+        dtypes=a.dtypes, cases=a.cases, malloc=a.malloc, clock=a.clock, reuse_memory=a.reuse_memory, model=a.model,
     )
 
 

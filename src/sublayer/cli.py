@@ -227,6 +227,9 @@ def generate(
 def embed(
     texts: list[str] = typer.Argument(..., help="One or more texts."),
     model: Path = typer.Option(..., "--model", "-m", help="Hugging Face-format BERT folder with tokenizer.json."),
+    quantize: Optional[str] = typer.Option(
+        None, "--quantize", help="int8: int8 inference (sublayer.models.quantized); a saved int8 folder loads as is."
+    ),
 ) -> None:
     """Sentence vectors from a BERT checkpoint: mean-pooled over tokens, L2-normalised.
 
@@ -237,9 +240,15 @@ def embed(
     import torch
 
     from .models import Bert
+    from .models import quantized as q
 
+    q.check_quantize(quantize)
     tokenizer = _load_tokenizer(model, why="embed")
-    net = Bert.from_pretrained(model).eval()
+    if q.is_quantized_folder(model):
+        net = q.load_quantized(model)
+    else:
+        net = Bert.from_pretrained(model).eval()
+        net = q.quantize(net) if quantize is not None else net
     cfg = net.config
     tokenizer.no_padding()
     tokenizer.enable_truncation(max_length=cfg.max_positions)
@@ -274,8 +283,9 @@ def bench(
     reps: Optional[int] = typer.Option(None, "--reps", min=1, help="Timed repetitions per case (median reported)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's)."),
     shapes: Optional[str] = typer.Option(None, "--shapes", help="Comma-separated substrings of shape names to run."),
-    dtypes: str = typer.Option("fp32,bf16", "--dtypes", help="fp32 and/or bf16 (bf16: autocast for FFN/blocks)."),
-    cases: Optional[str] = typer.Option(None, "--cases", help="Comma-separated subset of addnorm,ffn,encoder,hf,bert."),
+    dtypes: str = typer.Option("fp32,bf16", "--dtypes", help="fp32, bf16 (autocast for FFN/blocks) and/or int8 (int8 BERT inference row)."),
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="BERT folder for the int8 row's weights."),
+    cases: Optional[str] = typer.Option(None, "--cases", help="Comma-separated subset of addnorm,ffn,encoder,hf,bert,loss."),
     malloc: str = typer.Option(
         "both", "--malloc",
         help="Allocator setting(s) to measure under: default (glibc's), reuse (sublayer.set_memory_reuse) or both, "
@@ -291,7 +301,7 @@ def bench(
 
     run_bench(
         out, quick=quick, use_compile=compile, reps=reps, threads=threads, shapes=shapes, dtypes=dtypes, cases=cases,
-        malloc=malloc, clock=clock, reuse_memory=reuse_memory, log=typer.echo,
+        malloc=malloc, clock=clock, reuse_memory=reuse_memory, model=model, log=typer.echo,
     )
 
 

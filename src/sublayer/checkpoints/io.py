@@ -149,9 +149,21 @@ def read_hf_folder(
 
     Raises:
         FileNotFoundError: no folder, config or weights file. CheckpointError: bad JSON, a config that
-        ``from_hf_dict`` rejects (named with the file), an unreadable weights file.
+        ``from_hf_dict`` rejects (named with the file), a quantized folder (``quantization_config``), an
+        unreadable weights file.
     """
     hf_config = read_config(folder)
+    quant = hf_config.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        hint = (
+            " (written by sublayer's QuantizedBert.save_pretrained: load it with "
+            "sublayer.models.quantized.load_quantized(folder))" if method == "sublayer-int8" else ""
+        )
+        raise CheckpointError(
+            f"config file {os.path.join(folder, CONFIG_NAME)}: the folder holds quantized weights "
+            f"(quantization_config quant_method={method!r}), not float ones{hint}"
+        )
     try:
         config = from_hf_dict(hf_config)
     except (ValueError, TypeError) as e:

@@ -4,6 +4,7 @@ from .bert import Bert, BertConfig
 from .config import ModelConfig
 from .fast import FastBert, FastGPT2, fast_inference
 from .gpt2 import GPT2, GPT2Config
+from .quantized import QuantizedBert, load_quantized
 from .transformer import Transformer, TransformerConfig
 
 __all__ = [
@@ -14,7 +15,9 @@ __all__ = [
     "GPT2",
     "GPT2Config",
     "ModelConfig",
+    "QuantizedBert",
     "Transformer",
     "TransformerConfig",
     "fast_inference",
+    "load_quantized",
 ]

@@ -53,24 +53,33 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def fast_inference(model: Bert | GPT2, *, dtype: torch.dtype = torch.bfloat16) -> FastBert | FastGPT2:
+def fast_inference(
+    model: Bert | GPT2, *, dtype: torch.dtype = torch.bfloat16, quantize: str | None = None
+) -> FastBert | FastGPT2:
     """An inference-only fast wrapper around ``model`` (see the module docstring).
 
     Args:
         model: a :class:`Bert` or :class:`GPT2` on the CPU, float32 parameters.
         dtype: ``torch.bfloat16`` (default: bf16 weights and activations where the CPU has native bf16 GEMMs,
             float32 elsewhere) or ``torch.float32``.
+        quantize: None, or ``"int8"``: the int8 wrapper of :mod:`sublayer.models.quantized` (Bert only; its
+            float parts run in float32 whatever ``dtype`` says).
 
     Returns:
         :class:`FastBert` (``__call__``/``forward``, ``embed``, ``pooled`` as the model's) or :class:`FastGPT2`
         (``__call__``/``forward`` giving logits, ``generate``).
 
     Raises:
-        TypeError: ``model`` is not a Bert or GPT2. ValueError: ``dtype`` not float32/bfloat16, or the model's
-        parameters are not float32 CPU tensors.
+        TypeError: ``model`` is not a Bert or GPT2. ValueError: ``dtype`` not float32/bfloat16, ``quantize``
+        not None/"int8", or the model's parameters are not float32 CPU tensors.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype!r}")
+    if quantize is not None:
+        from . import quantized
+
+        quantized.check_quantize(quantize)
+        return quantized.quantize(model)
     if isinstance(model, Bert):
         return FastBert(model, dtype=dtype)
     if isinstance(model, GPT2):

@@ -1,0 +1,306 @@
+// int8 inference helpers (sublayer.models.quantized): the per-token scaling around fbgemm's dynamic int8 linear.
+//
+//  * int8_scale_rows(x, inv_smooth?) -> (xs, r): r[i] = max_k |x[i,k] * inv_smooth[k]| (1 for an all-zero row),
+//    xs[i,k] = x[i,k] * inv_smooth[k] / r[i]; one read of x, one write of xs (a row stays in L1 between passes).
+//  * int8_rescale_rows_(y, r, bias?) -> y: y[i,j] = y[i,j] * r[i] + bias[j], in place.
+//  * int8_act_rows_(y, r?, bias?, act, inv_next?) -> (y, r2): h = act(y * r + bias) (the FFN's first epilogue);
+//    with inv_next, y := h * inv_next / r2 and r2 = the rows' max |h * inv_next| (the next linear's input),
+//    otherwise y := h (r2 empty).
+//  * int8_add_norm_rows_(y, r?, bias?, resid, w, beta, eps, inv_next?) -> (y, xs, r2): y := LN(y * r + bias +
+//    resid) (two-pass variance, float32), and with inv_next also xs, r2 = int8_scale_rows(y, inv_next).
+// Both float32, 2-D contiguous, rows split over the OpenMP threads. The PyTorch expressions above are the
+// reference (sublayer.models.quantized uses them when the kernels are off); tests compare the two.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <tuple>
+
+namespace {
+
+using at::Tensor;
+
+void check_2d_f32(const Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.scalar_type() == at::kFloat && t.device().is_cpu(), what,
+              ": expected a contiguous 2-D float32 CPU tensor, got ", t.sizes(), " ", t.scalar_type());
+}
+
+void check_vec(const std::optional<Tensor>& v, int64_t n, const char* what) {
+  if (!v) return;
+  TORCH_CHECK(v->dim() == 1 && v->numel() == n && v->is_contiguous() && v->scalar_type() == at::kFloat, what,
+              ": expected a contiguous float32 vector of ", n, " elements, got ", v->sizes(), " ", v->scalar_type());
+}
+
+std::tuple<Tensor, Tensor> int8_scale_rows(const Tensor& x, const std::optional<Tensor>& inv_smooth) {
+  check_2d_f32(x, "int8_scale_rows: x");
+  const int64_t N = x.size(0), K = x.size(1);
+  check_vec(inv_smooth, K, "int8_scale_rows: inv_smooth");
+  Tensor xs = at::empty_like(x);
+  Tensor r = at::empty({N, 1}, x.options());
+  const float* X = x.data_ptr<float>();
+  const float* S = inv_smooth ? inv_smooth->data_ptr<float>() : nullptr;
+  float* O = xs.data_ptr<float>();
+  float* R = r.data_ptr<float>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      const float* xi = X + i * K;
+      float* oi = O + i * K;
+      int64_t k = 0;
+      float m = 0.f;
+#ifdef __AVX2__
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      __m256 vm = _mm256_setzero_ps();
+      for (; k + 8 <= K; k += 8) {
+        __m256 v = _mm256_loadu_ps(xi + k);
+        if (S) v = _mm256_mul_ps(v, _mm256_loadu_ps(S + k));
+        _mm256_storeu_ps(oi + k, v);
+        vm = _mm256_max_ps(vm, _mm256_andnot_ps(sign, v));
+      }
+      alignas(32) float buf[8];
+      _mm256_store_ps(buf, vm);
+      for (float b : buf) m = std::max(m, b);
+#endif
+      for (; k < K; ++k) {
+        float v = S ? xi[k] * S[k] : xi[k];
+        oi[k] = v;
+        m = std::max(m, std::fabs(v));
+      }
+      const float ri = m > 0.f ? m : 1.f;
+      R[i] = ri;
+      const float inv = 1.f / ri;
+      k = 0;
+#ifdef __AVX2__
+      const __m256 vinv = _mm256_set1_ps(inv);
+      for (; k + 8 <= K; k += 8) _mm256_storeu_ps(oi + k, _mm256_mul_ps(_mm256_loadu_ps(oi + k), vinv));
+#endif
+      for (; k < K; ++k) oi[k] *= inv;
+    }
+  });
+  return {xs, r};
+}
+
+Tensor int8_rescale_rows_(Tensor y, const Tensor& r, const std::optional<Tensor>& bias) {
+  check_2d_f32(y, "int8_rescale_rows_: y");
+  const int64_t N = y.size(0), M = y.size(1);
+  TORCH_CHECK(r.numel() == N && r.is_contiguous() && r.scalar_type() == at::kFloat,
+              "int8_rescale_rows_: r must hold one float32 per row (", N, "), got ", r.sizes());
+  check_vec(bias, M, "int8_rescale_rows_: bias");
+  float* Y = y.data_ptr<float>();
+  const float* R = r.data_ptr<float>();
+  const float* B = bias ? bias->data_ptr<float>() : nullptr;
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(M, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      float* yi = Y + i * M;
+      const float ri = R[i];
+      int64_t j = 0;
+#ifdef __AVX2__
+      const __m256 vr = _mm256_set1_ps(ri);
+      if (B) {
+        for (; j + 8 <= M; j += 8)
+          _mm256_storeu_ps(yi + j, _mm256_fmadd_ps(_mm256_loadu_ps(yi + j), vr, _mm256_loadu_ps(B + j)));
+      } else {
+        for (; j + 8 <= M; j += 8) _mm256_storeu_ps(yi + j, _mm256_mul_ps(_mm256_loadu_ps(yi + j), vr));
+      }
+#endif
+      for (; j < M; ++j) yi[j] = B ? std::fma(yi[j], ri, B[j]) : yi[j] * ri;
+    }
+  });
+  return y;
+}
+
+
+// ---- activations: the same functions as kernels.cpp's act_f (float32 only), copied so this file stands alone.
+enum Act : int64_t { IDENT = 0, RELU = 1, GELU = 2, GELU_TANH = 3, SILU = 4, RELU2 = 5 };
+
+inline float exp_f(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500E-4f;
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return y * scale;
+}
+
+inline float norm_cdf(float z) {
+  const float w = std::fabs(z) * 0.70710678118654752440f, t = 1.0f / (1.0f + 0.5f * w);
+  const float poly =
+      -1.26551223f +
+      t * (1.00002368f +
+           t * (0.37409196f +
+                t * (0.09678418f +
+                     t * (-0.18628806f +
+                          t * (0.27886807f + t * (-1.13520398f + t * (1.48851587f + t * (-0.82215223f + t * 0.17087277f))))))));
+  const float half_erfc = 0.5f * t * exp_f(-w * w + poly);
+  return z >= 0.0f ? 1.0f - half_erfc : half_erfc;
+}
+
+inline float sigmoid(float v) { return 1.f / (1.f + exp_f(-v)); }
+
+template <int64_t act> inline float act_f(float z) {
+  if constexpr (act == RELU) return z > 0.f ? z : 0.f;
+  if constexpr (act == GELU) return z * norm_cdf(z);
+  if constexpr (act == GELU_TANH) return z * sigmoid(2.f * 0.79788456080286535588f * (z + 0.044715f * z * z * z));
+  if constexpr (act == SILU) return z * sigmoid(z);
+  if constexpr (act == RELU2) return z > 0.f ? z * z : 0.f;
+  return z;
+}
+
+// v[0:K] *= inv_next (if any); returns max |v| (1 for an all-zero row) and divides v by it.
+inline float scale_row(float* v, const float* inv, int64_t K) {
+  float m = 0.f;
+  if (inv) {
+#pragma omp simd reduction(max : m)
+    for (int64_t k = 0; k < K; ++k) {
+      v[k] *= inv[k];
+      m = std::max(m, std::fabs(v[k]));
+    }
+  } else {
+#pragma omp simd reduction(max : m)
+    for (int64_t k = 0; k < K; ++k) m = std::max(m, std::fabs(v[k]));
+  }
+  const float r = m > 0.f ? m : 1.f, ir = 1.f / r;
+#pragma omp simd
+  for (int64_t k = 0; k < K; ++k) v[k] *= ir;
+  return r;
+}
+
+template <int64_t act>
+void act_rows(float* Y, const float* R, const float* B, const float* S, float* R2, int64_t N, int64_t M) {
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(M, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      float* yi = Y + i * M;
+      const float ri = R ? R[i] : 1.f;
+      if (B) {
+#pragma omp simd
+        for (int64_t j = 0; j < M; ++j) yi[j] = act_f<act>(yi[j] * ri + B[j]);
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < M; ++j) yi[j] = act_f<act>(yi[j] * ri);
+      }
+      if (S) R2[i] = scale_row(yi, S, M);
+    }
+  });
+}
+
+std::tuple<Tensor, Tensor> int8_act_rows_(Tensor y, const std::optional<Tensor>& r, const std::optional<Tensor>& bias,
+                                          int64_t act, const std::optional<Tensor>& inv_next) {
+  check_2d_f32(y, "int8_act_rows_: y");
+  const int64_t N = y.size(0), M = y.size(1);
+  TORCH_CHECK(act >= IDENT && act <= RELU2, "int8_act_rows_: unknown activation id ", act);
+  TORCH_CHECK(!r || (r->numel() == N && r->is_contiguous() && r->scalar_type() == at::kFloat),
+              "int8_act_rows_: r must hold one float32 per row");
+  check_vec(bias, M, "int8_act_rows_: bias");
+  check_vec(inv_next, M, "int8_act_rows_: inv_next");
+  Tensor r2 = at::empty({inv_next ? N : 0, 1}, y.options());
+  float* Y = y.data_ptr<float>();
+  const float* R = r ? r->data_ptr<float>() : nullptr;
+  const float* B = bias ? bias->data_ptr<float>() : nullptr;
+  const float* S = inv_next ? inv_next->data_ptr<float>() : nullptr;
+  float* R2 = inv_next ? r2.data_ptr<float>() : nullptr;
+  switch (act) {
+    case RELU: act_rows<RELU>(Y, R, B, S, R2, N, M); break;
+    case GELU: act_rows<GELU>(Y, R, B, S, R2, N, M); break;
+    case GELU_TANH: act_rows<GELU_TANH>(Y, R, B, S, R2, N, M); break;
+    case SILU: act_rows<SILU>(Y, R, B, S, R2, N, M); break;
+    case RELU2: act_rows<RELU2>(Y, R, B, S, R2, N, M); break;
+    default: act_rows<IDENT>(Y, R, B, S, R2, N, M);
+  }
+  return {y, r2};
+}
+
+std::tuple<Tensor, Tensor, Tensor> int8_add_norm_rows_(Tensor y, const std::optional<Tensor>& r,
+                                                       const std::optional<Tensor>& bias, const Tensor& resid,
+                                                       const Tensor& w, const Tensor& beta, double eps,
+                                                       const std::optional<Tensor>& inv_next) {
+  check_2d_f32(y, "int8_add_norm_rows_: y");
+  check_2d_f32(resid, "int8_add_norm_rows_: resid");
+  TORCH_CHECK(resid.sizes() == y.sizes(), "int8_add_norm_rows_: resid must have y's shape ", y.sizes(), ", got ",
+              resid.sizes());
+  const int64_t N = y.size(0), M = y.size(1);
+  TORCH_CHECK(!r || (r->numel() == N && r->is_contiguous() && r->scalar_type() == at::kFloat),
+              "int8_add_norm_rows_: r must hold one float32 per row");
+  check_vec(bias, M, "int8_add_norm_rows_: bias");
+  check_vec(w, M, "int8_add_norm_rows_: w");
+  check_vec(beta, M, "int8_add_norm_rows_: beta");
+  check_vec(inv_next, M, "int8_add_norm_rows_: inv_next");
+  Tensor xs = at::empty({inv_next ? N : 0, M}, y.options());
+  Tensor r2 = at::empty({inv_next ? N : 0, 1}, y.options());
+  float* Y = y.data_ptr<float>();
+  const float* X = resid.data_ptr<float>();
+  const float* R = r ? r->data_ptr<float>() : nullptr;
+  const float* B = bias ? bias->data_ptr<float>() : nullptr;
+  const float* W = w.data_ptr<float>();
+  const float* BE = beta.data_ptr<float>();
+  const float* S = inv_next ? inv_next->data_ptr<float>() : nullptr;
+  float* XS = inv_next ? xs.data_ptr<float>() : nullptr;
+  float* R2 = inv_next ? r2.data_ptr<float>() : nullptr;
+  const float e = float(eps);
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(M, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      float* yi = Y + i * M;
+      const float* xi = X + i * M;
+      const float ri = R ? R[i] : 1.f;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < M; ++j) {
+        const float v = yi[j] * ri + (B ? B[j] : 0.f) + xi[j];
+        yi[j] = v;
+        sum += v;
+      }
+      const float mean = sum / float(M);
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < M; ++j) {
+        const float d = yi[j] - mean;
+        ss += d * d;
+      }
+      const float rstd = 1.f / std::sqrt(ss / float(M) + e);
+#pragma omp simd
+      for (int64_t j = 0; j < M; ++j) yi[j] = (yi[j] - mean) * rstd * W[j] + BE[j];
+      if (S) {
+        float* oi = XS + i * M;
+        std::copy(yi, yi + M, oi);
+        R2[i] = scale_row(oi, S, M);
+      }
+    }
+  });
+  return {y, xs, r2};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
+  m.def("int8_scale_rows(Tensor x, Tensor? inv_smooth) -> (Tensor, Tensor)");
+  m.def("int8_rescale_rows_(Tensor(a!) y, Tensor r, Tensor? bias) -> Tensor(a!)");
+  m.def("int8_act_rows_(Tensor(a!) y, Tensor? r, Tensor? bias, int act, Tensor? inv_next) -> (Tensor(a!), Tensor)");
+  m.def(
+      "int8_add_norm_rows_(Tensor(a!) y, Tensor? r, Tensor? bias, Tensor resid, Tensor w, Tensor beta, float eps, "
+      "Tensor? inv_next) -> (Tensor(a!), Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
+  m.impl("int8_scale_rows", &int8_scale_rows);
+  m.impl("int8_rescale_rows_", &int8_rescale_rows_);
+  m.impl("int8_act_rows_", &int8_act_rows_);
+  m.impl("int8_add_norm_rows_", &int8_add_norm_rows_);
+}

@@ -1,0 +1,543 @@
+"""int8 inference for :class:`~sublayer.models.Bert`: ``fast_inference(model, quantize="int8")`` or
+:func:`quantize` (GPT-2 is not quantized yet: ``quantize`` refuses it).
+
+What is quantized, and how:
+
+* every dense layer of the blocks (fused q|k|v, attention output, FFN in and out) except those named by
+  ``keep_float``: weights **int8, symmetric per output channel** (``w ≈ q · s[j]``, ``s[j] = max|w[j, :]| / 127``),
+  quantized once when the wrapper is built;
+* their inputs are quantized **dynamically, per token**: each token (row) is divided by its own ``max|x|`` and the
+  result goes through ``quantized::linear_dynamic`` (the op of the deprecated
+  ``torch.ao.quantization.quantize_dynamic``: uint8 with one scale per call, which on rows of max 1 is a per-token
+  grid of step <= 2/255; int32 accumulation); the output is multiplied back per token and the float bias added.
+  Its engine (:func:`engine`): fbgemm on AVX2 CPUs (~400 GOP/s against ~170 GFLOP/s for fp32), oneDNN where the
+  CPU has AMX-INT8 / AVX512-VNNI. The scaling and the
+  epilogues (bias + GELU, bias + residual + LayerNorm) are fused C++ passes (``kernels/csrc/int8.cpp``) that also
+  prepare the next layer's scaled input; the PyTorch expressions in this file are their reference;
+* **SmoothQuant**: before quantizing, ``quantize`` runs the float layers once on calibration ids (default: 8
+  random sequences from a fixed seed; ``calibration=`` takes the user's) and divides each input channel by
+  ``s[k] = sqrt(max|x[:, k]| / max|W[:, k]|)``, multiplying the weight's column by it: the LayerNorm outputs'
+  outlier channels (~15x the median in all-MiniLM-L6-v2) move into the weights, which per-channel int8 absorbs;
+* what stays float32: embeddings, LayerNorms, attention (SDPA), GELU, the pooler, and the dense layers matched by
+  ``keep_float`` (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}``; default :data:`DEFAULT_KEEP_FLOAT`,
+  chosen by measurement, see its comment). Without fbgemm (another CPU architecture)
+  :func:`int8_linear_reference` computes the same numbers in plain PyTorch (slowly).
+
+The wrapper is independent of the float model once built (it holds only the tensors it uses):
+:meth:`QuantizedBert.save_pretrained` writes them to ``model.safetensors`` + ``config.json`` (the HF config with
+a ``quantization_config`` entry), :func:`load_quantized` reads them back without quantizing again. The float
+``Bert.from_pretrained`` refuses such a folder and names :func:`load_quantized`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import checkpoints as ckpt
+from .. import kernels
+from ..functional import fused
+from .bert import Bert, BertConfig
+from .fast import _add_norm, _bias_act, _inference, _kernels_on, _layer_norm
+
+__all__ = [
+    "QUANTIZE_CHOICES",
+    "DEFAULT_KEEP_FLOAT",
+    "QUANT_METHOD",
+    "quantize",
+    "load_quantized",
+    "is_quantized_folder",
+    "check_quantize",
+    "quantize_weight",
+    "int8_linear_reference",
+    "Int8Linear",
+    "QuantizedBert",
+]
+
+QUANTIZE_CHOICES = ("int8",)
+QUANT_METHOD = "sublayer-int8"
+# The FFN output layers of the first two blocks stay float32: their inputs (GELU outputs) hold the "massive
+# activations" of a few tokens (one channel ~100x the rest), which per-token int8 cannot represent next to the
+# other channels. Measured on all-MiniLM-L6-v2 (64 texts / 64x128 random ids, min token cosine to HF fp32):
+# all int8 0.89 / 0.990; layers.0.fc2 float 0.987 / 0.994; layers.[01].fc2 float 0.994 / 0.993.
+DEFAULT_KEEP_FLOAT: tuple[str, ...] = ("layers.[01].fc2",)
+SMOOTH_ALPHA = 0.5
+_LINEARS = ("qkv", "out", "fc1", "fc2")
+
+
+def check_quantize(quantize: object) -> None:
+    """Raises ValueError unless ``quantize`` is None or one of :data:`QUANTIZE_CHOICES`."""
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be None or one of {', '.join(map(repr, QUANTIZE_CHOICES))}, got {quantize!r}")
+
+
+def _fbgemm() -> bool:
+    """Whether an int8 GEMM engine is there (fbgemm; oneDNN too where :func:`engine` picks it)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+_engine: str | None = None
+
+
+def engine() -> str:
+    """The quantized engine the int8 GEMMs are packed for: ``"onednn"`` on CPUs with AMX-INT8 or AVX512-VNNI
+    (oneDNN uses them: ~2.4x fbgemm's speed measured on a Xeon with AMX), ``"fbgemm"`` elsewhere (AVX2: fbgemm
+    ~400 GOP/s). ``SUBLAYER_INT8_ENGINE=fbgemm|onednn`` overrides."""
+    global _engine
+    if _engine is None:
+        supported = torch.backends.quantized.supported_engines
+        force = os.environ.get("SUBLAYER_INT8_ENGINE", "").strip().lower()
+        if force in supported:
+            _engine = force
+        else:
+            try:
+                text = open("/proc/cpuinfo").read()
+                flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split()
+            except OSError:
+                flags = []
+            fast = "amx_int8" in flags or "avx512_vnni" in flags
+            _engine = "onednn" if fast and "onednn" in supported else "fbgemm"
+    return _engine
+
+
+# ----------------------------------------------------------------------------------------------- one linear
+def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-output-channel int8: ``(q (M, K) int8, scale (M,) float32)`` with ``w ≈ q * scale[:, None]``,
+    ``|w - q * scale| <= scale / 2`` elementwise, ``q`` in [-127, 127]. An all-zero row gets scale 1 (q = 0)."""
+    w = w.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def activation_qparams(x: Tensor, reduce_range: bool = False) -> tuple[float, int]:
+    """fbgemm's dynamic input quantization parameters: uint8 over ``[min(x, 0), max(x, 0)]`` (127 levels with
+    ``reduce_range``), ``(scale, zero_point)``."""
+    lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+    qmax = 127 if reduce_range else 255
+    scale = (hi - lo) / qmax if hi > lo else 1.0
+    zp = int(min(max(round(-lo / scale), 0), qmax))
+    return scale, zp
+
+
+def _row_scale(x: Tensor) -> Tensor:
+    """Per-token scale ``max|x[i, :]|`` (N, 1); 1 for an all-zero row."""
+    r = x.abs().amax(dim=1, keepdim=True)
+    return torch.where(r > 0, r, torch.ones_like(r))
+
+
+def int8_linear_reference(
+    x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None, smooth: Tensor | None = None
+) -> Tensor:
+    """What :class:`Int8Linear` computes, in plain PyTorch (float64, exact for these integer sums): each token
+    divided by its ``max|x|`` (per-token scale ``r``), the result quantized to uint8 with
+    :func:`activation_qparams` (one scale for the call, so per token the grid step is ``r * 2/255`` or finer),
+    times ``q``, rescaled by ``r * scale``, plus ``bias``. With ``smooth`` (K,), ``x / smooth`` is quantized
+    (``q`` then holds ``W * smooth``). (N, K) -> (N, M) float32."""
+    x = x.double() if smooth is None else x.double() / smooth.double()
+    r = _row_scale(x)
+    xn = x / r
+    sx, zp = activation_qparams(xn)
+    xq = torch.clamp(torch.round(xn / sx) + zp, 0, 255) - zp
+    y = (xq @ q.double().t()) * (sx * scale.double()) * r
+    if bias is not None:
+        y = y + bias.double()
+    return y.float()
+
+
+class Int8Linear:
+    """``y = x @ dequant(q).T + bias`` with ``x`` quantized dynamically (see the module docstring).
+
+    Args:
+        q: (M, K) int8 weight; scale: (M,) float32 per output channel; bias: (M,) float32 or None;
+        smooth: (K,) float32 or None: per-input-channel divisor of ``x`` whose inverse ``q`` carries
+            (``q * scale ≈ W * smooth``), SmoothQuant's migration of activation outliers into the weights.
+
+    Call: ``x`` (N, K) float32 -> (N, M) float32.
+    """
+
+    def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None, smooth: Tensor | None = None) -> None:
+        self.q, self.scale, self.bias = q, scale.float(), None if bias is None else bias.float()
+        self.smooth = smooth
+        # the kernels' "prepare the next input" switch is this vector being given: ones when not smoothed
+        self._inv = torch.ones(q.shape[1]) if smooth is None else (1.0 / smooth.float())
+        self._packed = None
+        if _fbgemm():
+            prev = torch.backends.quantized.engine
+            torch.backends.quantized.engine = engine()  # the packed object keeps its engine
+            try:
+                with warnings.catch_warnings():  # quantized tensors are marked deprecated; fbgemm still takes them
+                    warnings.simplefilter("ignore")
+                    wq = torch._make_per_channel_quantized_tensor(
+                        q, self.scale.double(), torch.zeros_like(self.scale, dtype=torch.long), 0
+                    )
+                    self._packed = torch.ops.quantized.linear_prepack(wq, None)
+            finally:
+                torch.backends.quantized.engine = prev
+
+    def prepare(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(xs, r)``: ``x / smooth`` divided by its per-token max ``r`` (N, 1): what the int8 GEMM quantizes."""
+        if _kernels_on():
+            return kernels.ops().int8_scale_rows(x, self._inv)
+        x = x if self._inv is None else x * self._inv
+        r = _row_scale(x)
+        return x / r, r
+
+    def raw(self, x: Tensor, pre: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """``(y, r)`` with ``y * r = x @ W.T`` (no bias): the int8 GEMM of ``pre`` or of ``prepare(x)``."""
+        xs, r = pre if pre is not None else self.prepare(x)
+        if self._packed is None:
+            return int8_linear_reference(xs, self.q, self.scale, None), r
+        return torch.ops.quantized.linear_dynamic(xs, self._packed, False), r
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y, r = self.raw(x)
+        if _kernels_on():
+            return kernels.ops().int8_rescale_rows_(y, r, self.bias)
+        y.mul_(r)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+class FloatLinear:
+    """``addmm(b, x, w.T)`` with ``w`` transposed once: the layers kept in float. ``amax``: when not None, each
+    call folds its input's per-channel ``max|x|`` into it (calibration)."""
+
+    def __init__(self, w: Tensor, b: Tensor | None) -> None:
+        self.w, self.bias = w.detach().float().contiguous(), None if b is None else b.detach().float()
+        self._wt = self.w.t()
+        self.amax: Tensor | None = None
+
+    _inv = None  # no input scaling
+
+    def raw(self, x: Tensor, pre=None) -> tuple[Tensor, None]:
+        """``(x @ W.T, None)`` (no bias), as :meth:`Int8Linear.raw`; records ``amax`` when calibrating."""
+        if self.amax is not None:
+            torch.maximum(self.amax, x.abs().amax(dim=0), out=self.amax)
+        return torch.mm(x, self._wt), None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y, _ = self.raw(x)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+def smooth_factors(x_amax: Tensor, w: Tensor, alpha: float = SMOOTH_ALPHA) -> Tensor:
+    """SmoothQuant's per-input-channel factors ``s = max|x|^alpha / max|W[:, k]|^(1 - alpha)`` (K,), clamped to
+    [1e-5, 1e5]; channels never seen or with zero weights get 1."""
+    w_amax = w.detach().float().abs().amax(dim=0)
+    s = x_amax.float().clamp_min(1e-5).pow(alpha) / w_amax.clamp_min(1e-5).pow(1.0 - alpha)
+    ok = (x_amax > 0) & (w_amax > 0)
+    return torch.where(ok, s.clamp(1e-5, 1e5), torch.ones_like(s))
+
+
+def _linear_tensors(name: str, w: Tensor, b: Tensor | None, keep: bool, x_amax: Tensor | None) -> dict[str, Tensor]:
+    """Stored tensors of one dense layer: ``name.weight`` float32 (kept), or ``name.qweight`` int8 +
+    ``name.scale`` (+ ``name.smooth`` when calibrated)."""
+    out = {} if b is None else {f"{name}.bias": b.detach().float().contiguous()}
+    if keep:
+        out[f"{name}.weight"] = w.detach().float().contiguous()
+        return out
+    w = w.detach().float()
+    if x_amax is not None:
+        out[f"{name}.smooth"] = smooth = smooth_factors(x_amax, w)
+        w = w * smooth
+    out[f"{name}.qweight"], out[f"{name}.scale"] = quantize_weight(w)
+    return out
+
+
+def _make_linear(t: dict[str, Tensor], name: str):
+    b = t.get(f"{name}.bias")
+    if f"{name}.qweight" in t:
+        return Int8Linear(t[f"{name}.qweight"], t[f"{name}.scale"], b, t.get(f"{name}.smooth"))
+    return FloatLinear(t[f"{name}.weight"], b)
+
+
+def _check_float_cpu(model: torch.nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if p.device.type != "cpu":
+            raise ValueError(f"int8 quantization runs on the CPU only; parameter {name} is on {p.device}")
+        if p.dtype != torch.float32:
+            raise ValueError(f"int8 quantization needs float32 parameters; {name} is {p.dtype} (call model.float())")
+
+
+def _check_keep_float(keep_float: object) -> tuple[str, ...]:
+    if isinstance(keep_float, str) or not all(isinstance(p, str) for p in keep_float):  # type: ignore[union-attr]
+        raise TypeError(f"keep_float must be a sequence of fnmatch patterns (str), got {keep_float!r}")
+    return tuple(keep_float)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------- epilogues: rescale, bias, act / add & norm, prepare
+# Each takes a GEMM's raw output ``y`` and its per-token scales ``r`` (None for a float layer) and, when the next
+# linear is int8, also returns that linear's prepared input ``(xs, r)`` (None otherwise), in one pass with the
+# kernels on; the reference expressions otherwise.
+def _prepare(lin, x: Tensor):
+    return lin.prepare(x) if isinstance(lin, Int8Linear) else None
+
+
+def _epilogue(y: Tensor, r: Tensor | None, b: Tensor | None) -> Tensor:
+    """``y * r + b``."""
+    if r is None:
+        return y if b is None else y.add_(b)
+    if _kernels_on():
+        return kernels.ops().int8_rescale_rows_(y, r, b)
+    y.mul_(r)
+    return y if b is None else y.add_(b)
+
+
+def _epilogue_act(y: Tensor, r: Tensor | None, b: Tensor | None, act: str, nxt):
+    """``h = act(y * r + b)`` -> ``(h, None)``, or ``(xs, (xs, r2))`` prepared for the int8 ``nxt``."""
+    inv = nxt._inv if isinstance(nxt, Int8Linear) else None
+    if _kernels_on() and act in fused._ACT_IDS:
+        h, r2 = kernels.ops().int8_act_rows_(y, r, b, fused._ACT_IDS[act], inv)
+        return (h, (h, r2)) if isinstance(nxt, Int8Linear) else (h, None)
+    if r is not None:
+        y.mul_(r)
+    h = _bias_act(y, b, act)
+    return h, _prepare(nxt, h)
+
+
+def _epilogue_add_norm(y, r, b, resid, w, beta, eps: float, nxt):
+    """``x = LN(y * r + b + resid)`` -> ``(x, nxt's prepared input or None)``."""
+    inv = nxt._inv if isinstance(nxt, Int8Linear) else None
+    if _kernels_on():
+        x, xs, r2 = kernels.ops().int8_add_norm_rows_(y, r, b, resid, w, beta, eps, inv)
+        return x, ((xs, r2) if isinstance(nxt, Int8Linear) else None)
+    y = _epilogue(y, r, b)
+    x, _ = _add_norm(resid, y, w, beta, eps, want_sum=False)
+    return x, _prepare(nxt, x)
+
+
+# ----------------------------------------------------------------------------------------------- BERT
+class QuantizedBert:
+    """int8 inference wrapper of a :class:`Bert` (build with :func:`quantize` / ``fast_inference(quantize="int8")``).
+
+    Forward: as :meth:`Bert.forward` (``input_ids``, ``attention_mask`` 1 = token, ``token_type_ids``) -> float32
+    (B, T, d_model); hidden states at padded positions are zeros. ``embed`` and ``pooled`` as the model's.
+    The dense layers see only real tokens (padding dropped before the GEMMs), as in :class:`~.fast.FastBert`.
+
+    Raises:
+        TypeError/ValueError: as :meth:`Bert.forward`.
+    """
+
+    def __init__(self, config: BertConfig, tensors: dict[str, Tensor], keep_float: tuple[str, ...]) -> None:
+        self.config, self.tensors, self.keep_float = config, tensors, tuple(keep_float)
+        self._prep = Bert(config, pooler="pooler.dense.weight" in tensors, device="meta")._prepare  # checks only
+        self.pooler = "pooler.dense.weight" in tensors
+        self.compute_dtype = torch.float32
+        self.training = False
+        self.layers = [{k: _make_linear(tensors, f"layers.{i}.{k}") for k in _LINEARS} for i in range(config.n_layers)]
+
+    @classmethod
+    def from_model(
+        cls, model: Bert, keep_float=DEFAULT_KEEP_FLOAT, calibration: Tensor | None | bool = None
+    ) -> QuantizedBert:
+        """See :func:`quantize`."""
+        keep_float = _check_keep_float(keep_float)
+        _check_float_cpu(model)
+        e, t, dense = model.embeddings, {}, {}
+        for n in ("word", "position", "token_type"):
+            t[f"embeddings.{n}"] = getattr(e, f"{n}_embeddings").weight.detach().float().contiguous()
+        t["embeddings.norm.weight"], t["embeddings.norm.bias"] = e.norm.weight.detach(), e.norm.bias.detach()
+        for i, blk in enumerate(model.encoder.layers):
+            a, f = blk.self_attn, blk.ffn
+            p = f"layers.{i}"
+            dense[f"{p}.qkv"] = (
+                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).detach(),
+                torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0).detach(),
+            )
+            dense[f"{p}.out"] = (a.out_proj.weight.detach(), a.out_proj.bias.detach())
+            dense[f"{p}.fc1"] = (f.fc1.weight.detach(), f.fc1.bias.detach())
+            dense[f"{p}.fc2"] = (f.fc2.weight.detach(), f.fc2.bias.detach())
+            for j, norm in ((1, blk.attn_residual.norm), (2, blk.ffn_residual.norm)):
+                t[f"{p}.norm{j}.weight"], t[f"{p}.norm{j}.bias"] = norm.weight.detach(), norm.bias.detach()
+        if model.pooler is not None:
+            t["pooler.dense.weight"] = model.pooler.dense.weight.detach()
+            t["pooler.dense.bias"] = model.pooler.dense.bias.detach()
+        amax = {}
+        if calibration is not False:
+            ref = cls(model.config, t | {f"{k}.weight": w for k, (w, _) in dense.items()}
+                      | {f"{k}.bias": b for k, (_, b) in dense.items()}, ("*",))
+            for i, L in enumerate(ref.layers):
+                for k, lin in L.items():
+                    lin.amax = amax[f"layers.{i}.{k}"] = torch.zeros(lin.w.shape[1])
+            ref(_calibration_ids(model.config, calibration))
+        for k, (w, b) in dense.items():
+            keep = any(fnmatch.fnmatchcase(k, pat) for pat in keep_float)
+            t |= _linear_tensors(k, w, b, keep, amax.get(k))
+        t = {k: v.contiguous() for k, v in t.items()}
+        return cls(model.config, t, keep_float)
+
+    # -- forward
+    @_inference
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        kpm, token_type_ids = self._prep(input_ids, attention_mask, token_type_ids)
+        t, cfg = self.tensors, self.config
+        B, T = input_ids.shape
+        d, H, eps = cfg.d_model, cfg.n_heads, cfg.eps
+        hd = d // H
+        x = t["embeddings.word"][input_ids] + t["embeddings.position"][:T][None] + t["embeddings.token_type"][token_type_ids]
+        keep = None
+        if kpm is not None and bool(kpm.any()):
+            keep = (~kpm).reshape(-1).nonzero().squeeze(1)
+            x = x.reshape(B * T, d).index_select(0, keep)
+            mask = (~kpm)[:, None, None, :]
+        else:
+            x = x.reshape(B * T, d)
+            mask = None
+        x = _layer_norm(x, t["embeddings.norm.weight"], t["embeddings.norm.bias"], eps)
+        scale = 1.0 / math.sqrt(hd)
+        full = None
+        layers = self.layers
+        pre = _prepare(layers[0]["qkv"], x)
+        for i, L in enumerate(layers):
+            p = f"layers.{i}"
+            y, r = L["qkv"].raw(x, pre)
+            qkv = _epilogue(y, r, L["qkv"].bias)
+            if keep is not None:
+                full = qkv.new_zeros(B * T, 3 * d) if full is None else full
+                qkv = full.index_copy_(0, keep, qkv)
+            q, k, v = qkv.view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            ctx = ctx.transpose(1, 2).reshape(B * T, d)
+            if keep is not None:
+                ctx = ctx.index_select(0, keep)
+            y, r = L["out"].raw(ctx)
+            x, pre = _epilogue_add_norm(y, r, L["out"].bias, x, t[f"{p}.norm1.weight"], t[f"{p}.norm1.bias"], eps, L["fc1"])
+            y, r = L["fc1"].raw(x, pre)
+            h, pre = _epilogue_act(y, r, L["fc1"].bias, cfg.activation, L["fc2"])
+            y, r = L["fc2"].raw(h, pre)
+            nxt = layers[i + 1]["qkv"] if i + 1 < len(layers) else None
+            x, pre = _epilogue_add_norm(y, r, L["fc2"].bias, x, t[f"{p}.norm2.weight"], t[f"{p}.norm2.bias"], eps, nxt)
+        if keep is not None:
+            out = x.new_zeros(B * T, d)
+            out.index_copy_(0, keep, x)
+            x = out
+        return x.view(B, T, d)
+
+    __call__ = forward
+
+    @_inference
+    def pooled(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        """As :meth:`Bert.pooled` (the pooler in float32). Raises ValueError: no pooler."""
+        if not self.pooler:
+            raise ValueError("this Bert has no pooler (built with pooler=False or loaded from a file without one)")
+        h = self(input_ids, attention_mask, token_type_ids)
+        t = self.tensors
+        return torch.tanh(F.linear(h[:, 0], t["pooler.dense.weight"], t["pooler.dense.bias"]))
+
+    @_inference
+    def embed(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        """As :meth:`Bert.embed`: mean over real tokens, L2-normalised, (B, d_model) float32."""
+        return Bert.embed(self, input_ids, attention_mask, token_type_ids)  # type: ignore[arg-type]
+
+    # -- save / load
+    def save_pretrained(self, folder: str | os.PathLike) -> None:
+        """``model.safetensors`` (the int8 and float tensors) + ``config.json`` (HF BERT config with
+        ``quantization_config``); read back with :func:`load_quantized`."""
+        cfg = self.config.to_hf_dict()
+        cfg["quantization_config"] = _quant_config(self.keep_float)
+        ckpt.write_folder(folder, self.tensors, cfg)
+
+    def eval(self):
+        return self
+
+    def train(self, mode: bool = True):
+        if mode:
+            raise RuntimeError("QuantizedBert is inference-only; train the float model and quantize it again")
+        return self
+
+    def __repr__(self) -> str:
+        n_q = sum(isinstance(lin, Int8Linear) for L in self.layers for lin in L.values())
+        return f"QuantizedBert(int8 layers={n_q}/{4 * len(self.layers)}, keep_float={self.keep_float})"
+
+
+def _calibration_ids(config: BertConfig, calibration: Tensor | None | bool) -> Tensor:
+    """The ids the float model runs on to measure each dense layer's input range: the user's (B, T) ids, or
+    (default) 8 x min(128, max_positions) random ids from a fixed seed."""
+    if isinstance(calibration, Tensor):
+        return calibration
+    g = torch.Generator().manual_seed(0)
+    lo = 1 if config.vocab_size > 1 else 0
+    return torch.randint(lo, config.vocab_size, (8, min(128, config.max_positions)), generator=g)
+
+
+def _quant_config(keep_float: tuple[str, ...]) -> dict[str, Any]:
+    return {
+        "quant_method": QUANT_METHOD,
+        "weights": "int8 symmetric per output channel",
+        "activations": "uint8 dynamic per call (fbgemm linear_dynamic)",
+        "keep_float": list(keep_float),
+    }
+
+
+# ----------------------------------------------------------------------------------------------- entry points
+def quantize(
+    model: Bert, *, keep_float=DEFAULT_KEEP_FLOAT, calibration: Tensor | None | bool = None
+) -> QuantizedBert:
+    """The int8 inference wrapper of ``model`` (see the module docstring).
+
+    Args:
+        model: a :class:`Bert` with float32 CPU parameters.
+        keep_float: ``fnmatch`` patterns of dense layers left in float32, over ``layers.{i}.{qkv,out,fc1,fc2}``.
+        calibration: (B, T) token ids the float layers run on to measure input ranges for the smoothing factors;
+            None: 8 random sequences (fixed seed); False: no smoothing.
+
+    Raises:
+        TypeError: not a Bert, or bad ``keep_float``. ValueError: parameters not float32 or not on the CPU, bad
+        calibration ids (as :meth:`Bert.forward`).
+    """
+    if isinstance(model, Bert):
+        return QuantizedBert.from_model(model, keep_float, calibration)
+    raise TypeError(f"int8 quantization needs a sublayer Bert model, got {type(model).__name__}")
+
+
+def is_quantized_folder(folder: str | os.PathLike) -> bool:
+    """Whether ``folder/config.json`` names sublayer's int8 format (False when there is no readable config)."""
+    try:
+        qc = ckpt.read_config(folder).get("quantization_config")
+    except (OSError, ValueError):
+        return False
+    return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
+
+
+def load_quantized(folder: str | os.PathLike) -> QuantizedBert:
+    """Read a folder written by :meth:`QuantizedBert.save_pretrained`.
+
+    Raises:
+        FileNotFoundError: no folder/config/weights. CheckpointError: not a sublayer int8 folder, or keys missing.
+    """
+    hf = ckpt.read_config(folder)
+    qc = hf.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
+        raise ckpt.CheckpointError(
+            f"{folder} is not a sublayer int8 folder (config.json has no quantization_config with "
+            f"quant_method={QUANT_METHOD!r}); load float folders with Bert.from_pretrained and quantize them"
+        )
+    try:
+        config = BertConfig.from_hf_dict({k: v for k, v in hf.items() if k != "quantization_config"})
+    except (ValueError, TypeError) as e:
+        raise ckpt.CheckpointError(f"config file {os.path.join(folder, ckpt.CONFIG_NAME)}: {e}") from None
+    tensors, source = ckpt.read_state_dict(folder)
+    keep = tuple(qc.get("keep_float", ()))
+    need = ["embeddings.word", "embeddings.position", "embeddings.token_type", "embeddings.norm.weight"]
+    for i in range(config.n_layers):
+        for k in _LINEARS:
+            p = f"layers.{i}.{k}"
+            need.append(f"{p}.weight" if f"{p}.weight" in tensors else f"{p}.qweight")
+    missing = [k for k in need if k not in tensors]
+    if missing:
+        raise ckpt.CheckpointError(f"{source}: missing quantized tensors {missing[:10]}")
+    return QuantizedBert(config, dict(tensors), keep)
