@@ -89,8 +89,8 @@ class StaticKVCache:
     """
 
     def __init__(self, batch: int, n_heads: int, capacity: int, head_dim: int, *, dtype=torch.float32) -> None:
-        self.k = torch.zeros(batch, n_heads, capacity, head_dim, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
+        self.k = torch.empty(batch, n_heads, capacity, head_dim, dtype=dtype)  # only [0, length) is ever read
+        self.v = torch.empty_like(self.k)
         self.length = 0
 
     def fill(self, k: Tensor, v: Tensor) -> None:
@@ -304,3 +304,115 @@ def gpt2_generate(
             break
         logits = gpt2_step(model, W, nxt, step_pos[:, s], caches, mask)
     return out[:, : t + n]
+
+
+# ----------------------------------------------------------------------------------------------- Transformer
+def _layer_norms(model) -> list:
+    norms = []
+    for layer in model.decoder.layers:
+        norms += [layer.self_attn_residual.norm, layer.cross_attn_residual.norm, layer.ffn_residual.norm]
+    return norms + ([model.decoder.norm] if model.decoder.norm is not None else [])
+
+
+def transformer_supports(model) -> bool:
+    """Whether :func:`transformer_stepper` runs ``model``: float32 CPU, LayerNorms with bias, self-attention
+    over d_model keys (any FFN activation)."""
+    from ..nn import LayerNorm
+
+    return (
+        _enabled
+        and _float32_cpu(model)
+        and all(isinstance(n, LayerNorm) and n.bias is not None for n in _layer_norms(model))
+    )
+
+
+def _build_transformer(model) -> dict:
+    layers = []
+    for layer in model.decoder.layers:
+        sa, ca, f = layer.self_attn, layer.cross_attn, layer.ffn
+        qkv_b = None if sa.q_proj.bias is None else torch.cat([sa.q_proj.bias, sa.k_proj.bias, sa.v_proj.bias], 0)
+        layers.append({
+            "qkv": PackedLinear(torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight], 0), qkv_b),
+            "out": PackedLinear(sa.out_proj.weight, sa.out_proj.bias),
+            "q_cross": PackedLinear(ca.q_proj.weight, ca.q_proj.bias),
+            "out_cross": PackedLinear(ca.out_proj.weight, ca.out_proj.bias),
+            "fc1": PackedLinear(f.fc1.weight), "b1": None if f.fc1.bias is None else f.fc1.bias.detach(),
+            "fc2": PackedLinear(f.fc2.weight, f.fc2.bias),
+            "norms": [_norm(layer.self_attn_residual.norm), _norm(layer.cross_attn_residual.norm),
+                      _norm(layer.ffn_residual.norm)],
+        })  # fmt: skip
+    final = None if model.decoder.norm is None else _norm(model.decoder.norm)
+    return {"layers": layers, "final": final, "head": PackedLinear(model.out_proj.weight, model.out_proj.bias)}
+
+
+def transformer_stepper(model, memory: Tensor, memory_key_padding_mask: Tensor | None, max_len: int):
+    """``(step, reorder)`` for :meth:`Transformer.translate`'s search loops on the fast path, or None when the
+    model is not supported (the reference steps then run).
+
+    ``step(tok)``: tok (N, 1) ids of the newest position -> (N, tgt_vocab) float32 logits of the next one (the
+    ``decode`` logits of the reference with caches). ``reorder(rows)``: keep batch rows ``rows`` (beam search).
+    memory (N, S, d_model) and its mask (N, S) True = padding are projected to keys/values once per layer;
+    each layer's self-attention cache holds ``max_len`` positions, allocated once.
+    """
+    if not transformer_supports(model):
+        return None
+    cfg = model.config
+    W = _weights(model, _build_transformer)
+    n, s, d = memory.shape
+    H = cfg.n_heads
+    hd = d // H
+    memory = memory.float()
+    cross = []
+    for layer in model.decoder.layers:
+        ca = layer.cross_attn
+        kv = [F.linear(memory, p.weight, p.bias).view(n, s, H, hd).transpose(1, 2).contiguous() for p in (ca.k_proj, ca.v_proj)]
+        cross.append(kv)
+    mask = None
+    if memory_key_padding_mask is not None and bool(memory_key_padding_mask.any()):
+        mask = memory_key_padding_mask.contiguous()
+    caches = [StaticKVCache(n, H, max_len, hd) for _ in model.decoder.layers]
+    emb = model.tgt_embed.weight.detach()
+    pe = model.pos_encoding
+    scale = math.sqrt(d)
+    pre = cfg.norm_first
+    act = cfg.activation
+
+    def sublayer_out(x, h, y, norms, j):
+        """Residual after sublayer j of a layer: post-norm x = LN_j(x + y); pre-norm x += y, h = next LN(x)."""
+        if not pre:
+            x, _ = _add_norm(x, y, *norms[j])
+            return x, x
+        nxt = norms[j + 1] if j + 1 < len(norms) else None
+        if nxt is None:
+            x = x + y
+            return x, x
+        h, x = _add_norm(x, y, *nxt)
+        return x, h
+
+    def step(tok: Tensor) -> Tensor:
+        t = caches[0].length
+        x = (emb[tok[:, -1]] * scale + pe[t]).float()  # (N, d)
+        layers = W["layers"]
+        h = F.layer_norm(x, (d,), *layers[0]["norms"][0][:2], layers[0]["norms"][0][2]) if pre else x
+        for i, L in enumerate(layers):
+            # the norm after this layer's last sublayer (pre-norm): the next layer's first, or the final one
+            norms = L["norms"] + ([layers[i + 1]["norms"][0]] if i + 1 < len(layers) else [W["final"]])
+            qkv = L["qkv"](h)
+            c = caches[i]
+            ctx = decode_attention(qkv[:, :d], c.k, c.v, t + 1, new_k=qkv[:, d : 2 * d], new_v=qkv[:, 2 * d :])
+            c.length = t + 1
+            x, h = sublayer_out(x, h, L["out"](ctx), norms, 0)
+            mk, mv = cross[i]
+            ctx = decode_attention(L["q_cross"](h), mk, mv, s, mask=mask)
+            x, h = sublayer_out(x, h, L["out_cross"](ctx), norms, 1)
+            y = L["fc2"](_bias_act(L["fc1"](h), L["b1"], act))
+            x, h = sublayer_out(x, h, y, norms if pre else norms[:3], 2)
+        if not pre and W["final"] is not None:
+            h = F.layer_norm(h, (d,), *W["final"][:2], W["final"][2])
+        return W["head"](h)
+
+    def reorder(rows: Tensor) -> None:
+        for c in caches:
+            c.reorder(rows)
+
+    return step, reorder

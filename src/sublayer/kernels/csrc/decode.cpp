@@ -194,7 +194,9 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
   const float* nv = write ? new_v->data_ptr<float>() : nullptr;
   const int64_t qs = q.stride(0), nks = write ? new_k->stride(0) : 0, nvs = write ? new_v->stride(0) : 0;
   const float sc = float(scale);
-  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+  // threads only when there is enough to read: a parallel region costs more than a short head's work
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 17) / std::max<int64_t>(1, length * hd));
+  at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> s(length);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H;
