@@ -45,6 +45,22 @@ def test_skinny_linear_matches_f_linear(rows, n, k, bias):
     assert_fast_close(got, F.linear(x, w, b), ref64, what=f"rows={rows} n={n} k={k}")
 
 
+@pytest.mark.parametrize(("act", "fn"), [(1, F.relu), (3, lambda t: F.gelu(t, approximate="tanh"))])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_skinny_linear_fused_activation(act, fn, rows):
+    g = _gen(act + rows)
+    x = torch.randn(rows, 19, generator=g)
+    w = torch.randn(23, 19, generator=g) * 0.5
+    b = torch.randn(23, generator=g)
+    got = _ops().skinny_linear(x, _ops().pack_linear_weight(w), b, 23, act)
+    assert_fast_close(got, fn(F.linear(x, w, b)), fn(F.linear(x.double(), w.double(), b.double())), what=f"act {act}")
+
+
+def test_skinny_linear_rejects_unknown_activation():
+    with pytest.raises(RuntimeError, match="act 2 unsupported"):
+        _ops().skinny_linear(torch.randn(1, 3), _ops().pack_linear_weight(torch.randn(4, 3)), None, 4, 2)
+
+
 def test_skinny_linear_takes_a_column_slice():
     # q/k/v come out of one (B, 3d) tensor: x may have a row stride wider than its width
     g = _gen(3)

@@ -76,10 +76,18 @@ class PackedLinear:
         self.packed = kernels.ops().pack_linear_weight(weight) if _kernels_on() else None
         self.weight = None if self.packed is not None else weight
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
+        """``activation`` (an FFN activation name) is applied after the bias: fused into the kernel's epilogue for
+        ``relu``/``gelu_tanh``, a separate pass for the others."""
         if self.packed is not None:
-            return kernels.ops().skinny_linear(x, self.packed, self.bias, self.out_features)
-        return F.linear(x, self.weight, self.bias)
+            act = _EPILOGUE.get(activation, 0)
+            y = kernels.ops().skinny_linear(x, self.packed, self.bias, self.out_features, act)
+            return y if activation is None or act else _bias_act(y, None, activation)
+        y = F.linear(x, self.weight, self.bias)
+        return y if activation is None else SF.activation_fn(activation)(y)
+
+
+_EPILOGUE = {"relu": 1, "gelu_tanh": 3}  # activations fused into skinny_linear (ids of fused._ACT_IDS)
 
 
 class StaticKVCache:
@@ -214,7 +222,7 @@ def _build_gpt2(model) -> dict:
         layers.append({
             "ln1": _norm(blk.attn_residual.norm), "ln2": _norm(blk.ffn_residual.norm),
             "qkv": PackedLinear(wqkv, bqkv), "out": PackedLinear(a.out_proj.weight, a.out_proj.bias),
-            "fc1": PackedLinear(f.fc1.weight), "b1": f.fc1.bias.detach(), "fc2": PackedLinear(f.fc2.weight, f.fc2.bias),
+            "fc1": PackedLinear(f.fc1.weight, f.fc1.bias), "fc2": PackedLinear(f.fc2.weight, f.fc2.bias),
         })  # fmt: skip
     return {
         "layers": layers, "lnf": _norm(model.ln_f), "head": PackedLinear(model.lm_head.weight),
@@ -239,7 +247,7 @@ def gpt2_step(model, W: dict, tokens: Tensor, positions: Tensor, caches: list, m
         )
         c.length = length
         h, x = _add_norm(x, L["out"](ctx), *L["ln2"])  # x += attn; h = ln_2(x)
-        y = L["fc2"](_bias_act(L["fc1"](h), L["b1"], cfg.activation))
+        y = L["fc2"](L["fc1"](h, cfg.activation))
         h, x = _add_norm(x, y, *(layers[i + 1]["ln1"] if i + 1 < len(layers) else W["lnf"]))
     return W["head"](h)
 
@@ -336,7 +344,7 @@ def _build_transformer(model) -> dict:
             "out": PackedLinear(sa.out_proj.weight, sa.out_proj.bias),
             "q_cross": PackedLinear(ca.q_proj.weight, ca.q_proj.bias),
             "out_cross": PackedLinear(ca.out_proj.weight, ca.out_proj.bias),
-            "fc1": PackedLinear(f.fc1.weight), "b1": None if f.fc1.bias is None else f.fc1.bias.detach(),
+            "fc1": PackedLinear(f.fc1.weight, f.fc1.bias),
             "fc2": PackedLinear(f.fc2.weight, f.fc2.bias),
             "norms": [_norm(layer.self_attn_residual.norm), _norm(layer.cross_attn_residual.norm),
                       _norm(layer.ffn_residual.norm)],
@@ -405,7 +413,7 @@ def transformer_stepper(model, memory: Tensor, memory_key_padding_mask: Tensor |
             mk, mv = cross[i]
             ctx = decode_attention(L["q_cross"](h), mk, mv, s, mask=mask)
             x, h = sublayer_out(x, h, L["out_cross"](ctx), norms, 1)
-            y = L["fc2"](_bias_act(L["fc1"](h), L["b1"], act))
+            y = L["fc2"](L["fc1"](h, act))
             x, h = sublayer_out(x, h, y, norms if pre else norms[:3], 2)
         if not pre and W["final"] is not None:
             h = F.layer_norm(h, (d,), *W["final"][:2], W["final"][2])

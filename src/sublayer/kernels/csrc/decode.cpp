@@ -1,6 +1,6 @@
 // sublayer decoding kernels (torch.ops.sublayer_kernels.*): what one generated token costs on a CPU.
 //
-//  * skinny_linear: y = x @ W^T + b for few rows (1..16, any count works) reading W once from a packed layout
+//  * skinny_linear: y = act(x @ W^T + b) for few rows (1..16, any count works) reading W once from a packed layout
 //    (W (N, K) stored as ceil(N/16) panels of K x 16 floats, zero-padded: see pack_linear_weight). Decoding reads
 //    every weight once per token, so this is a streaming kernel: each thread walks a contiguous run of panels, each
 //    panel is read from memory once and re-read from L2 by the next row chunk (up to 4 rows at a time, 2 AVX2
@@ -20,6 +20,10 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SUBLAYER_DECODE_AVX2 1
+#endif
+
+#if defined(__linux__)
+#include <sys/mman.h>
 #endif
 
 #include <algorithm>
@@ -50,6 +54,9 @@ inline void panel_kernel(const float* x, int64_t ldx, const float* w, int64_t K,
   int64_t k = 0;
   // two k per iteration into separate accumulators: R=1 would otherwise wait on the FMA latency
   for (; k + 2 <= K; k += 2) {
+    // software prefetch 2 KB ahead: the hardware streamer stops at 4 KB page boundaries
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048 + 64, _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(w + k * PANEL), w1 = _mm256_loadu_ps(w + k * PANEL + 8);
     const __m256 w2 = _mm256_loadu_ps(w + k * PANEL + 16), w3 = _mm256_loadu_ps(w + k * PANEL + 24);
     for (int r = 0; r < R; ++r) {
@@ -85,11 +92,64 @@ inline void panel_kernel(const float* x, int64_t ldx, const float* w, int64_t K,
 #endif
 }
 
+// Epilogue activations (ids as sublayer.functional.fused._ACT_IDS): 0 none, 1 relu, 3 tanh-GELU (HF gelu_new)
+// computed as z * sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3), since 1 + tanh(u) = 2 sigmoid(2u).
+enum EpiAct : int64_t { EPI_NONE = 0, EPI_RELU = 1, EPI_GELU_TANH = 3 };
+
+#if SUBLAYER_DECODE_AVX2
+// Cephes expf on 8 lanes (range reduction + degree-5 polynomial, ~1 ulp), inputs clamped to [-87.3, 88.3].
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+inline float exp_scalar(float x) { return std::exp(std::min(std::max(x, -87.3f), 88.3f)); }
+
+// v[0..15] = act(v + bias) in place.
+inline void epilogue(float* v, const float* bias, int64_t act) {
+  if (bias)
+    for (int j = 0; j < PANEL; ++j) v[j] += bias[j];
+  if (act == EPI_RELU) {
+    for (int j = 0; j < PANEL; ++j) v[j] = v[j] > 0.0f ? v[j] : 0.0f;
+  } else if (act == EPI_GELU_TANH) {
+#if SUBLAYER_DECODE_AVX2
+    for (int j = 0; j < PANEL; j += 8) {
+      const __m256 z = _mm256_loadu_ps(v + j);
+      const __m256 z3 = _mm256_mul_ps(_mm256_mul_ps(z, z), z);
+      const __m256 u2 = _mm256_mul_ps(_mm256_set1_ps(2.0f * 0.79788456080286535588f),
+                                      _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), z3, z));
+      const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), u2)));
+      _mm256_storeu_ps(v + j, _mm256_div_ps(z, den));
+    }
+#else
+    for (int j = 0; j < PANEL; ++j) {
+      const float z = v[j], u2 = 2.0f * 0.79788456080286535588f * (z + 0.044715f * z * z * z);
+      v[j] = z / (1.0f + exp_scalar(-u2));
+    }
+#endif
+  }
+}
+
 using PanelFn = void (*)(const float*, int64_t, const float*, int64_t, float*);
 constexpr PanelFn kPanel[ROWS + 1] = {nullptr, panel_kernel<1>, panel_kernel<2>, panel_kernel<3>, panel_kernel<4>};
 
-// x (M, K) float32 (row stride free, unit inner stride), packed (P, K, 16) -> (M, n) = x @ W^T + bias.
-Tensor skinny_linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias, int64_t n) {
+// x (M, K) float32 (row stride free, unit inner stride), packed (P, K, 16) -> (M, n) = act(x @ W^T + bias).
+Tensor skinny_linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias, int64_t n,
+                     int64_t act) {
+  TORCH_CHECK(act == EPI_NONE || act == EPI_RELU || act == EPI_GELU_TANH, "skinny_linear: act ", act,
+              " unsupported (0 none, 1 relu, 3 tanh-GELU)");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "skinny_linear: x must be a 2-D float32 CPU tensor with unit inner stride");
   check_float_contig(packed, "skinny_linear: packed", 3);
@@ -119,14 +179,13 @@ Tensor skinny_linear(const Tensor& x, const Tensor& packed, const c10::optional<
       for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
         const int64_t R = std::min<int64_t>(ROWS, M - r0);
         kPanel[R](xp + r0 * ldx, ldx, w, K, acc);
+        float bpanel[PANEL] = {0};  // the bias of this panel, zero-padded past n
+        if (bp)
+          for (int64_t j = 0; j < nc; ++j) bpanel[j] = bp[c0 + j];
         for (int64_t r = 0; r < R; ++r) {
-          float* o = op + (r0 + r) * n + c0;
-          const float* a = acc + r * PANEL;
-          if (bp) {
-            for (int64_t j = 0; j < nc; ++j) o[j] = a[j] + bp[c0 + j];
-          } else {
-            for (int64_t j = 0; j < nc; ++j) o[j] = a[j];
-          }
+          float* a = acc + r * PANEL;
+          epilogue(a, bp ? bpanel : nullptr, act);
+          std::copy(a, a + nc, op + (r0 + r) * n + c0);
         }
       }
     }
@@ -134,11 +193,26 @@ Tensor skinny_linear(const Tensor& x, const Tensor& packed, const c10::optional<
   return out;
 }
 
+// Ask for transparent huge pages on the 2 MB-aligned interior of a fresh buffer (before its pages are touched):
+// streaming hundreds of MB through 4 KB pages costs a TLB miss every 4 KB. A hint only; ignored where unsupported.
+void advise_huge_pages(void* p, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t huge = uintptr_t(2) << 20;
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1);
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(huge - 1);
+  if (e > a) madvise(reinterpret_cast<void*>(a), e - a, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
 // W (N, K) -> (ceil(N/16), K, 16), zero-padded columns.
 Tensor pack_linear_weight(const Tensor& w) {
   check_float_contig(w, "pack_linear_weight: weight", 2);
   const int64_t N = w.size(0), K = w.size(1), P = (N + PANEL - 1) / PANEL;
   Tensor out = at::empty({P, K, PANEL}, w.options());
+  advise_huge_pages(out.data_ptr(), size_t(out.numel()) * sizeof(float));
   const float* src = w.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
@@ -238,7 +312,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
-  m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int n, int act=0) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? mask, int length, float scale, "
         "Tensor? new_k, Tensor? new_v) -> Tensor");
 }
