@@ -85,6 +85,47 @@ def _ct2_generator(folder: Path, threads: int):
     return ctranslate2.Generator(str(ct2), device="cpu", compute_type="float32", intra_threads=threads)
 
 
+def _translate_rows(quick: bool, reps: int, log: Callable[[str], None]) -> list[dict]:
+    """``Transformer.translate`` on the fast path vs the reference steps (same weights, same outputs checked):
+    the demo's model (d 128, 2 pre-norm layers, batch 500 as its evaluation) and a 6-layer d 512 one."""
+    from .models import Transformer, decoding
+
+    torch.manual_seed(0)
+    cases = [("demo d128 l2 pre-norm", dict(d_model=128, n_heads=4, d_ff=256, n_layers=2, norm_first=True), 40,
+              [(500, 1)], 12, 16)]  # fmt: skip
+    if not quick:
+        cases.append(("d512 l6 post-norm", dict(d_model=512, n_heads=8, d_ff=2048, n_layers=6), 8000,
+                      [(1, 1), (8, 4)], 24, 32))  # fmt: skip
+    rows = []
+    for name, kw, vocab, runs, src_len, max_len in cases:
+        m = Transformer(vocab, vocab, dropout=0.0, max_len=64, **kw).eval()
+        for b, beam in runs:
+            src = torch.randint(3, vocab, (b, src_len), generator=torch.Generator().manual_seed(b))
+
+            def tr(on: bool):
+                decoding.set_enabled(on)
+                try:
+                    return m.translate(src, max_len, bos=1, eos=2, beam_size=beam)
+                finally:
+                    decoding.set_enabled(True)
+
+            outs = {on: tr(on) for on in (True, False)}
+            ts: dict[bool, list[float]] = {True: [], False: []}
+            for _ in range(reps):
+                for on in (True, False):
+                    ts[on].append(_seconds(lambda: tr(on)))
+            fast, ref = min(ts[True]), min(ts[False])
+            tokens = outs[True].numel()
+            row = {
+                "case": f"Transformer.translate {name}", "batch": b, "beam": beam, "fast tok/s": tokens / fast,
+                "reference tok/s": tokens / ref, "x": ref / fast, "same output": outs[True].tolist() == outs[False].tolist(),
+            }  # fmt: skip
+            rows.append(row)
+            log(f"translate {name:22s} batch {b:3d} beam {beam}  fast {row['fast tok/s']:8.1f} tok/s  reference "
+                f"{row['reference tok/s']:8.1f} tok/s  x{row['x']:.2f}  same output: {row['same output']}")
+    return rows
+
+
 def run_decode_bench(
     out: str | Path = "runs/bench",
     *,
@@ -97,8 +138,10 @@ def run_decode_bench(
     """Time greedy generation (prompt 32, 64 new tokens; GPT-2 small: 12 layers, d 768, vocab 50257 — ``quick``:
     4 layers, d 256, vocab 8191, 16 new tokens) per engine and batch size; write ``decode.json``/``decode.md``.
 
+    Then ``Transformer.translate`` fast vs reference (see :func:`_translate_rows`).
+
     Returns:
-        the rows (dicts: case, batch, engine, tok/s, GB/s, same tokens as HF).
+        the rows (dicts: case, batch, engine, tok/s, GB/s, same tokens as HF; GEMV rows; translate rows).
     """
     from . import kernels
     from .models import GPT2, GPT2Config, decoding
@@ -184,6 +227,7 @@ def run_decode_bench(
         if "CTranslate2 float32" in fns:
             r = statistics.median(times["CTranslate2 float32"]) / statistics.median(times["sublayer GPT2.generate"])
             log(f"batch {b:2d}  sublayer GPT2.generate / CTranslate2 float32 tok/s: x{r:.2f}")
+    rows += _translate_rows(quick, reps, log)
     meta = {"threads": threads, "copy GB/s": copy, "step bytes": step_bytes, "kernels": kernels.status(), "reps": reps}
     (out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [
@@ -191,12 +235,19 @@ def run_decode_bench(
         "| batch | engine | tok/s | GB/s | same tokens as HF |", "|---|---|---|---|---|",
     ]  # fmt: skip
     for r in rows:
-        if "batch" in r:
+        if "engine" in r and "batch" in r:
             lines.append(f"| {r['batch']} | {r['engine']} | {r['tok/s']:.1f} | {r['GB/s']:.1f} | {r['same tokens as HF']} |")
     lines += ["", "| GEMV | rows | engine | ms | GB/s |", "|---|---|---|---|---|"]
     for r in rows:
-        if "rows" in r:
+        if "ms" in r:
             lines.append(f"| {r['case']} | {r['rows']} | {r['engine']} | {r['ms']:.2f} | {r['GB/s']:.1f} |")
+    lines += ["", "| translate | batch | beam | fast tok/s | reference tok/s | x | same output |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "beam" in r:
+            lines.append(
+                f"| {r['case']} | {r['batch']} | {r['beam']} | {r['fast tok/s']:.1f} | {r['reference tok/s']:.1f} | "
+                f"{r['x']:.2f} | {r['same output']} |"
+            )
     (out / "decode.md").write_text("\n".join(lines) + "\n")
     log(f"wrote {out / 'decode.json'}, {out / 'decode.md'}")
     return rows

@@ -66,20 +66,20 @@ class PackedLinear:
         weight: (N, K) float32 (``nn.Linear`` layout). bias: (N,) or None.
 
     Call: x (M, K) float32 with unit inner stride (a column slice of a wider tensor works) -> (M, N).
-    Without the kernels the weight is kept as it is and ``F.linear`` runs.
+    Without the kernels, or for more than ``SKINNY_MAX_ROWS`` rows, ``F.linear`` runs on the unpacked weight.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         weight = weight.detach().float().contiguous()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.weight = weight  # the parameter itself (no copy) for batches above SKINNY_MAX_ROWS
         self.packed = kernels.ops().pack_linear_weight(weight) if _kernels_on() else None
-        self.weight = None if self.packed is not None else weight
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
         """``activation`` (an FFN activation name) is applied after the bias: fused into the kernel's epilogue for
         ``relu``/``gelu_tanh``, a separate pass for the others."""
-        if self.packed is not None:
+        if self.packed is not None and x.shape[0] <= SKINNY_MAX_ROWS:
             act = _EPILOGUE.get(activation, 0)
             y = kernels.ops().skinny_linear(x, self.packed, self.bias, self.out_features, act)
             return y if activation is None or act else _bias_act(y, None, activation)
@@ -87,6 +87,7 @@ class PackedLinear:
         return y if activation is None else SF.activation_fn(activation)(y)
 
 
+SKINNY_MAX_ROWS = 16  # above it a blocked GEMM (torch) wins: the rows amortise the weight reads
 _EPILOGUE = {"relu": 1, "gelu_tanh": 3}  # activations fused into skinny_linear (ids of fused._ACT_IDS)
 
 
