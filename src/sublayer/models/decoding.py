@@ -10,8 +10,10 @@ plus whatever happens between them. This path (beside the reference loops of :me
 * keeps a static key/value cache allocated once per call, (B, H, T_prompt + max_new, head_dim) per layer, that
   ``decode_attention`` writes and reads in place (no ``torch.cat`` per step); positions and the padding mask are
   built once;
-* runs a layer in six dispatches (q|k|v GEMV, cache attention, out-projection, residual + LayerNorm, fc1 + fused
-  bias/activation, fc2, residual + next LayerNorm share the fused kernels of :mod:`sublayer.kernels`);
+* runs a GPT-2 layer in seven dispatches: q|k|v GEMV, cache write + attention, out-projection, residual +
+  LayerNorm (the fused ``add_norm_fwd``), fc1 with bias + activation in its epilogue (relu, tanh-GELU), fc2,
+  residual + the next LayerNorm; above ``SKINNY_MAX_ROWS`` rows (large translate batches, beams) torch's GEMM
+  runs on the unpacked weight instead;
 * picks greedy tokens by ``argmax`` of the logits (no softmax) and samples through the reference's own filters.
 
 The prompt itself (prefill) runs through the model's reference forward with its KV caches (batched GEMMs are
@@ -297,7 +299,7 @@ def gpt2_generate(
         mask = torch.zeros(b, cap, dtype=torch.bool)
         mask[:, :t] = key_padding_mask
     step_pos = positions[:, -1:] + torch.arange(1, max_new_tokens + 1)[None]  # (B, max_new) positions to come
-    out = torch.empty(b, cap, dtype=input_ids.dtype)
+    out = torch.empty(b, cap, dtype=torch.long)  # as the reference (cat with int64 ids promotes)
     out[:, :t] = input_ids
     finished = torch.zeros(b, dtype=torch.bool)
     logits = W["head"](h[:, -1].float())
