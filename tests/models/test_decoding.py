@@ -161,3 +161,16 @@ def test_translate_equals_the_reference_steps(norm_first, beam_size, kernels_mod
     got = m.translate(src, 9, **kw)
     assert fast_steps == [True]
     assert got.tolist() == _reference(lambda: m.translate(src, 9, **kw)).tolist()
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])  # erf-GELU and SiLU: a pass after the kernel
+def test_other_activations_equal_the_reference(activation, kernels_mode, steps_taken):
+    from sublayer.models import GPT2Config
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=29, max_positions=19, d_model=15, n_layers=2, n_heads=3, d_ff=11,
+                     activation=activation, dropout=0.0, embd_dropout=0.0, attn_dropout=0.0)  # fmt: skip
+    model = GPT2(cfg).eval()
+    x = torch.randint(0, 29, (2, 5), generator=torch.Generator().manual_seed(1))
+    got = model.generate(x, 9)
+    assert steps_taken and got.tolist() == _reference(lambda: model.generate(x, 9)).tolist()
