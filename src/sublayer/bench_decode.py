@@ -46,14 +46,18 @@ def _gemv_rows(n: int, k: int, reps: int) -> list[dict]:
     rows = []
     for m in (1, 8):
         x = torch.randn(m, k)
-        fns = {"torch F.linear": lambda: F.linear(x, w), "sublayer skinny_linear": lambda: kernels.ops().skinny_linear(x, packed, None, n)}
+        fns = {
+            "torch F.linear": lambda: F.linear(x, w),
+            "sublayer skinny_linear": lambda: kernels.ops().skinny_linear(x, packed, None, n),
+        }
         ts = {name: [] for name in fns}
         for _ in range(reps):
             for name, fn in fns.items():
                 ts[name].append(_seconds(fn))
         for name, t in ts.items():
             sec = statistics.median(t)
-            rows.append({"case": f"GEMV {n}x{k}", "rows": m, "engine": name, "ms": sec * 1e3, "GB/s": w.nbytes / sec / 1e9})
+            gbps = w.nbytes / sec / 1e9
+            rows.append({"case": f"GEMV {n}x{k}", "rows": m, "engine": name, "ms": sec * 1e3, "GB/s": gbps})
     return rows
 
 
@@ -118,7 +122,8 @@ def _translate_rows(quick: bool, reps: int, log: Callable[[str], None]) -> list[
             tokens = outs[True].numel()
             row = {
                 "case": f"Transformer.translate {name}", "batch": b, "beam": beam, "fast tok/s": tokens / fast,
-                "reference tok/s": tokens / ref, "x": ref / fast, "same output": outs[True].tolist() == outs[False].tolist(),
+                "reference tok/s": tokens / ref, "x": ref / fast,
+                "same output": outs[True].tolist() == outs[False].tolist(),
             }  # fmt: skip
             rows.append(row)
             log(f"translate {name:22s} batch {b:3d} beam {beam}  fast {row['fast tok/s']:8.1f} tok/s  reference "
@@ -153,7 +158,9 @@ def run_decode_bench(
     threads = torch.get_num_threads()
     kernels.available()
     if quick:
-        cfg = GPT2Config(vocab_size=8191, d_model=256, n_layers=4, n_heads=4, dropout=0.0, embd_dropout=0.0, attn_dropout=0.0)
+        cfg = GPT2Config(
+            vocab_size=8191, d_model=256, n_layers=4, n_heads=4, dropout=0.0, embd_dropout=0.0, attn_dropout=0.0
+        )
         prompt, new = 32, 16
     else:
         cfg = GPT2Config(dropout=0.0, embd_dropout=0.0, attn_dropout=0.0)
@@ -173,7 +180,8 @@ def run_decode_bench(
             hf = None
     ct2 = _ct2_generator(folder, threads) if peers else None
     copy = _copy_gbps()
-    log(f"copy bandwidth {copy:.1f} GB/s (read + write), {threads} threads; {step_bytes / 1e6:.0f} MB of weights per step")
+    log(f"copy bandwidth {copy:.1f} GB/s (read + write), {threads} threads; "
+        f"{step_bytes / 1e6:.0f} MB of weights per step")
     rows: list[dict] = []
     for r in _gemv_rows(v, d, 5):
         rows.append(r)
@@ -223,7 +231,8 @@ def run_decode_bench(
                 "same tokens as HF": None if want is None else outs[name].tolist() == want.tolist(),
             }  # fmt: skip
             rows.append(row)
-            log(f"batch {b:2d}  {name:30s} {tps:8.1f} tok/s  {row['GB/s']:6.1f} GB/s  same as HF: {row['same tokens as HF']}")
+            log(f"batch {b:2d}  {name:30s} {tps:8.1f} tok/s  {row['GB/s']:6.1f} GB/s  "
+                f"same as HF: {row['same tokens as HF']}")
         if "CTranslate2 float32" in fns:
             r = statistics.median(times["CTranslate2 float32"]) / statistics.median(times["sublayer GPT2.generate"])
             log(f"batch {b:2d}  sublayer GPT2.generate / CTranslate2 float32 tok/s: x{r:.2f}")
@@ -236,12 +245,15 @@ def run_decode_bench(
     ]  # fmt: skip
     for r in rows:
         if "engine" in r and "batch" in r:
-            lines.append(f"| {r['batch']} | {r['engine']} | {r['tok/s']:.1f} | {r['GB/s']:.1f} | {r['same tokens as HF']} |")
+            lines.append(
+                f"| {r['batch']} | {r['engine']} | {r['tok/s']:.1f} | {r['GB/s']:.1f} | {r['same tokens as HF']} |"
+            )
     lines += ["", "| GEMV | rows | engine | ms | GB/s |", "|---|---|---|---|---|"]
     for r in rows:
         if "ms" in r:
             lines.append(f"| {r['case']} | {r['rows']} | {r['engine']} | {r['ms']:.2f} | {r['GB/s']:.1f} |")
-    lines += ["", "| translate | batch | beam | fast tok/s | reference tok/s | x | same output |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| translate | batch | beam | fast tok/s | reference tok/s | x | same output |"]
+    lines += ["|---|---|---|---|---|---|---|"]
     for r in rows:
         if "beam" in r:
             lines.append(

@@ -58,7 +58,9 @@ def test_greedy_left_padded_with_eos_equals_reference_and_hf(ours, hf_gpt2, kern
     x, mask = _padded_batch()
     free = ours.generate(x, 9, attention_mask=mask)
     eos = int(free[1, 6 + 2])  # row 1 ends at its 3rd new token, the others later or never
-    want = hf_gpt2.generate(x, attention_mask=mask, max_new_tokens=9, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
+    want = hf_gpt2.generate(
+        x, attention_mask=mask, max_new_tokens=9, do_sample=False, pad_token_id=PAD, eos_token_id=eos
+    )
     steps_taken.clear()
     got = ours.generate(x, 9, attention_mask=mask, eos_token_id=eos, pad_token_id=PAD)
     assert steps_taken, "the fast path did not run"
@@ -70,7 +72,8 @@ def test_greedy_left_padded_with_eos_equals_reference_and_hf(ours, hf_gpt2, kern
 def test_fast_inference_generate_takes_the_fast_path(ours, hf_gpt2, steps_taken):
     x, mask = _padded_batch(seed=4)
     want = hf_gpt2.generate(x, attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=PAD)
-    got = fast_inference(ours, dtype=torch.float32).generate(x, 7, attention_mask=mask, eos_token_id=EOS, pad_token_id=PAD)
+    fast = fast_inference(ours, dtype=torch.float32)
+    got = fast.generate(x, 7, attention_mask=mask, eos_token_id=EOS, pad_token_id=PAD)
     assert steps_taken and got.tolist() == want.tolist()
 
 
@@ -117,7 +120,8 @@ def test_packed_weights_follow_parameter_updates(gpt2_folder):
 def test_zero_new_tokens_and_position_limit(ours):
     x = torch.randint(3, VOCAB, (2, MAX_POS), generator=torch.Generator().manual_seed(0))
     assert torch.equal(ours.generate(x, 0), x)  # HF: the prompt back
-    with pytest.raises(ValueError, match=rf"prompt length {MAX_POS} \+ max_new_tokens 1 exceeds max_positions={MAX_POS}"):
+    too_long = rf"prompt length {MAX_POS} \+ max_new_tokens 1 exceeds max_positions={MAX_POS}"
+    with pytest.raises(ValueError, match=too_long):
         ours.generate(x, 1)
     out = ours.generate(x[:, 1:], 1)  # the last position exactly
     assert out.shape == (2, MAX_POS) and out.tolist() == _reference(lambda: ours.generate(x[:, 1:], 1)).tolist()

@@ -376,8 +376,8 @@ def transformer_stepper(model, memory: Tensor, memory_key_padding_mask: Tensor |
     cross = []
     for layer in model.decoder.layers:
         ca = layer.cross_attn
-        kv = [F.linear(memory, p.weight, p.bias).view(n, s, H, hd).transpose(1, 2).contiguous() for p in (ca.k_proj, ca.v_proj)]
-        cross.append(kv)
+        kv = [F.linear(memory, p.weight, p.bias).view(n, s, H, hd).transpose(1, 2) for p in (ca.k_proj, ca.v_proj)]
+        cross.append([t.contiguous() for t in kv])
     mask = None
     if memory_key_padding_mask is not None and bool(memory_key_padding_mask.any()):
         mask = memory_key_padding_mask.contiguous()
