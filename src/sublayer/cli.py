@@ -7,6 +7,7 @@ Each command's work lives in its own module, imported lazily so ``sublayer info`
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -210,6 +211,7 @@ def generate(
             raise CLIError(f"the prompt {prompt[:40]!r} encodes to no tokens")
     net = GPT2.from_pretrained(model).eval()
     do_sample = sample or temperature is not None or top_k is not None or top_p is not None
+    started = time.perf_counter()
     out = net.generate(
         torch.tensor([ids]),
         max_new_tokens,
@@ -220,7 +222,10 @@ def generate(
         eos_token_id=net.config.eos_token_id,
         generator=torch.Generator().manual_seed(seed),
     )[0].tolist()
+    seconds = time.perf_counter() - started
     typer.echo(" ".join(map(str, out)) if tokenizer is None else tokenizer.decode(out))
+    new = len(out) - len(ids)  # speed on stderr: stdout stays the ids/text
+    typer.echo(f"{new} new tokens in {seconds:.2f} s: {new / max(seconds, 1e-9):.1f} tokens/s", err=True)
 
 
 @app.command()
@@ -295,8 +300,21 @@ def bench(
         "wall", "--clock", help="wall, or cpu: this process's CPU time (steadier on a shared machine; use --threads 1)."
     ),
     reuse_memory: bool = typer.Option(False, "--reuse-memory", help="Same as --malloc reuse."),
+    decode: bool = typer.Option(
+        False, "--decode", help="Run the decoding benchmark instead: GPT-2 generation tok/s and GB/s vs HF and "
+        "CTranslate2 (rows appear when ctranslate2 is installed: pip install 'sublayer[peers]')."
+    ),
 ) -> None:
     """Time sublayer's fused FFN / Add & Norm / EncoderBlock against eager PyTorch, HF and torch.compile."""
+    if decode:
+        from .bench_decode import run_decode_bench
+
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+        run_decode_bench(out, quick=quick, reps=reps, log=typer.echo)
+        return
     from .bench import run_bench
 
     run_bench(

@@ -349,6 +349,12 @@ class FastGPT2(_FastBase):
             "head_t": self._c(m.lm_head.weight).t(),
         }  # fmt: skip
 
+    @property
+    def decode_model(self):
+        """The model whose float32 weights :mod:`sublayer.models.decoding` streams in ``generate`` (None: this
+        wrapper's own weights differ from the model's, e.g. native bf16, and the reference loop runs)."""
+        return self.model if self.compute_dtype == torch.float32 and self.dtype in _DTYPES else None
+
     # what GPT2.generate needs from ``self``
     @property
     def blocks(self):

@@ -422,19 +422,28 @@ class GPT2(nn.Module):
                 raise ValueError("attention_mask has a row with no token (all 0)")
         was_training = self.training
         self.eval()
+        def pick(logits: Tensor) -> Tensor:  # (B, V) float32 -> (B,) next ids
+            if do_sample:
+                probs = _filtered_probs(logits, temperature, top_k, top_p)
+                return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            return logits.argmax(dim=-1)
+
         try:
+            from . import decoding  # the fast decoding path, tested against the reference loop below
+
+            source = decoding.gpt2_source(self)
+            if source is not None:
+                return decoding.gpt2_generate(
+                    source, input_ids, positions, kpm if kpm is None or kpm.any() else None, max_new_tokens,
+                    prefill=self._hidden, pick=pick, eos_token_id=eos_token_id, pad=pad,
+                )  # fmt: skip
             caches = [SF.KVCache() for _ in self.blocks]
             out = input_ids
             finished = torch.zeros(b, dtype=torch.bool, device=device)
             step_ids, step_pos = input_ids, positions
             for _ in range(max_new_tokens):
                 h = self._hidden(step_ids, step_pos, kpm if kpm is None or kpm.any() else None, caches)
-                logits = self.lm_head(h[:, -1]).float()
-                if do_sample:
-                    probs = _filtered_probs(logits, temperature, top_k, top_p)
-                    nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-                else:
-                    nxt = logits.argmax(dim=-1)
+                nxt = pick(self.lm_head(h[:, -1]).float())
                 if eos_token_id is not None:
                     nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
                     finished = finished | (nxt == eos_token_id)

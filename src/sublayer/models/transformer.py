@@ -366,21 +366,41 @@ class Transformer(nn.Module):
         self.eval()
         try:
             memory = self.encode(src, src_key_padding_mask=src_key_padding_mask)
+            mask = src_key_padding_mask
+            if beam_size > 1:  # every sentence's memory repeated for its k beams: row i*k + j is beam j of sentence i
+                memory = memory.repeat_interleave(beam_size, dim=0)
+                mask = None if mask is None else mask.repeat_interleave(beam_size, dim=0)
+            from . import decoding  # the fast decoding path, tested against the reference steps
+
+            steps = decoding.transformer_stepper(self, memory, mask, max_len) or self._reference_steps(memory, mask)
             if beam_size == 1:
-                return self._greedy(memory, src_key_padding_mask, max_len, bos, eos, pad)
-            return self._beam(memory, src_key_padding_mask, max_len, bos, eos, pad, beam_size, length_penalty)
+                return self._greedy(steps, memory.shape[0], max_len, bos, eos, pad)
+            return self._beam(steps, src.shape[0], max_len, bos, eos, pad, beam_size, length_penalty)
         finally:
             self.train(was_training)
 
-    def _greedy(self, memory, mask, max_len, bos, eos, pad) -> Tensor:
-        b = memory.shape[0]
+    def _reference_steps(self, memory, mask):
+        """``(step, reorder)``: step(tok (N, 1)) -> next-token logits (N, V) through :meth:`decode` with KV caches;
+        reorder(rows) keeps the given batch rows of the caches (beam search)."""
         caches = self.decoder.new_caches()
-        tok = torch.full((b, 1), bos, dtype=torch.long, device=memory.device)
-        done = torch.zeros(b, dtype=torch.bool, device=memory.device)
+
+        def step(tok: Tensor) -> Tensor:
+            return self.decode(tok, memory, memory_key_padding_mask=mask, caches=caches)[:, -1]
+
+        def reorder(rows: Tensor) -> None:
+            for sc, _ in caches:
+                sc.reorder(rows)
+
+        return step, reorder
+
+    def _greedy(self, steps, b, max_len, bos, eos, pad) -> Tensor:
+        step, _ = steps
+        dev = self.out_proj.weight.device
+        tok = torch.full((b, 1), bos, dtype=torch.long, device=dev)
+        done = torch.zeros(b, dtype=torch.bool, device=dev)
         out = []
         for _ in range(max_len):
-            logits = self.decode(tok, memory, memory_key_padding_mask=mask, caches=caches)
-            nxt = logits[:, -1].argmax(-1)
+            nxt = step(tok).argmax(-1)
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             out.append(nxt)
             done = done | (nxt == eos)
@@ -389,13 +409,9 @@ class Transformer(nn.Module):
                 break
         return torch.stack(out, dim=1)
 
-    def _beam(self, memory, mask, max_len, bos, eos, pad, k, length_penalty) -> Tensor:
-        b, s, d = memory.shape
-        dev = memory.device
-        # every sentence's memory repeated for its k beams: row i*k + j is beam j of sentence i
-        memory = memory.repeat_interleave(k, dim=0)
-        mask = None if mask is None else mask.repeat_interleave(k, dim=0)
-        caches = self.decoder.new_caches()
+    def _beam(self, steps, b, max_len, bos, eos, pad, k, length_penalty) -> Tensor:
+        step, reorder = steps
+        dev = self.out_proj.weight.device
         scores = torch.full((b, k), float("-inf"), device=dev)
         scores[:, 0] = 0.0  # start from one live beam, so the first step does not pick k copies of one token
         seqs = torch.zeros(b * k, 0, dtype=torch.long, device=dev)
@@ -403,7 +419,7 @@ class Transformer(nn.Module):
         done = torch.zeros(b, k, dtype=torch.bool, device=dev)
         tok = torch.full((b * k, 1), bos, dtype=torch.long, device=dev)
         for _ in range(max_len):
-            logp = self.decode(tok, memory, memory_key_padding_mask=mask, caches=caches)[:, -1].log_softmax(-1)
+            logp = step(tok).log_softmax(-1)
             v = logp.shape[-1]
             logp = logp.view(b, k, v).float()
             # a finished beam continues only with `pad` at no cost, so it keeps its score
@@ -414,8 +430,7 @@ class Transformer(nn.Module):
             scores, idx = cand.topk(k, dim=-1)
             beam, nxt = idx // v, idx % v
             rows = (beam + torch.arange(b, device=dev)[:, None] * k).view(-1)
-            for sc, cc in caches:
-                sc.reorder(rows)
+            reorder(rows)
             seqs = torch.cat([seqs.index_select(0, rows), nxt.view(-1, 1)], dim=1)
             was_done = done.gather(1, beam)
             lengths = lengths.gather(1, beam) + (~was_done).float()

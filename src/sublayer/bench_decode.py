@@ -1,0 +1,280 @@
+"""Decoding benchmark: GPT-2 greedy generation tokens/s and the weight bandwidth each engine reaches.
+
+Engines on the same random GPT-2 (saved once as a Hugging Face folder under ``--out``): sublayer's fast decoding
+path (:mod:`sublayer.models.decoding`, through ``GPT2.generate`` and ``fast_inference(gpt2).generate``), the
+reference loop it replaced (``SUBLAYER_DECODING=0``), HF ``generate`` and, when the optional peer is installed
+(``pip install 'sublayer[peers]'``), CTranslate2's ``Generator`` in float32. Runs are interleaved (engine after
+engine, repeated); the median is reported. ``GB/s`` = matrix bytes read per decoding step (every weight once) x
+steps/s, beside the machine's copy bandwidth (read + write) and two single GEMVs (torch vs ``skinny_linear``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["run_decode_bench"]
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _copy_gbps(reps: int = 5) -> float:
+    src = torch.randn(64 * 1024 * 1024)  # 256 MB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_seconds(lambda: dst.copy_(src)) for _ in range(reps))
+    return 2 * src.nbytes / best / 1e9
+
+
+def _gemv_rows(n: int, k: int, reps: int) -> list[dict]:
+    from . import kernels
+
+    if not kernels.available():
+        return []
+    w = torch.randn(n, k)
+    packed = kernels.ops().pack_linear_weight(w)
+    rows = []
+    for m in (1, 8):
+        x = torch.randn(m, k)
+        fns = {
+            "torch F.linear": lambda: F.linear(x, w),
+            "sublayer skinny_linear": lambda: kernels.ops().skinny_linear(x, packed, None, n),
+        }
+        ts = {name: [] for name in fns}
+        for _ in range(reps):
+            for name, fn in fns.items():
+                ts[name].append(_seconds(fn))
+        for name, t in ts.items():
+            sec = statistics.median(t)
+            gbps = w.nbytes / sec / 1e9
+            rows.append({"case": f"GEMV {n}x{k}", "rows": m, "engine": name, "ms": sec * 1e3, "GB/s": gbps})
+    return rows
+
+
+def _hf_folder(cfg, out: Path) -> Path:
+    """A random GPT-2 saved as a HF folder with a byte-less toy tokenizer (vocab.json + merges.txt), which
+    CTranslate2's converter needs; reused when present."""
+    from .models import GPT2
+
+    name = f"gpt2-random-l{cfg.n_layers}-d{cfg.d_model}-v{cfg.vocab_size}"
+    folder = out / name
+    if not (folder / "config.json").is_file():
+        torch.manual_seed(0)
+        GPT2(cfg).save_pretrained(folder)
+        vocab = {f"t{i}": i for i in range(cfg.vocab_size - 1)}
+        vocab["<|endoftext|>"] = cfg.vocab_size - 1
+        (folder / "vocab.json").write_text(json.dumps(vocab))
+        (folder / "merges.txt").write_text("#version: 0.2\n")
+    return folder
+
+
+def _ct2_generator(folder: Path, threads: int):
+    try:
+        import ctranslate2
+    except ImportError:
+        return None
+    ct2 = folder.parent / (folder.name + "-ct2-float32")
+    if not (ct2 / "model.bin").is_file():
+        ctranslate2.converters.TransformersConverter(str(folder)).convert(str(ct2), force=True)
+    return ctranslate2.Generator(str(ct2), device="cpu", compute_type="float32", intra_threads=threads)
+
+
+def _translate_rows(quick: bool, reps: int, log: Callable[[str], None]) -> list[dict]:
+    """``Transformer.translate`` on the fast path vs the reference steps (same weights, same outputs checked):
+    the demo's model (d 128, 2 pre-norm layers, batch 500 as its evaluation) and a 6-layer d 512 one."""
+    from .models import Transformer, decoding
+
+    torch.manual_seed(0)
+    cases = [("demo d128 l2 pre-norm", dict(d_model=128, n_heads=4, d_ff=256, n_layers=2, norm_first=True), 40,
+              [(500, 1)], 12, 16)]  # fmt: skip
+    if not quick:
+        cases.append(("d512 l6 post-norm", dict(d_model=512, n_heads=8, d_ff=2048, n_layers=6), 8000,
+                      [(1, 1), (8, 4)], 24, 32))  # fmt: skip
+    rows = []
+    for name, kw, vocab, runs, src_len, max_len in cases:
+        m = Transformer(vocab, vocab, dropout=0.0, max_len=64, **kw).eval()
+        for b, beam in runs:
+            src = torch.randint(3, vocab, (b, src_len), generator=torch.Generator().manual_seed(b))
+
+            def tr(on: bool):
+                decoding.set_enabled(on)
+                try:
+                    return m.translate(src, max_len, bos=1, eos=2, beam_size=beam)
+                finally:
+                    decoding.set_enabled(True)
+
+            outs = {on: tr(on) for on in (True, False)}
+            ts: dict[bool, list[float]] = {True: [], False: []}
+            for _ in range(reps):
+                for on in (True, False):
+                    ts[on].append(_seconds(lambda: tr(on)))
+            fast, ref = min(ts[True]), min(ts[False])
+            tokens = outs[True].numel()
+            row = {
+                "case": f"Transformer.translate {name}", "batch": b, "beam": beam, "fast tok/s": tokens / fast,
+                "reference tok/s": tokens / ref, "x": ref / fast,
+                "same output": outs[True].tolist() == outs[False].tolist(),
+            }  # fmt: skip
+            rows.append(row)
+            log(f"translate {name:22s} batch {b:3d} beam {beam}  fast {row['fast tok/s']:8.1f} tok/s  reference "
+                f"{row['reference tok/s']:8.1f} tok/s  x{row['x']:.2f}  same output: {row['same output']}")
+    return rows
+
+
+def run_decode_bench(
+    out: str | Path = "runs/bench",
+    *,
+    quick: bool = False,
+    batches: tuple[int, ...] = (1, 8),
+    reps: int | None = None,
+    peers: bool = True,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """Time greedy generation (prompt 32, 64 new tokens; GPT-2 small: 12 layers, d 768, vocab 50257 — ``quick``:
+    4 layers, d 256, vocab 8191, 16 new tokens) per engine and batch size; write ``decode.json``/``decode.md``.
+
+    Then ``Transformer.translate`` fast vs reference (see :func:`_translate_rows`).
+
+    Returns:
+        the rows (dicts: case, batch, engine, tok/s, GB/s, same tokens as HF; GEMV rows; translate rows).
+    """
+    from . import kernels
+    from .models import GPT2, GPT2Config, decoding
+    from .models.fast import fast_inference
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    reps = reps or (2 if quick else 3)
+    threads = torch.get_num_threads()
+    kernels.available()
+    if quick:
+        cfg = GPT2Config(
+            vocab_size=8191, d_model=256, n_layers=4, n_heads=4, dropout=0.0, embd_dropout=0.0, attn_dropout=0.0
+        )
+        prompt, new = 32, 16
+    else:
+        cfg = GPT2Config(dropout=0.0, embd_dropout=0.0, attn_dropout=0.0)
+        prompt, new = 32, 64
+    d, f, v = cfg.d_model, cfg.hidden_size, cfg.vocab_size
+    step_bytes = 4 * (cfg.n_layers * (4 * d * d + 2 * d * f) + v * d)  # every matrix once per step
+    folder = _hf_folder(cfg, out)
+    model = GPT2.from_pretrained(folder).eval()
+    fast = fast_inference(model, dtype=torch.float32)
+    hf = None
+    if peers:
+        try:
+            import transformers
+
+            hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+        except ImportError:
+            hf = None
+    ct2 = _ct2_generator(folder, threads) if peers else None
+    copy = _copy_gbps()
+    log(f"copy bandwidth {copy:.1f} GB/s (read + write), {threads} threads; "
+        f"{step_bytes / 1e6:.0f} MB of weights per step")
+    rows: list[dict] = []
+    for r in _gemv_rows(v, d, 5):
+        rows.append(r)
+        log(f"{r['case']:22s} rows {r['rows']:2d}  {r['engine']:24s} {r['ms']:8.2f} ms  {r['GB/s']:6.1f} GB/s")
+    case = f"GPT-2 l{cfg.n_layers} d{d} v{v}, prompt {prompt} + {new} greedy"
+    for b in batches:
+        ids = torch.randint(0, v - 1, (b, prompt), generator=torch.Generator().manual_seed(b))
+
+        def ours(obj=model, on=True):
+            decoding.set_enabled(on)
+            try:
+                return obj.generate(ids, new)[:, prompt:]
+            finally:
+                decoding.set_enabled(True)
+
+        fns: dict[str, Callable[[], torch.Tensor]] = {
+            "sublayer GPT2.generate": ours,
+            "sublayer fast_inference fp32": lambda: ours(fast),
+            "sublayer reference loop": lambda: ours(model, False),
+        }
+        if hf is not None:
+            fns["HF generate"] = lambda: hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                pad_token_id=v - 1,
+            )[:, prompt:]
+        if ct2 is not None:
+            toks = [[f"t{i}" for i in row] for row in ids.tolist()]
+
+            def ct2_run():
+                res = ct2.generate_batch(
+                    toks, max_length=new, min_length=new, include_prompt_in_result=False, sampling_topk=1
+                )
+                return torch.tensor([r.sequences_ids[0] for r in res])
+
+            fns["CTranslate2 float32"] = ct2_run
+        outs = {name: fn() for name, fn in fns.items()}  # warm-up (packs the weights, builds caches)
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(reps):
+            for name, fn in fns.items():
+                times[name].append(_seconds(fn))
+        want = outs.get("HF generate")
+        for name in fns:
+            sec = statistics.median(times[name])
+            tps = b * new / sec
+            row = {
+                "case": case, "batch": b, "engine": name, "tok/s": tps, "GB/s": step_bytes * new / sec / 1e9,
+                "same tokens as HF": None if want is None else outs[name].tolist() == want.tolist(),
+            }  # fmt: skip
+            rows.append(row)
+            log(f"batch {b:2d}  {name:30s} {tps:8.1f} tok/s  {row['GB/s']:6.1f} GB/s  "
+                f"same as HF: {row['same tokens as HF']}")
+        if "CTranslate2 float32" in fns:
+            r = statistics.median(times["CTranslate2 float32"]) / statistics.median(times["sublayer GPT2.generate"])
+            log(f"batch {b:2d}  sublayer GPT2.generate / CTranslate2 float32 tok/s: x{r:.2f}")
+    rows += _translate_rows(quick, reps, log)
+    meta = {"threads": threads, "copy GB/s": copy, "step bytes": step_bytes, "kernels": kernels.status(), "reps": reps}
+    (out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [
+        f"# Decoding ({case}; {threads} threads; copy bandwidth {copy:.1f} GB/s)", "",
+        "| batch | engine | tok/s | GB/s | same tokens as HF |", "|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in rows:
+        if "engine" in r and "batch" in r:
+            lines.append(
+                f"| {r['batch']} | {r['engine']} | {r['tok/s']:.1f} | {r['GB/s']:.1f} | {r['same tokens as HF']} |"
+            )
+    lines += ["", "| GEMV | rows | engine | ms | GB/s |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "ms" in r:
+            lines.append(f"| {r['case']} | {r['rows']} | {r['engine']} | {r['ms']:.2f} | {r['GB/s']:.1f} |")
+    lines += ["", "| translate | batch | beam | fast tok/s | reference tok/s | x | same output |"]
+    lines += ["|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "beam" in r:
+            lines.append(
+                f"| {r['case']} | {r['batch']} | {r['beam']} | {r['fast tok/s']:.1f} | {r['reference tok/s']:.1f} | "
+                f"{r['x']:.2f} | {r['same output']} |"
+            )
+    (out / "decode.md").write_text("\n".join(lines) + "\n")
+    log(f"wrote {out / 'decode.json'}, {out / 'decode.md'}")
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/bench")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--no-peers", action="store_true")
+    a = ap.parse_args()
+    run_decode_bench(
+        a.out, quick=a.quick, batches=tuple(int(x) for x in a.batches.split(",")), reps=a.reps, peers=not a.no_peers
+    )

@@ -1,0 +1,324 @@
+// sublayer decoding kernels (torch.ops.sublayer_kernels.*): what one generated token costs on a CPU.
+//
+//  * skinny_linear: y = act(x @ W^T + b) for few rows (1..16, any count works) reading W once from a packed layout
+//    (W (N, K) stored as ceil(N/16) panels of K x 16 floats, zero-padded: see pack_linear_weight). Decoding reads
+//    every weight once per token, so this is a streaming kernel: each thread walks a contiguous run of panels, each
+//    panel is read from memory once and re-read from L2 by the next row chunk (up to 4 rows at a time, 2 AVX2
+//    vectors x 4 rows = 8 FMA accumulators). torch's GEMV (MKL/oneDNN sgemv) reaches about a third of the memory
+//    bandwidth here on the GPT-2 shapes; this reaches most of it.
+//  * decode_attention: one query per row against a static key/value cache (B, H, T_max, hd): optionally writes
+//    this step's key/value at position length-1 first, then softmax(q k^T * scale) v over the first `length`
+//    positions, skipping those the (B, T_max) padding mask marks True. A row whose keys are all masked gets zeros.
+//
+// Both run on float32 only (the decode path's compute dtype on an AVX2 CPU), over both threads (at::parallel_for).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/ScalarType.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SUBLAYER_DECODE_AVX2 1
+#endif
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+constexpr int64_t PANEL = 16;  // output columns per packed panel (two AVX2 vectors)
+constexpr int64_t ROWS = 4;    // rows of x per micro-kernel call
+
+void check_float_contig(const Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, " must be ", dim, "-D, got ", t.dim(), "-D");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// acc[r][0..15] = sum_k x[r][k] * w[k][0..15] for R rows; w is one panel (K x 16).
+template <int R>
+inline void panel_kernel(const float* x, int64_t ldx, const float* w, int64_t K, float* acc) {
+#if SUBLAYER_DECODE_AVX2
+  __m256 a0[R], a1[R], b0[R], b1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = b0[r] = b1[r] = _mm256_setzero_ps();
+  int64_t k = 0;
+  // two k per iteration into separate accumulators: R=1 would otherwise wait on the FMA latency
+  for (; k + 2 <= K; k += 2) {
+    // software prefetch 2 KB ahead: the hardware streamer stops at 4 KB page boundaries
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048 + 64, _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(w + k * PANEL), w1 = _mm256_loadu_ps(w + k * PANEL + 8);
+    const __m256 w2 = _mm256_loadu_ps(w + k * PANEL + 16), w3 = _mm256_loadu_ps(w + k * PANEL + 24);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xa = _mm256_broadcast_ss(x + r * ldx + k), xb = _mm256_broadcast_ss(x + r * ldx + k + 1);
+      a0[r] = _mm256_fmadd_ps(xa, w0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(xa, w1, a1[r]);
+      b0[r] = _mm256_fmadd_ps(xb, w2, b0[r]);
+      b1[r] = _mm256_fmadd_ps(xb, w3, b1[r]);
+    }
+  }
+  for (; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(w + k * PANEL), w1 = _mm256_loadu_ps(w + k * PANEL + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xa = _mm256_broadcast_ss(x + r * ldx + k);
+      a0[r] = _mm256_fmadd_ps(xa, w0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(xa, w1, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(acc + r * PANEL, _mm256_add_ps(a0[r], b0[r]));
+    _mm256_storeu_ps(acc + r * PANEL + 8, _mm256_add_ps(a1[r], b1[r]));
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    float s[PANEL] = {0};
+    for (int64_t k = 0; k < K; ++k) {
+      const float xv = x[r * ldx + k];
+#pragma omp simd
+      for (int j = 0; j < PANEL; ++j) s[j] += xv * w[k * PANEL + j];
+    }
+    for (int j = 0; j < PANEL; ++j) acc[r * PANEL + j] = s[j];
+  }
+#endif
+}
+
+// Epilogue activations (ids as sublayer.functional.fused._ACT_IDS): 0 none, 1 relu, 3 tanh-GELU (HF gelu_new)
+// computed as z * sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3), since 1 + tanh(u) = 2 sigmoid(2u).
+enum EpiAct : int64_t { EPI_NONE = 0, EPI_RELU = 1, EPI_GELU_TANH = 3 };
+
+#if SUBLAYER_DECODE_AVX2
+// Cephes expf on 8 lanes (range reduction + degree-5 polynomial, ~1 ulp), inputs clamped to [-87.3, 88.3].
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+inline float exp_scalar(float x) { return std::exp(std::min(std::max(x, -87.3f), 88.3f)); }
+
+// v[0..15] = act(v + bias) in place.
+inline void epilogue(float* v, const float* bias, int64_t act) {
+  if (bias)
+    for (int j = 0; j < PANEL; ++j) v[j] += bias[j];
+  if (act == EPI_RELU) {
+    for (int j = 0; j < PANEL; ++j) v[j] = v[j] > 0.0f ? v[j] : 0.0f;
+  } else if (act == EPI_GELU_TANH) {
+#if SUBLAYER_DECODE_AVX2
+    for (int j = 0; j < PANEL; j += 8) {
+      const __m256 z = _mm256_loadu_ps(v + j);
+      const __m256 z3 = _mm256_mul_ps(_mm256_mul_ps(z, z), z);
+      const __m256 u2 = _mm256_mul_ps(_mm256_set1_ps(2.0f * 0.79788456080286535588f),
+                                      _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), z3, z));
+      const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), u2)));
+      _mm256_storeu_ps(v + j, _mm256_div_ps(z, den));
+    }
+#else
+    for (int j = 0; j < PANEL; ++j) {
+      const float z = v[j], u2 = 2.0f * 0.79788456080286535588f * (z + 0.044715f * z * z * z);
+      v[j] = z / (1.0f + exp_scalar(-u2));
+    }
+#endif
+  }
+}
+
+using PanelFn = void (*)(const float*, int64_t, const float*, int64_t, float*);
+constexpr PanelFn kPanel[ROWS + 1] = {nullptr, panel_kernel<1>, panel_kernel<2>, panel_kernel<3>, panel_kernel<4>};
+
+// x (M, K) float32 (row stride free, unit inner stride), packed (P, K, 16) -> (M, n) = act(x @ W^T + bias).
+Tensor skinny_linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias, int64_t n,
+                     int64_t act) {
+  TORCH_CHECK(act == EPI_NONE || act == EPI_RELU || act == EPI_GELU_TANH, "skinny_linear: act ", act,
+              " unsupported (0 none, 1 relu, 3 tanh-GELU)");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "skinny_linear: x must be a 2-D float32 CPU tensor with unit inner stride");
+  check_float_contig(packed, "skinny_linear: packed", 3);
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K && packed.size(2) == PANEL, "skinny_linear: packed must be (P, K=", K,
+              ", 16), got ", packed.sizes());
+  TORCH_CHECK(n > (P - 1) * PANEL && n <= P * PANEL, "skinny_linear: n=", n, " does not fit ", P, " panels");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check_float_contig(*bias, "skinny_linear: bias", 1);
+    TORCH_CHECK(bias->size(0) == n, "skinny_linear: bias must have ", n, " elements, got ", bias->size(0));
+    bp = bias->data_ptr<float>();
+  }
+  Tensor out = at::empty({M, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (M == 0 || n == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  const float* wp = packed.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // grain: at least ~64 KB of weights per task so small matrices do not pay for thread wake-ups
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * PANEL / 4));
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    float acc[ROWS * PANEL];
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* w = wp + p * K * PANEL;
+      const int64_t c0 = p * PANEL, nc = std::min<int64_t>(PANEL, n - c0);
+      for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
+        const int64_t R = std::min<int64_t>(ROWS, M - r0);
+        kPanel[R](xp + r0 * ldx, ldx, w, K, acc);
+        float bpanel[PANEL] = {0};  // the bias of this panel, zero-padded past n
+        if (bp)
+          for (int64_t j = 0; j < nc; ++j) bpanel[j] = bp[c0 + j];
+        for (int64_t r = 0; r < R; ++r) {
+          float* a = acc + r * PANEL;
+          epilogue(a, bp ? bpanel : nullptr, act);
+          std::copy(a, a + nc, op + (r0 + r) * n + c0);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// Ask for transparent huge pages on the 2 MB-aligned interior of a fresh buffer (before its pages are touched):
+// streaming hundreds of MB through 4 KB pages costs a TLB miss every 4 KB. A hint only; ignored where unsupported.
+void advise_huge_pages(void* p, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t huge = uintptr_t(2) << 20;
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1);
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(huge - 1);
+  if (e > a) madvise(reinterpret_cast<void*>(a), e - a, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+// W (N, K) -> (ceil(N/16), K, 16), zero-padded columns.
+Tensor pack_linear_weight(const Tensor& w) {
+  check_float_contig(w, "pack_linear_weight: weight", 2);
+  const int64_t N = w.size(0), K = w.size(1), P = (N + PANEL - 1) / PANEL;
+  Tensor out = at::empty({P, K, PANEL}, w.options());
+  advise_huge_pages(out.data_ptr(), size_t(out.numel()) * sizeof(float));
+  const float* src = w.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < PANEL; ++j) {
+          const int64_t c = p * PANEL + j;
+          dst[(p * K + k) * PANEL + j] = c < N ? src[c * K + k] : 0.0f;
+        }
+  });
+  return out;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// q (B, H*hd) unit inner stride; kc, vc (B, H, T_max, hd) contiguous; mask (B, T_max) bool, True = skip.
+Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, const c10::optional<Tensor>& mask,
+                        int64_t length, double scale, const c10::optional<Tensor>& new_k,
+                        const c10::optional<Tensor>& new_v) {
+  check_float_contig(kc, "decode_attention: k_cache", 4);
+  check_float_contig(vc, "decode_attention: v_cache", 4);
+  TORCH_CHECK(kc.sizes() == vc.sizes(), "decode_attention: k_cache and v_cache shapes differ");
+  const int64_t B = kc.size(0), H = kc.size(1), T = kc.size(2), hd = kc.size(3), d = H * hd;
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 2 && q.size(0) == B && q.size(1) == d && q.stride(1) == 1,
+              "decode_attention: q must be float32 (B=", B, ", ", d, ") with unit inner stride, got ", q.sizes());
+  TORCH_CHECK(length >= 1 && length <= T, "decode_attention: length ", length, " outside [1, ", T, "]");
+  const bool* mp = nullptr;
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 2 && mask->size(0) == B && mask->size(1) == T &&
+                    mask->is_contiguous(),
+                "decode_attention: mask must be a contiguous bool (B, T_max) tensor");
+    mp = mask->data_ptr<bool>();
+  }
+  const bool write = new_k.has_value() && new_k->defined();
+  if (write) {
+    for (const Tensor* t : {&*new_k, &*new_v}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == B && t->size(1) == d &&
+                      t->stride(1) == 1,
+                  "decode_attention: new_k/new_v must be float32 (B, ", d, ") with unit inner stride");
+    }
+  }
+  Tensor out = at::empty({B, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* qp = q.data_ptr<float>();
+  float* kp = kc.data_ptr<float>();
+  float* vp = vc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* nk = write ? new_k->data_ptr<float>() : nullptr;
+  const float* nv = write ? new_v->data_ptr<float>() : nullptr;
+  const int64_t qs = q.stride(0), nks = write ? new_k->stride(0) : 0, nvs = write ? new_v->stride(0) : 0;
+  const float sc = float(scale);
+  // threads only when there is enough to read: a parallel region costs more than a short head's work
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 17) / std::max<int64_t>(1, length * hd));
+  at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> s(length);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / H, h = i % H;
+      float* K = kp + i * T * hd;
+      float* V = vp + i * T * hd;
+      if (write) {
+        std::copy(nk + b * nks + h * hd, nk + b * nks + (h + 1) * hd, K + (length - 1) * hd);
+        std::copy(nv + b * nvs + h * hd, nv + b * nvs + (h + 1) * hd, V + (length - 1) * hd);
+      }
+      const float* qh = qp + b * qs + h * hd;
+      const bool* m = mp ? mp + b * T : nullptr;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < length; ++j) {
+        s[j] = (m && m[j]) ? -std::numeric_limits<float>::infinity() : dot(qh, K + j * hd, hd) * sc;
+        mx = std::max(mx, s[j]);
+      }
+      float* o = op + b * d + h * hd;
+      std::fill(o, o + hd, 0.0f);
+      if (mx == -std::numeric_limits<float>::infinity()) continue;  // every key masked: zeros (as SDPA)
+      float sum = 0.0f;
+      for (int64_t j = 0; j < length; ++j) {
+        s[j] = std::exp(s[j] - mx);
+        sum += s[j];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t j = 0; j < length; ++j) {
+        if (s[j] == 0.0f) continue;
+        const float pj = s[j] * inv;
+        const float* vj = V + j * hd;
+#pragma omp simd
+        for (int64_t e = 0; e < hd; ++e) o[e] += pj * vj[e];
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int n, int act=0) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? mask, int length, float scale, "
+        "Tensor? new_k, Tensor? new_v) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
+  m.impl("pack_linear_weight", &pack_linear_weight);
+  m.impl("skinny_linear", &skinny_linear);
+  m.impl("decode_attention", &decode_attention);
+}

@@ -1,0 +1,429 @@
+"""Fast autoregressive decoding on the CPU: GPT-2 ``generate`` and Transformer ``translate``.
+
+Decoding one token reads every weight once, so on a CPU it is bound by how fast the weights stream from memory,
+plus whatever happens between them. This path (beside the reference loops of :meth:`GPT2.generate` and
+:meth:`Transformer.translate`, which stay and which it is tested against) therefore:
+
+* packs every decoding matrix once (``pack_linear_weight``: panels of 16 output columns, read sequentially) and
+  multiplies the 1–16 rows of a step with the ``skinny_linear`` kernel (AVX2 + FMA, both threads), which streams
+  at memory speed where torch's GEMV reaches about a third of it; q/k/v are one matrix;
+* keeps a static key/value cache allocated once per call, (B, H, T_prompt + max_new, head_dim) per layer, that
+  ``decode_attention`` writes and reads in place (no ``torch.cat`` per step); positions and the padding mask are
+  built once;
+* runs a GPT-2 layer in seven dispatches: q|k|v GEMV, cache write + attention, out-projection, residual +
+  LayerNorm (the fused ``add_norm_fwd``), fc1 with bias + activation in its epilogue (relu, tanh-GELU), fc2,
+  residual + the next LayerNorm; above ``SKINNY_MAX_ROWS`` rows (large translate batches, beams) torch's GEMM
+  runs on the unpacked weight instead;
+* picks greedy tokens by ``argmax`` of the logits (no softmax) and samples through the reference's own filters.
+
+The prompt itself (prefill) runs through the model's reference forward with its KV caches (batched GEMMs are
+what torch does well); its keys/values are then copied into the static cache.
+
+The packed weights are a second copy of the model's matrices in float32 (GPT-2 small: 497 MB), built at the first
+call and kept (per model, weakly referenced) until a parameter changes (version counter or storage) or
+:func:`clear_cache`. Without the C++ kernels the same path runs on torch ops (``F.linear`` and SDPA over the cache).
+
+Switch: ``SUBLAYER_DECODING=0`` in the environment or :func:`set_enabled` (``False``: the reference loops run).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import functional as SF
+from .. import kernels
+from ..functional import fused
+
+__all__ = ["set_enabled", "enabled", "clear_cache", "PackedLinear", "StaticKVCache", "decode_attention"]
+
+_enabled = os.environ.get("SUBLAYER_DECODING", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def set_enabled(flag: bool) -> None:
+    """Use the fast decoding path (default) or the reference loops (``False``)."""
+    global _enabled
+    _enabled = bool(flag)
+
+
+def enabled() -> bool:
+    """Whether ``generate``/``translate`` take the fast decoding path."""
+    return _enabled
+
+
+def _kernels_on() -> bool:
+    return kernels._enabled and kernels.available()
+
+
+# ----------------------------------------------------------------------------------------------- building blocks
+class PackedLinear:
+    """``y = x @ weight.T + bias`` for few rows, the weight packed once for the ``skinny_linear`` kernel.
+
+    Args:
+        weight: (N, K) float32 (``nn.Linear`` layout). bias: (N,) or None.
+
+    Call: x (M, K) float32 with unit inner stride (a column slice of a wider tensor works) -> (M, N).
+    Without the kernels, or for more than ``SKINNY_MAX_ROWS`` rows, ``F.linear`` runs on the unpacked weight.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        weight = weight.detach().float().contiguous()
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.weight = weight  # the parameter itself (no copy) for batches above SKINNY_MAX_ROWS
+        self.packed = kernels.ops().pack_linear_weight(weight) if _kernels_on() else None
+
+    def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
+        """``activation`` (an FFN activation name) is applied after the bias: fused into the kernel's epilogue for
+        ``relu``/``gelu_tanh``, a separate pass for the others."""
+        if self.packed is not None and x.shape[0] <= SKINNY_MAX_ROWS:
+            act = _EPILOGUE.get(activation, 0)
+            y = kernels.ops().skinny_linear(x, self.packed, self.bias, self.out_features, act)
+            return y if activation is None or act else _bias_act(y, None, activation)
+        y = F.linear(x, self.weight, self.bias)
+        return y if activation is None else SF.activation_fn(activation)(y)
+
+
+SKINNY_MAX_ROWS = 16  # above it a blocked GEMM (torch) wins: the rows amortise the weight reads
+_EPILOGUE = {"relu": 1, "gelu_tanh": 3}  # activations fused into skinny_linear (ids of fused._ACT_IDS)
+
+
+class StaticKVCache:
+    """Keys and values of one attention layer, allocated once: (B, n_heads, capacity, head_dim) each.
+
+    ``length`` positions are filled; :func:`decode_attention` appends one position per step in place.
+    """
+
+    def __init__(self, batch: int, n_heads: int, capacity: int, head_dim: int, *, dtype=torch.float32) -> None:
+        self.k = torch.empty(batch, n_heads, capacity, head_dim, dtype=dtype)  # only [0, length) is ever read
+        self.v = torch.empty_like(self.k)
+        self.length = 0
+
+    def fill(self, k: Tensor, v: Tensor) -> None:
+        """Copy a prefix (B, H, T, hd) into positions [0, T)."""
+        t = k.shape[2]
+        self.k[:, :, :t].copy_(k)
+        self.v[:, :, :t].copy_(v)
+        self.length = t
+
+    def reorder(self, rows: Tensor) -> None:
+        """Select batch rows (beam search), the filled positions only."""
+        t = self.length
+        self.k[:, :, :t] = self.k[:, :, :t].index_select(0, rows)
+        self.v[:, :, :t] = self.v[:, :, :t].index_select(0, rows)
+
+
+def decode_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    length: int,
+    *,
+    mask: Tensor | None = None,
+    new_k: Tensor | None = None,
+    new_v: Tensor | None = None,
+) -> Tensor:
+    """One query per row against cached keys/values: q (B, d), k/v (B, H, T_max, hd) -> (B, d).
+
+    With ``new_k``/``new_v`` (B, d) they are first written at position ``length - 1`` (in place). Attends to
+    positions [0, length) except those ``mask`` (B, T_max) bool marks True; scaled by 1/sqrt(hd).
+    """
+    b, h, _, hd = k.shape
+    scale = 1.0 / math.sqrt(hd)
+    if _kernels_on():
+        return kernels.ops().decode_attention(q, k, v, mask, length, scale, new_k, new_v)
+    if new_k is not None:
+        k[:, :, length - 1] = new_k.reshape(b, h, hd)
+        v[:, :, length - 1] = new_v.reshape(b, h, hd)
+    am = None if mask is None else ~mask[:, None, None, :length]
+    ctx = F.scaled_dot_product_attention(
+        q.reshape(b, h, 1, hd), k[:, :, :length], v[:, :, :length], attn_mask=am, scale=scale
+    )
+    return ctx.reshape(b, h * hd)
+
+
+def _add_norm(x: Tensor, y: Tensor, w: Tensor, b: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(LN(x + y), x + y)`` for (N, d) float32 rows."""
+    if _kernels_on():
+        out, s, _, _, _ = kernels.ops().add_norm_fwd(x, y, w, b, eps, 0.0, 0, False, True)
+        return out, s
+    s = x + y
+    return F.layer_norm(s, w.shape, w, b, eps), s
+
+
+def _bias_act(a: Tensor, bias: Tensor | None, act: str) -> Tensor:
+    """``act(a + bias)``, in place where the kernels run."""
+    if _kernels_on() and act in fused._ACT_IDS:
+        return kernels.ops().act_fwd(a, bias, fused._ACT_IDS[act], 0.0, 0, True)
+    return SF.activation_fn(act)(a if bias is None else a + bias)
+
+
+def _stamp(module: torch.nn.Module) -> tuple:
+    return (_kernels_on(),) + tuple((p._version, p.data_ptr()) for p in module.parameters())
+
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _weights(module: torch.nn.Module, build):
+    """The packed weights of ``module`` (built once, rebuilt when a parameter changes)."""
+    stamp = _stamp(module)
+    hit = _CACHE.get(module)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    _CACHE.pop(module, None)  # free the old copy before building the new one
+    with torch.no_grad():
+        w = build(module)
+    _CACHE[module] = (stamp, w)
+    return w
+
+
+def clear_cache() -> None:
+    """Drop every model's packed decoding weights."""
+    _CACHE.clear()
+
+
+def _float32_cpu(module: torch.nn.Module) -> bool:
+    return all(p.dtype == torch.float32 and p.device.type == "cpu" for p in module.parameters())
+
+
+def _norm(n) -> tuple[Tensor, Tensor, float]:
+    return n.weight.detach(), n.bias.detach(), n.eps
+
+
+# ----------------------------------------------------------------------------------------------- GPT-2
+def gpt2_supports(model) -> bool:
+    """Whether :func:`gpt2_generate` runs ``model`` (a float32 CPU :class:`GPT2` with LayerNorms with bias)."""
+    return (
+        _enabled
+        and _float32_cpu(model)
+        and model.ln_f.bias is not None
+        and all(blk.attn_residual.norm.bias is not None for blk in model.blocks)
+    )
+
+
+def gpt2_source(obj):
+    """The :class:`GPT2` whose weights the fast path decodes for ``obj`` (a GPT2, or a wrapper exposing
+    ``decode_model``), or None when the reference loop must run."""
+    from .gpt2 import GPT2
+
+    model = obj if isinstance(obj, GPT2) else getattr(obj, "decode_model", None)
+    return model if isinstance(model, GPT2) and gpt2_supports(model) else None
+
+
+def _build_gpt2(model) -> dict:
+    layers = []
+    for blk in model.blocks:
+        a, f = blk.self_attn, blk.ffn
+        wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
+        bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0)
+        layers.append({
+            "ln1": _norm(blk.attn_residual.norm), "ln2": _norm(blk.ffn_residual.norm),
+            "qkv": PackedLinear(wqkv, bqkv), "out": PackedLinear(a.out_proj.weight, a.out_proj.bias),
+            "fc1": PackedLinear(f.fc1.weight, f.fc1.bias), "fc2": PackedLinear(f.fc2.weight, f.fc2.bias),
+        })  # fmt: skip
+    return {
+        "layers": layers, "lnf": _norm(model.ln_f), "head": PackedLinear(model.lm_head.weight),
+        "wte": model.wte.weight.detach(), "wpe": model.wpe.weight.detach(),
+    }  # fmt: skip
+
+
+def gpt2_step(model, W: dict, tokens: Tensor, positions: Tensor, caches: list, mask: Tensor | None) -> Tensor:
+    """One decoding step: tokens (B,) at positions (B,) -> logits (B, vocab) float32; appends to ``caches``."""
+    cfg = model.config
+    d, H = cfg.d_model, cfg.n_heads
+    x = W["wte"][tokens] + W["wpe"][positions]  # (B, d)
+    layers = W["layers"]
+    w, b, eps = layers[0]["ln1"]
+    h = F.layer_norm(x, (d,), w, b, eps)
+    length = caches[0].length + 1
+    for i, L in enumerate(layers):
+        qkv = L["qkv"](h)  # (B, 3d)
+        c = caches[i]
+        ctx = decode_attention(
+            qkv[:, :d], c.k, c.v, length, mask=mask, new_k=qkv[:, d : 2 * d], new_v=qkv[:, 2 * d :]
+        )
+        c.length = length
+        h, x = _add_norm(x, L["out"](ctx), *L["ln2"])  # x += attn; h = ln_2(x)
+        y = L["fc2"](L["fc1"](h, cfg.activation))
+        h, x = _add_norm(x, y, *(layers[i + 1]["ln1"] if i + 1 < len(layers) else W["lnf"]))
+    return W["head"](h)
+
+
+def gpt2_generate(
+    model,
+    input_ids: Tensor,
+    positions: Tensor,
+    key_padding_mask: Tensor | None,
+    max_new_tokens: int,
+    *,
+    prefill,
+    pick,
+    eos_token_id: int | None,
+    pad: int | None,
+) -> Tensor:
+    """The loop of :meth:`GPT2.generate` on the fast path (arguments already checked there).
+
+    Args:
+        model: the :class:`GPT2` whose weights decode. input_ids (B, T); positions (B, T) of the prompt tokens;
+        key_padding_mask (B, T) True = padding, or None. prefill: ``fn(ids, positions, kpm, caches) -> hidden``
+        (the reference ``_hidden``, final norm applied) run once on the prompt. pick: ``fn(logits (B, V)) ->
+        (B,) ids`` (argmax or sampling). eos_token_id, pad: as ``generate``.
+
+    Returns:
+        (B, T + n) ids.
+    """
+    cfg = model.config
+    b, t = input_ids.shape
+    if max_new_tokens == 0:
+        return input_ids
+    W = _weights(model, _build_gpt2)
+    H = cfg.n_heads
+    hd = cfg.d_model // H
+    cap = t + max_new_tokens
+    ref_caches = [SF.KVCache() for _ in model.blocks]
+    h = prefill(input_ids, positions, key_padding_mask, ref_caches)  # (B, T, d)
+    caches = []
+    for rc in ref_caches:
+        c = StaticKVCache(b, H, cap, hd)
+        c.fill(rc.k, rc.v)
+        caches.append(c)
+    del ref_caches
+    mask = None
+    if key_padding_mask is not None:
+        mask = torch.zeros(b, cap, dtype=torch.bool)
+        mask[:, :t] = key_padding_mask
+    step_pos = positions[:, -1:] + torch.arange(1, max_new_tokens + 1)[None]  # (B, max_new) positions to come
+    out = torch.empty(b, cap, dtype=torch.long)  # as the reference (cat with int64 ids promotes)
+    out[:, :t] = input_ids
+    finished = torch.zeros(b, dtype=torch.bool)
+    logits = W["head"](h[:, -1].float())
+    n = 0
+    for s in range(max_new_tokens):
+        nxt = pick(logits)
+        if eos_token_id is not None:
+            nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
+            finished = finished | (nxt == eos_token_id)
+        out[:, t + s] = nxt
+        n = s + 1
+        if s + 1 == max_new_tokens or (eos_token_id is not None and bool(finished.all())):
+            break
+        logits = gpt2_step(model, W, nxt, step_pos[:, s], caches, mask)
+    return out[:, : t + n]
+
+
+# ----------------------------------------------------------------------------------------------- Transformer
+def _layer_norms(model) -> list:
+    norms = []
+    for layer in model.decoder.layers:
+        norms += [layer.self_attn_residual.norm, layer.cross_attn_residual.norm, layer.ffn_residual.norm]
+    return norms + ([model.decoder.norm] if model.decoder.norm is not None else [])
+
+
+def transformer_supports(model) -> bool:
+    """Whether :func:`transformer_stepper` runs ``model``: float32 CPU, LayerNorms with bias, self-attention
+    over d_model keys (any FFN activation)."""
+    from ..nn import LayerNorm
+
+    return (
+        _enabled
+        and _float32_cpu(model)
+        and all(isinstance(n, LayerNorm) and n.bias is not None for n in _layer_norms(model))
+    )
+
+
+def _build_transformer(model) -> dict:
+    layers = []
+    for layer in model.decoder.layers:
+        sa, ca, f = layer.self_attn, layer.cross_attn, layer.ffn
+        qkv_b = None if sa.q_proj.bias is None else torch.cat([sa.q_proj.bias, sa.k_proj.bias, sa.v_proj.bias], 0)
+        layers.append({
+            "qkv": PackedLinear(torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight], 0), qkv_b),
+            "out": PackedLinear(sa.out_proj.weight, sa.out_proj.bias),
+            "q_cross": PackedLinear(ca.q_proj.weight, ca.q_proj.bias),
+            "out_cross": PackedLinear(ca.out_proj.weight, ca.out_proj.bias),
+            "fc1": PackedLinear(f.fc1.weight, f.fc1.bias),
+            "fc2": PackedLinear(f.fc2.weight, f.fc2.bias),
+            "norms": [_norm(layer.self_attn_residual.norm), _norm(layer.cross_attn_residual.norm),
+                      _norm(layer.ffn_residual.norm)],
+        })  # fmt: skip
+    final = None if model.decoder.norm is None else _norm(model.decoder.norm)
+    return {"layers": layers, "final": final, "head": PackedLinear(model.out_proj.weight, model.out_proj.bias)}
+
+
+def transformer_stepper(model, memory: Tensor, memory_key_padding_mask: Tensor | None, max_len: int):
+    """``(step, reorder)`` for :meth:`Transformer.translate`'s search loops on the fast path, or None when the
+    model is not supported (the reference steps then run).
+
+    ``step(tok)``: tok (N, 1) ids of the newest position -> (N, tgt_vocab) float32 logits of the next one (the
+    ``decode`` logits of the reference with caches). ``reorder(rows)``: keep batch rows ``rows`` (beam search).
+    memory (N, S, d_model) and its mask (N, S) True = padding are projected to keys/values once per layer;
+    each layer's self-attention cache holds ``max_len`` positions, allocated once.
+    """
+    if not transformer_supports(model):
+        return None
+    cfg = model.config
+    W = _weights(model, _build_transformer)
+    n, s, d = memory.shape
+    H = cfg.n_heads
+    hd = d // H
+    memory = memory.float()
+    cross = []
+    for layer in model.decoder.layers:
+        ca = layer.cross_attn
+        kv = [F.linear(memory, p.weight, p.bias).view(n, s, H, hd).transpose(1, 2) for p in (ca.k_proj, ca.v_proj)]
+        cross.append([t.contiguous() for t in kv])
+    mask = None
+    if memory_key_padding_mask is not None and bool(memory_key_padding_mask.any()):
+        mask = memory_key_padding_mask.contiguous()
+    caches = [StaticKVCache(n, H, max_len, hd) for _ in model.decoder.layers]
+    emb = model.tgt_embed.weight.detach()
+    pe = model.pos_encoding
+    scale = math.sqrt(d)
+    pre = cfg.norm_first
+    act = cfg.activation
+
+    def sublayer_out(x, h, y, norms, j):
+        """Residual after sublayer j of a layer: post-norm x = LN_j(x + y); pre-norm x += y, h = next LN(x)."""
+        if not pre:
+            x, _ = _add_norm(x, y, *norms[j])
+            return x, x
+        nxt = norms[j + 1] if j + 1 < len(norms) else None
+        if nxt is None:
+            x = x + y
+            return x, x
+        h, x = _add_norm(x, y, *nxt)
+        return x, h
+
+    def step(tok: Tensor) -> Tensor:
+        t = caches[0].length
+        x = (emb[tok[:, -1]] * scale + pe[t]).float()  # (N, d)
+        layers = W["layers"]
+        h = F.layer_norm(x, (d,), *layers[0]["norms"][0][:2], layers[0]["norms"][0][2]) if pre else x
+        for i, L in enumerate(layers):
+            # the norm after this layer's last sublayer (pre-norm): the next layer's first, or the final one
+            norms = L["norms"] + ([layers[i + 1]["norms"][0]] if i + 1 < len(layers) else [W["final"]])
+            qkv = L["qkv"](h)
+            c = caches[i]
+            ctx = decode_attention(qkv[:, :d], c.k, c.v, t + 1, new_k=qkv[:, d : 2 * d], new_v=qkv[:, 2 * d :])
+            c.length = t + 1
+            x, h = sublayer_out(x, h, L["out"](ctx), norms, 0)
+            mk, mv = cross[i]
+            ctx = decode_attention(L["q_cross"](h), mk, mv, s, mask=mask)
+            x, h = sublayer_out(x, h, L["out_cross"](ctx), norms, 1)
+            y = L["fc2"](L["fc1"](h, act))
+            x, h = sublayer_out(x, h, y, norms if pre else norms[:3], 2)
+        if not pre and W["final"] is not None:
+            h = F.layer_norm(h, (d,), *W["final"][:2], W["final"][2])
+        return W["head"](h)
+
+    def reorder(rows: Tensor) -> None:
+        for c in caches:
+            c.reorder(rows)
+
+    return step, reorder

@@ -1,0 +1,124 @@
+"""Decoding kernels (csrc/decode.cpp): skinny_linear on packed weights vs F.linear, decode_attention vs SDPA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from sublayer import kernels
+
+from ._tol import assert_fast_close
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="C++ kernels unavailable")
+
+
+def _ops():
+    return kernels.ops()
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_pack_layout_is_panels_of_16_columns_zero_padded():
+    w = torch.randn(37, 13, generator=_gen(0))
+    packed = _ops().pack_linear_weight(w)
+    assert packed.shape == (3, 13, 16)  # ceil(37 / 16) panels
+    want = torch.cat([w, w.new_zeros(48 - 37, 13)]).view(3, 16, 13).transpose(1, 2)
+    assert torch.equal(packed, want)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 11, 16])
+@pytest.mark.parametrize(("n", "k"), [(37, 13), (17, 29), (5, 3), (53, 101)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_skinny_linear_matches_f_linear(rows, n, k, bias):
+    g = _gen(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = _ops().skinny_linear(x, _ops().pack_linear_weight(w), b, n)
+    ref64 = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert_fast_close(got, F.linear(x, w, b), ref64, what=f"rows={rows} n={n} k={k}")
+
+
+@pytest.mark.parametrize(("act", "fn"), [(1, F.relu), (3, lambda t: F.gelu(t, approximate="tanh"))])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_skinny_linear_fused_activation(act, fn, rows):
+    g = _gen(act + rows)
+    x = torch.randn(rows, 19, generator=g)
+    w = torch.randn(23, 19, generator=g) * 0.5
+    b = torch.randn(23, generator=g)
+    got = _ops().skinny_linear(x, _ops().pack_linear_weight(w), b, 23, act)
+    assert_fast_close(got, fn(F.linear(x, w, b)), fn(F.linear(x.double(), w.double(), b.double())), what=f"act {act}")
+
+
+def test_skinny_linear_rejects_unknown_activation():
+    with pytest.raises(RuntimeError, match="act 2 unsupported"):
+        _ops().skinny_linear(torch.randn(1, 3), _ops().pack_linear_weight(torch.randn(4, 3)), None, 4, 2)
+
+
+def test_skinny_linear_takes_a_column_slice():
+    # q/k/v come out of one (B, 3d) tensor: x may have a row stride wider than its width
+    g = _gen(3)
+    wide = torch.randn(5, 3 * 11, generator=g)
+    x = wide[:, 11:22]
+    w = torch.randn(7, 11, generator=g)
+    assert_close(_ops().skinny_linear(x, _ops().pack_linear_weight(w), None, 7), F.linear(x.contiguous(), w))
+
+
+def test_skinny_linear_rejects_mismatched_packing():
+    packed = _ops().pack_linear_weight(torch.randn(17, 5))
+    with pytest.raises(RuntimeError, match=r"packed must be \(P, K=7"):
+        _ops().skinny_linear(torch.randn(2, 7), packed, None, 17)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        _ops().skinny_linear(torch.randn(2, 5), packed, None, 40)
+
+
+def _sdpa(q, k, v, length, mask):
+    b, h, _, hd = k.shape
+    am = None if mask is None else ~mask[:, None, None, :length]
+    out = F.scaled_dot_product_attention(
+        q.reshape(b, h, 1, hd), k[:, :, :length], v[:, :, :length], attn_mask=am, scale=1 / math.sqrt(hd)
+    )
+    return out.reshape(b, h * hd)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_decode_attention_writes_the_new_position_and_matches_sdpa(masked):
+    g = _gen(7)
+    b, h, cap, hd, length = 3, 2, 11, 5, 7
+    k = torch.randn(b, h, cap, hd, generator=g)
+    v = torch.randn(b, h, cap, hd, generator=g)
+    qkv = torch.randn(b, 3 * h * hd, generator=g)
+    d = h * hd
+    q, nk, nv = qkv[:, :d], qkv[:, d : 2 * d], qkv[:, 2 * d :]
+    mask = None
+    if masked:
+        mask = torch.zeros(b, cap, dtype=torch.bool)
+        mask[0, :3] = True  # left padding
+        mask[2, 1] = True
+    k_ref, v_ref = k.clone(), v.clone()
+    k_ref[:, :, length - 1] = nk.reshape(b, h, hd)
+    v_ref[:, :, length - 1] = nv.reshape(b, h, hd)
+    got = _ops().decode_attention(q, k, v, mask, length, 1 / math.sqrt(hd), nk, nv)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)  # written in place
+    ref64 = _sdpa(q.double(), k_ref.double(), v_ref.double(), length, mask)
+    assert_fast_close(got, _sdpa(q, k_ref, v_ref, length, mask), ref64)
+
+
+def test_decode_attention_fully_masked_row_gives_zeros():
+    k = torch.randn(2, 1, 4, 3)
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    mask[1] = True
+    out = _ops().decode_attention(torch.randn(2, 3), k, torch.randn(2, 1, 4, 3), mask, 4, 1.0, None, None)
+    assert torch.isfinite(out).all() and torch.equal(out[1], torch.zeros(3))
+
+
+def test_decode_attention_rejects_bad_length():
+    k = torch.randn(1, 1, 4, 3)
+    with pytest.raises(RuntimeError, match=r"length 5 outside \[1, 4\]"):
+        _ops().decode_attention(torch.randn(1, 3), k, k.clone(), None, 5, 1.0, None, None)

@@ -1,0 +1,180 @@
+"""The fast decoding path (sublayer.models.decoding) against the reference loops and HF ``generate``: greedy and
+sampled GPT-2 generation (left padding, eos), FastGPT2, Transformer.translate greedy and beam, with and without
+the C++ kernels; the static cache; edge cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sublayer import kernels
+from sublayer.models import GPT2, Transformer, decoding
+from sublayer.models.fast import fast_inference
+
+from .conftest import EOS, MAX_POS, PAD, VOCAB
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def ours(gpt2_folder) -> GPT2:
+    return GPT2.from_pretrained(gpt2_folder).eval()
+
+
+@pytest.fixture(params=["kernels", "no-kernels"])
+def kernels_mode(request):
+    was = kernels._enabled
+    kernels.set_enabled(request.param == "kernels")
+    yield request.param
+    kernels.set_enabled(was)
+
+
+@pytest.fixture
+def steps_taken(monkeypatch):
+    """Counts the fast path's GPT-2 steps (proves the fast path ran)."""
+    calls = []
+    real = decoding.gpt2_step
+    monkeypatch.setattr(decoding, "gpt2_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def _reference(fn):
+    decoding.set_enabled(False)
+    try:
+        return fn()
+    finally:
+        decoding.set_enabled(True)
+
+
+def _padded_batch(seed: int = 11):
+    x = torch.randint(3, VOCAB, (3, 6), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    return x.masked_fill(mask == 0, PAD), mask
+
+
+def test_greedy_left_padded_with_eos_equals_reference_and_hf(ours, hf_gpt2, kernels_mode, steps_taken):
+    x, mask = _padded_batch()
+    free = ours.generate(x, 9, attention_mask=mask)
+    eos = int(free[1, 6 + 2])  # row 1 ends at its 3rd new token, the others later or never
+    want = hf_gpt2.generate(
+        x, attention_mask=mask, max_new_tokens=9, do_sample=False, pad_token_id=PAD, eos_token_id=eos
+    )
+    steps_taken.clear()
+    got = ours.generate(x, 9, attention_mask=mask, eos_token_id=eos, pad_token_id=PAD)
+    assert steps_taken, "the fast path did not run"
+    ref = _reference(lambda: ours.generate(x, 9, attention_mask=mask, eos_token_id=eos, pad_token_id=PAD))
+    assert got.tolist() == ref.tolist() == want.tolist()
+    assert got[1, 6 + 3 :].eq(PAD).all()
+
+
+def test_fast_inference_generate_takes_the_fast_path(ours, hf_gpt2, steps_taken):
+    x, mask = _padded_batch(seed=4)
+    want = hf_gpt2.generate(x, attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=PAD)
+    fast = fast_inference(ours, dtype=torch.float32)
+    got = fast.generate(x, 7, attention_mask=mask, eos_token_id=EOS, pad_token_id=PAD)
+    assert steps_taken and got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize(
+    "kw", [{"temperature": 0.7}, {"top_k": 5}, {"top_p": 0.8, "temperature": 1.3}, {"top_k": 7, "top_p": 0.9}]
+)
+def test_sampling_with_a_generator_equals_the_reference(ours, kw, steps_taken):
+    x, mask = _padded_batch(seed=2)
+
+    def run():
+        g = torch.Generator().manual_seed(123)
+        return ours.generate(x, 8, attention_mask=mask, do_sample=True, generator=g, eos_token_id=EOS, **kw)
+
+    got = run()
+    assert steps_taken
+    assert got.tolist() == _reference(run).tolist()
+
+
+def test_cache_is_allocated_once_per_call(ours, monkeypatch):
+    made = []
+    real = decoding.StaticKVCache.__init__
+
+    def spy(self, *a, **k):
+        made.append(a)
+        real(self, *a, **k)
+
+    monkeypatch.setattr(decoding.StaticKVCache, "__init__", spy)
+    x = torch.randint(3, VOCAB, (2, 4), generator=torch.Generator().manual_seed(1))
+    ours.generate(x, 6)
+    n_layers = ours.config.n_layers
+    assert len(made) == n_layers and all(a == (2, ours.config.n_heads, 4 + 6, 5) for a in made)
+
+
+def test_packed_weights_follow_parameter_updates(gpt2_folder):
+    model = GPT2.from_pretrained(gpt2_folder).eval()
+    x = torch.randint(3, VOCAB, (2, 4), generator=torch.Generator().manual_seed(9))
+    model.generate(x, 5)  # packs
+    with torch.no_grad():
+        model.blocks[0].ffn.fc1.weight.mul_(-2.0)  # an in-place update bumps the version counter
+        model.wte.weight.add_(0.1)
+    assert model.generate(x, 5).tolist() == _reference(lambda: model.generate(x, 5)).tolist()
+
+
+def test_zero_new_tokens_and_position_limit(ours):
+    x = torch.randint(3, VOCAB, (2, MAX_POS), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(ours.generate(x, 0), x)  # HF: the prompt back
+    too_long = rf"prompt length {MAX_POS} \+ max_new_tokens 1 exceeds max_positions={MAX_POS}"
+    with pytest.raises(ValueError, match=too_long):
+        ours.generate(x, 1)
+    out = ours.generate(x[:, 1:], 1)  # the last position exactly
+    assert out.shape == (2, MAX_POS) and out.tolist() == _reference(lambda: ours.generate(x[:, 1:], 1)).tolist()
+
+
+def test_empty_prompt_is_a_clear_error(ours):
+    with pytest.raises(ValueError, match=r"seq_len >= 1, got \(2, 0\)"):
+        ours.generate(torch.zeros(2, 0, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match="attention_mask has a row with no token"):
+        ours.generate(torch.ones(2, 3, dtype=torch.long), 3, attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]]))
+
+
+# ---- Transformer.translate ------------------------------------------------------------------------------------
+
+
+def _tiny_transformer(norm_first: bool) -> Transformer:
+    torch.manual_seed(3)
+    m = Transformer(11, 13, d_model=14, n_heads=2, d_ff=22, n_layers=2, dropout=0.0, max_len=23, norm_first=norm_first)
+    with torch.no_grad():  # sharper logits than the init: longer, more varied outputs
+        m.out_proj.weight.mul_(4.0)
+    return m.eval()
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_translate_equals_the_reference_steps(norm_first, beam_size, kernels_mode, monkeypatch):
+    m = _tiny_transformer(norm_first)
+    src = torch.randint(3, 11, (3, 5), generator=torch.Generator().manual_seed(5))
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[1, 3:] = True  # padding in the source
+    fast_steps = []
+    real = decoding.transformer_stepper
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        fast_steps.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decoding, "transformer_stepper", spy)
+    kw = {"bos": 1, "eos": 2, "src_key_padding_mask": mask, "beam_size": beam_size}
+    got = m.translate(src, 9, **kw)
+    assert fast_steps == [True]
+    assert got.tolist() == _reference(lambda: m.translate(src, 9, **kw)).tolist()
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])  # erf-GELU and SiLU: a pass after the kernel
+def test_other_activations_equal_the_reference(activation, kernels_mode, steps_taken):
+    from sublayer.models import GPT2Config
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=29, max_positions=19, d_model=15, n_layers=2, n_heads=3, d_ff=11,
+                     activation=activation, dropout=0.0, embd_dropout=0.0, attn_dropout=0.0)  # fmt: skip
+    model = GPT2(cfg).eval()
+    x = torch.randint(0, 29, (2, 5), generator=torch.Generator().manual_seed(1))
+    got = model.generate(x, 9)
+    assert steps_taken and got.tolist() == _reference(lambda: model.generate(x, 9)).tolist()
