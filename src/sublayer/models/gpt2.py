@@ -26,6 +26,7 @@ from .. import functional as SF
 from .._checks import check_choice, check_eps, check_positive_int, check_probability
 from ..checkpoints import gpt2 as keymap
 from ..nn import LayerNorm, MultiHeadAttention, PositionWiseFFN, PreNormResidual
+from . import padding_free
 from .config import ModelConfig
 
 __all__ = ["GPT2Config", "GPT2", "GPT2Block", "check_input_ids"]
@@ -235,8 +236,11 @@ class GPT2(nn.Module):
 
     Forward:
         ``input_ids`` (B, T) ints; ``attention_mask`` (B, T) 1 = token, 0 = padding (HF convention), optional;
-        ``position_ids`` (B, T) or (1, T), default ``arange(T)`` as HF's forward.
-        Returns logits (B, T, vocab_size).
+        ``position_ids`` (B, T) or (1, T), default ``arange(T)`` as HF's forward; positions that restart at 0
+        inside a row mark packed documents (HF's ``DataCollatorWithFlattening``): attention is block-diagonal
+        causal, each document sees only itself.
+        Returns logits (B, T, vocab_size). When ``attention_mask`` marks padding, the layers run on the real
+        tokens only (:mod:`sublayer.models.padding_free`) and the logits at padded positions are zeros.
 
     Raises:
         TypeError/ValueError: ids not integer (B, T), out of the vocabulary, longer than max_positions, bad mask.
@@ -300,6 +304,8 @@ class GPT2(nn.Module):
                 raise ValueError(
                     f"position_ids must have shape ({b} or 1, {t}), got {tuple(position_ids.shape)}"
                 )
+        if padding_free.gpt2_applies(kpm, position_ids):  # real tokens only; packed documents
+            return padding_free.gpt2_logits(self, input_ids, position_ids, kpm)
         return self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
 
     @torch.no_grad()
