@@ -540,6 +540,13 @@ def run_bench(
                 f"{r.case:44s} {r.shape:22s} {r.dtype:13s} {r.mode:8s} "
                 f"eager {r.times_ms['eager']:9.2f} ms  sublayer {r.times_ms['sublayer']:9.2f} ms  x{_fmt(r.ratio())}"
             )
+    if "fp32" in dts:  # whole-model training steps vs HF on padded batches (sublayer.bench_models)
+        from .bench_models import bench_training_steps
+
+        for r in bench_training_steps(quick, reps, warmup):
+            rows.append(r)
+            log(f"{r.case:44s} {r.shape:22s} HF {r.times_ms['eager']:9.2f} ms  sublayer "
+                f"{r.times_ms['sublayer']:9.2f} ms  x{_fmt(r.ratio())}  {r.extra['real tokens']} real")  # fmt: skip
     meta["seconds"] = round(time.perf_counter() - t_start, 1)
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     (out / "bench.md").write_text(to_markdown(rows, meta))

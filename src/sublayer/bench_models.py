@@ -49,6 +49,7 @@ def _row(case: str, shape: str, res: dict, mask: torch.Tensor, extra: dict) -> R
         row.times_ms[k], row.spread[k] = tm, sp
     n = int(mask.sum())
     row.extra["real tokens"] = f"{n}/{mask.numel()} ({100 * n / mask.numel():.0f} %)"
+    row.extra["own padded path ms"] = round(row.times_ms["sublayer padded"], 1)
     row.extra["x vs own padded path"] = round(row.ratio("sublayer", "sublayer padded") or 0.0, 2)
     row.extra.update(extra)
     return row
@@ -179,6 +180,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="whole-model training steps vs HF")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", choices=["bert", "gpt2"], default=None)
     a = ap.parse_args()
-    for r in bench_training_steps(a.quick, a.reps, 1):
-        print(r.case, r.shape, {k: round(v, 1) for k, v in r.times_ms.items()}, f"x{r.ratio():.2f}", r.extra)
+    for name, fn in (("bert", bench_bert_training), ("gpt2", bench_gpt2_training)):
+        if a.only in (None, name):
+            r = fn(a.quick, a.reps, 1)
+            print(r.case, r.shape, {k: round(v, 1) for k, v in r.times_ms.items()}, f"x{r.ratio():.2f}", r.extra)

@@ -43,3 +43,12 @@ def test_document_mask_is_block_diagonal_where_positions_restart():
     want0 = torch.block_diag(torch.ones(3, 3), torch.ones(2, 2)).bool()
     want1 = torch.block_diag(torch.ones(2, 2), torch.ones(3, 3)).bool()  # positions before the first 0: one doc
     assert torch.equal(allowed[0], want0) and torch.equal(allowed[1], want1)
+
+
+def test_pack_and_unpack_gradcheck_in_float64():
+    pk = Packing(torch.tensor([[False, True, False], [True, True, False]]))
+    x = torch.randn(2, 3, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: pk.pack(t), (x,))
+    y = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: pk.unpack(t), (y,))
+    assert torch.autograd.gradgradcheck(lambda t: pk.unpack(pk.pack(t) * 2), (x,))

@@ -279,3 +279,25 @@ def test_set_enabled_checks_its_flag():
     with padding_free.disabled():
         assert not padding_free.enabled()
     assert padding_free.enabled()
+
+
+def test_training_attention_core_equals_sdpa_when_dropout_draws_nothing(gpt2_folder, monkeypatch):
+    # with attention dropout > 0 in training, the packed path takes an explicit softmax + Philox dropout; with
+    # the dropout made the identity it must equal the inference core (SDPA), dead rows (left padding, a fully
+    # padded row) included, forward and backward
+    model = GPT2.from_pretrained(gpt2_folder)
+    ids, mask = _ids(3, 6), _mask([6, 3, 0], 6, left=(1,))
+    outs, grads = {}, {}
+    for training in (False, True):
+        model.zero_grad(set_to_none=True)
+        model.train(training)
+        for blk in model.blocks:
+            blk.self_attn.dropout = 0.5 if training else 0.0
+        with monkeypatch.context() as mp:
+            mp.setattr(padding_free.fused, "dropout", lambda x, p, training: x)
+            outs[training] = model(ids, attention_mask=mask)
+        outs[training].square().sum().backward()
+        grads[training] = _grads(model)
+    assert torch.isfinite(outs[True]).all()
+    assert_close(outs[True], outs[False])
+    _close_grads(grads[True], grads[False])

@@ -18,6 +18,37 @@ from torch import Tensor
 __all__ = ["Packing", "document_mask"]
 
 
+class _Gather(torch.autograd.Function):
+    """``x.index_select(0, index)`` for unique indices: the backward writes rows back with ``index_copy``
+    (autograd's generic ``index_add`` backward is a slow scatter-add on the CPU)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, rows: int) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = rows
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        return _Scatter.apply(grad, index, ctx.rows), None, None
+
+
+class _Scatter(torch.autograd.Function):
+    """Rows of x to ``index`` in a zero (rows, ...) tensor; the inverse of :class:`_Gather`."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, rows: int) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = rows
+        return x.new_zeros(rows, *x.shape[1:]).index_copy_(0, index, x.contiguous())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        return _Gather.apply(grad, index, ctx.rows), None, None
+
+
 class Packing:
     """The real-token rows of a padded batch.
 
@@ -49,13 +80,13 @@ class Packing:
         if x.shape[0] != self.batch:
             x = x.expand(self.batch, *x.shape[1:])
         flat = x.reshape(self.batch * self.seq_len, *x.shape[2:])
-        return flat if self.index is None else flat.index_select(0, self.index)
+        return flat if self.index is None else _Gather.apply(flat, self.index, flat.shape[0])
 
     def unpack(self, x: Tensor) -> Tensor:
         """(N, *rest) -> (B, T, *rest), zeros at the padded positions."""
         rest = x.shape[1:]
         if self.index is not None:
-            x = x.new_zeros(self.batch * self.seq_len, *rest).index_copy(0, self.index, x)
+            x = _Scatter.apply(x, self.index, self.batch * self.seq_len)
         return x.view(self.batch, self.seq_len, *rest)
 
 

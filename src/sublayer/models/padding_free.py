@@ -4,8 +4,10 @@
 When a padding mask marks padding, the models call these functions instead of their padded path: the embeddings,
 the q/k/v/out projections, the FFNs, every Add & Norm and the LM head run on the packed real tokens
 (:class:`sublayer.functional.packing.Packing`, one gather index per forward shared by every layer); only attention
-scatters q/k/v back into the padded (B, H, T, d_head) layout, for ``F.scaled_dot_product_attention`` with the
-same masks as the padded path (measured faster on a 2-core AVX2 CPU than one attention call per sequence). The
+scatters q/k/v back into the padded (B, H, T, d_head) layout, with the padded path's masks (built once per forward
+for all layers): ``F.scaled_dot_product_attention`` in inference, and in training with attention dropout an
+explicit softmax with the fused Philox dropout (:func:`sublayer.functional.fused.dropout`) on the weights, because
+eager SDPA then takes its math path and ``bernoulli_``, several times slower on the CPU. The
 modules are the models' own (same parameters, same dropout placement and probabilities), so with dropout 0 the
 outputs and every gradient equal the padded path's at the real tokens; with dropout the masks are drawn over the
 real tokens only (the same distribution, not the same stream).
@@ -82,39 +84,86 @@ def _padding(mask: Tensor | None) -> Tensor | None:
 
 
 # ---------------------------------------------------------------------------------------------- attention
-def _cat(*ts: Tensor | None) -> Tensor | None:
-    return None if any(t is None for t in ts) else torch.cat(ts, 0)  # type: ignore[arg-type]
+class AttentionMask:
+    """The mask of one attention kind, built once per forward and shared by every layer.
+
+    Args:
+        key_padding_mask: (B, T_k) bool, True = padding, or None. t_q, t_k: lengths.
+        causal: query i sees keys j <= i (T_q == T_k here). docs: (B|1, 1, T, T) bool, True = other document.
+        device: where the causal mask is made.
+
+    Attributes:
+        allowed: (B|1, 1, T_q|1, T_k) bool, True = may attend, with rows that see no key opened (they are zeroed
+        after attention, as :func:`sublayer.functional.attention` does); ``blocked`` = ``~allowed``;
+        dead: (B|1, 1, T_q|1, 1) bool query rows without any key, or None when there is none.
+    """
+
+    def __init__(
+        self,
+        key_padding_mask: Tensor | None,
+        t_q: int,
+        t_k: int,
+        *,
+        causal: bool = False,
+        docs: Tensor | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        allowed = None if key_padding_mask is None else ~key_padding_mask[:, None, None, :]
+        if causal:
+            c = SF.causal_mask(t_q, t_k, device=device)[None, None]
+            allowed = c if allowed is None else allowed & c
+        if docs is not None:
+            allowed = ~docs if allowed is None else allowed & ~docs
+        self.dead = None
+        if allowed is not None:
+            dead = ~allowed.any(dim=-1, keepdim=True)
+            if bool(dead.any()):
+                self.dead, allowed = dead, allowed | dead
+        self.allowed = allowed
+        self.blocked = None if allowed is None else ~allowed
 
 
 def _heads(x: Tensor, attn: nn.Module) -> Tensor:
-    """(B, T, parts·D) -> (parts, B, H, T, d_head)."""
+    """(B, T, D) -> (B, H, T, d_head)."""
     b, t = x.shape[:2]
-    return x.view(b, t, -1, attn.n_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    return x.view(b, t, attn.n_heads, attn.head_dim).transpose(1, 2)
 
 
-def _attend(attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, pk_q: Packing, **masks) -> Tensor:
-    """Attention in the padded layout, result packed back to (N_q, D) and through the output projection."""
-    out, _ = SF.attention(q, k, v, dropout=attn.dropout, training=attn.training, **masks)
+def _attend(attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, pk_q: Packing, mask: AttentionMask) -> Tensor:
+    """Attention in the padded layout, packed back to (N_q, D) and through the output projection.
+
+    Training with dropout: explicit softmax and the fused Philox dropout on the weights (eager SDPA would take
+    its math path and ``bernoulli_``, several times slower here); otherwise ``F.scaled_dot_product_attention``.
+    """
+    p = attn.dropout if attn.training else 0.0
+    if p > 0:
+        s = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-2, -1))
+        if mask.blocked is not None:
+            s = s.masked_fill(mask.blocked, float("-inf"))
+        out = torch.matmul(fused.dropout(s.softmax(dim=-1), p, True), v)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed)
+    if mask.dead is not None:
+        out = out.masked_fill(mask.dead, 0.0)
     out = pk_q.pack(out.transpose(1, 2))  # (B, T, H, d_head) -> (N, H, d_head)
     return fused.linear(out.reshape(out.shape[0], -1), attn.out_proj.weight, attn.out_proj.bias)
 
 
-def self_attention(
-    attn: nn.Module, x: Tensor, pk: Packing, *, is_causal: bool = False, attn_mask: Tensor | None = None
-) -> Tensor:
+def self_attention(attn: nn.Module, x: Tensor, pk: Packing, mask: AttentionMask) -> Tensor:
     """A :class:`sublayer.nn.MultiHeadAttention`'s self-attention on packed rows x (N, D) -> (N, D)."""
-    w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], 0)  # one GEMM for q, k, v
-    b = _cat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)
-    q, k, v = _heads(pk.unpack(fused.linear(x, w, b)), attn)
-    return _attend(attn, q, k, v, pk, key_padding_mask=pk.key_padding_mask, attn_mask=attn_mask, is_causal=is_causal)
+    q, k, v = (
+        _heads(pk.unpack(fused.linear(x, lin.weight, lin.bias)), attn) for lin in (attn.q_proj, attn.k_proj, attn.v_proj)
+    )
+    return _attend(attn, q, k, v, pk, mask)
 
 
-def cross_attention(attn: nn.Module, x: Tensor, pk_q: Packing, memory: Tensor, pk_m: Packing) -> Tensor:
+def cross_attention(
+    attn: nn.Module, x: Tensor, pk_q: Packing, memory: Tensor, pk_m: Packing, mask: AttentionMask
+) -> Tensor:
     """Cross-attention of packed queries x (N_q, D) on packed memory rows (N_m, kdim) -> (N_q, D)."""
-    q = _heads(pk_q.unpack(fused.linear(x, attn.q_proj.weight, attn.q_proj.bias)), attn)[0]
-    w = torch.cat([attn.k_proj.weight, attn.v_proj.weight], 0)
-    k, v = _heads(pk_m.unpack(fused.linear(memory, w, _cat(attn.k_proj.bias, attn.v_proj.bias))), attn)
-    return _attend(attn, q, k, v, pk_q, key_padding_mask=pk_m.key_padding_mask)
+    q = _heads(pk_q.unpack(fused.linear(x, attn.q_proj.weight, attn.q_proj.bias)), attn)
+    k, v = (_heads(pk_m.unpack(fused.linear(memory, lin.weight, lin.bias)), attn) for lin in (attn.k_proj, attn.v_proj))
+    return _attend(attn, q, k, v, pk_q, mask)
 
 
 def _sublayer(block: nn.Module, residual: nn.Module, x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
@@ -124,20 +173,26 @@ def _sublayer(block: nn.Module, residual: nn.Module, x: Tensor, fn: Callable[[Te
 
 def encoder_stack(encoder: nn.Module, x: Tensor, pk: Packing) -> Tensor:
     """A :class:`sublayer.nn.TransformerEncoder` on packed rows (N, D) -> (N, D), final norm included."""
+    mask = AttentionMask(pk.key_padding_mask, pk.seq_len, pk.seq_len, device=x.device)
     for layer in encoder.layers:
-        x = _sublayer(layer, layer.attn_residual, x, lambda h, a=layer.self_attn: self_attention(a, h, pk))
+        x = _sublayer(layer, layer.attn_residual, x, lambda h, a=layer.self_attn: self_attention(a, h, pk, mask))
         x = _sublayer(layer, layer.ffn_residual, x, layer.ffn)
     return x if encoder.norm is None else encoder.norm(x)
 
 
 def decoder_stack(decoder: nn.Module, x: Tensor, pk: Packing, memory: Tensor, pk_m: Packing) -> Tensor:
     """A :class:`sublayer.nn.TransformerDecoder` (causal) on packed rows x (N, D), memory (N_m, D) -> (N, D)."""
+    self_mask = AttentionMask(pk.key_padding_mask, pk.seq_len, pk.seq_len, causal=True, device=x.device)
+    cross_mask = AttentionMask(pk_m.key_padding_mask, pk.seq_len, pk_m.seq_len)
     for layer in decoder.layers:
         x = _sublayer(
-            layer, layer.self_attn_residual, x, lambda h, a=layer.self_attn: self_attention(a, h, pk, is_causal=True)
+            layer, layer.self_attn_residual, x, lambda h, a=layer.self_attn: self_attention(a, h, pk, self_mask)
         )
         x = _sublayer(
-            layer, layer.cross_attn_residual, x, lambda h, a=layer.cross_attn: cross_attention(a, h, pk, memory, pk_m)
+            layer,
+            layer.cross_attn_residual,
+            x,
+            lambda h, a=layer.cross_attn: cross_attention(a, h, pk, memory, pk_m, cross_mask),
         )
         x = _sublayer(layer, layer.ffn_residual, x, layer.ffn)
     return x if decoder.norm is None else decoder.norm(x)
@@ -188,12 +243,12 @@ def gpt2_hidden(
     """
     b, t = input_ids.shape
     pk = Packing(_padding(key_padding_mask), batch=b, seq_len=t)
-    docs = document_mask(position_ids)
+    mask = AttentionMask(pk.key_padding_mask, t, t, causal=True, docs=document_mask(position_ids), device=input_ids.device)
     x = model.wte(pk.pack(input_ids)) + model.wpe(pk.pack(position_ids))
     x = F.dropout(x, model.config.embd_dropout, model.training)
     for block in model.blocks:
         attn = block.self_attn
-        x = block.attn_residual(x, lambda h, a=attn: self_attention(a, h, pk, is_causal=True, attn_mask=docs))
+        x = block.attn_residual(x, lambda h, a=attn: self_attention(a, h, pk, mask))
         x = block.ffn_residual(x, block.ffn)
     return model.ln_f(x), pk
 
