@@ -36,6 +36,13 @@ def _ids(b: int, t: int, seed: int = 3) -> torch.Tensor:
     return torch.randint(3, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.fixture(params=["varlen", "padded"])
+def attention_layout(request, monkeypatch):
+    """Both attention layouts of the padding-free path: one attention per sequence, or scattered and masked."""
+    monkeypatch.setattr(padding_free, "ATTENTION", request.param)
+    return request.param
+
+
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
@@ -60,7 +67,7 @@ def _bert_batch():
     return _ids(4, 7).masked_fill(mask == 0, 0), mask, torch.randint(0, 2, (4, 7), generator=torch.Generator())
 
 
-def test_bert_forward_and_gradients_equal_hf_and_padded_path(bert_folder):
+def test_bert_forward_and_gradients_equal_hf_and_padded_path(bert_folder, attention_layout):
     ids, mask, types = _bert_batch()
     real = mask.bool()
     w = torch.randn(4, 7, 15, generator=torch.Generator().manual_seed(0)) * mask[..., None]
@@ -97,7 +104,7 @@ def test_bert_takes_the_plain_path_without_padding(bert, monkeypatch):
         bert(ids, None, types)
 
 
-def test_bert_fully_padded_row_and_one_token(bert):
+def test_bert_fully_padded_row_and_one_token(bert, attention_layout):
     ids, mask, types = _bert_batch()
     mask[1] = 0
     x = bert(ids, mask, types)
@@ -151,7 +158,7 @@ def _as_hf(grads: dict) -> dict:
     return gpt2_keys.to_hf(grads | {"lm_head.weight": None}, N_LAYERS)
 
 
-def test_gpt2_loss_and_gradients_equal_hf_and_padded_path(gpt2_folder):
+def test_gpt2_loss_and_gradients_equal_hf_and_padded_path(gpt2_folder, attention_layout):
     mask = _mask([7, 3, 5, 1], 7, left=(2,))  # right padding, and one left-padded row (generation prompts)
     ids = _ids(4, 7)
     real = mask.bool()
@@ -179,7 +186,7 @@ def test_gpt2_loss_and_gradients_equal_hf_and_padded_path(gpt2_folder):
     _close_grads(grads[True], grads[False])
 
 
-def test_packed_documents_equal_each_document_alone(gpt2_folder):
+def test_packed_documents_equal_each_document_alone(gpt2_folder, attention_layout):
     model = GPT2.from_pretrained(gpt2_folder).eval()
     docs = [_ids(1, n, seed=n) for n in (4, 3, 5, 2)]
     pad = torch.zeros(1, 2, dtype=torch.long)
@@ -205,7 +212,7 @@ def test_packed_documents_equal_each_document_alone(gpt2_folder):
     assert_close(full[0, :5], model(docs[2])[0])
 
 
-def test_gpt2_no_padding_is_the_plain_path_and_one_token_works(gpt2_folder, monkeypatch):
+def test_gpt2_no_padding_is_the_plain_path_and_one_token_works(gpt2_folder, attention_layout, monkeypatch):
     model = GPT2.from_pretrained(gpt2_folder).eval()
     ids = _ids(2, 5)
     with torch.no_grad():
@@ -247,7 +254,7 @@ def test_dropout_draws_over_real_tokens_only(gpt2_folder):
 
 # ------------------------------------------------------------------------------------------------ Transformer
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_transformer_equals_padded_path(norm_first):
+def test_transformer_equals_padded_path(norm_first, attention_layout):
     torch.manual_seed(0)
     m = Transformer(11, 13, d_model=14, n_heads=2, d_ff=22, n_layers=2, dropout=0.0, max_len=23, norm_first=norm_first)
     src, tgt = _ids(3, 5) % 11, _ids(3, 6, seed=4) % 13
@@ -281,7 +288,7 @@ def test_set_enabled_checks_its_flag():
     assert padding_free.enabled()
 
 
-def test_training_attention_core_equals_sdpa_when_dropout_draws_nothing(gpt2_folder, monkeypatch):
+def test_training_attention_core_equals_sdpa_when_dropout_draws_nothing(gpt2_folder, attention_layout, monkeypatch):
     # with attention dropout > 0 in training, the packed path takes an explicit softmax + Philox dropout; with
     # the dropout made the identity it must equal the inference core (SDPA), dead rows (left padding, a fully
     # padded row) included, forward and backward

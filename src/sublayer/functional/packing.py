@@ -75,6 +75,12 @@ class Packing:
             self.index = (~key_padding_mask).reshape(-1).nonzero().squeeze(1)
             self.n_tokens = int(self.index.numel())
 
+    def row_lengths(self) -> list[int]:
+        """Real tokens of each row, B ints (the rows of row b are ``pack``'s consecutive rows)."""
+        if self.key_padding_mask is None:
+            return [self.seq_len] * self.batch
+        return (~self.key_padding_mask).sum(1).tolist()
+
     def pack(self, x: Tensor) -> Tensor:
         """(B, T, *rest) -> (N, *rest): the real rows (a (1, T) tensor is broadcast over the batch first)."""
         if x.shape[0] != self.batch:

@@ -88,7 +88,7 @@ class AttentionMask:
     """The mask of one attention kind, built once per forward and shared by every layer.
 
     Args:
-        key_padding_mask: (B, T_k) bool, True = padding, or None. t_q, t_k: lengths.
+        packing_q, packing_k: the packings of queries and keys (the keys' mask, True = padding).
         causal: query i sees keys j <= i (T_q == T_k here). docs: (B|1, 1, T, T) bool, True = other document.
         device: where the causal mask is made.
 
@@ -100,14 +100,15 @@ class AttentionMask:
 
     def __init__(
         self,
-        key_padding_mask: Tensor | None,
-        t_q: int,
-        t_k: int,
+        packing_q: Packing,
+        packing_k: Packing,
         *,
         causal: bool = False,
         docs: Tensor | None = None,
         device: torch.device | None = None,
     ) -> None:
+        self.packing_k = packing_k
+        key_padding_mask, t_q, t_k = packing_k.key_padding_mask, packing_q.seq_len, packing_k.seq_len
         allowed = None if key_padding_mask is None else ~key_padding_mask[:, None, None, :]
         if causal:
             c = SF.causal_mask(t_q, t_k, device=device)[None, None]
@@ -129,41 +130,99 @@ def _heads(x: Tensor, attn: nn.Module) -> Tensor:
     return x.view(b, t, attn.n_heads, attn.head_dim).transpose(1, 2)
 
 
-def _attend(attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, pk_q: Packing, mask: AttentionMask) -> Tensor:
-    """Attention in the padded layout, packed back to (N_q, D) and through the output projection.
+class Segments:
+    """Varlen attention: the packed rows as consecutive segments (one per sequence, or per packed document) that
+    attend only inside themselves; no padded layout, no mask but the causal one.
 
-    Training with dropout: explicit softmax and the fused Philox dropout on the weights (eager SDPA would take
-    its math path and ``bernoulli_``, several times slower here); otherwise ``F.scaled_dot_product_attention``.
+    Args:
+        q_lengths: rows of each query segment, summing to N_q. k_lengths: rows of the matching key segments
+            (None: the same as the queries). causal: query i of a segment sees its keys j <= i.
     """
-    p = attn.dropout if attn.training else 0.0
-    if p > 0:
+
+    def __init__(
+        self, q_lengths: list[int], k_lengths: list[int] | None = None, *, causal: bool = False, device=None
+    ) -> None:
+        self.q_lengths = q_lengths
+        self.k_lengths = q_lengths if k_lengths is None else k_lengths
+        self.causal = causal
+        t = max(self.q_lengths, default=0)
+        self.blocked = ~SF.causal_mask(t, t, device=device) if causal else None
+
+
+# "varlen" (one attention per sequence on the packed rows) or "padded" (scatter into (B, H, T, d_head) and mask);
+# measured in sublayer.bench_models (training steps): see the README.
+ATTENTION = "varlen"
+
+
+def _core(q: Tensor, k: Tensor, v: Tensor, p: float, blocked: Tensor | None) -> Tensor:
+    """softmax(q k^T / sqrt(d) masked) v over the last two dims; Philox dropout p on the weights."""
+    if p > 0:  # explicit: eager SDPA with dropout takes its math path and bernoulli_, several times slower here
         s = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-2, -1))
-        if mask.blocked is not None:
-            s = s.masked_fill(mask.blocked, float("-inf"))
-        out = torch.matmul(fused.dropout(s.softmax(dim=-1), p, True), v)
+        if blocked is not None:
+            s = s.masked_fill(blocked, float("-inf"))
+        return torch.matmul(fused.dropout(s.softmax(dim=-1), p, True), v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=None if blocked is None else ~blocked)
+
+
+def _attend_varlen(attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> Tensor:
+    """q (N_q, H, d), k/v (N_k, H, d) packed -> (N_q, H, d), one attention per segment."""
+    p = attn.dropout if attn.training else 0.0
+    outs = []
+    pieces = zip(q.split(seg.q_lengths), k.split(seg.k_lengths), v.split(seg.k_lengths))
+    for qb, kb, vb in pieces:
+        lq, lk = qb.shape[0], kb.shape[0]
+        if lq == 0:
+            continue
+        if lk == 0:  # no key to attend to: zeros, as the padded path's dead rows
+            outs.append(qb.new_zeros(qb.shape))
+            continue
+        blocked = None if seg.blocked is None else seg.blocked[:lq, :lk]
+        if p == 0 and seg.causal:
+            ob = F.scaled_dot_product_attention(qb.transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1), is_causal=True)
+        else:
+            ob = _core(qb.transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1), p, blocked)
+        outs.append(ob.transpose(0, 1))
+    return torch.cat(outs, 0) if outs else q.new_zeros(q.shape)
+
+
+def _attend(attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, pk_q: Packing, mask: AttentionMask | Segments) -> Tensor:
+    """Attention on packed projections q (N_q, D), k/v (N_k, D) -> out_proj, (N_q, D).
+
+    ``Segments``: per sequence on the packed rows. ``AttentionMask``: scattered into the padded (B, H, T, d_head)
+    layout with the padded path's masks, packed back after.
+    """
+    h, d = attn.n_heads, attn.head_dim
+    if isinstance(mask, Segments):
+        out = _attend_varlen(attn, q.view(-1, h, d), k.view(-1, h, d), v.view(-1, h, d), mask)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed)
-    if mask.dead is not None:
-        out = out.masked_fill(mask.dead, 0.0)
-    out = pk_q.pack(out.transpose(1, 2))  # (B, T, H, d_head) -> (N, H, d_head)
+        pk_k = mask.packing_k
+        q, k, v = _heads(pk_q.unpack(q), attn), _heads(pk_k.unpack(k), attn), _heads(pk_k.unpack(v), attn)
+        out = _core(q, k, v, attn.dropout if attn.training else 0.0, mask.blocked)
+        if mask.dead is not None:
+            out = out.masked_fill(mask.dead, 0.0)
+        out = pk_q.pack(out.transpose(1, 2))  # (B, T, H, d_head) -> (N, H, d_head)
     return fused.linear(out.reshape(out.shape[0], -1), attn.out_proj.weight, attn.out_proj.bias)
 
 
-def self_attention(attn: nn.Module, x: Tensor, pk: Packing, mask: AttentionMask) -> Tensor:
+def self_attention(attn: nn.Module, x: Tensor, pk: Packing, mask: AttentionMask | Segments) -> Tensor:
     """A :class:`sublayer.nn.MultiHeadAttention`'s self-attention on packed rows x (N, D) -> (N, D)."""
-    q, k, v = (
-        _heads(pk.unpack(fused.linear(x, lin.weight, lin.bias)), attn) for lin in (attn.q_proj, attn.k_proj, attn.v_proj)
-    )
+    q, k, v = (fused.linear(x, lin.weight, lin.bias) for lin in (attn.q_proj, attn.k_proj, attn.v_proj))
     return _attend(attn, q, k, v, pk, mask)
 
 
 def cross_attention(
-    attn: nn.Module, x: Tensor, pk_q: Packing, memory: Tensor, pk_m: Packing, mask: AttentionMask
+    attn: nn.Module, x: Tensor, pk_q: Packing, memory: Tensor, mask: AttentionMask | Segments
 ) -> Tensor:
     """Cross-attention of packed queries x (N_q, D) on packed memory rows (N_m, kdim) -> (N_q, D)."""
-    q = _heads(pk_q.unpack(fused.linear(x, attn.q_proj.weight, attn.q_proj.bias)), attn)
-    k, v = (_heads(pk_m.unpack(fused.linear(memory, lin.weight, lin.bias)), attn) for lin in (attn.k_proj, attn.v_proj))
+    q = fused.linear(x, attn.q_proj.weight, attn.q_proj.bias)
+    k, v = (fused.linear(memory, lin.weight, lin.bias) for lin in (attn.k_proj, attn.v_proj))
     return _attend(attn, q, k, v, pk_q, mask)
+
+
+def _self_mask(pk: Packing, device, *, causal: bool = False, docs: Tensor | None = None, doc_lengths=None):
+    if ATTENTION == "varlen":
+        return Segments(pk.row_lengths() if doc_lengths is None else doc_lengths, causal=causal, device=device)
+    return AttentionMask(pk, pk, causal=causal, docs=docs, device=device)
 
 
 def _sublayer(block: nn.Module, residual: nn.Module, x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
@@ -173,7 +232,7 @@ def _sublayer(block: nn.Module, residual: nn.Module, x: Tensor, fn: Callable[[Te
 
 def encoder_stack(encoder: nn.Module, x: Tensor, pk: Packing) -> Tensor:
     """A :class:`sublayer.nn.TransformerEncoder` on packed rows (N, D) -> (N, D), final norm included."""
-    mask = AttentionMask(pk.key_padding_mask, pk.seq_len, pk.seq_len, device=x.device)
+    mask = _self_mask(pk, x.device)
     for layer in encoder.layers:
         x = _sublayer(layer, layer.attn_residual, x, lambda h, a=layer.self_attn: self_attention(a, h, pk, mask))
         x = _sublayer(layer, layer.ffn_residual, x, layer.ffn)
@@ -182,8 +241,11 @@ def encoder_stack(encoder: nn.Module, x: Tensor, pk: Packing) -> Tensor:
 
 def decoder_stack(decoder: nn.Module, x: Tensor, pk: Packing, memory: Tensor, pk_m: Packing) -> Tensor:
     """A :class:`sublayer.nn.TransformerDecoder` (causal) on packed rows x (N, D), memory (N_m, D) -> (N, D)."""
-    self_mask = AttentionMask(pk.key_padding_mask, pk.seq_len, pk.seq_len, causal=True, device=x.device)
-    cross_mask = AttentionMask(pk_m.key_padding_mask, pk.seq_len, pk_m.seq_len)
+    self_mask = _self_mask(pk, x.device, causal=True)
+    if ATTENTION == "varlen":
+        cross_mask = Segments(pk.row_lengths(), pk_m.row_lengths())
+    else:
+        cross_mask = AttentionMask(pk, pk_m)
     for layer in decoder.layers:
         x = _sublayer(
             layer, layer.self_attn_residual, x, lambda h, a=layer.self_attn: self_attention(a, h, pk, self_mask)
@@ -192,7 +254,7 @@ def decoder_stack(decoder: nn.Module, x: Tensor, pk: Packing, memory: Tensor, pk
             layer,
             layer.cross_attn_residual,
             x,
-            lambda h, a=layer.cross_attn: cross_attention(a, h, pk, memory, pk_m, cross_mask),
+            lambda h, a=layer.cross_attn: cross_attention(a, h, pk, memory, cross_mask),
         )
         x = _sublayer(layer, layer.ffn_residual, x, layer.ffn)
     return x if decoder.norm is None else decoder.norm(x)
@@ -243,7 +305,12 @@ def gpt2_hidden(
     """
     b, t = input_ids.shape
     pk = Packing(_padding(key_padding_mask), batch=b, seq_len=t)
-    mask = AttentionMask(pk.key_padding_mask, t, t, causal=True, docs=document_mask(position_ids), device=input_ids.device)
+    docs = document_mask(position_ids)
+    doc_lengths = None
+    if docs is not None and ATTENTION == "varlen":  # segments: (row, document) runs of the packed tokens
+        doc = (position_ids == 0).cumsum(-1) + torch.arange(b, device=input_ids.device)[:, None] * (t + 1)
+        doc_lengths = torch.unique_consecutive(pk.pack(doc), return_counts=True)[1].tolist()
+    mask = _self_mask(pk, input_ids.device, causal=True, docs=docs, doc_lengths=doc_lengths)
     x = model.wte(pk.pack(input_ids)) + model.wpe(pk.pack(position_ids))
     x = F.dropout(x, model.config.embd_dropout, model.training)
     for block in model.blocks:
