@@ -12,7 +12,7 @@ same initial weights and batch on both sides (each side has its own optimizer). 
   model has one (the fused LM-head + cross-entropy), else the LM head and ``F.cross_entropy`` on the packed real
   tokens (:func:`sublayer.models.padding_free.gpt2_hidden`).
 
-``python -m sublayer.bench_models [--quick]`` prints the rows alone.
+``python -m sublayer.bench_models [--quick] [--reps N] [--threads N] [--only bert|gpt2]`` prints the rows alone.
 """
 
 from __future__ import annotations
@@ -181,7 +181,10 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", choices=["bert", "gpt2"], default=None)
+    ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     for name, fn in (("bert", bench_bert_training), ("gpt2", bench_gpt2_training)):
         if a.only in (None, name):
             r = fn(a.quick, a.reps, 1)
