@@ -100,11 +100,12 @@ def bench_bert_training(quick: bool, reps: int, warmup: int) -> Row:
     return _row("BERT training step (AdamW) vs HF BertModel", name, res, mask, extra)
 
 
-def _gpt2_loss_fn(model, ids: torch.Tensor, mask: torch.Tensor):
-    """Our GPT-2 loss: ``GPT2.loss`` when the model has it, else the LM head + cross-entropy on packed rows."""
+def _gpt2_loss_fn(model, ids: torch.Tensor, mask: torch.Tensor, *, fused: bool | None = None):
+    """Our GPT-2 loss: ``GPT2.loss`` when the model has it (``fused=None``) or ``fused=True``, else the LM head +
+    cross-entropy on the packed rows. Returns (a function giving the loss, a description)."""
     from .models import padding_free
 
-    if hasattr(model, "loss"):
+    if fused or (fused is None and hasattr(model, "loss")):
         return (lambda: model.loss(ids, attention_mask=mask)), "GPT2.loss"
     labels = ids.masked_fill(mask == 0, -100)
     nxt = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)  # target of each position

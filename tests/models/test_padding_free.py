@@ -308,3 +308,17 @@ def test_training_attention_core_equals_sdpa_when_dropout_draws_nothing(gpt2_fol
     assert torch.isfinite(outs[True]).all()
     assert_close(outs[True], outs[False])
     _close_grads(grads[True], grads[False])
+
+
+def test_loss_on_packed_rows_equals_hf(gpt2_folder):
+    # gpt2_hidden gives the real rows only: the LM head and cross-entropy on them (the bench's recipe when the
+    # model has no fused GPT2.loss) equal HF's labels= loss on a right-padded batch
+    from sublayer.bench_models import _gpt2_loss_fn
+
+    model = GPT2.from_pretrained(gpt2_folder).eval()
+    ids, mask = _ids(3, 7), _mask([7, 4, 2], 7)
+    hf = make_hf_gpt2()
+    want = hf(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+    loss, how = _gpt2_loss_fn(model, ids, mask, fused=False)
+    assert how.startswith("LM head")
+    assert_close(loss(), want.detach(), rtol=1e-4, atol=0)
