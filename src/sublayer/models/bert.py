@@ -238,7 +238,7 @@ class Bert(nn.Module):
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> Tensor:
         kpm, token_type_ids = self._prepare(input_ids, attention_mask, token_type_ids)
-        if padding_free.applies(kpm):  # dense sub-layers on the real tokens only; zeros at padding
+        if padding_free.applies(self, kpm):  # dense sub-layers on the real tokens only; zeros at padding
             return padding_free.bert_forward(self, input_ids, token_type_ids, kpm)
         x = self.embeddings(input_ids, token_type_ids)
         return self.encoder(x, key_padding_mask=kpm if kpm is not None and kpm.any() else None)

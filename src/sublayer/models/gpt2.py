@@ -304,7 +304,7 @@ class GPT2(nn.Module):
                 raise ValueError(
                     f"position_ids must have shape ({b} or 1, {t}), got {tuple(position_ids.shape)}"
                 )
-        if padding_free.gpt2_applies(kpm, position_ids):  # real tokens only; packed documents
+        if padding_free.gpt2_applies(self, kpm, position_ids):  # real tokens only; packed documents
             return padding_free.gpt2_logits(self, input_ids, position_ids, kpm)
         return self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
 

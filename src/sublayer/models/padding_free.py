@@ -13,8 +13,10 @@ outputs and every gradient equal the padded path's at the real tokens; with drop
 real tokens only (the same distribution, not the same stream).
 
 Outputs keep their shapes; **positions at padding hold zeros** (hidden states and logits), as in
-:func:`~sublayer.models.fast_inference`. A batch without padding takes the plain path (no overhead), and so does
-incremental decoding with a KV cache.
+:func:`~sublayer.models.fast_inference`. A batch without padding takes the plain path (no overhead), and so do
+incremental decoding with a KV cache and sharded models (DTensor parameters: tensor parallel, FSDP2). The path
+calls the sub-layers' parameters directly: forward hooks on the attention modules and their projections do not
+fire inside it (switch it off to use them).
 
 GPT-2 also takes packed documents: ``position_ids`` that restart at 0 inside a row (Hugging Face's
 ``DataCollatorWithFlattening``) give block-diagonal causal attention, so each document sees only itself — equal,
@@ -71,10 +73,22 @@ def disabled() -> Iterator[None]:
         set_enabled(old)
 
 
-def applies(*key_padding_masks: Tensor | None) -> bool:
-    """True when the path is on and one of the bool masks (True = padding) marks at least one padded position."""
-    return _enabled and any(
-        m is not None and m.dtype == torch.bool and m.numel() > 0 and bool(m.any()) for m in key_padding_masks
+def _plain_model(model: nn.Module) -> bool:
+    """Not sharded: tensor-parallel / FSDP2 models (DTensor parameters, redistributing hooks) keep the padded path."""
+    if not torch.distributed.is_available():
+        return True
+    from torch.distributed.tensor import DTensor
+
+    return not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def applies(model: nn.Module, *key_padding_masks: Tensor | None) -> bool:
+    """True when the path is on, ``model`` is not sharded (no DTensor parameters) and one of the bool masks
+    (True = padding) marks at least one padded position."""
+    return (
+        _enabled
+        and any(m is not None and m.dtype == torch.bool and m.numel() > 0 and bool(m.any()) for m in key_padding_masks)
+        and _plain_model(model)
     )
 
 
@@ -283,9 +297,11 @@ def bert_forward(model: nn.Module, input_ids: Tensor, token_type_ids: Tensor, ke
 
 
 # ---------------------------------------------------------------------------------------------- GPT-2
-def gpt2_applies(key_padding_mask: Tensor | None, position_ids: Tensor) -> bool:
+def gpt2_applies(model: nn.Module, key_padding_mask: Tensor | None, position_ids: Tensor) -> bool:
     """GPT-2 takes this path when the mask marks padding or ``position_ids`` restart at 0 (packed documents)."""
-    return applies(key_padding_mask) or (_enabled and document_mask(position_ids) is not None)
+    return applies(model, key_padding_mask) or (
+        _enabled and document_mask(position_ids) is not None and _plain_model(model)
+    )
 
 
 def gpt2_hidden(

@@ -184,7 +184,7 @@ class Transformer(nn.Module):
         c = self.config
         _check_tokens("src", src, c.src_vocab_size, c.max_len)
         _check_padding_mask("src_key_padding_mask", src_key_padding_mask, src, "src")
-        if padding_free.applies(src_key_padding_mask):  # real tokens only; zeros at padding
+        if padding_free.applies(self, src_key_padding_mask):  # real tokens only; zeros at padding
             return padding_free.transformer_encode(self, src, src_key_padding_mask)
         return self.encoder(self._embed(self.src_embed, src), key_padding_mask=src_key_padding_mask)
 
@@ -216,7 +216,7 @@ class Transformer(nn.Module):
             _check_padding_mask("tgt_key_padding_mask", tgt_key_padding_mask, tgt, "tgt")
         mkpm = memory_key_padding_mask
         bool_memory_mask = mkpm is None or mkpm.dtype == torch.bool
-        if caches is None and bool_memory_mask and padding_free.applies(mkpm, tgt_key_padding_mask):
+        if caches is None and bool_memory_mask and padding_free.applies(self, mkpm, tgt_key_padding_mask):
             return padding_free.transformer_decode(self, tgt, memory, mkpm, tgt_key_padding_mask)
         x = self._embed(self.tgt_embed, tgt, start)
         h = self.decoder(
