@@ -258,7 +258,7 @@ def test_transformer_equals_padded_path(norm_first, attention_layout):
     torch.manual_seed(0)
     m = Transformer(11, 13, d_model=14, n_heads=2, d_ff=22, n_layers=2, dropout=0.0, max_len=23, norm_first=norm_first)
     src, tgt = _ids(3, 5) % 11, _ids(3, 6, seed=4) % 13
-    src_kpm = _mask([5, 2, 3], 5) == 0
+    src_kpm = _mask([5, 0, 3], 5) == 0  # a source with no token: its cross-attention gives zeros
     tgt_kpm = _mask([4, 6, 1], 6) == 0
     outs, grads = {}, {}
     for free in (True, False):
