@@ -71,7 +71,7 @@ SHAPES = [
 ]
 QUICK_SHAPES = [Shape("tutorial-quick 2x128 d512", 2, 128, 512, 2048, 8)]
 DROPOUT = 0.1
-CASES = ("addnorm", "ffn", "encoder", "hf", "bert", "loss")  # --cases picks among these
+CASES = ("addnorm", "ffn", "encoder", "hf", "bert", "loss", "models")  # --cases picks among these
 
 
 @dataclass
@@ -581,6 +581,10 @@ def _measure(
         from .bench_loss import bench_loss
 
         add(bench_loss(quick, reps, warmup))
+    if extras and "models" in cases and "fp32" in dts:  # whole-model training steps vs HF on padded batches
+        from .bench_models import bench_training_steps
+
+        add(bench_training_steps(quick, reps, warmup))
     return rows
 
 
@@ -658,7 +662,7 @@ def run_bench(
         malloc: ``"default"`` (glibc's defaults), ``"reuse"`` (:func:`sublayer.set_memory_reuse`) or ``"both"``
             (default: each case under both, reported side by side). A setting this process does not have runs in
             a child process; this process's own allocator setting is never changed.
-        cases: comma-separated subset of addnorm, ffn, encoder, hf, bert, loss (default: all).
+        cases: comma-separated subset of addnorm, ffn, encoder, hf, bert, loss, models (default: all).
         clock: ``"wall"`` (default) or ``"cpu"``: this process's CPU time per call, for shared machines (use it
             with ``threads=1``: with more threads it adds up the threads' times).
         reuse_memory: old spelling of ``malloc="reuse"``.

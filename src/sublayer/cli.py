@@ -290,7 +290,7 @@ def bench(
     shapes: Optional[str] = typer.Option(None, "--shapes", help="Comma-separated substrings of shape names to run."),
     dtypes: str = typer.Option("fp32,bf16", "--dtypes", help="fp32, bf16 (autocast for FFN/blocks) and/or int8 (int8 BERT inference row)."),
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="BERT folder for the int8 row's weights."),
-    cases: Optional[str] = typer.Option(None, "--cases", help="Comma-separated subset of addnorm,ffn,encoder,hf,bert,loss."),
+    cases: Optional[str] = typer.Option(None, "--cases", help="Comma-separated subset of addnorm,ffn,encoder,hf,bert,loss,models."),
     malloc: str = typer.Option(
         "both", "--malloc",
         help="Allocator setting(s) to measure under: default (glibc's), reuse (sublayer.set_memory_reuse) or both, "

@@ -143,3 +143,28 @@ def test_training_with_the_fused_loss_converges(gpt2_folder):
         loss.backward()
         opt.step()
     assert loss.item() < 0.2 * first
+
+
+def test_packed_documents_loss_equals_each_document_alone(ours):
+    """position_ids restarting at 0 pack documents into one row: with the first token of each document ignored
+    (it has no predecessor in its document), the loss and gradients equal those of the documents run alone."""
+    docs = [_ids(1, 4, seed=1)[0], _ids(1, 5, seed=2)[0], _ids(1, 3, seed=3)[0]]
+    x = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    labels = x.clone()
+    start = 0
+    for d in docs:
+        labels[0, start] = -100  # HF's DataCollatorWithFlattening marks each document's first label ignored
+        start += len(d)
+    packed = ours.loss(x, labels=labels, position_ids=pos)
+    packed.backward()
+    g_packed = [p.grad.clone() for p in ours.parameters()]
+    ours.zero_grad()
+    # alone: sum of each document's token losses / total number of targets
+    n = sum(len(d) - 1 for d in docs)
+    alone = sum(ours.loss(d[None]) * (len(d) - 1) for d in docs) / n
+    alone.backward()
+    assert_close(packed, alone)
+    for g, p in zip(g_packed, ours.parameters()):
+        assert_close(g, p.grad)
+    ours.zero_grad()

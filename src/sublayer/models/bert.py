@@ -24,6 +24,7 @@ from .. import functional as SF
 from .._checks import check_choice, check_eps, check_positive_int, check_probability
 from ..checkpoints import bert as keymap
 from ..nn import EncoderBlock, LayerNorm, TransformerEncoder
+from . import padding_free
 from .config import ModelConfig
 from .gpt2 import check_attention_mask, check_input_ids
 
@@ -237,6 +238,8 @@ class Bert(nn.Module):
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> Tensor:
         kpm, token_type_ids = self._prepare(input_ids, attention_mask, token_type_ids)
+        if padding_free.applies(self, kpm):  # dense sub-layers on the real tokens only; zeros at padding
+            return padding_free.bert_forward(self, input_ids, token_type_ids, kpm)
         x = self.embeddings(input_ids, token_type_ids)
         return self.encoder(x, key_padding_mask=kpm if kpm is not None and kpm.any() else None)
 

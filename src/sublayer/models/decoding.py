@@ -189,7 +189,10 @@ def clear_cache() -> None:
 
 
 def _float32_cpu(module: torch.nn.Module) -> bool:
-    return all(p.dtype == torch.float32 and p.device.type == "cpu" for p in module.parameters())
+    """float32 parameters on the CPU, not sharded (tensor-parallel / FSDP2 models decode on the reference loop)."""
+    from .padding_free import plain_model
+
+    return all(p.dtype == torch.float32 and p.device.type == "cpu" for p in module.parameters()) and plain_model(module)
 
 
 def _norm(n) -> tuple[Tensor, Tensor, float]:

@@ -27,6 +27,7 @@ from ..functional.cross_entropy import check_options, check_targets
 from .._checks import check_choice, check_eps, check_positive_int, check_probability
 from ..checkpoints import gpt2 as keymap
 from ..nn import LayerNorm, MultiHeadAttention, PositionWiseFFN, PreNormResidual
+from . import padding_free
 from .config import ModelConfig
 
 __all__ = ["GPT2Config", "GPT2", "GPT2Block", "check_input_ids"]
@@ -239,8 +240,11 @@ class GPT2(nn.Module):
 
     Forward:
         ``input_ids`` (B, T) ints; ``attention_mask`` (B, T) 1 = token, 0 = padding (HF convention), optional;
-        ``position_ids`` (B, T) or (1, T), default ``arange(T)`` as HF's forward.
-        Returns logits (B, T, vocab_size).
+        ``position_ids`` (B, T) or (1, T), default ``arange(T)`` as HF's forward; positions that restart at 0
+        inside a row mark packed documents (HF's ``DataCollatorWithFlattening``): attention is block-diagonal
+        causal, each document sees only itself.
+        Returns logits (B, T, vocab_size). When ``attention_mask`` marks padding, the layers run on the real
+        tokens only (:mod:`sublayer.models.padding_free`) and the logits at padded positions are zeros.
 
     Raises:
         TypeError/ValueError: ids not integer (B, T), out of the vocabulary, longer than max_positions, bad mask.
@@ -290,20 +294,24 @@ class GPT2(nn.Module):
             x = block(x, key_padding_mask=key_padding_mask, kv_cache=None if caches is None else caches[i])
         return self.ln_f(x)
 
+    def _position_ids(self, position_ids: Tensor | None, b: int, t: int, device) -> Tensor:
+        """``position_ids`` checked ((B or 1, T), below max_positions), or ``arange(T)`` (1, T) when None."""
+        if position_ids is None:
+            return torch.arange(t, device=device)[None]
+        check_input_ids("position_ids", position_ids, self.config.max_positions, limit_name="max_positions")
+        if position_ids.shape[-1] != t or position_ids.shape[0] not in (1, b):
+            raise ValueError(f"position_ids must have shape ({b} or 1, {t}), got {tuple(position_ids.shape)}")
+        return position_ids
+
     def forward(
         self, input_ids: Tensor, *, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
     ) -> Tensor:
         check_input_ids("input_ids", input_ids, self.config.vocab_size, self.config.max_positions)
         b, t = input_ids.shape
         kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
-        if position_ids is None:
-            position_ids = torch.arange(t, device=input_ids.device)[None]
-        else:
-            check_input_ids("position_ids", position_ids, self.config.max_positions, limit_name="max_positions")
-            if position_ids.shape[-1] != t or position_ids.shape[0] not in (1, b):
-                raise ValueError(
-                    f"position_ids must have shape ({b} or 1, {t}), got {tuple(position_ids.shape)}"
-                )
+        position_ids = self._position_ids(position_ids, b, t, input_ids.device)
+        if padding_free.gpt2_applies(self, kpm, position_ids):  # real tokens only; packed documents
+            return padding_free.gpt2_logits(self, input_ids, position_ids, kpm)
         return self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
 
     def loss(
@@ -313,6 +321,7 @@ class GPT2(nn.Module):
         attention_mask: Tensor | None = None,
         labels: Tensor | None = None,
         ignore_index: int = -100,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
         """Mean next-token cross-entropy, equal to HF ``GPT2LMHeadModel(input_ids, attention_mask=...,
         labels=...).loss``; the LM head runs only at positions that have a target, as one fused linear +
@@ -323,6 +332,8 @@ class GPT2(nn.Module):
             labels: (B, T) ids in [0, vocab_size) or ``ignore_index``; None -> ``input_ids`` with padding set
                 to ``ignore_index``. Shifted inside as HF does: position t predicts ``labels[:, t + 1]``.
             ignore_index: label value that adds nothing to the loss.
+            position_ids: as :meth:`forward` (restarts at 0 mark packed documents); pass labels with
+                ``ignore_index`` at each document's first token so no document predicts the next one's start.
 
         Returns:
             0-dim tensor (float32; float64 for a float64 model): the mean over all (row, position) pairs that
@@ -349,12 +360,14 @@ class GPT2(nn.Module):
                 f"no position has a target (seq_len={t}, every shifted label is ignore_index={ignore_index}): the "
                 "mean loss is undefined (HF returns nan)"
             )
-        position_ids = torch.arange(t, device=input_ids.device)[None]
-        h = self._hidden(input_ids, position_ids, kpm, None)
-        return SF.linear_cross_entropy(
-            h.reshape(b * t, -1), self.lm_head.weight, targets.reshape(-1), bias=self.lm_head.bias,
-            ignore_index=ignore_index,
-        )  # fmt: skip
+        position_ids = self._position_ids(position_ids, b, t, input_ids.device)
+        if padding_free.gpt2_applies(self, kpm, position_ids):  # hidden rows of the real tokens only
+            h, packing = padding_free.gpt2_hidden(self, input_ids, position_ids, kpm)
+            targets = packing.pack(targets)
+        else:
+            h = self._hidden(input_ids, position_ids, kpm, None).reshape(b * t, -1)
+            targets = targets.reshape(-1)
+        return SF.linear_cross_entropy(h, self.lm_head.weight, targets, bias=self.lm_head.bias, ignore_index=ignore_index)
 
     @torch.no_grad()
     def generate(

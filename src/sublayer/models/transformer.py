@@ -21,6 +21,7 @@ from ..functional.cross_entropy import check_options, check_targets
 from ..checkpoints.io import atomic_write
 from .._checks import check_choice, check_positive_int, check_probability, check_tensor
 from ..nn import DecoderBlock, EncoderBlock, TransformerDecoder, TransformerEncoder
+from . import padding_free
 from .config import ModelConfig
 
 __all__ = ["Transformer", "TransformerConfig", "sinusoidal_positional_encoding"]
@@ -120,6 +121,8 @@ class Transformer(nn.Module):
     Shape:
         src (B, S) and tgt (B, T) integer ids; padding masks (B, S) / (B, T) bool, True = padding
         -> logits (B, T, tgt_vocab_size). Position t of the logits predicts target token t + 1.
+        When a mask marks padding (teacher forcing, no cache), the layers run on the real tokens only
+        (:mod:`sublayer.models.padding_free`): memory and logits at padded positions are zeros.
 
     Raises:
         ValueError/TypeError: bad sizes at construction; at call time, non-2-D or non-integer ids, ids out of
@@ -182,6 +185,8 @@ class Transformer(nn.Module):
         c = self.config
         _check_tokens("src", src, c.src_vocab_size, c.max_len)
         _check_padding_mask("src_key_padding_mask", src_key_padding_mask, src, "src")
+        if padding_free.applies(self, src_key_padding_mask):  # real tokens only; zeros at padding
+            return padding_free.transformer_encode(self, src, src_key_padding_mask)
         return self.encoder(self._embed(self.src_embed, src), key_padding_mask=src_key_padding_mask)
 
     def decode(
@@ -210,6 +215,10 @@ class Transformer(nn.Module):
             )
         if caches is None:
             _check_padding_mask("tgt_key_padding_mask", tgt_key_padding_mask, tgt, "tgt")
+        mkpm = memory_key_padding_mask
+        bool_memory_mask = mkpm is None or mkpm.dtype == torch.bool
+        if caches is None and bool_memory_mask and padding_free.applies(self, mkpm, tgt_key_padding_mask):
+            return padding_free.transformer_decode(self, tgt, memory, mkpm, tgt_key_padding_mask)
         x = self._embed(self.tgt_embed, tgt, start)
         h = self.decoder(
             x,
@@ -318,7 +327,7 @@ class Transformer(nn.Module):
 
         handles = [layer.cross_attn.register_forward_hook(hook, with_kwargs=True) for layer in self.decoder.layers]
         try:
-            with torch.no_grad():
+            with torch.no_grad(), padding_free.disabled():  # the hooks need the modules' own forwards
                 self(src, tgt, src_key_padding_mask=src_key_padding_mask)
         finally:
             for h in handles:
