@@ -322,3 +322,24 @@ def test_loss_on_packed_rows_equals_hf(gpt2_folder):
     loss, how = _gpt2_loss_fn(model, ids, mask, fused=False)
     assert how.startswith("LM head")
     assert_close(loss(), want.detach(), rtol=1e-4, atol=0)
+
+
+def test_auto_layout_picks_per_sequence_attention_for_few_rows_only(monkeypatch):
+    """ATTENTION = "auto" (the default): per-sequence attention for at most VARLEN_MAX_ROWS rows, the padded
+    layout above (many short rows: per-sequence dispatches cost more than the padding); same numbers either way."""
+    from sublayer.functional.packing import Packing
+
+    assert padding_free.ATTENTION == "auto"
+    monkeypatch.setattr(padding_free, "VARLEN_MAX_ROWS", 2)
+    few, many = (Packing(_mask([3] * b, 4) == 0) for b in (2, 3))
+    assert isinstance(padding_free._self_mask(few, None), padding_free.Segments)
+    assert isinstance(padding_free._self_mask(many, None), padding_free.AttentionMask)
+    torch.manual_seed(0)
+    m = Transformer(11, 13, d_model=14, n_heads=2, d_ff=22, n_layers=1, dropout=0.0, max_len=23).eval()
+    src, tgt = _ids(3, 5) % 11, _ids(3, 6, seed=4) % 13
+    src_kpm, tgt_kpm = _mask([5, 2, 3], 5) == 0, _mask([4, 6, 1], 6) == 0
+    with torch.no_grad():
+        auto = m(src, tgt, src_key_padding_mask=src_kpm, tgt_key_padding_mask=tgt_kpm)
+        monkeypatch.setattr(padding_free, "ATTENTION", "varlen")
+        varlen = m(src, tgt, src_key_padding_mask=src_kpm, tgt_key_padding_mask=tgt_kpm)
+    assert_close(auto, varlen)

@@ -173,9 +173,16 @@ class Segments:
         self.blocked = ~SF.causal_mask(t, t, device=device) if causal else None
 
 
-# "varlen" (one attention per sequence on the packed rows) or "padded" (scatter into (B, H, T, d_head) and mask);
-# measured in sublayer.bench_models (training steps): see the README.
-ATTENTION = "varlen"
+# "varlen" (one attention per sequence on the packed rows), "padded" (scatter into (B, H, T, d_head) and mask) or
+# "auto": varlen for batches of at most VARLEN_MAX_ROWS rows, else padded — each per-sequence attention costs a few
+# dispatches forward and backward, which a batch of many short rows (the demo: 96 rows of ~15 tokens) does not
+# repay. Measured in sublayer.bench_models (training steps) and the demo: see the README.
+ATTENTION = "auto"
+VARLEN_MAX_ROWS = 32
+
+
+def _varlen(pk: Packing) -> bool:
+    return ATTENTION == "varlen" or (ATTENTION == "auto" and pk.batch <= VARLEN_MAX_ROWS)
 
 
 def _core(q: Tensor, k: Tensor, v: Tensor, p: float, blocked: Tensor | None) -> Tensor:
@@ -244,7 +251,7 @@ def cross_attention(
 
 
 def _self_mask(pk: Packing, device, *, causal: bool = False, docs: Tensor | None = None, doc_lengths=None):
-    if ATTENTION == "varlen":
+    if _varlen(pk):
         return Segments(pk.row_lengths() if doc_lengths is None else doc_lengths, causal=causal, device=device)
     return AttentionMask(pk, pk, causal=causal, docs=docs, device=device)
 
@@ -266,7 +273,7 @@ def encoder_stack(encoder: nn.Module, x: Tensor, pk: Packing) -> Tensor:
 def decoder_stack(decoder: nn.Module, x: Tensor, pk: Packing, memory: Tensor, pk_m: Packing) -> Tensor:
     """A :class:`sublayer.nn.TransformerDecoder` (causal) on packed rows x (N, D), memory (N_m, D) -> (N, D)."""
     self_mask = _self_mask(pk, x.device, causal=True)
-    if ATTENTION == "varlen":
+    if _varlen(pk):
         cross_mask = Segments(pk.row_lengths(), pk_m.row_lengths())
     else:
         cross_mask = AttentionMask(pk, pk_m)
@@ -333,7 +340,7 @@ def gpt2_hidden(
     pk = Packing(_padding(key_padding_mask), batch=b, seq_len=t)
     docs = document_mask(position_ids)
     doc_lengths = None
-    if docs is not None and ATTENTION == "varlen":  # segments: (row, document) runs of the packed tokens
+    if docs is not None and _varlen(pk):  # segments: (row, document) runs of the packed tokens
         doc = (position_ids == 0).cumsum(-1) + torch.arange(b, device=input_ids.device)[:, None] * (t + 1)
         doc_lengths = torch.unique_consecutive(pk.pack(doc), return_counts=True)[1].tolist()
     mask = _self_mask(pk, input_ids.device, causal=True, docs=docs, doc_lengths=doc_lengths)
