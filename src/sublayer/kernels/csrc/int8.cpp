@@ -16,6 +16,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
+#include "activations.h"
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -121,49 +122,7 @@ Tensor int8_rescale_rows_(Tensor y, const Tensor& r, const std::optional<Tensor>
 }
 
 
-// ---- activations: the same functions as kernels.cpp's act_f (float32 only), copied so this file stands alone.
-enum Act : int64_t { IDENT = 0, RELU = 1, GELU = 2, GELU_TANH = 3, SILU = 4, RELU2 = 5 };
-
-inline float exp_f(float x) {
-  x = std::min(std::max(x, -87.3f), 88.3f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500E-4f;
-  p = p * r + 1.3981999507E-3f;
-  p = p * r + 8.3334519073E-3f;
-  p = p * r + 4.1665795894E-2f;
-  p = p * r + 1.6666665459E-1f;
-  p = p * r + 5.0000001201E-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return y * scale;
-}
-
-inline float norm_cdf(float z) {
-  const float w = std::fabs(z) * 0.70710678118654752440f, t = 1.0f / (1.0f + 0.5f * w);
-  const float poly =
-      -1.26551223f +
-      t * (1.00002368f +
-           t * (0.37409196f +
-                t * (0.09678418f +
-                     t * (-0.18628806f +
-                          t * (0.27886807f + t * (-1.13520398f + t * (1.48851587f + t * (-0.82215223f + t * 0.17087277f))))))));
-  const float half_erfc = 0.5f * t * exp_f(-w * w + poly);
-  return z >= 0.0f ? 1.0f - half_erfc : half_erfc;
-}
-
-inline float sigmoid(float v) { return 1.f / (1.f + exp_f(-v)); }
-
-template <int64_t act> inline float act_f(float z) {
-  if constexpr (act == RELU) return z > 0.f ? z : 0.f;
-  if constexpr (act == GELU) return z * norm_cdf(z);
-  if constexpr (act == GELU_TANH) return z * sigmoid(2.f * 0.79788456080286535588f * (z + 0.044715f * z * z * z));
-  if constexpr (act == SILU) return z * sigmoid(z);
-  if constexpr (act == RELU2) return z > 0.f ? z * z : 0.f;
-  return z;
-}
+using namespace sublayer_act;  // Act and act_f (activations.h), as kernels.cpp
 
 // v[0:K] *= inv_next (if any); returns max |v| (1 for an all-zero row) and divides v by it.
 inline float scale_row(float* v, const float* inv, int64_t K) {
