@@ -34,13 +34,20 @@ def _padded_batch(b: int, t: int, lo: int, vocab: int, g: torch.Generator) -> tu
     return ids, mask
 
 
-def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, loss_fn):
-    def f() -> None:
-        loss_fn().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+def _time_steps(sides: dict, reps: int, warmup: int) -> dict:
+    """Interleaved timings of one AdamW training step per side: ``sides`` maps a name to (model, loss_fn)."""
 
-    return f
+    def step(model: torch.nn.Module, loss_fn):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def f() -> None:
+            loss_fn().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return f
+
+    return _time_interleaved({name: step(m, fn) for name, (m, fn) in sides.items()}, reps, warmup)
 
 
 def _row(case: str, shape: str, res: dict, mask: torch.Tensor, extra: dict) -> Row:
@@ -87,13 +94,8 @@ def bench_bert_training(quick: bool, reps: int, warmup: int) -> Row:
         with padding_free.disabled():
             return (padded(ids, mask).square() * m).sum() / n
 
-    opt = {k: torch.optim.AdamW(mod.parameters(), lr=1e-4) for k, mod in (("h", hf), ("o", ours), ("p", padded))}
-    fns = {
-        "eager": _step(hf, opt["h"], hf_loss),
-        "sublayer": _step(ours, opt["o"], ours_loss),
-        "sublayer padded": _step(padded, opt["p"], padded_loss),
-    }
-    res = _time_interleaved(fns, reps, warmup)
+    res = _time_steps({"eager": (hf, hf_loss), "sublayer": (ours, ours_loss), "sublayer padded": (padded, padded_loss)},
+                      reps, warmup)  # fmt: skip
     extra = {"HF attn": str(hf.config._attn_implementation), "loss": "mean square of real hidden states"}
     return _row("BERT training step (AdamW) vs HF BertModel", name, res, mask, extra)
 
@@ -152,13 +154,8 @@ def bench_gpt2_training(quick: bool, reps: int, warmup: int) -> Row:
             logits = padded(ids, attention_mask=mask)
         return F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size), labels[:, 1:].reshape(-1))
 
-    opt = {k: torch.optim.AdamW(mod.parameters(), lr=1e-4) for k, mod in (("h", hf), ("o", ours), ("p", padded))}
-    fns = {
-        "eager": _step(hf, opt["h"], hf_loss),
-        "sublayer": _step(ours, opt["o"], ours_loss),
-        "sublayer padded": _step(padded, opt["p"], padded_loss),
-    }
-    res = _time_interleaved(fns, reps, warmup)
+    res = _time_steps({"eager": (hf, hf_loss), "sublayer": (ours, ours_loss), "sublayer padded": (padded, padded_loss)},
+                      reps, warmup)  # fmt: skip
     extra = {"HF attn": str(hf.config._attn_implementation), "our loss": how}
     return _row("GPT-2 training step (AdamW) vs HF GPT2LMHeadModel", name, res, mask, extra)
 

@@ -82,6 +82,17 @@ def word_tokenizer(*, bert: bool = False):
     return tok
 
 
+@pytest.fixture(params=["kernels", "no-kernels"])
+def kernels_mode(request):
+    """Each test twice: with the fused C++ kernels and on the pure-PyTorch reference path."""
+    from sublayer import kernels
+
+    was = kernels._enabled
+    kernels.set_enabled(request.param == "kernels")
+    yield request.param
+    kernels.set_enabled(was)
+
+
 @pytest.fixture(scope="session")
 def hf_gpt2():
     return make_hf_gpt2()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sublayer import kernels
 from sublayer.models import GPT2, Transformer, decoding
 from sublayer.models.fast import fast_inference
 
@@ -19,14 +18,6 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def ours(gpt2_folder) -> GPT2:
     return GPT2.from_pretrained(gpt2_folder).eval()
-
-
-@pytest.fixture(params=["kernels", "no-kernels"])
-def kernels_mode(request):
-    was = kernels._enabled
-    kernels.set_enabled(request.param == "kernels")
-    yield request.param
-    kernels.set_enabled(was)
 
 
 @pytest.fixture

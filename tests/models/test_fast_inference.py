@@ -50,14 +50,6 @@ def _batch(b: int = 5, t: int = 11, vocab: int = 53):
     return ids, mask
 
 
-@pytest.fixture(params=["kernels", "no-kernels"])
-def kernels_mode(request):
-    was = kernels._enabled
-    kernels.set_enabled(request.param == "kernels")
-    yield request.param
-    kernels.set_enabled(was)
-
-
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def compute(request, monkeypatch):
     if request.param == torch.bfloat16:
