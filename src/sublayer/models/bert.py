@@ -297,12 +297,11 @@ class Bert(nn.Module):
         config, tensors, source = ckpt.read_hf_folder(folder, BertConfig.from_hf_dict)
         pooler = any((keymap.canonical(k) or "").startswith("pooler.") for k in tensors)
         model = cls(config, pooler=pooler, device="meta", dtype=dtype)  # no random init: all is loaded below
-        hf_meta = keymap.to_hf(model.state_dict(), config.n_layers, pooler=pooler)
-        expected = {k: tuple(v.shape) for k, v in hf_meta.items()}
-        found = ckpt.check_and_convert(tensors, expected, canonical=keymap.canonical, source=source)
-        model.to_empty(device=device if device is not None else "cpu")
-        model.load_state_dict(keymap.from_hf(found, config.n_layers, pooler=pooler))  # strict: fills every parameter
-        return model.eval()  # as HF's from_pretrained: dropout off until .train()
+        n = config.n_layers
+        return ckpt.live.load_checked(
+            model, tensors, source, canonical=keymap.canonical, device=device,
+            to_hf=lambda sd: keymap.to_hf(sd, n, pooler=pooler), from_hf=lambda sd: keymap.from_hf(sd, n, pooler=pooler),
+        ).eval()  # fmt: skip  (as HF's from_pretrained: dropout off until .train())
 
     @classmethod
     def from_hf(cls, model: nn.Module, *, device=None, dtype=None) -> Bert:

@@ -487,16 +487,12 @@ class GPT2(nn.Module):
         """
         config, tensors, source = ckpt.read_hf_folder(folder, GPT2Config.from_hf_dict)
         model = cls(config, device="meta", dtype=dtype)  # no random init: every parameter is loaded below
-        tied = config.tie_word_embeddings
-        hf_meta = keymap.to_hf(model.state_dict(), config.n_layers, tied=tied)
-        expected = {k: tuple(v.shape) for k, v in hf_meta.items()}
-        found = ckpt.check_and_convert(
-            tensors, expected, canonical=lambda k: keymap.canonical(k, tied=tied), source=source
-        )
-        model.to_empty(device=device if device is not None else "cpu")
-        model._tie_weights()  # to_empty makes new parameters: tie again
-        model.load_state_dict(keymap.from_hf(found, config.n_layers, tied=tied))  # strict: fills every parameter
-        return model.eval()  # as HF's from_pretrained: dropout off until .train()
+        n, tied = config.n_layers, config.tie_word_embeddings
+        return ckpt.live.load_checked(
+            model, tensors, source, canonical=lambda k: keymap.canonical(k, tied=tied), device=device,
+            to_hf=lambda sd: keymap.to_hf(sd, n, tied=tied), from_hf=lambda sd: keymap.from_hf(sd, n, tied=tied),
+            after_empty=model._tie_weights,  # to_empty makes new parameters: tie again
+        ).eval()  # fmt: skip  (as HF's from_pretrained: dropout off until .train())
 
     @classmethod
     def from_hf(cls, model: nn.Module, *, device=None, dtype=None) -> GPT2:
