@@ -269,6 +269,7 @@ def gpt2_generate(
     pick,
     eos_token_id: int | None,
     pad: int | None,
+    weights: dict | None = None,
 ) -> Tensor:
     """The loop of :meth:`GPT2.generate` on the fast path (arguments already checked there).
 
@@ -276,7 +277,9 @@ def gpt2_generate(
         model: the :class:`GPT2` whose weights decode. input_ids (B, T); positions (B, T) of the prompt tokens;
         key_padding_mask (B, T) True = padding, or None. prefill: ``fn(ids, positions, kpm, caches) -> hidden``
         (the reference ``_hidden``, final norm applied) run once on the prompt. pick: ``fn(logits (B, V)) ->
-        (B,) ids`` (argmax or sampling). eos_token_id, pad: as ``generate``.
+        (B,) ids`` (argmax or sampling). eos_token_id, pad: as ``generate``. weights: the decoding weights
+        (:func:`_build_gpt2`'s dict: each linear a callable ``(x, activation=None)``); None -> ``model``'s
+        packed float32 weights.
 
     Returns:
         (B, T + n) ids.
@@ -285,7 +288,7 @@ def gpt2_generate(
     b, t = input_ids.shape
     if max_new_tokens == 0:
         return input_ids
-    W = _weights(model, _build_gpt2)
+    W = _weights(model, _build_gpt2) if weights is None else weights
     H = cfg.n_heads
     hd = cfg.d_model // H
     cap = t + max_new_tokens
