@@ -122,3 +122,18 @@ def test_decode_attention_rejects_bad_length():
     k = torch.randn(1, 1, 4, 3)
     with pytest.raises(RuntimeError, match=r"length 5 outside \[1, 4\]"):
         _ops().decode_attention(torch.randn(1, 3), k, k.clone(), None, 5, 1.0, None, None)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_skinny_linear_on_float16_panels_matches_the_widened_weight(rows):
+    g = _gen(rows + 77)
+    w, x, b = torch.randn(53, 29, generator=g), torch.randn(rows, 29, generator=g), torch.randn(53, generator=g)
+    packed = _ops().pack_linear_weight(w.half())
+    assert packed.dtype == torch.float16 and packed.shape == (4, 29, 16)
+    got = _ops().skinny_linear(x, packed, b, 53)
+    assert_close(got, F.linear(x, w.half().float(), b))  # float16 widened exactly, float32 accumulation
+
+
+def test_pack_linear_weight_rejects_other_dtypes():
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        _ops().pack_linear_weight(torch.randn(4, 3, dtype=torch.float64))

@@ -93,6 +93,56 @@ SKINNY_MAX_ROWS = 16  # above it a blocked GEMM (torch) wins: the rows amortise 
 _EPILOGUE = {"relu": 1, "gelu_tanh": 3}  # activations fused into skinny_linear (ids of fused._ACT_IDS)
 
 
+class GreedyHead:
+    """``argmax(x @ weight.T + bias)`` per row, equal to the float32 argmax, reading the weight in float16.
+
+    The LM head is a third of GPT-2 small's bytes per token. A greedy step needs only the argmax, so this screens
+    every vocabulary row with a float16 copy of the weight (half the bytes) and recomputes in float32 only the
+    rows that could still be the maximum: with ``w16`` the float16 weight and ``x`` the float32 input,
+
+        |x·w16_j - x·w_j| <= ||x||_2 ||w_j - w16_j||_2            (Cauchy-Schwarz; w_j - w16_j is known exactly)
+
+    plus the float32 rounding of either sum (<= 2 (K+2) u ||x||_2 ||w_j||_2, any summation order, u = 2^-24) and
+    of the bias addition. A row j whose screened logit plus its bound is below the best screened logit minus that
+    row's bound cannot be the float32 maximum, so the argmax over the candidates' float32 logits (typically one to
+    a few rows; ``screened_argmax`` in C++) is the argmax over all rows (ties: the first index, as
+    ``torch.argmax``). When the best lower end is not finite, every row is recomputed.
+
+    Args:
+        weight: (V, K) float32. bias: (V,) or None.
+
+    Call: x (M, K) float32 -> (M,) int64 ids. Needs the kernels (``skinny_linear`` on float16 panels).
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        w = weight.detach().float().contiguous()
+        self.weight, self.bias = w, None if bias is None else bias.detach().float().contiguous()
+        self.out_features, k = w.shape
+        w16 = w.half()
+        self.usable = bool(torch.isfinite(w16).all())  # |w| beyond float16's range: no screening
+        diff = (w.double() - w16.double()).norm(dim=1)
+        rounding = 2 * (k + 2) * 2.0**-24 * torch.maximum(w.double().norm(dim=1), w16.double().norm(dim=1))
+        self.bound = ((diff + rounding) * (1 + 2.0**-10)).float()  # (V,) per unit of ||x||_2, rounded up
+        self.packed = kernels.ops().pack_linear_weight(w16) if self.usable else None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias).argmax(-1)
+        ops = kernels.ops()
+        screened = ops.skinny_linear(x, self.packed, self.bias, self.out_features, 0)  # (M, V)
+        return ops.screened_argmax(x, screened, self.weight, self.bias, self.bound)
+
+    def reference(self, x: Tensor) -> Tensor:
+        """The same selection in PyTorch ops (what ``screened_argmax`` computes), for tests."""
+        screened = F.linear(x, self.weight.half().float(), self.bias)
+        xnorm = x.double().norm(dim=1, keepdim=True).float() * (1 + 2.0**-10)
+        err = torch.addcmul(screened.abs() * 2.0**-21, xnorm, self.bound[None])  # (M, V)
+        best_low = (screened - err).amax(dim=1, keepdim=True)
+        cand = ((screened + err) >= best_low) | ~torch.isfinite(best_low) | screened.isnan().any(1, keepdim=True)
+        logits = torch.where(cand, F.linear(x, self.weight, self.bias), float("-inf"))
+        return logits.argmax(dim=-1), cand.sum(dim=1)
+
+
 class StaticKVCache:
     """Keys and values of one attention layer, allocated once: (B, n_heads, capacity, head_dim) each.
 
@@ -232,12 +282,14 @@ def _build_gpt2(model) -> dict:
         })  # fmt: skip
     return {
         "layers": layers, "lnf": _norm(model.ln_f), "head": PackedLinear(model.lm_head.weight),
+        "greedy": GreedyHead(model.lm_head.weight) if _kernels_on() else None,
         "wte": model.wte.weight.detach(), "wpe": model.wpe.weight.detach(),
     }  # fmt: skip
 
 
 def gpt2_step(model, W: dict, tokens: Tensor, positions: Tensor, caches: list, mask: Tensor | None) -> Tensor:
-    """One decoding step: tokens (B,) at positions (B,) -> logits (B, vocab) float32; appends to ``caches``."""
+    """One decoding step: tokens (B,) at positions (B,) -> final hidden states (B, d) float32 (ln_f applied);
+    appends to ``caches``."""
     cfg = model.config
     d, H = cfg.d_model, cfg.n_heads
     x = W["wte"][tokens] + W["wpe"][positions]  # (B, d)
@@ -255,7 +307,7 @@ def gpt2_step(model, W: dict, tokens: Tensor, positions: Tensor, caches: list, m
         h, x = _add_norm(x, L["out"](ctx), *L["ln2"])  # x += attn; h = ln_2(x)
         y = L["fc2"](L["fc1"](h, cfg.activation))
         h, x = _add_norm(x, y, *(layers[i + 1]["ln1"] if i + 1 < len(layers) else W["lnf"]))
-    return W["head"](h)
+    return h
 
 
 def gpt2_generate(
@@ -270,6 +322,7 @@ def gpt2_generate(
     eos_token_id: int | None,
     pad: int | None,
     weights: dict | None = None,
+    greedy: bool = False,
 ) -> Tensor:
     """The loop of :meth:`GPT2.generate` on the fast path (arguments already checked there).
 
@@ -279,7 +332,8 @@ def gpt2_generate(
         (the reference ``_hidden``, final norm applied) run once on the prompt. pick: ``fn(logits (B, V)) ->
         (B,) ids`` (argmax or sampling). eos_token_id, pad: as ``generate``. weights: the decoding weights
         (:func:`_build_gpt2`'s dict: each linear a callable ``(x, activation=None)``); None -> ``model``'s
-        packed float32 weights.
+        packed float32 weights. greedy: ``pick`` is the argmax; :class:`GreedyHead` (``weights["greedy"]``)
+        then finds it without computing every logit in float32.
 
     Returns:
         (B, T + n) ids.
@@ -308,10 +362,14 @@ def gpt2_generate(
     out = torch.empty(b, cap, dtype=torch.long)  # as the reference (cat with int64 ids promotes)
     out[:, :t] = input_ids
     finished = torch.zeros(b, dtype=torch.bool)
-    logits = W["head"](h[:, -1].float())
+    greedy_head = W.get("greedy") if greedy else None
+
+    def next_ids(h: Tensor) -> Tensor:  # (B, d) final hidden states -> (B,) ids
+        return greedy_head(h) if greedy_head is not None else pick(W["head"](h))
+
+    nxt = next_ids(h[:, -1].float())
     n = 0
     for s in range(max_new_tokens):
-        nxt = pick(logits)
         if eos_token_id is not None:
             nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
             finished = finished | (nxt == eos_token_id)
@@ -319,7 +377,7 @@ def gpt2_generate(
         n = s + 1
         if s + 1 == max_new_tokens or (eos_token_id is not None and bool(finished.all())):
             break
-        logits = gpt2_step(model, W, nxt, step_pos[:, s], caches, mask)
+        nxt = next_ids(gpt2_step(model, W, nxt, step_pos[:, s], caches, mask))
     return out[:, : t + n]
 
 

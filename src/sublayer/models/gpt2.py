@@ -452,7 +452,7 @@ class GPT2(nn.Module):
             if source is not None:
                 return decoding.gpt2_generate(
                     source, input_ids, positions, kpm if kpm is None or kpm.any() else None, max_new_tokens,
-                    prefill=self._hidden, pick=pick, eos_token_id=eos_token_id, pad=pad,
+                    prefill=self._hidden, pick=pick, eos_token_id=eos_token_id, pad=pad, greedy=not do_sample,
                 )  # fmt: skip
             caches = [SF.KVCache() for _ in self.blocks]
             out = input_ids

@@ -1,7 +1,9 @@
 // sublayer decoding kernels (torch.ops.sublayer_kernels.*): what one generated token costs on a CPU.
 //
 //  * skinny_linear: y = act(x @ W^T + b) for few rows (1..16, any count works) reading W once from a packed layout
-//    (W (N, K) stored as ceil(N/16) panels of K x 16 floats, zero-padded: see pack_linear_weight). Decoding reads
+//    (W (N, K) stored as ceil(N/16) panels of K x 16 floats, zero-padded: see pack_linear_weight). The panels may
+//    also be float16 (widened exactly in registers, F16C; accumulation in float32): half the bytes, for the
+//    screening pass of greedy decoding's LM head (models/decoding.py, GreedyHead). Decoding reads
 //    every weight once per token, so this is a streaming kernel: each thread walks a contiguous run of panels, each
 //    panel is read from memory once and re-read from L2 by the next row chunk (up to 4 rows at a time, 2 AVX2
 //    vectors x 4 rows = 8 FMA accumulators). torch's GEMV (MKL/oneDNN sgemv) reaches about a third of the memory
@@ -45,9 +47,17 @@ void check_float_contig(const Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-// acc[r][0..15] = sum_k x[r][k] * w[k][0..15] for R rows; w is one panel (K x 16).
-template <int R>
-inline void panel_kernel(const float* x, int64_t ldx, const float* w, int64_t K, float* acc) {
+// 8 consecutive weights of a panel as float32: float32 as is, float16 widened exactly (F16C).
+#if SUBLAYER_DECODE_AVX2
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const at::Half* w) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+}
+#endif
+
+// acc[r][0..15] = sum_k x[r][k] * w[k][0..15] for R rows; w is one panel (K x 16) of T (float or Half).
+template <typename T, int R>
+inline void panel_kernel(const float* x, int64_t ldx, const T* w, int64_t K, float* acc) {
 #if SUBLAYER_DECODE_AVX2
   __m256 a0[R], a1[R], b0[R], b1[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = b0[r] = b1[r] = _mm256_setzero_ps();
@@ -56,9 +66,9 @@ inline void panel_kernel(const float* x, int64_t ldx, const float* w, int64_t K,
   for (; k + 2 <= K; k += 2) {
     // software prefetch 2 KB ahead: the hardware streamer stops at 4 KB page boundaries
     _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048 + 64, _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(w + k * PANEL), w1 = _mm256_loadu_ps(w + k * PANEL + 8);
-    const __m256 w2 = _mm256_loadu_ps(w + k * PANEL + 16), w3 = _mm256_loadu_ps(w + k * PANEL + 24);
+    if (sizeof(T) == 4) _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048 + 64, _MM_HINT_T0);
+    const __m256 w0 = load8(w + k * PANEL), w1 = load8(w + k * PANEL + 8);
+    const __m256 w2 = load8(w + k * PANEL + 16), w3 = load8(w + k * PANEL + 24);
     for (int r = 0; r < R; ++r) {
       const __m256 xa = _mm256_broadcast_ss(x + r * ldx + k), xb = _mm256_broadcast_ss(x + r * ldx + k + 1);
       a0[r] = _mm256_fmadd_ps(xa, w0, a0[r]);
@@ -68,7 +78,7 @@ inline void panel_kernel(const float* x, int64_t ldx, const float* w, int64_t K,
     }
   }
   for (; k < K; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(w + k * PANEL), w1 = _mm256_loadu_ps(w + k * PANEL + 8);
+    const __m256 w0 = load8(w + k * PANEL), w1 = load8(w + k * PANEL + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 xa = _mm256_broadcast_ss(x + r * ldx + k);
       a0[r] = _mm256_fmadd_ps(xa, w0, a0[r]);
@@ -85,7 +95,7 @@ inline void panel_kernel(const float* x, int64_t ldx, const float* w, int64_t K,
     for (int64_t k = 0; k < K; ++k) {
       const float xv = x[r * ldx + k];
 #pragma omp simd
-      for (int j = 0; j < PANEL; ++j) s[j] += xv * w[k * PANEL + j];
+      for (int j = 0; j < PANEL; ++j) s[j] += xv * static_cast<float>(w[k * PANEL + j]);
     }
     for (int j = 0; j < PANEL; ++j) acc[r * PANEL + j] = s[j];
   }
@@ -142,39 +152,18 @@ inline void epilogue(float* v, const float* bias, int64_t act) {
   }
 }
 
-using PanelFn = void (*)(const float*, int64_t, const float*, int64_t, float*);
-constexpr PanelFn kPanel[ROWS + 1] = {nullptr, panel_kernel<1>, panel_kernel<2>, panel_kernel<3>, panel_kernel<4>};
-
-// x (M, K) float32 (row stride free, unit inner stride), packed (P, K, 16) -> (M, n) = act(x @ W^T + bias).
-Tensor skinny_linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias, int64_t n,
-                     int64_t act) {
-  TORCH_CHECK(act == EPI_NONE || act == EPI_RELU || act == EPI_GELU_TANH, "skinny_linear: act ", act,
-              " unsupported (0 none, 1 relu, 3 tanh-GELU)");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-              "skinny_linear: x must be a 2-D float32 CPU tensor with unit inner stride");
-  check_float_contig(packed, "skinny_linear: packed", 3);
-  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K && packed.size(2) == PANEL, "skinny_linear: packed must be (P, K=", K,
-              ", 16), got ", packed.sizes());
-  TORCH_CHECK(n > (P - 1) * PANEL && n <= P * PANEL, "skinny_linear: n=", n, " does not fit ", P, " panels");
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    check_float_contig(*bias, "skinny_linear: bias", 1);
-    TORCH_CHECK(bias->size(0) == n, "skinny_linear: bias must have ", n, " elements, got ", bias->size(0));
-    bp = bias->data_ptr<float>();
-  }
-  Tensor out = at::empty({M, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (M == 0 || n == 0) return out;
-  const float* xp = x.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
-  const float* wp = packed.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  // grain: at least ~64 KB of weights per task so small matrices do not pay for thread wake-ups
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * PANEL / 4));
+template <typename T>
+void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* wp, int64_t P, const float* bp,
+                   int64_t n, int64_t act, float* op) {
+  using PanelFn = void (*)(const float*, int64_t, const T*, int64_t, float*);
+  static constexpr PanelFn kPanel[ROWS + 1] = {nullptr, panel_kernel<T, 1>, panel_kernel<T, 2>, panel_kernel<T, 3>,
+                                               panel_kernel<T, 4>};
+  // grain: at least ~256 KB of weights per task so small matrices do not pay for thread wake-ups
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, K * PANEL * int64_t(sizeof(T))));
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
     float acc[ROWS * PANEL];
     for (int64_t p = p0; p < p1; ++p) {
-      const float* w = wp + p * K * PANEL;
+      const T* w = wp + p * K * PANEL;
       const int64_t c0 = p * PANEL, nc = std::min<int64_t>(PANEL, n - c0);
       for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
         const int64_t R = std::min<int64_t>(ROWS, M - r0);
@@ -190,6 +179,36 @@ Tensor skinny_linear(const Tensor& x, const Tensor& packed, const c10::optional<
       }
     }
   });
+}
+
+// x (M, K) float32 (row stride free, unit inner stride), packed (P, K, 16) -> (M, n) = act(x @ W^T + bias).
+Tensor skinny_linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias, int64_t n,
+                     int64_t act) {
+  TORCH_CHECK(act == EPI_NONE || act == EPI_RELU || act == EPI_GELU_TANH, "skinny_linear: act ", act,
+              " unsupported (0 none, 1 relu, 3 tanh-GELU)");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "skinny_linear: x must be a 2-D float32 CPU tensor with unit inner stride");
+  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.is_contiguous() &&
+                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kHalf),
+              "skinny_linear: packed must be a contiguous 3-D float32 or float16 CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K && packed.size(2) == PANEL, "skinny_linear: packed must be (P, K=", K,
+              ", 16), got ", packed.sizes());
+  TORCH_CHECK(n > (P - 1) * PANEL && n <= P * PANEL, "skinny_linear: n=", n, " does not fit ", P, " panels");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check_float_contig(*bias, "skinny_linear: bias", 1);
+    TORCH_CHECK(bias->size(0) == n, "skinny_linear: bias must have ", n, " elements, got ", bias->size(0));
+    bp = bias->data_ptr<float>();
+  }
+  Tensor out = at::empty({M, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (M == 0 || n == 0) return out;
+  if (packed.scalar_type() == at::kHalf)
+    skinny_panels(x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<at::Half>(), P, bp, n, act,
+                  out.data_ptr<float>());
+  else
+    skinny_panels(x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<float>(), P, bp, n, act,
+                  out.data_ptr<float>());
   return out;
 }
 
@@ -207,22 +226,31 @@ void advise_huge_pages(void* p, size_t bytes) {
 #endif
 }
 
-// W (N, K) -> (ceil(N/16), K, 16), zero-padded columns.
-Tensor pack_linear_weight(const Tensor& w) {
-  check_float_contig(w, "pack_linear_weight: weight", 2);
-  const int64_t N = w.size(0), K = w.size(1), P = (N + PANEL - 1) / PANEL;
-  Tensor out = at::empty({P, K, PANEL}, w.options());
-  advise_huge_pages(out.data_ptr(), size_t(out.numel()) * sizeof(float));
-  const float* src = w.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
+// W (N, K) -> (ceil(N/16), K, 16), zero-padded columns; float32 or float16, kept.
+template <typename T>
+void pack_panels(const T* src, T* dst, int64_t N, int64_t K, int64_t P) {
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t k = 0; k < K; ++k)
         for (int64_t j = 0; j < PANEL; ++j) {
           const int64_t c = p * PANEL + j;
-          dst[(p * K + k) * PANEL + j] = c < N ? src[c * K + k] : 0.0f;
+          dst[(p * K + k) * PANEL + j] = c < N ? src[c * K + k] : T(0.0f);
         }
   });
+}
+
+Tensor pack_linear_weight(const Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kHalf),
+              "pack_linear_weight: weight must be a contiguous 2-D float32 or float16 CPU tensor, got ",
+              w.scalar_type(), " ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1), P = (N + PANEL - 1) / PANEL;
+  Tensor out = at::empty({P, K, PANEL}, w.options());
+  advise_huge_pages(out.data_ptr(), size_t(out.numel()) * out.element_size());
+  if (w.scalar_type() == at::kHalf)
+    pack_panels(w.data_ptr<at::Half>(), out.data_ptr<at::Half>(), N, K, P);
+  else
+    pack_panels(w.data_ptr<float>(), out.data_ptr<float>(), N, K, P);
   return out;
 }
 
@@ -231,6 +259,96 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// max_j (a[j] - e[j]) with e[j] = xn * bound[j] + rel * |a[j]| (the lower end of row j's interval); sets nan if
+// any a[j] is NaN.
+inline float lower_max(const float* a, const float* bound, int64_t V, float xn, float rel, bool& nan) {
+  float lo = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+#if SUBLAYER_DECODE_AVX2
+  const __m256 vxn = _mm256_set1_ps(xn), vrel = _mm256_set1_ps(rel), sign = _mm256_set1_ps(-0.0f);
+  __m256 vlo = _mm256_set1_ps(lo), vnan = _mm256_setzero_ps();
+  for (; j + 8 <= V; j += 8) {
+    const __m256 v = _mm256_loadu_ps(a + j);
+    const __m256 e = _mm256_fmadd_ps(vxn, _mm256_loadu_ps(bound + j), _mm256_mul_ps(vrel, _mm256_andnot_ps(sign, v)));
+    vlo = _mm256_max_ps(vlo, _mm256_sub_ps(v, e));
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  float l8[8];
+  _mm256_storeu_ps(l8, vlo);
+  for (float l : l8) lo = std::max(lo, l);
+  nan |= _mm256_movemask_ps(vnan) != 0;
+#endif
+  for (; j < V; ++j) {
+    lo = std::max(lo, a[j] - (xn * bound[j] + rel * std::fabs(a[j])));
+    nan |= std::isnan(a[j]);
+  }
+  return lo;
+}
+
+// The float32 argmax of x @ W^T + bias per row, given screened logits (the same product over an approximate
+// weight) and per-row error bounds: |screened[j] - exact[j]| <= ||x_r||_2 * bound[j] + 2^-21 |screened[j]|.
+// Only rows whose interval reaches the best lower end are recomputed in float32 (models/decoding.py, GreedyHead,
+// has the argument). A NaN or a non-finite best lower end makes every row a candidate; NaN wins as in
+// torch.argmax, and ties go to the first index.
+Tensor screened_argmax(const Tensor& x, const Tensor& screened, const Tensor& weight, const c10::optional<Tensor>& bias,
+                       const Tensor& bound) {
+  check_float_contig(screened, "screened_argmax: screened", 2);
+  check_float_contig(weight, "screened_argmax: weight", 2);
+  check_float_contig(bound, "screened_argmax: bound", 1);
+  const int64_t M = screened.size(0), V = screened.size(1), K = weight.size(1);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) == M && x.size(1) == K && x.stride(1) == 1,
+              "screened_argmax: x must be float32 (", M, ", ", K, ") with unit inner stride, got ", x.sizes());
+  TORCH_CHECK(weight.size(0) == V && bound.size(0) == V,
+              "screened_argmax: weight (V, K) and bound (V,) disagree with screened (M, V)");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check_float_contig(*bias, "screened_argmax: bias", 1);
+    TORCH_CHECK(bias->size(0) == V, "screened_argmax: bias must have ", V, " elements");
+    bp = bias->data_ptr<float>();
+  }
+  Tensor out = at::empty({M}, screened.options().dtype(at::kLong));
+  const float *sp = screened.data_ptr<float>(), *wp = weight.data_ptr<float>(), *eb = bound.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const float rel = std::ldexp(1.0f, -21);
+  for (int64_t r = 0; r < M; ++r) {
+    const float* a = sp + r * V;
+    const float* xr = x.data_ptr<float>() + r * x.stride(0);
+    double ss = 0.0;
+    for (int64_t k = 0; k < K; ++k) ss += double(xr[k]) * double(xr[k]);
+    const float xn = float(std::sqrt(ss)) * (1.0f + std::ldexp(1.0f, -10));  // ||x_r||_2, rounded up
+    bool nan = false;
+    const float lo = lower_max(a, eb, V, xn, rel, nan);
+    const bool all = nan || !std::isfinite(lo);
+    int64_t best = -1;
+    float bv = 0.0f;
+    auto consider = [&](int64_t j) {
+      if (!all && !(a[j] + (xn * eb[j] + rel * std::fabs(a[j])) >= lo)) return;
+      const float v = dot(xr, wp + j * K, K) + (bp ? bp[j] : 0.0f);
+      if (best < 0 || v > bv || (std::isnan(v) && !std::isnan(bv))) {
+        best = j;
+        bv = v;
+      }
+    };
+    int64_t j = 0;
+#if SUBLAYER_DECODE_AVX2
+    if (!all) {  // skip blocks of 8 with no candidate (the test above, 8 lanes at a time)
+      const __m256 vxn = _mm256_set1_ps(xn), vrel = _mm256_set1_ps(rel), sign = _mm256_set1_ps(-0.0f);
+      const __m256 vlo = _mm256_set1_ps(lo);
+      for (; j + 8 <= V; j += 8) {
+        const __m256 v = _mm256_loadu_ps(a + j);
+        const __m256 e =
+            _mm256_fmadd_ps(vxn, _mm256_loadu_ps(eb + j), _mm256_mul_ps(vrel, _mm256_andnot_ps(sign, v)));
+        if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(v, e), vlo, _CMP_GE_OQ)) == 0) continue;
+        for (int64_t i = j; i < j + 8; ++i) consider(i);
+      }
+    }
+#endif
+    for (; j < V; ++j) consider(j);
+    op[r] = best < 0 ? 0 : best;
+  }
+  return out;
 }
 
 // q (B, H*hd) unit inner stride; kc, vc (B, H, T_max, hd) contiguous; mask (B, T_max) bool, True = skip.
@@ -312,6 +430,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("screened_argmax(Tensor x, Tensor screened, Tensor weight, Tensor? bias, Tensor bound) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int n, int act=0) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? mask, int length, float scale, "
         "Tensor? new_k, Tensor? new_v) -> Tensor");
@@ -319,6 +438,7 @@ TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
 
 TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
+  m.impl("screened_argmax", &screened_argmax);
   m.impl("skinny_linear", &skinny_linear);
   m.impl("decode_attention", &decode_attention);
 }

@@ -1,0 +1,73 @@
+"""GreedyHead (models/decoding.py): the float32 argmax of an LM head found by screening with a float16 copy of the
+weight and recomputing only the rows that could win, against ``F.linear(...).argmax``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sublayer import kernels
+from sublayer.models.decoding import GreedyHead
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="C++ kernels unavailable")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7])
+@pytest.mark.parametrize("bias", [False, True])
+def test_equals_float32_argmax_on_random_heads(rows, bias):
+    g = _gen(rows)
+    w = torch.randn(1013, 37, generator=g) * 0.3
+    b = torch.randn(1013, generator=g) if bias else None
+    head = GreedyHead(w, b)
+    for seed in range(20):
+        x = torch.randn(rows, 37, generator=_gen(100 + seed)) * 4
+        want = F.linear(x, w, b).argmax(-1)
+        assert head(x).tolist() == want.tolist()
+        ref, n_cand = head.reference(x)
+        assert ref.tolist() == want.tolist() and bool((n_cand >= 1).all())
+
+
+def test_near_ties_below_float16_resolution_are_decided_in_float32():
+    # rows 0..9 differ from row 10 by less than float16 can see: the float16 logits tie, float32 ones do not
+    g = _gen(5)
+    base = torch.randn(1, 41, generator=g)
+    w = torch.cat([base.repeat(11, 1), torch.randn(200, 41, generator=g) * 0.1])
+    x = torch.randn(3, 41, generator=g)
+    for winner in (0, 4, 10):
+        w2 = w.clone()
+        # nudge column 0 of row `winner` towards the sign of x[:, 0] by a tenth of a float16 ulp
+        w2[winner, 0] += 1e-5 * torch.sign(x[0, 0])
+        head = GreedyHead(w2)
+        want = F.linear(x, w2).argmax(-1)
+        assert int(want[0]) == winner
+        assert head(x).tolist() == want.tolist()
+        _, n_cand = head.reference(x)
+        assert int(n_cand[0]) >= 11  # every near-tied row was recomputed
+
+
+def test_ties_take_the_first_index_as_torch_argmax():
+    w = torch.zeros(9, 5)
+    w[3] = w[6] = torch.tensor([1.0, 2.0, 0.5, -1.0, 0.25])
+    x = torch.tensor([[0.5, 1.0, 2.0, 0.0, 1.0]])
+    assert GreedyHead(w)(x).tolist() == F.linear(x, w).argmax(-1).tolist() == [3]
+
+
+def test_non_finite_inputs_fall_back_to_every_row():
+    w = torch.randn(31, 7, generator=_gen(1))
+    x = torch.randn(2, 7, generator=_gen(2))
+    x[1, 3] = float("nan")
+    assert GreedyHead(w)(x).tolist() == F.linear(x, w).argmax(-1).tolist()
+
+
+def test_weights_beyond_float16_range_skip_the_screening():
+    w = torch.randn(13, 5, generator=_gen(3))
+    w[2, 1] = 1e6  # float16 overflows to inf
+    head = GreedyHead(w)
+    assert not head.usable
+    x = torch.randn(4, 5, generator=_gen(4))
+    assert head(x).tolist() == F.linear(x, w).argmax(-1).tolist()
