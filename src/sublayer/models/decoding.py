@@ -280,11 +280,26 @@ def _build_gpt2(model) -> dict:
             "qkv": PackedLinear(wqkv, bqkv), "out": PackedLinear(a.out_proj.weight, a.out_proj.bias),
             "fc1": PackedLinear(f.fc1.weight, f.fc1.bias), "fc2": PackedLinear(f.fc2.weight, f.fc2.bias),
         })  # fmt: skip
-    return {
+    W = {
         "layers": layers, "lnf": _norm(model.ln_f), "head": PackedLinear(model.lm_head.weight),
         "greedy": GreedyHead(model.lm_head.weight) if _kernels_on() else None,
         "wte": model.wte.weight.detach(), "wpe": model.wpe.weight.detach(),
     }  # fmt: skip
+    W["flat"] = _flat_gpt2(W, model.config.activation)
+    return W
+
+
+def _flat_gpt2(W: dict, activation: str) -> list | None:
+    """The tensors of ``gpt2_decode_layers`` (every block in one C++ call), or None where it does not apply
+    (no kernels, an activation it does not fuse, LayerNorms with different eps)."""
+    eps = {n[2] for L in W["layers"] for n in (L["ln1"], L["ln2"])} | {W["lnf"][2]}
+    if not _kernels_on() or activation not in _EPILOGUE or len(eps) != 1:
+        return None
+    flat = []
+    for L in W["layers"]:
+        flat += [*L["ln1"][:2], L["qkv"].packed, L["qkv"].bias, L["out"].packed, L["out"].bias]
+        flat += [*L["ln2"][:2], L["fc1"].packed, L["fc1"].bias, L["fc2"].packed, L["fc2"].bias]
+    return [t.contiguous() for t in flat + list(W["lnf"][:2])]
 
 
 def gpt2_step(model, W: dict, tokens: Tensor, positions: Tensor, caches: list, mask: Tensor | None) -> Tensor:
@@ -293,10 +308,18 @@ def gpt2_step(model, W: dict, tokens: Tensor, positions: Tensor, caches: list, m
     cfg = model.config
     d, H = cfg.d_model, cfg.n_heads
     x = W["wte"][tokens] + W["wpe"][positions]  # (B, d)
+    length = caches[0].length + 1
+    flat = W.get("flat")
+    if flat is not None and x.shape[0] <= SKINNY_MAX_ROWS:  # every block in one C++ call
+        h = kernels.ops().gpt2_decode_layers(
+            x, flat, [c.k for c in caches], [c.v for c in caches], mask, length, W["lnf"][2], _EPILOGUE[cfg.activation]
+        )
+        for c in caches:
+            c.length = length
+        return h
     layers = W["layers"]
     w, b, eps = layers[0]["ln1"]
     h = F.layer_norm(x, (d,), w, b, eps)
-    length = caches[0].length + 1
     for i, L in enumerate(layers):
         qkv = L["qkv"](h)  # (B, 3d)
         c = caches[i]

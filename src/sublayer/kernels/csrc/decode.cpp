@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/core/ScalarType.h>
 #include <torch/library.h>
 
@@ -29,6 +30,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -158,57 +160,70 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
   using PanelFn = void (*)(const float*, int64_t, const T*, int64_t, float*);
   static constexpr PanelFn kPanel[ROWS + 1] = {nullptr, panel_kernel<T, 1>, panel_kernel<T, 2>, panel_kernel<T, 3>,
                                                panel_kernel<T, 4>};
-  // grain: at least ~256 KB of weights per task so small matrices do not pay for thread wake-ups
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, K * PANEL * int64_t(sizeof(T))));
-  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+  // Panels are handed out in chunks of ~256 KB from a shared counter, not split in halves up front: a thread
+  // that the OS or a neighbour slows down takes fewer chunks instead of holding the other one at the join.
+  const int64_t chunk = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, K * PANEL * int64_t(sizeof(T))));
+  const int64_t n_chunks = (P + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n_chunks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     float acc[ROWS * PANEL];
-    for (int64_t p = p0; p < p1; ++p) {
-      const T* w = wp + p * K * PANEL;
-      const int64_t c0 = p * PANEL, nc = std::min<int64_t>(PANEL, n - c0);
-      for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
-        const int64_t R = std::min<int64_t>(ROWS, M - r0);
-        kPanel[R](xp + r0 * ldx, ldx, w, K, acc);
-        float bpanel[PANEL] = {0};  // the bias of this panel, zero-padded past n
-        if (bp)
-          for (int64_t j = 0; j < nc; ++j) bpanel[j] = bp[c0 + j];
-        for (int64_t r = 0; r < R; ++r) {
-          float* a = acc + r * PANEL;
-          epilogue(a, bp ? bpanel : nullptr, act);
-          std::copy(a, a + nc, op + (r0 + r) * n + c0);
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;) {
+      for (int64_t p = c * chunk; p < std::min(P, (c + 1) * chunk); ++p) {
+        const T* w = wp + p * K * PANEL;
+        const int64_t c0 = p * PANEL, nc = std::min<int64_t>(PANEL, n - c0);
+        for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
+          const int64_t R = std::min<int64_t>(ROWS, M - r0);
+          kPanel[R](xp + r0 * ldx, ldx, w, K, acc);
+          float bpanel[PANEL] = {0};  // the bias of this panel, zero-padded past n
+          if (bp)
+            for (int64_t j = 0; j < nc; ++j) bpanel[j] = bp[c0 + j];
+          for (int64_t r = 0; r < R; ++r) {
+            float* a = acc + r * PANEL;
+            epilogue(a, bp ? bpanel : nullptr, act);
+            std::copy(a, a + nc, op + (r0 + r) * n + c0);
+          }
         }
       }
     }
   });
 }
 
+// Checks x (M, K) / packed (P, K, 16) / bias (n,) / act for skinny_linear; returns the bias pointer or null.
+const float* check_skinny(const char* op, const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias,
+                          int64_t n, int64_t act) {
+  TORCH_CHECK(act == EPI_NONE || act == EPI_RELU || act == EPI_GELU_TANH, op, ": act ", act,
+              " unsupported (0 none, 1 relu, 3 tanh-GELU)");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
+              ": x must be a 2-D float32 CPU tensor with unit inner stride");
+  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.is_contiguous() &&
+                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kHalf),
+              op, ": packed must be a contiguous 3-D float32 or float16 CPU tensor");
+  const int64_t K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K && packed.size(2) == PANEL, op, ": packed must be (P, K=", K, ", 16), got ",
+              packed.sizes());
+  TORCH_CHECK(n > (P - 1) * PANEL && n <= P * PANEL, op, ": n=", n, " does not fit ", P, " panels");
+  if (!(bias.has_value() && bias->defined())) return nullptr;
+  check_float_contig(*bias, op, 1);
+  TORCH_CHECK(bias->size(0) == n, op, ": bias must have ", n, " elements, got ", bias->size(0));
+  return bias->data_ptr<float>();
+}
+
+// out (M, n) row-major = act(x @ W^T + bias), arguments checked by check_skinny.
+void skinny_into(const Tensor& x, const Tensor& packed, const float* bp, int64_t n, int64_t act, float* out) {
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  if (M == 0 || n == 0) return;
+  if (packed.scalar_type() == at::kHalf)
+    skinny_panels(x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<at::Half>(), P, bp, n, act, out);
+  else
+    skinny_panels(x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<float>(), P, bp, n, act, out);
+}
+
 // x (M, K) float32 (row stride free, unit inner stride), packed (P, K, 16) -> (M, n) = act(x @ W^T + bias).
 Tensor skinny_linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias, int64_t n,
                      int64_t act) {
-  TORCH_CHECK(act == EPI_NONE || act == EPI_RELU || act == EPI_GELU_TANH, "skinny_linear: act ", act,
-              " unsupported (0 none, 1 relu, 3 tanh-GELU)");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-              "skinny_linear: x must be a 2-D float32 CPU tensor with unit inner stride");
-  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.is_contiguous() &&
-                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kHalf),
-              "skinny_linear: packed must be a contiguous 3-D float32 or float16 CPU tensor");
-  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K && packed.size(2) == PANEL, "skinny_linear: packed must be (P, K=", K,
-              ", 16), got ", packed.sizes());
-  TORCH_CHECK(n > (P - 1) * PANEL && n <= P * PANEL, "skinny_linear: n=", n, " does not fit ", P, " panels");
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    check_float_contig(*bias, "skinny_linear: bias", 1);
-    TORCH_CHECK(bias->size(0) == n, "skinny_linear: bias must have ", n, " elements, got ", bias->size(0));
-    bp = bias->data_ptr<float>();
-  }
-  Tensor out = at::empty({M, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (M == 0 || n == 0) return out;
-  if (packed.scalar_type() == at::kHalf)
-    skinny_panels(x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<at::Half>(), P, bp, n, act,
-                  out.data_ptr<float>());
-  else
-    skinny_panels(x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<float>(), P, bp, n, act,
-                  out.data_ptr<float>());
+  const float* bp = check_skinny("skinny_linear", x, packed, bias, n, act);
+  Tensor out = at::empty({x.size(0), n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  skinny_into(x, packed, bp, n, act, out.data_ptr<float>());
   return out;
 }
 
@@ -426,10 +441,73 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
   return out;
 }
 
+// h = LayerNorm(x) per row (two-pass variance), and first x += y when y is given: GPT-2's residual + ln.
+void add_layer_norm(float* x, const float* y, const Tensor& w, const Tensor& b, double eps, float* h, int64_t B,
+                    int64_t d) {
+  const float *wp = w.data_ptr<float>(), *bp = b.data_ptr<float>();
+  for (int64_t r = 0; r < B; ++r) {
+    float* xr = x + r * d;
+    if (y) {
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) xr[j] += y[r * d + j];
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < d; ++j) sum += xr[j];
+    const float m = sum / float(d);
+    float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t j = 0; j < d; ++j) sq += (xr[j] - m) * (xr[j] - m);
+    const float rs = 1.0f / std::sqrt(sq / float(d) + float(eps));
+    float* hr = h + r * d;
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) hr[j] = (xr[j] - m) * rs * wp[j] + bp[j];
+  }
+}
+
+// One GPT-2 decoding step through every block (models/decoding.py's gpt2_step, in one call): x (B, d) the
+// embeddings of this step's tokens; per block 12 tensors in `params` (ln_1 weight, bias; q|k|v packed, bias;
+// out-projection packed, bias; ln_2 weight, bias; fc1 packed, bias; fc2 packed, bias), then ln_f weight, bias;
+// the blocks' caches (B, H, T_max, hd), written at position length-1. Returns ln_f of the last residual (B, d).
+Tensor gpt2_decode_layers(const Tensor& x, at::TensorList params, at::TensorList k_caches, at::TensorList v_caches,
+                          const c10::optional<Tensor>& mask, int64_t length, double eps, int64_t act) {
+  const int64_t n_layers = int64_t(k_caches.size());
+  TORCH_CHECK(int64_t(params.size()) == 12 * n_layers + 2 && int64_t(v_caches.size()) == n_layers,
+              "gpt2_decode_layers: expected 12 tensors per block + 2 and one k/v cache per block");
+  check_float_contig(x, "gpt2_decode_layers: x", 2);
+  const int64_t B = x.size(0), d = x.size(1);
+  for (const Tensor& t : params)
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && (t.scalar_type() == at::kFloat || t.dim() == 3),
+                "gpt2_decode_layers: parameters must be contiguous CPU tensors");
+  Tensor resid = x.clone();
+  Tensor h = at::empty_like(resid);
+  float *rp = resid.data_ptr<float>(), *hp = h.data_ptr<float>();
+  add_layer_norm(rp, nullptr, params[0], params[1], eps, hp, B, d);
+  const double scale = 1.0 / std::sqrt(double(d / k_caches[0].size(1)));
+  for (int64_t i = 0; i < n_layers; ++i) {
+    const Tensor* P = params.data() + 12 * i;
+    const int64_t d3 = P[3].size(0), dff = P[9].size(0);
+    TORCH_CHECK(d3 == 3 * d && P[5].size(0) == d && P[11].size(0) == d, "gpt2_decode_layers: block ", i,
+                " has biases of the wrong sizes");
+    const Tensor qkv = skinny_linear(h, P[2], P[3], d3, EPI_NONE);
+    const Tensor ctx = decode_attention(qkv.narrow(1, 0, d), k_caches[i], v_caches[i], mask, length, scale,
+                                        qkv.narrow(1, d, d), qkv.narrow(1, 2 * d, d));
+    const Tensor o = skinny_linear(ctx, P[4], P[5], d, EPI_NONE);
+    add_layer_norm(rp, o.data_ptr<float>(), P[6], P[7], eps, hp, B, d);
+    const Tensor f = skinny_linear(h, P[8], P[9], dff, act);
+    const Tensor y = skinny_linear(f, P[10], P[11], d, EPI_NONE);
+    const Tensor* next = i + 1 < n_layers ? P + 12 : params.data() + 12 * n_layers;  // next ln_1, or ln_f
+    add_layer_norm(rp, y.data_ptr<float>(), next[0], next[1], eps, hp, B, d);
+  }
+  return h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("gpt2_decode_layers(Tensor x, Tensor[] params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor? mask, "
+        "int length, float eps, int act) -> Tensor");
   m.def("screened_argmax(Tensor x, Tensor screened, Tensor weight, Tensor? bias, Tensor bound) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int n, int act=0) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? mask, int length, float scale, "
@@ -438,6 +516,7 @@ TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
 
 TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
+  m.impl("gpt2_decode_layers", &gpt2_decode_layers);
   m.impl("screened_argmax", &screened_argmax);
   m.impl("skinny_linear", &skinny_linear);
   m.impl("decode_attention", &decode_attention);
