@@ -169,3 +169,38 @@ def test_other_activations_equal_the_reference(activation, kernels_mode, steps_t
     x = torch.randint(0, 29, (2, 5), generator=torch.Generator().manual_seed(1))
     got = model.generate(x, 9)
     assert steps_taken and got.tolist() == _reference(lambda: model.generate(x, 9)).tolist()
+
+
+@pytest.mark.skipif(not decoding._kernels_on(), reason="C++ kernels unavailable")
+def test_one_call_step_equals_the_per_op_step(ours):
+    """gpt2_decode_layers (every block in C++) against gpt2_step's per-op path over the same packed weights, with
+    a padding mask; both append the same keys/values to their caches."""
+    from torch.testing import assert_close
+
+    W = dict(decoding._weights(ours, decoding._build_gpt2))
+    assert W["flat"] is not None
+    cfg = ours.config
+    b, t = 3, 7
+    g = torch.Generator().manual_seed(4)
+    hd = cfg.d_model // cfg.n_heads
+
+    def caches():
+        cs = [decoding.StaticKVCache(b, cfg.n_heads, t + 1, hd) for _ in range(cfg.n_layers)]
+        for c in cs:
+            c.k.copy_(torch.randn(c.k.shape, generator=torch.Generator().manual_seed(1)))
+            c.v.copy_(torch.randn(c.v.shape, generator=torch.Generator().manual_seed(2)))
+            c.length = t
+        return cs
+
+    mask = torch.zeros(b, t + 1, dtype=torch.bool)
+    mask[1, :2] = True
+    tok = torch.randint(3, VOCAB, (b,), generator=g)
+    pos = torch.tensor([t, t - 2, t])
+    c1, c2 = caches(), caches()
+    got = decoding.gpt2_step(ours, W, tok, pos, c1, mask)
+    want = decoding.gpt2_step(ours, {**W, "flat": None}, tok, pos, c2, mask)
+    assert_close(got, want)
+    for a, r in zip(c1, c2):
+        assert a.length == r.length == t + 1
+        assert_close(a.k[:, :, : t + 1], r.k[:, :, : t + 1])
+        assert_close(a.v[:, :, : t + 1], r.v[:, :, : t + 1])
