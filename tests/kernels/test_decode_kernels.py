@@ -137,3 +137,18 @@ def test_skinny_linear_on_float16_panels_matches_the_widened_weight(rows):
 def test_pack_linear_weight_rejects_other_dtypes():
     with pytest.raises(RuntimeError, match="float32 or float16"):
         _ops().pack_linear_weight(torch.randn(4, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_skinny_linear_over_several_chunks_of_panels(rows, dtype):
+    # K = 3001: a panel is ~190 KB, so the 10 panels form three chunks (4, 4, 2): one row reads four panels at a
+    # time where it can and one at a time in the last chunk; several rows take the per-panel micro-kernel
+    g = _gen(rows + 31)
+    w, x, b = torch.randn(149, 3001, generator=g), torch.randn(rows, 3001, generator=g), torch.randn(149, generator=g)
+    w = w.to(dtype)
+    got = _ops().skinny_linear(x, _ops().pack_linear_weight(w), b, 149, 1)
+    want = F.relu(F.linear(x.double(), w.double(), b.double()))
+    # a float32 sum of K products in any order is within K u sum|x_k w_k| of the exact one (u = 2^-24)
+    bound = 3001 * 2.0**-24 * (x.double().abs() @ w.double().abs().T).max().item()
+    assert_close(got.double(), want, atol=bound, rtol=0)

@@ -41,6 +41,7 @@ namespace {
 using at::Tensor;
 constexpr int64_t PANEL = 16;  // output columns per packed panel (two AVX2 vectors)
 constexpr int64_t ROWS = 4;    // rows of x per micro-kernel call
+constexpr int STREAMS = 4;     // panels read at once for a single row (panels_kernel)
 
 void check_float_contig(const Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
@@ -104,6 +105,45 @@ inline void panel_kernel(const float* x, int64_t ldx, const T* w, int64_t K, flo
 #endif
 }
 
+// One row against NP panels at once (acc + i*16 as panel_kernel<T, 1> for panel w + i*K*16): NP weight streams in
+// flight per thread keep more cache-line misses outstanding than one, which is what bounds a core's read bandwidth
+// (GPT-2's layers: ~19 GB/s with one stream per thread, ~26 GB/s with four, on the 2-core Xeon here). 2*NP
+// accumulators (8 for NP=4) fit AVX2's 16 registers and are enough independent FMA chains.
+template <typename T, int NP>
+inline void panels_kernel(const float* x, const T* w, int64_t K, float* acc) {
+#if SUBLAYER_DECODE_AVX2
+  __m256 a0[NP], a1[NP];
+  for (int i = 0; i < NP; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
+  const int64_t stride = K * PANEL;
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    const __m256 xa = _mm256_broadcast_ss(x + k), xb = _mm256_broadcast_ss(x + k + 1);
+    for (int i = 0; i < NP; ++i) {
+      const T* wi = w + i * stride + k * PANEL;
+      _mm_prefetch(reinterpret_cast<const char*>(wi) + 2048, _MM_HINT_T0);
+      if (sizeof(T) == 4) _mm_prefetch(reinterpret_cast<const char*>(wi) + 2048 + 64, _MM_HINT_T0);
+      a0[i] = _mm256_fmadd_ps(xa, load8(wi), a0[i]);
+      a1[i] = _mm256_fmadd_ps(xa, load8(wi + 8), a1[i]);
+      a0[i] = _mm256_fmadd_ps(xb, load8(wi + 16), a0[i]);
+      a1[i] = _mm256_fmadd_ps(xb, load8(wi + 24), a1[i]);
+    }
+  }
+  for (; k < K; ++k) {
+    const __m256 xa = _mm256_broadcast_ss(x + k);
+    for (int i = 0; i < NP; ++i) {
+      a0[i] = _mm256_fmadd_ps(xa, load8(w + i * stride + k * PANEL), a0[i]);
+      a1[i] = _mm256_fmadd_ps(xa, load8(w + i * stride + k * PANEL + 8), a1[i]);
+    }
+  }
+  for (int i = 0; i < NP; ++i) {
+    _mm256_storeu_ps(acc + i * PANEL, a0[i]);
+    _mm256_storeu_ps(acc + i * PANEL + 8, a1[i]);
+  }
+#else
+  for (int i = 0; i < NP; ++i) panel_kernel<T, 1>(x, 0, w + i * K * PANEL, K, acc + i * PANEL);
+#endif
+}
+
 // Epilogue activations (ids as sublayer.functional.fused._ACT_IDS): 0 none, 1 relu, 3 tanh-GELU (HF gelu_new)
 // computed as z * sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3), since 1 + tanh(u) = 2 sigmoid(2u).
 enum EpiAct : int64_t { EPI_NONE = 0, EPI_RELU = 1, EPI_GELU_TANH = 3 };
@@ -162,13 +202,29 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
                                                panel_kernel<T, 4>};
   // Panels are handed out in chunks of ~256 KB from a shared counter, not split in halves up front: a thread
   // that the OS or a neighbour slows down takes fewer chunks instead of holding the other one at the join.
-  const int64_t chunk = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, K * PANEL * int64_t(sizeof(T))));
+  // (a multiple of STREAMS panels, so that a single row reads STREAMS panels at a time)
+  const int64_t bytes = std::max<int64_t>(1, K * PANEL * int64_t(sizeof(T)));
+  const int64_t chunk = ((std::max<int64_t>(1, (int64_t(1) << 18) / bytes) + STREAMS - 1) / STREAMS) * STREAMS;
   const int64_t n_chunks = (P + chunk - 1) / chunk;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(n_chunks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    float acc[ROWS * PANEL];
+    float acc[std::max<int64_t>(ROWS, STREAMS) * PANEL];
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;) {
-      for (int64_t p = c * chunk; p < std::min(P, (c + 1) * chunk); ++p) {
+      const int64_t pe = std::min(P, (c + 1) * chunk);
+      int64_t p = c * chunk;
+      if (M == 1)  // one row (batch-1 decoding): STREAMS panels at a time
+        for (; p + STREAMS <= pe; p += STREAMS) {
+          panels_kernel<T, STREAMS>(xp, wp + p * K * PANEL, K, acc);
+          for (int64_t q = 0; q < STREAMS; ++q) {
+            const int64_t c0 = (p + q) * PANEL, nc = std::min<int64_t>(PANEL, n - c0);
+            float bpanel[PANEL] = {0};
+            if (bp)
+              for (int64_t j = 0; j < nc; ++j) bpanel[j] = bp[c0 + j];
+            epilogue(acc + q * PANEL, bp ? bpanel : nullptr, act);
+            std::copy(acc + q * PANEL, acc + q * PANEL + nc, op + c0);
+          }
+        }
+      for (; p < pe; ++p) {
         const T* w = wp + p * K * PANEL;
         const int64_t c0 = p * PANEL, nc = std::min<int64_t>(PANEL, n - c0);
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
