@@ -480,7 +480,23 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
       std::fill(o, o + hd, 0.0f);
       if (mx == -std::numeric_limits<float>::infinity()) continue;  // every key masked: zeros (as SDPA)
       float sum = 0.0f;
-      for (int64_t j = 0; j < length; ++j) {
+      int64_t j = 0;
+#if SUBLAYER_DECODE_AVX2
+      {  // exp of 8 scores at a time (exp256: ~1 ulp; masked scores, -inf, are clamped to e^-87.3 -> re-zeroed)
+        __m256 vs = _mm256_setzero_ps();
+        const __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+        for (; j + 8 <= length; j += 8) {
+          const __m256 v = _mm256_loadu_ps(s.data() + j);
+          const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(v, ninf, _CMP_EQ_OQ), exp256(_mm256_sub_ps(v, vmx)));
+          _mm256_storeu_ps(s.data() + j, e);
+          vs = _mm256_add_ps(vs, e);
+        }
+        float l8[8];
+        _mm256_storeu_ps(l8, vs);
+        for (float l : l8) sum += l;
+      }
+#endif
+      for (; j < length; ++j) {
         s[j] = std::exp(s[j] - mx);
         sum += s[j];
       }
