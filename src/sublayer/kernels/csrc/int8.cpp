@@ -283,31 +283,27 @@ Tensor pack_int8_linear_weight(const Tensor& q) {
 template <int R>
 inline void i8_panel_kernel(const float* x, int64_t ldx, const int8_t* w, int64_t K, float* acc) {
 #if defined(__AVX2__) && defined(__FMA__)
-  // R <= 2: two accumulator sets (even / odd k) so one row does not wait on the FMA latency; R > 2 has enough
-  // independent chains with one set (and keeps the register count within AVX2's 16)
-  constexpr bool dual = R <= 2;
-  __m256 a0[R], a1[R], b0[R], b1[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = b0[r] = b1[r] = _mm256_setzero_ps();
+  // R <= 2: a second accumulator set (odd k) so one row does not wait on the FMA latency; R > 2 has enough
+  // independent chains with one set (and keeps the accumulators within AVX2's 16 registers)
+  constexpr int S = R <= 2 ? 2 : 1;
+  __m256 lo[S][R], hi[S][R];
+  for (int u = 0; u < S; ++u)
+    for (int r = 0; r < R; ++r) lo[u][r] = hi[u][r] = _mm256_setzero_ps();
   auto widen = [](const int8_t* p) {  // 8 int8 -> 8 fp32
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   };
   int64_t k = 0;
   for (; k + 2 <= K; k += 2) {
-    // 64 bytes = 4 k ahead per line; prefetch ~2 KB ahead (the hardware streamer stops at 4 KB pages)
+    // 64 bytes = 4 k per line; prefetch ~2 KB ahead (the hardware streamer stops at 4 KB pages)
     if ((k & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k * I8_PANEL) + 2048, _MM_HINT_T0);
     const int8_t* wk = w + k * I8_PANEL;
     const __m256 w0 = widen(wk), w1 = widen(wk + 8), w2 = widen(wk + 16), w3 = widen(wk + 24);
     for (int r = 0; r < R; ++r) {
       const __m256 xa = _mm256_broadcast_ss(x + r * ldx + k), xb = _mm256_broadcast_ss(x + r * ldx + k + 1);
-      a0[r] = _mm256_fmadd_ps(xa, w0, a0[r]);
-      a1[r] = _mm256_fmadd_ps(xa, w1, a1[r]);
-      if (dual) {
-        b0[r] = _mm256_fmadd_ps(xb, w2, b0[r]);
-        b1[r] = _mm256_fmadd_ps(xb, w3, b1[r]);
-      } else {
-        a0[r] = _mm256_fmadd_ps(xb, w2, a0[r]);
-        a1[r] = _mm256_fmadd_ps(xb, w3, a1[r]);
-      }
+      lo[0][r] = _mm256_fmadd_ps(xa, w0, lo[0][r]);
+      hi[0][r] = _mm256_fmadd_ps(xa, w1, hi[0][r]);
+      lo[S - 1][r] = _mm256_fmadd_ps(xb, w2, lo[S - 1][r]);
+      hi[S - 1][r] = _mm256_fmadd_ps(xb, w3, hi[S - 1][r]);
     }
   }
   for (; k < K; ++k) {
@@ -315,13 +311,18 @@ inline void i8_panel_kernel(const float* x, int64_t ldx, const int8_t* w, int64_
     const __m256 w0 = widen(wk), w1 = widen(wk + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 xa = _mm256_broadcast_ss(x + r * ldx + k);
-      a0[r] = _mm256_fmadd_ps(xa, w0, a0[r]);
-      a1[r] = _mm256_fmadd_ps(xa, w1, a1[r]);
+      lo[0][r] = _mm256_fmadd_ps(xa, w0, lo[0][r]);
+      hi[0][r] = _mm256_fmadd_ps(xa, w1, hi[0][r]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(acc + r * I8_PANEL, dual ? _mm256_add_ps(a0[r], b0[r]) : a0[r]);
-    _mm256_storeu_ps(acc + r * I8_PANEL + 8, dual ? _mm256_add_ps(a1[r], b1[r]) : a1[r]);
+    __m256 a = lo[0][r], b = hi[0][r];
+    if constexpr (S == 2) {
+      a = _mm256_add_ps(a, lo[1][r]);
+      b = _mm256_add_ps(b, hi[1][r]);
+    }
+    _mm256_storeu_ps(acc + r * I8_PANEL, a);
+    _mm256_storeu_ps(acc + r * I8_PANEL + 8, b);
   }
 #else
   for (int r = 0; r < R; ++r) {
