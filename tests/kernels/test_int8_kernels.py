@@ -84,6 +84,14 @@ def test_bad_inputs_are_named():
 
 
 # ------------------------------------------------------------------------------- weight-only int8 GEMV (decoding)
+@pytest.fixture(params=["avx512", "avx2"])
+def gemv_isa(request):
+    """Each GEMV test with the AVX-512 micro-kernel (where compiled in) and with the AVX2 one."""
+    was = kernels.ops().int8_gemv_avx512(int(request.param == "avx512"))
+    yield request.param
+    kernels.ops().int8_gemv_avx512(int(was))
+
+
 def test_pack_int8_layout_is_panels_of_16_columns_zero_padded():
     q = torch.randint(-127, 128, (37, 13), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
     packed = kernels.ops().pack_int8_linear_weight(q)
@@ -92,10 +100,10 @@ def test_pack_int8_layout_is_panels_of_16_columns_zero_padded():
     assert torch.equal(packed, want)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 37])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 37])
 @pytest.mark.parametrize(("n", "k"), [(37, 13), (17, 29), (5, 3), (53, 101)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_int8_skinny_linear_matches_dequantized_reference(rows, n, k, bias):
+def test_int8_skinny_linear_matches_dequantized_reference(rows, n, k, bias, gemv_isa):
     from sublayer.models.quantized_gpt2 import weight_int8_linear_reference
 
     from ._tol import assert_fast_close
@@ -111,8 +119,8 @@ def test_int8_skinny_linear_matches_dequantized_reference(rows, n, k, bias):
 
 
 @pytest.mark.parametrize("act", sorted(_ACT_IDS))
-@pytest.mark.parametrize("rows", [1, 6])
-def test_int8_skinny_linear_fused_activation(act, rows):
+@pytest.mark.parametrize("rows", [1, 6, 11])
+def test_int8_skinny_linear_fused_activation(act, rows, gemv_isa):
     from ._tol import assert_fast_close
 
     g = torch.Generator().manual_seed(rows)
