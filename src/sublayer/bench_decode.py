@@ -10,8 +10,10 @@ steps/s, beside the machine's copy bandwidth (read + write) and two single GEMVs
 int8 rows: ``fast_inference(gpt2, quantize="int8")`` (weight-only int8, :mod:`sublayer.models.quantized_gpt2`;
 also with the LM head kept float) against CTranslate2 ``compute_type="int8"`` (quantized by CTranslate2 when it
 loads the float32 conversion), each with the fraction of its greedy tokens equal to sublayer's fp32 ones
-("same as fp32": position by position, so one early difference counts every later token too). On the random
-weights used here the next-token distributions are flat, which makes that fraction a pessimistic figure.
+("same as fp32": position by position, so one early difference counts every later token too) and, for
+sublayer's int8 models, the teacher-forced next-token agreement ("next-token agreement": the argmax of the int8
+model's logits over the fp32 greedy sequence equals the fp32 token). On the random weights used here the
+next-token distributions are flat, which makes both fractions pessimistic figures.
 """
 
 from __future__ import annotations
@@ -255,6 +257,12 @@ def run_decode_bench(
             for name, fn in fns.items():
                 times[name].append(_seconds(fn))
         hf_out, fp32 = outs.get("HF generate"), outs["sublayer GPT2.generate"]
+        forced = {}  # teacher-forced next-token agreement of our int8 models with the fp32 greedy tokens
+        seq = torch.cat([ids, fp32], 1)
+        for name, obj in (("sublayer int8", int8), ("sublayer int8, head float", int8_head_float)):
+            if name in fns and obj is not None:
+                pred = obj(seq)[:, prompt - 1 : -1].argmax(-1)
+                forced[name] = float((pred == fp32).float().mean())
         for name in fns:
             sec = statistics.median(times[name])
             tps = b * new / sec
@@ -262,11 +270,12 @@ def run_decode_bench(
             row = {
                 "case": case, "batch": b, "engine": name, "tok/s": tps, "GB/s": nbytes * new / sec / 1e9,
                 "same tokens as HF": None if hf_out is None else outs[name].tolist() == hf_out.tolist(),
-                "same as fp32": float((outs[name] == fp32).float().mean()),
+                "same as fp32": float((outs[name] == fp32).float().mean()), "next-token agreement": forced.get(name),
             }  # fmt: skip
             rows.append(row)
+            extra = "" if name not in forced else f"  next-token agreement: {forced[name]:.3f}"
             log(f"batch {b:2d}  {name:30s} {tps:8.1f} tok/s  {row['GB/s']:6.1f} GB/s  "
-                f"same as HF: {row['same tokens as HF']}  same as fp32: {row['same as fp32']:.3f}")
+                f"same as HF: {row['same tokens as HF']}  same as fp32: {row['same as fp32']:.3f}{extra}")
         for ours_name, peer in (("sublayer GPT2.generate", "CTranslate2 float32"), ("sublayer int8", "CTranslate2 int8")):
             if ours_name in fns and peer in fns:
                 r = statistics.median(times[peer]) / statistics.median(times[ours_name])
@@ -277,13 +286,15 @@ def run_decode_bench(
     (out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [
         f"# Decoding ({case}; {threads} threads; copy bandwidth {copy:.1f} GB/s)", "",
-        "| batch | engine | tok/s | GB/s | same tokens as HF | same as fp32 |", "|---|---|---|---|---|---|",
+        "| batch | engine | tok/s | GB/s | same tokens as HF | same as fp32 | next-token agreement |",
+        "|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in rows:
         if "engine" in r and "batch" in r:
+            nta = "" if r["next-token agreement"] is None else f"{r['next-token agreement']:.3f}"
             lines.append(
                 f"| {r['batch']} | {r['engine']} | {r['tok/s']:.1f} | {r['GB/s']:.1f} | {r['same tokens as HF']} | "
-                f"{r['same as fp32']:.3f} |"
+                f"{r['same as fp32']:.3f} | {nta} |"
             )
     lines += ["", "| GEMV | rows | engine | ms | GB/s |", "|---|---|---|---|---|"]
     for r in rows:

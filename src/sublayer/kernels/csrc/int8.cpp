@@ -19,6 +19,8 @@
 //    multiplied with FMA: exact products, fp32 sums (as x @ dequant(q)^T up to the summation order); the scale
 //    is applied once per column at the end. Any M works (4 rows per micro-kernel call, each panel read from
 //    memory once and re-read from cache by the next rows); panels split over the threads (at::parallel_for).
+//    Compiled for AVX-512, a 16-lane micro-kernel (8 rows per call) runs instead (int8_gemv_avx512 switches it);
+//    without AVX2 a scalar loop.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
