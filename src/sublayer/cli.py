@@ -315,8 +315,8 @@ def bench(
     ),
     reuse_memory: bool = typer.Option(False, "--reuse-memory", help="Same as --malloc reuse."),
     decode: bool = typer.Option(
-        False, "--decode", help="Run the decoding benchmark instead: GPT-2 generation tok/s and GB/s vs HF and "
-        "CTranslate2 (rows appear when ctranslate2 is installed: pip install 'sublayer[peers]')."
+        False, "--decode", help="Run the decoding benchmark instead: GPT-2 generation tok/s and GB/s, fp32 and int8, "
+        "vs HF and CTranslate2 (rows appear when ctranslate2 is installed: pip install 'sublayer[peers]')."
     ),
 ) -> None:
     """Time sublayer's fused FFN / Add & Norm / EncoderBlock against eager PyTorch, HF and torch.compile."""

@@ -99,10 +99,18 @@ def test_head_kept_float_only_changes_the_head():
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_generate_fast_loop_equals_reference_loop(padded, kernels_mode):
+def test_generate_fast_loop_equals_reference_loop(padded, kernels_mode, monkeypatch):
     """decoding.gpt2_generate over the int8 weights vs GPT2.generate's reference loop on the wrapper (and
     greedy vs seeded sampling), with the kernels on and off (kernels_mode)."""
     qm = Q.quantize(_gpt2(), keep_float=("layers.1.fc1",))
+    calls = []
+    real = decoding.gpt2_generate
+
+    def spy(model, *args, weights=None, **kw):
+        calls.append(model is qm and weights is qm.decode_weights())
+        return real(model, *args, weights=weights, **kw)
+
+    monkeypatch.setattr(decoding, "gpt2_generate", spy)
     ids = _ids(3, 7)
     mask = torch.ones_like(ids)
     if padded:
@@ -117,6 +125,7 @@ def test_generate_fast_loop_equals_reference_loop(padded, kernels_mode):
             decoding.set_enabled(True)
 
     assert torch.equal(run(True), run(False))
+    assert calls == [True]  # the fast loop ran once, on the int8 weights; the reference loop without it
     s = dict(do_sample=True, top_k=5)
     assert torch.equal(
         run(True, **s, generator=torch.Generator().manual_seed(2)), run(False, **s, generator=torch.Generator().manual_seed(2))
