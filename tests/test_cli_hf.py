@@ -182,6 +182,28 @@ def test_embed_quantize_int8(cli, bert_dir, tmp_path):
     _one_line_error(code, err, "quantize must be None or one of 'int8', got 'int4'")
 
 
+def test_generate_quantize_int8(cli, gpt2_dir, bert_dir, tmp_path):
+    import shutil
+
+    from sublayer.models import quantized
+
+    code, out8, _ = cli("generate", "--model", gpt2_dir, "--quantize", "int8", "-n", "6", "5 6 7")
+    assert code == 0
+    want = quantized.quantize(GPT2.from_pretrained(gpt2_dir)).generate(torch.tensor([[5, 6, 7]]), 6, eos_token_id=2)
+    assert out8.split() == [str(i) for i in want[0].tolist()]
+    quantized.quantize(GPT2.from_pretrained(gpt2_dir)).save_pretrained(tmp_path / "g")  # a saved int8 folder
+    shutil.copy(gpt2_dir / "tokenizer.json", tmp_path / "g")
+    code, saved, _ = cli("generate", "--model", tmp_path / "g", "-n", "6", "5 6 7")
+    assert code == 0 and saved == out8
+    code, _, err = cli("generate", "--model", gpt2_dir, "--quantize", "int4", "5 6")
+    _one_line_error(code, err, "quantize must be None or one of 'int8', got 'int4'")
+    quantized.quantize(Bert.from_pretrained(bert_dir)).save_pretrained(tmp_path / "b")
+    code, _, err = cli("generate", "--model", tmp_path / "b", "5 6")
+    _one_line_error(code, err, "holds a quantized QuantizedBert, not a GPT-2")
+    code, _, err = cli("embed", "--model", tmp_path / "g", "hello")
+    _one_line_error(code, err, "holds a quantized QuantizedGPT2, not a BERT")
+
+
 def test_embed_errors(cli, bert_dir, gpt2_dir, tmp_path):
     make_hf_bert().save_pretrained(tmp_path)
     code, _, err = cli("embed", "--model", tmp_path, "hello")

@@ -6,6 +6,14 @@ reference loop it replaced (``SUBLAYER_DECODING=0``), HF ``generate`` and, when 
 (``pip install 'sublayer[peers]'``), CTranslate2's ``Generator`` in float32. Runs are interleaved (engine after
 engine, repeated); the median is reported. ``GB/s`` = matrix bytes read per decoding step (every weight once) x
 steps/s, beside the machine's copy bandwidth (read + write) and two single GEMVs (torch vs ``skinny_linear``).
+
+int8 rows: ``fast_inference(gpt2, quantize="int8")`` (weight-only int8, :mod:`sublayer.models.quantized_gpt2`;
+also with the LM head kept float) against CTranslate2 ``compute_type="int8"`` (quantized by CTranslate2 when it
+loads the float32 conversion), each with the fraction of its greedy tokens equal to sublayer's fp32 ones
+("same as fp32": position by position, so one early difference counts every later token too) and, for
+sublayer's int8 models, the teacher-forced next-token agreement ("next-token agreement": the argmax of the int8
+model's logits over the fp32 greedy sequence equals the fp32 token). On the random weights used here the
+next-token distributions are flat, which makes both fractions pessimistic figures.
 """
 
 from __future__ import annotations
@@ -43,12 +51,15 @@ def _gemv_rows(n: int, k: int, reps: int) -> list[dict]:
         return []
     w = torch.randn(n, k)
     packed = kernels.ops().pack_linear_weight(w)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    q_packed, q_scale = kernels.ops().pack_int8_linear_weight(q), torch.rand(n)
     rows = []
     for m in (1, 8):
         x = torch.randn(m, k)
         fns = {
             "torch F.linear": lambda: F.linear(x, w),
             "sublayer skinny_linear": lambda: kernels.ops().skinny_linear(x, packed, None, n),
+            "sublayer int8_skinny_linear": lambda: kernels.ops().int8_skinny_linear(x, q_packed, q_scale, None, n),
         }
         ts = {name: [] for name in fns}
         for _ in range(reps):
@@ -56,7 +67,7 @@ def _gemv_rows(n: int, k: int, reps: int) -> list[dict]:
                 ts[name].append(_seconds(fn))
         for name, t in ts.items():
             sec = statistics.median(t)
-            gbps = w.nbytes / sec / 1e9
+            gbps = (q.nbytes if "int8" in name else w.nbytes) / sec / 1e9
             rows.append({"case": f"GEMV {n}x{k}", "rows": m, "engine": name, "ms": sec * 1e3, "GB/s": gbps})
     return rows
 
@@ -78,7 +89,9 @@ def _hf_folder(cfg, out: Path) -> Path:
     return folder
 
 
-def _ct2_generator(folder: Path, threads: int):
+def _ct2_generator(folder: Path, threads: int, compute_type: str = "float32"):
+    """CTranslate2's generator on the float32 conversion of ``folder``, its weights cast to ``compute_type`` on
+    load (``"int8"``: CTranslate2's int8 quantization); None without ctranslate2."""
     try:
         import ctranslate2
     except ImportError:
@@ -86,7 +99,7 @@ def _ct2_generator(folder: Path, threads: int):
     ct2 = folder.parent / (folder.name + "-ct2-float32")
     if not (ct2 / "model.bin").is_file():
         ctranslate2.converters.TransformersConverter(str(folder)).convert(str(ct2), force=True)
-    return ctranslate2.Generator(str(ct2), device="cpu", compute_type="float32", intra_threads=threads)
+    return ctranslate2.Generator(str(ct2), device="cpu", compute_type=compute_type, intra_threads=threads)
 
 
 def _translate_rows(quick: bool, reps: int, log: Callable[[str], None]) -> list[dict]:
@@ -138,15 +151,19 @@ def run_decode_bench(
     batches: tuple[int, ...] = (1, 8),
     reps: int | None = None,
     peers: bool = True,
+    engines: str | None = None,
+    translate: bool = True,
     log: Callable[[str], None] = print,
 ) -> list[dict]:
     """Time greedy generation (prompt 32, 64 new tokens; GPT-2 small: 12 layers, d 768, vocab 50257 — ``quick``:
     4 layers, d 256, vocab 8191, 16 new tokens) per engine and batch size; write ``decode.json``/``decode.md``.
 
-    Then ``Transformer.translate`` fast vs reference (see :func:`_translate_rows`).
+    Then ``Transformer.translate`` fast vs reference (see :func:`_translate_rows`; ``translate=False`` skips it).
+    ``engines``: comma-separated substrings of engine names to run (default all).
 
     Returns:
-        the rows (dicts: case, batch, engine, tok/s, GB/s, same tokens as HF; GEMV rows; translate rows).
+        the rows (dicts: case, batch, engine, tok/s, GB/s, same tokens as HF, same as fp32; GEMV rows; translate
+        rows).
     """
     from . import kernels
     from .models import GPT2, GPT2Config, decoding
@@ -170,6 +187,7 @@ def run_decode_bench(
     folder = _hf_folder(cfg, out)
     model = GPT2.from_pretrained(folder).eval()
     fast = fast_inference(model, dtype=torch.float32)
+    int8 = fast_inference(model, quantize="int8")
     hf = None
     if peers:
         try:
@@ -179,6 +197,17 @@ def run_decode_bench(
         except ImportError:
             hf = None
     ct2 = _ct2_generator(folder, threads) if peers else None
+    ct2_int8 = _ct2_generator(folder, threads, "int8") if peers else None
+    wanted = None if engines is None else [e.strip() for e in engines.split(",") if e.strip()]
+
+    def want(name: str) -> bool:
+        return wanted is None or name == "sublayer GPT2.generate" or any(w in name for w in wanted)
+
+    int8_head_float = None  # the LM head kept float: what int8 on the head costs in accuracy / buys in speed
+    if want("sublayer int8, head float"):
+        from .models import quantized
+
+        int8_head_float = quantized.quantize(model, keep_float=("head",))
     copy = _copy_gbps()
     log(f"copy bandwidth {copy:.1f} GB/s (read + write), {threads} threads; "
         f"{step_bytes / 1e6:.0f} MB of weights per step")
@@ -201,6 +230,8 @@ def run_decode_bench(
             "sublayer GPT2.generate": ours,
             "sublayer fast_inference fp32": lambda: ours(fast),
             "sublayer reference loop": lambda: ours(model, False),
+            "sublayer int8": lambda: ours(int8),
+            "sublayer int8, head float": lambda: ours(int8_head_float),
         }
         if hf is not None:
             fns["HF generate"] = lambda: hf.generate(
@@ -210,43 +241,60 @@ def run_decode_bench(
         if ct2 is not None:
             toks = [[f"t{i}" for i in row] for row in ids.tolist()]
 
-            def ct2_run():
-                res = ct2.generate_batch(
+            def ct2_run(gen=ct2):
+                res = gen.generate_batch(
                     toks, max_length=new, min_length=new, include_prompt_in_result=False, sampling_topk=1
                 )
                 return torch.tensor([r.sequences_ids[0] for r in res])
 
             fns["CTranslate2 float32"] = ct2_run
+            if ct2_int8 is not None:
+                fns["CTranslate2 int8"] = lambda: ct2_run(ct2_int8)
+        fns = {name: fn for name, fn in fns.items() if want(name)}
         outs = {name: fn() for name, fn in fns.items()}  # warm-up (packs the weights, builds caches)
         times: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(reps):
             for name, fn in fns.items():
                 times[name].append(_seconds(fn))
-        want = outs.get("HF generate")
+        hf_out, fp32 = outs.get("HF generate"), outs["sublayer GPT2.generate"]
+        forced = {}  # teacher-forced next-token agreement of our int8 models with the fp32 greedy tokens
+        seq = torch.cat([ids, fp32], 1)
+        for name, obj in (("sublayer int8", int8), ("sublayer int8, head float", int8_head_float)):
+            if name in fns and obj is not None:
+                pred = obj(seq)[:, prompt - 1 : -1].argmax(-1)
+                forced[name] = float((pred == fp32).float().mean())
         for name in fns:
             sec = statistics.median(times[name])
             tps = b * new / sec
+            nbytes = step_bytes / 4 if "int8" in name else step_bytes  # int8: a byte per weight (+ scales)
             row = {
-                "case": case, "batch": b, "engine": name, "tok/s": tps, "GB/s": step_bytes * new / sec / 1e9,
-                "same tokens as HF": None if want is None else outs[name].tolist() == want.tolist(),
+                "case": case, "batch": b, "engine": name, "tok/s": tps, "GB/s": nbytes * new / sec / 1e9,
+                "same tokens as HF": None if hf_out is None else outs[name].tolist() == hf_out.tolist(),
+                "same as fp32": float((outs[name] == fp32).float().mean()), "next-token agreement": forced.get(name),
             }  # fmt: skip
             rows.append(row)
+            extra = "" if name not in forced else f"  next-token agreement: {forced[name]:.3f}"
             log(f"batch {b:2d}  {name:30s} {tps:8.1f} tok/s  {row['GB/s']:6.1f} GB/s  "
-                f"same as HF: {row['same tokens as HF']}")
-        if "CTranslate2 float32" in fns:
-            r = statistics.median(times["CTranslate2 float32"]) / statistics.median(times["sublayer GPT2.generate"])
-            log(f"batch {b:2d}  sublayer GPT2.generate / CTranslate2 float32 tok/s: x{r:.2f}")
-    rows += _translate_rows(quick, reps, log)
+                f"same as HF: {row['same tokens as HF']}  same as fp32: {row['same as fp32']:.3f}{extra}")
+        for ours_name, peer in (("sublayer GPT2.generate", "CTranslate2 float32"), ("sublayer int8", "CTranslate2 int8")):
+            if ours_name in fns and peer in fns:
+                r = statistics.median(times[peer]) / statistics.median(times[ours_name])
+                log(f"batch {b:2d}  {ours_name} / {peer} tok/s: x{r:.2f}")
+    if translate:
+        rows += _translate_rows(quick, reps, log)
     meta = {"threads": threads, "copy GB/s": copy, "step bytes": step_bytes, "kernels": kernels.status(), "reps": reps}
     (out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [
         f"# Decoding ({case}; {threads} threads; copy bandwidth {copy:.1f} GB/s)", "",
-        "| batch | engine | tok/s | GB/s | same tokens as HF |", "|---|---|---|---|---|",
+        "| batch | engine | tok/s | GB/s | same tokens as HF | same as fp32 | next-token agreement |",
+        "|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in rows:
         if "engine" in r and "batch" in r:
+            nta = "" if r["next-token agreement"] is None else f"{r['next-token agreement']:.3f}"
             lines.append(
-                f"| {r['batch']} | {r['engine']} | {r['tok/s']:.1f} | {r['GB/s']:.1f} | {r['same tokens as HF']} |"
+                f"| {r['batch']} | {r['engine']} | {r['tok/s']:.1f} | {r['GB/s']:.1f} | {r['same tokens as HF']} | "
+                f"{r['same as fp32']:.3f} | {nta} |"
             )
     lines += ["", "| GEMV | rows | engine | ms | GB/s |", "|---|---|---|---|---|"]
     for r in rows:
@@ -274,7 +322,10 @@ if __name__ == "__main__":
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--engines", default=None, help="comma-separated substrings of engine names (default all)")
+    ap.add_argument("--no-translate", action="store_true")
     a = ap.parse_args()
     run_decode_bench(
-        a.out, quick=a.quick, batches=tuple(int(x) for x in a.batches.split(",")), reps=a.reps, peers=not a.no_peers
+        a.out, quick=a.quick, batches=tuple(int(x) for x in a.batches.split(",")), reps=a.reps, peers=not a.no_peers,
+        engines=a.engines, translate=not a.no_translate,
     )

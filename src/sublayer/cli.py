@@ -190,6 +190,10 @@ def generate(
         False, "--sample", help="Sample instead of greedy decoding (implied by --temperature/--top-k/--top-p)."
     ),
     seed: int = typer.Option(0, "--seed", help="Random seed for sampling."),
+    quantize: Optional[str] = typer.Option(
+        None, "--quantize", help="int8: weight-only int8 decoding (sublayer.models.quantized_gpt2); a saved int8 "
+        "folder loads as is."
+    ),
 ) -> None:
     """Continue a prompt with a GPT-2 checkpoint (greedy by default; KV-cached decoding).
 
@@ -199,7 +203,9 @@ def generate(
     import torch
 
     from .models import GPT2
+    from .models import quantized as q
 
+    q.check_quantize(quantize)
     if not prompt.strip():
         raise CLIError("the prompt is empty: give token ids like \"1 2 3\" or text")
     ids = _parse_ids(prompt)
@@ -209,7 +215,13 @@ def generate(
         ids = tokenizer.encode(prompt).ids
         if not ids:
             raise CLIError(f"the prompt {prompt[:40]!r} encodes to no tokens")
-    net = GPT2.from_pretrained(model).eval()
+    if q.is_quantized_folder(model):
+        net = q.load_quantized(model)
+        if not isinstance(net, q.QuantizedGPT2):
+            raise CLIError(f"{model} holds a quantized {type(net).__name__}, not a GPT-2: generate needs a GPT-2")
+    else:
+        net = GPT2.from_pretrained(model).eval()
+        net = q.quantize(net) if quantize is not None else net
     do_sample = sample or temperature is not None or top_k is not None or top_p is not None
     started = time.perf_counter()
     out = net.generate(
@@ -251,6 +263,8 @@ def embed(
     tokenizer = _load_tokenizer(model, why="embed")
     if q.is_quantized_folder(model):
         net = q.load_quantized(model)
+        if not isinstance(net, q.QuantizedBert):
+            raise CLIError(f"{model} holds a quantized {type(net).__name__}, not a BERT: embed needs a BERT")
     else:
         net = Bert.from_pretrained(model).eval()
         net = q.quantize(net) if quantize is not None else net
@@ -301,8 +315,8 @@ def bench(
     ),
     reuse_memory: bool = typer.Option(False, "--reuse-memory", help="Same as --malloc reuse."),
     decode: bool = typer.Option(
-        False, "--decode", help="Run the decoding benchmark instead: GPT-2 generation tok/s and GB/s vs HF and "
-        "CTranslate2 (rows appear when ctranslate2 is installed: pip install 'sublayer[peers]')."
+        False, "--decode", help="Run the decoding benchmark instead: GPT-2 generation tok/s and GB/s, fp32 and int8, "
+        "vs HF and CTranslate2 (rows appear when ctranslate2 is installed: pip install 'sublayer[peers]')."
     ),
 ) -> None:
     """Time sublayer's fused FFN / Add & Norm / EncoderBlock against eager PyTorch, HF and torch.compile."""

@@ -157,7 +157,7 @@ def read_hf_folder(
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
         hint = (
-            " (written by sublayer's QuantizedBert.save_pretrained: load it with "
+            " (written by sublayer's QuantizedBert/QuantizedGPT2.save_pretrained: load it with "
             "sublayer.models.quantized.load_quantized(folder))" if method == "sublayer-int8" else ""
         )
         raise CheckpointError(

@@ -4,7 +4,7 @@ from .bert import Bert, BertConfig
 from .config import ModelConfig
 from .fast import FastBert, FastGPT2, fast_inference
 from .gpt2 import GPT2, GPT2Config
-from .quantized import QuantizedBert, load_quantized
+from .quantized import QuantizedBert, QuantizedGPT2, load_quantized
 from .transformer import Transformer, TransformerConfig
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "GPT2Config",
     "ModelConfig",
     "QuantizedBert",
+    "QuantizedGPT2",
     "Transformer",
     "TransformerConfig",
     "fast_inference",

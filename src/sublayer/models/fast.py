@@ -62,8 +62,8 @@ def fast_inference(
         model: a :class:`Bert` or :class:`GPT2` on the CPU, float32 parameters.
         dtype: ``torch.bfloat16`` (default: bf16 weights and activations where the CPU has native bf16 GEMMs,
             float32 elsewhere) or ``torch.float32``.
-        quantize: None, or ``"int8"``: the int8 wrapper of :mod:`sublayer.models.quantized` (Bert only; its
-            float parts run in float32 whatever ``dtype`` says).
+        quantize: None, or ``"int8"``: the int8 wrapper of :mod:`sublayer.models.quantized` (QuantizedBert /
+            QuantizedGPT2; its float parts run in float32 whatever ``dtype`` says).
 
     Returns:
         :class:`FastBert` (``__call__``/``forward``, ``embed``, ``pooled`` as the model's) or :class:`FastGPT2`

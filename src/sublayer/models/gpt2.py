@@ -448,11 +448,14 @@ class GPT2(nn.Module):
         try:
             from . import decoding  # the fast decoding path, tested against the reference loop below
 
-            source = decoding.gpt2_source(self)
+            source, weights = decoding.gpt2_source(self), None
+            if source is None and hasattr(self, "decode_weights") and decoding.enabled():  # e.g. QuantizedGPT2
+                source, weights = self, self.decode_weights()
             if source is not None:
                 return decoding.gpt2_generate(
                     source, input_ids, positions, kpm if kpm is None or kpm.any() else None, max_new_tokens,
-                    prefill=self._hidden, pick=pick, eos_token_id=eos_token_id, pad=pad, greedy=not do_sample,
+                    prefill=self._hidden, pick=pick, eos_token_id=eos_token_id, pad=pad, weights=weights,
+                    greedy=not do_sample,
                 )  # fmt: skip
             caches = [SF.KVCache() for _ in self.blocks]
             out = input_ids

@@ -1,7 +1,9 @@
-"""int8 inference for :class:`~sublayer.models.Bert`: ``fast_inference(model, quantize="int8")`` or
-:func:`quantize` (GPT-2 is not quantized yet: ``quantize`` refuses it).
+"""int8 inference: ``fast_inference(model, quantize="int8")`` or :func:`quantize` for :class:`~sublayer.models.Bert`
+(this module: int8 weights and int8 activations) and :class:`~sublayer.models.GPT2` (weight-only int8 for decoding,
+:mod:`sublayer.models.quantized_gpt2`: :class:`QuantizedGPT2`). Both save with ``save_pretrained`` and load with
+:func:`load_quantized`, which reads the folder's ``model_type``.
 
-What is quantized, and how:
+What is quantized in BERT, and how:
 
 * every dense layer of the blocks (fused q|k|v, attention output, FFN in and out) except those named by
   ``keep_float``: weights **int8, symmetric per output channel** (``w ≈ q · s[j]``, ``s[j] = max|w[j, :]| / 127``),
@@ -46,6 +48,8 @@ from .. import kernels
 from ..functional import fused
 from .bert import Bert, BertConfig
 from .fast import _add_norm, _bias_act, _inference, _kernels_on, _layer_norm
+from .gpt2 import GPT2, GPT2Config
+from .quantized_gpt2 import DEFAULT_KEEP_FLOAT_GPT2, QuantizedGPT2
 
 __all__ = [
     "QUANTIZE_CHOICES",
@@ -59,6 +63,7 @@ __all__ = [
     "int8_linear_reference",
     "Int8Linear",
     "QuantizedBert",
+    "QuantizedGPT2",
 ]
 
 QUANTIZE_CHOICES = ("int8",)
@@ -485,23 +490,33 @@ def _quant_config(keep_float: tuple[str, ...]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------------- entry points
 def quantize(
-    model: Bert, *, keep_float=DEFAULT_KEEP_FLOAT, calibration: Tensor | None | bool = None
-) -> QuantizedBert:
+    model: Bert | GPT2, *, keep_float=None, calibration: Tensor | None | bool = None
+) -> QuantizedBert | QuantizedGPT2:
     """The int8 inference wrapper of ``model`` (see the module docstring).
 
     Args:
-        model: a :class:`Bert` with float32 CPU parameters.
-        keep_float: ``fnmatch`` patterns of dense layers left in float32, over ``layers.{i}.{qkv,out,fc1,fc2}``.
-        calibration: (B, T) token ids the float layers run on to measure input ranges for the smoothing factors;
-            None: 8 random sequences (fixed seed); False: no smoothing.
+        model: a :class:`Bert` or :class:`GPT2` with float32 CPU parameters.
+        keep_float: ``fnmatch`` patterns of dense layers left in float32, over ``layers.{i}.{qkv,out,fc1,fc2}``
+            (GPT-2 also ``head``, the LM head); None: :data:`DEFAULT_KEEP_FLOAT` (BERT) /
+            :data:`~sublayer.models.quantized_gpt2.DEFAULT_KEEP_FLOAT_GPT2` (GPT-2).
+        calibration: BERT only: (B, T) token ids the float layers run on to measure input ranges for the
+            smoothing factors; None: 8 random sequences (fixed seed); False: no smoothing. GPT-2's activations
+            stay float32: nothing to calibrate (must be None).
 
     Raises:
-        TypeError: not a Bert, or bad ``keep_float``. ValueError: parameters not float32 or not on the CPU, bad
-        calibration ids (as :meth:`Bert.forward`).
+        TypeError: not a Bert/GPT2, or bad ``keep_float``. ValueError: parameters not float32 or not on the CPU,
+        bad calibration ids (as :meth:`Bert.forward`), ``calibration`` given for a GPT-2.
     """
     if isinstance(model, Bert):
-        return QuantizedBert.from_model(model, keep_float, calibration)
-    raise TypeError(f"int8 quantization needs a sublayer Bert model, got {type(model).__name__}")
+        return QuantizedBert.from_model(model, DEFAULT_KEEP_FLOAT if keep_float is None else keep_float, calibration)
+    if isinstance(model, GPT2):
+        if calibration is not None:
+            raise ValueError(
+                f"calibration applies to BERT's activation quantization; GPT-2 is quantized weight-only (its "
+                f"activations stay float32), so calibration must be None, got {type(calibration).__name__}"
+            )
+        return QuantizedGPT2.from_model(model, DEFAULT_KEEP_FLOAT_GPT2 if keep_float is None else keep_float)
+    raise TypeError(f"int8 quantization needs a sublayer Bert or GPT2 model, got {type(model).__name__}")
 
 
 def is_quantized_folder(folder: str | os.PathLike) -> bool:
@@ -513,8 +528,9 @@ def is_quantized_folder(folder: str | os.PathLike) -> bool:
     return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
 
 
-def load_quantized(folder: str | os.PathLike) -> QuantizedBert:
-    """Read a folder written by :meth:`QuantizedBert.save_pretrained`.
+def load_quantized(folder: str | os.PathLike) -> QuantizedBert | QuantizedGPT2:
+    """Read a folder written by :meth:`QuantizedBert.save_pretrained` or :meth:`QuantizedGPT2.save_pretrained`
+    (by its config's ``model_type``).
 
     Raises:
         FileNotFoundError: no folder/config/weights. CheckpointError: not a sublayer int8 folder, or keys missing.
@@ -524,14 +540,19 @@ def load_quantized(folder: str | os.PathLike) -> QuantizedBert:
     if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
         raise ckpt.CheckpointError(
             f"{folder} is not a sublayer int8 folder (config.json has no quantization_config with "
-            f"quant_method={QUANT_METHOD!r}); load float folders with Bert.from_pretrained and quantize them"
+            f"quant_method={QUANT_METHOD!r}); load float folders with Bert/GPT2.from_pretrained and quantize them"
         )
+    gpt2 = hf.get("model_type") == "gpt2"
     try:
-        config = BertConfig.from_hf_dict({k: v for k, v in hf.items() if k != "quantization_config"})
+        config = (GPT2Config if gpt2 else BertConfig).from_hf_dict(
+            {k: v for k, v in hf.items() if k != "quantization_config"}
+        )
     except (ValueError, TypeError) as e:
         raise ckpt.CheckpointError(f"config file {os.path.join(folder, ckpt.CONFIG_NAME)}: {e}") from None
     tensors, source = ckpt.read_state_dict(folder)
     keep = tuple(qc.get("keep_float", ()))
+    if gpt2:
+        return QuantizedGPT2.from_folder_tensors(config, dict(tensors), keep, source)
     need = ["embeddings.word", "embeddings.position", "embeddings.token_type", "embeddings.norm.weight"]
     for i in range(config.n_layers):
         for k in _LINEARS:

@@ -1,0 +1,278 @@
+"""int8 inference for :class:`~sublayer.models.GPT2`: ``fast_inference(gpt2, quantize="int8")`` or
+:func:`sublayer.models.quantized.quantize` return a :class:`QuantizedGPT2`.
+
+GPT-2 decoding multiplies 1–16 rows per step, so its time is the time to stream the weights from memory: this path
+is **weight-only int8** (unlike BERT's, whose activations are quantized too, see :mod:`.quantized`):
+
+* the dense layers of the blocks (fused q|k|v, attention output, fc1, fc2) and the LM head are stored int8,
+  symmetric per output channel (:func:`~.quantized.quantize_weight`: ``w ≈ q · s[j]``, error <= ``s[j] / 2``),
+  except those ``keep_float`` names (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}`` and ``head``);
+* activations stay float32: ``y = act((x @ q^T) · s + b)`` with exact products and fp32 sums, by the
+  ``int8_skinny_linear`` kernel (``kernels/csrc/int8.cpp``: the panels of the float decoding kernel at a quarter
+  of the bytes, widened to fp32 in registers). The same numbers for every row count, so the prompt (prefill) runs
+  through the same kernel as the decoding steps: one numerics for the whole generation. Without the C++ kernels
+  :func:`weight_int8_linear_reference` computes them in plain PyTorch (``F.linear`` on the widened weight;
+  slower, same results up to the summation order);
+* embeddings, LayerNorms, attention (SDPA for the prompt, ``decode_attention`` over the static cache) and the
+  activations stay float32;
+* decoding runs the float path's loop (:func:`sublayer.models.decoding.gpt2_generate` with ``weights=``), so the
+  static KV cache, the fused add + LayerNorm and the greedy/sampling rules are the float path's.
+
+The LM head is int8 by default (:data:`DEFAULT_KEEP_FLOAT_GPT2` is empty): it is a third of GPT-2 small's matrix
+bytes; keeping it float (``keep_float=("head",)``) measured 1.4x slower greedy decoding at batch 1 and no better
+agreement with the fp32 model's tokens (``python -m sublayer.bench_decode``'s int8 rows; the README's int8 section
+has the figures).
+
+The wrapper holds only the tensors it uses: :meth:`QuantizedGPT2.save_pretrained` writes them to
+``model.safetensors`` + ``config.json`` (the HF GPT-2 config with a ``quantization_config`` entry);
+:func:`sublayer.models.quantized.load_quantized` reads them back; ``GPT2.from_pretrained`` refuses such a folder.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import checkpoints as ckpt
+from .. import functional as SF
+from .. import kernels
+from ..functional import fused
+from . import decoding
+from .fast import _inference, _kernels_on
+from .gpt2 import GPT2, GPT2Config, check_attention_mask, check_input_ids
+
+__all__ = ["DEFAULT_KEEP_FLOAT_GPT2", "WeightInt8Linear", "weight_int8_linear_reference", "QuantizedGPT2"]
+
+DEFAULT_KEEP_FLOAT_GPT2: tuple[str, ...] = ()
+_LINEARS = ("qkv", "out", "fc1", "fc2")
+
+
+def weight_int8_linear_reference(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    """``(x @ q^T) * scale + bias`` in plain PyTorch, float32: x (M, K), q (N, K) int8, scale (N,) -> (M, N)."""
+    y = F.linear(x, q.float()).mul_(scale)
+    return y if bias is None else y.add_(bias)
+
+
+class WeightInt8Linear:
+    """``y = act((x @ q^T) * scale + bias)``: int8 weight (symmetric per output channel), float32 activations.
+
+    Args:
+        q: (N, K) int8. scale: (N,) float32. bias: (N,) float32 or None.
+
+    Call: ``x`` (M, K) float32 with unit inner stride, ``activation`` an FFN activation name or None -> (M, N).
+    The weight is packed once (``pack_int8_linear_weight``) at the first call with the kernels on.
+    """
+
+    def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
+        self.q, self.scale = q.contiguous(), scale.float().contiguous()
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.out_features, self.in_features = q.shape
+        self._packed: Tensor | None = None
+
+    def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
+        if _kernels_on() and (activation is None or activation in fused._ACT_IDS):
+            if self._packed is None:
+                self._packed = kernels.ops().pack_int8_linear_weight(self.q)
+            act = 0 if activation is None else fused._ACT_IDS[activation]
+            return kernels.ops().int8_skinny_linear(x, self._packed, self.scale, self.bias, self.out_features, act)
+        y = weight_int8_linear_reference(x, self.q, self.scale, self.bias)
+        return y if activation is None else SF.activation_fn(activation)(y)
+
+
+def _make_linear(t: dict[str, Tensor], name: str, default_weight: Tensor | None = None):
+    b = t.get(f"{name}.bias")
+    if f"{name}.qweight" in t:
+        return WeightInt8Linear(t[f"{name}.qweight"], t[f"{name}.scale"], b)
+    return decoding.PackedLinear(t.get(f"{name}.weight", default_weight), b)
+
+
+class QuantizedGPT2:
+    """int8 inference wrapper of a :class:`GPT2` (build with ``quantize`` / ``fast_inference(quantize="int8")``).
+
+    ``forward(input_ids, attention_mask=None, position_ids=None)``: as :meth:`GPT2.forward` -> float32 logits
+    (B, T, vocab_size). ``generate``: :meth:`GPT2.generate`'s arguments and checks, decoded by
+    :func:`sublayer.models.decoding.gpt2_generate` over the int8 weights (``SUBLAYER_DECODING=0``: the reference
+    loop, re-running :meth:`forward`'s blocks with a growing cache).
+
+    Raises:
+        TypeError/ValueError: as :meth:`GPT2.forward` / :meth:`GPT2.generate`.
+    """
+
+    def __init__(self, config: GPT2Config, tensors: dict[str, Tensor], keep_float: tuple[str, ...]) -> None:
+        self.config, self.tensors, self.keep_float = config, tensors, tuple(keep_float)
+        self.compute_dtype = torch.float32
+        self.training = False
+        t = tensors
+        self.layers = [{k: _make_linear(t, f"layers.{i}.{k}") for k in _LINEARS} for i in range(config.n_layers)]
+        self.head = _make_linear(t, "head", None if "head.weight" in t else t["wte"])
+        self._W: dict | None = None
+
+    @property
+    def blocks(self) -> list:
+        """One entry per block (``GPT2.generate`` counts its caches over it)."""
+        return self.layers
+
+    @classmethod
+    def from_model(cls, model: GPT2, keep_float=DEFAULT_KEEP_FLOAT_GPT2) -> QuantizedGPT2:
+        from .quantized import _check_float_cpu, _check_keep_float, quantize_weight
+
+        keep_float = _check_keep_float(keep_float)
+        _check_float_cpu(model)
+        cfg = model.config
+        d = cfg.d_model
+
+        def ln(prefix: str, norm) -> dict[str, Tensor]:
+            b = norm.bias if norm.bias is not None else torch.zeros(d)
+            return {f"{prefix}.weight": norm.weight.detach(), f"{prefix}.bias": b.detach()}
+
+        t: dict[str, Tensor] = {"wte": model.wte.weight.detach(), "wpe": model.wpe.weight.detach()}
+        t |= ln("ln_f", model.ln_f)
+        dense: dict[str, tuple[Tensor, Tensor | None]] = {}
+        for i, blk in enumerate(model.blocks):
+            a, f, p = blk.self_attn, blk.ffn, f"layers.{i}"
+            t |= ln(f"{p}.ln1", blk.attn_residual.norm) | ln(f"{p}.ln2", blk.ffn_residual.norm)
+            dense[f"{p}.qkv"] = (
+                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0),
+                torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0),
+            )
+            dense[f"{p}.out"] = (a.out_proj.weight, a.out_proj.bias)
+            dense[f"{p}.fc1"] = (f.fc1.weight, f.fc1.bias)
+            dense[f"{p}.fc2"] = (f.fc2.weight, f.fc2.bias)
+        dense["head"] = (model.lm_head.weight, None)
+        for name, (w, b) in dense.items():
+            if b is not None:
+                t[f"{name}.bias"] = b.detach()
+            if any(fnmatch.fnmatchcase(name, pat) for pat in keep_float):
+                if name != "head" or not cfg.tie_word_embeddings:  # a tied float head is wte itself
+                    t[f"{name}.weight"] = w.detach()
+            else:
+                t[f"{name}.qweight"], t[f"{name}.scale"] = quantize_weight(w)
+        # detached copies: the wrapper does not follow later changes to the model
+        t = {k: v.detach().float().contiguous().clone() if v.is_floating_point() else v.contiguous()
+             for k, v in t.items()}  # fmt: skip
+        return cls(cfg, t, keep_float)
+
+    # -- what GPT2.generate needs from ``self``
+    def decode_weights(self) -> dict:
+        """The decoding weights of :func:`sublayer.models.decoding.gpt2_generate` (``_build_gpt2``'s keys), built
+        once: the int8 linears are :class:`WeightInt8Linear` callables."""
+        if self._W is None:
+            t = self.tensors
+            eps = self.config.eps
+
+            def norm(p: str) -> tuple[Tensor, Tensor, float]:
+                return t[f"{p}.weight"], t[f"{p}.bias"], eps
+
+            self._W = {
+                "layers": [{"ln1": norm(f"layers.{i}.ln1"), "ln2": norm(f"layers.{i}.ln2"), **L}
+                           for i, L in enumerate(self.layers)],
+                "lnf": norm("ln_f"), "head": self.head, "wte": t["wte"], "wpe": t["wpe"],
+            }  # fmt: skip
+        return self._W
+
+    def eval(self):
+        return self
+
+    def train(self, mode: bool = True):
+        if mode:
+            raise RuntimeError("QuantizedGPT2 is inference-only; train the float model and quantize it again")
+        return self
+
+    @_inference
+    def lm_head(self, h: Tensor) -> Tensor:
+        """(..., d_model) float32 -> (..., vocab_size) logits."""
+        return self.head(h.reshape(-1, h.shape[-1]).float().contiguous()).view(*h.shape[:-1], -1)
+
+    def _hidden(
+        self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None
+    ) -> Tensor:
+        """Final-LayerNormed hidden states (B, T, d) float32; ``caches``: one ``SF.KVCache`` per block."""
+        W = self.decode_weights()
+        cfg = self.config
+        B, T = input_ids.shape
+        d, H = cfg.d_model, cfg.n_heads
+        hd = d // H
+        x = (W["wte"][input_ids] + W["wpe"][position_ids]).reshape(B * T, d)
+        past = 0 if caches is None else len(caches[0])
+        if key_padding_mask is None and past == 0:
+            mask, causal = None, True
+        elif key_padding_mask is None and T == 1:
+            mask, causal = None, False
+        else:
+            mask = SF.causal_mask(T, past + T, device=x.device)[None, None]
+            if key_padding_mask is not None:
+                mask = mask & ~key_padding_mask[:, None, None, :]
+            causal = False
+        layers = W["layers"]
+        w, b, eps = layers[0]["ln1"]
+        h = F.layer_norm(x, (d,), w, b, eps)
+        for i, L in enumerate(layers):
+            q, k, v = L["qkv"](h).view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)
+            if caches is not None:
+                k, v = caches[i].update(k, v)
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+            y = L["out"](ctx.transpose(1, 2).reshape(B * T, d))
+            h, x = decoding._add_norm(x, y, *L["ln2"])  # x += attn; h = ln_2(x)
+            y = L["fc2"](L["fc1"](h, cfg.activation))
+            h, x = decoding._add_norm(x, y, *(layers[i + 1]["ln1"] if i + 1 < len(layers) else W["lnf"]))
+        return h.view(B, T, d)
+
+    # -- inference
+    @_inference
+    def forward(
+        self, input_ids: Tensor, *, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Tensor:
+        cfg = self.config
+        check_input_ids("input_ids", input_ids, cfg.vocab_size, cfg.max_positions)
+        b, t = input_ids.shape
+        kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
+        position_ids = GPT2._position_ids(self, position_ids, b, t, input_ids.device)  # type: ignore[arg-type]
+        kpm = kpm if kpm is not None and bool(kpm.any()) else None
+        return self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
+
+    __call__ = forward
+
+    @_inference
+    def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
+        """:meth:`GPT2.generate` (same arguments and checks) over the int8 weights."""
+        return GPT2.generate(self, input_ids, max_new_tokens, **kwargs)  # type: ignore[arg-type]
+
+    # -- save / load
+    def save_pretrained(self, folder: str | os.PathLike) -> None:
+        """``model.safetensors`` (the int8 and float tensors) + ``config.json`` (HF GPT-2 config with
+        ``quantization_config``); read back with :func:`sublayer.models.quantized.load_quantized`."""
+        from .quantized import _quant_config
+
+        cfg = self.config.to_hf_dict()
+        qc = _quant_config(self.keep_float)
+        qc["activations"] = "float32 (weight-only int8)"
+        cfg["quantization_config"] = qc
+        ckpt.write_folder(folder, self.tensors, cfg)
+
+    @classmethod
+    def from_folder_tensors(cls, config: GPT2Config, tensors: dict[str, Tensor], keep_float: tuple[str, ...],
+                            source) -> QuantizedGPT2:
+        """Build from a saved folder's tensors (checked: every tensor the model needs is there)."""
+        need = ["wte", "wpe", "ln_f.weight", "ln_f.bias"]
+        for i in range(config.n_layers):
+            need += [f"layers.{i}.ln1.weight", f"layers.{i}.ln2.weight"]
+            for k in _LINEARS:
+                p = f"layers.{i}.{k}"
+                need += [f"{p}.weight"] if f"{p}.weight" in tensors else [f"{p}.qweight", f"{p}.scale"]
+        if not any(fnmatch.fnmatchcase("head", pat) for pat in keep_float):
+            need += ["head.qweight", "head.scale"]
+        elif not config.tie_word_embeddings:
+            need.append("head.weight")
+        missing = [k for k in need if k not in tensors]
+        if missing:
+            raise ckpt.CheckpointError(f"{source}: missing quantized tensors {missing[:10]}")
+        return cls(config, dict(tensors), keep_float)
+
+    def __repr__(self) -> str:
+        lins = [lin for L in self.layers for lin in L.values()] + [self.head]
+        n_q = sum(isinstance(lin, WeightInt8Linear) for lin in lins)
+        return f"QuantizedGPT2(weight-only int8 layers={n_q}/{len(lins)}, keep_float={self.keep_float})"

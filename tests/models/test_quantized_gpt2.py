@@ -1,0 +1,205 @@
+"""Weight-only int8 GPT-2 (sublayer.models.quantized_gpt2): per-layer error bounds from the quantization steps,
+logits and greedy tokens close to the float model, the fast decoding loop equal to the wrapper's reference loop
+(kernels on and off), save/load, and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sublayer import kernels
+from sublayer.checkpoints import CheckpointError
+from sublayer.models import GPT2, GPT2Config, decoding
+from sublayer.models import quantized as Q
+from sublayer.models.fast import fast_inference
+from sublayer.models.quantized_gpt2 import QuantizedGPT2, WeightInt8Linear
+
+pytest.importorskip("safetensors")
+
+CFG = dict(vocab_size=61, d_model=15, n_layers=2, n_heads=3, max_positions=37, dropout=0.0, embd_dropout=0.0,
+           attn_dropout=0.0)  # fmt: skip
+
+
+def _gpt2(**kw) -> GPT2:
+    """A tiny GPT-2 with weights of std 0.3 (peaked next-token distributions, as a trained model's)."""
+    torch.manual_seed(0)
+    m = GPT2(GPT2Config(**(CFG | kw))).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3)
+            elif not name.endswith("norm.weight") and "ln" not in name:
+                p.normal_(0.0, 0.05)
+    return m
+
+
+def _ids(b: int = 3, t: int = 7) -> torch.Tensor:
+    return torch.randint(0, CFG["vocab_size"], (b, t), generator=torch.Generator().manual_seed(1))
+
+
+# ---------------------------------------------------------------------------------------------- one layer
+@pytest.mark.parametrize("activation", [None, "gelu_tanh"])
+def test_weight_int8_linear_within_derived_bound(activation, kernels_mode):
+    """|y - x W^T| <= sum_k |x_ik| s_j / 2 (weights rounded to the nearest of steps s_j; activations exact), plus
+    fp32 rounding; the activation (1-Lipschitz here up to 1.13 for tanh-GELU) is applied after."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(29, 41, generator=g) * torch.logspace(-2, 0, 29)[:, None]
+    b = torch.randn(29, generator=g)
+    q, s = Q.quantize_weight(w)
+    lin = WeightInt8Linear(q, s, b)
+    for rows in (1, 5, 23):
+        x = torch.randn(rows, 41, generator=g)
+        y = lin(x, activation)
+        pre = x.double() @ w.double().t() + b.double()
+        ref = pre if activation is None else F.gelu(pre, approximate="tanh")
+        bound = (x.double().abs().sum(1, keepdim=True) * s.double() / 2) * (1.13 if activation else 1.0)
+        bound += 1e-5 * (1 + ref.abs())
+        assert ((y.double() - ref).abs() <= bound).all()
+        assert (y.double() - ref).abs().max() > 1e-4  # the weights are rounded (a float path would pass anyway)
+
+
+def test_every_linear_is_int8_and_within_its_bound():
+    m = _gpt2()
+    qm = Q.quantize(m)
+    lins = [lin for L in qm.layers for lin in L.values()] + [qm.head]
+    assert all(isinstance(lin, WeightInt8Linear) for lin in lins) and len(lins) == 4 * CFG["n_layers"] + 1
+    a = m.blocks[1].self_attn
+    w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
+    for lin, weight in ((qm.layers[1]["qkv"], w), (qm.head, m.lm_head.weight.detach())):
+        err = (lin.q.float() * lin.scale[:, None] - weight).abs()
+        assert (err <= lin.scale[:, None] / 2 * (1 + 1e-6)).all()
+
+
+# ---------------------------------------------------------------------------------------------- whole model
+def test_logits_close_and_greedy_tokens_agree_with_float(kernels_mode):
+    m = _gpt2()
+    qm = fast_inference(m, quantize="int8")
+    assert isinstance(qm, QuantizedGPT2)
+    ids = _ids(5, 17)
+    with torch.no_grad():
+        lf, lq = m(ids), qm(ids)
+    assert lq.shape == lf.shape and lq.dtype == torch.float32
+    rel = float((lq - lf).norm() / lf.norm())
+    assert 0 < rel < 0.02, rel
+    assert float((lq.argmax(-1) == lf.argmax(-1)).float().mean()) >= 0.95  # teacher-forced next tokens
+    new = qm.generate(ids[:, :5], 12)[:, 5:]
+    same = float((new == m.generate(ids[:, :5], 12)[:, 5:]).float().mean())
+    assert same >= 0.8, same
+
+
+def test_head_kept_float_only_changes_the_head():
+    m = _gpt2()
+    q_all, q_head = Q.quantize(m), Q.quantize(m, keep_float=("head",))
+    assert not isinstance(q_head.head, WeightInt8Linear) and isinstance(q_head.layers[0]["fc2"], WeightInt8Linear)
+    ids = _ids()
+    h = q_all._hidden(ids, torch.arange(7)[None], None, None)
+    assert torch.allclose(q_head(ids), F.linear(h, m.lm_head.weight), atol=1e-5)
+    assert not torch.equal(q_all(ids), q_head(ids))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_generate_fast_loop_equals_reference_loop(padded, kernels_mode, monkeypatch):
+    """decoding.gpt2_generate over the int8 weights vs GPT2.generate's reference loop on the wrapper (and
+    greedy vs seeded sampling), with the kernels on and off (kernels_mode)."""
+    qm = Q.quantize(_gpt2(), keep_float=("layers.1.fc1",))
+    calls = []
+    real = decoding.gpt2_generate
+
+    def spy(model, *args, weights=None, **kw):
+        calls.append(model is qm and weights is qm.decode_weights())
+        return real(model, *args, weights=weights, **kw)
+
+    monkeypatch.setattr(decoding, "gpt2_generate", spy)
+    ids = _ids(3, 7)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :3] = 0
+    kw = dict(attention_mask=mask if padded else None)
+
+    def run(on: bool, **extra):
+        decoding.set_enabled(on)
+        try:
+            return qm.generate(ids, 9, **kw, **extra)
+        finally:
+            decoding.set_enabled(True)
+
+    assert torch.equal(run(True), run(False))
+    assert calls == [True]  # the fast loop ran once, on the int8 weights; the reference loop without it
+    s = dict(do_sample=True, top_k=5)
+    assert torch.equal(
+        run(True, **s, generator=torch.Generator().manual_seed(2)), run(False, **s, generator=torch.Generator().manual_seed(2))
+    )
+    out = run(True, eos_token_id=int(run(True)[1, 8]))  # stops a row at its own 2nd new token
+    assert out.shape[1] <= 16
+
+
+def test_kernels_and_reference_give_the_same_tokens():
+    qm = Q.quantize(_gpt2())
+    ids = _ids(2, 5)
+    was = kernels._enabled
+    try:
+        outs = []
+        for on in (True, False):
+            kernels.set_enabled(on)
+            outs.append((qm.generate(ids, 10), qm(ids)))
+    finally:
+        kernels.set_enabled(was)
+    assert torch.equal(outs[0][0], outs[1][0])
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-4, atol=1e-4)  # fp32 sums in another order
+
+
+# ---------------------------------------------------------------------------------------------- save / load
+@pytest.mark.parametrize("keep_float", [(), ("head", "layers.0.fc2")])
+@pytest.mark.parametrize("tied", [True, False])
+def test_save_load_round_trip(tmp_path, keep_float, tied):
+    from safetensors import safe_open
+
+    qm = Q.quantize(_gpt2(tie_word_embeddings=tied), keep_float=keep_float)
+    qm.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("layers.0.qkv.qweight").dtype == torch.int8
+        assert ("head.qweight" in f.keys()) == (not keep_float)
+    assert Q.is_quantized_folder(tmp_path)
+    back = Q.load_quantized(tmp_path)
+    assert isinstance(back, QuantizedGPT2) and back.keep_float == keep_float
+    ids = _ids()
+    assert torch.equal(back(ids), qm(ids))
+    assert torch.equal(back.generate(ids, 5), qm.generate(ids, 5))
+    with pytest.raises(CheckpointError, match="quantized weights.*load_quantized"):
+        GPT2.from_pretrained(tmp_path)
+
+
+def test_load_quantized_names_missing_tensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    Q.quantize(_gpt2()).save_pretrained(tmp_path)
+    t = load_file(str(tmp_path / "model.safetensors"))
+    del t["layers.1.fc2.scale"], t["head.qweight"]
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing quantized tensors \['layers.1.fc2.scale', 'head.qweight'\]"):
+        Q.load_quantized(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+def test_refusals():
+    m = _gpt2()
+    with pytest.raises(ValueError, match=r"quantize must be None or one of 'int8', got 'int4'"):
+        fast_inference(m, quantize="int4")
+    with pytest.raises(ValueError, match=r"float32 parameters.*float16"):
+        fast_inference(_gpt2().half(), quantize="int8")
+    with pytest.raises(ValueError, match="CPU only.*meta"):
+        Q.quantize(GPT2(GPT2Config(**CFG), device="meta"))
+    with pytest.raises(ValueError, match="GPT-2 is quantized weight-only.*calibration must be None, got Tensor"):
+        Q.quantize(m, calibration=_ids())
+    with pytest.raises(TypeError, match="keep_float must be a sequence"):
+        Q.quantize(m, keep_float="head")
+    qm = Q.quantize(m)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        qm.train()
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0, got -1"):
+        qm.generate(_ids(), -1)
+    with pytest.raises(ValueError, match="exceeds max_positions=37"):
+        qm.generate(_ids(), 31)
+    with pytest.raises(ValueError, match="input_ids"):
+        qm(torch.full((1, 3), CFG["vocab_size"]))
