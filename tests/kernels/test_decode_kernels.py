@@ -135,8 +135,24 @@ def test_skinny_linear_on_float16_panels_matches_the_widened_weight(rows):
 
 
 def test_pack_linear_weight_rejects_other_dtypes():
-    with pytest.raises(RuntimeError, match="float32 or float16"):
+    with pytest.raises(RuntimeError, match="float32, float16 or int8"):
         _ops().pack_linear_weight(torch.randn(4, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_skinny_linear_on_int8_panels_applies_the_column_scale(rows):
+    g = _gen(rows + 5)
+    q = torch.randint(-127, 128, (149, 3001), generator=g, dtype=torch.int8)
+    scale, b = torch.rand(149, generator=g) * 0.01, torch.randn(149, generator=g)
+    x = torch.randn(rows, 3001, generator=g)
+    packed = _ops().pack_linear_weight(q)
+    assert torch.equal(packed, _ops().pack_int8_linear_weight(q))  # one layout for both int8 kernels
+    got = _ops().skinny_linear(x, packed, b, 149, 3, scale)
+    want = F.gelu(F.linear(x.double(), q.double() * scale.double()[:, None], b.double()), approximate="tanh")
+    bound = 3001 * 2.0**-24 * (x.double().abs() @ q.double().abs().T * scale.double()).max().item()
+    assert_close(got.double(), want, atol=bound + 1e-6, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="a scale"):
+        _ops().skinny_linear(x, packed, b, 149, 0)  # int8 panels without their scale
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

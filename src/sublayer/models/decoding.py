@@ -88,8 +88,16 @@ class PackedLinear:
         y = F.linear(x, self.weight, self.bias)
         return y if activation is None else SF.activation_fn(activation)(y)
 
+    def flat(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """``(packed, scale, bias)`` as ``gpt2_decode_layers`` takes a linear (no scale: an empty tensor), or None
+        (no kernels, no bias)."""
+        if self.packed is None or self.bias is None:
+            return None
+        return self.packed, _NO_SCALE, self.bias
+
 
 SKINNY_MAX_ROWS = 16  # above it a blocked GEMM (torch) wins: the rows amortise the weight reads
+_NO_SCALE = torch.empty(0)
 _EPILOGUE = {"relu": 1, "gelu_tanh": 3}  # activations fused into skinny_linear (ids of fused._ACT_IDS)
 
 
@@ -297,8 +305,10 @@ def _flat_gpt2(W: dict, activation: str) -> list | None:
         return None
     flat = []
     for L in W["layers"]:
-        flat += [*L["ln1"][:2], L["qkv"].packed, L["qkv"].bias, L["out"].packed, L["out"].bias]
-        flat += [*L["ln2"][:2], L["fc1"].packed, L["fc1"].bias, L["fc2"].packed, L["fc2"].bias]
+        parts = [getattr(L[k], "flat", lambda: None)() for k in ("qkv", "out", "fc1", "fc2")]
+        if any(p is None for p in parts):
+            return None
+        flat += [*L["ln1"][:2], *parts[0], *parts[1], *L["ln2"][:2], *parts[2], *parts[3]]
     return [t.contiguous() for t in flat + list(W["lnf"][:2])]
 
 
@@ -310,7 +320,7 @@ def gpt2_step(model, W: dict, tokens: Tensor, positions: Tensor, caches: list, m
     x = W["wte"][tokens] + W["wpe"][positions]  # (B, d)
     length = caches[0].length + 1
     flat = W.get("flat")
-    if flat is not None and x.shape[0] <= SKINNY_MAX_ROWS:  # every block in one C++ call
+    if flat is not None and x.shape[0] <= W.get("flat_rows", SKINNY_MAX_ROWS):  # every block in one C++ call
         h = kernels.ops().gpt2_decode_layers(
             x, flat, [c.k for c in caches], [c.v for c in caches], mask, length, W["lnf"][2], _EPILOGUE[cfg.activation]
         )

@@ -50,15 +50,19 @@ void check_float_contig(const Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-// 8 consecutive weights of a panel as float32: float32 as is, float16 widened exactly (F16C).
+// 8 consecutive weights of a panel as float32: float32 as is, float16 widened exactly (F16C), int8 converted
+// (its per-column scale is applied in the epilogue).
 #if SUBLAYER_DECODE_AVX2
 inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
 inline __m256 load8(const at::Half* w) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
 }
+inline __m256 load8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
 #endif
 
-// acc[r][0..15] = sum_k x[r][k] * w[k][0..15] for R rows; w is one panel (K x 16) of T (float or Half).
+// acc[r][0..15] = sum_k x[r][k] * w[k][0..15] for R rows; w is one panel (K x 16) of T (float, Half or int8).
 template <typename T, int R>
 inline void panel_kernel(const float* x, int64_t ldx, const T* w, int64_t K, float* acc) {
 #if SUBLAYER_DECODE_AVX2
@@ -169,8 +173,10 @@ inline __m256 exp256(__m256 x) {
 
 inline float exp_scalar(float x) { return std::exp(std::min(std::max(x, -87.3f), 88.3f)); }
 
-// v[0..15] = act(v + bias) in place.
-inline void epilogue(float* v, const float* bias, int64_t act) {
+// v[0..15] = act(v * scale + bias) in place (scale: int8 weights' per-column scale, or null).
+inline void epilogue(float* v, const float* scale, const float* bias, int64_t act) {
+  if (scale)
+    for (int j = 0; j < PANEL; ++j) v[j] *= scale[j];
   if (bias)
     for (int j = 0; j < PANEL; ++j) v[j] += bias[j];
   if (act == EPI_RELU) {
@@ -195,8 +201,8 @@ inline void epilogue(float* v, const float* bias, int64_t act) {
 }
 
 template <typename T>
-void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* wp, int64_t P, const float* bp,
-                   int64_t n, int64_t act, float* op) {
+void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* wp, int64_t P, const float* sp,
+                   const float* bp, int64_t n, int64_t act, float* op) {
   using PanelFn = void (*)(const float*, int64_t, const T*, int64_t, float*);
   static constexpr PanelFn kPanel[ROWS + 1] = {nullptr, panel_kernel<T, 1>, panel_kernel<T, 2>, panel_kernel<T, 3>,
                                                panel_kernel<T, 4>};
@@ -217,10 +223,10 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
           panels_kernel<T, STREAMS>(xp, wp + p * K * PANEL, K, acc);
           for (int64_t q = 0; q < STREAMS; ++q) {
             const int64_t c0 = (p + q) * PANEL, nc = std::min<int64_t>(PANEL, n - c0);
-            float bpanel[PANEL] = {0};
-            if (bp)
-              for (int64_t j = 0; j < nc; ++j) bpanel[j] = bp[c0 + j];
-            epilogue(acc + q * PANEL, bp ? bpanel : nullptr, act);
+            float spanel[PANEL] = {0}, bpanel[PANEL] = {0};
+            if (sp) std::copy(sp + c0, sp + c0 + nc, spanel);
+            if (bp) std::copy(bp + c0, bp + c0 + nc, bpanel);
+            epilogue(acc + q * PANEL, sp ? spanel : nullptr, bp ? bpanel : nullptr, act);
             std::copy(acc + q * PANEL, acc + q * PANEL + nc, op + c0);
           }
         }
@@ -230,12 +236,12 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
           const int64_t R = std::min<int64_t>(ROWS, M - r0);
           kPanel[R](xp + r0 * ldx, ldx, w, K, acc);
-          float bpanel[PANEL] = {0};  // the bias of this panel, zero-padded past n
-          if (bp)
-            for (int64_t j = 0; j < nc; ++j) bpanel[j] = bp[c0 + j];
+          float spanel[PANEL] = {0}, bpanel[PANEL] = {0};  // this panel's scale and bias, zero-padded past n
+          if (sp) std::copy(sp + c0, sp + c0 + nc, spanel);
+          if (bp) std::copy(bp + c0, bp + c0 + nc, bpanel);
           for (int64_t r = 0; r < R; ++r) {
             float* a = acc + r * PANEL;
-            epilogue(a, bp ? bpanel : nullptr, act);
+            epilogue(a, sp ? spanel : nullptr, bp ? bpanel : nullptr, act);
             std::copy(a, a + nc, op + (r0 + r) * n + c0);
           }
         }
@@ -246,14 +252,21 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
 
 // Checks x (M, K) / packed (P, K, 16) / bias (n,) / act for skinny_linear; returns the bias pointer or null.
 const float* check_skinny(const char* op, const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias,
-                          int64_t n, int64_t act) {
+                          int64_t n, int64_t act, const c10::optional<Tensor>& scale) {
   TORCH_CHECK(act == EPI_NONE || act == EPI_RELU || act == EPI_GELU_TANH, op, ": act ", act,
               " unsupported (0 none, 1 relu, 3 tanh-GELU)");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
               ": x must be a 2-D float32 CPU tensor with unit inner stride");
   TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.is_contiguous() &&
-                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kHalf),
-              op, ": packed must be a contiguous 3-D float32 or float16 CPU tensor");
+                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kHalf ||
+                   packed.scalar_type() == at::kChar),
+              op, ": packed must be a contiguous 3-D float32, float16 or int8 CPU tensor");
+  const bool scaled = scale.has_value() && scale->defined() && scale->numel() > 0;
+  TORCH_CHECK(scaled == (packed.scalar_type() == at::kChar), op, ": a scale (n,) goes with int8 panels, and only");
+  if (scaled) {
+    check_float_contig(*scale, op, 1);
+    TORCH_CHECK(scale->size(0) == n, op, ": scale must have ", n, " elements, got ", scale->size(0));
+  }
   const int64_t K = x.size(1), P = packed.size(0);
   TORCH_CHECK(packed.size(1) == K && packed.size(2) == PANEL, op, ": packed must be (P, K=", K, ", 16), got ",
               packed.sizes());
@@ -264,22 +277,22 @@ const float* check_skinny(const char* op, const Tensor& x, const Tensor& packed,
   return bias->data_ptr<float>();
 }
 
-// out (M, n) row-major = act(x @ W^T + bias), arguments checked by check_skinny.
-void skinny_into(const Tensor& x, const Tensor& packed, const float* bp, int64_t n, int64_t act, float* out) {
-  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
-  if (M == 0 || n == 0) return;
-  if (packed.scalar_type() == at::kHalf)
-    skinny_panels(x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<at::Half>(), P, bp, n, act, out);
-  else
-    skinny_panels(x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<float>(), P, bp, n, act, out);
-}
-
-// x (M, K) float32 (row stride free, unit inner stride), packed (P, K, 16) -> (M, n) = act(x @ W^T + bias).
+// x (M, K) float32 (row stride free, unit inner stride), packed (P, K, 16) -> (M, n) = act(x @ W^T * scale + bias):
+// float32 or float16 panels (no scale), or int8 panels with their per-column scale (weight-only int8).
 Tensor skinny_linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias, int64_t n,
-                     int64_t act) {
-  const float* bp = check_skinny("skinny_linear", x, packed, bias, n, act);
+                     int64_t act, const c10::optional<Tensor>& scale) {
+  const float* bp = check_skinny("skinny_linear", x, packed, bias, n, act, scale);
   Tensor out = at::empty({x.size(0), n}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  skinny_into(x, packed, bp, n, act, out.data_ptr<float>());
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  if (M == 0 || n == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  if (packed.scalar_type() == at::kChar)
+    skinny_panels(xp, x.stride(0), M, K, packed.data_ptr<int8_t>(), P, scale->data_ptr<float>(), bp, n, act, op);
+  else if (packed.scalar_type() == at::kHalf)
+    skinny_panels(xp, x.stride(0), M, K, packed.data_ptr<at::Half>(), P, nullptr, bp, n, act, op);
+  else
+    skinny_panels(xp, x.stride(0), M, K, packed.data_ptr<float>(), P, nullptr, bp, n, act, op);
   return out;
 }
 
@@ -305,21 +318,23 @@ void pack_panels(const T* src, T* dst, int64_t N, int64_t K, int64_t P) {
       for (int64_t k = 0; k < K; ++k)
         for (int64_t j = 0; j < PANEL; ++j) {
           const int64_t c = p * PANEL + j;
-          dst[(p * K + k) * PANEL + j] = c < N ? src[c * K + k] : T(0.0f);
+          dst[(p * K + k) * PANEL + j] = c < N ? src[c * K + k] : T(0);
         }
   });
 }
 
 Tensor pack_linear_weight(const Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() &&
-                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kHalf),
-              "pack_linear_weight: weight must be a contiguous 2-D float32 or float16 CPU tensor, got ",
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kHalf || w.scalar_type() == at::kChar),
+              "pack_linear_weight: weight must be a contiguous 2-D float32, float16 or int8 CPU tensor, got ",
               w.scalar_type(), " ", w.sizes());
   const int64_t N = w.size(0), K = w.size(1), P = (N + PANEL - 1) / PANEL;
   Tensor out = at::empty({P, K, PANEL}, w.options());
   advise_huge_pages(out.data_ptr(), size_t(out.numel()) * out.element_size());
   if (w.scalar_type() == at::kHalf)
     pack_panels(w.data_ptr<at::Half>(), out.data_ptr<at::Half>(), N, K, P);
+  else if (w.scalar_type() == at::kChar)
+    pack_panels(w.data_ptr<int8_t>(), out.data_ptr<int8_t>(), N, K, P);
   else
     pack_panels(w.data_ptr<float>(), out.data_ptr<float>(), N, K, P);
   return out;
@@ -538,37 +553,44 @@ void add_layer_norm(float* x, const float* y, const Tensor& w, const Tensor& b, 
 }
 
 // One GPT-2 decoding step through every block (models/decoding.py's gpt2_step, in one call): x (B, d) the
-// embeddings of this step's tokens; per block 12 tensors in `params` (ln_1 weight, bias; q|k|v packed, bias;
-// out-projection packed, bias; ln_2 weight, bias; fc1 packed, bias; fc2 packed, bias), then ln_f weight, bias;
-// the blocks' caches (B, H, T_max, hd), written at position length-1. Returns ln_f of the last residual (B, d).
+// embeddings of this step's tokens; per block 16 tensors in `params`: ln_1 weight, bias; then for q|k|v, the
+// out-projection, [ln_2 weight, bias], fc1 and fc2 each (packed, scale, bias) as skinny_linear takes them (scale
+// empty for float panels); then ln_f weight, bias; the blocks' caches (B, H, T_max, hd), written at position
+// length-1. Returns ln_f of the last residual stream (B, d).
 Tensor gpt2_decode_layers(const Tensor& x, at::TensorList params, at::TensorList k_caches, at::TensorList v_caches,
                           const c10::optional<Tensor>& mask, int64_t length, double eps, int64_t act) {
+  constexpr int64_t PER = 16;
   const int64_t n_layers = int64_t(k_caches.size());
-  TORCH_CHECK(int64_t(params.size()) == 12 * n_layers + 2 && int64_t(v_caches.size()) == n_layers,
-              "gpt2_decode_layers: expected 12 tensors per block + 2 and one k/v cache per block");
+  TORCH_CHECK(n_layers > 0 && int64_t(params.size()) == PER * n_layers + 2 && int64_t(v_caches.size()) == n_layers,
+              "gpt2_decode_layers: expected 16 tensors per block + 2 and one k/v cache per block");
   check_float_contig(x, "gpt2_decode_layers: x", 2);
   const int64_t B = x.size(0), d = x.size(1);
-  for (const Tensor& t : params)
-    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && (t.scalar_type() == at::kFloat || t.dim() == 3),
-                "gpt2_decode_layers: parameters must be contiguous CPU tensors");
   Tensor resid = x.clone();
   Tensor h = at::empty_like(resid);
   float *rp = resid.data_ptr<float>(), *hp = h.data_ptr<float>();
+  for (int64_t i = 0; i <= n_layers; ++i) {  // every LayerNorm: float32 (d,)
+    const Tensor* P = params.data() + PER * i;
+    for (int64_t j : i < n_layers ? std::vector<int64_t>{0, 1, 8, 9} : std::vector<int64_t>{0, 1}) {
+      check_float_contig(P[j], "gpt2_decode_layers: LayerNorm parameter", 1);
+      TORCH_CHECK(P[j].size(0) == d, "gpt2_decode_layers: LayerNorm parameters must have ", d, " elements");
+    }
+  }
   add_layer_norm(rp, nullptr, params[0], params[1], eps, hp, B, d);
   const double scale = 1.0 / std::sqrt(double(d / k_caches[0].size(1)));
   for (int64_t i = 0; i < n_layers; ++i) {
-    const Tensor* P = params.data() + 12 * i;
-    const int64_t d3 = P[3].size(0), dff = P[9].size(0);
-    TORCH_CHECK(d3 == 3 * d && P[5].size(0) == d && P[11].size(0) == d, "gpt2_decode_layers: block ", i,
-                " has biases of the wrong sizes");
-    const Tensor qkv = skinny_linear(h, P[2], P[3], d3, EPI_NONE);
+    const Tensor* P = params.data() + PER * i;
+    auto linear = [&](const Tensor& in, const Tensor* L, int64_t n, int64_t a) {  // L: packed, scale, bias
+      return skinny_linear(in, L[0], L[2], n, a, L[1]);
+    };
+    const int64_t dff = P[12].size(0);  // fc1 bias
+    const Tensor qkv = linear(h, P + 2, 3 * d, EPI_NONE);
     const Tensor ctx = decode_attention(qkv.narrow(1, 0, d), k_caches[i], v_caches[i], mask, length, scale,
                                         qkv.narrow(1, d, d), qkv.narrow(1, 2 * d, d));
-    const Tensor o = skinny_linear(ctx, P[4], P[5], d, EPI_NONE);
-    add_layer_norm(rp, o.data_ptr<float>(), P[6], P[7], eps, hp, B, d);
-    const Tensor f = skinny_linear(h, P[8], P[9], dff, act);
-    const Tensor y = skinny_linear(f, P[10], P[11], d, EPI_NONE);
-    const Tensor* next = i + 1 < n_layers ? P + 12 : params.data() + 12 * n_layers;  // next ln_1, or ln_f
+    const Tensor o = linear(ctx, P + 5, d, EPI_NONE);
+    add_layer_norm(rp, o.data_ptr<float>(), P[8], P[9], eps, hp, B, d);
+    const Tensor f = linear(h, P + 10, dff, act);
+    const Tensor y = linear(f, P + 13, d, EPI_NONE);
+    const Tensor* next = P + PER;  // the next block's ln_1, or ln_f
     add_layer_norm(rp, y.data_ptr<float>(), next[0], next[1], eps, hp, B, d);
   }
   return h;
@@ -581,7 +603,7 @@ TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
   m.def("gpt2_decode_layers(Tensor x, Tensor[] params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor? mask, "
         "int length, float eps, int act) -> Tensor");
   m.def("screened_argmax(Tensor x, Tensor screened, Tensor weight, Tensor? bias, Tensor bound) -> Tensor");
-  m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int n, int act=0) -> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int n, int act=0, Tensor? scale=None) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? mask, int length, float scale, "
         "Tensor? new_k, Tensor? new_v) -> Tensor");
 }
