@@ -4,8 +4,9 @@ Engines on the same random GPT-2 (saved once as a Hugging Face folder under ``--
 path (:mod:`sublayer.models.decoding`, through ``GPT2.generate`` and ``fast_inference(gpt2).generate``), the
 reference loop it replaced (``SUBLAYER_DECODING=0``), HF ``generate`` and, when the optional peer is installed
 (``pip install 'sublayer[peers]'``), CTranslate2's ``Generator`` in float32. Runs are interleaved (engine after
-engine, repeated); the median is reported. ``GB/s`` = matrix bytes read per decoding step (every weight once) x
-steps/s, beside the machine's copy bandwidth (read + write) and two single GEMVs (torch vs ``skinny_linear``).
+engine, repeated); the median is reported. ``GB/s`` = matrix bytes each engine reads per decoding step (every
+weight once, in the dtype it reads: :func:`_bytes_read`) x steps/s, beside the machine's copy bandwidth (read +
+write) and two single GEMVs (torch vs ``skinny_linear``).
 
 int8 rows: ``fast_inference(gpt2, quantize="int8")`` (weight-only int8, :mod:`sublayer.models.quantized_gpt2`;
 also with the LM head kept float) against CTranslate2 ``compute_type="int8"`` (quantized by CTranslate2 when it
@@ -100,6 +101,18 @@ def _ct2_generator(folder: Path, threads: int, compute_type: str = "float32"):
     if not (ct2 / "model.bin").is_file():
         ctranslate2.converters.TransformersConverter(str(folder)).convert(str(ct2), force=True)
     return ctranslate2.Generator(str(ct2), device="cpu", compute_type=compute_type, intra_threads=threads)
+
+
+def _bytes_read(engine: str, step_bytes: int, head_bytes: int) -> float:
+    """Weight bytes an engine reads per greedy step: float32 everywhere, except sublayer's fast path (the LM head
+    screened in float16, :class:`~sublayer.models.decoding.GreedyHead`) and int8 (a byte per weight; "head float"
+    keeps the head in float32)."""
+    layers = step_bytes - head_bytes
+    if "int8" in engine:
+        return layers / 4 + (head_bytes if "head float" in engine else head_bytes / 4)
+    if engine in ("sublayer GPT2.generate", "sublayer fast_inference fp32"):
+        return layers + head_bytes / 2
+    return step_bytes
 
 
 def _translate_rows(quick: bool, reps: int, log: Callable[[str], None]) -> list[dict]:
@@ -266,7 +279,7 @@ def run_decode_bench(
         for name in fns:
             sec = statistics.median(times[name])
             tps = b * new / sec
-            nbytes = step_bytes / 4 if "int8" in name else step_bytes  # int8: a byte per weight (+ scales)
+            nbytes = _bytes_read(name, step_bytes, 4 * v * d)
             row = {
                 "case": case, "batch": b, "engine": name, "tok/s": tps, "GB/s": nbytes * new / sec / 1e9,
                 "same tokens as HF": None if hf_out is None else outs[name].tolist() == hf_out.tolist(),

@@ -5,22 +5,29 @@ plus whatever happens between them. This path (beside the reference loops of :me
 :meth:`Transformer.translate`, which stay and which it is tested against) therefore:
 
 * packs every decoding matrix once (``pack_linear_weight``: panels of 16 output columns, read sequentially) and
-  multiplies the 1–16 rows of a step with the ``skinny_linear`` kernel (AVX2 + FMA, both threads), which streams
-  at memory speed where torch's GEMV reaches about a third of it; q/k/v are one matrix;
+  multiplies the 1–16 rows of a step with the ``skinny_linear`` kernel (AVX2 + FMA, both threads); a single row
+  reads four panels at a time (four weight streams per thread keep more misses in flight: ~26 GB/s on GPT-2's
+  layers here, where one stream reached ~19 and torch's GEMV ~17-21); q/k/v are one matrix; panels may also be
+  float16 (the greedy head's screening copy) or int8 with a per-column scale (``QuantizedGPT2``);
 * keeps a static key/value cache allocated once per call, (B, H, T_prompt + max_new, head_dim) per layer, that
   ``decode_attention`` writes and reads in place (no ``torch.cat`` per step); positions and the padding mask are
   built once;
-* runs a GPT-2 layer in seven dispatches: q|k|v GEMV, cache write + attention, out-projection, residual +
-  LayerNorm (the fused ``add_norm_fwd``), fc1 with bias + activation in its epilogue (relu, tanh-GELU), fc2,
-  residual + the next LayerNorm; above ``SKINNY_MAX_ROWS`` rows (large translate batches, beams) torch's GEMM
-  runs on the unpacked weight instead;
-* picks greedy tokens by ``argmax`` of the logits (no softmax) and samples through the reference's own filters.
+* runs every GPT-2 block of a step in one C++ call (``gpt2_decode_layers``: per block q|k|v GEMV, cache write +
+  attention, out-projection, residual + LayerNorm, fc1 with bias + activation in its epilogue (relu,
+  tanh-GELU), fc2, residual + the next LayerNorm), so no Python runs between the weight streams; ``gpt2_step``'s
+  per-op loop is its reference and runs where that call does not apply (other activations, no kernels). The
+  Transformer's decoder steps per op. Above ``SKINNY_MAX_ROWS`` rows (large translate batches, beams) torch's
+  GEMM runs on the unpacked weight instead;
+* greedy GPT-2 decoding never computes the float32 logits: :class:`GreedyHead` screens the vocabulary with a
+  float16 copy of the LM head (half its bytes; the head is a third of GPT-2 small's) and recomputes in float32
+  only the rows whose error bound reaches the best one, which gives the float32 argmax exactly; sampling
+  computes the logits and goes through the reference's own filters.
 
 The prompt itself (prefill) runs through the model's reference forward with its KV caches (batched GEMMs are
 what torch does well); its keys/values are then copied into the static cache.
 
-The packed weights are a second copy of the model's matrices in float32 (GPT-2 small: 497 MB), built at the first
-call and kept (per model, weakly referenced) until a parameter changes (version counter or storage) or
+The packed weights are a second copy of the model's matrices in float32 (GPT-2 small: 497 MB, plus 77 MB for the
+float16 head), built at the first call and kept (per model, weakly referenced) until a parameter changes (version counter or storage) or
 :func:`clear_cache`. Without the C++ kernels the same path runs on torch ops (``F.linear`` and SDPA over the cache).
 
 Switch: ``SUBLAYER_DECODING=0`` in the environment or :func:`set_enabled` (``False``: the reference loops run).

@@ -1,0 +1,35 @@
+"""``sublayer bench --decode`` (sublayer.bench_decode) in its quick form: rows, files, and the bytes each engine
+is credited with per step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sublayer import bench_decode
+
+
+def test_bytes_read_per_engine():
+    step, head = 1000, 400  # 600 bytes of layers
+    assert bench_decode._bytes_read("HF generate", step, head) == 1000
+    assert bench_decode._bytes_read("sublayer reference loop", step, head) == 1000
+    assert bench_decode._bytes_read("sublayer GPT2.generate", step, head) == 800  # float16 screening head
+    assert bench_decode._bytes_read("sublayer int8", step, head) == 250
+    assert bench_decode._bytes_read("sublayer int8, head float", step, head) == 550
+    assert bench_decode._bytes_read("CTranslate2 int8", step, head) == 250
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_quick_run_writes_rows_with_equal_tokens(tmp_path):
+    lines = []
+    rows = bench_decode.run_decode_bench(
+        tmp_path, quick=True, batches=(1,), reps=1, peers=False, translate=False,
+        engines="sublayer GPT2.generate,sublayer reference loop,sublayer int8", log=lines.append,
+    )  # fmt: skip
+    gen = {r["engine"]: r for r in rows if "tok/s" in r}
+    assert set(gen) == {"sublayer GPT2.generate", "sublayer reference loop", "sublayer int8", "sublayer int8, head float"}
+    assert all(r["tok/s"] > 0 and r["GB/s"] > 0 for r in gen.values())
+    assert gen["sublayer reference loop"]["same as fp32"] == 1.0  # the fast path's tokens equal the reference's
+    assert json.loads((tmp_path / "decode.json").read_text())["rows"]
+    assert "| 1 | sublayer GPT2.generate |" in (tmp_path / "decode.md").read_text()
