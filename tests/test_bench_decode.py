@@ -28,7 +28,8 @@ def test_quick_run_writes_rows_with_equal_tokens(tmp_path):
         engines="sublayer GPT2.generate,sublayer reference loop,sublayer int8", log=lines.append,
     )  # fmt: skip
     gen = {r["engine"]: r for r in rows if "tok/s" in r}
-    assert set(gen) == {"sublayer GPT2.generate", "sublayer reference loop", "sublayer int8", "sublayer int8, head float"}
+    want = {"sublayer GPT2.generate", "sublayer reference loop", "sublayer int8", "sublayer int8, head float"}
+    assert set(gen) == want
     assert all(r["tok/s"] > 0 and r["GB/s"] > 0 for r in gen.values())
     assert gen["sublayer reference loop"]["same as fp32"] == 1.0  # the fast path's tokens equal the reference's
     assert json.loads((tmp_path / "decode.json").read_text())["rows"]
