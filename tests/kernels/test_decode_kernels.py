@@ -20,6 +20,14 @@ def _ops():
     return kernels.ops()
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def micro_kernel(request):
+    """Each test with the AVX-512 several-row micro-kernels (where compiled in) and with the AVX2 ones."""
+    was = _ops().decode_avx512(int(request.param == "avx512"))
+    yield request.param
+    _ops().decode_avx512(int(was))
+
+
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -32,10 +40,10 @@ def test_pack_layout_is_panels_of_16_columns_zero_padded():
     assert torch.equal(packed, want)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 11, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 11, 16, 19, 32])
 @pytest.mark.parametrize(("n", "k"), [(37, 13), (17, 29), (5, 3), (53, 101)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_skinny_linear_matches_f_linear(rows, n, k, bias):
+def test_skinny_linear_matches_f_linear(rows, n, k, bias, micro_kernel):
     g = _gen(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=g)
     w = torch.randn(n, k, generator=g)
@@ -47,7 +55,7 @@ def test_skinny_linear_matches_f_linear(rows, n, k, bias):
 
 @pytest.mark.parametrize(("act", "fn"), [(1, F.relu), (3, lambda t: F.gelu(t, approximate="tanh"))])
 @pytest.mark.parametrize("rows", [1, 6])
-def test_skinny_linear_fused_activation(act, fn, rows):
+def test_skinny_linear_fused_activation(act, fn, rows, micro_kernel):
     g = _gen(act + rows)
     x = torch.randn(rows, 19, generator=g)
     w = torch.randn(23, 19, generator=g) * 0.5
@@ -125,7 +133,7 @@ def test_decode_attention_rejects_bad_length():
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5])
-def test_skinny_linear_on_float16_panels_matches_the_widened_weight(rows):
+def test_skinny_linear_on_float16_panels_matches_the_widened_weight(rows, micro_kernel):
     g = _gen(rows + 77)
     w, x, b = torch.randn(53, 29, generator=g), torch.randn(rows, 29, generator=g), torch.randn(53, generator=g)
     packed = _ops().pack_linear_weight(w.half())
@@ -140,7 +148,7 @@ def test_pack_linear_weight_rejects_other_dtypes():
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_skinny_linear_on_int8_panels_applies_the_column_scale(rows):
+def test_skinny_linear_on_int8_panels_applies_the_column_scale(rows, micro_kernel):
     g = _gen(rows + 5)
     q = torch.randint(-127, 128, (149, 3001), generator=g, dtype=torch.int8)
     scale, b = torch.rand(149, generator=g) * 0.01, torch.randn(149, generator=g)
@@ -156,14 +164,16 @@ def test_skinny_linear_on_int8_panels_applies_the_column_scale(rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 5])
-def test_skinny_linear_over_several_chunks_of_panels(rows, dtype):
-    # K = 3001: a panel is ~190 KB, so the 10 panels form three chunks (4, 4, 2): one row reads four panels at a
-    # time where it can and one at a time in the last chunk; several rows take the per-panel micro-kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, 13])
+@pytest.mark.parametrize("n", [149, 133])
+def test_skinny_linear_over_several_chunks_of_panels(n, rows, dtype, micro_kernel):
+    # K = 3001: a panel is ~190 KB, so the 10 (9) panels form chunks of 4, 4 and 2 (1): one row reads four panels
+    # at a time where it can and one at a time in the last chunk; several rows take two panels at a time (AVX-512)
+    # and the last odd one alone, or one at a time (AVX2)
     g = _gen(rows + 31)
-    w, x, b = torch.randn(149, 3001, generator=g), torch.randn(rows, 3001, generator=g), torch.randn(149, generator=g)
+    w, x, b = torch.randn(n, 3001, generator=g), torch.randn(rows, 3001, generator=g), torch.randn(n, generator=g)
     w = w.to(dtype)
-    got = _ops().skinny_linear(x, _ops().pack_linear_weight(w), b, 149, 1)
+    got = _ops().skinny_linear(x, _ops().pack_linear_weight(w), b, n, 1)
     want = F.relu(F.linear(x.double(), w.double(), b.double()))
     # a float32 sum of K products in any order is within K u sum|x_k w_k| of the exact one (u = 2^-24)
     bound = 3001 * 2.0**-24 * (x.double().abs() @ w.double().abs().T).max().item()

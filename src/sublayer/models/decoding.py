@@ -16,8 +16,10 @@ plus whatever happens between them. This path (beside the reference loops of :me
   attention, out-projection, residual + LayerNorm, fc1 with bias + activation in its epilogue (relu,
   tanh-GELU), fc2, residual + the next LayerNorm), so no Python runs between the weight streams; ``gpt2_step``'s
   per-op loop is its reference and runs where that call does not apply (other activations, no kernels). The
-  Transformer's decoder steps per op. Above ``SKINNY_MAX_ROWS`` rows (large translate batches, beams) torch's
-  GEMM runs on the unpacked weight instead;
+  Transformer's decoder steps per op. Several rows (batches, beams) take a several-row micro-kernel (AVX2: 4
+  rows; AVX-512 CPUs: 8 rows x 2 panels, ~130-160 GFLOP/s here against torch's ~80-115 at 32 rows); above
+  :func:`skinny_max_rows` rows (16; 32 with AVX-512: the demo's batch of 500) torch's GEMM runs on the unpacked
+  weight instead;
 * greedy GPT-2 decoding never computes the float32 logits: :class:`GreedyHead` screens the vocabulary with a
   float16 copy of the LM head (half its bytes; the head is a third of GPT-2 small's) and recomputes in float32
   only the rows whose error bound reaches the best one, which gives the float32 argmax exactly; sampling
@@ -75,20 +77,20 @@ class PackedLinear:
         weight: (N, K) float32 (``nn.Linear`` layout). bias: (N,) or None.
 
     Call: x (M, K) float32 with unit inner stride (a column slice of a wider tensor works) -> (M, N).
-    Without the kernels, or for more than ``SKINNY_MAX_ROWS`` rows, ``F.linear`` runs on the unpacked weight.
+    Without the kernels, or for more than :func:`skinny_max_rows` rows, ``F.linear`` runs on the unpacked weight.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         weight = weight.detach().float().contiguous()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.weight = weight  # the parameter itself (no copy) for batches above SKINNY_MAX_ROWS
+        self.weight = weight  # the parameter itself (no copy) for batches above skinny_max_rows()
         self.packed = kernels.ops().pack_linear_weight(weight) if _kernels_on() else None
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
         """``activation`` (an FFN activation name) is applied after the bias: fused into the kernel's epilogue for
         ``relu``/``gelu_tanh``, a separate pass for the others."""
-        if self.packed is not None and x.shape[0] <= SKINNY_MAX_ROWS:
+        if self.packed is not None and x.shape[0] <= skinny_max_rows():
             act = _EPILOGUE.get(activation, 0)
             y = kernels.ops().skinny_linear(x, self.packed, self.bias, self.out_features, act)
             return y if activation is None or act else _bias_act(y, None, activation)
@@ -103,7 +105,15 @@ class PackedLinear:
         return self.packed, _NO_SCALE, self.bias
 
 
-SKINNY_MAX_ROWS = 16  # above it a blocked GEMM (torch) wins: the rows amortise the weight reads
+SKINNY_MAX_ROWS = 16  # above it a blocked GEMM (torch) wins: the rows amortise the weight reads (AVX2 kernel)
+SKINNY_MAX_ROWS_AVX512 = 32  # the AVX-512 micro-kernels (8 rows x 2 panels) beat torch's GEMM up to here
+
+
+def skinny_max_rows() -> int:
+    """Most rows ``PackedLinear`` multiplies with ``skinny_linear`` (above: torch's GEMM on the unpacked weight)."""
+    if _kernels_on() and kernels.ops().decode_avx512(-1):
+        return SKINNY_MAX_ROWS_AVX512
+    return SKINNY_MAX_ROWS
 _NO_SCALE = torch.empty(0)
 _EPILOGUE = {"relu": 1, "gelu_tanh": 3}  # activations fused into skinny_linear (ids of fused._ACT_IDS)
 
@@ -327,7 +337,7 @@ def gpt2_step(model, W: dict, tokens: Tensor, positions: Tensor, caches: list, m
     x = W["wte"][tokens] + W["wpe"][positions]  # (B, d)
     length = caches[0].length + 1
     flat = W.get("flat")
-    if flat is not None and x.shape[0] <= W.get("flat_rows", SKINNY_MAX_ROWS):  # every block in one C++ call
+    if flat is not None and x.shape[0] <= W.get("flat_rows", skinny_max_rows()):  # every block in one C++ call
         h = kernels.ops().gpt2_decode_layers(
             x, flat, [c.k for c in caches], [c.v for c in caches], mask, length, W["lnf"][2], _EPILOGUE[cfg.activation]
         )

@@ -42,6 +42,7 @@ using at::Tensor;
 constexpr int64_t PANEL = 16;  // output columns per packed panel (two AVX2 vectors)
 constexpr int64_t ROWS = 4;    // rows of x per micro-kernel call
 constexpr int STREAMS = 4;     // panels read at once for a single row (panels_kernel)
+std::atomic<bool> g_avx512{true};  // decode_avx512
 
 void check_float_contig(const Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
@@ -148,6 +149,58 @@ inline void panels_kernel(const float* x, const T* w, int64_t K, float* acc) {
 #endif
 }
 
+#if SUBLAYER_DECODE_AVX2 && defined(__AVX512F__)
+// Several rows on AVX-512 CPUs: a panel's 16 columns at one k are one 16-lane vector, so R rows take R
+// accumulators, one weight load and R broadcasts per k: up to 8 rows per call (ROWS512), nearly twice the FMAs per
+// cycle of the AVX2 kernel where rows make the product compute-bound (batched decoding, beams). Same sums per k
+// order as panel_kernel up to its even/odd-k split.
+constexpr int64_t ROWS512 = 8;
+inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+inline __m512 load16(const at::Half* w) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+}
+inline __m512 load16(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+
+template <typename T, int R>
+inline void panel_kernel512(const float* x, int64_t ldx, const T* w, int64_t K, float* acc) {
+  __m512 a[R];
+  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    if ((k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048, _MM_HINT_T0);
+    const __m512 wk = load16(w + k * PANEL);
+    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), wk, a[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * PANEL, a[r]);
+}
+
+// Two neighbouring panels at once (acc: R rows of the first panel, then R rows of the second): each broadcast of
+// x feeds two FMAs, so the loads (the limit of panel_kernel512 at 8 rows) drop from 9 to 10 per 16 FMAs.
+template <typename T, int R>
+inline void panel_pair_kernel512(const float* x, int64_t ldx, const T* w, int64_t K, float* acc) {
+  __m512 a[R], b[R];
+  for (int r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_ps();
+  const T* w1 = w + K * PANEL;
+  for (int64_t k = 0; k < K; ++k) {
+    if ((k & 1) == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w1 + k * PANEL) + 2048, _MM_HINT_T0);
+    }
+    const __m512 wa = load16(w + k * PANEL), wb = load16(w1 + k * PANEL);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+      a[r] = _mm512_fmadd_ps(xv, wa, a[r]);
+      b[r] = _mm512_fmadd_ps(xv, wb, b[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc + r * PANEL, a[r]);
+    _mm512_storeu_ps(acc + (R + r) * PANEL, b[r]);
+  }
+}
+#endif
+
 // Epilogue activations (ids as sublayer.functional.fused._ACT_IDS): 0 none, 1 relu, 3 tanh-GELU (HF gelu_new)
 // computed as z * sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3), since 1 + tanh(u) = 2 sigmoid(2u).
 enum EpiAct : int64_t { EPI_NONE = 0, EPI_RELU = 1, EPI_GELU_TANH = 3 };
@@ -206,6 +259,23 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
   using PanelFn = void (*)(const float*, int64_t, const T*, int64_t, float*);
   static constexpr PanelFn kPanel[ROWS + 1] = {nullptr, panel_kernel<T, 1>, panel_kernel<T, 2>, panel_kernel<T, 3>,
                                                panel_kernel<T, 4>};
+  const PanelFn* panel = kPanel;
+  int64_t rows = ROWS;
+#if SUBLAYER_DECODE_AVX2 && defined(__AVX512F__)
+  static constexpr PanelFn kPanel512[ROWS512 + 1] = {
+      nullptr, panel_kernel512<T, 1>, panel_kernel512<T, 2>, panel_kernel512<T, 3>, panel_kernel512<T, 4>,
+      panel_kernel512<T, 5>, panel_kernel512<T, 6>, panel_kernel512<T, 7>, panel_kernel512<T, 8>};
+  static constexpr PanelFn kPair512[ROWS512 + 1] = {
+      nullptr, panel_pair_kernel512<T, 1>, panel_pair_kernel512<T, 2>, panel_pair_kernel512<T, 3>,
+      panel_pair_kernel512<T, 4>, panel_pair_kernel512<T, 5>, panel_pair_kernel512<T, 6>,
+      panel_pair_kernel512<T, 7>, panel_pair_kernel512<T, 8>};
+  const PanelFn* pair = nullptr;
+  if (M > 1 && g_avx512.load(std::memory_order_relaxed)) {
+    panel = kPanel512;
+    pair = kPair512;
+    rows = ROWS512;
+  }
+#endif
   // Panels are handed out in chunks of ~256 KB from a shared counter, not split in halves up front: a thread
   // that the OS or a neighbour slows down takes fewer chunks instead of holding the other one at the join.
   // (a multiple of STREAMS panels, so that a single row reads STREAMS panels at a time)
@@ -214,40 +284,56 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
   const int64_t n_chunks = (P + chunk - 1) / chunk;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(n_chunks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    float acc[std::max<int64_t>(ROWS, STREAMS) * PANEL];
+    float acc[2 * 8 * PANEL];  // up to two panels of max(ROWS, STREAMS, ROWS512) rows
+    auto store = [&](int64_t p, int64_t r0, int64_t R, float* a) {  // epilogue + copy out: R rows of panel p
+      const int64_t c0 = p * PANEL, nc = std::min<int64_t>(PANEL, n - c0);
+      float spanel[PANEL] = {0}, bpanel[PANEL] = {0};  // this panel's scale and bias, zero-padded past n
+      if (sp) std::copy(sp + c0, sp + c0 + nc, spanel);
+      if (bp) std::copy(bp + c0, bp + c0 + nc, bpanel);
+      for (int64_t r = 0; r < R; ++r) {
+        epilogue(a + r * PANEL, sp ? spanel : nullptr, bp ? bpanel : nullptr, act);
+        std::copy(a + r * PANEL, a + r * PANEL + nc, op + (r0 + r) * n + c0);
+      }
+    };
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;) {
       const int64_t pe = std::min(P, (c + 1) * chunk);
       int64_t p = c * chunk;
       if (M == 1)  // one row (batch-1 decoding): STREAMS panels at a time
         for (; p + STREAMS <= pe; p += STREAMS) {
           panels_kernel<T, STREAMS>(xp, wp + p * K * PANEL, K, acc);
-          for (int64_t q = 0; q < STREAMS; ++q) {
-            const int64_t c0 = (p + q) * PANEL, nc = std::min<int64_t>(PANEL, n - c0);
-            float spanel[PANEL] = {0}, bpanel[PANEL] = {0};
-            if (sp) std::copy(sp + c0, sp + c0 + nc, spanel);
-            if (bp) std::copy(bp + c0, bp + c0 + nc, bpanel);
-            epilogue(acc + q * PANEL, sp ? spanel : nullptr, bp ? bpanel : nullptr, act);
-            std::copy(acc + q * PANEL, acc + q * PANEL + nc, op + c0);
-          }
+          for (int64_t q = 0; q < STREAMS; ++q) store(p + q, 0, 1, acc + q * PANEL);
         }
-      for (; p < pe; ++p) {
-        const T* w = wp + p * K * PANEL;
-        const int64_t c0 = p * PANEL, nc = std::min<int64_t>(PANEL, n - c0);
-        for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
-          const int64_t R = std::min<int64_t>(ROWS, M - r0);
-          kPanel[R](xp + r0 * ldx, ldx, w, K, acc);
-          float spanel[PANEL] = {0}, bpanel[PANEL] = {0};  // this panel's scale and bias, zero-padded past n
-          if (sp) std::copy(sp + c0, sp + c0 + nc, spanel);
-          if (bp) std::copy(bp + c0, bp + c0 + nc, bpanel);
-          for (int64_t r = 0; r < R; ++r) {
-            float* a = acc + r * PANEL;
-            epilogue(a, sp ? spanel : nullptr, bp ? bpanel : nullptr, act);
-            std::copy(a, a + nc, op + (r0 + r) * n + c0);
+#if SUBLAYER_DECODE_AVX2 && defined(__AVX512F__)
+      if (pair)  // several rows on AVX-512: two panels at a time
+        for (; p + 2 <= pe; p += 2)
+          for (int64_t r0 = 0; r0 < M; r0 += ROWS512) {
+            const int64_t R = std::min<int64_t>(ROWS512, M - r0);
+            pair[R](xp + r0 * ldx, ldx, wp + p * K * PANEL, K, acc);
+            store(p, r0, R, acc);
+            store(p + 1, r0, R, acc + R * PANEL);
           }
+#endif
+      for (; p < pe; ++p)
+        for (int64_t r0 = 0; r0 < M; r0 += rows) {
+          const int64_t R = std::min<int64_t>(rows, M - r0);
+          panel[R](xp + r0 * ldx, ldx, wp + p * K * PANEL, K, acc);
+          store(p, r0, R, acc);
         }
-      }
     }
   });
+}
+
+// Whether skinny_linear uses the AVX-512 several-row micro-kernel where it was compiled in (tests switch it off to
+// check the AVX2 one on the same machine): decode_avx512(flag) sets it and returns the previous value; -1 reads it.
+bool decode_avx512(int64_t flag) {
+#if SUBLAYER_DECODE_AVX2 && defined(__AVX512F__)
+  const bool was = g_avx512.load();
+  if (flag >= 0) g_avx512.store(flag != 0);
+  return was;
+#else
+  (void)flag;
+  return false;
+#endif
 }
 
 // Checks x (M, K) / packed (P, K, 16) / bias (n,) / act for skinny_linear; returns the bias pointer or null.
@@ -600,6 +686,7 @@ Tensor gpt2_decode_layers(const Tensor& x, at::TensorList params, at::TensorList
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("decode_avx512(int flag) -> bool", &decode_avx512);
   m.def("gpt2_decode_layers(Tensor x, Tensor[] params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor? mask, "
         "int length, float eps, int act) -> Tensor");
   m.def("screened_argmax(Tensor x, Tensor screened, Tensor weight, Tensor? bias, Tensor bound) -> Tensor");
