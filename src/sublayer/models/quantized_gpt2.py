@@ -78,15 +78,13 @@ class WeightInt8Linear:
             if self._packed is None:
                 self._packed = kernels.ops().pack_int8_linear_weight(self.q)
             act = 0 if activation is None else fused._ACT_IDS[activation]
-            if x.shape[0] == 1 and act in (0, *decoding._EPILOGUE.values()):  # one row: four weight streams
-                return kernels.ops().skinny_linear(x, self._packed, self.bias, self.out_features, act, self.scale)
             return kernels.ops().int8_skinny_linear(x, self._packed, self.scale, self.bias, self.out_features, act)
         y = weight_int8_linear_reference(x, self.q, self.scale, self.bias)
         return y if activation is None else SF.activation_fn(activation)(y)
 
     def flat(self) -> tuple[Tensor, Tensor, Tensor] | None:
-        """``(packed, scale, bias)`` for ``gpt2_decode_layers`` (one row: decode.cpp's int8 panels, four weight
-        streams per thread), or None without the kernels or a bias."""
+        """``(packed, scale, bias)`` for ``gpt2_decode_layers`` (decode.cpp's ``skinny_linear`` reads the same
+        int8 panels), or None without the kernels or a bias."""
         if not _kernels_on() or self.bias is None:
             return None
         if self._packed is None:
@@ -183,10 +181,9 @@ class QuantizedGPT2:
                            for i, L in enumerate(self.layers)],
                 "lnf": norm("ln_f"), "head": self.head, "wte": t["wte"], "wpe": t["wpe"],
             }  # fmt: skip
-            # one row (batch-1 decoding): every block in one C++ call; more rows take int8_skinny_linear per op,
-            # whose AVX-512 micro-kernel handles 8 rows at once where the CPU has it
+            # every block of a step in one C++ call (decode.cpp's skinny_linear on the int8 panels); the head
+            # runs int8_skinny_linear
             self._W["flat"] = decoding._flat_gpt2(self._W, self.config.activation)
-            self._W["flat_rows"] = 1
         return self._W
 
     def eval(self):
