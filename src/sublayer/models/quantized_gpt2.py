@@ -1,7 +1,7 @@
 """int8 inference for :class:`~sublayer.models.GPT2`: ``fast_inference(gpt2, quantize="int8")`` or
 :func:`sublayer.models.quantized.quantize` return a :class:`QuantizedGPT2`.
 
-GPT-2 decoding multiplies 1–16 rows per step, so its time is the time to stream the weights from memory: this path
+GPT-2 decoding multiplies a few rows per step, so its time is the time to stream the weights from memory: this path
 is **weight-only int8** (unlike BERT's, whose activations are quantized too, see :mod:`.quantized`):
 
 * the dense layers of the blocks (fused q|k|v, attention output, fc1, fc2) and the LM head are stored int8,
@@ -16,7 +16,9 @@ is **weight-only int8** (unlike BERT's, whose activations are quantized too, see
 * embeddings, LayerNorms, attention (SDPA for the prompt, ``decode_attention`` over the static cache) and the
   activations stay float32;
 * decoding runs the float path's loop (:func:`sublayer.models.decoding.gpt2_generate` with ``weights=``), so the
-  static KV cache, the fused add + LayerNorm and the greedy/sampling rules are the float path's.
+  static KV cache, the greedy/sampling rules and the one-call step are the float path's: ``gpt2_decode_layers``
+  runs every block through decode.cpp's ``skinny_linear``, which reads the same int8 panels with their scale
+  (the same products in another summation order); the head runs ``int8_skinny_linear``.
 
 The LM head is int8 by default (:data:`DEFAULT_KEEP_FLOAT_GPT2` is empty): it is a third of GPT-2 small's matrix
 bytes; keeping it float (``keep_float=("head",)``) measured 1.4x slower greedy decoding at batch 1 and no better
