@@ -53,14 +53,14 @@ def _gemv_rows(n: int, k: int, reps: int) -> list[dict]:
     w = torch.randn(n, k)
     packed = kernels.ops().pack_linear_weight(w)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-    q_packed, q_scale = kernels.ops().pack_int8_linear_weight(q), torch.rand(n)
+    q_packed, q_scale = kernels.ops().pack_linear_weight(q), torch.rand(n)
     rows = []
     for m in (1, 8):
         x = torch.randn(m, k)
         fns = {
             "torch F.linear": lambda: F.linear(x, w),
             "sublayer skinny_linear": lambda: kernels.ops().skinny_linear(x, packed, None, n),
-            "sublayer int8_skinny_linear": lambda: kernels.ops().int8_skinny_linear(x, q_packed, q_scale, None, n),
+            "sublayer skinny_linear int8": lambda: kernels.ops().skinny_linear(x, q_packed, None, n, 0, q_scale),
         }
         ts = {name: [] for name in fns}
         for _ in range(reps):

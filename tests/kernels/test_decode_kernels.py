@@ -65,8 +65,8 @@ def test_skinny_linear_fused_activation(act, fn, rows, micro_kernel):
 
 
 def test_skinny_linear_rejects_unknown_activation():
-    with pytest.raises(RuntimeError, match="act 2 unsupported"):
-        _ops().skinny_linear(torch.randn(1, 3), _ops().pack_linear_weight(torch.randn(4, 3)), None, 4, 2)
+    with pytest.raises(RuntimeError, match="act 6 unsupported"):
+        _ops().skinny_linear(torch.randn(1, 3), _ops().pack_linear_weight(torch.randn(4, 3)), None, 4, 6)
 
 
 def test_skinny_linear_takes_a_column_slice():
@@ -154,7 +154,6 @@ def test_skinny_linear_on_int8_panels_applies_the_column_scale(rows, micro_kerne
     scale, b = torch.rand(149, generator=g) * 0.01, torch.randn(149, generator=g)
     x = torch.randn(rows, 3001, generator=g)
     packed = _ops().pack_linear_weight(q)
-    assert torch.equal(packed, _ops().pack_int8_linear_weight(q))  # one layout for both int8 kernels
     got = _ops().skinny_linear(x, packed, b, 149, 3, scale)
     want = F.gelu(F.linear(x.double(), q.double() * scale.double()[:, None], b.double()), approximate="tanh")
     bound = 3001 * 2.0**-24 * (x.double().abs() @ q.double().abs().T * scale.double()).max().item()

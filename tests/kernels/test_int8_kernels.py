@@ -84,26 +84,31 @@ def test_bad_inputs_are_named():
 
 
 # ------------------------------------------------------------------------------- weight-only int8 GEMV (decoding)
+# decode.cpp's skinny_linear on int8 panels (the product QuantizedGPT2 runs) against the dequantized reference
 @pytest.fixture(params=["avx512", "avx2"])
 def gemv_isa(request):
-    """Each GEMV test with the AVX-512 micro-kernel (where compiled in) and with the AVX2 one."""
-    was = kernels.ops().int8_gemv_avx512(int(request.param == "avx512"))
+    """Each GEMV test with the AVX-512 micro-kernels (where compiled in) and with the AVX2 ones."""
+    was = kernels.ops().decode_avx512(int(request.param == "avx512"))
     yield request.param
-    kernels.ops().int8_gemv_avx512(int(was))
+    kernels.ops().decode_avx512(int(was))
+
+
+def _int8_linear(x, q, s, b, n, act=0):
+    return kernels.ops().skinny_linear(x, kernels.ops().pack_linear_weight(q), b, n, act, s)
 
 
 def test_pack_int8_layout_is_panels_of_16_columns_zero_padded():
     q = torch.randint(-127, 128, (37, 13), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
-    packed = kernels.ops().pack_int8_linear_weight(q)
+    packed = kernels.ops().pack_linear_weight(q)
     assert packed.shape == (3, 13, 16) and packed.dtype == torch.int8  # ceil(37 / 16) panels
     want = torch.cat([q, q.new_zeros(48 - 37, 13)]).view(3, 16, 13).transpose(1, 2)
     assert torch.equal(packed, want)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 37])
-@pytest.mark.parametrize(("n", "k"), [(37, 13), (17, 29), (5, 3), (53, 101)])
+@pytest.mark.parametrize(("n", "k"), [(37, 13), (17, 29), (5, 3), (53, 101), (149, 773)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_int8_skinny_linear_matches_dequantized_reference(rows, n, k, bias, gemv_isa):
+def test_int8_panels_match_dequantized_reference(rows, n, k, bias, gemv_isa):
     from sublayer.models.quantized_gpt2 import weight_int8_linear_reference
 
     from ._tol import assert_fast_close
@@ -113,34 +118,34 @@ def test_int8_skinny_linear_matches_dequantized_reference(rows, n, k, bias, gemv
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
     s = torch.rand(n, generator=g) * 0.02
     b = torch.randn(n, generator=g) if bias else None
-    got = kernels.ops().int8_skinny_linear(x, kernels.ops().pack_int8_linear_weight(q), s, b, n, 0)
+    got = _int8_linear(x, q, s, b, n)
     ref64 = (x.double() @ q.double().t()) * s.double() + (0 if b is None else b.double())
     assert_fast_close(got, weight_int8_linear_reference(x, q, s, b), ref64, what=f"rows={rows} n={n} k={k}")
 
 
 @pytest.mark.parametrize("act", sorted(_ACT_IDS))
 @pytest.mark.parametrize("rows", [1, 6, 11])
-def test_int8_skinny_linear_fused_activation(act, rows, gemv_isa):
+def test_int8_panels_fused_activation(act, rows, gemv_isa):
     from ._tol import assert_fast_close
 
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 19, generator=g)[:, 2:]  # a column slice: row stride 19, unit inner stride
     q = torch.randint(-127, 128, (23, 17), dtype=torch.int8, generator=g)
     s, b = torch.rand(23, generator=g) * 0.05, torch.randn(23, generator=g)
-    got = kernels.ops().int8_skinny_linear(x, kernels.ops().pack_int8_linear_weight(q), s, b, 23, _ACT_IDS[act])
+    got = _int8_linear(x, q, s, b, 23, _ACT_IDS[act])
     fn = activation_fn(act)
     ref64 = fn((x.double() @ q.double().t()) * s.double() + b.double())
     assert_fast_close(got, fn(F.linear(x, q.float()) * s + b), ref64, what=act)
 
 
-def test_int8_skinny_linear_rejects_bad_inputs():
+def test_int8_panels_reject_bad_inputs():
     q = torch.zeros(5, 3, dtype=torch.int8)
-    packed = kernels.ops().pack_int8_linear_weight(q)
-    with pytest.raises(RuntimeError, match="unknown activation id 9"):
-        kernels.ops().int8_skinny_linear(torch.randn(2, 3), packed, torch.ones(5), None, 5, 9)
+    packed = kernels.ops().pack_linear_weight(q)
+    with pytest.raises(RuntimeError, match="act 9 unsupported"):
+        kernels.ops().skinny_linear(torch.randn(2, 3), packed, None, 5, 9, torch.ones(5))
     with pytest.raises(RuntimeError, match=r"packed must be \(P, K=4, 16\)"):
-        kernels.ops().int8_skinny_linear(torch.randn(2, 4), packed, torch.ones(5), None, 5, 0)
-    with pytest.raises(RuntimeError, match="scale: expected a contiguous float32 vector of 5"):
-        kernels.ops().int8_skinny_linear(torch.randn(2, 3), packed, torch.ones(4), None, 5, 0)
-    with pytest.raises(RuntimeError, match="q must be a contiguous 2-D int8"):
-        kernels.ops().pack_int8_linear_weight(torch.zeros(5, 3))
+        kernels.ops().skinny_linear(torch.randn(2, 4), packed, None, 5, 0, torch.ones(5))
+    with pytest.raises(RuntimeError, match="scale must have 5 elements, got 4"):
+        kernels.ops().skinny_linear(torch.randn(2, 3), packed, None, 5, 0, torch.ones(4))
+    with pytest.raises(RuntimeError, match="float32, float16 or int8"):
+        kernels.ops().pack_linear_weight(torch.zeros(5, 3, dtype=torch.float64))

@@ -13,8 +13,7 @@ plus whatever happens between them. This path (beside the reference loops of :me
   ``decode_attention`` writes and reads in place (no ``torch.cat`` per step); positions and the padding mask are
   built once;
 * runs every GPT-2 block of a step in one C++ call (``gpt2_decode_layers``: per block q|k|v GEMV, cache write +
-  attention, out-projection, residual + LayerNorm, fc1 with bias + activation in its epilogue (relu,
-  tanh-GELU), fc2, residual + the next LayerNorm), so no Python runs between the weight streams; ``gpt2_step``'s
+  attention, out-projection, residual + LayerNorm, fc1 with bias + activation in its epilogue, fc2, residual + the next LayerNorm), so no Python runs between the weight streams; ``gpt2_step``'s
   per-op loop is its reference and runs where that call does not apply (other activations, no kernels). The
   Transformer's decoder steps per op. Several rows (batches, beams) take a several-row micro-kernel (AVX2: 4
   rows; AVX-512 CPUs: 8 rows x 2 panels, ~130-160 GFLOP/s here against torch's ~80-115 at 32 rows); above
@@ -88,8 +87,8 @@ class PackedLinear:
         self.packed = kernels.ops().pack_linear_weight(weight) if _kernels_on() else None
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
-        """``activation`` (an FFN activation name) is applied after the bias: fused into the kernel's epilogue for
-        ``relu``/``gelu_tanh``, a separate pass for the others."""
+        """``activation`` (an FFN activation name) is applied after the bias: fused into the kernel's epilogue
+        (``fused._ACT_IDS``), a separate pass for any other."""
         if self.packed is not None and x.shape[0] <= skinny_max_rows():
             act = _EPILOGUE.get(activation, 0)
             y = kernels.ops().skinny_linear(x, self.packed, self.bias, self.out_features, act)
@@ -115,7 +114,7 @@ def skinny_max_rows() -> int:
         return SKINNY_MAX_ROWS_AVX512
     return SKINNY_MAX_ROWS
 _NO_SCALE = torch.empty(0)
-_EPILOGUE = {"relu": 1, "gelu_tanh": 3}  # activations fused into skinny_linear (ids of fused._ACT_IDS)
+_EPILOGUE = fused._ACT_IDS  # activations fused into skinny_linear's epilogue (relu, GELU, tanh-GELU, SiLU, relu^2)
 
 
 class GreedyHead:

@@ -8,17 +8,15 @@ is **weight-only int8** (unlike BERT's, whose activations are quantized too, see
   symmetric per output channel (:func:`~.quantized.quantize_weight`: ``w ≈ q · s[j]``, error <= ``s[j] / 2``),
   except those ``keep_float`` names (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}`` and ``head``);
 * activations stay float32: ``y = act((x @ q^T) · s + b)`` with exact products and fp32 sums, by the
-  ``int8_skinny_linear`` kernel (``kernels/csrc/int8.cpp``: the panels of the float decoding kernel at a quarter
-  of the bytes, widened to fp32 in registers). The same numbers for every row count, so the prompt (prefill) runs
-  through the same kernel as the decoding steps: one numerics for the whole generation. Without the C++ kernels
-  :func:`weight_int8_linear_reference` computes them in plain PyTorch (``F.linear`` on the widened weight;
-  slower, same results up to the summation order);
+  ``skinny_linear`` kernel of the float decoding path (``kernels/csrc/decode.cpp``) on int8 panels: the float
+  panels at a quarter of the bytes, widened to fp32 in registers, the scale applied in the epilogue. The same
+  kernel for every row count, so the prompt (prefill) and the decoding steps share one numerics. Without the C++
+  kernels :func:`weight_int8_linear_reference` computes them in plain PyTorch (``F.linear`` on the widened
+  weight; slower, same results up to the summation order);
 * embeddings, LayerNorms, attention (SDPA for the prompt, ``decode_attention`` over the static cache) and the
   activations stay float32;
 * decoding runs the float path's loop (:func:`sublayer.models.decoding.gpt2_generate` with ``weights=``), so the
-  static KV cache, the greedy/sampling rules and the one-call step are the float path's: ``gpt2_decode_layers``
-  runs every block through decode.cpp's ``skinny_linear``, which reads the same int8 panels with their scale
-  (the same products in another summation order); the head runs ``int8_skinny_linear``.
+  static KV cache, the greedy/sampling rules and the one-call step (``gpt2_decode_layers``) are the float path's.
 
 The LM head is int8 by default (:data:`DEFAULT_KEEP_FLOAT_GPT2` is empty): it is a third of GPT-2 small's matrix
 bytes; keeping it float (``keep_float=("head",)``) measured 1.4x slower greedy decoding at batch 1 and no better
@@ -66,7 +64,7 @@ class WeightInt8Linear:
         q: (N, K) int8. scale: (N,) float32. bias: (N,) float32 or None.
 
     Call: ``x`` (M, K) float32 with unit inner stride, ``activation`` an FFN activation name or None -> (M, N).
-    The weight is packed once (``pack_int8_linear_weight``) at the first call with the kernels on.
+    The weight is packed once (``pack_linear_weight``: int8 panels) at the first call with the kernels on.
     """
 
     def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
@@ -77,21 +75,23 @@ class WeightInt8Linear:
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
         if _kernels_on() and (activation is None or activation in fused._ACT_IDS):
-            if self._packed is None:
-                self._packed = kernels.ops().pack_int8_linear_weight(self.q)
             act = 0 if activation is None else fused._ACT_IDS[activation]
-            return kernels.ops().int8_skinny_linear(x, self._packed, self.scale, self.bias, self.out_features, act)
+            return kernels.ops().skinny_linear(x, self.packed(), self.bias, self.out_features, act, self.scale)
         y = weight_int8_linear_reference(x, self.q, self.scale, self.bias)
         return y if activation is None else SF.activation_fn(activation)(y)
+
+    def packed(self) -> Tensor:
+        """The int8 weight in ``skinny_linear``'s panels (packed at the first call)."""
+        if self._packed is None:
+            self._packed = kernels.ops().pack_linear_weight(self.q)
+        return self._packed
 
     def flat(self) -> tuple[Tensor, Tensor, Tensor] | None:
         """``(packed, scale, bias)`` for ``gpt2_decode_layers`` (decode.cpp's ``skinny_linear`` reads the same
         int8 panels), or None without the kernels or a bias."""
         if not _kernels_on() or self.bias is None:
             return None
-        if self._packed is None:
-            self._packed = kernels.ops().pack_int8_linear_weight(self.q)
-        return self._packed, self.scale, self.bias
+        return self.packed(), self.scale, self.bias
 
 
 def _make_linear(t: dict[str, Tensor], name: str, default_weight: Tensor | None = None):
@@ -183,8 +183,7 @@ class QuantizedGPT2:
                            for i, L in enumerate(self.layers)],
                 "lnf": norm("ln_f"), "head": self.head, "wte": t["wte"], "wpe": t["wpe"],
             }  # fmt: skip
-            # every block of a step in one C++ call (decode.cpp's skinny_linear on the int8 panels); the head
-            # runs int8_skinny_linear
+            # every block of a step in one C++ call (decode.cpp's skinny_linear on the int8 panels)
             self._W["flat"] = decoding._flat_gpt2(self._W, self.config.activation)
         return self._W
 

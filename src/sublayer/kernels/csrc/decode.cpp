@@ -20,6 +20,8 @@
 #include <c10/core/ScalarType.h>
 #include <torch/library.h>
 
+#include "activations.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SUBLAYER_DECODE_AVX2 1
@@ -34,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -114,7 +117,7 @@ inline void panel_kernel(const float* x, int64_t ldx, const T* w, int64_t K, flo
 // flight per thread keep more cache-line misses outstanding than one, which is what bounds a core's read bandwidth
 // (GPT-2's layers: ~19 GB/s with one stream per thread, ~26 GB/s with four, on the 2-core Xeon here). 2*NP
 // accumulators (8 for NP=4) fit AVX2's 16 registers and are enough independent FMA chains.
-template <typename T, int NP>
+template <int NP, typename T>
 inline void panels_kernel(const float* x, const T* w, int64_t K, float* acc) {
 #if SUBLAYER_DECODE_AVX2
   __m256 a0[NP], a1[NP];
@@ -201,9 +204,39 @@ inline void panel_pair_kernel512(const float* x, int64_t ldx, const T* w, int64_
 }
 #endif
 
-// Epilogue activations (ids as sublayer.functional.fused._ACT_IDS): 0 none, 1 relu, 3 tanh-GELU (HF gelu_new)
-// computed as z * sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3), since 1 + tanh(u) = 2 sigmoid(2u).
-enum EpiAct : int64_t { EPI_NONE = 0, EPI_RELU = 1, EPI_GELU_TANH = 3 };
+#if SUBLAYER_DECODE_AVX2 && defined(__AVX512F__)
+// One row against NP int8 panels on AVX-512 CPUs: a panel's 16 int8 at one k widen into one 16-lane vector (half
+// the widening instructions of the AVX2 path; int8 panels carry a quarter of float32's bytes, so the widening,
+// not memory, is what the AVX2 path spends its time on); each broadcast of x serves all NP panels.
+template <int NP>
+inline void panels_kernel(const float* x, const int8_t* w, int64_t K, float* acc) {
+  __m512 a[NP], b[NP];
+  for (int i = 0; i < NP; ++i) a[i] = b[i] = _mm512_setzero_ps();
+  const int64_t stride = K * PANEL;
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {  // 4 k = one 64-byte line of each panel
+    const __m512 x0 = _mm512_set1_ps(x[k]), x1 = _mm512_set1_ps(x[k + 1]);
+    const __m512 x2 = _mm512_set1_ps(x[k + 2]), x3 = _mm512_set1_ps(x[k + 3]);
+    for (int i = 0; i < NP; ++i) {
+      const int8_t* wi = w + i * stride + k * PANEL;
+      _mm_prefetch(reinterpret_cast<const char*>(wi) + 2048, _MM_HINT_T0);
+      a[i] = _mm512_fmadd_ps(x0, load16(wi), a[i]);
+      b[i] = _mm512_fmadd_ps(x1, load16(wi + PANEL), b[i]);
+      a[i] = _mm512_fmadd_ps(x2, load16(wi + 2 * PANEL), a[i]);
+      b[i] = _mm512_fmadd_ps(x3, load16(wi + 3 * PANEL), b[i]);
+    }
+  }
+  for (; k < K; ++k)
+    for (int i = 0; i < NP; ++i)
+      a[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), load16(w + i * stride + k * PANEL), a[i]);
+  for (int i = 0; i < NP; ++i) _mm512_storeu_ps(acc + i * PANEL, _mm512_add_ps(a[i], b[i]));
+}
+#endif
+
+// Epilogue activations (ids as sublayer.functional.fused._ACT_IDS, activations.h): none, relu, GELU (erf),
+// tanh-GELU (HF gelu_new), SiLU, relu^2; tanh-GELU, GPT-2's, is vectorised here as z * sigmoid(2u),
+// u = sqrt(2/pi) (z + 0.044715 z^3), since 1 + tanh(u) = 2 sigmoid(2u); the others go through activations.h.
+enum EpiAct : int64_t { EPI_NONE = 0, EPI_RELU = 1, EPI_GELU = 2, EPI_GELU_TANH = 3, EPI_SILU = 4, EPI_RELU2 = 5 };
 
 #if SUBLAYER_DECODE_AVX2
 // Cephes expf on 8 lanes (range reduction + degree-5 polynomial, ~1 ulp), inputs clamped to [-87.3, 88.3].
@@ -234,6 +267,12 @@ inline void epilogue(float* v, const float* scale, const float* bias, int64_t ac
     for (int j = 0; j < PANEL; ++j) v[j] += bias[j];
   if (act == EPI_RELU) {
     for (int j = 0; j < PANEL; ++j) v[j] = v[j] > 0.0f ? v[j] : 0.0f;
+  } else if (act == EPI_GELU) {
+    for (int j = 0; j < PANEL; ++j) v[j] = sublayer_act::act_f<sublayer_act::GELU>(v[j]);
+  } else if (act == EPI_SILU) {
+    for (int j = 0; j < PANEL; ++j) v[j] = sublayer_act::act_f<sublayer_act::SILU>(v[j]);
+  } else if (act == EPI_RELU2) {
+    for (int j = 0; j < PANEL; ++j) v[j] = sublayer_act::act_f<sublayer_act::RELU2>(v[j]);
   } else if (act == EPI_GELU_TANH) {
 #if SUBLAYER_DECODE_AVX2
     for (int j = 0; j < PANEL; j += 8) {
@@ -300,7 +339,12 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
       int64_t p = c * chunk;
       if (M == 1)  // one row (batch-1 decoding): STREAMS panels at a time
         for (; p + STREAMS <= pe; p += STREAMS) {
-          panels_kernel<T, STREAMS>(xp, wp + p * K * PANEL, K, acc);
+#if SUBLAYER_DECODE_AVX2 && defined(__AVX512F__)
+          if (std::is_same<T, int8_t>::value && g_avx512.load(std::memory_order_relaxed))
+            panels_kernel<STREAMS>(xp, wp + p * K * PANEL, K, acc);  // int8: the AVX-512 overload
+          else
+#endif
+            panels_kernel<STREAMS, T>(xp, wp + p * K * PANEL, K, acc);
           for (int64_t q = 0; q < STREAMS; ++q) store(p + q, 0, 1, acc + q * PANEL);
         }
 #if SUBLAYER_DECODE_AVX2 && defined(__AVX512F__)
@@ -323,7 +367,7 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
   });
 }
 
-// Whether skinny_linear uses the AVX-512 several-row micro-kernel where it was compiled in (tests switch it off to
+// Whether skinny_linear uses the AVX-512 micro-kernels (several rows; one row of int8) where compiled in (tests switch it off to
 // check the AVX2 one on the same machine): decode_avx512(flag) sets it and returns the previous value; -1 reads it.
 bool decode_avx512(int64_t flag) {
 #if SUBLAYER_DECODE_AVX2 && defined(__AVX512F__)
@@ -339,8 +383,8 @@ bool decode_avx512(int64_t flag) {
 // Checks x (M, K) / packed (P, K, 16) / bias (n,) / act for skinny_linear; returns the bias pointer or null.
 const float* check_skinny(const char* op, const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias,
                           int64_t n, int64_t act, const c10::optional<Tensor>& scale) {
-  TORCH_CHECK(act == EPI_NONE || act == EPI_RELU || act == EPI_GELU_TANH, op, ": act ", act,
-              " unsupported (0 none, 1 relu, 3 tanh-GELU)");
+  TORCH_CHECK(act >= EPI_NONE && act <= EPI_RELU2, op, ": act ", act,
+              " unsupported (0 none, 1 relu, 2 GELU, 3 tanh-GELU, 4 SiLU, 5 relu^2)");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
               ": x must be a 2-D float32 CPU tensor with unit inner stride");
   TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.is_contiguous() &&
