@@ -117,12 +117,12 @@ def _bytes_read(engine: str, step_bytes: int, head_bytes: int) -> float:
 
 def _translate_rows(quick: bool, reps: int, log: Callable[[str], None]) -> list[dict]:
     """``Transformer.translate`` on the fast path vs the reference steps (same weights, same outputs checked):
-    the demo's model (d 128, 2 pre-norm layers, batch 500 as its evaluation) and a 6-layer d 512 one."""
+    the demo's model (d 128, 2 pre-norm layers; batch 1, 8 and 500 as its evaluation) and a 6-layer d 512 one."""
     from .models import Transformer, decoding
 
     torch.manual_seed(0)
     cases = [("demo d128 l2 pre-norm", dict(d_model=128, n_heads=4, d_ff=256, n_layers=2, norm_first=True), 40,
-              [(500, 1)], 12, 16)]  # fmt: skip
+              [(1, 1), (8, 1), (500, 1)], 12, 16)]  # fmt: skip
     if not quick:
         cases.append(("d512 l6 post-norm", dict(d_model=512, n_heads=8, d_ff=2048, n_layers=6), 8000,
                       [(1, 1), (8, 4)], 24, 32))  # fmt: skip
