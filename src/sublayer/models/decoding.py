@@ -5,7 +5,7 @@ plus whatever happens between them. This path (beside the reference loops of :me
 :meth:`Transformer.translate`, which stay and which it is tested against) therefore:
 
 * packs every decoding matrix once (``pack_linear_weight``: panels of 16 output columns, read sequentially) and
-  multiplies the 1–16 rows of a step with the ``skinny_linear`` kernel (AVX2 + FMA, both threads); a single row
+  multiplies the few rows of a step with the ``skinny_linear`` kernel (AVX2 + FMA, both threads); a single row
   reads four panels at a time (four weight streams per thread keep more misses in flight: ~26 GB/s on GPT-2's
   layers here, where one stream reached ~19 and torch's GEMV ~17-21); q/k/v are one matrix; panels may also be
   float16 (the greedy head's screening copy) or int8 with a per-column scale (``QuantizedGPT2``);
