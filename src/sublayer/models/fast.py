@@ -416,12 +416,7 @@ class FastGPT2(_FastBase):
         check_input_ids("input_ids", input_ids, cfg.vocab_size, cfg.max_positions)
         b, t = input_ids.shape
         kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
-        if position_ids is None:
-            position_ids = torch.arange(t, device=input_ids.device)[None]
-        else:
-            check_input_ids("position_ids", position_ids, cfg.max_positions, limit_name="max_positions")
-            if position_ids.shape[-1] != t or position_ids.shape[0] not in (1, b):
-                raise ValueError(f"position_ids must have shape ({b} or 1, {t}), got {tuple(position_ids.shape)}")
+        position_ids = GPT2._position_ids(self, position_ids, b, t, input_ids.device)  # type: ignore[arg-type]
         kpm = kpm if kpm is not None and bool(kpm.any()) else None
         return self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
 
