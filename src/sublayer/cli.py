@@ -170,6 +170,20 @@ def _load_tokenizer(folder: Path, *, why: str):
         raise CLIError(f"cannot read tokenizer file {path}: {e}") from None
 
 
+def _load_model(folder: Path, float_cls, quantized_cls, quantize: str | None, *, command: str, kind: str):
+    """The model of ``folder`` in eval mode: a saved quantized folder as it is (refused unless ``quantized_cls``),
+    else ``float_cls.from_pretrained``, quantized when ``quantize`` is given."""
+    from .models import quantized as q
+
+    if q.is_quantized_folder(folder):
+        net = q.load_quantized(folder)
+        if not isinstance(net, quantized_cls):
+            raise CLIError(f"{folder} holds a quantized {type(net).__name__}, not a {kind}: {command} needs a {kind}")
+        return net
+    net = float_cls.from_pretrained(folder).eval()
+    return q.quantize(net) if quantize is not None else net
+
+
 def _parse_ids(prompt: str) -> list[int] | None:
     """``"1 2 3"`` or ``"1,2,3"`` -> ids; None when the prompt is text."""
     parts = prompt.replace(",", " ").split()
@@ -215,13 +229,7 @@ def generate(
         ids = tokenizer.encode(prompt).ids
         if not ids:
             raise CLIError(f"the prompt {prompt[:40]!r} encodes to no tokens")
-    if q.is_quantized_folder(model):
-        net = q.load_quantized(model)
-        if not isinstance(net, q.QuantizedGPT2):
-            raise CLIError(f"{model} holds a quantized {type(net).__name__}, not a GPT-2: generate needs a GPT-2")
-    else:
-        net = GPT2.from_pretrained(model).eval()
-        net = q.quantize(net) if quantize is not None else net
+    net = _load_model(model, GPT2, q.QuantizedGPT2, quantize, command="generate", kind="GPT-2")
     do_sample = sample or temperature is not None or top_k is not None or top_p is not None
     started = time.perf_counter()
     out = net.generate(
@@ -261,13 +269,7 @@ def embed(
 
     q.check_quantize(quantize)
     tokenizer = _load_tokenizer(model, why="embed")
-    if q.is_quantized_folder(model):
-        net = q.load_quantized(model)
-        if not isinstance(net, q.QuantizedBert):
-            raise CLIError(f"{model} holds a quantized {type(net).__name__}, not a BERT: embed needs a BERT")
-    else:
-        net = Bert.from_pretrained(model).eval()
-        net = q.quantize(net) if quantize is not None else net
+    net = _load_model(model, Bert, q.QuantizedBert, quantize, command="embed", kind="BERT")
     cfg = net.config
     tokenizer.no_padding()
     tokenizer.enable_truncation(max_length=cfg.max_positions)
