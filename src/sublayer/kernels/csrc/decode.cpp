@@ -233,10 +233,9 @@ inline void panels_kernel(const float* x, const int8_t* w, int64_t K, float* acc
 }
 #endif
 
-// Epilogue activations (ids as sublayer.functional.fused._ACT_IDS, activations.h): none, relu, GELU (erf),
-// tanh-GELU (HF gelu_new), SiLU, relu^2; tanh-GELU, GPT-2's, is vectorised here as z * sigmoid(2u),
-// u = sqrt(2/pi) (z + 0.044715 z^3), since 1 + tanh(u) = 2 sigmoid(2u); the others go through activations.h.
-enum EpiAct : int64_t { EPI_NONE = 0, EPI_RELU = 1, EPI_GELU = 2, EPI_GELU_TANH = 3, EPI_SILU = 4, EPI_RELU2 = 5 };
+// Epilogue activations: activations.h's Act ids (as sublayer.functional.fused._ACT_IDS) and act_f; tanh-GELU,
+// GPT-2's, is vectorised here as z * sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3), as act_f computes it.
+using namespace sublayer_act;  // Act and act_f (activations.h), as kernels.cpp and int8.cpp
 
 #if SUBLAYER_DECODE_AVX2
 // Cephes expf on 8 lanes (range reduction + degree-5 polynomial, ~1 ulp), inputs clamped to [-87.3, 88.3].
@@ -257,7 +256,10 @@ inline __m256 exp256(__m256 x) {
 }
 #endif
 
-inline float exp_scalar(float x) { return std::exp(std::min(std::max(x, -87.3f), 88.3f)); }
+template <int64_t A>
+inline void act_panel(float* v) {
+  for (int j = 0; j < PANEL; ++j) v[j] = act_f<A>(v[j]);
+}
 
 // v[0..15] = act(v * scale + bias) in place (scale: int8 weights' per-column scale, or null).
 inline void epilogue(float* v, const float* scale, const float* bias, int64_t act) {
@@ -265,15 +267,7 @@ inline void epilogue(float* v, const float* scale, const float* bias, int64_t ac
     for (int j = 0; j < PANEL; ++j) v[j] *= scale[j];
   if (bias)
     for (int j = 0; j < PANEL; ++j) v[j] += bias[j];
-  if (act == EPI_RELU) {
-    for (int j = 0; j < PANEL; ++j) v[j] = v[j] > 0.0f ? v[j] : 0.0f;
-  } else if (act == EPI_GELU) {
-    for (int j = 0; j < PANEL; ++j) v[j] = sublayer_act::act_f<sublayer_act::GELU>(v[j]);
-  } else if (act == EPI_SILU) {
-    for (int j = 0; j < PANEL; ++j) v[j] = sublayer_act::act_f<sublayer_act::SILU>(v[j]);
-  } else if (act == EPI_RELU2) {
-    for (int j = 0; j < PANEL; ++j) v[j] = sublayer_act::act_f<sublayer_act::RELU2>(v[j]);
-  } else if (act == EPI_GELU_TANH) {
+  if (act == GELU_TANH) {
 #if SUBLAYER_DECODE_AVX2
     for (int j = 0; j < PANEL; j += 8) {
       const __m256 z = _mm256_loadu_ps(v + j);
@@ -284,11 +278,16 @@ inline void epilogue(float* v, const float* scale, const float* bias, int64_t ac
       _mm256_storeu_ps(v + j, _mm256_div_ps(z, den));
     }
 #else
-    for (int j = 0; j < PANEL; ++j) {
-      const float z = v[j], u2 = 2.0f * 0.79788456080286535588f * (z + 0.044715f * z * z * z);
-      v[j] = z / (1.0f + exp_scalar(-u2));
-    }
+    act_panel<GELU_TANH>(v);
 #endif
+  } else if (act == RELU) {
+    act_panel<RELU>(v);
+  } else if (act == GELU) {
+    act_panel<GELU>(v);
+  } else if (act == SILU) {
+    act_panel<SILU>(v);
+  } else if (act == RELU2) {
+    act_panel<RELU2>(v);
   }
 }
 
@@ -383,7 +382,7 @@ bool decode_avx512(int64_t flag) {
 // Checks x (M, K) / packed (P, K, 16) / bias (n,) / act for skinny_linear; returns the bias pointer or null.
 const float* check_skinny(const char* op, const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias,
                           int64_t n, int64_t act, const c10::optional<Tensor>& scale) {
-  TORCH_CHECK(act >= EPI_NONE && act <= EPI_RELU2, op, ": act ", act,
+  TORCH_CHECK(act >= IDENT && act <= RELU2, op, ": act ", act,
               " unsupported (0 none, 1 relu, 2 GELU, 3 tanh-GELU, 4 SiLU, 5 relu^2)");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
               ": x must be a 2-D float32 CPU tensor with unit inner stride");
@@ -700,9 +699,10 @@ Tensor gpt2_decode_layers(const Tensor& x, at::TensorList params, at::TensorList
   float *rp = resid.data_ptr<float>(), *hp = h.data_ptr<float>();
   for (int64_t i = 0; i <= n_layers; ++i) {  // every LayerNorm: float32 (d,)
     const Tensor* P = params.data() + PER * i;
-    for (int64_t j : i < n_layers ? std::vector<int64_t>{0, 1, 8, 9} : std::vector<int64_t>{0, 1}) {
-      check_float_contig(P[j], "gpt2_decode_layers: LayerNorm parameter", 1);
-      TORCH_CHECK(P[j].size(0) == d, "gpt2_decode_layers: LayerNorm parameters must have ", d, " elements");
+    constexpr int64_t norms[] = {0, 1, 8, 9};  // ln_1 weight, bias; ln_2 weight, bias (ln_f: the first two)
+    for (int64_t u = 0; u < (i < n_layers ? 4 : 2); ++u) {
+      check_float_contig(P[norms[u]], "gpt2_decode_layers: LayerNorm parameter", 1);
+      TORCH_CHECK(P[norms[u]].size(0) == d, "gpt2_decode_layers: LayerNorm parameters must have ", d, " elements");
     }
   }
   add_layer_norm(rp, nullptr, params[0], params[1], eps, hp, B, d);
@@ -713,13 +713,13 @@ Tensor gpt2_decode_layers(const Tensor& x, at::TensorList params, at::TensorList
       return skinny_linear(in, L[0], L[2], n, a, L[1]);
     };
     const int64_t dff = P[12].size(0);  // fc1 bias
-    const Tensor qkv = linear(h, P + 2, 3 * d, EPI_NONE);
+    const Tensor qkv = linear(h, P + 2, 3 * d, IDENT);
     const Tensor ctx = decode_attention(qkv.narrow(1, 0, d), k_caches[i], v_caches[i], mask, length, scale,
                                         qkv.narrow(1, d, d), qkv.narrow(1, 2 * d, d));
-    const Tensor o = linear(ctx, P + 5, d, EPI_NONE);
+    const Tensor o = linear(ctx, P + 5, d, IDENT);
     add_layer_norm(rp, o.data_ptr<float>(), P[8], P[9], eps, hp, B, d);
     const Tensor f = linear(h, P + 10, dff, act);
-    const Tensor y = linear(f, P + 13, d, EPI_NONE);
+    const Tensor y = linear(f, P + 13, d, IDENT);
     const Tensor* next = P + PER;  // the next block's ln_1, or ln_f
     add_layer_norm(rp, y.data_ptr<float>(), next[0], next[1], eps, hp, B, d);
   }
