@@ -85,11 +85,12 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.weight = weight  # the parameter itself (no copy) for batches above skinny_max_rows()
         self.packed = kernels.ops().pack_linear_weight(weight) if _kernels_on() else None
+        self.max_rows = skinny_max_rows() if self.packed is not None else 0  # decided once, not per call
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
         """``activation`` (an FFN activation name) is applied after the bias: fused into the kernel's epilogue
         (``fused._ACT_IDS``), a separate pass for any other."""
-        if self.packed is not None and x.shape[0] <= skinny_max_rows():
+        if x.shape[0] <= self.max_rows:
             act = _EPILOGUE.get(activation, 0)
             y = kernels.ops().skinny_linear(x, self.packed, self.bias, self.out_features, act)
             return y if activation is None or act else _bias_act(y, None, activation)
@@ -113,6 +114,8 @@ def skinny_max_rows() -> int:
     if _kernels_on() and kernels.ops().decode_avx512(-1):
         return SKINNY_MAX_ROWS_AVX512
     return SKINNY_MAX_ROWS
+
+
 _NO_SCALE = torch.empty(0)
 _EPILOGUE = fused._ACT_IDS  # activations fused into skinny_linear's epilogue (relu, GELU, tanh-GELU, SiLU, relu^2)
 
