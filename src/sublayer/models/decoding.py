@@ -93,9 +93,9 @@ class PackedLinear:
         if x.shape[0] <= self.max_rows:
             act = _EPILOGUE.get(activation, 0)
             y = kernels.ops().skinny_linear(x, self.packed, self.bias, self.out_features, act)
-            return y if activation is None or act else _bias_act(y, None, activation)
+            return y if activation is None or act else ffn_hidden(y, None, activation)
         y = F.linear(x, self.weight, self.bias)
-        return y if activation is None else SF.activation_fn(activation)(y)
+        return y if activation is None else ffn_hidden(y, None, activation)
 
     def flat(self) -> tuple[Tensor, Tensor, Tensor] | None:
         """``(packed, scale, bias)`` as ``gpt2_decode_layers`` takes a linear (no scale: an empty tensor), or None
@@ -117,6 +117,7 @@ def skinny_max_rows() -> int:
 
 
 _NO_SCALE = torch.empty(0)
+_GATES = SF.ffn._GATES  # gated activations: fc1 packs [gate; up]
 _EPILOGUE = fused._ACT_IDS  # activations fused into skinny_linear's epilogue (relu, GELU, tanh-GELU, SiLU, relu^2)
 
 
@@ -180,6 +181,7 @@ class StaticKVCache:
         self.k = torch.empty(batch, n_heads, capacity, head_dim, dtype=dtype)  # only [0, length) is ever read
         self.v = torch.empty_like(self.k)
         self.length = 0
+        self.rows: Tensor | None = None  # (batch, capacity) int64 once reordered: the cache row of each key
 
     def fill(self, k: Tensor, v: Tensor) -> None:
         """Copy a prefix (B, H, T, hd) into positions [0, T)."""
@@ -189,10 +191,14 @@ class StaticKVCache:
         self.length = t
 
     def reorder(self, rows: Tensor) -> None:
-        """Select batch rows (beam search), the filled positions only."""
+        """Select batch rows (beam search): row n's filled positions become row ``rows[n]``'s. Only the
+        (batch, capacity) row table moves, no key or value: :func:`decode_attention` reads key j of row n from
+        cache row ``self.rows[n, j]`` (each slot is written once, by its own row, so it stays valid)."""
+        b, cap = self.k.shape[0], self.k.shape[2]
+        if self.rows is None:
+            self.rows = torch.arange(b)[:, None].expand(b, cap).contiguous()
         t = self.length
-        self.k[:, :, :t] = self.k[:, :, :t].index_select(0, rows)
-        self.v[:, :, :t] = self.v[:, :, :t].index_select(0, rows)
+        self.rows[:, :t] = self.rows[:, :t].index_select(0, rows.to(self.rows.device))
 
 
 def decode_attention(
@@ -204,24 +210,30 @@ def decode_attention(
     mask: Tensor | None = None,
     new_k: Tensor | None = None,
     new_v: Tensor | None = None,
+    rows: Tensor | None = None,
 ) -> Tensor:
-    """One query per row against cached keys/values: q (B, d), k/v (B, H, T_max, hd) -> (B, d).
+    """One query per row against cached keys/values: q (N, d), k/v (B, H, T_max, hd) -> (N, d).
 
-    With ``new_k``/``new_v`` (B, d) they are first written at position ``length - 1`` (in place). Attends to
-    positions [0, length) except those ``mask`` (B, T_max) bool marks True; scaled by 1/sqrt(hd).
+    With ``new_k``/``new_v`` (B, d) they are first written at position ``length - 1`` (in place; N == B). Attends
+    to positions [0, length) except those ``mask`` (N, T_max) bool marks True; scaled by 1/sqrt(hd). ``rows``
+    (N, T_max) int64: key j of query row n is in cache row ``rows[n, j]`` (a reordered beam's history, or the
+    sentence whose memory beams share); None: row n (N == B).
     """
     b, h, _, hd = k.shape
     scale = 1.0 / math.sqrt(hd)
     if _kernels_on():
-        return kernels.ops().decode_attention(q, k, v, mask, length, scale, new_k, new_v)
+        return kernels.ops().decode_attention(q, k, v, mask, length, scale, new_k, new_v, rows)
     if new_k is not None:
         k[:, :, length - 1] = new_k.reshape(b, h, hd)
         v[:, :, length - 1] = new_v.reshape(b, h, hd)
+    k, v = k[:, :, :length], v[:, :, :length]
+    if rows is not None:  # (N, length, H, hd) gathered through the table, as (N, H, length, hd)
+        at = torch.arange(length, device=k.device)
+        k, v = (t.transpose(1, 2)[rows[:, :length], at].transpose(1, 2) for t in (k, v))
+    n = q.shape[0]
     am = None if mask is None else ~mask[:, None, None, :length]
-    ctx = F.scaled_dot_product_attention(
-        q.reshape(b, h, 1, hd), k[:, :, :length], v[:, :, :length], attn_mask=am, scale=scale
-    )
-    return ctx.reshape(b, h * hd)
+    ctx = F.scaled_dot_product_attention(q.reshape(n, h, 1, hd), k, v, attn_mask=am, scale=scale)
+    return ctx.reshape(n, h * hd)
 
 
 def _add_norm(x: Tensor, y: Tensor, w: Tensor, b: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -238,6 +250,32 @@ def _bias_act(a: Tensor, bias: Tensor | None, act: str) -> Tensor:
     if _kernels_on() and act in fused._ACT_IDS:
         return kernels.ops().act_fwd(a, bias, fused._ACT_IDS[act], 0.0, 0, True)
     return SF.activation_fn(act)(a if bias is None else a + bias)
+
+
+def ffn_hidden(a: Tensor, bias: Tensor | None, act: str) -> Tensor:
+    """An FFN's hidden activation from fc1's output ``a`` (N, d_ff) without its bias: ``act(a + bias)``, or for a
+    gated activation (``a`` (N, 2·d_ff), gate first) ``act(gate) * up``, as :func:`sublayer.functional.feed_forward`."""
+    if act not in _GATES:
+        return _bias_act(a, bias, act)
+    gate, up = (a if bias is None else a + bias).chunk(2, dim=-1)
+    return SF.activation_fn(act)(gate) * up
+
+
+def residual_out(pre: bool, x: Tensor, y: Tensor, norm: tuple, after: tuple | None) -> tuple[Tensor, Tensor]:
+    """``(x, h)`` after a sublayer's output ``y`` joins the residual stream ``x`` (N, d):
+
+    post-norm ``x = LN(x + y)`` with this sublayer's ``norm``, and ``h = x``; pre-norm ``x = x + y`` and ``h`` the
+    next sublayer's input, ``after(x)`` (the norm that follows: the next sublayer's, or the stack's final one;
+    ``x`` itself when there is none). Norms are ``(weight, bias, eps)``; the add and the norm run fused.
+    """
+    if not pre:
+        x, _ = _add_norm(x, y, *norm)
+        return x, x
+    if after is None:
+        x = x + y
+        return x, x
+    h, x = _add_norm(x, y, *after)
+    return x, h
 
 
 def _stamp(module: torch.nn.Module) -> tuple:
@@ -442,14 +480,17 @@ def _layer_norms(model) -> list:
 
 
 def transformer_supports(model) -> bool:
-    """Whether :func:`transformer_stepper` runs ``model``: float32 CPU, LayerNorms with bias, self-attention
-    over d_model keys (any FFN activation)."""
+    """Whether :func:`transformer_stepper` runs ``model``: float32 CPU, LayerNorms with bias, no forward hooks on
+    an attention module (they fire on the reference steps only); any FFN activation, gated ones included."""
     from ..nn import LayerNorm
+
+    from .padding_free import _attention_hooked
 
     return (
         _enabled
         and _float32_cpu(model)
         and all(isinstance(n, LayerNorm) and n.bias is not None for n in _layer_norms(model))
+        and not _attention_hooked(model)
     )
 
 
@@ -472,49 +513,43 @@ def _build_transformer(model) -> dict:
     return {"layers": layers, "final": final, "head": PackedLinear(model.out_proj.weight, model.out_proj.bias)}
 
 
-def transformer_stepper(model, memory: Tensor, memory_key_padding_mask: Tensor | None, max_len: int):
+def transformer_stepper(
+    model, memory: Tensor, memory_key_padding_mask: Tensor | None, max_len: int, *, beams: int = 1
+):
     """``(step, reorder)`` for :meth:`Transformer.translate`'s search loops on the fast path, or None when the
     model is not supported (the reference steps then run).
 
     ``step(tok)``: tok (N, 1) ids of the newest position -> (N, tgt_vocab) float32 logits of the next one (the
     ``decode`` logits of the reference with caches). ``reorder(rows)``: keep batch rows ``rows`` (beam search).
-    memory (N, S, d_model) and its mask (N, S) True = padding are projected to keys/values once per layer;
-    each layer's self-attention cache holds ``max_len`` positions, allocated once.
+    memory (B, S, d_model) and its mask (B, S) True = padding are projected to keys/values once per layer, once
+    per sentence: its ``beams`` rows (N = B * beams, row i * beams + j is beam j of sentence i) read them through
+    a row table. Each layer's self-attention cache holds ``max_len`` positions, allocated once.
     """
     if not transformer_supports(model):
         return None
     cfg = model.config
     W = _weights(model, _build_transformer)
-    n, s, d = memory.shape
+    b, s, d = memory.shape
+    n = b * beams
     H = cfg.n_heads
     hd = d // H
     memory = memory.float()
     cross = []
     for layer in model.decoder.layers:
         ca = layer.cross_attn
-        kv = [F.linear(memory, p.weight, p.bias).view(n, s, H, hd).transpose(1, 2) for p in (ca.k_proj, ca.v_proj)]
+        kv = [F.linear(memory, p.weight, p.bias).view(b, s, H, hd).transpose(1, 2) for p in (ca.k_proj, ca.v_proj)]
         cross.append([t.contiguous() for t in kv])
+    # beam j of sentence i reads sentence i's memory keys/values
+    sentence = None if beams == 1 else (torch.arange(n) // beams)[:, None].expand(n, s).contiguous()
     mask = None
     if memory_key_padding_mask is not None and bool(memory_key_padding_mask.any()):
-        mask = memory_key_padding_mask.contiguous()
+        mask = memory_key_padding_mask.repeat_interleave(beams, dim=0).contiguous()
     caches = [StaticKVCache(n, H, max_len, hd) for _ in model.decoder.layers]
     emb = model.tgt_embed.weight.detach()
     pe = model.pos_encoding
     scale = math.sqrt(d)
     pre = cfg.norm_first
     act = cfg.activation
-
-    def sublayer_out(x, h, y, norms, j):
-        """Residual after sublayer j of a layer: post-norm x = LN_j(x + y); pre-norm x += y, h = next LN(x)."""
-        if not pre:
-            x, _ = _add_norm(x, y, *norms[j])
-            return x, x
-        nxt = norms[j + 1] if j + 1 < len(norms) else None
-        if nxt is None:
-            x = x + y
-            return x, x
-        h, x = _add_norm(x, y, *nxt)
-        return x, h
 
     def step(tok: Tensor) -> Tensor:
         t = caches[0].length
@@ -526,14 +561,15 @@ def transformer_stepper(model, memory: Tensor, memory_key_padding_mask: Tensor |
             norms = L["norms"] + ([layers[i + 1]["norms"][0]] if i + 1 < len(layers) else [W["final"]])
             qkv = L["qkv"](h)
             c = caches[i]
-            ctx = decode_attention(qkv[:, :d], c.k, c.v, t + 1, new_k=qkv[:, d : 2 * d], new_v=qkv[:, 2 * d :])
+            ctx = decode_attention(
+                qkv[:, :d], c.k, c.v, t + 1, new_k=qkv[:, d : 2 * d], new_v=qkv[:, 2 * d :], rows=c.rows
+            )
             c.length = t + 1
-            x, h = sublayer_out(x, h, L["out"](ctx), norms, 0)
+            x, h = residual_out(pre, x, L["out"](ctx), norms[0], norms[1])
             mk, mv = cross[i]
-            ctx = decode_attention(L["q_cross"](h), mk, mv, s, mask=mask)
-            x, h = sublayer_out(x, h, L["out_cross"](ctx), norms, 1)
-            y = L["fc2"](L["fc1"](h, act))
-            x, h = sublayer_out(x, h, y, norms if pre else norms[:3], 2)
+            ctx = decode_attention(L["q_cross"](h), mk, mv, s, mask=mask, rows=sentence)
+            x, h = residual_out(pre, x, L["out_cross"](ctx), norms[1], norms[2])
+            x, h = residual_out(pre, x, L["fc2"](L["fc1"](h, act)), norms[2], norms[3])
         if not pre and W["final"] is not None:
             h = F.layer_norm(h, (d,), *W["final"][:2], W["final"][2])
         return W["head"](h)

@@ -180,11 +180,13 @@ class Transformer(nn.Module):
         x = emb(ids) * math.sqrt(self.config.d_model) + self.pos_encoding[start : start + ids.shape[1]]
         return nn.functional.dropout(x, self.config.dropout, self.training)
 
+    def _check_source(self, src: Tensor, src_key_padding_mask: Tensor | None) -> None:
+        _check_tokens("src", src, self.config.src_vocab_size, self.config.max_len)
+        _check_padding_mask("src_key_padding_mask", src_key_padding_mask, src, "src")
+
     def encode(self, src: Tensor, *, src_key_padding_mask: Tensor | None = None) -> Tensor:
         """Encode source ids (B, S) -> memory (B, S, d_model)."""
-        c = self.config
-        _check_tokens("src", src, c.src_vocab_size, c.max_len)
-        _check_padding_mask("src_key_padding_mask", src_key_padding_mask, src, "src")
+        self._check_source(src, src_key_padding_mask)
         if padding_free.applies(self, src_key_padding_mask):  # real tokens only; zeros at padding
             return padding_free.transformer_encode(self, src, src_key_padding_mask)
         return self.encoder(self._embed(self.src_embed, src), key_padding_mask=src_key_padding_mask)
@@ -374,16 +376,21 @@ class Transformer(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            memory = self.encode(src, src_key_padding_mask=src_key_padding_mask)
-            mask = src_key_padding_mask
-            if beam_size > 1:  # every sentence's memory repeated for its k beams: row i*k + j is beam j of sentence i
-                memory = memory.repeat_interleave(beam_size, dim=0)
-                mask = None if mask is None else mask.repeat_interleave(beam_size, dim=0)
-            from . import decoding  # the fast decoding path, tested against the reference steps
+            from . import decoding, fast_encode  # the fast paths, tested against encode and the reference steps
 
-            steps = decoding.transformer_stepper(self, memory, mask, max_len) or self._reference_steps(memory, mask)
+            self._check_source(src, src_key_padding_mask)
+            memory = fast_encode.encode(self, src, src_key_padding_mask) if decoding.enabled() else None
+            if memory is None:
+                memory = self.encode(src, src_key_padding_mask=src_key_padding_mask)
+            mask = src_key_padding_mask
+            steps = decoding.transformer_stepper(self, memory, mask, max_len, beams=beam_size)
+            if steps is None:
+                if beam_size > 1:  # every sentence's memory repeated for its k beams: row i*k + j is beam j of i
+                    memory = memory.repeat_interleave(beam_size, dim=0)
+                    mask = None if mask is None else mask.repeat_interleave(beam_size, dim=0)
+                steps = self._reference_steps(memory, mask)
             if beam_size == 1:
-                return self._greedy(steps, memory.shape[0], max_len, bos, eos, pad)
+                return self._greedy(steps, src.shape[0], max_len, bos, eos, pad)
             return self._beam(steps, src.shape[0], max_len, bos, eos, pad, beam_size, length_penalty)
         finally:
             self.train(was_training)

@@ -566,33 +566,162 @@ Tensor screened_argmax(const Tensor& x, const Tensor& screened, const Tensor& we
   return out;
 }
 
-// q (B, H*hd) unit inner stride; kc, vc (B, H, T_max, hd) contiguous; mask (B, T_max) bool, True = skip.
+// s[j] = scale * (q . K[j]) for j < L (key rows ks floats apart), -inf where m[j] (mask, may be null); returns
+// max_j s[j].
+inline float head_scores(const float* q, const float* K, int64_t ks, const bool* m, int64_t L, int64_t hd, float sc,
+                         float* s) {
+  int64_t j = 0;
+#if SUBLAYER_DECODE_AVX2
+  if (hd % 8 == 0) {  // four keys at a time, their four sums reduced together by a hadd ladder
+    const __m128 vsc = _mm_set1_ps(sc);
+    for (; j + 4 <= L; j += 4) {
+      const float* k0 = K + j * ks;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t e = 0; e < hd; e += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + e);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + e), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + ks + e), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * ks + e), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * ks + e), a3);
+      }
+      // lanes of t: [a0 0-3, a1 0-3, a2 0-3, a3 0-3 | the same over elements 4-7]
+      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      const __m128 r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+      _mm_storeu_ps(s + j, _mm_mul_ps(r, vsc));
+    }
+  }
+#endif
+  for (; j < L; ++j) s[j] = dot(q, K + j * ks, hd) * sc;
+  float mx = -std::numeric_limits<float>::infinity();
+  for (j = 0; j < L; ++j) {
+    if (m && m[j]) s[j] = -std::numeric_limits<float>::infinity();
+    mx = std::max(mx, s[j]);
+  }
+  return mx;
+}
+
+// s[j] = exp(s[j] - mx) in place (-inf -> 0); returns their sum.
+inline float exp_scores(float* s, int64_t L, float mx) {
+  float sum = 0.0f;
+  int64_t j = 0;
+#if SUBLAYER_DECODE_AVX2
+  {  // exp of 8 scores at a time (exp256: ~1 ulp; masked scores, -inf, are clamped to e^-87.3 -> re-zeroed)
+    __m256 vs = _mm256_setzero_ps();
+    const __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (; j + 8 <= L; j += 8) {
+      const __m256 v = _mm256_loadu_ps(s + j);
+      const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(v, ninf, _CMP_EQ_OQ), exp256(_mm256_sub_ps(v, vmx)));
+      _mm256_storeu_ps(s + j, e);
+      vs = _mm256_add_ps(vs, e);
+    }
+    float l8[8];
+    _mm256_storeu_ps(l8, vs);
+    for (float l : l8) sum += l;
+  }
+#endif
+  for (; j < L; ++j) {
+    s[j] = std::exp(s[j] - mx);
+    sum += s[j];
+  }
+  return sum;
+}
+
+#if SUBLAYER_DECODE_AVX2
+// o[0, 8*NV) = inv * sum_j p[j] V[j][0, 8*NV) (V rows vs floats apart), the accumulators in registers.
+template <int NV>
+inline void weighted_sum_chunk(const float* p, float inv, const float* V, int64_t vs, int64_t L, float* o) {
+  __m256 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    if (p[j] == 0.0f) continue;  // a masked key: skipped, so a non-finite value there cannot leak in
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const float* vj = V + j * vs;
+    for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * v), acc[v]);
+  }
+  const __m256 vi = _mm256_set1_ps(inv);
+  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(o + 8 * v, _mm256_mul_ps(acc[v], vi));
+}
+#endif
+
+// o[0, hd) = inv * sum_{j<L} p[j] V[j] (rows vs floats apart); keys with p[j] == 0 (masked) are skipped.
+inline void head_weighted_sum(const float* p, float inv, const float* V, int64_t vs, int64_t L, int64_t hd,
+                              float* o) {
+#if SUBLAYER_DECODE_AVX2
+  if (hd % 8 == 0) {
+    for (int64_t c = 0; c < hd; c += 64) {  // up to 8 vectors of the output per pass over the keys
+      switch (std::min<int64_t>(8, (hd - c) / 8)) {
+        case 1: weighted_sum_chunk<1>(p, inv, V + c, vs, L, o + c); break;
+        case 2: weighted_sum_chunk<2>(p, inv, V + c, vs, L, o + c); break;
+        case 3: weighted_sum_chunk<3>(p, inv, V + c, vs, L, o + c); break;
+        case 4: weighted_sum_chunk<4>(p, inv, V + c, vs, L, o + c); break;
+        case 5: weighted_sum_chunk<5>(p, inv, V + c, vs, L, o + c); break;
+        case 6: weighted_sum_chunk<6>(p, inv, V + c, vs, L, o + c); break;
+        case 7: weighted_sum_chunk<7>(p, inv, V + c, vs, L, o + c); break;
+        default: weighted_sum_chunk<8>(p, inv, V + c, vs, L, o + c); break;
+      }
+    }
+    return;
+  }
+#endif
+  std::fill(o, o + hd, 0.0f);
+  for (int64_t j = 0; j < L; ++j) {
+    if (p[j] == 0.0f) continue;
+    const float pj = p[j] * inv;
+    const float* vj = V + j * vs;
+#pragma omp simd
+    for (int64_t e = 0; e < hd; ++e) o[e] += pj * vj[e];
+  }
+}
+
+// q (N, H*hd) unit inner stride; kc, vc (B, H, T_max, hd) contiguous; mask (N, T_max) bool, True = skip; rows
+// (N, T_max) int64 or none: key j of query row n is cache row rows[n, j] (beam search reorders this table instead
+// of copying caches; beams share their sentence's cross-attention memory), else row n itself (then N == B).
 Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, const c10::optional<Tensor>& mask,
                         int64_t length, double scale, const c10::optional<Tensor>& new_k,
-                        const c10::optional<Tensor>& new_v) {
+                        const c10::optional<Tensor>& new_v, const c10::optional<Tensor>& rows) {
   check_float_contig(kc, "decode_attention: k_cache", 4);
   check_float_contig(vc, "decode_attention: v_cache", 4);
   TORCH_CHECK(kc.sizes() == vc.sizes(), "decode_attention: k_cache and v_cache shapes differ");
-  const int64_t B = kc.size(0), H = kc.size(1), T = kc.size(2), hd = kc.size(3), d = H * hd;
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 2 && q.size(0) == B && q.size(1) == d && q.stride(1) == 1,
-              "decode_attention: q must be float32 (B=", B, ", ", d, ") with unit inner stride, got ", q.sizes());
+  const int64_t B = kc.size(0), H = kc.size(1), T = kc.size(2), hd = kc.size(3), d = H * hd, N = q.size(0);
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 2 && q.size(1) == d && q.stride(1) == 1,
+              "decode_attention: q must be float32 (N, ", d, ") with unit inner stride, got ", q.sizes());
   TORCH_CHECK(length >= 1 && length <= T, "decode_attention: length ", length, " outside [1, ", T, "]");
+  const int64_t* rp = nullptr;
+  if (rows.has_value() && rows->defined()) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 2 && rows->size(0) == N && rows->size(1) == T &&
+                    rows->is_contiguous(),
+                "decode_attention: rows must be a contiguous int64 (N=", N, ", T_max=", T, ") tensor");
+    rp = rows->data_ptr<int64_t>();
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t j = 0; j < length; ++j) {
+        TORCH_CHECK(rp[n * T + j] >= 0 && rp[n * T + j] < B, "decode_attention: rows[", n, ", ", j, "] = ",
+                    rp[n * T + j], " is not a cache row in [0, ", B, ")");
+      }
+    }
+  } else {
+    TORCH_CHECK(N == B, "decode_attention: q has ", N, " rows but the caches ", B, " (pass rows to map them)");
+  }
   const bool* mp = nullptr;
   if (mask.has_value() && mask->defined()) {
-    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 2 && mask->size(0) == B && mask->size(1) == T &&
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 2 && mask->size(0) == N && mask->size(1) == T &&
                     mask->is_contiguous(),
-                "decode_attention: mask must be a contiguous bool (B, T_max) tensor");
+                "decode_attention: mask must be a contiguous bool (N, T_max) tensor");
     mp = mask->data_ptr<bool>();
   }
   const bool write = new_k.has_value() && new_k->defined();
   if (write) {
+    TORCH_CHECK(N == B, "decode_attention: new_k/new_v need one query row per cache row");
     for (const Tensor* t : {&*new_k, &*new_v}) {
       TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == B && t->size(1) == d &&
                       t->stride(1) == 1,
                   "decode_attention: new_k/new_v must be float32 (B, ", d, ") with unit inner stride");
     }
+    for (int64_t n = 0; rp && n < N; ++n) {
+      TORCH_CHECK(rp[n * T + length - 1] == n, "decode_attention: rows[", n, ", ", length - 1, "] must be ", n,
+                  " (the new key is written in the row's own cache row)");
+    }
   }
-  Tensor out = at::empty({B, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  Tensor out = at::empty({N, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
   const float* qp = q.data_ptr<float>();
   float* kp = kc.data_ptr<float>();
   float* vp = vc.data_ptr<float>();
@@ -602,55 +731,94 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
   const int64_t qs = q.stride(0), nks = write ? new_k->stride(0) : 0, nvs = write ? new_v->stride(0) : 0;
   const float sc = float(scale);
   // threads only when there is enough to read: a parallel region costs more than a short head's work
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 17) / std::max<int64_t>(1, length * hd));
-  at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(1, length * hd));
+  at::parallel_for(0, N * H, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> s(length);
+    std::vector<float> gk, gv;  // a head's keys and values gathered from several cache rows
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n = i / H, h = i % H;
+      const float* qh = qp + n * qs + h * hd;
+      const bool* m = mp ? mp + n * T : nullptr;
+      float* o = op + n * d + h * hd;
+      int64_t r = n;  // the cache row when every key of this query is in one row
+      bool one_row = true;
+      if (rp) {
+        r = rp[n * T];
+        for (int64_t j = 1; j < length && one_row; ++j) one_row = rp[n * T + j] == r;
+      }
+      float* K = kp + (r * H + h) * T * hd;
+      float* V = vp + (r * H + h) * T * hd;
+      if (write) {
+        float* Kn = kp + (n * H + h) * T * hd;
+        float* Vn = vp + (n * H + h) * T * hd;
+        std::copy(nk + n * nks + h * hd, nk + n * nks + (h + 1) * hd, Kn + (length - 1) * hd);
+        std::copy(nv + n * nvs + h * hd, nv + n * nvs + (h + 1) * hd, Vn + (length - 1) * hd);
+      }
+      if (!one_row) {
+        gk.resize(length * hd);
+        gv.resize(length * hd);
+        for (int64_t j = 0; j < length; ++j) {
+          const int64_t off = (rp[n * T + j] * H + h) * T * hd + j * hd;
+          std::copy(kp + off, kp + off + hd, gk.data() + j * hd);
+          std::copy(vp + off, vp + off + hd, gv.data() + j * hd);
+        }
+        K = gk.data();
+        V = gv.data();
+      }
+      const float mx = head_scores(qh, K, hd, m, length, hd, sc, s.data());
+      if (mx == -std::numeric_limits<float>::infinity()) {  // every key masked: zeros (as SDPA)
+        std::fill(o, o + hd, 0.0f);
+        continue;
+      }
+      const float sum = exp_scores(s.data(), length, mx);
+      head_weighted_sum(s.data(), 1.0f / sum, V, hd, length, hd, o);
+    }
+  });
+  return out;
+}
+
+// Self-attention of B sequences of S rows each, read straight from the fused projection: qkv (B*S, 3*H*hd) with
+// unit inner stride (q | k | v of row b*S + t), mask (B, S) bool True = padding (those keys are skipped, and those
+// query rows get zeros). Returns (B*S, H*hd) = softmax(q k^T * scale) v per sequence and head; no transposes and
+// no (B, H, S, S) scores: each (sequence, head) is a few KB that stay in L1 while its S queries run.
+Tensor qkv_self_attention(const Tensor& qkv, const c10::optional<Tensor>& mask, int64_t n_heads, int64_t seq_len,
+                          double scale) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.stride(1) == 1,
+              "qkv_self_attention: qkv must be a float32 matrix with unit inner stride, got ", qkv.sizes());
+  const int64_t S = seq_len, H = n_heads, rows = qkv.size(0);
+  TORCH_CHECK(S >= 1 && H >= 1 && rows % S == 0 && qkv.size(1) % (3 * H) == 0,
+              "qkv_self_attention: qkv ", qkv.sizes(), " is not (B*", S, ", 3*", H, "*head_dim)");
+  const int64_t B = rows / S, d = qkv.size(1) / 3, hd = d / H, rs = qkv.stride(0);
+  const bool* mp = nullptr;
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 2 && mask->size(0) == B && mask->size(1) == S &&
+                    mask->is_contiguous(),
+                "qkv_self_attention: mask must be a contiguous bool (", B, ", ", S, ") tensor");
+    mp = mask->data_ptr<bool>();
+  }
+  Tensor out = at::empty({rows, d}, qkv.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* base = qkv.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = float(scale);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(1, S * S * hd));
+  at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> s(S);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H;
-      float* K = kp + i * T * hd;
-      float* V = vp + i * T * hd;
-      if (write) {
-        std::copy(nk + b * nks + h * hd, nk + b * nks + (h + 1) * hd, K + (length - 1) * hd);
-        std::copy(nv + b * nvs + h * hd, nv + b * nvs + (h + 1) * hd, V + (length - 1) * hd);
-      }
-      const float* qh = qp + b * qs + h * hd;
-      const bool* m = mp ? mp + b * T : nullptr;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < length; ++j) {
-        s[j] = (m && m[j]) ? -std::numeric_limits<float>::infinity() : dot(qh, K + j * hd, hd) * sc;
-        mx = std::max(mx, s[j]);
-      }
-      float* o = op + b * d + h * hd;
-      std::fill(o, o + hd, 0.0f);
-      if (mx == -std::numeric_limits<float>::infinity()) continue;  // every key masked: zeros (as SDPA)
-      float sum = 0.0f;
-      int64_t j = 0;
-#if SUBLAYER_DECODE_AVX2
-      {  // exp of 8 scores at a time (exp256: ~1 ulp; masked scores, -inf, are clamped to e^-87.3 -> re-zeroed)
-        __m256 vs = _mm256_setzero_ps();
-        const __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-        for (; j + 8 <= length; j += 8) {
-          const __m256 v = _mm256_loadu_ps(s.data() + j);
-          const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(v, ninf, _CMP_EQ_OQ), exp256(_mm256_sub_ps(v, vmx)));
-          _mm256_storeu_ps(s.data() + j, e);
-          vs = _mm256_add_ps(vs, e);
+      const float* Q = base + b * S * rs + h * hd;
+      const float* K = Q + d;
+      const float* V = Q + 2 * d;
+      const bool* m = mp ? mp + b * S : nullptr;
+      for (int64_t t = 0; t < S; ++t) {
+        float* o = op + (b * S + t) * d + h * hd;
+        const float mx = (m && m[t]) ? -std::numeric_limits<float>::infinity()
+                                     : head_scores(Q + t * rs, K, rs, m, S, hd, sc, s.data());
+        if (mx == -std::numeric_limits<float>::infinity()) {  // a padding row, or no key to see: zeros
+          std::fill(o, o + hd, 0.0f);
+          continue;
         }
-        float l8[8];
-        _mm256_storeu_ps(l8, vs);
-        for (float l : l8) sum += l;
-      }
-#endif
-      for (; j < length; ++j) {
-        s[j] = std::exp(s[j] - mx);
-        sum += s[j];
-      }
-      const float inv = 1.0f / sum;
-      for (int64_t j = 0; j < length; ++j) {
-        if (s[j] == 0.0f) continue;
-        const float pj = s[j] * inv;
-        const float* vj = V + j * hd;
-#pragma omp simd
-        for (int64_t e = 0; e < hd; ++e) o[e] += pj * vj[e];
+        const float sum = exp_scores(s.data(), S, mx);
+        head_weighted_sum(s.data(), 1.0f / sum, V, rs, S, hd, o);
       }
     }
   });
@@ -715,7 +883,7 @@ Tensor gpt2_decode_layers(const Tensor& x, at::TensorList params, at::TensorList
     const int64_t dff = P[12].size(0);  // fc1 bias
     const Tensor qkv = linear(h, P + 2, 3 * d, IDENT);
     const Tensor ctx = decode_attention(qkv.narrow(1, 0, d), k_caches[i], v_caches[i], mask, length, scale,
-                                        qkv.narrow(1, d, d), qkv.narrow(1, 2 * d, d));
+                                        qkv.narrow(1, d, d), qkv.narrow(1, 2 * d, d), c10::nullopt);
     const Tensor o = linear(ctx, P + 5, d, IDENT);
     add_layer_norm(rp, o.data_ptr<float>(), P[8], P[9], eps, hp, B, d);
     const Tensor f = linear(h, P + 10, dff, act);
@@ -735,8 +903,9 @@ TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
         "int length, float eps, int act) -> Tensor");
   m.def("screened_argmax(Tensor x, Tensor screened, Tensor weight, Tensor? bias, Tensor bound) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int n, int act=0, Tensor? scale=None) -> Tensor");
+  m.def("qkv_self_attention(Tensor qkv, Tensor? mask, int n_heads, int seq_len, float scale) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? mask, int length, float scale, "
-        "Tensor? new_k, Tensor? new_v) -> Tensor");
+        "Tensor? new_k, Tensor? new_v, Tensor? rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
@@ -745,4 +914,5 @@ TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
   m.impl("screened_argmax", &screened_argmax);
   m.impl("skinny_linear", &skinny_linear);
   m.impl("decode_attention", &decode_attention);
+  m.impl("qkv_self_attention", &qkv_self_attention);
 }

@@ -1,0 +1,93 @@
+"""The encoder pass of :meth:`Transformer.translate` on the inference kernels (tested against
+:meth:`Transformer.encode`, which stays the reference).
+
+Per layer: one GEMM for q, k and v together; attention read straight from that GEMM's output by the
+``qkv_self_attention`` kernel (each sequence and head in L1, no transposes, no (B, H, S, S) scores); the output
+projection; residual add + LayerNorm fused (``add_norm_fwd``); the FFN with its bias + activation in place. A
+pre-norm layer's closing residual add is fused with the next LayerNorm (the next layer's first, or the final norm).
+
+With a padding mask the padded keys are skipped and the memory is zero at padded positions, as the reference's
+padding-free path returns it. Inference only: no dropout, no autograd.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import kernels
+from . import decoding
+from .padding_free import _attention_hooked
+
+__all__ = ["supports", "encode"]
+
+
+def supports(model) -> bool:
+    """Whether :func:`encode` runs ``model``'s encoder: the kernels on, float32 CPU weights, LayerNorms with bias,
+    no forward hooks on an attention module (:func:`sublayer.record_attention` keeps the modules' own forwards)."""
+    from ..nn import LayerNorm
+
+    enc = model.encoder
+    norms = [n for layer in enc.layers for n in (layer.attn_residual.norm, layer.ffn_residual.norm)]
+    norms += [enc.norm] if enc.norm is not None else []
+    return (
+        decoding._kernels_on()
+        and decoding._float32_cpu(model)
+        and all(isinstance(n, LayerNorm) and n.bias is not None for n in norms)
+        and all(layer.self_attn.q_proj.bias is not None for layer in enc.layers)
+        and not _attention_hooked(model)
+    )
+
+
+def _build(encoder) -> dict:
+    layers = []
+    for layer in encoder.layers:
+        a = layer.self_attn
+        layers.append({
+            "qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).detach(),
+            "qkv_b": torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0).detach(),
+            "out": (a.out_proj.weight.detach(), a.out_proj.bias.detach()),
+            "fc1": (layer.ffn.fc1.weight.detach(), layer.ffn.fc1.bias.detach()),
+            "fc2": (layer.ffn.fc2.weight.detach(), layer.ffn.fc2.bias.detach()),
+            "norms": [decoding._norm(layer.attn_residual.norm), decoding._norm(layer.ffn_residual.norm)],
+        })  # fmt: skip
+    return {"layers": layers, "final": None if encoder.norm is None else decoding._norm(encoder.norm)}
+
+
+def encode(model, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Tensor | None:
+    """``model.encode(src, src_key_padding_mask=...)`` on the kernels, or None when :func:`supports` says no.
+
+    Args:
+        src: (B, S) source ids, already checked. src_key_padding_mask: (B, S) bool, True = padding, or None.
+
+    Returns:
+        memory (B, S, d_model) float32; zeros at padded positions.
+    """
+    if not supports(model):
+        return None
+    cfg = model.config
+    W = decoding._weights(model.encoder, _build)
+    b, s = src.shape
+    d = cfg.d_model
+    pad = None
+    if src_key_padding_mask is not None and bool(src_key_padding_mask.any()):
+        pad = src_key_padding_mask.contiguous()
+    x = (model.src_embed.weight.detach()[src] * math.sqrt(d) + model.pos_encoding[:s]).reshape(b * s, d)
+    layers, pre = W["layers"], cfg.norm_first
+    scale = 1.0 / math.sqrt(d // cfg.n_heads)
+    ops = kernels.ops()
+    h = F.layer_norm(x, (d,), *layers[0]["norms"][0][:2], layers[0]["norms"][0][2]) if pre else x
+    for i, L in enumerate(layers):
+        # pre-norm: the norm after this layer's FFN is the next layer's first, or the final one (or none)
+        after = layers[i + 1]["norms"][0] if i + 1 < len(layers) else W["final"]
+        ctx = ops.qkv_self_attention(F.linear(h, L["qkv"], L["qkv_b"]), pad, cfg.n_heads, s, scale)
+        x, h = decoding.residual_out(pre, x, F.linear(ctx, *L["out"]), L["norms"][0], L["norms"][1])
+        f = decoding.ffn_hidden(F.linear(h, L["fc1"][0]), L["fc1"][1], cfg.activation)
+        x, h = decoding.residual_out(pre, x, F.linear(f, *L["fc2"]), L["norms"][1], after)
+    if not pre and W["final"] is not None:
+        h = F.layer_norm(h, (d,), *W["final"][:2], W["final"][2])
+    memory = h.view(b, s, d)
+    return memory if pad is None else memory.masked_fill_(pad[..., None], 0.0)
