@@ -132,6 +132,118 @@ def test_decode_attention_rejects_bad_length():
         _ops().decode_attention(torch.randn(1, 3), k, k.clone(), None, 5, 1.0, None, None)
 
 
+@pytest.mark.parametrize("hd", [5, 8, 32, 72, 136])  # scalar; one vector; 4; 8 + 1; 8 + 8 + 1 accumulators
+def test_decode_attention_head_sizes_and_lengths(hd):
+    g = _gen(hd)
+    b, h, cap = 2, 3, 13
+    k = torch.randn(b, h, cap, hd, generator=g)
+    v = torch.randn(b, h, cap, hd, generator=g)
+    q = torch.randn(b, h * hd, generator=g)
+    for length in (1, 3, 4, 5, 8, 9, 13):  # the four-key blocks' and the 8-wide exp's tails
+        got = _ops().decode_attention(q, k, v, None, length, 1 / math.sqrt(hd), None, None)
+        ref64 = _sdpa(q.double(), k.double(), v.double(), length, None)
+        assert_fast_close(got, _sdpa(q, k, v, length, None), ref64, what=f"hd {hd} length {length}")
+
+
+def _gathered(k: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, H, T, hd) caches read through a (N, T) row table -> (N, H, length, hd), by a plain loop."""
+    out = torch.empty(rows.shape[0], k.shape[1], length, k.shape[3], dtype=k.dtype)
+    for n in range(rows.shape[0]):
+        for j in range(length):
+            out[n, :, j] = k[rows[n, j], :, j]
+    return out
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_decode_attention_reads_keys_through_a_row_table(masked):
+    g = _gen(3)
+    b, n, h, cap, hd, length = 3, 5, 2, 11, 8, 7
+    k = torch.randn(b, h, cap, hd, generator=g)
+    v = torch.randn(b, h, cap, hd, generator=g)
+    q = torch.randn(n, h * hd, generator=g)
+    rows = torch.randint(0, b, (n, cap), generator=g)
+    rows[1] = 2  # one query row whose keys all sit in one cache row (read in place, no gather)
+    mask = None
+    if masked:
+        mask = torch.zeros(n, cap, dtype=torch.bool)
+        mask[0, :2] = True
+        mask[4, 3] = True
+    got = _ops().decode_attention(q, k, v, mask, length, 1 / math.sqrt(hd), None, None, rows)
+    kg, vg = _gathered(k, rows, length), _gathered(v, rows, length)
+    ref64 = _sdpa(q.double(), kg.double(), vg.double(), length, mask)
+    assert_fast_close(got, _sdpa(q, kg, vg, length, mask), ref64)
+
+
+def test_decode_attention_writes_in_the_own_row_and_reads_through_the_table():
+    g = _gen(4)
+    b, h, cap, hd, length = 4, 2, 6, 8, 5
+    k = torch.randn(b, h, cap, hd, generator=g)
+    v = torch.randn(b, h, cap, hd, generator=g)
+    qkv = torch.randn(b, 3 * h * hd, generator=g)
+    d = h * hd
+    rows = torch.arange(b)[:, None].repeat(1, cap)
+    rows[:, : length - 1] = torch.tensor([2, 2, 0, 1])[:, None]  # reordered beams: histories of other rows
+    k_ref, v_ref = k.clone(), v.clone()
+    k_ref[:, :, length - 1] = qkv[:, d : 2 * d].reshape(b, h, hd)
+    v_ref[:, :, length - 1] = qkv[:, 2 * d :].reshape(b, h, hd)
+    got = _ops().decode_attention(qkv[:, :d], k, v, None, length, 1 / math.sqrt(hd), qkv[:, d : 2 * d],
+                                  qkv[:, 2 * d :], rows)  # fmt: skip
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    kg, vg = _gathered(k_ref, rows, length), _gathered(v_ref, rows, length)
+    ref64 = _sdpa(qkv[:, :d].double(), kg.double(), vg.double(), length, None)
+    assert_fast_close(got, _sdpa(qkv[:, :d], kg, vg, length, None), ref64)
+
+
+def test_decode_attention_rejects_bad_row_tables():
+    k = torch.randn(2, 1, 4, 8)
+    q = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match=r"q has 3 rows but the caches 2 \(pass rows"):
+        _ops().decode_attention(q, k, k.clone(), None, 2, 1.0, None, None)
+    bad = torch.zeros(3, 4, dtype=torch.long)
+    bad[2, 1] = 2
+    with pytest.raises(RuntimeError, match=r"rows\[2, 1\] = 2 is not a cache row in \[0, 2\)"):
+        _ops().decode_attention(q, k, k.clone(), None, 2, 1.0, None, None, bad)
+    with pytest.raises(RuntimeError, match=r"rows must be a contiguous int64 \(N=3, T_max=4\)"):
+        _ops().decode_attention(q, k, k.clone(), None, 2, 1.0, None, None, bad.int())
+    own = torch.zeros(2, 4, dtype=torch.long)  # row 1's new key would land in row 0's history
+    with pytest.raises(RuntimeError, match=r"rows\[1, 1\] must be 1"):
+        _ops().decode_attention(q[:2], k, k.clone(), None, 2, 1.0, q[:2], q[:2], own)
+
+
+def _qkv_sdpa(qkv: torch.Tensor, mask, b: int, s: int, h: int) -> torch.Tensor:
+    """Reference: (B*S, 3*d) fused projection -> SDPA per sequence with the key padding mask, padded rows zeroed."""
+    d = qkv.shape[1] // 3
+    q, k, v = (t.reshape(b, s, h, d // h).transpose(1, 2) for t in qkv.split(d, dim=1))
+    am = None if mask is None else ~mask[:, None, None, :]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=am).transpose(1, 2).reshape(b * s, d)
+    return out if mask is None else out.masked_fill(mask.reshape(-1, 1), 0.0)
+
+
+@pytest.mark.parametrize("hd", [5, 8, 32])
+@pytest.mark.parametrize("masked", [False, True])
+def test_qkv_self_attention_matches_sdpa(hd, masked):
+    g = _gen(hd)
+    b, s, h = 3, 7, 2
+    qkv = torch.randn(b * s, 3 * h * hd + 4, generator=g)[:, 2 : 2 + 3 * h * hd]  # a column slice works
+    mask = None
+    if masked:
+        mask = torch.zeros(b, s, dtype=torch.bool)
+        mask[0, 4:] = True  # right padding
+        mask[2, 1:] = True  # one real token
+    got = _ops().qkv_self_attention(qkv, mask, h, s, 1 / math.sqrt(hd))
+    ref64 = _qkv_sdpa(qkv.double(), mask, b, s, h)
+    assert_fast_close(got, _qkv_sdpa(qkv, mask, b, s, h), ref64)
+    if masked:
+        assert torch.equal(got[mask.reshape(-1)], torch.zeros(int(mask.sum()), h * hd))
+
+
+def test_qkv_self_attention_rejects_bad_shapes():
+    with pytest.raises(RuntimeError, match=r"is not \(B\*4, 3\*2\*head_dim\)"):
+        _ops().qkv_self_attention(torch.randn(10, 12), None, 2, 4, 1.0)
+    with pytest.raises(RuntimeError, match=r"mask must be a contiguous bool \(2, 4\)"):
+        _ops().qkv_self_attention(torch.randn(8, 12), torch.zeros(2, 5, dtype=torch.bool), 2, 4, 1.0)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 5])
 def test_skinny_linear_on_float16_panels_matches_the_widened_weight(rows, micro_kernel):
     g = _gen(rows + 77)

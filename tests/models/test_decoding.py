@@ -158,6 +158,40 @@ def test_translate_equals_the_reference_steps(norm_first, beam_size, kernels_mod
     assert got.tolist() == _reference(lambda: m.translate(src, 9, **kw)).tolist()
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_translate_with_a_gated_ffn_equals_the_reference(activation, beam_size, kernels_mode):
+    torch.manual_seed(4)
+    m = Transformer(11, 13, d_model=14, n_heads=2, d_ff=22, n_layers=2, dropout=0.0, max_len=23,
+                    activation=activation).eval()  # fmt: skip
+    src = torch.randint(3, 11, (3, 5), generator=torch.Generator().manual_seed(6))
+    kw = {"bos": 1, "eos": 2, "beam_size": beam_size}
+    assert m.translate(src, 7, **kw).tolist() == _reference(lambda: m.translate(src, 7, **kw)).tolist()
+
+
+def test_reorder_moves_the_row_table_not_the_caches(kernels_mode):
+    g = torch.Generator().manual_seed(2)
+    b, h, cap, hd = 4, 2, 6, 8
+    cache = decoding.StaticKVCache(b, h, cap, hd)
+    copied = decoding.StaticKVCache(b, h, cap, hd)  # reordered by copying, as the reference caches are
+    q = torch.randn(b, h * hd, generator=g)
+    for t, parents in enumerate([[1, 1, 0, 3], [2, 0, 0, 1], [3, 3, 2, 2]]):
+        kv = torch.randn(2, b, h * hd, generator=g)
+        outs = []
+        for c in (cache, copied):
+            outs.append(decoding.decode_attention(q, c.k, c.v, t + 1, new_k=kv[0], new_v=kv[1], rows=c.rows))
+            c.length = t + 1
+        torch.testing.assert_close(outs[0], outs[1])
+        k_before = cache.k.clone()
+        cache.reorder(torch.tensor(parents))
+        assert torch.equal(cache.k, k_before)  # nothing copied
+        rows = torch.tensor(parents)
+        copied.k[:, :, : t + 1] = copied.k[:, :, : t + 1][rows].clone()
+        copied.v[:, :, : t + 1] = copied.v[:, :, : t + 1][rows].clone()
+    out = [decoding.decode_attention(q, c.k, c.v, 3, rows=c.rows) for c in (cache, copied)]
+    torch.testing.assert_close(out[0], out[1])
+
+
 @pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])  # erf-GELU and SiLU: a pass after the kernel
 def test_other_activations_equal_the_reference(activation, kernels_mode, steps_taken):
     from sublayer.models import GPT2Config
