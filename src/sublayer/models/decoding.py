@@ -510,7 +510,30 @@ def _build_transformer(model) -> dict:
                       _norm(layer.ffn_residual.norm)],
         })  # fmt: skip
     final = None if model.decoder.norm is None else _norm(model.decoder.norm)
-    return {"layers": layers, "final": final, "head": PackedLinear(model.out_proj.weight, model.out_proj.bias)}
+    W = {"layers": layers, "final": final, "head": PackedLinear(model.out_proj.weight, model.out_proj.bias)}
+    W["flat"] = _flat_transformer(W, model.config.activation)
+    return W
+
+
+_LINEARS = ("qkv", "out", "q_cross", "out_cross", "fc1", "fc2")
+
+
+def _flat_transformer(W: dict, activation: str) -> list | None:
+    """The tensors of ``transformer_decode_layers`` (a decoder step in one C++ call), or None where it does not
+    apply (no kernels, a linear without bias, an activation it does not fuse, LayerNorms with different eps)."""
+    norms = [n for L in W["layers"] for n in L["norms"]] + ([W["final"]] if W["final"] is not None else [])
+    if not _kernels_on() or activation not in _EPILOGUE or len({n[2] for n in norms}) != 1:
+        return None
+    flat = []
+    for L in W["layers"]:
+        parts = [L[k].flat() for k in _LINEARS]
+        if any(p is None for p in parts):
+            return None
+        for lin, p in zip((L[k] for k in _LINEARS), parts):
+            flat += [*p, lin.weight]
+        flat += [t for n in L["norms"] for t in n[:2]]
+    flat += list(W["final"][:2]) if W["final"] is not None else [_NO_SCALE, _NO_SCALE]
+    return [t.contiguous() for t in flat]
 
 
 def transformer_stepper(
@@ -551,9 +574,20 @@ def transformer_stepper(
     pre = cfg.norm_first
     act = cfg.activation
 
+    flat = W["flat"]
+    eps = W["layers"][0]["norms"][0][2]
+
     def step(tok: Tensor) -> Tensor:
         t = caches[0].length
         x = (emb[tok[:, -1]] * scale + pe[t]).float()  # (N, d)
+        if flat is not None:  # every layer in one C++ call (the loop below is its reference)
+            h = kernels.ops().transformer_decode_layers(
+                x, flat, [c.k for c in caches], [c.v for c in caches], [c[0] for c in cross], [c[1] for c in cross],
+                mask, caches[0].rows, sentence, t + 1, eps, _EPILOGUE[act], pre, W["head"].max_rows,
+            )  # fmt: skip
+            for c in caches:
+                c.length = t + 1
+            return W["head"](h)
         layers = W["layers"]
         h = F.layer_norm(x, (d,), *layers[0]["norms"][0][:2], layers[0]["norms"][0][2]) if pre else x
         for i, L in enumerate(layers):
