@@ -192,6 +192,32 @@ def test_reorder_moves_the_row_table_not_the_caches(kernels_mode):
     torch.testing.assert_close(out[0], out[1])
 
 
+@pytest.mark.skipif(not decoding._kernels_on(), reason="C++ kernels unavailable")
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("sentences,beams", [(3, 1), (2, 3), (41, 1)])  # 41 rows: torch's GEMM inside the call
+def test_one_call_translate_step_equals_the_per_op_step(norm_first, sentences, beams, monkeypatch):
+    m = _tiny_transformer(norm_first)
+    g = torch.Generator().manual_seed(8)
+    memory = torch.randn(sentences, 5, 14, generator=g)
+    mask = torch.zeros(sentences, 5, dtype=torch.bool)
+    mask[1, 2:] = True
+    W = decoding._weights(m, decoding._build_transformer)
+    assert W["flat"] is not None
+    fast = decoding.transformer_stepper(m, memory, mask, 6, beams=beams)
+    monkeypatch.setitem(W, "flat", None)
+    per_op = decoding.transformer_stepper(m, memory, mask, 6, beams=beams)
+    n = sentences * beams
+    tok = torch.randint(0, 13, (n, 1), generator=g)
+    for t in range(4):
+        a, b = fast[0](tok), per_op[0](tok)
+        torch.testing.assert_close(a, b)
+        tok = a.argmax(-1, keepdim=True)
+        if beams > 1:  # beams swap histories inside their sentence
+            parents = torch.arange(n).view(sentences, beams).flip(1).reshape(-1) if t % 2 else torch.arange(n)
+            fast[1](parents)
+            per_op[1](parents)
+
+
 @pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])  # erf-GELU and SiLU: a pass after the kernel
 def test_other_activations_equal_the_reference(activation, kernels_mode, steps_taken):
     from sublayer.models import GPT2Config
