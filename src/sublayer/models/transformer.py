@@ -438,10 +438,9 @@ class Transformer(nn.Module):
             logp = step(tok).log_softmax(-1)
             v = logp.shape[-1]
             logp = logp.view(b, k, v).float()
-            # a finished beam continues only with `pad` at no cost, so it keeps its score
-            frozen = torch.full_like(logp, float("-inf"))
-            frozen[..., pad] = 0.0
-            logp = torch.where(done[..., None], frozen, logp)
+            if bool(done.any()):  # a finished beam continues only with `pad` at no cost, so it keeps its score
+                logp = logp.masked_fill(done[..., None], float("-inf"))
+                logp[..., pad] = logp[..., pad].masked_fill(done, 0.0)
             cand = (scores[..., None] + logp).view(b, k * v)
             scores, idx = cand.topk(k, dim=-1)
             beam, nxt = idx // v, idx % v
