@@ -15,14 +15,22 @@ plus whatever happens between them. This path (beside the reference loops of :me
 * runs every GPT-2 block of a step in one C++ call (``gpt2_decode_layers``: per block q|k|v GEMV, cache write +
   attention, out-projection, residual + LayerNorm, fc1 with bias + activation in its epilogue, fc2, residual + the next LayerNorm), so no Python runs between the weight streams; ``gpt2_step``'s
   per-op loop is its reference and runs where that call does not apply (other activations, no kernels). The
-  Transformer's decoder steps per op. Several rows (batches, beams) take a several-row micro-kernel (AVX2: 4
+  Transformer's decoder step is one C++ call too (``transformer_decode_layers``: self-attention, cross-attention
+  and FFN of every layer, pre- or post-norm; ``transformer_stepper``'s per-op loop is its reference, and runs for
+  gated FFNs). Several rows (batches, beams) take a several-row micro-kernel (AVX2: 4
   rows; AVX-512 CPUs: 8 rows x 2 panels, ~130-160 GFLOP/s here against torch's ~80-115 at 32 rows); above
   :func:`skinny_max_rows` rows (16; 32 with AVX-512: the demo's batch of 500) torch's GEMM runs on the unpacked
   weight instead;
+* beam search reorders no cache: each layer's cache carries a (rows, positions) table of the cache row that holds
+  each key (every slot is written once, by its own row), and ``decode_attention`` reads through it; the beams of
+  a sentence share its memory's cross-attention keys/values (projected once per sentence, not per beam);
 * greedy GPT-2 decoding never computes the float32 logits: :class:`GreedyHead` screens the vocabulary with a
   float16 copy of the LM head (half its bytes; the head is a third of GPT-2 small's) and recomputes in float32
   only the rows whose error bound reaches the best one, which gives the float32 argmax exactly; sampling
   computes the logits and goes through the reference's own filters.
+
+``Transformer.translate`` encodes the source with :mod:`sublayer.models.fast_encode` (fused q/k/v GEMM, the
+``qkv_self_attention`` kernel, fused residual LayerNorms), tested against :meth:`Transformer.encode`.
 
 The prompt itself (prefill) runs through the model's reference forward with its KV caches (batched GEMMs are
 what torch does well); its keys/values are then copied into the static cache.

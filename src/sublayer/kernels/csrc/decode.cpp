@@ -11,8 +11,13 @@
 //  * decode_attention: one query per row against a static key/value cache (B, H, T_max, hd): optionally writes
 //    this step's key/value at position length-1 first, then softmax(q k^T * scale) v over the first `length`
 //    positions, skipping those the (B, T_max) padding mask marks True. A row whose keys are all masked gets zeros.
+//    An optional (N, T_max) row table says which cache row holds each key (beam search reorders the table, not
+//    the caches; beams share their sentence's cross-attention memory). Per head: four keys' dot products at a
+//    time (one hadd ladder), the output in registers, the next head's lines prefetched.
+//  * qkv_self_attention: the encoder's self-attention read straight from the fused q|k|v projection (B*S rows).
+//  * gpt2_decode_layers / transformer_decode_layers: a whole decoding step (every block or layer) in one call.
 //
-// Both run on float32 only (the decode path's compute dtype on an AVX2 CPU), over both threads (at::parallel_for).
+// All run on float32 only (the decode path's compute dtype on an AVX2 CPU), over both threads (at::parallel_for).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/addmm.h>
