@@ -49,7 +49,7 @@ namespace {
 
 using at::Tensor;
 constexpr int64_t PANEL = 16;  // output columns per packed panel (two AVX2 vectors)
-constexpr int64_t ROWS = 4;    // rows of x per micro-kernel call
+constexpr int64_t ROWS = 6;    // rows of x per AVX2 micro-kernel call: 12 accumulators + 2 weights + 1 broadcast
 constexpr int STREAMS = 4;     // panels read at once for a single row (panels_kernel)
 std::atomic<bool> g_avx512{true};  // decode_avx512
 
@@ -76,6 +76,28 @@ inline __m256 load8(const int8_t* w) {
 template <typename T, int R>
 inline void panel_kernel(const float* x, int64_t ldx, const T* w, int64_t K, float* acc) {
 #if SUBLAYER_DECODE_AVX2
+  if constexpr (R >= 3) {  // 2R accumulators (12 at 6 rows): enough independent FMA chains, and with the two
+    // weight vectors and a broadcast within AVX2's 16 registers (the two-k scheme below would spill them)
+    __m256 a0[R], a1[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      if ((k & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048, _MM_HINT_T0);
+      const __m256 w0 = load8(w + k * PANEL), w1 = load8(w + k * PANEL + 8);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 xa = _mm256_broadcast_ss(x + r * ldx + k);
+        a0[r] = _mm256_fmadd_ps(xa, w0, a0[r]);
+        a1[r] = _mm256_fmadd_ps(xa, w1, a1[r]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(acc + r * PANEL, a0[r]);
+      _mm256_storeu_ps(acc + r * PANEL + 8, a1[r]);
+    }
+    return;
+  }
   __m256 a0[R], a1[R], b0[R], b1[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = b0[r] = b1[r] = _mm256_setzero_ps();
   int64_t k = 0;
@@ -301,8 +323,9 @@ template <typename T>
 void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* wp, int64_t P, const float* sp,
                    const float* bp, int64_t n, int64_t act, float* op) {
   using PanelFn = void (*)(const float*, int64_t, const T*, int64_t, float*);
-  static constexpr PanelFn kPanel[ROWS + 1] = {nullptr, panel_kernel<T, 1>, panel_kernel<T, 2>, panel_kernel<T, 3>,
-                                               panel_kernel<T, 4>};
+  static constexpr PanelFn kPanel[ROWS + 1] = {nullptr,           panel_kernel<T, 1>, panel_kernel<T, 2>,
+                                               panel_kernel<T, 3>, panel_kernel<T, 4>, panel_kernel<T, 5>,
+                                               panel_kernel<T, 6>};
   const PanelFn* panel = kPanel;
   int64_t rows = ROWS;
 #if SUBLAYER_DECODE_AVX2 && defined(__AVX512F__)
