@@ -17,9 +17,9 @@ plus whatever happens between them. This path (beside the reference loops of :me
   per-op loop is its reference and runs where that call does not apply (other activations, no kernels). The
   Transformer's decoder step is one C++ call too (``transformer_decode_layers``: self-attention, cross-attention
   and FFN of every layer, pre- or post-norm; ``transformer_stepper``'s per-op loop is its reference, and runs for
-  gated FFNs). Several rows (batches, beams) take a several-row micro-kernel (AVX2: 4
+  gated FFNs). Several rows (batches, beams) take a several-row micro-kernel (AVX2: 6
   rows; AVX-512 CPUs: 8 rows x 2 panels, ~130-160 GFLOP/s here against torch's ~80-115 at 32 rows); above
-  :func:`skinny_max_rows` rows (16; 32 with AVX-512: the demo's batch of 500) torch's GEMM runs on the unpacked
+  :func:`skinny_max_rows` rows (32: the demo's batch of 500) torch's GEMM runs on the unpacked
   weight instead;
 * beam search reorders no cache: each layer's cache carries a (rows, positions) table of the cache row that holds
   each key (every slot is written once, by its own row), and ``decode_attention`` reads through it; the beams of
@@ -113,14 +113,13 @@ class PackedLinear:
         return self.packed, _NO_SCALE, self.bias
 
 
-SKINNY_MAX_ROWS = 16  # above it a blocked GEMM (torch) wins: the rows amortise the weight reads (AVX2 kernel)
-SKINNY_MAX_ROWS_AVX512 = 32  # the AVX-512 micro-kernels (8 rows x 2 panels) beat torch's GEMM up to here
+# Up to here the several-row micro-kernels beat torch's GEMM (AVX-512: 8 rows x 2 panels; AVX2: 6 rows x 16
+# columns, ~60-70 GFLOP/s at 8-32 rows where torch's reached 40-70 here); above it a blocked GEMM wins.
+SKINNY_MAX_ROWS = 32
 
 
 def skinny_max_rows() -> int:
     """Most rows ``PackedLinear`` multiplies with ``skinny_linear`` (above: torch's GEMM on the unpacked weight)."""
-    if _kernels_on() and kernels.ops().decode_avx512(-1):
-        return SKINNY_MAX_ROWS_AVX512
     return SKINNY_MAX_ROWS
 
 
