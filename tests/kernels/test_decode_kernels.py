@@ -194,6 +194,26 @@ def test_decode_attention_writes_in_the_own_row_and_reads_through_the_table():
     assert_fast_close(got, _sdpa(qkv[:, :d], kg, vg, length, None), ref64)
 
 
+def test_decode_attention_compacted_rows_write_their_own_slots():
+    g = _gen(5)
+    b, n, h, cap, hd, length = 5, 3, 2, 6, 8, 4
+    k = torch.randn(b, h, cap, hd, generator=g)
+    v = torch.randn(b, h, cap, hd, generator=g)
+    qkv = torch.randn(n, 3 * h * hd, generator=g)
+    d = h * hd
+    rows = torch.arange(n)[:, None].repeat(1, cap)
+    rows[:, : length - 1] = torch.tensor([4, 1, 3])[:, None]  # the rows still running kept their histories
+    k_ref, v_ref = k.clone(), v.clone()
+    k_ref[:n, :, length - 1] = qkv[:, d : 2 * d].reshape(n, h, hd)
+    v_ref[:n, :, length - 1] = qkv[:, 2 * d :].reshape(n, h, hd)
+    got = _ops().decode_attention(qkv[:, :d], k, v, None, length, 1 / math.sqrt(hd), qkv[:, d : 2 * d],
+                                  qkv[:, 2 * d :], rows)  # fmt: skip
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    kg, vg = _gathered(k_ref, rows, length), _gathered(v_ref, rows, length)
+    ref64 = _sdpa(qkv[:, :d].double(), kg.double(), vg.double(), length, None)
+    assert_fast_close(got, _sdpa(qkv[:, :d], kg, vg, length, None), ref64)
+
+
 def test_decode_attention_rejects_bad_row_tables():
     k = torch.randn(2, 1, 4, 8)
     q = torch.randn(3, 8)

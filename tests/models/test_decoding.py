@@ -169,6 +169,29 @@ def test_translate_with_a_gated_ffn_equals_the_reference(activation, beam_size, 
     assert m.translate(src, 7, **kw).tolist() == _reference(lambda: m.translate(src, 7, **kw)).tolist()
 
 
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_greedy_rows_that_ended_leave_the_batch(norm_first, kernels_mode, monkeypatch):
+    """Rows that emitted eos are dropped from the batch (both paths): each row's tokens equal its translation alone."""
+    m = _tiny_transformer(norm_first)
+    src = torch.randint(3, 11, (7, 5), generator=torch.Generator().manual_seed(12))
+    mask = torch.zeros(7, 5, dtype=torch.bool)
+    mask[2, 3:] = True
+    kept = []
+    real = decoding.StaticKVCache.reorder
+    monkeypatch.setattr(decoding.StaticKVCache, "reorder", lambda c, rows: kept.append(rows.numel()) or real(c, rows))
+    for fast in (True, False):
+        run = (lambda f: f()) if fast else _reference
+        got = run(lambda: m.translate(src, 12, bos=1, eos=2, pad=0, src_key_padding_mask=mask))
+        ends = [row.index(2) if 2 in row else None for row in got.tolist()]
+        assert len({e for e in ends if e is not None}) > 1  # rows end at different steps: the batch shrinks
+        for i in range(7):
+            alone = run(lambda: m.translate(src[i : i + 1], 12, bos=1, eos=2, pad=0,
+                                            src_key_padding_mask=mask[i : i + 1]))  # fmt: skip
+            row = got[i, : alone.shape[1]].tolist()
+            assert row == alone[0].tolist() and all(t == 0 for t in got[i, alone.shape[1] :].tolist())
+    assert kept and min(kept) < 7  # the fast path's caches shrank
+
+
 def test_reorder_moves_the_row_table_not_the_caches(kernels_mode):
     g = torch.Generator().manual_seed(2)
     b, h, cap, hd = 4, 2, 6, 8

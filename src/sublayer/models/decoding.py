@@ -198,14 +198,18 @@ class StaticKVCache:
         self.length = t
 
     def reorder(self, rows: Tensor) -> None:
-        """Select batch rows (beam search): row n's filled positions become row ``rows[n]``'s. Only the
-        (batch, capacity) row table moves, no key or value: :func:`decode_attention` reads key j of row n from
-        cache row ``self.rows[n, j]`` (each slot is written once, by its own row, so it stays valid)."""
+        """Select batch rows: row n's filled positions become those of row ``rows[n]`` (beam search), and fewer
+        rows than the cache holds keep only those (a greedy batch whose other rows ended). Only the (rows,
+        capacity) row table changes, no key or value: :func:`decode_attention` reads key j of row n from cache
+        row ``self.rows[n, j]``. Row n writes its later positions in cache row n: those slots were never written
+        and no table points at them, so every slot stays valid."""
         b, cap = self.k.shape[0], self.k.shape[2]
         if self.rows is None:
             self.rows = torch.arange(b)[:, None].expand(b, cap).contiguous()
-        t = self.length
-        self.rows[:, :t] = self.rows[:, :t].index_select(0, rows.to(self.rows.device))
+        t, n = self.length, rows.numel()
+        table = torch.arange(n)[:, None].repeat(1, cap)  # own rows from position t on
+        table[:, :t] = self.rows[:, :t].index_select(0, rows.to(self.rows.device))
+        self.rows = table
 
 
 def decode_attention(
@@ -221,7 +225,8 @@ def decode_attention(
 ) -> Tensor:
     """One query per row against cached keys/values: q (N, d), k/v (B, H, T_max, hd) -> (N, d).
 
-    With ``new_k``/``new_v`` (B, d) they are first written at position ``length - 1`` (in place; N == B). Attends
+    With ``new_k``/``new_v`` (N, d) they are first written at position ``length - 1`` of cache rows [0, N) (in
+    place; N <= B, and N < B only through a row table). Attends
     to positions [0, length) except those ``mask`` (N, T_max) bool marks True; scaled by 1/sqrt(hd). ``rows``
     (N, T_max) int64: key j of query row n is in cache row ``rows[n, j]`` (a reordered beam's history, or the
     sentence whose memory beams share); None: row n (N == B).
@@ -230,14 +235,14 @@ def decode_attention(
     scale = 1.0 / math.sqrt(hd)
     if _kernels_on():
         return kernels.ops().decode_attention(q, k, v, mask, length, scale, new_k, new_v, rows)
-    if new_k is not None:
-        k[:, :, length - 1] = new_k.reshape(b, h, hd)
-        v[:, :, length - 1] = new_v.reshape(b, h, hd)
+    n = q.shape[0]
+    if new_k is not None:  # query row i writes cache row i
+        k[:n, :, length - 1] = new_k.reshape(n, h, hd)
+        v[:n, :, length - 1] = new_v.reshape(n, h, hd)
     k, v = k[:, :, :length], v[:, :, :length]
     if rows is not None:  # (N, length, H, hd) gathered through the table, as (N, H, length, hd)
         at = torch.arange(length, device=k.device)
         k, v = (t.transpose(1, 2)[rows[:, :length], at].transpose(1, 2) for t in (k, v))
-    n = q.shape[0]
     am = None if mask is None else ~mask[:, None, None, :length]
     ctx = F.scaled_dot_product_attention(q.reshape(n, h, 1, hd), k, v, attn_mask=am, scale=scale)
     return ctx.reshape(n, h * hd)
@@ -616,7 +621,14 @@ def transformer_stepper(
         return W["head"](h)
 
     def reorder(rows: Tensor) -> None:
+        """Keep batch rows ``rows`` (beam search: a permutation inside each sentence; greedy: the rows still
+        running, fewer than before): the caches' row tables, and which memory (and mask row) each row reads."""
+        nonlocal sentence, mask
         for c in caches:
             c.reorder(rows)
+        base = torch.arange(n)[:, None].expand(n, s) if sentence is None else sentence
+        sentence = base.index_select(0, rows)
+        if mask is not None:
+            mask = mask.index_select(0, rows)
 
     return step, reorder

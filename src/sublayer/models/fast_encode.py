@@ -6,8 +6,9 @@ Per layer: one GEMM for q, k and v together; attention read straight from that G
 projection; residual add + LayerNorm fused (``add_norm_fwd``); the FFN with its bias + activation in place. A
 pre-norm layer's closing residual add is fused with the next LayerNorm (the next layer's first, or the final norm).
 
-With a padding mask the padded keys are skipped and the memory is zero at padded positions, as the reference's
-padding-free path returns it. Inference only: no dropout, no autograd.
+With a padding mask only the real tokens go through the GEMMs, LayerNorms and FFNs (packed rows, as the
+reference's padding-free path does): q|k|v are scattered into the padded layout for the attention kernel, which
+skips padded keys, and the memory is zero at padded positions. Inference only: no dropout, no autograd.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import kernels
+from ..functional.packing import Packing
 from . import decoding
 from .padding_free import _attention_hooked
 
@@ -72,10 +74,12 @@ def encode(model, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Te
     W = decoding._weights(model.encoder, _build)
     b, s = src.shape
     d = cfg.d_model
-    pad = None
+    pad = pk = None
     if src_key_padding_mask is not None and bool(src_key_padding_mask.any()):
         pad = src_key_padding_mask.contiguous()
-    x = (model.src_embed.weight.detach()[src] * math.sqrt(d) + model.pos_encoding[:s]).reshape(b * s, d)
+        pk = Packing(pad)  # the real tokens' rows
+    x = model.src_embed.weight.detach()[src] * math.sqrt(d) + model.pos_encoding[:s]  # (B, S, d)
+    x = x.reshape(b * s, d) if pk is None else pk.pack(x)
     layers, pre = W["layers"], cfg.norm_first
     scale = 1.0 / math.sqrt(d // cfg.n_heads)
     ops = kernels.ops()
@@ -83,11 +87,15 @@ def encode(model, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Te
     for i, L in enumerate(layers):
         # pre-norm: the norm after this layer's FFN is the next layer's first, or the final one (or none)
         after = layers[i + 1]["norms"][0] if i + 1 < len(layers) else W["final"]
-        ctx = ops.qkv_self_attention(F.linear(h, L["qkv"], L["qkv_b"]), pad, cfg.n_heads, s, scale)
+        qkv = F.linear(h, L["qkv"], L["qkv_b"])
+        if pk is not None:  # (N, 3d) -> the padded (B*S, 3d) layout the kernel reads, and back
+            qkv = pk.unpack(qkv).view(b * s, 3 * d)
+        ctx = ops.qkv_self_attention(qkv, pad, cfg.n_heads, s, scale)
+        if pk is not None:
+            ctx = pk.pack(ctx.view(b, s, d))
         x, h = decoding.residual_out(pre, x, F.linear(ctx, *L["out"]), L["norms"][0], L["norms"][1])
         f = decoding.ffn_hidden(F.linear(h, L["fc1"][0]), L["fc1"][1], cfg.activation)
         x, h = decoding.residual_out(pre, x, F.linear(f, *L["fc2"]), L["norms"][1], after)
     if not pre and W["final"] is not None:
         h = F.layer_norm(h, (d,), *W["final"][:2], W["final"][2])
-    memory = h.view(b, s, d)
-    return memory if pad is None else memory.masked_fill_(pad[..., None], 0.0)
+    return h.view(b, s, d) if pk is None else pk.unpack(h)

@@ -397,34 +397,46 @@ class Transformer(nn.Module):
 
     def _reference_steps(self, memory, mask):
         """``(step, reorder)``: step(tok (N, 1)) -> next-token logits (N, V) through :meth:`decode` with KV caches;
-        reorder(rows) keeps the given batch rows of the caches (beam search)."""
+        reorder(rows) keeps the given batch rows of the caches (beam search), and of the memory and its mask when
+        the batch shrinks (greedy rows that ended)."""
         caches = self.decoder.new_caches()
 
         def step(tok: Tensor) -> Tensor:
             return self.decode(tok, memory, memory_key_padding_mask=mask, caches=caches)[:, -1]
 
         def reorder(rows: Tensor) -> None:
-            for sc, _ in caches:
+            nonlocal memory, mask
+            shrink = rows.numel() != memory.shape[0]  # beams are permuted within their sentence: same memory
+            for sc, cc in caches:
                 sc.reorder(rows)
+                if shrink:
+                    cc.reorder(rows)
+            if shrink:
+                memory = memory.index_select(0, rows)
+                mask = None if mask is None else mask.index_select(0, rows)
 
         return step, reorder
 
     def _greedy(self, steps, b, max_len, bos, eos, pad) -> Tensor:
-        step, _ = steps
+        """Greedy search; a row that emitted ``eos`` leaves the batch (``reorder`` keeps the others), so the
+        steps after it cost nothing for it. Rows are independent, so the tokens are those of the full batch."""
+        step, reorder = steps
         dev = self.out_proj.weight.device
+        out = torch.full((b, max_len), pad, dtype=torch.long, device=dev)
+        live = torch.arange(b, device=dev)  # the batch row of each row still running
         tok = torch.full((b, 1), bos, dtype=torch.long, device=dev)
-        done = torch.zeros(b, dtype=torch.bool, device=dev)
-        out = []
-        for _ in range(max_len):
+        for i in range(max_len):
             nxt = step(tok).argmax(-1)
-            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
-            out.append(nxt)
-            done = done | (nxt == eos)
+            out[live, i] = nxt
+            running = nxt != eos
+            if not bool(running.any()):
+                return out[:, : i + 1]
+            if not bool(running.all()):
+                keep = running.nonzero().squeeze(1)
+                reorder(keep)
+                live, nxt = live[keep], nxt[keep]
             tok = nxt[:, None]
-            if bool(done.all()):
-                break
-        return torch.stack(out, dim=1)
-
+        return out
     def _beam(self, steps, b, max_len, bos, eos, pad, k, length_penalty) -> Tensor:
         step, reorder = steps
         dev = self.out_proj.weight.device

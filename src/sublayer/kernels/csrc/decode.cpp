@@ -738,12 +738,12 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
     mp = mask->data_ptr<bool>();
   }
   const bool write = new_k.has_value() && new_k->defined();
-  if (write) {
-    TORCH_CHECK(N == B, "decode_attention: new_k/new_v need one query row per cache row");
+  if (write) {  // query row n writes cache row n (a compacted batch, N < B, keeps the first N rows' slots)
+    TORCH_CHECK(N <= B, "decode_attention: new_k/new_v need at most one query row per cache row");
     for (const Tensor* t : {&*new_k, &*new_v}) {
-      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == B && t->size(1) == d &&
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == N && t->size(1) == d &&
                       t->stride(1) == 1,
-                  "decode_attention: new_k/new_v must be float32 (B, ", d, ") with unit inner stride");
+                  "decode_attention: new_k/new_v must be float32 (N, ", d, ") with unit inner stride");
     }
     for (int64_t n = 0; rp && n < N; ++n) {
       TORCH_CHECK(rp[n * T + length - 1] == n, "decode_attention: rows[", n, ", ", length - 1, "] must be ", n,
