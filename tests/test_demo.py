@@ -167,6 +167,17 @@ def test_checkpoint_loads_and_gives_the_same_outputs(run):
     assert records[:12] == metrics["samples"]
 
 
+def test_bench_times_the_checkpoints_evaluation(run, tmp_path):
+    from sublayer.bench_decode import _demo_eval_row
+
+    out, _ = run
+    lines = []
+    row = _demo_eval_row(out, 1, lines.append)
+    assert row["same output"] and row["batch"] == 500 and "20 pairs" in row["case"]
+    assert row["fast tok/s"] > 0 and row["reference tok/s"] > 0 and lines
+    assert _demo_eval_row(tmp_path, 1, lines.append) is None  # no checkpoint there: no row
+
+
 def test_resume_continues_exactly(tmp_path, run):
     out, _ = run
     D.train(D.DemoConfig(out=str(tmp_path), steps=2, **TINY))

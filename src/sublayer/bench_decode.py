@@ -157,6 +157,45 @@ def _translate_rows(quick: bool, reps: int, log: Callable[[str], None]) -> list[
     return rows
 
 
+def _demo_eval_row(folder: str | Path, reps: int, log: Callable[[str], None]) -> dict | None:
+    """The trained demo checkpoint's own evaluation (``make demo`` writes it to runs/demo): its held-out pairs in
+    batches of 500, padded sources, rows ending at their eos; fast path vs reference steps. None without it."""
+    from .demo.checkpoint import load_checkpoint
+    from .demo.report import translate_pairs
+    from .demo.task import held_out_pairs
+    from .models import decoding
+
+    folder = Path(folder)
+    if not (folder / "model.safetensors").is_file():
+        return None
+    model, vocab, _ = load_checkpoint(folder)
+    meta = json.loads((folder / "metrics.json").read_text()) if (folder / "metrics.json").is_file() else {}
+    pairs = held_out_pairs(meta.get("seed", 0), meta.get("n_test", 1000), salt=2)
+
+    def tr(on: bool):
+        decoding.set_enabled(on)
+        try:
+            return translate_pairs(model, vocab, pairs)
+        finally:
+            decoding.set_enabled(True)
+
+    outs = {on: tr(on) for on in (True, False)}
+    ts: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(reps):
+        for on in (True, False):
+            ts[on].append(_seconds(lambda: tr(on)))
+    fast, ref = min(ts[True]), min(ts[False])
+    tokens = sum(int((o != vocab.pad).sum()) for o in outs[True])  # generated up to each row's eos
+    row = {
+        "case": f"Transformer.translate demo checkpoint ({folder}): its evaluation, {len(pairs)} pairs, padded",
+        "batch": 500, "beam": 1, "fast tok/s": tokens / fast, "reference tok/s": tokens / ref, "x": ref / fast,
+        "same output": [o.tolist() for o in outs[True]] == [o.tolist() for o in outs[False]],
+    }  # fmt: skip
+    log(f"translate demo checkpoint evaluation ({len(pairs)} pairs)  fast {row['fast tok/s']:8.1f} tok/s  reference "
+        f"{row['reference tok/s']:8.1f} tok/s  x{row['x']:.2f}  same output: {row['same output']}")
+    return row
+
+
 def run_decode_bench(
     out: str | Path = "runs/bench",
     *,
@@ -166,12 +205,14 @@ def run_decode_bench(
     peers: bool = True,
     engines: str | None = None,
     translate: bool = True,
+    demo_dir: str | Path = "runs/demo",
     log: Callable[[str], None] = print,
 ) -> list[dict]:
     """Time greedy generation (prompt 32, 64 new tokens; GPT-2 small: 12 layers, d 768, vocab 50257 — ``quick``:
     4 layers, d 256, vocab 8191, 16 new tokens) per engine and batch size; write ``decode.json``/``decode.md``.
 
-    Then ``Transformer.translate`` fast vs reference (see :func:`_translate_rows`; ``translate=False`` skips it).
+    Then ``Transformer.translate`` fast vs reference (see :func:`_translate_rows`; ``translate=False`` skips it),
+    and, when ``demo_dir`` holds a trained demo checkpoint (``make demo``), its own evaluation (not with ``quick``).
     ``engines``: comma-separated substrings of engine names to run (default all).
 
     Returns:
@@ -295,6 +336,8 @@ def run_decode_bench(
                 log(f"batch {b:2d}  {ours_name} / {peer} tok/s: x{r:.2f}")
     if translate:
         rows += _translate_rows(quick, reps, log)
+        demo = None if quick else _demo_eval_row(demo_dir, reps, log)
+        rows += [demo] if demo is not None else []
     meta = {"threads": threads, "copy GB/s": copy, "step bytes": step_bytes, "kernels": kernels.status(), "reps": reps}
     (out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [

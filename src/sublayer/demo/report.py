@@ -14,17 +14,29 @@ from .plots import plot_cross_attention, plot_losses
 from .task import DIRECTIONS, TO_DIGITS, TO_WORDS, Vocab, _detokenize, collate, held_out_pairs, make_pair
 
 
+def translate_pairs(
+    model: Transformer, vocab: Vocab, pairs: Sequence[tuple[list[str], list[str]]], *, batch_size: int = 500
+) -> list[torch.Tensor]:
+    """Greedy translations of the pairs' sources, ``batch_size`` at a time (padded, with their masks): one
+    (B, L) id tensor per batch, each row ending at its eos and padded after it."""
+    outs = []
+    for i in range(0, len(pairs), batch_size):
+        chunk = pairs[i : i + batch_size]
+        b = collate(chunk, vocab)
+        max_len = max(len(y) for _, y in chunk) + 4
+        outs.append(model.translate(b.src, max_len, bos=vocab.bos, eos=vocab.eos, pad=vocab.pad,
+                                    src_key_padding_mask=b.src_mask))  # fmt: skip
+    return outs
+
+
 def evaluate(
     model: Transformer, vocab: Vocab, pairs: Sequence[tuple[list[str], list[str]]], *, batch_size: int = 500
 ) -> tuple[float, list[dict]]:
     """Greedy-decode every source; returns (exact-match accuracy, one record per pair)."""
     records = []
-    for i in range(0, len(pairs), batch_size):
+    outs = translate_pairs(model, vocab, pairs, batch_size=batch_size)
+    for i, out in zip(range(0, len(pairs), batch_size), outs):
         chunk = pairs[i : i + batch_size]
-        b = collate(chunk, vocab)
-        max_len = max(len(y) for _, y in chunk) + 4
-        out = model.translate(b.src, max_len, bos=vocab.bos, eos=vocab.eos, pad=vocab.pad,
-                              src_key_padding_mask=b.src_mask)  # fmt: skip
         for (x, y), ids in zip(chunk, out.tolist()):
             pred = vocab.decode(ids)
             records.append({
