@@ -17,13 +17,13 @@ plus whatever happens between them. This path (beside the reference loops of :me
   per-op loop is its reference and runs where that call does not apply (other activations, no kernels). The
   Transformer's decoder step is one C++ call too (``transformer_decode_layers``: self-attention, cross-attention
   and FFN of every layer, pre- or post-norm; ``transformer_stepper``'s per-op loop is its reference, and runs for
-  gated FFNs). Several rows (batches, beams) take a several-row micro-kernel (AVX2: 6
-  rows; AVX-512 CPUs: 8 rows x 2 panels, ~130-160 GFLOP/s here against torch's ~80-115 at 32 rows); above
-  :func:`skinny_max_rows` rows (32: the demo's batch of 500) torch's GEMM runs on the unpacked
-  weight instead;
+  gated FFNs). Several rows (batches, beams) take a several-row micro-kernel (AVX2: 6 rows x 16 columns;
+  AVX-512 CPUs: 8 rows x 2 panels, ~130-160 GFLOP/s here against torch's ~80-115 at 32 rows); above
+  :func:`skinny_max_rows` rows (32: the demo's batch of 500) torch's GEMM runs on the unpacked weight instead;
 * beam search reorders no cache: each layer's cache carries a (rows, positions) table of the cache row that holds
   each key (every slot is written once, by its own row), and ``decode_attention`` reads through it; the beams of
-  a sentence share its memory's cross-attention keys/values (projected once per sentence, not per beam);
+  a sentence share its memory's cross-attention keys/values (projected once per sentence, not per beam); greedy
+  rows that emitted eos leave the batch through the same table;
 * greedy GPT-2 decoding never computes the float32 logits: :class:`GreedyHead` screens the vocabulary with a
   float16 copy of the LM head (half its bytes; the head is a third of GPT-2 small's) and recomputes in float32
   only the rows whose error bound reaches the best one, which gives the float32 argmax exactly; sampling
@@ -226,10 +226,10 @@ def decode_attention(
     """One query per row against cached keys/values: q (N, d), k/v (B, H, T_max, hd) -> (N, d).
 
     With ``new_k``/``new_v`` (N, d) they are first written at position ``length - 1`` of cache rows [0, N) (in
-    place; N <= B, and N < B only through a row table). Attends
-    to positions [0, length) except those ``mask`` (N, T_max) bool marks True; scaled by 1/sqrt(hd). ``rows``
-    (N, T_max) int64: key j of query row n is in cache row ``rows[n, j]`` (a reordered beam's history, or the
-    sentence whose memory beams share); None: row n (N == B).
+    place; N <= B, and N < B only through a row table). Attends to positions [0, length) except those ``mask``
+    (N, T_max) bool marks True; scaled by 1/sqrt(hd). ``rows`` (N, T_max) int64: key j of query row n is in cache
+    row ``rows[n, j]`` (a reordered beam's history, a row that outlived others, or the sentence whose memory the
+    beams share); None: row n (N == B).
     """
     b, h, _, hd = k.shape
     scale = 1.0 / math.sqrt(hd)
