@@ -76,6 +76,10 @@ def test_steps_aside_when_it_cannot_run():
     with record_attention(m):  # hooks on the attention modules: their own forwards must run
         assert fast_encode.encode(m, src) is None
     assert fast_encode.encode(m.double(), src) is None
+    no_bias = _model(15, 3, norm_first=True)
+    no_bias.encoder.layers[1].ffn.fc2.bias = None  # a linear without bias: the reference encoder runs
+    assert fast_encode.encode(no_bias, src) is None
+    assert no_bias.translate(src, 3, bos=1, eos=2).shape[0] == src.shape[0]
 
 
 def test_translate_runs_it_and_equals_the_reference(monkeypatch):

@@ -28,8 +28,8 @@ __all__ = ["supports", "encode"]
 
 
 def supports(model) -> bool:
-    """Whether :func:`encode` runs ``model``'s encoder: the kernels on, float32 CPU weights, LayerNorms with bias,
-    no forward hooks on an attention module (:func:`sublayer.record_attention` keeps the modules' own forwards)."""
+    """Whether :func:`encode` runs ``model``'s encoder: the kernels on, float32 CPU weights, LayerNorms and linears
+    with bias, no forward hooks on an attention module (:func:`sublayer.record_attention` keeps the modules' own forwards)."""
     from ..nn import LayerNorm
 
     enc = model.encoder
@@ -39,7 +39,12 @@ def supports(model) -> bool:
         decoding._kernels_on()
         and decoding._float32_cpu(model)
         and all(isinstance(n, LayerNorm) and n.bias is not None for n in norms)
-        and all(layer.self_attn.q_proj.bias is not None for layer in enc.layers)
+        and all(
+            lin.bias is not None
+            for layer in enc.layers
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                        layer.self_attn.out_proj, layer.ffn.fc1, layer.ffn.fc2)
+        )  # fmt: skip
         and not _attention_hooked(model)
     )
 
