@@ -241,6 +241,24 @@ def test_one_call_translate_step_equals_the_per_op_step(norm_first, sentences, b
             per_op[1](parents)
 
 
+@pytest.mark.skipif(not decoding._kernels_on(), reason="C++ kernels unavailable")
+@pytest.mark.parametrize("rows", [5, 40])  # 40: above the head's row limit, the float32 logits' argmax
+def test_translate_next_ids_equal_the_logits_argmax(rows, monkeypatch):
+    m = _tiny_transformer(True)
+    memory = torch.randn(rows, 4, 14, generator=torch.Generator().manual_seed(rows))
+    screened = []
+    real = decoding.GreedyHead.__call__
+    monkeypatch.setattr(decoding.GreedyHead, "__call__", lambda h, x: screened.append(1) or real(h, x))
+    a = decoding.transformer_stepper(m, memory, None, 7)
+    b = decoding.transformer_stepper(m, memory, None, 7)
+    tok = torch.full((rows, 1), 1)
+    for _ in range(6):
+        ids = a[2](tok)
+        assert ids.tolist() == b[0](tok).argmax(-1).tolist()
+        tok = ids[:, None]
+    assert bool(screened) == (rows <= decoding.skinny_max_rows())
+
+
 @pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])  # erf-GELU and SiLU: a pass after the kernel
 def test_other_activations_equal_the_reference(activation, kernels_mode, steps_taken):
     from sublayer.models import GPT2Config

@@ -524,6 +524,7 @@ def _build_transformer(model) -> dict:
     final = None if model.decoder.norm is None else _norm(model.decoder.norm)
     W = {"layers": layers, "final": final, "head": PackedLinear(model.out_proj.weight, model.out_proj.bias)}
     W["flat"] = _flat_transformer(W, model.config.activation)
+    W["greedy"] = GreedyHead(model.out_proj.weight, model.out_proj.bias) if _kernels_on() else None
     return W
 
 
@@ -554,8 +555,9 @@ def transformer_stepper(
     """``(step, reorder)`` for :meth:`Transformer.translate`'s search loops on the fast path, or None when the
     model is not supported (the reference steps then run).
 
-    ``step(tok)``: tok (N, 1) ids of the newest position -> (N, tgt_vocab) float32 logits of the next one (the
-    ``decode`` logits of the reference with caches). ``reorder(rows)``: keep batch rows ``rows`` (beam search).
+    ``(step, reorder, next_ids)``: ``step(tok)``: tok (N, 1) ids of the newest position -> (N, tgt_vocab) float32
+    logits of the next one (the ``decode`` logits of the reference with caches); ``next_ids(tok)``: their argmax
+    (N,) (greedy search: the head read in float16, exact). ``reorder(rows)``: keep batch rows ``rows``.
     memory (B, S, d_model) and its mask (B, S) True = padding are projected to keys/values once per layer, once
     per sentence: its ``beams`` rows (N = B * beams, row i * beams + j is beam j of sentence i) read them through
     a row table. Each layer's self-attention cache holds ``max_len`` positions, allocated once.
@@ -589,7 +591,8 @@ def transformer_stepper(
     flat = W["flat"]
     eps = W["layers"][0]["norms"][0][2]
 
-    def step(tok: Tensor) -> Tensor:
+    def hidden(tok: Tensor) -> Tensor:
+        """tok (N, 1) -> the decoder's final hidden states (N, d) of that position (what the head reads)."""
         t = caches[0].length
         x = (emb[tok[:, -1]] * scale + pe[t]).float()  # (N, d)
         if flat is not None:  # every layer in one C++ call (the loop below is its reference)
@@ -599,7 +602,7 @@ def transformer_stepper(
             )  # fmt: skip
             for c in caches:
                 c.length = t + 1
-            return W["head"](h)
+            return h
         layers = W["layers"]
         h = F.layer_norm(x, (d,), *layers[0]["norms"][0][:2], layers[0]["norms"][0][2]) if pre else x
         for i, L in enumerate(layers):
@@ -618,7 +621,18 @@ def transformer_stepper(
             x, h = residual_out(pre, x, L["fc2"](L["fc1"](h, act)), norms[2], norms[3])
         if not pre and W["final"] is not None:
             h = F.layer_norm(h, (d,), *W["final"][:2], W["final"][2])
-        return W["head"](h)
+        return h
+
+    def step(tok: Tensor) -> Tensor:
+        return W["head"](hidden(tok))
+
+    def next_ids(tok: Tensor) -> Tensor:
+        """tok (N, 1) -> (N,) the argmax of ``step(tok)``'s logits: a batch of up to the head's row limit reads the
+        head in float16 through :class:`GreedyHead` (the exact float32 argmax) instead of computing the logits."""
+        h = hidden(tok)
+        if W["greedy"] is not None and h.shape[0] <= W["head"].max_rows:
+            return W["greedy"](h)
+        return W["head"](h).argmax(-1)
 
     def reorder(rows: Tensor) -> None:
         """Keep batch rows ``rows`` (beam search: a permutation inside each sentence; greedy: the rows still
@@ -631,4 +645,4 @@ def transformer_stepper(
         if mask is not None:
             mask = mask.index_select(0, rows)
 
-    return step, reorder
+    return step, reorder, next_ids

@@ -420,13 +420,14 @@ class Transformer(nn.Module):
     def _greedy(self, steps, b, max_len, bos, eos, pad) -> Tensor:
         """Greedy search; a row that emitted ``eos`` leaves the batch (``reorder`` keeps the others), so the
         steps after it cost nothing for it. Rows are independent, so the tokens are those of the full batch."""
-        step, reorder = steps
+        step, reorder, *fast = steps  # the fast path's steps also give the argmax alone (next_ids)
+        next_ids = fast[0] if fast else (lambda tok: step(tok).argmax(-1))
         dev = self.out_proj.weight.device
         out = torch.full((b, max_len), pad, dtype=torch.long, device=dev)
         live = torch.arange(b, device=dev)  # the batch row of each row still running
         tok = torch.full((b, 1), bos, dtype=torch.long, device=dev)
         for i in range(max_len):
-            nxt = step(tok).argmax(-1)
+            nxt = next_ids(tok)
             out[live, i] = nxt
             running = nxt != eos
             if not bool(running.any()):
@@ -438,7 +439,7 @@ class Transformer(nn.Module):
             tok = nxt[:, None]
         return out
     def _beam(self, steps, b, max_len, bos, eos, pad, k, length_penalty) -> Tensor:
-        step, reorder = steps
+        step, reorder = steps[:2]
         dev = self.out_proj.weight.device
         scores = torch.full((b, k), float("-inf"), device=dev)
         scores[:, 0] = 0.0  # start from one live beam, so the first step does not pick k copies of one token
