@@ -60,6 +60,15 @@ void check_float_contig(const Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// The data of an optional (rows, cols) padding mask (True = skip), checked; null when absent.
+const bool* padding_mask(const c10::optional<Tensor>& mask, int64_t rows, int64_t cols, const char* op) {
+  if (!mask.has_value() || !mask->defined()) return nullptr;
+  TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 2 && mask->size(0) == rows &&
+                  mask->size(1) == cols && mask->is_contiguous(),
+              op, ": mask must be a contiguous bool (", rows, ", ", cols, ") tensor");
+  return mask->data_ptr<bool>();
+}
+
 // 8 consecutive weights of a panel as float32: float32 as is, float16 widened exactly (F16C), int8 converted
 // (its per-column scale is applied in the epilogue).
 #if SUBLAYER_DECODE_AVX2
@@ -730,13 +739,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
   } else {
     TORCH_CHECK(N == B, "decode_attention: q has ", N, " rows but the caches ", B, " (pass rows to map them)");
   }
-  const bool* mp = nullptr;
-  if (mask.has_value() && mask->defined()) {
-    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 2 && mask->size(0) == N && mask->size(1) == T &&
-                    mask->is_contiguous(),
-                "decode_attention: mask must be a contiguous bool (N, T_max) tensor");
-    mp = mask->data_ptr<bool>();
-  }
+  const bool* mp = padding_mask(mask, N, T, "decode_attention");
   const bool write = new_k.has_value() && new_k->defined();
   if (write) {  // query row n writes cache row n (a compacted batch, N < B, keeps the first N rows' slots)
     TORCH_CHECK(N <= B, "decode_attention: new_k/new_v need at most one query row per cache row");
@@ -831,13 +834,7 @@ Tensor qkv_self_attention(const Tensor& qkv, const c10::optional<Tensor>& mask, 
   TORCH_CHECK(S >= 1 && H >= 1 && rows % S == 0 && qkv.size(1) % (3 * H) == 0,
               "qkv_self_attention: qkv ", qkv.sizes(), " is not (B*", S, ", 3*", H, "*head_dim)");
   const int64_t B = rows / S, d = qkv.size(1) / 3, hd = d / H, rs = qkv.stride(0);
-  const bool* mp = nullptr;
-  if (mask.has_value() && mask->defined()) {
-    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 2 && mask->size(0) == B && mask->size(1) == S &&
-                    mask->is_contiguous(),
-                "qkv_self_attention: mask must be a contiguous bool (", B, ", ", S, ") tensor");
-    mp = mask->data_ptr<bool>();
-  }
+  const bool* mp = padding_mask(mask, B, S, "qkv_self_attention");
   Tensor out = at::empty({rows, d}, qkv.options().memory_format(at::MemoryFormat::Contiguous));
   const float* base = qkv.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -873,25 +870,26 @@ void add_layer_norm(float* x, const float* y, const Tensor& w, const Tensor& b, 
   const float *wp = w.data_ptr<float>(), *bp = b.data_ptr<float>();
   // rows on both threads only for big batches (a translate step's hundreds of rows): a parallel region costs more
   // than a few rows' work
-  at::parallel_for(0, B, std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, d)), [&](int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) {
-    float* xr = x + r * d;
-    if (y) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, d));
+  at::parallel_for(0, B, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* xr = x + r * d;
+      if (y) {
 #pragma omp simd
-      for (int64_t j = 0; j < d; ++j) xr[j] += y[r * d + j];
-    }
-    float sum = 0.0f;
+        for (int64_t j = 0; j < d; ++j) xr[j] += y[r * d + j];
+      }
+      float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < d; ++j) sum += xr[j];
-    const float m = sum / float(d);
-    float sq = 0.0f;
+      for (int64_t j = 0; j < d; ++j) sum += xr[j];
+      const float m = sum / float(d);
+      float sq = 0.0f;
 #pragma omp simd reduction(+ : sq)
-    for (int64_t j = 0; j < d; ++j) sq += (xr[j] - m) * (xr[j] - m);
-    const float rs = 1.0f / std::sqrt(sq / float(d) + float(eps));
-    float* hr = h + r * d;
+      for (int64_t j = 0; j < d; ++j) sq += (xr[j] - m) * (xr[j] - m);
+      const float rs = 1.0f / std::sqrt(sq / float(d) + float(eps));
+      float* hr = h + r * d;
 #pragma omp simd
-    for (int64_t j = 0; j < d; ++j) hr[j] = (xr[j] - m) * rs * wp[j] + bp[j];
-  }
+      for (int64_t j = 0; j < d; ++j) hr[j] = (xr[j] - m) * rs * wp[j] + bp[j];
+    }
   });
 }
 
