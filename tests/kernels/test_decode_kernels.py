@@ -174,37 +174,24 @@ def test_decode_attention_reads_keys_through_a_row_table(masked):
     assert_fast_close(got, _sdpa(q, kg, vg, length, mask), ref64)
 
 
-def test_decode_attention_writes_in_the_own_row_and_reads_through_the_table():
-    g = _gen(4)
-    b, h, cap, hd, length = 4, 2, 6, 8, 5
-    k = torch.randn(b, h, cap, hd, generator=g)
-    v = torch.randn(b, h, cap, hd, generator=g)
-    qkv = torch.randn(b, 3 * h * hd, generator=g)
-    d = h * hd
-    rows = torch.arange(b)[:, None].repeat(1, cap)
-    rows[:, : length - 1] = torch.tensor([2, 2, 0, 1])[:, None]  # reordered beams: histories of other rows
-    k_ref, v_ref = k.clone(), v.clone()
-    k_ref[:, :, length - 1] = qkv[:, d : 2 * d].reshape(b, h, hd)
-    v_ref[:, :, length - 1] = qkv[:, 2 * d :].reshape(b, h, hd)
-    got = _ops().decode_attention(qkv[:, :d], k, v, None, length, 1 / math.sqrt(hd), qkv[:, d : 2 * d],
-                                  qkv[:, 2 * d :], rows)  # fmt: skip
-    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
-    kg, vg = _gathered(k_ref, rows, length), _gathered(v_ref, rows, length)
-    ref64 = _sdpa(qkv[:, :d].double(), kg.double(), vg.double(), length, None)
-    assert_fast_close(got, _sdpa(qkv[:, :d], kg, vg, length, None), ref64)
-
-
-def test_decode_attention_compacted_rows_write_their_own_slots():
-    g = _gen(5)
-    b, n, h, cap, hd, length = 5, 3, 2, 6, 8, 4
+@pytest.mark.parametrize(
+    "b,histories",
+    [
+        (4, [2, 2, 0, 1]),  # reordered beams: every row carries another row's history
+        (5, [4, 1, 3]),  # a compacted batch (3 of 5 rows still running) that kept their histories
+    ],
+)
+def test_decode_attention_writes_in_the_own_row_and_reads_through_the_table(b, histories):
+    g = _gen(b)
+    n, h, cap, hd, length = len(histories), 2, 6, 8, 5
     k = torch.randn(b, h, cap, hd, generator=g)
     v = torch.randn(b, h, cap, hd, generator=g)
     qkv = torch.randn(n, 3 * h * hd, generator=g)
     d = h * hd
     rows = torch.arange(n)[:, None].repeat(1, cap)
-    rows[:, : length - 1] = torch.tensor([4, 1, 3])[:, None]  # the rows still running kept their histories
+    rows[:, : length - 1] = torch.tensor(histories)[:, None]
     k_ref, v_ref = k.clone(), v.clone()
-    k_ref[:n, :, length - 1] = qkv[:, d : 2 * d].reshape(n, h, hd)
+    k_ref[:n, :, length - 1] = qkv[:, d : 2 * d].reshape(n, h, hd)  # query row i writes cache row i
     v_ref[:n, :, length - 1] = qkv[:, 2 * d :].reshape(n, h, hd)
     got = _ops().decode_attention(qkv[:, :d], k, v, None, length, 1 / math.sqrt(hd), qkv[:, d : 2 * d],
                                   qkv[:, 2 * d :], rows)  # fmt: skip
