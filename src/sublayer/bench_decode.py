@@ -115,10 +115,30 @@ def _bytes_read(engine: str, step_bytes: int, head_bytes: int) -> float:
     return step_bytes
 
 
+def _fast_vs_reference(run: Callable[[], object], reps: int) -> tuple[dict, float, float]:
+    """``run()``'s outputs on the fast decoding path and on the reference steps ({True: fast, False: reference}),
+    and the best of ``reps`` interleaved timings of each (fast seconds, reference seconds)."""
+    from .models import decoding
+
+    def on(flag: bool):
+        decoding.set_enabled(flag)
+        try:
+            return run()
+        finally:
+            decoding.set_enabled(True)
+
+    outs = {flag: on(flag) for flag in (True, False)}
+    ts: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(reps):
+        for flag in (True, False):
+            ts[flag].append(_seconds(lambda: on(flag)))
+    return outs, min(ts[True]), min(ts[False])
+
+
 def _translate_rows(quick: bool, reps: int, log: Callable[[str], None]) -> list[dict]:
     """``Transformer.translate`` on the fast path vs the reference steps (same weights, same outputs checked):
     the demo's model (d 128, 2 pre-norm layers; batch 1, 8 and 500 as its evaluation) and a 6-layer d 512 one."""
-    from .models import Transformer, decoding
+    from .models import Transformer
 
     torch.manual_seed(0)
     cases = [("demo d128 l2 pre-norm", dict(d_model=128, n_heads=4, d_ff=256, n_layers=2, norm_first=True), 40,
@@ -131,20 +151,9 @@ def _translate_rows(quick: bool, reps: int, log: Callable[[str], None]) -> list[
         m = Transformer(vocab, vocab, dropout=0.0, max_len=64, **kw).eval()
         for b, beam in runs:
             src = torch.randint(3, vocab, (b, src_len), generator=torch.Generator().manual_seed(b))
-
-            def tr(on: bool):
-                decoding.set_enabled(on)
-                try:
-                    return m.translate(src, max_len, bos=1, eos=2, beam_size=beam)
-                finally:
-                    decoding.set_enabled(True)
-
-            outs = {on: tr(on) for on in (True, False)}
-            ts: dict[bool, list[float]] = {True: [], False: []}
-            for _ in range(reps):
-                for on in (True, False):
-                    ts[on].append(_seconds(lambda: tr(on)))
-            fast, ref = min(ts[True]), min(ts[False])
+            outs, fast, ref = _fast_vs_reference(
+                lambda: m.translate(src, max_len, bos=1, eos=2, beam_size=beam), reps
+            )
             tokens = outs[True].numel()
             row = {
                 "case": f"Transformer.translate {name}", "batch": b, "beam": beam, "fast tok/s": tokens / fast,
@@ -163,7 +172,6 @@ def _demo_eval_row(folder: str | Path, reps: int, log: Callable[[str], None]) ->
     from .demo.checkpoint import load_checkpoint
     from .demo.report import translate_pairs
     from .demo.task import held_out_pairs
-    from .models import decoding
 
     folder = Path(folder)
     if not (folder / "model.safetensors").is_file():
@@ -171,20 +179,7 @@ def _demo_eval_row(folder: str | Path, reps: int, log: Callable[[str], None]) ->
     model, vocab, _ = load_checkpoint(folder)
     meta = json.loads((folder / "metrics.json").read_text()) if (folder / "metrics.json").is_file() else {}
     pairs = held_out_pairs(meta.get("seed", 0), meta.get("n_test", 1000), salt=2)
-
-    def tr(on: bool):
-        decoding.set_enabled(on)
-        try:
-            return translate_pairs(model, vocab, pairs)
-        finally:
-            decoding.set_enabled(True)
-
-    outs = {on: tr(on) for on in (True, False)}
-    ts: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(reps):
-        for on in (True, False):
-            ts[on].append(_seconds(lambda: tr(on)))
-    fast, ref = min(ts[True]), min(ts[False])
+    outs, fast, ref = _fast_vs_reference(lambda: translate_pairs(model, vocab, pairs), reps)
     tokens = sum(int((o != vocab.pad).sum()) for o in outs[True])  # generated up to each row's eos
     row = {
         "case": f"Transformer.translate demo checkpoint ({folder}): its evaluation, {len(pairs)} pairs, padded",
