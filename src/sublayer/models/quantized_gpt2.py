@@ -42,8 +42,8 @@ from .. import functional as SF
 from .. import kernels
 from ..functional import fused
 from . import decoding
-from .fast import _inference, _kernels_on
-from .gpt2 import GPT2, GPT2Config, check_attention_mask, check_input_ids
+from .fast import FastGPT2, _inference, _kernels_on
+from .gpt2 import GPT2, GPT2Config
 
 __all__ = ["DEFAULT_KEEP_FLOAT_GPT2", "WeightInt8Linear", "weight_int8_linear_reference", "QuantizedGPT2"]
 
@@ -234,19 +234,8 @@ class QuantizedGPT2:
             h, x = decoding._add_norm(x, y, *(layers[i + 1]["ln1"] if i + 1 < len(layers) else W["lnf"]))
         return h.view(B, T, d)
 
-    # -- inference
-    @_inference
-    def forward(
-        self, input_ids: Tensor, *, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
-    ) -> Tensor:
-        cfg = self.config
-        check_input_ids("input_ids", input_ids, cfg.vocab_size, cfg.max_positions)
-        b, t = input_ids.shape
-        kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
-        position_ids = GPT2._position_ids(self, position_ids, b, t, input_ids.device)  # type: ignore[arg-type]
-        kpm = kpm if kpm is not None and bool(kpm.any()) else None
-        return self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
-
+    # -- inference: FastGPT2's forward (its checks, then _hidden and lm_head, which this class defines for int8)
+    forward = FastGPT2.forward
     __call__ = forward
 
     @_inference
