@@ -638,8 +638,9 @@ def transformer_stepper(
         """Keep batch rows ``rows`` (beam search: a permutation inside each sentence; greedy: the rows still
         running, fewer than before): the caches' row tables, and which memory (and mask row) each row reads."""
         nonlocal sentence, mask
-        for c in caches:
-            c.reorder(rows)
+        caches[0].reorder(rows)
+        for c in caches[1:]:  # every layer wrote and reorders the same positions: one table serves all
+            c.rows = caches[0].rows
         base = torch.arange(n)[:, None].expand(n, s) if sentence is None else sentence
         sentence = base.index_select(0, rows)
         if mask is not None:
