@@ -14,6 +14,7 @@ from torch.testing import assert_close
 
 from sublayer.checkpoints import bert as bert_keys
 from sublayer.checkpoints import gpt2 as gpt2_keys
+from sublayer.functional import packing
 from sublayer.models import GPT2, Bert, Transformer, padding_free
 
 from .conftest import N_LAYERS, VOCAB, make_hf_bert, make_hf_gpt2
@@ -39,7 +40,7 @@ def _ids(b: int, t: int, seed: int = 3) -> torch.Tensor:
 @pytest.fixture(params=["varlen", "padded"])
 def attention_layout(request, monkeypatch):
     """Both attention layouts of the padding-free path: one attention per sequence, or scattered and masked."""
-    monkeypatch.setattr(padding_free, "ATTENTION", request.param)
+    monkeypatch.setattr(packing, "ATTENTION", request.param)
     return request.param
 
 
@@ -97,7 +98,7 @@ def test_bert_takes_the_plain_path_without_padding(bert, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("padding-free path taken without padding")
 
-    monkeypatch.setattr(padding_free, "bert_forward", boom)
+    monkeypatch.setattr(packing.PackedBatch, "__init__", boom)
     ids, _, types = _bert_batch()
     with torch.no_grad():
         assert bert(ids, torch.ones(4, 7, dtype=torch.long), types).shape == (4, 7, 15)
@@ -227,7 +228,7 @@ def test_gpt2_no_padding_is_the_plain_path_and_one_token_works(gpt2_folder, atte
     def boom(*a, **k):
         raise AssertionError("padding-free path taken without padding")
 
-    monkeypatch.setattr(padding_free, "gpt2_logits", boom)
+    monkeypatch.setattr(packing.PackedBatch, "__init__", boom)
     with torch.no_grad():
         assert_close(model(ids, attention_mask=torch.ones(2, 5, dtype=torch.long)), plain)
 
@@ -301,7 +302,7 @@ def test_training_attention_core_equals_sdpa_when_dropout_draws_nothing(gpt2_fol
         for blk in model.blocks:
             blk.self_attn.dropout = 0.5 if training else 0.0
         with monkeypatch.context() as mp:
-            mp.setattr(padding_free.fused, "dropout", lambda x, p, training: x)
+            mp.setattr(packing, "fused_dropout", lambda x, p, training: x)
             outs[training] = model(ids, attention_mask=mask)
         outs[training].square().sum().backward()
         grads[training] = _grads(model)
@@ -310,36 +311,19 @@ def test_training_attention_core_equals_sdpa_when_dropout_draws_nothing(gpt2_fol
     _close_grads(grads[True], grads[False])
 
 
-def test_loss_on_packed_rows_equals_hf(gpt2_folder):
-    # gpt2_hidden gives the real rows only: the LM head and cross-entropy on them (the bench's recipe when the
-    # model has no fused GPT2.loss) equal HF's labels= loss on a right-padded batch
-    from sublayer.bench_models import _gpt2_loss_fn
-
-    model = GPT2.from_pretrained(gpt2_folder).eval()
-    ids, mask = _ids(3, 7), _mask([7, 4, 2], 7)
-    hf = make_hf_gpt2()
-    want = hf(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
-    loss, how = _gpt2_loss_fn(model, ids, mask, fused=False)
-    assert how.startswith("LM head")
-    assert_close(loss(), want.detach(), rtol=1e-4, atol=0)
-
-
 def test_auto_layout_picks_per_sequence_attention_for_few_rows_only(monkeypatch):
     """ATTENTION = "auto" (the default): per-sequence attention for at most VARLEN_MAX_ROWS rows, the padded
     layout above (many short rows: per-sequence dispatches cost more than the padding); same numbers either way."""
-    from sublayer.functional.packing import Packing
-
-    assert padding_free.ATTENTION == "auto"
-    monkeypatch.setattr(padding_free, "VARLEN_MAX_ROWS", 2)
-    few, many = (Packing(_mask([3] * b, 4) == 0) for b in (2, 3))
-    assert isinstance(padding_free._self_mask(few, None), padding_free.Segments)
-    assert isinstance(padding_free._self_mask(many, None), padding_free.AttentionMask)
+    assert packing.ATTENTION == "auto"
+    monkeypatch.setattr(packing, "VARLEN_MAX_ROWS", 2)
+    few, many = (packing.PackedBatch(_mask([3] * b, 4) == 0) for b in (2, 3))
+    assert few.varlen() and not many.varlen()
     torch.manual_seed(0)
     m = Transformer(11, 13, d_model=14, n_heads=2, d_ff=22, n_layers=1, dropout=0.0, max_len=23).eval()
     src, tgt = _ids(3, 5) % 11, _ids(3, 6, seed=4) % 13
     src_kpm, tgt_kpm = _mask([5, 2, 3], 5) == 0, _mask([4, 6, 1], 6) == 0
     with torch.no_grad():
         auto = m(src, tgt, src_key_padding_mask=src_kpm, tgt_key_padding_mask=tgt_kpm)
-        monkeypatch.setattr(padding_free, "ATTENTION", "varlen")
+        monkeypatch.setattr(packing, "ATTENTION", "varlen")
         varlen = m(src, tgt, src_key_padding_mask=src_kpm, tgt_key_padding_mask=tgt_kpm)
     assert_close(auto, varlen)

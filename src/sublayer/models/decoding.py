@@ -55,6 +55,7 @@ from torch import Tensor
 from .. import functional as SF
 from .. import kernels
 from ..functional import fused
+from ..runtime.rules import fast_path_allowed
 
 __all__ = ["set_enabled", "enabled", "clear_cache", "PackedLinear", "StaticKVCache", "decode_attention"]
 
@@ -316,10 +317,11 @@ def clear_cache() -> None:
 
 
 def _float32_cpu(module: torch.nn.Module) -> bool:
-    """float32 parameters on the CPU, not sharded (tensor-parallel / FSDP2 models decode on the reference loop)."""
-    from .padding_free import plain_model
-
-    return all(p.dtype == torch.float32 and p.device.type == "cpu" for p in module.parameters()) and plain_model(module)
+    """float32 parameters on the CPU, and the fast-path rule (:mod:`sublayer.runtime.rules`: not sharded, no
+    forward hook on any submodule) allows it; otherwise the reference loops run."""
+    return all(p.dtype == torch.float32 and p.device.type == "cpu" for p in module.parameters()) and fast_path_allowed(
+        module
+    )
 
 
 def _norm(n) -> tuple[Tensor, Tensor, float]:
@@ -492,17 +494,14 @@ def _layer_norms(model) -> list:
 
 
 def transformer_supports(model) -> bool:
-    """Whether :func:`transformer_stepper` runs ``model``: float32 CPU, LayerNorms with bias, no forward hooks on
-    an attention module (they fire on the reference steps only); any FFN activation, gated ones included."""
+    """Whether :func:`transformer_stepper` runs ``model``: float32 CPU, LayerNorms with bias, the fast-path rule
+    (no hooks, not sharded); any FFN activation, gated ones included."""
     from ..nn import LayerNorm
-
-    from .padding_free import _attention_hooked
 
     return (
         _enabled
         and _float32_cpu(model)
         and all(isinstance(n, LayerNorm) and n.bias is not None for n in _layer_norms(model))
-        and not _attention_hooked(model)
     )
 
 

@@ -22,14 +22,13 @@ from torch import Tensor
 from .. import kernels
 from ..functional.packing import Packing
 from . import decoding
-from .padding_free import _attention_hooked
 
 __all__ = ["supports", "encode"]
 
 
 def supports(model) -> bool:
     """Whether :func:`encode` runs ``model``'s encoder: the kernels on, float32 CPU weights, LayerNorms and linears
-    with bias, no forward hooks on an attention module (:func:`sublayer.record_attention` keeps the modules' own forwards)."""
+    with bias, and the fast-path rule (:mod:`sublayer.runtime.rules`: no hooks, not sharded)."""
     from ..nn import LayerNorm
 
     enc = model.encoder
@@ -45,7 +44,6 @@ def supports(model) -> bool:
             for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                         layer.self_attn.out_proj, layer.ffn.fc1, layer.ffn.fc2)
         )  # fmt: skip
-        and not _attention_hooked(model)
     )
 
 

@@ -27,7 +27,8 @@ from ..functional.cross_entropy import check_options, check_targets
 from .._checks import check_choice, check_eps, check_positive_int, check_probability
 from ..checkpoints import gpt2 as keymap
 from ..nn import LayerNorm, MultiHeadAttention, PositionWiseFFN, PreNormResidual
-from . import padding_free
+from ..functional.packing import PackedBatch, document_mask
+from ..runtime import padding_free
 from .config import ModelConfig
 
 __all__ = ["GPT2Config", "GPT2", "GPT2Block", "check_input_ids"]
@@ -208,7 +209,9 @@ class GPT2Block(nn.Module):
     ``ffn_residual`` (pre-norm residuals; ``.norm`` is ln_1 / ln_2).
 
     Shape:
-        x (B, T, d_model); key_padding_mask (B, T_k) True = padding, covering cached keys too -> (B, T, d_model).
+        x (B, T, d_model); key_padding_mask (B, T_k) True = padding, covering cached keys too; attn_mask (B|1, 1,
+        T, T_k) bool True = masked (other documents) -> (B, T, d_model). With ``packing``
+        (:class:`sublayer.functional.packing.PackedBatch`): packed rows (N, d_model) -> (N, d_model).
     """
 
     def __init__(self, config: GPT2Config, *, device=None, dtype=None) -> None:
@@ -221,11 +224,20 @@ class GPT2Block(nn.Module):
         self.ffn = PositionWiseFFN(d, config.hidden_size, activation=config.activation, **kw)
 
     def forward(
-        self, x: Tensor, *, key_padding_mask: Tensor | None = None, kv_cache: SF.KVCache | None = None
+        self,
+        x: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        kv_cache: SF.KVCache | None = None,
+        packing: PackedBatch | None = None,
     ) -> Tensor:
         def attn(h: Tensor) -> Tensor:
             # is_causal is bottom-right aligned: a 1-token query after a cached prefix sees the whole prefix.
-            return self.self_attn(h, key_padding_mask=key_padding_mask, is_causal=True, kv_cache=kv_cache)[0]
+            return self.self_attn(
+                h, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=True, kv_cache=kv_cache,
+                packing=packing,
+            )[0]  # fmt: skip
 
         x = self.attn_residual(x, attn)
         return self.ffn_residual(x, self.ffn)
@@ -243,8 +255,9 @@ class GPT2(nn.Module):
         ``position_ids`` (B, T) or (1, T), default ``arange(T)`` as HF's forward; positions that restart at 0
         inside a row mark packed documents (HF's ``DataCollatorWithFlattening``): attention is block-diagonal
         causal, each document sees only itself.
-        Returns logits (B, T, vocab_size). When ``attention_mask`` marks padding, the layers run on the real
-        tokens only (:mod:`sublayer.models.padding_free`) and the logits at padded positions are zeros.
+        Returns logits (B, T, vocab_size), zeros at padded positions (every path). When ``attention_mask`` marks
+        padding or documents are packed, the layers run on the real tokens only
+        (:mod:`sublayer.runtime.padding_free`).
 
     Raises:
         TypeError/ValueError: ids not integer (B, T), out of the vocabulary, longer than max_positions, bad mask.
@@ -288,11 +301,31 @@ class GPT2(nn.Module):
         position_ids: Tensor,
         key_padding_mask: Tensor | None,
         caches: list[SF.KVCache] | None,
+        *,
+        packing: PackedBatch | None = None,
     ) -> Tensor:
+        """Final hidden states (``ln_f`` applied): (B, T, d_model), or (N, d_model) for packed rows (``input_ids``
+        and ``position_ids`` (N,) then, packed by ``packing``). Packed documents (``position_ids`` restarting at
+        0) attend block-diagonally in both layouts."""
         x = F.dropout(self.wte(input_ids) + self.wpe(position_ids), self.config.embd_dropout, self.training)
+        docs = None if packing is not None or caches is not None else document_mask(position_ids)
         for i, block in enumerate(self.blocks):
-            x = block(x, key_padding_mask=key_padding_mask, kv_cache=None if caches is None else caches[i])
+            cache = None if caches is None else caches[i]
+            x = block(x, key_padding_mask=key_padding_mask, attn_mask=docs, kv_cache=cache, packing=packing)
         return self.ln_f(x)
+
+    def _packed_hidden(
+        self, input_ids: Tensor, position_ids: Tensor, kpm: Tensor | None, run: Tensor | None = None
+    ) -> tuple[Tensor, PackedBatch] | None:
+        """``(h (N, d_model), descriptor)`` on the padding-free path, or None where the padded path runs (no
+        padding and one document per row, the path switched off, hooks, a sharded model). ``run``: (B, T) bool
+        positions to compute (default: the real tokens)."""
+        b, t = input_ids.shape
+        docs = document_mask(position_ids)
+        if not padding_free.applies(self, kpm, None if docs is None else docs.any(-1)):
+            return None
+        pk = PackedBatch(kpm, rows=run, position_ids=position_ids, batch=b, seq_len=t)
+        return self._hidden(pk.pack(input_ids), pk.pack(position_ids), None, None, packing=pk), pk
 
     def _position_ids(self, position_ids: Tensor | None, b: int, t: int, device) -> Tensor:
         """``position_ids`` checked ((B or 1, T), below max_positions), or ``arange(T)`` (1, T) when None."""
@@ -310,9 +343,13 @@ class GPT2(nn.Module):
         b, t = input_ids.shape
         kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
         position_ids = self._position_ids(position_ids, b, t, input_ids.device)
-        if padding_free.gpt2_applies(self, kpm, position_ids):  # real tokens only; packed documents
-            return padding_free.gpt2_logits(self, input_ids, position_ids, kpm)
-        return self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
+        packed = self._packed_hidden(input_ids, position_ids, kpm)  # real tokens only; packed documents
+        if packed is not None:
+            h, pk = packed
+            return pk.unpack(self.lm_head(h))
+        kpm = kpm if kpm is not None and bool(kpm.any()) else None
+        logits = self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
+        return logits if kpm is None else logits.masked_fill(kpm[..., None], 0.0)
 
     def loss(
         self,
@@ -361,10 +398,14 @@ class GPT2(nn.Module):
                 "mean loss is undefined (HF returns nan)"
             )
         position_ids = self._position_ids(position_ids, b, t, input_ids.device)
-        if padding_free.gpt2_applies(self, kpm, position_ids):  # hidden rows of the real tokens only
-            h, packing = padding_free.gpt2_hidden(self, input_ids, position_ids, kpm)
-            targets = packing.pack(targets)
+        # every position with a target runs, padding or not (the last left pad predicts the first token)
+        run = None if kpm is None else ~kpm | (targets != ignore_index)
+        packed = self._packed_hidden(input_ids, position_ids, kpm, run)
+        if packed is not None:
+            h, pk = packed
+            targets = pk.pack(targets)
         else:
+            kpm = kpm if kpm is not None and bool(kpm.any()) else None
             h = self._hidden(input_ids, position_ids, kpm, None).reshape(b * t, -1)
             targets = targets.reshape(-1)
         # grad_in_forward: the head's gradients are made in the forward pass (3 GEMMs, not 4), holding one

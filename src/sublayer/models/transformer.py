@@ -21,7 +21,8 @@ from ..functional.cross_entropy import check_options, check_targets
 from ..checkpoints.io import atomic_write
 from .._checks import check_choice, check_positive_int, check_probability, check_tensor
 from ..nn import DecoderBlock, EncoderBlock, TransformerDecoder, TransformerEncoder
-from . import padding_free
+from ..functional.packing import PackedBatch
+from ..runtime import padding_free
 from .config import ModelConfig
 
 __all__ = ["Transformer", "TransformerConfig", "sinusoidal_positional_encoding"]
@@ -121,8 +122,8 @@ class Transformer(nn.Module):
     Shape:
         src (B, S) and tgt (B, T) integer ids; padding masks (B, S) / (B, T) bool, True = padding
         -> logits (B, T, tgt_vocab_size). Position t of the logits predicts target token t + 1.
-        When a mask marks padding (teacher forcing, no cache), the layers run on the real tokens only
-        (:mod:`sublayer.models.padding_free`): memory and logits at padded positions are zeros.
+        Memory and logits at padded positions are zeros (every path); when a mask marks padding (teacher
+        forcing, no cache), the layers run on the real tokens only (:mod:`sublayer.runtime.padding_free`).
 
     Raises:
         ValueError/TypeError: bad sizes at construction; at call time, non-2-D or non-integer ids, ids out of
@@ -176,9 +177,14 @@ class Transformer(nn.Module):
             raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
         return cls(**config.to_dict(), **factory)
 
-    def _embed(self, emb: nn.Embedding, ids: Tensor, start: int = 0) -> Tensor:
-        x = emb(ids) * math.sqrt(self.config.d_model) + self.pos_encoding[start : start + ids.shape[1]]
+    def _embed(self, emb: nn.Embedding, ids: Tensor, start: int = 0, positions: Tensor | None = None) -> Tensor:
+        """(B, T) ids at positions ``start + arange(T)``, or packed ids (N,) at ``positions`` (N,) -> embeddings."""
+        pe = self.pos_encoding[start : start + ids.shape[1]] if positions is None else self.pos_encoding[positions]
+        x = emb(ids) * math.sqrt(self.config.d_model) + pe
         return nn.functional.dropout(x, self.config.dropout, self.training)
+
+    def _packed_embed(self, emb: nn.Embedding, ids: Tensor, pk: PackedBatch) -> Tensor:
+        return self._embed(emb, pk.pack(ids), positions=pk.pack(torch.arange(ids.shape[1], device=ids.device)[None]))
 
     def _check_source(self, src: Tensor, src_key_padding_mask: Tensor | None) -> None:
         _check_tokens("src", src, self.config.src_vocab_size, self.config.max_len)
@@ -187,9 +193,12 @@ class Transformer(nn.Module):
     def encode(self, src: Tensor, *, src_key_padding_mask: Tensor | None = None) -> Tensor:
         """Encode source ids (B, S) -> memory (B, S, d_model)."""
         self._check_source(src, src_key_padding_mask)
-        if padding_free.applies(self, src_key_padding_mask):  # real tokens only; zeros at padding
-            return padding_free.transformer_encode(self, src, src_key_padding_mask)
-        return self.encoder(self._embed(self.src_embed, src), key_padding_mask=src_key_padding_mask)
+        kpm = src_key_padding_mask
+        if padding_free.applies(self, kpm):  # the same encoder on the real tokens; zeros at padding
+            pk = PackedBatch(kpm)
+            return pk.unpack(self.encoder(self._packed_embed(self.src_embed, src, pk), packing=pk))
+        memory = self.encoder(self._embed(self.src_embed, src), key_padding_mask=kpm)
+        return memory if kpm is None or kpm.dtype != torch.bool else memory.masked_fill(kpm[..., None], 0.0)
 
     def decode(
         self,
@@ -219,8 +228,11 @@ class Transformer(nn.Module):
             _check_padding_mask("tgt_key_padding_mask", tgt_key_padding_mask, tgt, "tgt")
         mkpm = memory_key_padding_mask
         bool_memory_mask = mkpm is None or mkpm.dtype == torch.bool
-        if caches is None and bool_memory_mask and padding_free.applies(self, mkpm, tgt_key_padding_mask):
-            return padding_free.transformer_decode(self, tgt, memory, mkpm, tgt_key_padding_mask)
+        if caches is None and bool_memory_mask:
+            packed = self._packed_decode(tgt, memory, mkpm, tgt_key_padding_mask)
+            if packed is not None:  # the same decoder on the real tokens of target and memory
+                h, pk = packed
+                return pk.unpack(self.out_proj(h))
         x = self._embed(self.tgt_embed, tgt, start)
         h = self.decoder(
             x,
@@ -229,7 +241,28 @@ class Transformer(nn.Module):
             memory_key_padding_mask=memory_key_padding_mask,
             caches=caches,
         )
-        return self.out_proj(h)
+        logits = self.out_proj(h)
+        tkpm = tgt_key_padding_mask
+        if caches is None and tkpm is not None and tkpm.dtype == torch.bool:
+            logits = logits.masked_fill(tkpm[..., None], 0.0)
+        return logits
+
+    def _packed_decode(
+        self, tgt: Tensor, memory: Tensor, mkpm: Tensor | None, tkpm: Tensor | None
+    ) -> tuple[Tensor, PackedBatch] | None:
+        """``(h (N, d_model), target descriptor)``: the decoder on the real tokens of target and memory, or None
+        where the padded path runs."""
+        if not padding_free.applies(self, mkpm, tkpm):
+            return None
+        if mkpm is not None and tuple(mkpm.shape) != tuple(memory.shape[:2]):
+            raise ValueError(
+                f"memory_key_padding_mask must have shape (batch, src_len) = {tuple(memory.shape[:2])}, "
+                f"got {tuple(mkpm.shape)}"
+            )
+        pk_t = PackedBatch(tkpm, batch=tgt.shape[0], seq_len=tgt.shape[1])
+        pk_m = PackedBatch(mkpm, batch=memory.shape[0], seq_len=memory.shape[1])
+        x = self._packed_embed(self.tgt_embed, tgt, pk_t)
+        return self.decoder(x, pk_m.pack(memory), packing=pk_t, memory_packing=pk_m), pk_t
 
     def forward(
         self,
@@ -305,12 +338,17 @@ class Transformer(nn.Module):
                 "undefined (torch returns nan); use reduction='sum' or give at least one target"
             )
         memory = self.encode(src, src_key_padding_mask=src_key_padding_mask)
-        h = self.decoder(
-            self._embed(self.tgt_embed, tgt_in),
-            memory,
-            tgt_key_padding_mask=tgt_key_padding_mask,
-            memory_key_padding_mask=src_key_padding_mask,
-        )
+        packed = self._packed_decode(tgt_in, memory, src_key_padding_mask, tgt_key_padding_mask)
+        if packed is not None:  # padded target positions have no target: only the real ones run
+            h, pk = packed
+            targets = pk.pack(targets)
+        else:
+            h = self.decoder(
+                self._embed(self.tgt_embed, tgt_in),
+                memory,
+                tgt_key_padding_mask=tgt_key_padding_mask,
+                memory_key_padding_mask=src_key_padding_mask,
+            )
         return SF.linear_cross_entropy(
             h.reshape(-1, h.shape[-1]), self.out_proj.weight, targets.reshape(-1), bias=self.out_proj.bias,
             ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction, grad_in_forward=True,

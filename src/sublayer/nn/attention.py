@@ -7,6 +7,7 @@ from torch import Tensor, nn
 
 from .. import functional as SF
 from ..functional import fused
+from ..functional.packing import PackedBatch
 from .._checks import check_positive_int, check_probability
 
 __all__ = ["MultiHeadAttention"]
@@ -31,7 +32,10 @@ class MultiHeadAttention(nn.Module):
         (T_q, T_k), (B·H, T_q, T_k) or (B|1, H|1, T_q, T_k); ``is_causal`` (bottom-right aligned);
         ``need_weights`` returns weights (B, T_q, T_k) averaged over heads (or per head with
         ``average_attn_weights=False``); ``kv_cache`` (:class:`sublayer.functional.KVCache`) for decoding.
-        Returns ``(out (B, T_q, d_model), weights or None)``.
+        ``packing`` (:class:`sublayer.functional.packing.PackedBatch`): the query rows are packed, (N, d_model),
+        and attend as the descriptor says (self-attention; cross-attention on ``key``/``value`` rows packed as
+        ``memory_packing`` says); masks, weights and caches do not combine with it.
+        Returns ``(out (B, T_q, d_model) or (N, d_model), weights or None)``.
         Query rows with every key masked give zeros and finite gradients.
 
     Raises:
@@ -91,7 +95,16 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
         average_attn_weights: bool = True,
         kv_cache: SF.KVCache | None = None,
+        packing: PackedBatch | None = None,
+        memory_packing: PackedBatch | None = None,
     ) -> tuple[Tensor, Tensor | None]:
+        if packing is not None:
+            if need_weights or kv_cache is not None or attn_mask is not None or key_padding_mask is not None:
+                raise ValueError(
+                    "packing does not combine with need_weights, kv_cache, attn_mask or key_padding_mask (the "
+                    "descriptor holds the padding)"
+                )
+            return self._packed(query, key, value, packing, memory_packing, is_causal), None
         return SF.multi_head_attention(
             query,
             key,
@@ -115,6 +128,30 @@ class MultiHeadAttention(nn.Module):
             kv_cache=kv_cache,
             linear=fused.linear,
         )
+
+    def _packed(
+        self, x: Tensor, key: Tensor | None, value: Tensor | None, packing: PackedBatch,
+        memory: PackedBatch | None, is_causal: bool,
+    ) -> Tensor:  # fmt: skip
+        """Attention of packed query rows x (N, d_model) -> (N, d_model)."""
+        lin = fused.linear
+        h = self.n_heads
+
+        def heads(t: Tensor) -> Tensor:  # (N, H·d) -> (N, H, d)
+            return t.view(t.shape[0], h, t.shape[-1] // h)
+
+        q = heads(lin(x, self.q_proj.weight, self.q_proj.bias))
+        src = x if key is None else key
+        k = heads(lin(src, self.k_proj.weight, self.k_proj.bias))
+        v = heads(lin(src if value is None else value, self.v_proj.weight, self.v_proj.bias))
+        p = self.dropout if self.training else 0.0
+        if key is None:
+            out = packing.self_attention(q, k, v, causal=is_causal, dropout=p)
+        else:
+            if memory is None:
+                raise ValueError("cross-attention on packed rows needs memory_packing (the memory's descriptor)")
+            out = packing.cross_attention(q, k, v, memory, dropout=p)
+        return lin(out.reshape(out.shape[0], out.shape[1] * out.shape[2]), self.out_proj.weight, self.out_proj.bias)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, n_heads={self.n_heads}, dropout={self.dropout}"
