@@ -36,7 +36,8 @@ The prompt itself (prefill) runs through the model's reference forward with its 
 what torch does well); its keys/values are then copied into the static cache.
 
 The packed weights are a second copy of the model's matrices in float32 (GPT-2 small: 497 MB, plus 77 MB for the
-float16 head), built at the first call and kept (per model, weakly referenced) until a parameter changes (version counter or storage) or
+float16 head), built at the first call and kept (per model, weakly referenced) until a parameter changes in any way
+(:mod:`sublayer.runtime.weights`: optimizer steps, fused ones too, in-place and ``.data`` writes) or
 :func:`clear_cache`. Without the C++ kernels the same path runs on torch ops (``F.linear`` and SDPA over the cache).
 
 Switch: ``SUBLAYER_DECODING=0`` in the environment or :func:`set_enabled` (``False``: the reference loops run).
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import math
 import os
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +55,9 @@ from torch import Tensor
 from .. import functional as SF
 from .. import kernels
 from ..functional import fused
+from ..runtime import weights as weights_cache
 from ..runtime.rules import fast_path_allowed
+from ..runtime.weights import prepared
 
 __all__ = ["set_enabled", "enabled", "clear_cache", "PackedLinear", "StaticKVCache", "decode_attention"]
 
@@ -291,29 +293,15 @@ def residual_out(pre: bool, x: Tensor, y: Tensor, norm: tuple, after: tuple | No
     return x, h
 
 
-def _stamp(module: torch.nn.Module) -> tuple:
-    return (_kernels_on(),) + tuple((p._version, p.data_ptr()) for p in module.parameters())
-
-
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _weights(module: torch.nn.Module, build):
-    """The packed weights of ``module`` (built once, rebuilt when a parameter changes)."""
-    stamp = _stamp(module)
-    hit = _CACHE.get(module)
-    if hit is not None and hit[0] == stamp:
-        return hit[1]
-    _CACHE.pop(module, None)  # free the old copy before building the new one
-    with torch.no_grad():
-        w = build(module)
-    _CACHE[module] = (stamp, w)
-    return w
+    """The packed weights of ``module`` (:func:`sublayer.runtime.weights.prepared`: built once, rebuilt when a
+    parameter changes)."""
+    return prepared(module, ("decoding", build.__name__, _kernels_on()), build)
 
 
 def clear_cache() -> None:
-    """Drop every model's packed decoding weights."""
-    _CACHE.clear()
+    """Drop every model's prepared weights."""
+    weights_cache.clear_cache()
 
 
 def _float32_cpu(module: torch.nn.Module) -> bool:

@@ -15,9 +15,9 @@
 * runs without autograd (outputs never require grad), without dropout (eval semantics, whatever ``model.training``
   says) and with autocast switched off inside (the compute dtype above decides; calling it under
   ``torch.autocast`` changes nothing);
-* never uses stale weights: every call compares the parameters' version counters and storages with those it cached
-  and re-caches after an optimizer step, ``load_state_dict`` or ``.to()``. Writes through ``param.data`` bypass
-  the version counter: call :meth:`FastBert.refresh` / :meth:`FastGPT2.refresh` after those.
+* never uses stale weights: the cast weights come from :func:`sublayer.runtime.weights.prepared`, rebuilt after any
+  optimizer step (fused ones too), ``load_state_dict``, ``.to()``, in-place writes and writes through ``.data``
+  (see there).
 
 Memory: with float32 compute the cache aliases the parameters except the fused q/k/v weight (one copy of the
 attention input projections); with bf16 compute it holds a bf16 copy of every matrix (half the model's size).
@@ -38,6 +38,7 @@ from torch import Tensor
 from .. import functional as SF
 from .. import kernels
 from ..functional import fused
+from ..runtime.weights import clear_cache, prepared
 from .bert import Bert
 from .gpt2 import GPT2, check_attention_mask, check_input_ids
 
@@ -129,28 +130,6 @@ def _bias_act(a: Tensor, b: Tensor, act: str) -> Tensor:
     return SF.activation_fn(act)((a.float() + b).to(a.dtype) if a.dtype != torch.float32 else a + b)
 
 
-class _Cache:
-    """Weights cast once; rebuilt when a source parameter changes (version counter, storage or dtype)."""
-
-    def __init__(self, model: torch.nn.Module, build) -> None:
-        self._model, self._build, self._stamp, self.w = model, build, None, None
-
-    def _current_stamp(self) -> tuple:
-        # inference tensors (made under torch.inference_mode) have no version counter: their storage, dtype and
-        # device still tell a replaced parameter, not one changed in place under inference_mode
-        return tuple(
-            (-1 if p.is_inference() else p._version, p.data_ptr(), p.dtype, p.device) for p in self._model.parameters()
-        )
-
-    def get(self):
-        stamp = self._current_stamp()
-        if stamp != self._stamp:
-            with torch.no_grad():
-                self.w = self._build()
-            self._stamp = stamp
-        return self.w
-
-
 def _check_model_params(model: torch.nn.Module) -> None:
     for name, p in model.named_parameters():
         if p.dtype != torch.float32 or p.device.type != "cpu":
@@ -166,7 +145,6 @@ class _FastBase:
         self.config = model.config
         self.dtype = dtype
         self.compute_dtype = compute_dtype(dtype)
-        self._cache = _Cache(model, self._build)
         self.training = False
 
     def _c(self, t: Tensor) -> Tensor:
@@ -196,9 +174,15 @@ class _FastBase:
         b = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], 0)
         return self._c(w), self._c(b)
 
+    def _weights(self) -> dict:
+        """The cast weights (:func:`sublayer.runtime.weights.prepared`: rebuilt whenever a parameter changes)."""
+        key = ("fast", type(self).__name__, self.compute_dtype, _kernels_on())
+        return prepared(self.model, key, lambda m: self._build())
+
     def refresh(self) -> None:
-        """Re-cast the weights on the next call (needed only after writes through ``param.data``)."""
-        self._cache._stamp = None
+        """Re-cast the weights on the next call (needed only after a write through ``param.data`` to a few
+        elements, see :mod:`sublayer.runtime.weights`)."""
+        clear_cache(self.model)
 
     def eval(self):
         return self
@@ -249,7 +233,7 @@ class FastBert(_FastBase):
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> Tensor:
         kpm, token_type_ids = self.model._prepare(input_ids, attention_mask, token_type_ids)
-        W = self._cache.get()
+        W = self._weights()
         cfg = self.config
         B, T = input_ids.shape
         d, H = cfg.d_model, cfg.n_heads
@@ -305,7 +289,7 @@ class FastBert(_FastBase):
         if self.model.pooler is None:
             raise ValueError("this Bert has no pooler (built with pooler=False or loaded from a file without one)")
         h = self(input_ids, attention_mask, token_type_ids)
-        w, b = self._cache.get()["pool"]
+        w, b = self._weights()["pool"]
         return torch.tanh(torch.addmm(b, h[:, 0], w))
 
     @_inference
@@ -362,14 +346,14 @@ class FastGPT2(_FastBase):
 
     @_inference
     def lm_head(self, h: Tensor) -> Tensor:
-        W = self._cache.get()
+        W = self._weights()
         return torch.matmul(h.to(self.compute_dtype), W["head_t"]).float()
 
     def _hidden(
         self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None
     ) -> Tensor:
         """Final-LayerNormed hidden states (B, T, d) in the compute dtype; ``caches``: one KVCache per block."""
-        W = self._cache.get()
+        W = self._weights()
         cfg = self.config
         B, T = input_ids.shape
         d, H = cfg.d_model, cfg.n_heads
