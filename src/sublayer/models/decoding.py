@@ -54,8 +54,9 @@ from torch import Tensor
 
 from .. import functional as SF
 from .. import kernels
-from ..functional import fused
 from ..runtime import weights as weights_cache
+from ..functional.packing import document_mask
+from ..runtime.rows import EPILOGUE, add_norm, ffn_hidden, kernels_on, layer_norm
 from ..runtime.rules import fast_path_allowed
 from ..runtime.weights import prepared
 
@@ -75,10 +76,6 @@ def enabled() -> bool:
     return _enabled
 
 
-def _kernels_on() -> bool:
-    return kernels._enabled and kernels.available()
-
-
 # ----------------------------------------------------------------------------------------------- building blocks
 class PackedLinear:
     """``y = x @ weight.T + bias`` for few rows, the weight packed once for the ``skinny_linear`` kernel.
@@ -95,12 +92,12 @@ class PackedLinear:
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.weight = weight  # the parameter itself (no copy) for batches above skinny_max_rows()
-        self.packed = kernels.ops().pack_linear_weight(weight) if _kernels_on() else None
+        self.packed = kernels.ops().pack_linear_weight(weight) if kernels_on() else None
         self.max_rows = skinny_max_rows() if self.packed is not None else 0  # decided once, not per call
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
         """``activation`` (an FFN activation name) is applied after the bias: fused into the kernel's epilogue
-        (``fused._ACT_IDS``), a separate pass for any other."""
+        (``fused.ACT_IDS``), a separate pass for any other."""
         if x.shape[0] <= self.max_rows:
             act = _EPILOGUE.get(activation, 0)
             y = kernels.ops().skinny_linear(x, self.packed, self.bias, self.out_features, act)
@@ -127,8 +124,7 @@ def skinny_max_rows() -> int:
 
 
 _NO_SCALE = torch.empty(0)
-_GATES = SF.ffn._GATES  # gated activations: fc1 packs [gate; up]
-_EPILOGUE = fused._ACT_IDS  # activations fused into skinny_linear's epilogue (relu, GELU, tanh-GELU, SiLU, relu^2)
+_EPILOGUE = EPILOGUE  # activations fused into skinny_linear's epilogue (relu, GELU, tanh-GELU, SiLU, relu^2)
 
 
 class GreedyHead:
@@ -236,7 +232,7 @@ def decode_attention(
     """
     b, h, _, hd = k.shape
     scale = 1.0 / math.sqrt(hd)
-    if _kernels_on():
+    if kernels_on():
         return kernels.ops().decode_attention(q, k, v, mask, length, scale, new_k, new_v, rows)
     n = q.shape[0]
     if new_k is not None:  # query row i writes cache row i
@@ -251,31 +247,6 @@ def decode_attention(
     return ctx.reshape(n, h * hd)
 
 
-def _add_norm(x: Tensor, y: Tensor, w: Tensor, b: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """``(LN(x + y), x + y)`` for (N, d) float32 rows."""
-    if _kernels_on():
-        out, s, _, _, _ = kernels.ops().add_norm_fwd(x, y, w, b, eps, 0.0, 0, False, True)
-        return out, s
-    s = x + y
-    return F.layer_norm(s, w.shape, w, b, eps), s
-
-
-def _bias_act(a: Tensor, bias: Tensor | None, act: str) -> Tensor:
-    """``act(a + bias)``, in place where the kernels run."""
-    if _kernels_on() and act in fused._ACT_IDS:
-        return kernels.ops().act_fwd(a, bias, fused._ACT_IDS[act], 0.0, 0, True)
-    return SF.activation_fn(act)(a if bias is None else a + bias)
-
-
-def ffn_hidden(a: Tensor, bias: Tensor | None, act: str) -> Tensor:
-    """An FFN's hidden activation from fc1's output ``a`` (N, d_ff) without its bias: ``act(a + bias)``, or for a
-    gated activation (``a`` (N, 2·d_ff), gate first) ``act(gate) * up``, as :func:`sublayer.functional.feed_forward`."""
-    if act not in _GATES:
-        return _bias_act(a, bias, act)
-    gate, up = (a if bias is None else a + bias).chunk(2, dim=-1)
-    return SF.activation_fn(act)(gate) * up
-
-
 def residual_out(pre: bool, x: Tensor, y: Tensor, norm: tuple, after: tuple | None) -> tuple[Tensor, Tensor]:
     """``(x, h)`` after a sublayer's output ``y`` joins the residual stream ``x`` (N, d):
 
@@ -284,19 +255,19 @@ def residual_out(pre: bool, x: Tensor, y: Tensor, norm: tuple, after: tuple | No
     ``x`` itself when there is none). Norms are ``(weight, bias, eps)``; the add and the norm run fused.
     """
     if not pre:
-        x, _ = _add_norm(x, y, *norm)
+        x, _ = add_norm(x, y, *norm)
         return x, x
     if after is None:
         x = x + y
         return x, x
-    h, x = _add_norm(x, y, *after)
+    h, x = add_norm(x, y, *after)
     return x, h
 
 
-def _weights(module: torch.nn.Module, build):
+def prepared_weights(module: torch.nn.Module, build):
     """The packed weights of ``module`` (:func:`sublayer.runtime.weights.prepared`: built once, rebuilt when a
     parameter changes)."""
-    return prepared(module, ("decoding", build.__name__, _kernels_on()), build)
+    return prepared(module, ("decoding", build.__name__, kernels_on()), build)
 
 
 def clear_cache() -> None:
@@ -304,7 +275,7 @@ def clear_cache() -> None:
     weights_cache.clear_cache()
 
 
-def _float32_cpu(module: torch.nn.Module) -> bool:
+def float32_cpu(module: torch.nn.Module) -> bool:
     """float32 parameters on the CPU, and the fast-path rule (:mod:`sublayer.runtime.rules`: not sharded, no
     forward hook on any submodule) allows it; otherwise the reference loops run."""
     return all(p.dtype == torch.float32 and p.device.type == "cpu" for p in module.parameters()) and fast_path_allowed(
@@ -312,7 +283,7 @@ def _float32_cpu(module: torch.nn.Module) -> bool:
     )
 
 
-def _norm(n) -> tuple[Tensor, Tensor, float]:
+def norm_params(n) -> tuple[Tensor, Tensor, float]:
     return n.weight.detach(), n.bias.detach(), n.eps
 
 
@@ -321,7 +292,7 @@ def gpt2_supports(model) -> bool:
     """Whether :func:`gpt2_generate` runs ``model`` (a float32 CPU :class:`GPT2` with LayerNorms with bias)."""
     return (
         _enabled
-        and _float32_cpu(model)
+        and float32_cpu(model)
         and model.ln_f.bias is not None
         and all(blk.attn_residual.norm.bias is not None for blk in model.blocks)
     )
@@ -336,31 +307,54 @@ def gpt2_source(obj):
     return model if isinstance(model, GPT2) and gpt2_supports(model) else None
 
 
-def _build_gpt2(model) -> dict:
+class DenseLinear:
+    """``y = act(x @ weight.T + bias)`` with the weight cast once to ``dtype`` (a compute dtype other than the
+    packed float32 panels', e.g. bf16 on CPUs that multiply it natively); the call of :class:`PackedLinear`.
+
+    Args:
+        weight: (N, K). bias: (N,) or None. dtype: the GEMM's dtype (x is cast to it).
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> None:
+        self.weight_t = weight.detach().to(dtype).t()
+        self.bias = None if bias is None else bias.detach().to(dtype)
+        self.bias32 = None if bias is None else bias.detach().float()
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
+        x = x.to(self.weight_t.dtype)
+        if activation is not None:
+            return ffn_hidden(torch.mm(x, self.weight_t), self.bias32, activation)
+        return torch.mm(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+
+
+def build_gpt2(model, linear=PackedLinear) -> dict:
+    """GPT-2's prepared weights: norms (weight, bias, eps) in float32, each linear a callable
+    ``(x, activation=None)`` made by ``linear(weight, bias)``; the one-call step's tensors when they apply."""
     layers = []
     for blk in model.blocks:
         a, f = blk.self_attn, blk.ffn
         wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
         bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0)
         layers.append({
-            "ln1": _norm(blk.attn_residual.norm), "ln2": _norm(blk.ffn_residual.norm),
-            "qkv": PackedLinear(wqkv, bqkv), "out": PackedLinear(a.out_proj.weight, a.out_proj.bias),
-            "fc1": PackedLinear(f.fc1.weight, f.fc1.bias), "fc2": PackedLinear(f.fc2.weight, f.fc2.bias),
+            "ln1": norm_params(blk.attn_residual.norm), "ln2": norm_params(blk.ffn_residual.norm),
+            "qkv": linear(wqkv, bqkv), "out": linear(a.out_proj.weight, a.out_proj.bias),
+            "fc1": linear(f.fc1.weight, f.fc1.bias), "fc2": linear(f.fc2.weight, f.fc2.bias),
         })  # fmt: skip
     W = {
-        "layers": layers, "lnf": _norm(model.ln_f), "head": PackedLinear(model.lm_head.weight),
-        "greedy": GreedyHead(model.lm_head.weight) if _kernels_on() else None,
+        "layers": layers, "lnf": norm_params(model.ln_f), "head": linear(model.lm_head.weight, None),
+        "greedy": GreedyHead(model.lm_head.weight) if kernels_on() and linear is PackedLinear else None,
         "wte": model.wte.weight.detach(), "wpe": model.wpe.weight.detach(),
     }  # fmt: skip
-    W["flat"] = _flat_gpt2(W, model.config.activation)
+    W["flat"] = flat_gpt2(W, model.config.activation)
     return W
 
 
-def _flat_gpt2(W: dict, activation: str) -> list | None:
+def flat_gpt2(W: dict, activation: str) -> list | None:
     """The tensors of ``gpt2_decode_layers`` (every block in one C++ call), or None where it does not apply
     (no kernels, an activation it does not fuse, LayerNorms with different eps)."""
     eps = {n[2] for L in W["layers"] for n in (L["ln1"], L["ln2"])} | {W["lnf"][2]}
-    if not _kernels_on() or activation not in _EPILOGUE or len(eps) != 1:
+    if not kernels_on() or activation not in _EPILOGUE or len(eps) != 1:
         return None
     flat = []
     for L in W["layers"]:
@@ -371,11 +365,54 @@ def _flat_gpt2(W: dict, activation: str) -> list | None:
     return [t.contiguous() for t in flat + list(W["lnf"][:2])]
 
 
+def gpt2_hidden(
+    W: dict,
+    config,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    key_padding_mask: Tensor | None,
+    caches: list | None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """GPT-2's forward on prepared weights ``W`` (:func:`build_gpt2`'s, or the int8 ones of ``QuantizedGPT2``):
+    final-LayerNormed hidden states (B, T, d) in ``dtype``; ``caches``: one ``SF.KVCache`` per block, appended to.
+
+    input_ids (B, T); position_ids (B | 1, T), restarts at 0 mark packed documents (block-diagonal attention, as
+    :class:`GPT2`); key_padding_mask (B, T_past + T) True = padding, or None. Reference: :meth:`GPT2._hidden`.
+    """
+    B, T = input_ids.shape
+    d, H = config.d_model, config.n_heads
+    hd = d // H
+    x = (W["wte"][input_ids] + W["wpe"][position_ids]).to(dtype).reshape(B * T, d)
+    past = 0 if caches is None else len(caches[0])
+    docs = document_mask(position_ids) if past == 0 else None
+    if key_padding_mask is None and docs is None and (past == 0 or T == 1):
+        mask, causal = None, past == 0
+    else:
+        mask = SF.causal_mask(T, past + T, device=x.device)[None, None]
+        if key_padding_mask is not None:
+            mask = mask & ~key_padding_mask[:, None, None, :]
+        if docs is not None:
+            mask = mask & ~docs
+        causal = False
+    layers = W["layers"]
+    h = layer_norm(x, *layers[0]["ln1"])
+    for i, L in enumerate(layers):
+        q, k, v = L["qkv"](h).view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)
+        if caches is not None:
+            k, v = caches[i].update(k, v)
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        h, x = add_norm(x, L["out"](ctx.transpose(1, 2).reshape(B * T, d)), *L["ln2"])  # x += attn; h = ln_2(x)
+        y = L["fc2"](L["fc1"](h, config.activation))
+        h, x = add_norm(x, y, *(layers[i + 1]["ln1"] if i + 1 < len(layers) else W["lnf"]))
+    return h.view(B, T, d)
+
+
 def gpt2_step(model, W: dict, tokens: Tensor, positions: Tensor, caches: list, mask: Tensor | None) -> Tensor:
     """One decoding step: tokens (B,) at positions (B,) -> final hidden states (B, d) float32 (ln_f applied);
     appends to ``caches``."""
     cfg = model.config
-    d, H = cfg.d_model, cfg.n_heads
+    d = cfg.d_model
     x = W["wte"][tokens] + W["wpe"][positions]  # (B, d)
     length = caches[0].length + 1
     flat = W.get("flat")
@@ -396,9 +433,9 @@ def gpt2_step(model, W: dict, tokens: Tensor, positions: Tensor, caches: list, m
             qkv[:, :d], c.k, c.v, length, mask=mask, new_k=qkv[:, d : 2 * d], new_v=qkv[:, 2 * d :]
         )
         c.length = length
-        h, x = _add_norm(x, L["out"](ctx), *L["ln2"])  # x += attn; h = ln_2(x)
+        h, x = add_norm(x, L["out"](ctx), *L["ln2"])  # x += attn; h = ln_2(x)
         y = L["fc2"](L["fc1"](h, cfg.activation))
-        h, x = _add_norm(x, y, *(layers[i + 1]["ln1"] if i + 1 < len(layers) else W["lnf"]))
+        h, x = add_norm(x, y, *(layers[i + 1]["ln1"] if i + 1 < len(layers) else W["lnf"]))
     return h
 
 
@@ -423,7 +460,7 @@ def gpt2_generate(
         key_padding_mask (B, T) True = padding, or None. prefill: ``fn(ids, positions, kpm, caches) -> hidden``
         (the reference ``_hidden``, final norm applied) run once on the prompt. pick: ``fn(logits (B, V)) ->
         (B,) ids`` (argmax or sampling). eos_token_id, pad: as ``generate``. weights: the decoding weights
-        (:func:`_build_gpt2`'s dict: each linear a callable ``(x, activation=None)``); None -> ``model``'s
+        (:func:`build_gpt2`'s dict: each linear a callable ``(x, activation=None)``); None -> ``model``'s
         packed float32 weights. greedy: ``pick`` is the argmax; :class:`GreedyHead` (``weights["greedy"]``)
         then finds it without computing every logit in float32.
 
@@ -434,7 +471,7 @@ def gpt2_generate(
     b, t = input_ids.shape
     if max_new_tokens == 0:
         return input_ids
-    W = _weights(model, _build_gpt2) if weights is None else weights
+    W = prepared_weights(model, build_gpt2) if weights is None else weights
     H = cfg.n_heads
     hd = cfg.d_model // H
     cap = t + max_new_tokens
@@ -488,7 +525,7 @@ def transformer_supports(model) -> bool:
 
     return (
         _enabled
-        and _float32_cpu(model)
+        and float32_cpu(model)
         and all(isinstance(n, LayerNorm) and n.bias is not None for n in _layer_norms(model))
     )
 
@@ -505,13 +542,13 @@ def _build_transformer(model) -> dict:
             "out_cross": PackedLinear(ca.out_proj.weight, ca.out_proj.bias),
             "fc1": PackedLinear(f.fc1.weight, f.fc1.bias),
             "fc2": PackedLinear(f.fc2.weight, f.fc2.bias),
-            "norms": [_norm(layer.self_attn_residual.norm), _norm(layer.cross_attn_residual.norm),
-                      _norm(layer.ffn_residual.norm)],
+            "norms": [norm_params(layer.self_attn_residual.norm), norm_params(layer.cross_attn_residual.norm),
+                      norm_params(layer.ffn_residual.norm)],
         })  # fmt: skip
-    final = None if model.decoder.norm is None else _norm(model.decoder.norm)
+    final = None if model.decoder.norm is None else norm_params(model.decoder.norm)
     W = {"layers": layers, "final": final, "head": PackedLinear(model.out_proj.weight, model.out_proj.bias)}
     W["flat"] = _flat_transformer(W, model.config.activation)
-    W["greedy"] = GreedyHead(model.out_proj.weight, model.out_proj.bias) if _kernels_on() else None
+    W["greedy"] = GreedyHead(model.out_proj.weight, model.out_proj.bias) if kernels_on() else None
     return W
 
 
@@ -522,7 +559,7 @@ def _flat_transformer(W: dict, activation: str) -> list | None:
     """The tensors of ``transformer_decode_layers`` (a decoder step in one C++ call), or None where it does not
     apply (no kernels, a linear without bias, an activation it does not fuse, LayerNorms with different eps)."""
     norms = [n for L in W["layers"] for n in L["norms"]] + ([W["final"]] if W["final"] is not None else [])
-    if not _kernels_on() or activation not in _EPILOGUE or len({n[2] for n in norms}) != 1:
+    if not kernels_on() or activation not in _EPILOGUE or len({n[2] for n in norms}) != 1:
         return None
     flat = []
     for L in W["layers"]:
@@ -552,7 +589,7 @@ def transformer_stepper(
     if not transformer_supports(model):
         return None
     cfg = model.config
-    W = _weights(model, _build_transformer)
+    W = prepared_weights(model, _build_transformer)
     b, s, d = memory.shape
     n = b * beams
     H = cfg.n_heads

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..functional.packing import Packing
+from ..runtime.rows import kernels_on
 from . import decoding
 
 __all__ = ["supports", "encode"]
@@ -35,8 +36,8 @@ def supports(model) -> bool:
     norms = [n for layer in enc.layers for n in (layer.attn_residual.norm, layer.ffn_residual.norm)]
     norms += [enc.norm] if enc.norm is not None else []
     return (
-        decoding._kernels_on()
-        and decoding._float32_cpu(model)
+        kernels_on()
+        and decoding.float32_cpu(model)
         and all(isinstance(n, LayerNorm) and n.bias is not None for n in norms)
         and all(
             lin.bias is not None
@@ -57,9 +58,9 @@ def _build(encoder) -> dict:
             "out": (a.out_proj.weight.detach(), a.out_proj.bias.detach()),
             "fc1": (layer.ffn.fc1.weight.detach(), layer.ffn.fc1.bias.detach()),
             "fc2": (layer.ffn.fc2.weight.detach(), layer.ffn.fc2.bias.detach()),
-            "norms": [decoding._norm(layer.attn_residual.norm), decoding._norm(layer.ffn_residual.norm)],
+            "norms": [decoding.norm_params(layer.attn_residual.norm), decoding.norm_params(layer.ffn_residual.norm)],
         })  # fmt: skip
-    return {"layers": layers, "final": None if encoder.norm is None else decoding._norm(encoder.norm)}
+    return {"layers": layers, "final": None if encoder.norm is None else decoding.norm_params(encoder.norm)}
 
 
 def encode(model, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Tensor | None:
@@ -74,7 +75,7 @@ def encode(model, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Te
     if not supports(model):
         return None
     cfg = model.config
-    W = decoding._weights(model.encoder, _build)
+    W = decoding.prepared_weights(model.encoder, _build)
     b, s = src.shape
     d = cfg.d_model
     pad = pk = None

@@ -47,7 +47,7 @@ from .. import checkpoints as ckpt
 from .. import kernels
 from ..functional import fused
 from .bert import Bert, BertConfig
-from .fast import _add_norm, _bias_act, _inference, _kernels_on, _layer_norm
+from ..runtime.rows import add_norm, bias_act, inference, kernels_on, layer_norm
 from .gpt2 import GPT2, GPT2Config
 from .quantized_gpt2 import DEFAULT_KEEP_FLOAT_GPT2, QuantizedGPT2
 
@@ -190,7 +190,7 @@ class Int8Linear:
 
     def prepare(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``(xs, r)``: ``x / smooth`` divided by its per-token max ``r`` (N, 1): what the int8 GEMM quantizes."""
-        if _kernels_on():
+        if kernels_on():
             return kernels.ops().int8_scale_rows(x, self._inv)
         x = x if self._inv is None else x * self._inv
         r = _row_scale(x)
@@ -205,7 +205,7 @@ class Int8Linear:
 
     def __call__(self, x: Tensor) -> Tensor:
         y, r = self.raw(x)
-        if _kernels_on():
+        if kernels_on():
             return kernels.ops().int8_rescale_rows_(y, r, self.bias)
         y.mul_(r)
         return y if self.bias is None else y.add_(self.bias)
@@ -290,7 +290,7 @@ def _epilogue(y: Tensor, r: Tensor | None, b: Tensor | None) -> Tensor:
     """``y * r + b``."""
     if r is None:
         return y if b is None else y.add_(b)
-    if _kernels_on():
+    if kernels_on():
         return kernels.ops().int8_rescale_rows_(y, r, b)
     y.mul_(r)
     return y if b is None else y.add_(b)
@@ -299,23 +299,23 @@ def _epilogue(y: Tensor, r: Tensor | None, b: Tensor | None) -> Tensor:
 def _epilogue_act(y: Tensor, r: Tensor | None, b: Tensor | None, act: str, nxt):
     """``h = act(y * r + b)`` -> ``(h, None)``, or ``(xs, (xs, r2))`` prepared for the int8 ``nxt``."""
     inv = nxt._inv if isinstance(nxt, Int8Linear) else None
-    if _kernels_on() and act in fused._ACT_IDS:
-        h, r2 = kernels.ops().int8_act_rows_(y, r, b, fused._ACT_IDS[act], inv)
+    if kernels_on() and act in fused.ACT_IDS:
+        h, r2 = kernels.ops().int8_act_rows_(y, r, b, fused.ACT_IDS[act], inv)
         return (h, (h, r2)) if isinstance(nxt, Int8Linear) else (h, None)
     if r is not None:
         y.mul_(r)
-    h = _bias_act(y, b, act)
+    h = bias_act(y, b, act)
     return h, _prepare(nxt, h)
 
 
 def _epilogue_add_norm(y, r, b, resid, w, beta, eps: float, nxt):
     """``x = LN(y * r + b + resid)`` -> ``(x, nxt's prepared input or None)``."""
     inv = nxt._inv if isinstance(nxt, Int8Linear) else None
-    if _kernels_on():
+    if kernels_on():
         x, xs, r2 = kernels.ops().int8_add_norm_rows_(y, r, b, resid, w, beta, eps, inv)
         return x, ((xs, r2) if isinstance(nxt, Int8Linear) else None)
     y = _epilogue(y, r, b)
-    x, _ = _add_norm(resid, y, w, beta, eps, want_sum=False)
+    x, _ = add_norm(resid, y, w, beta, eps, want_sum=False)
     return x, _prepare(nxt, x)
 
 
@@ -380,7 +380,7 @@ class QuantizedBert:
         return cls(model.config, t, keep_float)
 
     # -- forward
-    @_inference
+    @inference
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> Tensor:
@@ -398,7 +398,7 @@ class QuantizedBert:
         else:
             x = x.reshape(B * T, d)
             mask = None
-        x = _layer_norm(x, t["embeddings.norm.weight"], t["embeddings.norm.bias"], eps)
+        x = layer_norm(x, t["embeddings.norm.weight"], t["embeddings.norm.bias"], eps)
         scale = 1.0 / math.sqrt(hd)
         full = None
         layers = self.layers
@@ -430,7 +430,7 @@ class QuantizedBert:
 
     __call__ = forward
 
-    @_inference
+    @inference
     def pooled(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> Tensor:
@@ -441,7 +441,7 @@ class QuantizedBert:
         t = self.tensors
         return torch.tanh(F.linear(h[:, 0], t["pooler.dense.weight"], t["pooler.dense.bias"]))
 
-    @_inference
+    @inference
     def embed(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> Tensor:

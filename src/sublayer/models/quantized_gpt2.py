@@ -42,7 +42,8 @@ from .. import functional as SF
 from .. import kernels
 from ..functional import fused
 from . import decoding
-from .fast import FastGPT2, _inference, _kernels_on
+from ..runtime.rows import inference, kernels_on
+from .fast import FastGPT2
 from .gpt2 import GPT2, GPT2Config
 
 __all__ = ["DEFAULT_KEEP_FLOAT_GPT2", "WeightInt8Linear", "weight_int8_linear_reference", "QuantizedGPT2"]
@@ -74,8 +75,8 @@ class WeightInt8Linear:
         self._packed: Tensor | None = None
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
-        if _kernels_on() and (activation is None or activation in fused._ACT_IDS):
-            act = 0 if activation is None else fused._ACT_IDS[activation]
+        if kernels_on() and (activation is None or activation in fused.ACT_IDS):
+            act = 0 if activation is None else fused.ACT_IDS[activation]
             return kernels.ops().skinny_linear(x, self.packed(), self.bias, self.out_features, act, self.scale)
         y = weight_int8_linear_reference(x, self.q, self.scale, self.bias)
         return y if activation is None else SF.activation_fn(activation)(y)
@@ -89,7 +90,7 @@ class WeightInt8Linear:
     def flat(self) -> tuple[Tensor, Tensor, Tensor] | None:
         """``(packed, scale, bias)`` for ``gpt2_decode_layers`` (decode.cpp's ``skinny_linear`` reads the same
         int8 panels), or None without the kernels or a bias."""
-        if not _kernels_on() or self.bias is None:
+        if not kernels_on() or self.bias is None:
             return None
         return self.packed(), self.scale, self.bias
 
@@ -184,7 +185,7 @@ class QuantizedGPT2:
                 "lnf": norm("ln_f"), "head": self.head, "wte": t["wte"], "wpe": t["wpe"],
             }  # fmt: skip
             # every block of a step in one C++ call (decode.cpp's skinny_linear on the int8 panels)
-            self._W["flat"] = decoding._flat_gpt2(self._W, self.config.activation)
+            self._W["flat"] = decoding.flat_gpt2(self._W, self.config.activation)
         return self._W
 
     def eval(self):
@@ -195,7 +196,7 @@ class QuantizedGPT2:
             raise RuntimeError("QuantizedGPT2 is inference-only; train the float model and quantize it again")
         return self
 
-    @_inference
+    @inference
     def lm_head(self, h: Tensor) -> Tensor:
         """(..., d_model) float32 -> (..., vocab_size) logits."""
         return self.head(h.reshape(-1, h.shape[-1]).float().contiguous()).view(*h.shape[:-1], -1)
@@ -204,41 +205,13 @@ class QuantizedGPT2:
         self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None
     ) -> Tensor:
         """Final-LayerNormed hidden states (B, T, d) float32; ``caches``: one ``SF.KVCache`` per block."""
-        W = self.decode_weights()
-        cfg = self.config
-        B, T = input_ids.shape
-        d, H = cfg.d_model, cfg.n_heads
-        hd = d // H
-        x = (W["wte"][input_ids] + W["wpe"][position_ids]).reshape(B * T, d)
-        past = 0 if caches is None else len(caches[0])
-        if key_padding_mask is None and past == 0:
-            mask, causal = None, True
-        elif key_padding_mask is None and T == 1:
-            mask, causal = None, False
-        else:
-            mask = SF.causal_mask(T, past + T, device=x.device)[None, None]
-            if key_padding_mask is not None:
-                mask = mask & ~key_padding_mask[:, None, None, :]
-            causal = False
-        layers = W["layers"]
-        w, b, eps = layers[0]["ln1"]
-        h = F.layer_norm(x, (d,), w, b, eps)
-        for i, L in enumerate(layers):
-            q, k, v = L["qkv"](h).view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)
-            if caches is not None:
-                k, v = caches[i].update(k, v)
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-            y = L["out"](ctx.transpose(1, 2).reshape(B * T, d))
-            h, x = decoding._add_norm(x, y, *L["ln2"])  # x += attn; h = ln_2(x)
-            y = L["fc2"](L["fc1"](h, cfg.activation))
-            h, x = decoding._add_norm(x, y, *(layers[i + 1]["ln1"] if i + 1 < len(layers) else W["lnf"]))
-        return h.view(B, T, d)
+        return decoding.gpt2_hidden(self.decode_weights(), self.config, input_ids, position_ids, key_padding_mask, caches)
 
     # -- inference: FastGPT2's forward (its checks, then _hidden and lm_head, which this class defines for int8)
     forward = FastGPT2.forward
     __call__ = forward
 
-    @_inference
+    @inference
     def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
         """:meth:`GPT2.generate` (same arguments and checks) over the int8 weights."""
         return GPT2.generate(self, input_ids, max_new_tokens, **kwargs)  # type: ignore[arg-type]

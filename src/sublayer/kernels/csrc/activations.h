@@ -1,5 +1,5 @@
 // Elementwise activations shared by the kernels (kernels.cpp's FFN passes, int8.cpp's epilogues): float32 with
-// a vectorisable exp, double through std:: functions. Ids as sublayer.functional.fused._ACT_IDS.
+// a vectorisable exp, double through std:: functions. Ids as sublayer.functional.fused.ACT_IDS.
 #pragma once
 
 #include <algorithm>
