@@ -13,7 +13,7 @@ from torch.testing import assert_close
 
 from sublayer.checkpoints import gpt2 as keymap
 from sublayer.models import GPT2, GPT2Config
-from sublayer.models.gpt2 import _filtered_probs
+from sublayer.runtime.generation import filtered_probs
 
 from .conftest import EOS, MAX_POS, N_LAYERS, PAD, VOCAB, make_hf_gpt2
 
@@ -168,7 +168,7 @@ def test_sampling_filters_equal_hf_warpers(temperature, top_k, top_p):
     if top_p is not None:
         warpers.append(TopPLogitsWarper(top_p))
     want = warpers(None, logits.clone()).softmax(-1)
-    got = _filtered_probs(logits, temperature, top_k, top_p)
+    got = filtered_probs(logits, temperature, top_k, top_p)
     assert_close(got, want)
     if top_k is not None:
         assert bool(((got > 0).sum(-1) <= top_k).all())

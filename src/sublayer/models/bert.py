@@ -21,13 +21,19 @@ from torch import Tensor, nn
 
 from .. import checkpoints as ckpt
 from .. import functional as SF
-from .._checks import check_choice, check_eps, check_positive_int, check_probability
+from .._checks import (
+    check_attention_mask,
+    check_choice,
+    check_eps,
+    check_input_ids,
+    check_positive_int,
+    check_probability,
+)
 from ..checkpoints import bert as keymap
 from ..nn import EncoderBlock, LayerNorm, TransformerEncoder
 from ..functional.packing import PackedBatch
 from ..runtime import padding_free
 from .config import ModelConfig
-from .gpt2 import check_attention_mask, check_input_ids
 
 __all__ = ["BertConfig", "Bert", "BertEmbeddings", "BertPooler"]
 

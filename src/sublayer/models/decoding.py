@@ -45,6 +45,7 @@ Switch: ``SUBLAYER_DECODING=0`` in the environment or :func:`set_enabled` (``Fal
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -57,6 +58,7 @@ from .. import kernels
 from ..runtime import weights as weights_cache
 from ..functional.packing import document_mask
 from ..runtime.rows import EPILOGUE, add_norm, ffn_hidden, kernels_on, layer_norm
+from ..runtime.generation import token_loop
 from ..runtime.rules import fast_path_allowed
 from ..runtime.weights import prepared
 
@@ -298,13 +300,15 @@ def gpt2_supports(model) -> bool:
     )
 
 
-def gpt2_source(obj):
-    """The :class:`GPT2` whose weights the fast path decodes for ``obj`` (a GPT2, or a wrapper exposing
-    ``decode_model``), or None when the reference loop must run."""
-    from .gpt2 import GPT2
-
-    model = obj if isinstance(obj, GPT2) else getattr(obj, "decode_model", None)
-    return model if isinstance(model, GPT2) and gpt2_supports(model) else None
+def gpt2_decoder(model, weights: dict | None = None):
+    """The fast decoding loop of :func:`sublayer.runtime.generation.generate` for a GPT-2-shaped ``model``
+    (``weights``: its prepared weights, None: the packed float32 weights of ``model``'s parameters), or None where
+    the reference loop runs (switched off, not float32 CPU, hooks, sharded, LayerNorms without bias)."""
+    if weights is None and not gpt2_supports(model):
+        return None
+    if weights is not None and not _enabled:
+        return None
+    return functools.partial(gpt2_generate, model, weights=weights)
 
 
 class DenseLinear:
@@ -488,26 +492,15 @@ def gpt2_generate(
         mask = torch.zeros(b, cap, dtype=torch.bool)
         mask[:, :t] = key_padding_mask
     step_pos = positions[:, -1:] + torch.arange(1, max_new_tokens + 1)[None]  # (B, max_new) positions to come
-    out = torch.empty(b, cap, dtype=torch.long)  # as the reference (cat with int64 ids promotes)
-    out[:, :t] = input_ids
-    finished = torch.zeros(b, dtype=torch.bool)
     greedy_head = W.get("greedy") if greedy else None
 
     def next_ids(h: Tensor) -> Tensor:  # (B, d) final hidden states -> (B,) ids
         return greedy_head(h) if greedy_head is not None else pick(W["head"](h))
 
-    nxt = next_ids(h[:, -1].float())
-    n = 0
-    for s in range(max_new_tokens):
-        if eos_token_id is not None:
-            nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
-            finished = finished | (nxt == eos_token_id)
-        out[:, t + s] = nxt
-        n = s + 1
-        if s + 1 == max_new_tokens or (eos_token_id is not None and bool(finished.all())):
-            break
-        nxt = next_ids(gpt2_step(model, W, nxt, step_pos[:, s], caches, mask))
-    return out[:, : t + n]
+    def step(nxt: Tensor, s: int) -> Tensor:
+        return next_ids(gpt2_step(model, W, nxt, step_pos[:, s], caches, mask))
+
+    return token_loop(input_ids, max_new_tokens, next_ids(h[:, -1].float()), step, eos_token_id, pad)
 
 
 # ----------------------------------------------------------------------------------------------- Transformer

@@ -34,12 +34,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import functional as SF
 from .. import kernels
+from ..runtime import generation
 from ..runtime.rows import add_norm, bias_act, inference, kernels_on, layer_norm
 from ..runtime.weights import clear_cache, prepared
 from . import decoding
 from .bert import Bert
-from .gpt2 import GPT2, check_attention_mask, check_input_ids
+from .._checks import check_attention_mask, check_input_ids
+from .gpt2 import GPT2
 
 __all__ = ["fast_inference", "FastBert", "FastGPT2"]
 
@@ -292,17 +295,6 @@ class FastGPT2(_FastBase):
             return decoding.prepared_weights(self.model, decoding.build_gpt2)
         return super()._weights()
 
-    @property
-    def decode_model(self):
-        """The model whose float32 weights :mod:`sublayer.models.decoding` streams in ``generate`` (None: this
-        wrapper's own weights differ from the model's, e.g. native bf16, and the reference loop runs)."""
-        return self.model if self.compute_dtype == torch.float32 and self.dtype in _DTYPES else None
-
-    # what GPT2.generate needs from ``self``
-    @property
-    def blocks(self):
-        return self.model.blocks
-
     @inference
     def lm_head(self, h: Tensor) -> Tensor:
         """(..., d_model) -> (..., vocab_size) float32 logits."""
@@ -330,4 +322,16 @@ class FastGPT2(_FastBase):
     @inference
     def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
         """:meth:`GPT2.generate` (same arguments and checks) over the fast path."""
-        return GPT2.generate(self, input_ids, max_new_tokens, **kwargs)  # type: ignore[arg-type]
+        return generation.generate(self, input_ids, max_new_tokens, **kwargs)
+
+    # what sublayer.runtime.generation needs (its CausalLM protocol)
+    def hidden_states(self, input_ids, position_ids, key_padding_mask, caches):
+        return self._hidden(input_ids, position_ids, key_padding_mask, caches)
+
+    def new_caches(self) -> list:
+        return [SF.KVCache() for _ in self.model.blocks]
+
+    def fast_decoder(self):
+        """float32 compute: the model's fast decoding loop (the same packed weights); else the reference loop
+        over this wrapper's blocks."""
+        return decoding.gpt2_decoder(self.model) if self.compute_dtype == torch.float32 else None

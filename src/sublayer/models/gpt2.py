@@ -24,14 +24,23 @@ from torch import Tensor, nn
 from .. import checkpoints as ckpt
 from .. import functional as SF
 from ..functional.cross_entropy import check_options, check_targets
-from .._checks import check_choice, check_eps, check_positive_int, check_probability
+from .._checks import (
+    check_attention_mask,
+    check_choice,
+    check_eps,
+    check_input_ids,
+    check_positive_int,
+    check_probability,
+)
 from ..checkpoints import gpt2 as keymap
 from ..nn import LayerNorm, MultiHeadAttention, PositionWiseFFN, PreNormResidual
 from ..functional.packing import PackedBatch, document_mask
-from ..runtime import padding_free
+from ..runtime import generation, padding_free
+from ..runtime.generation import check_token_id
+from . import decoding
 from .config import ModelConfig
 
-__all__ = ["GPT2Config", "GPT2", "GPT2Block", "check_input_ids"]
+__all__ = ["GPT2Config", "GPT2", "GPT2Block", "check_input_ids"]  # check_input_ids: re-exported from _checks
 
 # HF config fields that change the math; only these values are implemented.
 _HF_FIXED = {
@@ -40,13 +49,6 @@ _HF_FIXED = {
     "reorder_and_upcast_attn": False,
     "add_cross_attention": False,
 }
-
-
-def _check_token_id(name: str, value: object) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -97,7 +99,7 @@ class GPT2Config(ModelConfig):
         if not isinstance(self.tie_word_embeddings, bool):
             raise TypeError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            _check_token_id(name, getattr(self, name))
+            check_token_id(name, getattr(self, name))
 
     @property
     def hidden_size(self) -> int:
@@ -170,36 +172,6 @@ class GPT2Config(ModelConfig):
             "pad_token_id": self.pad_token_id,
             **_HF_FIXED,
         }
-
-
-def check_input_ids(
-    name: str, ids: object, vocab_size: int, max_len: int | None = None, *, limit_name: str = "vocab_size"
-) -> None:
-    """``ids`` must be an int64/int32 tensor (B, T), T >= 1, values in [0, vocab_size), T <= max_len.
-    ``limit_name`` names ``vocab_size`` in the error (``max_positions`` for position ids...)."""
-    if not isinstance(ids, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(ids).__name__}")
-    if ids.dtype not in (torch.int64, torch.int32):  # what embedding lookups take (uint8/bool would mask-index)
-        raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype} (int64 or int32: use .long())")
-    if ids.dim() != 2 or ids.shape[1] == 0:
-        raise ValueError(f"{name} must have shape (batch, seq_len) with seq_len >= 1, got {tuple(ids.shape)}")
-    if max_len is not None and ids.shape[1] > max_len:
-        raise ValueError(f"{name} has {ids.shape[1]} positions, more than max_positions={max_len}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(
-            f"{name} must lie in [0, {limit_name}={vocab_size}), got values in [{int(ids.min())}, {int(ids.max())}]"
-        )
-
-
-def check_attention_mask(mask: object, shape: tuple[int, ...]) -> Tensor:
-    """HF attention mask (1 = token, 0 = pad), (B, T) -> our key_padding_mask (True = pad)."""
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"attention_mask must be a torch.Tensor, got {type(mask).__name__}")
-    if tuple(mask.shape) != tuple(shape):
-        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(shape)}, got {tuple(mask.shape)}")
-    if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
-        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
-    return mask == 0
 
 
 class GPT2Block(nn.Module):
@@ -414,7 +386,6 @@ class GPT2(nn.Module):
             h, self.lm_head.weight, targets, bias=self.lm_head.bias, ignore_index=ignore_index, grad_in_forward=True
         )
 
-    @torch.no_grad()
     def generate(
         self,
         input_ids: Tensor,
@@ -451,72 +422,25 @@ class GPT2(nn.Module):
             ValueError/TypeError: bad ids or mask, max_new_tokens < 0, too long, temperature <= 0,
             top_k < 1, top_p outside (0, 1].
         """
-        cfg = self.config
-        check_input_ids("input_ids", input_ids, cfg.vocab_size, cfg.max_positions)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        b, t = input_ids.shape
-        if t + max_new_tokens > cfg.max_positions:
-            raise ValueError(
-                f"prompt length {t} + max_new_tokens {max_new_tokens} exceeds max_positions={cfg.max_positions}"
-            )
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-            raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
-        check_positive_int("top_k", top_k, allow_none=True)
-        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-        _check_token_id("eos_token_id", eos_token_id)
-        _check_token_id("pad_token_id", pad_token_id)
-        pad = eos_token_id if pad_token_id is None else pad_token_id
+        return generation.generate(
+            self, input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample,
+            eos_token_id=eos_token_id, pad_token_id=pad_token_id, attention_mask=attention_mask, generator=generator,
+        )  # fmt: skip
 
-        device = input_ids.device
-        if attention_mask is None:
-            kpm = None
-            positions = torch.arange(t, device=device)[None].expand(b, t)
-        else:
-            kpm = check_attention_mask(attention_mask, (b, t))
-            positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(kpm, 0)
-            if bool(kpm.all(dim=1).any()):
-                raise ValueError("attention_mask has a row with no token (all 0)")
-        was_training = self.training
-        self.eval()
-        def pick(logits: Tensor) -> Tensor:  # (B, V) float32 -> (B,) next ids
-            if do_sample:
-                probs = _filtered_probs(logits, temperature, top_k, top_p)
-                return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-            return logits.argmax(dim=-1)
+    # what sublayer.runtime.generation needs (its CausalLM protocol)
+    def hidden_states(
+        self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None
+    ) -> Tensor:
+        """Final hidden states (B, T, d_model) of ids at positions; ``caches`` (one KVCache per block) extended."""
+        return self._hidden(input_ids, position_ids, key_padding_mask, caches)
 
-        try:
-            from . import decoding  # the fast decoding path, tested against the reference loop below
+    def new_caches(self) -> list[SF.KVCache]:
+        """One empty KV cache per block."""
+        return [SF.KVCache() for _ in self.blocks]
 
-            source, weights = decoding.gpt2_source(self), None
-            if source is None and hasattr(self, "decode_weights") and decoding.enabled():  # e.g. QuantizedGPT2
-                source, weights = self, self.decode_weights()
-            if source is not None:
-                return decoding.gpt2_generate(
-                    source, input_ids, positions, kpm if kpm is None or kpm.any() else None, max_new_tokens,
-                    prefill=self._hidden, pick=pick, eos_token_id=eos_token_id, pad=pad, weights=weights,
-                    greedy=not do_sample,
-                )  # fmt: skip
-            caches = [SF.KVCache() for _ in self.blocks]
-            out = input_ids
-            finished = torch.zeros(b, dtype=torch.bool, device=device)
-            step_ids, step_pos = input_ids, positions
-            for _ in range(max_new_tokens):
-                h = self._hidden(step_ids, step_pos, kpm if kpm is None or kpm.any() else None, caches)
-                nxt = pick(self.lm_head(h[:, -1]).float())
-                if eos_token_id is not None:
-                    nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
-                    finished = finished | (nxt == eos_token_id)
-                out = torch.cat([out, nxt[:, None]], dim=1)
-                if eos_token_id is not None and bool(finished.all()):
-                    break
-                step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
-                if kpm is not None:
-                    kpm = torch.cat([kpm, torch.zeros(b, 1, dtype=torch.bool, device=device)], dim=1)
-            return out
-        finally:
-            self.train(was_training)
+    def fast_decoder(self):
+        """The fast decoding loop over this model's packed weights, or None (:func:`decoding.gpt2_decoder`)."""
+        return decoding.gpt2_decoder(self)
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None) -> GPT2:
@@ -573,19 +497,3 @@ class GPT2(nn.Module):
         tensors = keymap.to_hf(self.state_dict(), self.config.n_layers, tied=self.config.tie_word_embeddings)
         tensors = {(k if k == "lm_head.weight" else keymap.PREFIX + k): v for k, v in tensors.items()}
         ckpt.write_folder(folder, tensors, self.config.to_hf_dict())
-
-
-def _filtered_probs(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None) -> Tensor:
-    """Sampling distribution (B, V) after temperature, top-k and top-p (nucleus) filtering."""
-    logits = logits / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        p = sorted_logits.softmax(dim=-1)
-        before = p.cumsum(dim=-1) - p  # probability mass of the more likely tokens
-        drop = before >= top_p
-        drop[..., 0] = False  # always keep the most likely token
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    return logits.softmax(dim=-1)

@@ -42,6 +42,7 @@ from .. import functional as SF
 from .. import kernels
 from ..functional import fused
 from . import decoding
+from ..runtime import generation
 from ..runtime.rows import inference, kernels_on
 from .fast import FastGPT2
 from .gpt2 import GPT2, GPT2Config
@@ -214,7 +215,18 @@ class QuantizedGPT2:
     @inference
     def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
         """:meth:`GPT2.generate` (same arguments and checks) over the int8 weights."""
-        return GPT2.generate(self, input_ids, max_new_tokens, **kwargs)  # type: ignore[arg-type]
+        return generation.generate(self, input_ids, max_new_tokens, **kwargs)
+
+    # what sublayer.runtime.generation needs (its CausalLM protocol)
+    def hidden_states(self, input_ids, position_ids, key_padding_mask, caches):
+        return self._hidden(input_ids, position_ids, key_padding_mask, caches)
+
+    def new_caches(self) -> list:
+        return [SF.KVCache() for _ in self.layers]
+
+    def fast_decoder(self):
+        """The float path's decoding loop over the int8 weights (``SUBLAYER_DECODING=0``: the reference loop)."""
+        return decoding.gpt2_decoder(self, weights=self.decode_weights())
 
     # -- save / load
     def save_pretrained(self, folder: str | os.PathLike) -> None:

@@ -22,7 +22,7 @@ from ..checkpoints.io import atomic_write
 from .._checks import check_choice, check_positive_int, check_probability, check_tensor
 from ..nn import DecoderBlock, EncoderBlock, TransformerDecoder, TransformerEncoder
 from ..functional.packing import PackedBatch
-from ..runtime import padding_free
+from ..runtime import generation, padding_free
 from .config import ModelConfig
 
 __all__ = ["Transformer", "TransformerConfig", "sinusoidal_positional_encoding"]
@@ -427,9 +427,10 @@ class Transformer(nn.Module):
                     memory = memory.repeat_interleave(beam_size, dim=0)
                     mask = None if mask is None else mask.repeat_interleave(beam_size, dim=0)
                 steps = self._reference_steps(memory, mask)
+            dev = self.out_proj.weight.device
             if beam_size == 1:
-                return self._greedy(steps, src.shape[0], max_len, bos, eos, pad)
-            return self._beam(steps, src.shape[0], max_len, bos, eos, pad, beam_size, length_penalty)
+                return generation.greedy_search(steps, src.shape[0], max_len, bos, eos, pad, dev)
+            return generation.beam_search(steps, src.shape[0], max_len, bos, eos, pad, beam_size, length_penalty, dev)
         finally:
             self.train(was_training)
 
@@ -454,59 +455,6 @@ class Transformer(nn.Module):
                 mask = None if mask is None else mask.index_select(0, rows)
 
         return step, reorder
-
-    def _greedy(self, steps, b, max_len, bos, eos, pad) -> Tensor:
-        """Greedy search; a row that emitted ``eos`` leaves the batch (``reorder`` keeps the others), so the
-        steps after it cost nothing for it. Rows are independent, so the tokens are those of the full batch."""
-        step, reorder, *fast = steps  # the fast path's steps also give the argmax alone (next_ids)
-        next_ids = fast[0] if fast else (lambda tok: step(tok).argmax(-1))
-        dev = self.out_proj.weight.device
-        out = torch.full((b, max_len), pad, dtype=torch.long, device=dev)
-        live = torch.arange(b, device=dev)  # the batch row of each row still running
-        tok = torch.full((b, 1), bos, dtype=torch.long, device=dev)
-        for i in range(max_len):
-            nxt = next_ids(tok)
-            out[live, i] = nxt
-            running = nxt != eos
-            if not bool(running.any()):
-                return out[:, : i + 1]
-            if not bool(running.all()):
-                keep = running.nonzero().squeeze(1)
-                reorder(keep)
-                live, nxt = live[keep], nxt[keep]
-            tok = nxt[:, None]
-        return out
-    def _beam(self, steps, b, max_len, bos, eos, pad, k, length_penalty) -> Tensor:
-        step, reorder = steps[:2]
-        dev = self.out_proj.weight.device
-        scores = torch.full((b, k), float("-inf"), device=dev)
-        scores[:, 0] = 0.0  # start from one live beam, so the first step does not pick k copies of one token
-        seqs = torch.zeros(b * k, 0, dtype=torch.long, device=dev)
-        lengths = torch.zeros(b, k, device=dev)
-        done = torch.zeros(b, k, dtype=torch.bool, device=dev)
-        tok = torch.full((b * k, 1), bos, dtype=torch.long, device=dev)
-        for _ in range(max_len):
-            logp = step(tok).log_softmax(-1)
-            v = logp.shape[-1]
-            logp = logp.view(b, k, v).float()
-            if bool(done.any()):  # a finished beam continues only with `pad` at no cost, so it keeps its score
-                logp = logp.masked_fill(done[..., None], float("-inf"))
-                logp[..., pad] = logp[..., pad].masked_fill(done, 0.0)
-            cand = (scores[..., None] + logp).view(b, k * v)
-            scores, idx = cand.topk(k, dim=-1)
-            beam, nxt = idx // v, idx % v
-            rows = (beam + torch.arange(b, device=dev)[:, None] * k).view(-1)
-            reorder(rows)
-            seqs = torch.cat([seqs.index_select(0, rows), nxt.view(-1, 1)], dim=1)
-            was_done = done.gather(1, beam)
-            lengths = lengths.gather(1, beam) + (~was_done).float()
-            done = was_done | (nxt == eos)
-            tok = nxt.view(-1, 1)
-            if bool(done.all()):
-                break
-        ranked = scores / lengths.clamp(min=1.0) ** length_penalty
-        best = ranked.argmax(-1) + torch.arange(b, device=dev) * k
-        return seqs.index_select(0, best)
 
     # ---- checkpoints ----------------------------------------------------------------------------------------
 
