@@ -57,8 +57,10 @@ from .. import functional as SF
 from .. import kernels
 from ..runtime import weights as weights_cache
 from ..functional.packing import document_mask
-from ..runtime.rows import EPILOGUE, add_norm, ffn_hidden, kernels_on, layer_norm
+from ..runtime.rows import EPILOGUE, add_norm, kernels_on, layer_norm, residual_out
 from ..runtime.generation import token_loop
+from ..runtime.kv_cache import StaticKVCache, decode_attention
+from ..runtime.linear import NO_SCALE, GreedyHead, PackedLinear, skinny_max_rows
 from ..runtime.rules import fast_path_allowed
 from ..runtime.weights import prepared
 
@@ -76,194 +78,6 @@ def set_enabled(flag: bool) -> None:
 def enabled() -> bool:
     """Whether ``generate``/``translate`` take the fast decoding path."""
     return _enabled
-
-
-# ----------------------------------------------------------------------------------------------- building blocks
-class PackedLinear:
-    """``y = x @ weight.T + bias`` for few rows, the weight packed once for the ``skinny_linear`` kernel.
-
-    Args:
-        weight: (N, K) float32 (``nn.Linear`` layout). bias: (N,) or None.
-
-    Call: x (M, K) float32 with unit inner stride (a column slice of a wider tensor works) -> (M, N).
-    Without the kernels, or for more than :func:`skinny_max_rows` rows, ``F.linear`` runs on the unpacked weight.
-    """
-
-    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
-        weight = weight.detach().float().contiguous()
-        self.out_features, self.in_features = weight.shape
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.weight = weight  # the parameter itself (no copy) for batches above skinny_max_rows()
-        self.packed = kernels.ops().pack_linear_weight(weight) if kernels_on() else None
-        self.max_rows = skinny_max_rows() if self.packed is not None else 0  # decided once, not per call
-
-    def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
-        """``activation`` (an FFN activation name) is applied after the bias: fused into the kernel's epilogue
-        (``fused.ACT_IDS``), a separate pass for any other."""
-        if x.shape[0] <= self.max_rows:
-            act = _EPILOGUE.get(activation, 0)
-            y = kernels.ops().skinny_linear(x, self.packed, self.bias, self.out_features, act)
-            return y if activation is None or act else ffn_hidden(y, None, activation)
-        y = F.linear(x, self.weight, self.bias)
-        return y if activation is None else ffn_hidden(y, None, activation)
-
-    def flat(self) -> tuple[Tensor, Tensor, Tensor] | None:
-        """``(packed, scale, bias)`` as ``gpt2_decode_layers`` takes a linear (no scale: an empty tensor), or None
-        (no kernels, no bias)."""
-        if self.packed is None or self.bias is None:
-            return None
-        return self.packed, _NO_SCALE, self.bias
-
-
-# Up to here the several-row micro-kernels beat torch's GEMM (AVX-512: 8 rows x 2 panels; AVX2: 6 rows x 16
-# columns, ~60-70 GFLOP/s at 8-32 rows where torch's reached 40-70 here); above it a blocked GEMM wins.
-SKINNY_MAX_ROWS = 32
-
-
-def skinny_max_rows() -> int:
-    """Most rows ``PackedLinear`` multiplies with ``skinny_linear`` (above: torch's GEMM on the unpacked weight)."""
-    return SKINNY_MAX_ROWS
-
-
-_NO_SCALE = torch.empty(0)
-_EPILOGUE = EPILOGUE  # activations fused into skinny_linear's epilogue (relu, GELU, tanh-GELU, SiLU, relu^2)
-
-
-class GreedyHead:
-    """``argmax(x @ weight.T + bias)`` per row, equal to the float32 argmax, reading the weight in float16.
-
-    The LM head is a third of GPT-2 small's bytes per token. A greedy step needs only the argmax, so this screens
-    every vocabulary row with a float16 copy of the weight (half the bytes) and recomputes in float32 only the
-    rows that could still be the maximum: with ``w16`` the float16 weight and ``x`` the float32 input,
-
-        |x·w16_j - x·w_j| <= ||x||_2 ||w_j - w16_j||_2            (Cauchy-Schwarz; w_j - w16_j is known exactly)
-
-    plus the float32 rounding of either sum (<= 2 (K+2) u ||x||_2 ||w_j||_2, any summation order, u = 2^-24) and
-    of the bias addition. A row j whose screened logit plus its bound is below the best screened logit minus that
-    row's bound cannot be the float32 maximum, so the argmax over the candidates' float32 logits (typically one to
-    a few rows; ``screened_argmax`` in C++) is the argmax over all rows (ties: the first index, as
-    ``torch.argmax``). When the best lower end is not finite, every row is recomputed.
-
-    Args:
-        weight: (V, K) float32. bias: (V,) or None.
-
-    Call: x (M, K) float32 -> (M,) int64 ids. Needs the kernels (``skinny_linear`` on float16 panels).
-    """
-
-    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
-        w = weight.detach().float().contiguous()
-        self.weight, self.bias = w, None if bias is None else bias.detach().float().contiguous()
-        self.out_features, k = w.shape
-        w16 = w.half()
-        self.usable = bool(torch.isfinite(w16).all())  # |w| beyond float16's range: no screening
-        diff = (w.double() - w16.double()).norm(dim=1)
-        rounding = 2 * (k + 2) * 2.0**-24 * torch.maximum(w.double().norm(dim=1), w16.double().norm(dim=1))
-        self.bound = ((diff + rounding) * (1 + 2.0**-10)).float()  # (V,) per unit of ||x||_2, rounded up
-        self.packed = kernels.ops().pack_linear_weight(w16) if self.usable else None
-
-    def __call__(self, x: Tensor) -> Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias).argmax(-1)
-        ops = kernels.ops()
-        screened = ops.skinny_linear(x, self.packed, self.bias, self.out_features, 0)  # (M, V)
-        return ops.screened_argmax(x, screened, self.weight, self.bias, self.bound)
-
-    def reference(self, x: Tensor) -> Tensor:
-        """The same selection in PyTorch ops (what ``screened_argmax`` computes), for tests."""
-        screened = F.linear(x, self.weight.half().float(), self.bias)
-        xnorm = x.double().norm(dim=1, keepdim=True).float() * (1 + 2.0**-10)
-        err = torch.addcmul(screened.abs() * 2.0**-21, xnorm, self.bound[None])  # (M, V)
-        best_low = (screened - err).amax(dim=1, keepdim=True)
-        cand = ((screened + err) >= best_low) | ~torch.isfinite(best_low) | screened.isnan().any(1, keepdim=True)
-        logits = torch.where(cand, F.linear(x, self.weight, self.bias), float("-inf"))
-        return logits.argmax(dim=-1), cand.sum(dim=1)
-
-
-class StaticKVCache:
-    """Keys and values of one attention layer, allocated once: (B, n_heads, capacity, head_dim) each.
-
-    ``length`` positions are filled; :func:`decode_attention` appends one position per step in place.
-    """
-
-    def __init__(self, batch: int, n_heads: int, capacity: int, head_dim: int, *, dtype=torch.float32) -> None:
-        self.k = torch.empty(batch, n_heads, capacity, head_dim, dtype=dtype)  # only [0, length) is ever read
-        self.v = torch.empty_like(self.k)
-        self.length = 0
-        self.rows: Tensor | None = None  # (batch, capacity) int64 once reordered: the cache row of each key
-
-    def fill(self, k: Tensor, v: Tensor) -> None:
-        """Copy a prefix (B, H, T, hd) into positions [0, T)."""
-        t = k.shape[2]
-        self.k[:, :, :t].copy_(k)
-        self.v[:, :, :t].copy_(v)
-        self.length = t
-
-    def reorder(self, rows: Tensor) -> None:
-        """Select batch rows: row n's filled positions become those of row ``rows[n]`` (beam search), and fewer
-        rows than the cache holds keep only those (a greedy batch whose other rows ended). Only the (rows,
-        capacity) row table changes, no key or value: :func:`decode_attention` reads key j of row n from cache
-        row ``self.rows[n, j]``. Row n writes its later positions in cache row n: those slots were never written
-        and no table points at them, so every slot stays valid."""
-        b, cap = self.k.shape[0], self.k.shape[2]
-        if self.rows is None:
-            self.rows = torch.arange(b)[:, None].expand(b, cap).contiguous()
-        t, n = self.length, rows.numel()
-        table = torch.arange(n)[:, None].repeat(1, cap)  # own rows from position t on
-        table[:, :t] = self.rows[:, :t].index_select(0, rows.to(self.rows.device))
-        self.rows = table
-
-
-def decode_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    length: int,
-    *,
-    mask: Tensor | None = None,
-    new_k: Tensor | None = None,
-    new_v: Tensor | None = None,
-    rows: Tensor | None = None,
-) -> Tensor:
-    """One query per row against cached keys/values: q (N, d), k/v (B, H, T_max, hd) -> (N, d).
-
-    With ``new_k``/``new_v`` (N, d) they are first written at position ``length - 1`` of cache rows [0, N) (in
-    place; N <= B, and N < B only through a row table). Attends to positions [0, length) except those ``mask``
-    (N, T_max) bool marks True; scaled by 1/sqrt(hd). ``rows`` (N, T_max) int64: key j of query row n is in cache
-    row ``rows[n, j]`` (a reordered beam's history, a row that outlived others, or the sentence whose memory the
-    beams share); None: row n (N == B).
-    """
-    b, h, _, hd = k.shape
-    scale = 1.0 / math.sqrt(hd)
-    if kernels_on():
-        return kernels.ops().decode_attention(q, k, v, mask, length, scale, new_k, new_v, rows)
-    n = q.shape[0]
-    if new_k is not None:  # query row i writes cache row i
-        k[:n, :, length - 1] = new_k.reshape(n, h, hd)
-        v[:n, :, length - 1] = new_v.reshape(n, h, hd)
-    k, v = k[:, :, :length], v[:, :, :length]
-    if rows is not None:  # (N, length, H, hd) gathered through the table, as (N, H, length, hd)
-        at = torch.arange(length, device=k.device)
-        k, v = (t.transpose(1, 2)[rows[:, :length], at].transpose(1, 2) for t in (k, v))
-    am = None if mask is None else ~mask[:, None, None, :length]
-    ctx = F.scaled_dot_product_attention(q.reshape(n, h, 1, hd), k, v, attn_mask=am, scale=scale)
-    return ctx.reshape(n, h * hd)
-
-
-def residual_out(pre: bool, x: Tensor, y: Tensor, norm: tuple, after: tuple | None) -> tuple[Tensor, Tensor]:
-    """``(x, h)`` after a sublayer's output ``y`` joins the residual stream ``x`` (N, d):
-
-    post-norm ``x = LN(x + y)`` with this sublayer's ``norm``, and ``h = x``; pre-norm ``x = x + y`` and ``h`` the
-    next sublayer's input, ``after(x)`` (the norm that follows: the next sublayer's, or the stack's final one;
-    ``x`` itself when there is none). Norms are ``(weight, bias, eps)``; the add and the norm run fused.
-    """
-    if not pre:
-        x, _ = add_norm(x, y, *norm)
-        return x, x
-    if after is None:
-        x = x + y
-        return x, x
-    h, x = add_norm(x, y, *after)
-    return x, h
 
 
 def prepared_weights(module: torch.nn.Module, build):
@@ -311,27 +125,6 @@ def gpt2_decoder(model, weights: dict | None = None):
     return functools.partial(gpt2_generate, model, weights=weights)
 
 
-class DenseLinear:
-    """``y = act(x @ weight.T + bias)`` with the weight cast once to ``dtype`` (a compute dtype other than the
-    packed float32 panels', e.g. bf16 on CPUs that multiply it natively); the call of :class:`PackedLinear`.
-
-    Args:
-        weight: (N, K). bias: (N,) or None. dtype: the GEMM's dtype (x is cast to it).
-    """
-
-    def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> None:
-        self.weight_t = weight.detach().to(dtype).t()
-        self.bias = None if bias is None else bias.detach().to(dtype)
-        self.bias32 = None if bias is None else bias.detach().float()
-        self.out_features = weight.shape[0]
-
-    def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
-        x = x.to(self.weight_t.dtype)
-        if activation is not None:
-            return ffn_hidden(torch.mm(x, self.weight_t), self.bias32, activation)
-        return torch.mm(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
-
-
 def build_gpt2(model, linear=PackedLinear) -> dict:
     """GPT-2's prepared weights: norms (weight, bias, eps) in float32, each linear a callable
     ``(x, activation=None)`` made by ``linear(weight, bias)``; the one-call step's tensors when they apply."""
@@ -358,7 +151,7 @@ def flat_gpt2(W: dict, activation: str) -> list | None:
     """The tensors of ``gpt2_decode_layers`` (every block in one C++ call), or None where it does not apply
     (no kernels, an activation it does not fuse, LayerNorms with different eps)."""
     eps = {n[2] for L in W["layers"] for n in (L["ln1"], L["ln2"])} | {W["lnf"][2]}
-    if not kernels_on() or activation not in _EPILOGUE or len(eps) != 1:
+    if not kernels_on() or activation not in EPILOGUE or len(eps) != 1:
         return None
     flat = []
     for L in W["layers"]:
@@ -422,7 +215,7 @@ def gpt2_step(model, W: dict, tokens: Tensor, positions: Tensor, caches: list, m
     flat = W.get("flat")
     if flat is not None and x.shape[0] <= W.get("flat_rows", skinny_max_rows()):  # every block in one C++ call
         h = kernels.ops().gpt2_decode_layers(
-            x, flat, [c.k for c in caches], [c.v for c in caches], mask, length, W["lnf"][2], _EPILOGUE[cfg.activation]
+            x, flat, [c.k for c in caches], [c.v for c in caches], mask, length, W["lnf"][2], EPILOGUE[cfg.activation]
         )
         for c in caches:
             c.length = length
@@ -552,7 +345,7 @@ def _flat_transformer(W: dict, activation: str) -> list | None:
     """The tensors of ``transformer_decode_layers`` (a decoder step in one C++ call), or None where it does not
     apply (no kernels, a linear without bias, an activation it does not fuse, LayerNorms with different eps)."""
     norms = [n for L in W["layers"] for n in L["norms"]] + ([W["final"]] if W["final"] is not None else [])
-    if not kernels_on() or activation not in _EPILOGUE or len({n[2] for n in norms}) != 1:
+    if not kernels_on() or activation not in EPILOGUE or len({n[2] for n in norms}) != 1:
         return None
     flat = []
     for L in W["layers"]:
@@ -562,7 +355,7 @@ def _flat_transformer(W: dict, activation: str) -> list | None:
         for lin, p in zip((L[k] for k in _LINEARS), parts):
             flat += [*p, lin.weight]
         flat += [t for n in L["norms"] for t in n[:2]]
-    flat += list(W["final"][:2]) if W["final"] is not None else [_NO_SCALE, _NO_SCALE]
+    flat += list(W["final"][:2]) if W["final"] is not None else [NO_SCALE, NO_SCALE]
     return [t.contiguous() for t in flat]
 
 
@@ -615,7 +408,7 @@ def transformer_stepper(
         if flat is not None:  # every layer in one C++ call (the loop below is its reference)
             h = kernels.ops().transformer_decode_layers(
                 x, flat, [c.k for c in caches], [c.v for c in caches], [c[0] for c in cross], [c[1] for c in cross],
-                mask, caches[0].rows, sentence, t + 1, eps, _EPILOGUE[act], pre, W["head"].max_rows,
+                mask, caches[0].rows, sentence, t + 1, eps, EPILOGUE[act], pre, W["head"].max_rows,
             )  # fmt: skip
             for c in caches:
                 c.length = t + 1

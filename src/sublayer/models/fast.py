@@ -37,6 +37,7 @@ from torch import Tensor
 from .. import functional as SF
 from .. import kernels
 from ..runtime import generation
+from ..runtime.linear import DenseLinear
 from ..runtime.rows import add_norm, bias_act, inference, kernels_on, layer_norm
 from ..runtime.weights import clear_cache, prepared
 from . import decoding
@@ -288,7 +289,7 @@ class FastGPT2(_FastBase):
     def _build(self) -> dict:
         """:func:`sublayer.models.decoding.build_gpt2`'s weights in the compute dtype (float32: the packed weights
         ``generate`` decodes with, one prepared copy for both)."""
-        return decoding.build_gpt2(self.model, lambda w, b: decoding.DenseLinear(w, b, self.compute_dtype))
+        return decoding.build_gpt2(self.model, lambda w, b: DenseLinear(w, b, self.compute_dtype))
 
     def _weights(self) -> dict:
         if self.compute_dtype == torch.float32:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..functional.packing import Packing
-from ..runtime.rows import kernels_on
+from ..runtime.rows import ffn_hidden, kernels_on, residual_out
 from . import decoding
 
 __all__ = ["supports", "encode"]
@@ -97,9 +97,9 @@ def encode(model, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Te
         ctx = ops.qkv_self_attention(qkv, pad, cfg.n_heads, s, scale)
         if pk is not None:
             ctx = pk.pack(ctx.view(b, s, d))
-        x, h = decoding.residual_out(pre, x, F.linear(ctx, *L["out"]), L["norms"][0], L["norms"][1])
-        f = decoding.ffn_hidden(F.linear(h, L["fc1"][0]), L["fc1"][1], cfg.activation)
-        x, h = decoding.residual_out(pre, x, F.linear(f, *L["fc2"]), L["norms"][1], after)
+        x, h = residual_out(pre, x, F.linear(ctx, *L["out"]), L["norms"][0], L["norms"][1])
+        f = ffn_hidden(F.linear(h, L["fc1"][0]), L["fc1"][1], cfg.activation)
+        x, h = residual_out(pre, x, F.linear(f, *L["fc2"]), L["norms"][1], after)
     if not pre and W["final"] is not None:
         h = F.layer_norm(h, (d,), *W["final"][:2], W["final"][2])
     return h.view(b, s, d) if pk is None else pk.unpack(h)

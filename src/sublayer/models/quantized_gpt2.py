@@ -43,6 +43,7 @@ from .. import kernels
 from ..functional import fused
 from . import decoding
 from ..runtime import generation
+from ..runtime.linear import PackedLinear
 from ..runtime.rows import inference, kernels_on
 from .fast import FastGPT2
 from .gpt2 import GPT2, GPT2Config
@@ -100,7 +101,7 @@ def _make_linear(t: dict[str, Tensor], name: str, default_weight: Tensor | None 
     b = t.get(f"{name}.bias")
     if f"{name}.qweight" in t:
         return WeightInt8Linear(t[f"{name}.qweight"], t[f"{name}.scale"], b)
-    return decoding.PackedLinear(t.get(f"{name}.weight", default_weight), b)
+    return PackedLinear(t.get(f"{name}.weight", default_weight), b)
 
 
 class QuantizedGPT2:

@@ -15,7 +15,7 @@ from .. import functional as SF
 from .. import kernels
 from ..functional import fused
 
-__all__ = ["kernels_on", "inference", "layer_norm", "add_norm", "bias_act", "ffn_hidden", "EPILOGUE"]
+__all__ = ["kernels_on", "inference", "layer_norm", "add_norm", "bias_act", "ffn_hidden", "residual_out", "EPILOGUE"]
 
 EPILOGUE = fused.ACT_IDS  # activations the kernels fuse into a GEMM epilogue or a bias pass
 
@@ -69,3 +69,20 @@ def ffn_hidden(a: Tensor, bias: Tensor | None, act: str) -> Tensor:
         return bias_act(a, bias, act)
     gate, up = (a if bias is None else a + bias).chunk(2, dim=-1)
     return SF.activation_fn(act)(gate) * up
+
+
+def residual_out(pre: bool, x: Tensor, y: Tensor, norm: tuple, after: tuple | None) -> tuple[Tensor, Tensor]:
+    """``(x, h)`` after a sublayer's output ``y`` joins the residual stream ``x`` (N, d):
+
+    post-norm ``x = LN(x + y)`` with this sublayer's ``norm``, and ``h = x``; pre-norm ``x = x + y`` and ``h`` the
+    next sublayer's input, ``after(x)`` (the norm that follows: the next sublayer's, or the stack's final one;
+    ``x`` itself when there is none). Norms are ``(weight, bias, eps)``; the add and the norm run fused.
+    """
+    if not pre:
+        x, _ = add_norm(x, y, *norm)
+        return x, x
+    if after is None:
+        x = x + y
+        return x, x
+    h, x = add_norm(x, y, *after)
+    return x, h
