@@ -20,22 +20,29 @@ class MultiHeadAttention(nn.Module):
         dropout: on the attention weights in training.
         bias: biases on the four projections.
         kdim, vdim: key/value input sizes (cross-attention); None -> d_model.
+        n_kv_heads: key/value heads (grouped-query attention; 1 = multi-query); None -> n_heads; must divide
+            ``n_heads``. Each key/value head serves ``n_heads / n_kv_heads`` consecutive query heads.
+        head_dim: size of one head; None -> d_model / n_heads (then ``n_heads`` must divide ``d_model``).
 
     Attributes:
         q_proj, k_proj, v_proj, out_proj: ``nn.Linear`` projections (separate, so tensor-parallel plans and
-        checkpoint key maps can address them).
+        checkpoint key maps can address them): q ``(n_heads·head_dim, d_model)``, k/v ``(n_kv_heads·head_dim,
+        kdim/vdim)``, out ``(d_model, n_heads·head_dim)``.
 
     Forward:
         query (B, T_q, d_model); key (B, T_k, kdim) / value (B, T_k, vdim), default: self-attention.
         ``key_padding_mask`` (B, T_k) True = padding; ``attn_mask`` bool (True = masked) or additive float,
         (T_q, T_k), (B·H, T_q, T_k) or (B|1, H|1, T_q, T_k); ``is_causal`` (bottom-right aligned);
         ``need_weights`` returns weights (B, T_q, T_k) averaged over heads (or per head with
-        ``average_attn_weights=False``); ``kv_cache`` (:class:`sublayer.functional.KVCache`) for decoding.
+        ``average_attn_weights=False``); ``kv_cache`` (:class:`sublayer.functional.KVCache`) for decoding;
+        ``rotary`` ``(cos, sin)`` (B | 1, T_q, head_dim) rotary position embeddings for q and k (see
+        :class:`~sublayer.nn.RotaryEmbedding`), applied before the cache update.
         Returns ``(out (B, T_q, d_model), weights or None)``.
         Query rows with every key masked give zeros and finite gradients.
 
     Raises:
-        ValueError: ``d_model % n_heads != 0`` (naming both), non-positive sizes, dropout outside [0, 1);
+        ValueError: ``d_model % n_heads != 0`` without ``head_dim`` (naming both), ``n_heads % n_kv_heads != 0``
+        (naming both), non-positive sizes, dropout outside [0, 1);
         at call time: wrong shapes, integer masks, q/k/v dtype or device mismatch.
     """
 
@@ -48,6 +55,8 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         kdim: int | None = None,
         vdim: int | None = None,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -56,18 +65,25 @@ class MultiHeadAttention(nn.Module):
         check_positive_int("n_heads", n_heads)
         check_positive_int("kdim", kdim, allow_none=True)
         check_positive_int("vdim", vdim, allow_none=True)
+        check_positive_int("n_kv_heads", n_kv_heads, allow_none=True)
+        check_positive_int("head_dim", head_dim, allow_none=True)
         check_probability("dropout", dropout)
-        if d_model % n_heads != 0:
+        if head_dim is None and d_model % n_heads != 0:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
-        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if n_heads % n_kv_heads != 0:
+            raise ValueError(f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
+        self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
+        self.head_dim = d_model // n_heads if head_dim is None else head_dim
+        inner, kv_inner = n_heads * self.head_dim, n_kv_heads * self.head_dim
         self.kdim = kdim or d_model
         self.vdim = vdim or d_model
         self.dropout = float(dropout)
         kw = {"device": device, "dtype": dtype}
-        self.q_proj = nn.Linear(d_model, d_model, bias=bias, **kw)
-        self.k_proj = nn.Linear(self.kdim, d_model, bias=bias, **kw)
-        self.v_proj = nn.Linear(self.vdim, d_model, bias=bias, **kw)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias, **kw)
+        self.q_proj = nn.Linear(d_model, inner, bias=bias, **kw)
+        self.k_proj = nn.Linear(self.kdim, kv_inner, bias=bias, **kw)
+        self.v_proj = nn.Linear(self.vdim, kv_inner, bias=bias, **kw)
+        self.out_proj = nn.Linear(inner, d_model, bias=bias, **kw)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -91,6 +107,7 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
         average_attn_weights: bool = True,
         kv_cache: SF.KVCache | None = None,
+        rotary: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         return SF.multi_head_attention(
             query,
@@ -114,7 +131,10 @@ class MultiHeadAttention(nn.Module):
             average_attn_weights=average_attn_weights,
             kv_cache=kv_cache,
             linear=fused.linear,
+            rotary=rotary,
         )
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, n_heads={self.n_heads}, dropout={self.dropout}"
+        kv = f", n_kv_heads={self.n_kv_heads}" if self.n_kv_heads != self.n_heads else ""
+        hd = f", head_dim={self.head_dim}" if self.head_dim * self.n_heads != self.d_model else ""
+        return f"d_model={self.d_model}, n_heads={self.n_heads}{kv}{hd}, dropout={self.dropout}"
