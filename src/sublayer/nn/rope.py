@@ -23,6 +23,7 @@ class RotaryEmbedding(nn.Module):
         head_dim: even size of one attention head.
         theta: the base (HF ``rope_theta``).
         scaling: HF ``rope_scaling`` dict (``llama3``) or None.
+        device, dtype: accepted like every module's factory kwargs; there are no parameters to place.
 
     Forward:
         ``position_ids`` (B, T) or (1, T) integers; ``dtype`` of the result (default float32). Returns
@@ -32,7 +33,15 @@ class RotaryEmbedding(nn.Module):
         ValueError: odd or non-positive head_dim, theta <= 0, an unsupported scaling type (naming it).
     """
 
-    def __init__(self, head_dim: int, *, theta: float = 10000.0, scaling: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        *,
+        theta: float = 10000.0,
+        scaling: Mapping[str, Any] | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.scaling = SF.check_rope_scaling(scaling)
         SF.rotary_inv_freq(head_dim, theta, self.scaling)  # validates head_dim and theta
