@@ -181,7 +181,7 @@ class LlamaConfig(ModelConfig):
             n_layers=d["num_hidden_layers"],
             n_heads=d["num_attention_heads"],
             n_kv_heads=d.get("num_key_value_heads"),
-            head_dim=d.get("head_dim"),
+            head_dim=None if d.get("head_dim") == d["hidden_size"] // d["num_attention_heads"] else d.get("head_dim"),
             d_ff=d["intermediate_size"],
             activation=_HF_GATED[d.get("hidden_act", "silu")],
             eps=d.get("rms_norm_eps", 1e-6),
@@ -211,7 +211,7 @@ class LlamaConfig(ModelConfig):
             "hidden_act": _TO_HF_GATED[self.activation],
             "rms_norm_eps": self.eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
+            "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling),  # a copy: HF edits it
             "attention_dropout": self.attn_dropout,
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
