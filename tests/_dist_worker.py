@@ -170,6 +170,26 @@ def scenario_gpt2_from_hf(mesh, hf_dir):
     assert_close(torch.stack(losses["tp"]), torch.stack(losses["ref"]))
 
 
+def scenario_llama_gqa(mesh):
+    """A Llama with grouped-query attention (4 query heads, 2 kv heads: one group per rank), rotary positions and
+    a gated FFN: sharded forward/backward, sequence parallel too, and KV-cache decoding equal one process's."""
+    from sublayer.models import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=19, d_model=D, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=F,
+                      attention_bias=True, model_type="qwen2")  # fmt: skip
+    ref = randomized(Llama(cfg))
+    ids = torch.randint(0, 19, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[2, :1] = 0
+    for sp in (False, True):
+        ref.zero_grad()
+        compare_fwd_bwd(ref, sharded_copy(ref, mesh, sequence_parallel=sp), [ids], {"attention_mask": mask})
+    tp = sharded_copy(ref, mesh)
+    assert tp.blocks[0].self_attn.k_proj.weight.to_local().shape == (4, D)  # one kv head of 4 per rank
+    assert torch.equal(tp.generate(ids[:, :2], 4), ref.generate(ids[:, :2], 4))
+
+
 def scenario_transformer_and_bert(mesh):
     from sublayer.models.bert import Bert, BertConfig
     from sublayer.models.transformer import Transformer
@@ -230,6 +250,7 @@ SCENARIOS = {
     "ffn_bare": scenario_ffn_bare,
     "gpt2_from_hf": scenario_gpt2_from_hf,
     "transformer_and_bert": scenario_transformer_and_bert,
+    "llama_gqa": scenario_llama_gqa,
     "fsdp": scenario_fsdp,
 }
 
