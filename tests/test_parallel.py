@@ -128,7 +128,7 @@ def test_fake_backend_llama_plan_shards_kv_heads(fake_mesh):
     logits = model(torch.randint(0, 23, (2, 8)))
     assert logits.shape == (2, 8, 23) and not isinstance(logits, DTensor)
     cfg = LlamaConfig(vocab_size=23, d_model=32, n_layers=1, n_heads=16, n_kv_heads=2, head_dim=4, d_ff=40)
-    with pytest.raises(ValueError, match=r"self_attn: n_kv_heads \(2\) must be divisible by the tensor-parallel mesh size \(8\)"):
+    with pytest.raises(ValueError, match=r"self_attn: n_kv_heads \(2\) must be divisible by the tensor-parallel mesh"):
         tensor_parallel(Llama(cfg), fake_mesh)
 
 

@@ -135,7 +135,8 @@ def rotary_cos_sin(
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the pairs ``(x[..., i], x[..., i + d/2])`` by the angles of ``cos``/``sin``: ``x·cos + rotate_half(x)·sin``.
+    """Rotate the pairs ``(x[..., i], x[..., i + d/2])`` by the angles of ``cos``/``sin``:
+    ``x·cos + rotate_half(x)·sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``.
 
     Args:
         x: (B, H, T, head_dim) (or any ``(..., T, head_dim)``).

@@ -57,7 +57,8 @@ class LlamaConfig(ModelConfig):
         d_ff (``intermediate_size``): the gated FFN's hidden size.
         activation: ``swiglu`` (HF ``hidden_act`` silu), ``geglu`` (gelu), ``reglu`` (relu).
         eps (``rms_norm_eps``): RMSNorm eps.
-        rope_theta: rotary base. rope_scaling: None or a ``llama3`` dict (:func:`sublayer.functional.check_rope_scaling`).
+        rope_theta: rotary base.
+        rope_scaling: None or a ``llama3`` dict (:func:`sublayer.functional.check_rope_scaling`).
         attention_bias: biases on q/k/v (and, for llama, on the output projection; qwen2 has them on q/k/v only and
             always).
         attn_dropout (``attention_dropout``): on the attention weights in training.
