@@ -15,7 +15,7 @@ from .. import functional as SF
 from .._checks import check_positive_int
 from .gpt2 import check_attention_mask, check_input_ids
 
-__all__ = ["check_token_id", "filtered_probs", "generate"]
+__all__ = ["check_eos_ids", "check_token_id", "filtered_probs", "generate"]
 
 
 def check_token_id(name: str, value: object) -> None:
@@ -24,6 +24,20 @@ def check_token_id(name: str, value: object) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
+
+
+def check_eos_ids(name: str, value: object) -> list[int]:
+    """End-of-sequence ids: None -> [], an id -> [id], a non-empty list/tuple of ids -> a list (Llama 3 and Qwen
+    instruct checkpoints end a turn with any of several tokens)."""
+    ids = list(value) if isinstance(value, (list, tuple)) else [value]
+    if value is None or not ids:
+        if value is not None:
+            raise ValueError(f"{name} must be None, an int >= 0 or a non-empty list of them, got {value!r}")
+        return []
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise ValueError(f"{name} must be None, an int >= 0 or a non-empty list of them, got {value!r}")
+    return ids
 
 
 def filtered_probs(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None) -> Tensor:
@@ -52,7 +66,7 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     do_sample: bool = False,
-    eos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     attention_mask: Tensor | None = None,
     generator: torch.Generator | None = None,
@@ -68,8 +82,8 @@ def generate(
         max_new_tokens: tokens to add (>= 0).
         temperature, top_k, top_p: sampling filters (:func:`filtered_probs`).
         do_sample: sample from the filtered distribution; False -> greedy argmax (filters ignored).
-        eos_token_id: a row that produced it is finished; later positions get ``pad_token_id`` (None ->
-            ``eos_token_id``); decoding stops early once every row is finished.
+        eos_token_id: an id or a list of ids: a row that produced one is finished; later positions get
+            ``pad_token_id`` (None -> the first eos id); decoding stops early once every row is finished.
         generator: a ``torch.Generator`` for reproducible sampling.
 
     Returns:
@@ -87,9 +101,10 @@ def generate(
     check_positive_int("top_k", top_k, allow_none=True)
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    check_token_id("eos_token_id", eos_token_id)
+    eos = check_eos_ids("eos_token_id", eos_token_id)
     check_token_id("pad_token_id", pad_token_id)
-    pad = eos_token_id if pad_token_id is None else pad_token_id
+    pad = (eos[0] if eos else None) if pad_token_id is None else pad_token_id
+    eos_ids = torch.tensor(eos, dtype=input_ids.dtype, device=input_ids.device)
     b, t = input_ids.shape
     device = input_ids.device
     if attention_mask is None:
@@ -116,11 +131,11 @@ def generate(
         for _ in range(max_new_tokens):
             h = model._hidden(step_ids, step_pos, kpm, caches)
             nxt = pick(model.lm_head(h[:, -1]).float())
-            if eos_token_id is not None:
+            if eos:
                 nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
-                finished = finished | (nxt == eos_token_id)
+                finished = finished | torch.isin(nxt, eos_ids)
             out = torch.cat([out, nxt[:, None]], dim=1)
-            if eos_token_id is not None and bool(finished.all()):
+            if eos and bool(finished.all()):
                 break
             step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
             if kpm is not None:

@@ -63,8 +63,9 @@ class LlamaConfig(ModelConfig):
             always).
         attn_dropout (``attention_dropout``): on the attention weights in training.
         tie_word_embeddings: the LM head shares the token embedding.
-        bos_token_id, eos_token_id, pad_token_id: special tokens (None or int); the embedding row of
-            ``pad_token_id`` gets no gradient (``nn.Embedding(padding_idx=...)``, as HF).
+        bos_token_id, pad_token_id: special tokens (None or int); the embedding row of ``pad_token_id`` gets no
+            gradient (``nn.Embedding(padding_idx=...)``, as HF). eos_token_id: None, an int or a list of ints
+            (instruct checkpoints end a turn with any of several).
 
     Raises:
         ValueError/TypeError: bad sizes, head layout, activation, eps, rope scaling, probabilities, token ids.
@@ -87,7 +88,7 @@ class LlamaConfig(ModelConfig):
     attn_dropout: float = 0.0
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 1
-    eos_token_id: int | None = 2
+    eos_token_id: int | list[int] | None = 2
     pad_token_id: int | None = None
 
     def validate(self) -> None:
@@ -110,8 +111,9 @@ class LlamaConfig(ModelConfig):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.model_type == "qwen2" and not self.attention_bias:
             raise ValueError("model_type 'qwen2' has biases on q/k/v: attention_bias must be True, got False")
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        for name in ("bos_token_id", "pad_token_id"):
             generation.check_token_id(name, getattr(self, name))
+        generation.check_eos_ids("eos_token_id", self.eos_token_id)
         if self.pad_token_id is not None and self.pad_token_id >= self.vocab_size:
             raise ValueError(f"pad_token_id ({self.pad_token_id}) must be below vocab_size ({self.vocab_size})")
 
@@ -143,7 +145,7 @@ class LlamaConfig(ModelConfig):
             ValueError: one message naming the key and value of anything the model cannot represent:
             ``model_type`` other than llama/qwen2, a missing size key, ``use_sliding_window`` true (or a
             ``sliding_attention`` layer), a rope type other than default/llama3, ``partial_rotary_factor`` != 1,
-            mixture-of-experts keys, ``mlp_bias`` true, an unknown ``hidden_act``, a list of token ids.
+            mixture-of-experts keys, ``mlp_bias`` true, an unknown ``hidden_act``, a list of bos or pad ids.
         """
         if not isinstance(d, dict):
             raise TypeError(f"LlamaConfig.from_hf_dict needs a dict, got {type(d).__name__}")
@@ -168,7 +170,7 @@ class LlamaConfig(ModelConfig):
         if refused:
             key, value = refused[0]
             raise ValueError(f"unsupported {kind} option {key}={value!r} (Llama cannot represent it)")
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        for key in ("bos_token_id", "pad_token_id"):
             if isinstance(d.get(key), list):
                 raise ValueError(f"{key} must be a single id, got the list {d[key]!r}")
         max_positions = d.get("max_position_embeddings", 2048 if kind == "llama" else 32768)
@@ -420,14 +422,14 @@ class Llama(nn.Module):
         top_k: int | None = None,
         top_p: float | None = None,
         do_sample: bool = False,
-        eos_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
         attention_mask: Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> Tensor:
         """Continue ``input_ids`` token by token with a KV cache holding the key/value heads (greedy: the same
-        tokens as HF ``generate``); arguments, results and errors as :meth:`sublayer.models.GPT2.generate`
-        (:func:`sublayer.models.generation.generate`)."""
+        tokens as HF ``generate``); arguments, results and errors as :meth:`sublayer.models.GPT2.generate`, and
+        ``eos_token_id`` may be a list of ids (see :func:`sublayer.models.generation.generate`)."""
         return generation.generate(
             self, input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             do_sample=do_sample, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
@@ -465,7 +467,8 @@ class Llama(nn.Module):
 
     @classmethod
     def from_hf(cls, model: nn.Module, *, device=None, dtype=None) -> Llama:
-        """Convert a live Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (or their base ``*Model``):
+        """Convert a live Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (or a base ``LlamaModel`` /
+        ``Qwen2Model`` with tied embeddings):
         same logits and gradients; on the HF model's device and dtype unless ``device``/``dtype`` say otherwise,
         in its train/eval mode.
 
