@@ -544,7 +544,9 @@ def fully_shard(model: nn.Module, mesh: DeviceMesh | None = None, **kwargs: Any)
     """FSDP2 (``torch.distributed.fsdp.fully_shard``) on every block, then on the root; returns ``model``.
 
     Data parallel with sharded parameters, gradients and optimizer state: each rank feeds its own batch slice;
-    gradients are averaged across the mesh. Build the optimizer after this call.
+    gradients are averaged across the mesh. Build the optimizer after this call. A model's ``loss`` and
+    ``generate`` methods (GPT2, Llama) are registered as forward methods, so that they too gather the root's
+    parameters (embeddings, final norm, head) before they run.
 
     Args:
         model: the model (a block, a stack or a full model). mesh: a 1-D DeviceMesh (None: the default world).
@@ -557,12 +559,16 @@ def fully_shard(model: nn.Module, mesh: DeviceMesh | None = None, **kwargs: Any)
         TypeError: ``mesh`` neither None nor a DeviceMesh.
     """
     from torch.distributed.fsdp import fully_shard as _fully_shard
+    from torch.distributed.fsdp import register_fsdp_forward_method
 
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
     for unit in _fsdp_units(model):
         _fully_shard(unit, mesh=mesh, **kwargs)
     _fully_shard(model, mesh=mesh, **kwargs)
+    for method in ("loss", "generate"):
+        if callable(getattr(model, method, None)):
+            register_fsdp_forward_method(model, method)
     return model
 
 

@@ -210,6 +210,10 @@ def test_loss_explicit_labels_and_errors():
     assert_close(got.detach(), want)
     with pytest.raises(ValueError, match="no position has a target"):
         model.loss(x[:, :1])
+    empty = torch.zeros_like(x)  # an all-padding batch: finite logits, and no target for a mean
+    assert torch.isfinite(model(x, attention_mask=empty)).all()
+    with pytest.raises(ValueError, match="no position has a target"):
+        model.loss(x, attention_mask=empty)
     with pytest.raises(ValueError, match="labels must have the shape of input_ids"):
         model.loss(x, labels=x[:, :4])
 
