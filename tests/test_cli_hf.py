@@ -108,13 +108,37 @@ def test_generate_text_without_tokenizer(cli, tmp_path):
         (("--model", "{gpt2}", "1 2", "--top-p", "2"), "top_p must be in (0, 1], got 2.0"),
         (("--model", "{gpt2}", "1 999"), "input_ids must lie in [0, vocab_size=53)"),
         (("--model", "{gpt2}", "   "), "the prompt is empty"),
-        (("--model", "{bert}", "1 2"), "model_type must be 'gpt2' for GPT-2, got 'bert'"),
+        (("--model", "{bert}", "1 2"), "generate supports model_type gpt2, llama, qwen2; "),
     ],
 )
 def test_generate_errors_are_one_line(cli, gpt2_dir, bert_dir, tmp_path, args, match):
     fill = {"missing": tmp_path / "missing", "gpt2": gpt2_dir, "bert": bert_dir}
     code, _, err = cli("generate", *(a.format(**{k: str(v) for k, v in fill.items()}) for a in args))
     _one_line_error(code, err, match)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_generate_picks_the_class_from_model_type(cli, tmp_path, kind):
+    import transformers
+
+    from sublayer.models import Llama
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[kind]
+    torch.manual_seed(0)
+    config = config_cls(
+        vocab_size=53, hidden_size=10, intermediate_size=7, num_hidden_layers=1, num_attention_heads=5,
+        num_key_value_heads=1, eos_token_id=2,
+    )  # fmt: skip
+    model_cls(config).save_pretrained(tmp_path)
+    code, out, _ = cli("generate", "--model", tmp_path, "5 9 11", "-n", "6")
+    assert code == 0
+    want = Llama.from_pretrained(tmp_path).generate(torch.tensor([[5, 9, 11]]), 6, eos_token_id=2)[0].tolist()
+    assert out.split() == [str(i) for i in want]
+    code, _, err = cli("generate", "--model", tmp_path, "5 9", "--quantize", "int8")
+    _one_line_error(code, err, f"--quantize int8 supports model_type gpt2 only; {tmp_path} holds model_type {kind!r}")
 
 
 def test_bad_tokenizer_file(cli, tmp_path):

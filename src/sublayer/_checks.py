@@ -117,10 +117,10 @@ def check_param_shape(name: str, t: torch.Tensor | None, shape: tuple[int, ...])
 
 
 def check_input_ids(
-    name: str, ids: object, vocab_size: int, max_len: int | None = None, *, limit_name: str = "vocab_size"
+    name: str, ids: object, vocab_size: int | None, max_len: int | None = None, *, limit_name: str = "vocab_size"
 ) -> None:
-    """``ids`` must be an int64/int32 tensor (B, T), T >= 1, values in [0, vocab_size), T <= max_len.
-    ``limit_name`` names ``vocab_size`` in the error (``max_positions`` for position ids...)."""
+    """``ids`` must be an int64/int32 tensor (B, T), T >= 1, values in [0, vocab_size) (>= 0 when vocab_size is
+    None), T <= max_len. ``limit_name`` names ``vocab_size`` in the error (``max_positions`` for position ids...)."""
     if not isinstance(ids, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(ids).__name__}")
     if ids.dtype not in (torch.int64, torch.int32):  # what embedding lookups take (uint8/bool would mask-index)
@@ -129,7 +129,10 @@ def check_input_ids(
         raise ValueError(f"{name} must have shape (batch, seq_len) with seq_len >= 1, got {tuple(ids.shape)}")
     if max_len is not None and ids.shape[1] > max_len:
         raise ValueError(f"{name} has {ids.shape[1]} positions, more than max_positions={max_len}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+    if vocab_size is None:
+        if ids.numel() and int(ids.min()) < 0:
+            raise ValueError(f"{name} must be >= 0, got a minimum of {int(ids.min())}")
+    elif ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise ValueError(
             f"{name} must lie in [0, {limit_name}={vocab_size}), got values in [{int(ids.min())}, {int(ids.max())}]"
         )

@@ -152,7 +152,7 @@ def _demo_rank(rank: int, world_size: int, cfg) -> None:
     train(cfg, rank=rank, world_size=world_size, wrap_model=DistributedDataParallel)
 
 
-# --- generate / embed: Hugging Face-format GPT-2 and BERT folders -----------------------------------------------
+# --- generate / embed: Hugging Face-format GPT-2, Llama/Qwen2 and BERT folders ----------------------------------
 
 
 def _load_tokenizer(folder: Path, *, why: str):
@@ -184,6 +184,29 @@ def _load_model(folder: Path, float_cls, quantized_cls, quantize: str | None, *,
     return q.quantize(net) if quantize is not None else net
 
 
+GENERATE_TYPES = ("gpt2", "llama", "qwen2")  # config.json model_type -> the class generate loads (see below)
+
+
+def _generate_class(folder: Path, quantize: str | None):
+    """The model class for ``generate`` from ``FOLDER/config.json``'s ``model_type`` (a saved int8 folder: GPT-2's;
+    :func:`_load_model` then reads it); CLIError in one line for a type it does not support."""
+    from .checkpoints import read_config
+    from .models import GPT2, Llama
+    from .models import quantized as q
+
+    if q.is_quantized_folder(folder):
+        return GPT2
+    kind = read_config(folder).get("model_type")
+    if kind not in GENERATE_TYPES:
+        raise CLIError(
+            f"generate supports model_type {', '.join(GENERATE_TYPES)}; {Path(folder) / 'config.json'} has "
+            f"model_type {kind!r}"
+        )
+    if kind != "gpt2" and quantize is not None:
+        raise CLIError(f"--quantize {quantize} supports model_type gpt2 only; {folder} holds model_type {kind!r}")
+    return GPT2 if kind == "gpt2" else Llama
+
+
 def _parse_ids(prompt: str) -> list[int] | None:
     """``"1 2 3"`` or ``"1,2,3"`` -> ids; None when the prompt is text."""
     parts = prompt.replace(",", " ").split()
@@ -195,7 +218,9 @@ def _parse_ids(prompt: str) -> list[int] | None:
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help='Token ids ("464 3290 318") or text (text needs tokenizer.json).'),
-    model: Path = typer.Option(..., "--model", "-m", help="Hugging Face-format GPT-2 folder (config.json + weights)."),
+    model: Path = typer.Option(
+        ..., "--model", "-m", help="Hugging Face-format GPT-2, Llama or Qwen2 folder (config.json + weights)."
+    ),
     max_new_tokens: int = typer.Option(20, "--max-new-tokens", "-n", min=0, help="Tokens to add."),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature (> 0)."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens."),
@@ -209,14 +234,14 @@ def generate(
         "folder loads as is."
     ),
 ) -> None:
-    """Continue a prompt with a GPT-2 checkpoint (greedy by default; KV-cached decoding).
+    """Continue a prompt with a GPT-2, Llama or Qwen2 checkpoint (the class from config.json's model_type; greedy
+    by default; KV-cached decoding).
 
     Prints the ids (prompt and continuation) for an id prompt, the decoded text for a text prompt.
     Stops early at the model's eos token.
     """
     import torch
 
-    from .models import GPT2
     from .models import quantized as q
 
     q.check_quantize(quantize)
@@ -229,7 +254,8 @@ def generate(
         ids = tokenizer.encode(prompt).ids
         if not ids:
             raise CLIError(f"the prompt {prompt[:40]!r} encodes to no tokens")
-    net = _load_model(model, GPT2, q.QuantizedGPT2, quantize, command="generate", kind="GPT-2")
+    cls = _generate_class(model, quantize)
+    net = _load_model(model, cls, q.QuantizedGPT2, quantize, command="generate", kind="GPT-2")
     do_sample = sample or temperature is not None or top_k is not None or top_p is not None
     started = time.perf_counter()
     out = net.generate(

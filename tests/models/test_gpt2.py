@@ -194,7 +194,7 @@ def test_generate_zero_new_tokens_returns_prompt(ours):
         ({"temperature": 0.0, "do_sample": True}, ValueError, "temperature must be a float > 0, got 0.0"),
         ({"top_k": 0}, ValueError, "top_k must be a positive int, got 0"),
         ({"top_p": 1.5}, ValueError, r"top_p must be in \(0, 1\], got 1.5"),
-        ({"eos_token_id": -1}, ValueError, "eos_token_id must be None or an int >= 0, got -1"),
+        ({"eos_token_id": -1}, ValueError, "eos_token_id must be None, an int >= 0 or a non-empty list of them, got -1"),
     ],
 )
 def test_generate_rejects_bad_options(ours, kwargs, exc, match):

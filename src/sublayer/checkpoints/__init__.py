@@ -1,11 +1,11 @@
 """``sublayer.checkpoints``: Hugging Face-format folders (safetensors / ``pytorch_model.bin`` + ``config.json``).
 
 :mod:`.io` reads and writes folders with errors that name the file and checks keys strictly;
-:mod:`.gpt2` and :mod:`.bert` are the key maps (names, fused and transposed layouts) — kept out of the model code.
+:mod:`.gpt2`, :mod:`.bert` and :mod:`.llama` are the key maps (names, fused and transposed layouts) — kept out of the model code.
 The models' ``from_pretrained``/``save_pretrained`` use them.
 """
 
-from . import bert, gpt2, live
+from . import bert, gpt2, live, llama
 from .io import (
     CheckpointError,
     check_and_convert,
@@ -24,6 +24,7 @@ __all__ = [
     "gpt2",
     "hf_activation",
     "live",
+    "llama",
     "read_config",
     "read_hf_folder",
     "read_state_dict",

@@ -21,7 +21,10 @@ from torch import Tensor
 from .. import functional as SF
 from .._checks import check_attention_mask, check_input_ids, check_positive_int
 
-__all__ = ["CausalLM", "generate", "token_loop", "filtered_probs", "greedy_search", "beam_search", "check_token_id"]
+__all__ = [
+    "CausalLM", "generate", "token_loop", "filtered_probs", "greedy_search", "beam_search", "check_token_id",
+    "check_eos_ids",
+]  # fmt: skip
 
 
 class CausalLM(Protocol):
@@ -60,6 +63,21 @@ def check_token_id(name: str, value: object, vocab_size: int | None = None) -> N
         raise ValueError(f"{name} must be a token id below vocab_size={vocab_size}, got {value}")
 
 
+def check_eos_ids(name: str, value: object, vocab_size: int | None = None) -> list[int]:
+    """End-of-sequence ids: None -> [], an id -> [id], a non-empty list/tuple of ids -> a list (Llama 3 and Qwen
+    instruct checkpoints end a turn with any of several tokens)."""
+    if value is None:
+        return []
+    ids = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not ids:
+        raise ValueError(f"{name} must be None, an int >= 0 or a non-empty list of them, got {value!r}")
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise ValueError(f"{name} must be None, an int >= 0 or a non-empty list of them, got {value!r}")
+        check_token_id(name, i, vocab_size)
+    return ids
+
+
 def filtered_probs(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None) -> Tensor:
     """Sampling distribution (B, V) after temperature, top-k and top-p (nucleus) filtering, in HF's order."""
     logits = logits / temperature
@@ -81,24 +99,25 @@ def token_loop(
     max_new_tokens: int,
     first: Tensor,
     step: Callable[[Tensor, int], Tensor],
-    eos_token_id: int | None,
+    eos_token_id: int | list[int] | None,
     pad: int | None,
 ) -> Tensor:
     """The token loop shared by every decoding step: ``first`` (B,) ids after the prompt; ``step(ids, s)`` gives
-    the ids after step ``s``'s (B,) ids. A row that produced ``eos_token_id`` is finished: later positions get
-    ``pad``; the loop stops once every row is finished. Returns (B, T + n) int64 ids."""
+    the ids after step ``s``'s (B,) ids. A row that produced ``eos_token_id`` (one of them, for a list) is
+    finished: later positions get ``pad``; the loop stops once every row is finished. Returns (B, T + n) ids."""
     b, t = input_ids.shape
+    eos = None if eos_token_id is None else torch.tensor(eos_token_id, device=input_ids.device).reshape(-1)
     out = torch.empty(b, t + max_new_tokens, dtype=torch.long, device=input_ids.device)
     out[:, :t] = input_ids
     finished = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
     nxt, n = first, 0
     for s in range(max_new_tokens):
-        if eos_token_id is not None:
+        if eos is not None:
             nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
-            finished = finished | (nxt == eos_token_id)
+            finished = finished | torch.isin(nxt, eos)
         out[:, t + s] = nxt
         n = s + 1
-        if s + 1 == max_new_tokens or (eos_token_id is not None and bool(finished.all())):
+        if s + 1 == max_new_tokens or (eos is not None and bool(finished.all())):
             break
         nxt = step(nxt, s)
     return out[:, : t + n]
@@ -114,12 +133,13 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     do_sample: bool = False,
-    eos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     attention_mask: Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """Continue ``input_ids`` token by token (see :meth:`sublayer.models.GPT2.generate` for the arguments).
+    """Continue ``input_ids`` token by token (see :meth:`sublayer.models.GPT2.generate` for the arguments;
+    ``eos_token_id`` may be a list of ids: a row ends at any of them, and ``pad_token_id`` defaults to the first).
 
     Runs in eval mode (dropout off) without gradients and restores the training flag afterwards.
 
@@ -128,20 +148,22 @@ def generate(
         outside (0, 1], token ids outside the vocabulary.
     """
     cfg = lm.config
-    check_input_ids("input_ids", input_ids, cfg.vocab_size, cfg.max_positions)
+    max_positions = getattr(cfg, "max_positions", None)
+    check_input_ids("input_ids", input_ids, cfg.vocab_size, max_positions)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     b, t = input_ids.shape
-    if t + max_new_tokens > cfg.max_positions:
+    if max_positions is not None and t + max_new_tokens > max_positions:
         raise ValueError(f"prompt length {t} + max_new_tokens {max_new_tokens} exceeds max_positions={cfg.max_positions}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
     check_positive_int("top_k", top_k, allow_none=True)
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    check_token_id("eos_token_id", eos_token_id, cfg.vocab_size)
+    eos = check_eos_ids("eos_token_id", eos_token_id, cfg.vocab_size)
     check_token_id("pad_token_id", pad_token_id, cfg.vocab_size)
-    pad = eos_token_id if pad_token_id is None else pad_token_id
+    pad = (eos[0] if eos else None) if pad_token_id is None else pad_token_id
+    eos_token_id = eos or None
 
     device = input_ids.device
     if attention_mask is None:
