@@ -323,7 +323,7 @@ def bench(
 ) -> None:
     """Time sublayer's fused FFN / Add & Norm / EncoderBlock against eager PyTorch, HF and torch.compile."""
     if decode:
-        from .bench_decode import run_decode_bench
+        from .bench.decode import run_decode_bench
 
         if threads is not None:
             import torch

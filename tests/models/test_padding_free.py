@@ -313,7 +313,7 @@ def test_training_attention_core_equals_sdpa_when_dropout_draws_nothing(gpt2_fol
 def test_loss_on_packed_rows_equals_hf(gpt2_folder):
     # gpt2_hidden gives the real rows only: the LM head and cross-entropy on them (the bench's recipe when the
     # model has no fused GPT2.loss) equal HF's labels= loss on a right-padded batch
-    from sublayer.bench_models import _gpt2_loss_fn
+    from sublayer.bench.models import _gpt2_loss_fn
 
     model = GPT2.from_pretrained(gpt2_folder).eval()
     ids, mask = _ids(3, 7), _mask([7, 4, 2], 7)

@@ -8,7 +8,7 @@
   0.1, AdamW step included): ``GPT2.loss`` vs the model's logits + ``F.cross_entropy`` (same model code and
   weights on both sides, so the difference is the head + loss alone).
 
-``python -m sublayer.bench_loss [--quick]`` prints the rows; ``sublayer bench`` includes them.
+``python -m sublayer.bench.loss [--quick]`` prints the rows; ``sublayer bench`` includes them.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .bench import Row, _fill, _saved_bytes, _time_interleaved
-from .functional import linear_cross_entropy
+from .kernels import Row, _fill, _saved_bytes, _time_interleaved
+from ..functional import linear_cross_entropy
 
 __all__ = ["bench_loss", "bench_lm_head", "bench_gpt2_loss_step"]
 
@@ -68,7 +68,7 @@ def bench_lm_head(quick: bool, reps: int, warmup: int) -> Row:
 
 
 def bench_gpt2_loss_step(quick: bool, reps: int, warmup: int) -> Row:
-    from .models import GPT2, GPT2Config
+    from ..models import GPT2, GPT2Config
 
     if quick:
         cfg = GPT2Config(vocab_size=512, max_positions=16, d_model=32, n_layers=2, n_heads=4)

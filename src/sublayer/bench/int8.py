@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .bench import Row, _time_interleaved
+from .kernels import Row, _time_interleaved
 
 __all__ = ["bench_int8"]
 
@@ -63,9 +63,9 @@ def bench_int8(model_folder: str | Path | None, quick: bool, reps: int, warmup: 
         import transformers
     except ImportError:
         return []
-    from .checkpoints import bert as keymap
-    from .models import Bert, BertConfig
-    from .models.fast import fast_inference
+    from ..checkpoints import bert as keymap
+    from ..models import Bert, BertConfig
+    from ..models.fast import fast_inference
 
     torch.manual_seed(0)
     if model_folder is not None:
@@ -97,8 +97,8 @@ def bench_int8(model_folder: str | Path | None, quick: bool, reps: int, warmup: 
             return hf(input_ids=ids, attention_mask=mask).last_hidden_state
 
     fns = {"eager": lambda: fp32(ids, mask), "sublayer": lambda: int8(ids, mask), "HF fp32": hf_call}
-    from . import kernels
-    from .models import quantized
+    from .. import kernels
+    from ..models import quantized
 
     if kernels.native_bf16_gemm():  # on such CPUs (AMX) the bf16 fast path is the other choice
         bf16 = fast_inference(ours, dtype=torch.bfloat16)

@@ -12,7 +12,7 @@ same initial weights and batch on both sides (each side has its own optimizer). 
   model has one (the fused LM-head + cross-entropy), else the LM head and ``F.cross_entropy`` on the packed real
   tokens (:func:`sublayer.models.padding_free.gpt2_hidden`).
 
-``python -m sublayer.bench_models [--quick] [--reps N] [--threads N] [--only bert|gpt2]`` prints the rows alone.
+``python -m sublayer.bench.models [--quick] [--reps N] [--threads N] [--only bert|gpt2]`` prints the rows alone.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .bench import Row, _fill, _time_interleaved
+from .kernels import Row, _fill, _time_interleaved
 
 __all__ = ["bench_training_steps"]
 
@@ -63,8 +63,8 @@ def _row(case: str, shape: str, res: dict, mask: torch.Tensor, extra: dict) -> R
 def bench_bert_training(quick: bool, reps: int, warmup: int) -> Row:
     import transformers
 
-    from .checkpoints import bert as keymap
-    from .models import Bert, BertConfig, padding_free
+    from ..checkpoints import bert as keymap
+    from ..models import Bert, BertConfig, padding_free
 
     torch.manual_seed(0)
     if quick:
@@ -103,7 +103,7 @@ def bench_bert_training(quick: bool, reps: int, warmup: int) -> Row:
 def _gpt2_loss_fn(model, ids: torch.Tensor, mask: torch.Tensor, *, fused: bool | None = None):
     """Our GPT-2 loss: ``GPT2.loss`` when the model has it (``fused=None``) or ``fused=True``, else the LM head +
     cross-entropy on the packed rows. Returns (a function giving the loss, a description)."""
-    from .models import padding_free
+    from ..models import padding_free
 
     if fused or (fused is None and hasattr(model, "loss")):
         return (lambda: model.loss(ids, attention_mask=mask)), "GPT2.loss"
@@ -123,8 +123,8 @@ def _gpt2_loss_fn(model, ids: torch.Tensor, mask: torch.Tensor, *, fused: bool |
 def bench_gpt2_training(quick: bool, reps: int, warmup: int) -> Row:
     import transformers
 
-    from .checkpoints import gpt2 as keymap
-    from .models import GPT2, GPT2Config, padding_free
+    from ..checkpoints import gpt2 as keymap
+    from ..models import GPT2, GPT2Config, padding_free
 
     torch.manual_seed(0)
     if quick:

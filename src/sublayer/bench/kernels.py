@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import memory
+from .. import memory
 
 __all__ = ["Shape", "SHAPES", "QUICK_SHAPES", "MALLOC_SETTINGS", "run_bench"]
 
@@ -257,7 +257,7 @@ def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compi
     fns = _step_fns(mods, lambda: (x,), bf16, mode)
     # the GEMMs alone, in the dtype the FFN computes them in
     # (the fastest GEMM sublayer has for the dtype: bf16 without native bf16 support multiplies in fp32)
-    from .functional.fused import _gemm
+    from ..functional.fused import _gemm
 
     dt = torch.bfloat16 if bf16 else torch.float32
     up, mm = _gemm(dt)
@@ -392,9 +392,9 @@ def bench_bert_inference(quick: bool, reps: int, warmup: int) -> list[Row]:
         import transformers
     except Exception:  # noqa: BLE001 - transformers is optional here
         return []
-    from .checkpoints import bert as keymap
-    from .models import Bert, BertConfig
-    from .models.fast import fast_inference
+    from ..checkpoints import bert as keymap
+    from ..models import Bert, BertConfig
+    from ..models.fast import fast_inference
 
     torch.manual_seed(0)
     if quick:
@@ -547,7 +547,7 @@ def _measure(
 ) -> list[Row]:
     """Every case of every shape in THIS process (whose allocator setting is ``malloc``); ``extras``: also
     torch.compile and the BERT inference case."""
-    from . import kernels
+    from .. import kernels
 
     kernels.available()  # build first so the first timing does not include it
     warmup = 1 if quick else 2
@@ -577,12 +577,12 @@ def _measure(
                         add(step())
     if extras and "bert" in cases and "bf16" in dts and (quick or any("minilm" in s.name.lower() for s in shapes)):
         add(bench_bert_inference(quick, reps, warmup))
-    if extras and "loss" in cases and "fp32" in dts:  # the fused LM-head loss (sublayer.bench_loss): op and GPT-2 step
-        from .bench_loss import bench_loss
+    if extras and "loss" in cases and "fp32" in dts:  # the fused LM-head loss (sublayer.bench.loss): op and GPT-2 step
+        from .loss import bench_loss
 
         add(bench_loss(quick, reps, warmup))
     if extras and "models" in cases and "fp32" in dts:  # whole-model training steps vs HF on padded batches
-        from .bench_models import bench_training_steps
+        from .models import bench_training_steps
 
         add(bench_training_steps(quick, reps, warmup))
     return rows
@@ -604,7 +604,7 @@ def _measure_in_child(spec: dict, log: Callable[[str], None]) -> tuple[list[Row]
         if spec["malloc"] == "default":  # nothing from outside either: glibc as a user's script gets it
             for k in [k for k in env if k.startswith("MALLOC_") and k.endswith("_")] + ["LD_PRELOAD"]:
                 env.pop(k, None)
-        src = str(Path(__file__).resolve().parents[1])  # this sublayer, even when it is not installed
+        src = str(Path(__file__).resolve().parents[2])  # this sublayer, even when it is not installed
         env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
         proc = subprocess.Popen(
             [sys.executable, "-m", "sublayer.bench", "--child", str(spec_path)],
@@ -667,13 +667,13 @@ def run_bench(
             with ``threads=1``: with more threads it adds up the threads' times).
         reuse_memory: old spelling of ``malloc="reuse"``.
         model: a BERT folder whose weights the int8 row (``dtypes`` containing ``int8``,
-            :mod:`sublayer.bench_int8`) uses (random MiniLM-size weights without it).
+            :mod:`sublayer.bench.int8`) uses (random MiniLM-size weights without it).
 
     Raises:
         ValueError: ``shapes`` matches no shape, ``reps``/``threads`` below 1, or an unknown ``dtypes``/``cases``/
             ``malloc``.
     """
-    from . import kernels
+    from .. import kernels
 
     if reps is not None and reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
@@ -745,8 +745,8 @@ def run_bench(
             }  # fmt: skip
             child_rows, meta["allocator"][setting] = _measure_in_child(spec, log)
             rows += child_rows
-    if "int8" in dts:  # int8 BERT inference vs fp32 and CTranslate2 (sublayer.bench_int8), in this process
-        from .bench_int8 import bench_int8
+    if "int8" in dts:  # int8 BERT inference vs fp32 and CTranslate2 (sublayer.bench.int8), in this process
+        from .int8 import bench_int8
 
         for r in bench_int8(model, quick, reps, 1 if quick else 2):
             r.malloc = "reuse" if memory.memory_reuse_active() else "default"

@@ -46,7 +46,7 @@ def _copy_gbps(reps: int = 5) -> float:
 
 
 def _gemv_rows(n: int, k: int, reps: int) -> list[dict]:
-    from . import kernels
+    from .. import kernels
 
     if not kernels.available():
         return []
@@ -76,7 +76,7 @@ def _gemv_rows(n: int, k: int, reps: int) -> list[dict]:
 def _hf_folder(cfg, out: Path) -> Path:
     """A random GPT-2 saved as a HF folder with a byte-less toy tokenizer (vocab.json + merges.txt), which
     CTranslate2's converter needs; reused when present."""
-    from .models import GPT2
+    from ..models import GPT2
 
     name = f"gpt2-random-l{cfg.n_layers}-d{cfg.d_model}-v{cfg.vocab_size}"
     folder = out / name
@@ -118,7 +118,7 @@ def _bytes_read(engine: str, step_bytes: int, head_bytes: int) -> float:
 def _fast_vs_reference(run: Callable[[], object], reps: int) -> tuple[dict, float, float]:
     """``run()``'s outputs on the fast decoding path and on the reference steps ({True: fast, False: reference}),
     and the best of ``reps`` interleaved timings of each (fast seconds, reference seconds)."""
-    from .models import decoding
+    from ..models import decoding
 
     def on(flag: bool):
         decoding.set_enabled(flag)
@@ -138,7 +138,7 @@ def _fast_vs_reference(run: Callable[[], object], reps: int) -> tuple[dict, floa
 def _translate_rows(quick: bool, reps: int, log: Callable[[str], None]) -> list[dict]:
     """``Transformer.translate`` on the fast path vs the reference steps (same weights, same outputs checked):
     the demo's model (d 128, 2 pre-norm layers; batch 1, 8 and 500 as its evaluation) and a 6-layer d 512 one."""
-    from .models import Transformer
+    from ..models import Transformer
 
     torch.manual_seed(0)
     cases = [("demo d128 l2 pre-norm", dict(d_model=128, n_heads=4, d_ff=256, n_layers=2, norm_first=True), 40,
@@ -169,9 +169,9 @@ def _translate_rows(quick: bool, reps: int, log: Callable[[str], None]) -> list[
 def _demo_eval_row(folder: str | Path, reps: int, log: Callable[[str], None]) -> dict | None:
     """The trained demo checkpoint's own evaluation (``make demo`` writes it to runs/demo): its held-out pairs in
     batches of 500, padded sources, rows ending at their eos; fast path vs reference steps. None without it."""
-    from .demo.checkpoint import load_checkpoint
-    from .demo.report import translate_pairs
-    from .demo.task import held_out_pairs
+    from ..demo.checkpoint import load_checkpoint
+    from ..demo.report import translate_pairs
+    from ..demo.task import held_out_pairs
 
     folder = Path(folder)
     if not (folder / "model.safetensors").is_file():
@@ -214,9 +214,9 @@ def run_decode_bench(
         the rows (dicts: case, batch, engine, tok/s, GB/s, same tokens as HF, same as fp32; GEMV rows; translate
         rows).
     """
-    from . import kernels
-    from .models import GPT2, GPT2Config, decoding
-    from .models.fast import fast_inference
+    from .. import kernels
+    from ..models import GPT2, GPT2Config, decoding
+    from ..models.fast import fast_inference
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -254,7 +254,7 @@ def run_decode_bench(
 
     int8_head_float = None  # the LM head kept float: what int8 on the head costs in accuracy / buys in speed
     if want("sublayer int8, head float"):
-        from .models import quantized
+        from ..models import quantized
 
         int8_head_float = quantized.quantize(model, keep_float=("head",))
     copy = _copy_gbps()

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from sublayer import bench, memory
+from sublayer import memory
+from sublayer.bench import kernels as bench
 
 TINY = bench.Shape("tiny", 1, 8, 16, 32, 2)
 
