@@ -26,11 +26,11 @@ def test_quick_bench_writes_json_markdown_and_png(tmp_path, monkeypatch):
     assert {r["malloc"] for r in data["rows"]} == {here}
     assert data["meta"]["malloc"] == bench.MALLOC_SETTINGS[here]
     assert data["meta"]["allocator"][here] == memory.allocator_setting()
-    assert all(set(r["faults"]) >= {"eager", "sublayer"} for r in data["rows"])  # page faults counted per call
+    assert all(set(r["faults"]) >= {r["base"], "sublayer"} for r in data["rows"])  # page faults counted per call
     cases = {r["case"].split(" ")[0] for r in data["rows"]}
     assert {"Add&Norm", "FFN", "EncoderBlock"} <= cases
     for r in data["rows"]:
-        assert r["times_ms"]["eager"] > 0 and r["times_ms"]["sublayer"] > 0
+        assert r["times_ms"][r["base"]] > 0 and r["times_ms"]["sublayer"] > 0
     ffn = next(r for r in data["rows"] if r["case"].startswith("FFN") and r["mode"] == "training")
     assert ffn["extra"]["saved ratio"] <= 0.6  # the input and one hidden tensor, no mask
     md = (tmp_path / "bench.md").read_text()

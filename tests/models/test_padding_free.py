@@ -311,17 +311,19 @@ def test_training_attention_core_equals_sdpa_when_dropout_draws_nothing(gpt2_fol
 
 
 def test_loss_on_packed_rows_equals_hf(gpt2_folder):
-    # gpt2_hidden gives the real rows only: the LM head and cross-entropy on them (the bench's recipe when the
-    # model has no fused GPT2.loss) equal HF's labels= loss on a right-padded batch
-    from sublayer.bench.models import _gpt2_loss_fn
-
+    # gpt2_hidden gives the real rows only: the LM head and cross-entropy on them equal HF's labels= loss on a
+    # right-padded batch
     model = GPT2.from_pretrained(gpt2_folder).eval()
     ids, mask = _ids(3, 7), _mask([7, 4, 2], 7)
     hf = make_hf_gpt2()
-    want = hf(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
-    loss, how = _gpt2_loss_fn(model, ids, mask, fused=False)
-    assert how.startswith("LM head")
-    assert_close(loss(), want.detach(), rtol=1e-4, atol=0)
+    labels = ids.masked_fill(mask == 0, -100)
+    want = hf(ids, attention_mask=mask, labels=labels).loss
+    nxt = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)  # the target of each position
+    h, pk = padding_free.gpt2_hidden(model, ids, torch.arange(7)[None], mask == 0)
+    tgt = pk.pack(nxt)
+    keep = (tgt != -100).nonzero().squeeze(1)
+    loss = F.cross_entropy(model.lm_head(h.index_select(0, keep)), tgt.index_select(0, keep))
+    assert_close(loss, want.detach(), rtol=1e-4, atol=0)
 
 
 def test_auto_layout_picks_per_sequence_attention_for_few_rows_only(monkeypatch):
