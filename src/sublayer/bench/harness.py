@@ -23,7 +23,7 @@ import torch
 
 __all__ = [
     "CLOCKS", "Row", "Timing", "command_line", "copy_gbps", "cpu_info", "cpu_kind", "machine", "padded_batch",
-    "report_markdown", "report_path", "saved_bytes", "set_clock", "time_interleaved", "write_report",
+    "report_markdown", "report_path", "saved_bytes", "set_clock", "summarize", "time_interleaved", "write_report",
 ]  # fmt: skip
 
 # what a timing measures: "wall" (time.perf_counter) or "cpu" (this process's CPU time, page faults included; with
@@ -76,12 +76,14 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: in
             f()
             ts[k].append(now() - t0)
             flt[k].append(_minor_faults() - f0)
-    out = {}
-    for k, v in ts.items():
-        med = statistics.median(v)
-        q = statistics.quantiles(v, n=4) if len(v) >= 2 else [med] * 3
-        out[k] = Timing(med * 1e3, (q[2] - q[0]) / med if med > 0 else 0.0, statistics.median(flt[k]))
-    return out
+    return {k: summarize([t * 1e3 for t in v], statistics.median(flt[k])) for k, v in ts.items()}
+
+
+def summarize(ms: list[float], faults: float = 0.0) -> Timing:
+    """The :class:`Timing` of the times ``ms``: their median and inter-quartile range / median."""
+    med = statistics.median(ms)
+    q = statistics.quantiles(ms, n=4) if len(ms) >= 2 else [med] * 3
+    return Timing(med, (q[2] - q[0]) / med if med > 0 else 0.0, faults)
 
 
 @dataclass
@@ -240,22 +242,21 @@ def report_markdown(title: str, rows: list[Row], *, command: str, notes: str = "
     lines += [
         "",
         f"Each figure is the median of {reps or 'the'} interleaved rounds (every implementation in turn, so "
-        "noise hits all alike), ± the inter-quartile range / median. ratio = the other's time / sublayer's "
-        "(> 1: sublayer is faster); the first ratio is against the row's reference.",
+        "noise hits all alike), ± the inter-quartile range / median. ratio = the reference's time / sublayer's "
+        "(> 1: sublayer is faster).",
         "",
-        "| job | shape | dtype | mode | sublayer | reference | ratio | all figures | notes |",
+        "| job | shape | dtype | mode | sublayer | reference | ratio | other figures | notes |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        others = [k for k in r.times_ms if k != "sublayer"]
-        order = sorted(others, key=lambda k: k != r.base)  # the reference first
-        ratios = [f"x{x:.2f} vs {k}" for k in order if (x := r.ratio(base=k)) is not None]
+        others = [k for k in r.times_ms if k not in ("sublayer", r.base)]
         ours = _fmt_ms(r, "sublayer").removeprefix("sublayer ") if "sublayer" in r.times_ms else "—"
         ref = _fmt_ms(r, r.base) if r.base in r.times_ms else "—"
         note = "; ".join(f"{k} {v}" for k, v in r.extra.items())
         mode = r.mode + (f" [{r.malloc}]" if len({x.malloc for x in rows}) > 1 else "")
-        cells = [r.case, r.shape, r.dtype, mode, ours, ref, "; ".join(ratios) or "—",
-                 "; ".join(_fmt_ms(r, k) for k in others), note]  # fmt: skip
+        x = r.ratio()
+        cells = [r.case, r.shape, r.dtype, mode, ours, ref, "—" if x is None else f"x{x:.2f}",
+                 "; ".join(_fmt_ms(r, k) for k in others) or "—", note]  # fmt: skip
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
