@@ -91,3 +91,11 @@ def test_bench_without_transformers_says_it_skips_the_hf_rows(tmp_path, monkeypa
     rows = bench.run_bench(tmp_path, quick=True, reps=1, dtypes="fp32", log=lines.append)
     assert any("transformers is not installed: skipping the Hugging Face rows" in s for s in lines)
     assert rows and not any("HF" in r.case or "BERT" in r.case for r in rows)
+
+
+def test_int8_dtype_adds_the_int8_bert_row_against_the_fp32_fast_path(tmp_path):
+    rows = bench.run_bench(tmp_path, quick=True, reps=1, dtypes="int8", cases="addnorm", malloc=_here(),
+                           report=tmp_path / "r.md", log=lambda s: None)  # fmt: skip
+    (row,) = rows
+    assert row.case.startswith("BERT int8 inference") and row.base == "sublayer fp32" and row.ratio() > 0
+    assert "| BERT int8 inference (random tiny) |" in (tmp_path / "r.md").read_text()
