@@ -234,8 +234,6 @@ def train_rows(quick: bool, reps: int, work: Path, model=None, *, padded: bool =
         torch.manual_seed(0)
         ours = (Bert(cfg, pooler=False) if kind == "BERT" else GPT2(cfg)).train()
         hf = ours.to_hf().train()
-        twin = (Bert(cfg, pooler=False) if kind == "BERT" else GPT2(cfg)).train()
-        twin.load_state_dict(ours.state_dict())
         ids, mask = padded_batch(b, t, lo, cfg.vocab_size)
         w = mask[..., None].float() / mask.sum()  # the mean over real tokens
         if kind == "BERT":
@@ -246,7 +244,9 @@ def train_rows(quick: bool, reps: int, work: Path, model=None, *, padded: bool =
             losses = {"sublayer": lambda m=ours: m.loss(ids, attention_mask=mask),
                       "HF": lambda: hf(input_ids=ids, attention_mask=mask, labels=labels).loss}  # fmt: skip
         models = {"sublayer": ours, "HF": hf}
-        if switch is not None:
+        if switch is not None:  # a twin with its own optimizer: the same weights on every side at the start
+            twin = (Bert(cfg, pooler=False) if kind == "BERT" else GPT2(cfg)).train()
+            twin.load_state_dict(ours.state_dict())
 
             def padded_loss(m=twin, f=losses["sublayer"]):
                 with switched(switch, False):
