@@ -168,7 +168,7 @@ def test_checkpoint_loads_and_gives_the_same_outputs(run):
 
 
 def test_bench_times_the_checkpoints_evaluation(run, tmp_path):
-    from sublayer.bench_decode import _demo_eval_row
+    from sublayer.bench.decode import _demo_eval_row
 
     out, _ = run
     lines = []

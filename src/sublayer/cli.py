@@ -346,22 +346,41 @@ def bench(
         False, "--decode", help="Run the decoding benchmark instead: GPT-2 generation tok/s and GB/s, fp32 and int8, "
         "vs HF and CTranslate2 (rows appear when ctranslate2 is installed: pip install 'sublayer[peers]')."
     ),
+    jobs: bool = typer.Option(
+        False, "--jobs", help="Run the whole-job suite instead: GPT-2 decoding vs CTranslate2, translate, training "
+        "steps vs HF, int8 BERT, MiniLM embedding (--quick: tiny shapes)."
+    ),
+    only: Optional[str] = typer.Option(
+        None, "--only", help="With --jobs: comma-separated subset of decode,translate,train,int8,embed."
+    ),
+    report: Optional[Path] = typer.Option(
+        None, "--report", help="Also write a markdown report (machine, versions, date, command, every row): a .md "
+        "file, or a folder where it is named <subject>-<cpu kind>-<date>.md (e.g. benchmarks/results)."
+    ),
+    notes: str = typer.Option("", "--notes", help="A line for the report's header (e.g. the machine was shared)."),
 ) -> None:
     """Time sublayer's fused FFN / Add & Norm / EncoderBlock against eager PyTorch, HF and torch.compile."""
-    if decode:
-        from .bench_decode import run_decode_bench
+    if decode or jobs:
+        import torch
 
         if threads is not None:
-            import torch
-
             torch.set_num_threads(threads)
+    if jobs:
+        from .bench.jobs import run_jobs
+
+        run_jobs(quick=quick, reps=reps, only=only, model=model, work=out / "jobs", report=report, notes=notes,
+                 log=typer.echo)  # fmt: skip
+        return
+    if decode:
+        from .bench.decode import run_decode_bench
+
         run_decode_bench(out, quick=quick, reps=reps, log=typer.echo)
         return
     from .bench import run_bench
 
     run_bench(
         out, quick=quick, use_compile=compile, reps=reps, threads=threads, shapes=shapes, dtypes=dtypes, cases=cases,
-        malloc=malloc, clock=clock, reuse_memory=reuse_memory, model=model, log=typer.echo,
+        malloc=malloc, clock=clock, reuse_memory=reuse_memory, model=model, report=report, notes=notes, log=typer.echo,
     )
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from sublayer.bench import _saved_bytes
+from sublayer.bench.harness import saved_bytes as _saved_bytes
 from sublayer.functional import linear_cross_entropy
 
 N, D, V = 11, 7, 13
