@@ -230,6 +230,7 @@ def check_and_convert(
     canonical: Callable[[str], str | None],
     source: str | os.PathLike,
     optional: frozenset[str] | set[str] = frozenset(),
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> dict[str, Tensor]:
     """Rename a file's keys to their canonical (HF base-model) names and check them against the model.
 
@@ -239,12 +240,13 @@ def check_and_convert(
         canonical: file key -> canonical name, or None for a key that is ignored on purpose (buffers, heads).
         source: the file, named in the error.
         optional: canonical names that may be absent.
+        dtypes: canonical name -> the dtype it must have (None: any dtype; float checkpoints are cast on load).
 
     Returns:
         canonical name -> tensor, exactly the expected keys (minus absent optional ones).
 
     Raises:
-        CheckpointError: one error listing every missing, unexpected, duplicate and wrong-shape key.
+        CheckpointError: one error listing every missing, unexpected, duplicate, wrong-shape and wrong-dtype key.
     """
     found: dict[str, Tensor] = {}
     origin: dict[str, str] = {}
@@ -266,6 +268,11 @@ def check_and_convert(
         for k, t in sorted(found.items())
         if tuple(t.shape) != tuple(expected_shapes[k])
     ]
+    wrong_dtype = [
+        f"{origin[k]}: expected {dtypes[k]}, got {t.dtype}"
+        for k, t in sorted(found.items())
+        if dtypes is not None and k in dtypes and t.dtype != dtypes[k]
+    ]
     problems = []
     if missing:
         problems.append(f"missing keys ({len(missing)}): {_preview(missing)}")
@@ -275,6 +282,8 @@ def check_and_convert(
         problems.append(f"keys given twice ({len(duplicate)}): {_preview(sorted(duplicate))}")
     if wrong:
         problems.append(f"wrong shapes ({len(wrong)}): {_preview(wrong)}")
+    if wrong_dtype:
+        problems.append(f"wrong dtypes ({len(wrong_dtype)}): {_preview(wrong_dtype)}")
     if problems:
         raise CheckpointError(f"checkpoint {source} does not fit the model: " + "; ".join(problems))
     return found
