@@ -37,6 +37,7 @@ from torch import Tensor
 
 from .. import functional as SF
 from .. import kernels
+from ..checkpoints import FROM_CONFIG
 from ..functional import fused
 from .bert import Bert
 from .gpt2 import GPT2, check_attention_mask, check_input_ids
@@ -360,6 +361,10 @@ class FastGPT2(_FastBase):
     def blocks(self):
         return self.model.blocks
 
+    @property
+    def generation_config(self):
+        return self.model.generation_config
+
     @_inference
     def lm_head(self, h: Tensor) -> Tensor:
         W = self._cache.get()
@@ -421,6 +426,6 @@ class FastGPT2(_FastBase):
         return self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
 
     @_inference
-    def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
-        """:meth:`GPT2.generate` (same arguments and checks) over the fast path."""
+    def generate(self, input_ids: Tensor, max_new_tokens: int = FROM_CONFIG, **kwargs) -> Tensor:
+        """:meth:`GPT2.generate` (same arguments, defaults and checks) over the fast path."""
         return GPT2.generate(self, input_ids, max_new_tokens, **kwargs)  # type: ignore[arg-type]

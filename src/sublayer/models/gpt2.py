@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from .. import checkpoints as ckpt
 from .. import functional as SF
+from ..checkpoints import FROM_CONFIG
 from ..functional.cross_entropy import check_options, check_targets
 from .._checks import check_choice, check_eps, check_positive_int, check_probability
 from ..checkpoints import gpt2 as keymap
@@ -41,11 +42,14 @@ _HF_FIXED = {
 }
 
 
-def _check_token_id(name: str, value: object) -> None:
+def _check_token_id(name: str, value: object, vocab_size: int, *, negative: bool = False) -> None:
+    """None, or an int id in ``[0, vocab_size)`` (``negative``: also ``[-vocab_size, 0)``, counted from the end)."""
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
+    low = -vocab_size if negative else 0
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < vocab_size:
+        rule = f"[{low}, vocab_size={vocab_size})" if negative else f"[0, vocab_size={vocab_size})"
+        raise ValueError(f"{name} must be None or an int in {rule}, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -61,10 +65,12 @@ class GPT2Config(ModelConfig):
         dropout (``resid_pdrop``): on each residual branch. embd_dropout (``embd_pdrop``): on the embeddings.
         attn_dropout (``attn_pdrop``): on the attention weights.
         tie_word_embeddings: the LM head shares the token embedding.
-        bos_token_id, eos_token_id, pad_token_id: special tokens (None or int).
+        bos_token_id, eos_token_id, pad_token_id: special tokens: None or an id of the vocabulary; a negative id
+            counts from its end, as a Python index (the default -1 is the last id, GPT-2's ``<|endoftext|>``:
+            50256 for the default vocabulary). Stored resolved (``>= 0``).
 
     Raises:
-        ValueError/TypeError: bad sizes, probabilities, eps, activation, token ids.
+        ValueError/TypeError: bad sizes, probabilities, eps, activation, token ids (outside the vocabulary).
     """
 
     vocab_size: int = 50257
@@ -79,8 +85,8 @@ class GPT2Config(ModelConfig):
     embd_dropout: float = 0.1
     attn_dropout: float = 0.1
     tie_word_embeddings: bool = True
-    bos_token_id: int | None = 50256
-    eos_token_id: int | None = 50256
+    bos_token_id: int | None = -1
+    eos_token_id: int | None = -1
     pad_token_id: int | None = None
 
     def validate(self) -> None:
@@ -96,7 +102,10 @@ class GPT2Config(ModelConfig):
         if not isinstance(self.tie_word_embeddings, bool):
             raise TypeError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            _check_token_id(name, getattr(self, name))
+            value = getattr(self, name)
+            _check_token_id(name, value, self.vocab_size, negative=True)
+            if value is not None and value < 0:
+                setattr(self, name, value + self.vocab_size)
 
     @property
     def hidden_size(self) -> int:
@@ -140,7 +149,7 @@ class GPT2Config(ModelConfig):
             embd_dropout=d.get("embd_pdrop", ref.embd_dropout),
             attn_dropout=d.get("attn_pdrop", ref.attn_dropout),
             tie_word_embeddings=d.get("tie_word_embeddings", True),
-            bos_token_id=d.get("bos_token_id", ref.bos_token_id),
+            bos_token_id=d.get("bos_token_id", ref.bos_token_id),  # absent: HF's default, 50256
             eos_token_id=d.get("eos_token_id", ref.eos_token_id),
             pad_token_id=d.get("pad_token_id"),
         )
@@ -238,6 +247,11 @@ class GPT2(nn.Module):
         config: a :class:`GPT2Config`.
         device, dtype: factory kwargs.
 
+    Attributes:
+        generation_config: :meth:`generate`'s defaults (a :class:`sublayer.checkpoints.GenerationConfig`): the
+            config's special ids; :meth:`from_pretrained` reads a folder's ``generation_config.json`` (as HF),
+            :meth:`from_hf` takes the HF model's, :meth:`save_pretrained` writes it.
+
     Forward:
         ``input_ids`` (B, T) ints; ``attention_mask`` (B, T) 1 = token, 0 = padding (HF convention), optional;
         ``position_ids`` (B, T) or (1, T), default ``arange(T)`` as HF's forward; positions that restart at 0
@@ -255,6 +269,8 @@ class GPT2(nn.Module):
         if not isinstance(config, GPT2Config):
             raise TypeError(f"config must be a GPT2Config, got {type(config).__name__}")
         self.config = config
+        # generate's defaults: config's special ids until from_pretrained reads a generation_config.json
+        self.generation_config = ckpt.GenerationConfig.from_model_config(config)
         kw = {"device": device, "dtype": dtype}
         self.wte = nn.Embedding(config.vocab_size, config.d_model, **kw)
         self.wpe = nn.Embedding(config.max_positions, config.d_model, **kw)
@@ -377,14 +393,14 @@ class GPT2(nn.Module):
     def generate(
         self,
         input_ids: Tensor,
-        max_new_tokens: int,
+        max_new_tokens: int = FROM_CONFIG,
         *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        do_sample: bool = False,
-        eos_token_id: int | None = None,
-        pad_token_id: int | None = None,
+        temperature: float = FROM_CONFIG,
+        top_k: int | None = FROM_CONFIG,
+        top_p: float | None = FROM_CONFIG,
+        do_sample: bool = FROM_CONFIG,
+        eos_token_id: int | None = FROM_CONFIG,
+        pad_token_id: int | None = FROM_CONFIG,
         attention_mask: Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> Tensor:
@@ -392,15 +408,23 @@ class GPT2(nn.Module):
 
         Runs in eval mode (dropout off) without gradients and restores the training flag afterwards.
 
+        The decoding options default to :data:`~sublayer.checkpoints.FROM_CONFIG`: the value of
+        :attr:`generation_config` (a folder's ``generation_config.json``, else ``config``'s special ids), else HF's
+        global default (:data:`sublayer.checkpoints.generation.DEFAULTS`), as HF's ``generate``. A value passed
+        wins; ``None`` passed keeps its meaning (``eos_token_id=None``: no end token, ``top_k=None``: no top-k).
+
         Args:
             input_ids: (B, T) prompt ids. With ``attention_mask`` (1 = token, 0 = pad) prompts may be
                 left-padded; positions then count real tokens only (as HF's ``generate``).
-            max_new_tokens: tokens to add (>= 0); T + max_new_tokens <= max_positions.
+            max_new_tokens: tokens to add (>= 0); T + max_new_tokens <= max_positions. Default: the config's
+                ``max_new_tokens``, else its ``max_length`` minus T, else 20 (at most ``max_positions - T``).
             temperature, top_k, top_p: sampling filters, applied in HF's order (temperature, top-k, top-p:
-                keep the fewest most likely tokens whose probability sums to at least ``top_p``).
-            do_sample: sample from the filtered distribution; False -> greedy argmax (filters ignored).
+                keep the fewest most likely tokens whose probability sums to at least ``top_p``). HF's defaults:
+                1.0, 50, 1.0.
+            do_sample: sample from the filtered distribution; False (HF's default) -> greedy argmax (filters
+                ignored).
             eos_token_id: a row that produced it is finished; later positions get ``pad_token_id`` (None ->
-                ``eos_token_id``); decoding stops early once every row is finished.
+                ``eos_token_id``); decoding stops early once every row is finished. Default: the model's end token.
             generator: a ``torch.Generator`` for reproducible sampling.
 
         Returns:
@@ -408,10 +432,17 @@ class GPT2(nn.Module):
 
         Raises:
             ValueError/TypeError: bad ids or mask, max_new_tokens < 0, too long, temperature <= 0,
-            top_k < 1, top_p outside (0, 1].
+            top_k < 1, top_p outside (0, 1], eos/pad ids outside the vocabulary (also those of
+            ``generation_config``).
         """
         cfg = self.config
         check_input_ids("input_ids", input_ids, cfg.vocab_size, cfg.max_positions)
+        gen = self.generation_config
+        gen.check_vocab(cfg.vocab_size)
+        max_new_tokens, temperature, top_k, top_p, do_sample, eos_token_id, pad_token_id = gen.resolve(
+            input_ids.shape[1], cfg.max_positions, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            do_sample=do_sample, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        ).values()  # fmt: skip
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         b, t = input_ids.shape
@@ -424,8 +455,10 @@ class GPT2(nn.Module):
         check_positive_int("top_k", top_k, allow_none=True)
         if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-        _check_token_id("eos_token_id", eos_token_id)
-        _check_token_id("pad_token_id", pad_token_id)
+        if not isinstance(do_sample, bool):
+            raise TypeError(f"do_sample must be a bool, got {do_sample!r}")
+        _check_token_id("eos_token_id", eos_token_id, cfg.vocab_size)
+        _check_token_id("pad_token_id", pad_token_id, cfg.vocab_size)
         pad = eos_token_id if pad_token_id is None else pad_token_id
 
         device = input_ids.device
@@ -490,6 +523,7 @@ class GPT2(nn.Module):
         """
         config, tensors, source = ckpt.read_hf_folder(folder, GPT2Config.from_hf_dict)
         model = cls(config, device="meta", dtype=dtype)  # no random init: every parameter is loaded below
+        model.generation_config = ckpt.read_generation_config(folder, config.vocab_size) or model.generation_config
         n, tied = config.n_layers, config.tie_word_embeddings
         return ckpt.live.load_checked(
             model, tensors, source, canonical=lambda k: keymap.canonical(k, tied=tied), device=device,
@@ -511,6 +545,7 @@ class GPT2(nn.Module):
         config, tensors, source = ckpt.live.read_hf_model(model, GPT2Config.from_hf_dict)
         where, dtype0 = ckpt.live.placement(model)
         ours = cls(config, device="meta", dtype=dtype or dtype0)
+        ours.generation_config = ckpt.generation.of_hf_model(model) or ours.generation_config
         n, tied = config.n_layers, config.tie_word_embeddings
         return ckpt.live.load_checked(
             ours, tensors, source, canonical=lambda k: keymap.canonical(k, tied=tied), device=device or where,
@@ -526,12 +561,13 @@ class GPT2(nn.Module):
         return ckpt.live.build_hf_model("GPT2LMHeadModel", self.config.to_hf_dict(), tensors, training=self.training)
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
-        """Write ``model.safetensors`` and ``config.json`` that HF ``GPT2LMHeadModel.from_pretrained`` loads
-        (keys with the ``transformer.`` prefix; a tied ``lm_head`` is not written). Files are written under a
-        temporary name and renamed."""
+        """Write ``model.safetensors``, ``config.json`` and ``generation_config.json`` (:attr:`generation_config`)
+        that HF ``GPT2LMHeadModel.from_pretrained`` loads (keys with the ``transformer.`` prefix; a tied ``lm_head``
+        is not written). Files are written under a temporary name and renamed."""
         tensors = keymap.to_hf(self.state_dict(), self.config.n_layers, tied=self.config.tie_word_embeddings)
         tensors = {(k if k == "lm_head.weight" else keymap.PREFIX + k): v for k, v in tensors.items()}
         ckpt.write_folder(folder, tensors, self.config.to_hf_dict())
+        ckpt.write_generation_config(folder, self.generation_config)
 
 
 def _filtered_probs(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None) -> Tensor:
