@@ -193,7 +193,8 @@ def check_input_ids(
         raise ValueError(f"{name} must have shape (batch, seq_len) with seq_len >= 1, got {tuple(ids.shape)}")
     if max_len is not None and ids.shape[1] > max_len:
         raise ValueError(f"{name} has {ids.shape[1]} positions, more than max_positions={max_len}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+    # the value checks read the data: skipped while torch.compile traces (a fullgraph graph cannot branch on data)
+    if ids.numel() and not torch.compiler.is_compiling() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise ValueError(
             f"{name} must lie in [0, {limit_name}={vocab_size}), got values in [{int(ids.min())}, {int(ids.max())}]"
         )
@@ -205,7 +206,7 @@ def check_attention_mask(mask: object, shape: tuple[int, ...]) -> Tensor:
         raise TypeError(f"attention_mask must be a torch.Tensor, got {type(mask).__name__}")
     if tuple(mask.shape) != tuple(shape):
         raise ValueError(f"attention_mask must have the shape of input_ids {tuple(shape)}, got {tuple(mask.shape)}")
-    if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+    if mask.numel() and not torch.compiler.is_compiling() and not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
     return mask == 0
 
@@ -325,8 +326,9 @@ class GPT2(nn.Module):
         check_input_ids("input_ids", input_ids, self.config.vocab_size, self.config.max_positions)
         b, t = input_ids.shape
         kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
+        maybe_packed = kpm is not None or position_ids is not None  # arange positions: one document per row
         position_ids = self._position_ids(position_ids, b, t, input_ids.device)
-        if padding_free.gpt2_applies(self, kpm, position_ids):  # real tokens only; packed documents
+        if maybe_packed and padding_free.gpt2_applies(self, kpm, position_ids):  # real tokens only; packed documents
             return padding_free.gpt2_logits(self, input_ids, position_ids, kpm)
         return self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
 
