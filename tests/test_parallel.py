@@ -34,7 +34,7 @@ def hf_gpt2_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf_gpt2")
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
-        vocab_size=19, n_positions=16, n_embd=12, n_layer=2, n_head=2,
+        vocab_size=19, n_positions=16, n_embd=12, n_layer=2, n_head=2, bos_token_id=18, eos_token_id=18,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
     hf = transformers.GPT2LMHeadModel(cfg).eval()

@@ -129,10 +129,12 @@ def check_input_ids(
         raise ValueError(f"{name} must have shape (batch, seq_len) with seq_len >= 1, got {tuple(ids.shape)}")
     if max_len is not None and ids.shape[1] > max_len:
         raise ValueError(f"{name} has {ids.shape[1]} positions, more than max_positions={max_len}")
+    if ids.numel() == 0 or torch.compiler.is_compiling():
+        return  # the value checks read the data: skipped while torch.compile traces (a graph cannot branch on data)
     if vocab_size is None:
-        if ids.numel() and int(ids.min()) < 0:
+        if int(ids.min()) < 0:
             raise ValueError(f"{name} must be >= 0, got a minimum of {int(ids.min())}")
-    elif ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+    elif int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise ValueError(
             f"{name} must lie in [0, {limit_name}={vocab_size}), got values in [{int(ids.min())}, {int(ids.max())}]"
         )
@@ -144,6 +146,6 @@ def check_attention_mask(mask: object, shape: tuple[int, ...]) -> Tensor:
         raise TypeError(f"attention_mask must be a torch.Tensor, got {type(mask).__name__}")
     if tuple(mask.shape) != tuple(shape):
         raise ValueError(f"attention_mask must have the shape of input_ids {tuple(shape)}, got {tuple(mask.shape)}")
-    if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+    if mask.numel() and not torch.compiler.is_compiling() and not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
     return mask == 0

@@ -2,8 +2,8 @@
 once over the model's own ``_hidden`` (its blocks, read top to bottom in the model's file).
 
 A model subclasses :class:`CausalLM` and defines ``config`` (``vocab_size``, optional ``max_positions``), ``blocks``,
-``lm_head`` and ``_hidden(input_ids, position_ids, key_padding_mask, caches, *, packing=None)`` -> final hidden
-states; it may define ``fast_decoder()`` (a fast decoding loop, see :mod:`sublayer.runtime.generation`). It then gets
+``lm_head`` and ``_hidden(input_ids, position_ids, key_padding_mask, caches, *, packing=None, documents=True)``
+-> final hidden states (``documents``: look for packed documents in ``position_ids``); it may define ``fast_decoder()`` (a fast decoding loop, see :mod:`sublayer.runtime.generation`). It then gets
 padding-free training and inference on padded batches and packed documents (:mod:`sublayer.runtime.padding_free`),
 the fused LM-head loss with HF's ``labels=`` meaning, and generation.
 """
@@ -17,9 +17,10 @@ from .. import functional as SF
 from .._checks import check_attention_mask, check_input_ids
 from ..functional.cross_entropy import check_options, check_targets
 from ..functional.packing import PackedBatch, document_mask
+from ..checkpoints import FROM_CONFIG
 from ..runtime import generation, padding_free
 
-__all__ = ["CausalLM"]
+__all__ = ["CausalLM", "generate_with_config"]
 
 
 class CausalLM(nn.Module):
@@ -62,6 +63,9 @@ class CausalLM(nn.Module):
         check_input_ids("input_ids", input_ids, self.config.vocab_size, getattr(self.config, "max_positions", None))
         b, t = input_ids.shape
         kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
+        if kpm is None and position_ids is None:  # no padding, one document per row: nothing that reads the data
+            pos = torch.arange(t, device=input_ids.device)[None]
+            return self.lm_head(self._hidden(input_ids, pos, None, None, documents=False))
         position_ids = self._position_ids(position_ids, b, t, input_ids.device)
         packed = self._packed_hidden(input_ids, position_ids, kpm)  # real tokens only; packed documents
         if packed is not None:
@@ -137,14 +141,14 @@ class CausalLM(nn.Module):
     def generate(
         self,
         input_ids: Tensor,
-        max_new_tokens: int,
+        max_new_tokens: int = FROM_CONFIG,
         *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        do_sample: bool = False,
-        eos_token_id: int | list[int] | None = None,
-        pad_token_id: int | None = None,
+        temperature: float = FROM_CONFIG,
+        top_k: int | None = FROM_CONFIG,
+        top_p: float | None = FROM_CONFIG,
+        do_sample: bool = FROM_CONFIG,
+        eos_token_id: int | list[int] | None = FROM_CONFIG,
+        pad_token_id: int | None = FROM_CONFIG,
         attention_mask: Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> Tensor:
@@ -153,15 +157,24 @@ class CausalLM(nn.Module):
 
         Runs in eval mode (dropout off) without gradients and restores the training flag afterwards.
 
+        The decoding options default to :data:`~sublayer.checkpoints.FROM_CONFIG`: the value of
+        ``generation_config`` (a folder's ``generation_config.json``, else ``config``'s special ids), else HF's
+        global default (:data:`sublayer.checkpoints.generation.DEFAULTS`), as HF's ``generate``. A value passed
+        wins; ``None`` passed keeps its meaning (``eos_token_id=None``: no end token, ``top_k=None``: no top-k).
+
         Args:
             input_ids: (B, T) prompt ids. With ``attention_mask`` (1 = token, 0 = pad) prompts may be
                 left-padded; positions then count real tokens only (as HF's ``generate``).
-            max_new_tokens: tokens to add (>= 0); T + max_new_tokens <= max_positions.
+            max_new_tokens: tokens to add (>= 0); T + max_new_tokens <= max_positions. Default: the config's
+                ``max_new_tokens``, else its ``max_length`` minus T, else 20 (at most ``max_positions - T``).
             temperature, top_k, top_p: sampling filters, applied in HF's order (temperature, top-k, top-p:
-                keep the fewest most likely tokens whose probability sums to at least ``top_p``).
-            do_sample: sample from the filtered distribution; False -> greedy argmax (filters ignored).
+                keep the fewest most likely tokens whose probability sums to at least ``top_p``). HF's defaults:
+                1.0, 50, 1.0.
+            do_sample: sample from the filtered distribution; False (HF's default) -> greedy argmax (filters
+                ignored).
             eos_token_id: an id or a list of ids: a row that produced one is finished; later positions get
                 ``pad_token_id`` (None -> the first eos id); decoding stops early once every row is finished.
+                Default: the model's end token(s).
             generator: a ``torch.Generator`` for reproducible sampling.
 
         Returns:
@@ -169,14 +182,14 @@ class CausalLM(nn.Module):
 
         Raises:
             ValueError/TypeError: bad ids or mask, max_new_tokens < 0, too long, temperature <= 0,
-            top_k < 1, top_p outside (0, 1].
+            top_k < 1, top_p outside (0, 1], eos/pad ids outside the vocabulary (also those of
+            ``generation_config``).
         """
-        return generation.generate(
+        return generate_with_config(
             self, input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample,
             eos_token_id=eos_token_id, pad_token_id=pad_token_id, attention_mask=attention_mask, generator=generator,
         )  # fmt: skip
 
-    # what sublayer.runtime.generation needs (its CausalLM protocol)
     def hidden_states(
         self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None
     ) -> Tensor:
@@ -186,3 +199,21 @@ class CausalLM(nn.Module):
     def new_caches(self) -> list[SF.KVCache]:
         """One empty KV cache per block."""
         return [SF.KVCache() for _ in self.blocks]
+
+
+def generate_with_config(lm, input_ids: Tensor, max_new_tokens=FROM_CONFIG, **options) -> Tensor:
+    """:func:`sublayer.runtime.generation.generate` with every option left at ``FROM_CONFIG`` taken from
+    ``lm.generation_config`` (see :meth:`CausalLM.generate`); ``lm`` is a model or its prepared form."""
+    cfg = lm.config
+    max_positions = getattr(cfg, "max_positions", None)
+    check_input_ids("input_ids", input_ids, cfg.vocab_size, max_positions)
+    gen = lm.generation_config
+    gen.check_vocab(cfg.vocab_size)
+    names = ("temperature", "top_k", "top_p", "do_sample", "eos_token_id", "pad_token_id")
+    resolved = gen.resolve(
+        input_ids.shape[1], max_positions, max_new_tokens=max_new_tokens,
+        **{k: options.pop(k, FROM_CONFIG) for k in names},
+    )  # fmt: skip
+    if not isinstance(resolved["do_sample"], bool):
+        raise TypeError(f"do_sample must be a bool, got {resolved['do_sample']!r}")
+    return generation.generate(lm, input_ids, resolved.pop("max_new_tokens"), **resolved, **options)

@@ -36,11 +36,12 @@ from torch import Tensor
 
 from .. import functional as SF
 from .. import kernels
-from ..runtime import generation
 from ..runtime.linear import DenseLinear
 from ..runtime.rows import add_norm, bias_act, inference, kernels_on, layer_norm
 from ..runtime.weights import clear_cache, prepared
 from . import decoding
+from ..checkpoints import FROM_CONFIG
+from .causal_lm import generate_with_config
 from .bert import Bert
 from .._checks import check_attention_mask, check_input_ids
 from .gpt2 import GPT2
@@ -296,6 +297,11 @@ class FastGPT2(_FastBase):
             return decoding.prepared_weights(self.model, decoding.build_gpt2)
         return super()._weights()
 
+    @property
+    def generation_config(self):
+        """The wrapped model's generation defaults."""
+        return self.model.generation_config
+
     @inference
     def lm_head(self, h: Tensor) -> Tensor:
         """(..., d_model) -> (..., vocab_size) float32 logits."""
@@ -321,9 +327,9 @@ class FastGPT2(_FastBase):
         return self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
 
     @inference
-    def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
-        """:meth:`GPT2.generate` (same arguments and checks) over the fast path."""
-        return generation.generate(self, input_ids, max_new_tokens, **kwargs)
+    def generate(self, input_ids: Tensor, max_new_tokens: int = FROM_CONFIG, **kwargs) -> Tensor:
+        """:meth:`GPT2.generate` (same arguments, defaults and checks) over the fast path."""
+        return generate_with_config(self, input_ids, max_new_tokens, **kwargs)
 
     # what sublayer.runtime.generation needs (its CausalLM protocol)
     def hidden_states(self, input_ids, position_ids, key_padding_mask, caches):

@@ -32,7 +32,6 @@ from .._checks import (
 from ..checkpoints import gpt2 as keymap
 from ..nn import LayerNorm, MultiHeadAttention, PositionWiseFFN, PreNormResidual
 from ..functional.packing import PackedBatch, document_mask
-from ..runtime.generation import check_token_id
 from . import decoding
 from .causal_lm import CausalLM
 from .config import ModelConfig
@@ -48,6 +47,16 @@ _HF_FIXED = {
 }
 
 
+def _check_token_id(name: str, value: object, vocab_size: int, *, negative: bool = False) -> None:
+    """None, or an int id in ``[0, vocab_size)`` (``negative``: also ``[-vocab_size, 0)``, counted from the end)."""
+    if value is None:
+        return
+    low = -vocab_size if negative else 0
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < vocab_size:
+        rule = f"[{low}, vocab_size={vocab_size})" if negative else f"[0, vocab_size={vocab_size})"
+        raise ValueError(f"{name} must be None or an int in {rule}, got {value!r}")
+
+
 @dataclasses.dataclass
 class GPT2Config(ModelConfig):
     """GPT-2 sizes and options (defaults: the 124M ``gpt2`` checkpoint).
@@ -61,10 +70,12 @@ class GPT2Config(ModelConfig):
         dropout (``resid_pdrop``): on each residual branch. embd_dropout (``embd_pdrop``): on the embeddings.
         attn_dropout (``attn_pdrop``): on the attention weights.
         tie_word_embeddings: the LM head shares the token embedding.
-        bos_token_id, eos_token_id, pad_token_id: special tokens (None or int).
+        bos_token_id, eos_token_id, pad_token_id: special tokens: None or an id of the vocabulary; a negative id
+            counts from its end, as a Python index (the default -1 is the last id, GPT-2's ``<|endoftext|>``:
+            50256 for the default vocabulary). Stored resolved (``>= 0``).
 
     Raises:
-        ValueError/TypeError: bad sizes, probabilities, eps, activation, token ids.
+        ValueError/TypeError: bad sizes, probabilities, eps, activation, token ids (outside the vocabulary).
     """
 
     vocab_size: int = 50257
@@ -79,8 +90,8 @@ class GPT2Config(ModelConfig):
     embd_dropout: float = 0.1
     attn_dropout: float = 0.1
     tie_word_embeddings: bool = True
-    bos_token_id: int | None = 50256
-    eos_token_id: int | None = 50256
+    bos_token_id: int | None = -1
+    eos_token_id: int | None = -1
     pad_token_id: int | None = None
 
     def validate(self) -> None:
@@ -96,7 +107,10 @@ class GPT2Config(ModelConfig):
         if not isinstance(self.tie_word_embeddings, bool):
             raise TypeError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            check_token_id(name, getattr(self, name))
+            value = getattr(self, name)
+            _check_token_id(name, value, self.vocab_size, negative=True)
+            if value is not None and value < 0:
+                setattr(self, name, value + self.vocab_size)
 
     @property
     def hidden_size(self) -> int:
@@ -140,7 +154,7 @@ class GPT2Config(ModelConfig):
             embd_dropout=d.get("embd_pdrop", ref.embd_dropout),
             attn_dropout=d.get("attn_pdrop", ref.attn_dropout),
             tie_word_embeddings=d.get("tie_word_embeddings", True),
-            bos_token_id=d.get("bos_token_id", ref.bos_token_id),
+            bos_token_id=d.get("bos_token_id", ref.bos_token_id),  # absent: HF's default, 50256
             eos_token_id=d.get("eos_token_id", ref.eos_token_id),
             pad_token_id=d.get("pad_token_id"),
         )
@@ -219,6 +233,11 @@ class GPT2(CausalLM):
         config: a :class:`GPT2Config`.
         device, dtype: factory kwargs.
 
+    Attributes:
+        generation_config: :meth:`generate`'s defaults (a :class:`sublayer.checkpoints.GenerationConfig`): the
+            config's special ids; :meth:`from_pretrained` reads a folder's ``generation_config.json`` (as HF),
+            :meth:`from_hf` takes the HF model's, :meth:`save_pretrained` writes it.
+
     Forward:
         ``input_ids`` (B, T) ints; ``attention_mask`` (B, T) 1 = token, 0 = padding (HF convention), optional;
         ``position_ids`` (B, T) or (1, T), default ``arange(T)`` as HF's forward; positions that restart at 0
@@ -237,6 +256,8 @@ class GPT2(CausalLM):
         if not isinstance(config, GPT2Config):
             raise TypeError(f"config must be a GPT2Config, got {type(config).__name__}")
         self.config = config
+        # generate's defaults: config's special ids until from_pretrained reads a generation_config.json
+        self.generation_config = ckpt.GenerationConfig.from_model_config(config)
         kw = {"device": device, "dtype": dtype}
         self.wte = nn.Embedding(config.vocab_size, config.d_model, **kw)
         self.wpe = nn.Embedding(config.max_positions, config.d_model, **kw)
@@ -272,12 +293,13 @@ class GPT2(CausalLM):
         caches: list[SF.KVCache] | None,
         *,
         packing: PackedBatch | None = None,
+        documents: bool = True,
     ) -> Tensor:
         """Final hidden states (``ln_f`` applied): (B, T, d_model), or (N, d_model) for packed rows (``input_ids``
         and ``position_ids`` (N,) then, packed by ``packing``). Packed documents (``position_ids`` restarting at
         0) attend block-diagonally in both layouts."""
         x = F.dropout(self.wte(input_ids) + self.wpe(position_ids), self.config.embd_dropout, self.training)
-        docs = None if packing is not None or caches is not None else document_mask(position_ids)
+        docs = document_mask(position_ids) if documents and packing is None and caches is None else None
         for i, block in enumerate(self.blocks):
             cache = None if caches is None else caches[i]
             x = block(x, key_padding_mask=key_padding_mask, attn_mask=docs, kv_cache=cache, packing=packing)
@@ -300,6 +322,7 @@ class GPT2(CausalLM):
         """
         config, tensors, source = ckpt.read_hf_folder(folder, GPT2Config.from_hf_dict)
         model = cls(config, device="meta", dtype=dtype)  # no random init: every parameter is loaded below
+        model.generation_config = ckpt.read_generation_config(folder, config.vocab_size) or model.generation_config
         n, tied = config.n_layers, config.tie_word_embeddings
         return ckpt.live.load_checked(
             model, tensors, source, canonical=lambda k: keymap.canonical(k, tied=tied), device=device,
@@ -321,6 +344,7 @@ class GPT2(CausalLM):
         config, tensors, source = ckpt.live.read_hf_model(model, GPT2Config.from_hf_dict)
         where, dtype0 = ckpt.live.placement(model)
         ours = cls(config, device="meta", dtype=dtype or dtype0)
+        ours.generation_config = ckpt.generation.of_hf_model(model) or ours.generation_config
         n, tied = config.n_layers, config.tie_word_embeddings
         return ckpt.live.load_checked(
             ours, tensors, source, canonical=lambda k: keymap.canonical(k, tied=tied), device=device or where,
@@ -336,9 +360,10 @@ class GPT2(CausalLM):
         return ckpt.live.build_hf_model("GPT2LMHeadModel", self.config.to_hf_dict(), tensors, training=self.training)
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
-        """Write ``model.safetensors`` and ``config.json`` that HF ``GPT2LMHeadModel.from_pretrained`` loads
-        (keys with the ``transformer.`` prefix; a tied ``lm_head`` is not written). Files are written under a
-        temporary name and renamed."""
+        """Write ``model.safetensors``, ``config.json`` and ``generation_config.json`` (:attr:`generation_config`)
+        that HF ``GPT2LMHeadModel.from_pretrained`` loads (keys with the ``transformer.`` prefix; a tied ``lm_head``
+        is not written). Files are written under a temporary name and renamed."""
         tensors = keymap.to_hf(self.state_dict(), self.config.n_layers, tied=self.config.tie_word_embeddings)
         tensors = {(k if k == "lm_head.weight" else keymap.PREFIX + k): v for k, v in tensors.items()}
         ckpt.write_folder(folder, tensors, self.config.to_hf_dict())
+        ckpt.write_generation_config(folder, self.generation_config)

@@ -304,6 +304,7 @@ class Llama(CausalLM):
         self.blocks = nn.ModuleList([LlamaBlock(config, **kw) for _ in range(config.n_layers)])
         self.norm = RMSNorm(config.d_model, config.eps, **kw)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, **kw)
+        self.generation_config = ckpt.GenerationConfig.from_model_config(config)  # generate's defaults
         self._tie_weights()
         self.reset_parameters()
 
@@ -332,12 +333,13 @@ class Llama(CausalLM):
         caches: list[SF.KVCache] | None,
         *,
         packing: PackedBatch | None = None,
+        documents: bool = True,
     ) -> Tensor:
         """Final hidden states (after ``norm``), (B, T, d_model), or (N, d_model) for rows packed by ``packing``;
         with ``caches`` the blocks read and extend them (decoding: ``key_padding_mask`` covers the cached keys)."""
         x = self.embed_tokens(input_ids)
         rotary = self.rotary(position_ids, dtype=x.dtype)
-        docs = None if packing is not None or caches is not None else document_mask(position_ids)
+        docs = document_mask(position_ids) if documents and packing is None and caches is None else None
         for i, block in enumerate(self.blocks):
             cache = None if caches is None else caches[i]
             x = block(x, rotary=rotary, key_padding_mask=key_padding_mask, attn_mask=docs, kv_cache=cache, packing=packing)
@@ -370,7 +372,9 @@ class Llama(CausalLM):
             missing/unexpected/wrong-shape key.
         """
         config, tensors, source = ckpt.read_hf_folder(folder, LlamaConfig.from_hf_dict)
-        return cls(config, device="meta", dtype=dtype)._load(tensors, source, device).eval()
+        model = cls(config, device="meta", dtype=dtype)._load(tensors, source, device).eval()
+        model.generation_config = ckpt.read_generation_config(folder, config.vocab_size) or model.generation_config
+        return model
 
     @classmethod
     def from_hf(cls, model: nn.Module, *, device=None, dtype=None) -> Llama:
@@ -386,6 +390,7 @@ class Llama(CausalLM):
         config, tensors, source = ckpt.live.read_hf_model(model, LlamaConfig.from_hf_dict)
         where, dtype0 = ckpt.live.placement(model)
         ours = cls(config, device="meta", dtype=dtype or dtype0)
+        ours.generation_config = ckpt.generation.of_hf_model(model) or ours.generation_config
         return ours._load(tensors, source, device or where).train(model.training)
 
     def to_hf(self) -> nn.Module:
@@ -397,5 +402,7 @@ class Llama(CausalLM):
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         """Write ``model.safetensors`` and ``config.json`` that HF ``LlamaForCausalLM.from_pretrained`` (or
         ``Qwen2ForCausalLM``'s) loads (keys with the ``model.`` prefix; a tied ``lm_head`` is not written).
-        Files are written under a temporary name and renamed."""
+        Files are written under a temporary name and renamed; ``generation_config.json`` holds
+        ``generation_config``."""
         ckpt.write_folder(folder, self._hf_tensors(), self.config.to_hf_dict())
+        ckpt.write_generation_config(folder, self.generation_config)

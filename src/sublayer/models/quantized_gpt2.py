@@ -40,9 +40,10 @@ from torch import Tensor
 from .. import checkpoints as ckpt
 from .. import functional as SF
 from .. import kernels
+from ..checkpoints import FROM_CONFIG
 from ..functional import fused
 from . import decoding
-from ..runtime import generation
+from .causal_lm import generate_with_config
 from ..runtime.linear import PackedLinear
 from ..runtime.rows import inference, kernels_on
 from .fast import FastGPT2
@@ -118,6 +119,7 @@ class QuantizedGPT2:
 
     def __init__(self, config: GPT2Config, tensors: dict[str, Tensor], keep_float: tuple[str, ...]) -> None:
         self.config, self.tensors, self.keep_float = config, tensors, tuple(keep_float)
+        self.generation_config = ckpt.GenerationConfig.from_model_config(config)  # generate's defaults
         self.compute_dtype = torch.float32
         self.training = False
         t = tensors
@@ -132,9 +134,9 @@ class QuantizedGPT2:
 
     @classmethod
     def from_model(cls, model: GPT2, keep_float=DEFAULT_KEEP_FLOAT_GPT2) -> QuantizedGPT2:
-        from .quantized import _check_float_cpu, _check_keep_float, quantize_weight
+        from .quantized import _check_float_cpu, check_keep_float, dense_names, quantize_weight
 
-        keep_float = _check_keep_float(keep_float)
+        keep_float = check_keep_float(keep_float, dense_names(model.config.n_layers, head=True))
         _check_float_cpu(model)
         cfg = model.config
         d = cfg.d_model
@@ -168,7 +170,9 @@ class QuantizedGPT2:
         # detached copies: the wrapper does not follow later changes to the model
         t = {k: v.detach().float().contiguous().clone() if v.is_floating_point() else v.contiguous()
              for k, v in t.items()}  # fmt: skip
-        return cls(cfg, t, keep_float)
+        out = cls(cfg, t, keep_float)
+        out.generation_config = model.generation_config
+        return out
 
     # -- what GPT2.generate needs from ``self``
     def decode_weights(self) -> dict:
@@ -214,9 +218,9 @@ class QuantizedGPT2:
     __call__ = forward
 
     @inference
-    def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
-        """:meth:`GPT2.generate` (same arguments and checks) over the int8 weights."""
-        return generation.generate(self, input_ids, max_new_tokens, **kwargs)
+    def generate(self, input_ids: Tensor, max_new_tokens: int = FROM_CONFIG, **kwargs) -> Tensor:
+        """:meth:`GPT2.generate` (same arguments, defaults and checks) over the int8 weights."""
+        return generate_with_config(self, input_ids, max_new_tokens, **kwargs)
 
     # what sublayer.runtime.generation needs (its CausalLM protocol)
     def hidden_states(self, input_ids, position_ids, key_padding_mask, caches):
@@ -231,8 +235,9 @@ class QuantizedGPT2:
 
     # -- save / load
     def save_pretrained(self, folder: str | os.PathLike) -> None:
-        """``model.safetensors`` (the int8 and float tensors) + ``config.json`` (HF GPT-2 config with
-        ``quantization_config``); read back with :func:`sublayer.models.quantized.load_quantized`."""
+        """``model.safetensors`` (the int8 and float tensors), ``config.json`` (HF GPT-2 config with
+        ``quantization_config``) and ``generation_config.json``; read back with
+        :func:`sublayer.models.quantized.load_quantized`."""
         from .quantized import _quant_config
 
         cfg = self.config.to_hf_dict()
@@ -240,25 +245,26 @@ class QuantizedGPT2:
         qc["activations"] = "float32 (weight-only int8)"
         cfg["quantization_config"] = qc
         ckpt.write_folder(folder, self.tensors, cfg)
+        ckpt.write_generation_config(folder, self.generation_config)
 
-    @classmethod
-    def from_folder_tensors(cls, config: GPT2Config, tensors: dict[str, Tensor], keep_float: tuple[str, ...],
-                            source) -> QuantizedGPT2:
-        """Build from a saved folder's tensors (checked: every tensor the model needs is there)."""
-        need = ["wte", "wpe", "ln_f.weight", "ln_f.bias"]
+    @staticmethod
+    def expected_tensors(config: GPT2Config, keep_float: tuple[str, ...]) -> dict:
+        """What a saved folder holds: name -> (shape, dtype) (a tied float head is ``wte`` itself)."""
+        from .quantized import dense_spec
+
+        d, f, f32 = config.d_model, config.hidden_size, torch.float32
+        spec = {"wte": ((config.vocab_size, d), f32), "wpe": ((config.max_positions, d), f32),
+                "ln_f.weight": ((d,), f32), "ln_f.bias": ((d,), f32)}  # fmt: skip
         for i in range(config.n_layers):
-            need += [f"layers.{i}.ln1.weight", f"layers.{i}.ln2.weight"]
-            for k in _LINEARS:
-                p = f"layers.{i}.{k}"
-                need += [f"{p}.weight"] if f"{p}.weight" in tensors else [f"{p}.qweight", f"{p}.scale"]
-        if not any(fnmatch.fnmatchcase("head", pat) for pat in keep_float):
-            need += ["head.qweight", "head.scale"]
-        elif not config.tie_word_embeddings:
-            need.append("head.weight")
-        missing = [k for k in need if k not in tensors]
-        if missing:
-            raise ckpt.CheckpointError(f"{source}: missing quantized tensors {missing[:10]}")
-        return cls(config, dict(tensors), keep_float)
+            p = f"layers.{i}"
+            for k, (n_out, n_in) in {"qkv": (3 * d, d), "out": (d, d), "fc1": (f, d), "fc2": (d, f)}.items():
+                spec |= dense_spec(f"{p}.{k}", n_out, n_in, keep_float)
+            for n in ("ln1", "ln2"):
+                spec[f"{p}.{n}.weight"] = spec[f"{p}.{n}.bias"] = ((d,), f32)
+        head = dense_spec("head", config.vocab_size, d, keep_float, bias=False)
+        if "head.weight" not in head or not config.tie_word_embeddings:
+            spec |= head
+        return spec
 
     def __repr__(self) -> str:
         lins = [lin for L in self.layers for lin in L.values()] + [self.head]

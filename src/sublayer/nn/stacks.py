@@ -17,7 +17,8 @@ __all__ = ["TransformerEncoder", "TransformerDecoder"]
 
 def _stack(block: nn.Module, n_layers: int, cls: type, final_norm: bool | None):
     if not isinstance(block, cls):
-        raise TypeError(f"block must be a {cls.__name__}, got {type(block).__name__}")
+        article = "an" if cls.__name__[0] in "AEIOU" else "a"
+        raise TypeError(f"block must be {article} {cls.__name__}, got {type(block).__name__}")
     check_positive_int("n_layers", n_layers)
     layers = nn.ModuleList([block] + [copy.deepcopy(block) for _ in range(n_layers - 1)])
     for layer in list(layers)[1:]:  # fresh initialisation for each copy (the first keeps the given weights)

@@ -60,7 +60,7 @@ def check_token_id(name: str, value: object, vocab_size: int | None = None) -> N
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
     if vocab_size is not None and value >= vocab_size:
-        raise ValueError(f"{name} must be a token id below vocab_size={vocab_size}, got {value}")
+        raise ValueError(f"{name} must be None or an int in [0, vocab_size={vocab_size}), got {value}")
 
 
 def check_eos_ids(name: str, value: object, vocab_size: int | None = None) -> list[int]:
