@@ -161,7 +161,7 @@ def test_generation_config_json_errors(tmp_path):
     x = _ids(b=1, t=4)
     for gen, match in [
         ({"num_beams": 4}, r"unsupported generation option num_beams=4 \(only 1 is implemented\)"),
-        ({"eos_token_id": [2, 3]}, r"eos_token_id must be a single id, got the list \[2, 3\]"),
+        ({"pad_token_id": [2, 3]}, r"pad_token_id must be a single id, got the list \[2, 3\]"),
         ({"pad_token_id": VOCAB}, rf"generation_config.pad_token_id must be < vocab_size={VOCAB}, got {VOCAB}"),
         ({"top_p": 2}, r"top_p must be None or in \(0, 1\], got 2"),
     ]:
