@@ -1,6 +1,6 @@
-"""Every Python snippet of README.md runs as written (docs that drift from the code fail here).
+"""Every Python snippet of README.md and docs/*.md runs as written (docs that drift from the code fail here).
 
-How it works — read this before adding a snippet to the README:
+How it works — read this before adding a snippet to the README or a guide:
 
 - Every fenced block tagged ```python is run, each in a fresh namespace (so each snippet carries its own
   imports). Blocks tagged ```bash / ```text are not run. An untagged block fails :func:`test_every_block_is_tagged`:
@@ -12,6 +12,7 @@ How it works — read this before adding a snippet to the README:
 - A block that calls ``dist.init_process_group`` is a ``torchrun`` script: it runs in a subprocess as a
   one-process ``torchrun`` would (RANK=0, WORLD_SIZE=1, a free MASTER_PORT).
 - A block passes when it runs without an exception and every floating-point tensor it leaves is finite.
+- Keep snippets fast: tiny models, a few steps.
 """
 
 from __future__ import annotations
@@ -27,15 +28,32 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
-FENCES = re.findall(r"^```([^\n]*)\n(.*?)^```", README.read_text(), flags=re.S | re.M)
-BLOCKS = [code for info, code in FENCES if info.split()[:1] == ["python"]]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", flags=re.S | re.M)
+FENCES = {doc: FENCE.findall(doc.read_text()) for doc in DOCS}
+BLOCKS = [
+    pytest.param(doc, code, id=f"{doc.stem}-block{i}")
+    for doc, fences in FENCES.items()
+    for i, code in enumerate(code for info, code in fences if info.split()[:1] == ["python"])
+]
 
-# placeholder folder in the README -> (architecture, the real model's vocabulary size)
+# placeholder folder in the docs -> (architecture, the real model's vocabulary size)
 PLACEHOLDERS = {
     "path/to/gpt2": ("gpt2", 50257),
     "path/to/all-MiniLM-L6-v2": ("bert", 30522),
+    "path/to/SmolLM2-135M": ("llama", 49152),
 }
+
+
+def _tiny_llama(vocab: int):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=30, intermediate_size=22, num_hidden_layers=2, num_attention_heads=5,
+        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +67,12 @@ def model_folders(tmp_path_factory):
             from tests.models.conftest import make_hf_bert, make_hf_gpt2
 
             arch, vocab = PLACEHOLDERS[placeholder]
-            model = make_hf_gpt2(vocab_size=vocab, n_positions=64) if arch == "gpt2" else make_hf_bert(vocab_size=vocab)
+            if arch == "gpt2":
+                model = make_hf_gpt2(vocab_size=vocab, n_positions=64)
+            elif arch == "bert":
+                model = make_hf_bert(vocab_size=vocab)
+            else:
+                model = _tiny_llama(vocab)
             made[placeholder] = tmp_path_factory.mktemp(arch)
             model.save_pretrained(made[placeholder])
         return made[placeholder]
@@ -58,12 +81,23 @@ def model_folders(tmp_path_factory):
 
 
 def test_readme_has_python_examples():
-    assert BLOCKS, "README.md should carry at least the quickstart example"
+    assert any(doc.name == "README.md" for doc, _ in (p.values[:2] for p in BLOCKS)), "README.md needs a quickstart"
+    assert len(DOCS) > 1, "the guides live in docs/*.md"
 
 
-def test_every_block_is_tagged():
-    untagged = [code.splitlines()[0] if code.strip() else "" for info, code in FENCES if not info.strip()]
-    assert not untagged, f"README code blocks without a language (```python, ```bash, ```text): {untagged}"
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.stem)
+def test_every_block_is_tagged(doc):
+    untagged = [code.splitlines()[0] if code.strip() else "" for info, code in FENCES[doc] if not info.strip()]
+    assert not untagged, f"{doc.name}: code blocks without a language (```python, ```bash, ```text): {untagged}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.stem)
+def test_relative_links_resolve(doc):
+    """Every relative link ([text](path) or [text](path#anchor)) names a file or folder of the repository."""
+    text = FENCE.sub("", doc.read_text())
+    targets = re.findall(r"\]\((?!https?://|#|mailto:)([^)#\s]+)", text)
+    missing = [t for t in targets if not (doc.parent / t).exists()]
+    assert not missing, f"{doc.name}: links to missing files: {missing}"
 
 
 def _free_port() -> int:
@@ -72,8 +106,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
-def test_readme_example_runs(code, model_folders, tmp_path):
+@pytest.mark.parametrize(("doc", "code"), BLOCKS)
+def test_example_runs(doc, code, model_folders, tmp_path):
     for placeholder in PLACEHOLDERS:
         for quote in "\"'":
             if f"{quote}{placeholder}{quote}" in code:
@@ -90,6 +124,11 @@ def test_readme_example_runs(code, model_folders, tmp_path):
         return
     torch.manual_seed(0)
     ns: dict = {}
-    exec(compile(code, str(README), "exec"), ns)  # noqa: S102 - our own README
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # a snippet that writes a file writes it here
+    try:
+        exec(compile(code, str(doc), "exec"), ns)  # noqa: S102 - our own docs
+    finally:
+        os.chdir(cwd)
     tensors = [v for v in ns.values() if isinstance(v, torch.Tensor)]
     assert all(torch.isfinite(t).all() for t in tensors if t.is_floating_point())

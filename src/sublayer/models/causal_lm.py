@@ -133,7 +133,7 @@ class CausalLM(nn.Module):
             h = self._hidden(input_ids, position_ids, kpm, None).reshape(b * t, -1)
             targets = targets.reshape(-1)
         # grad_in_forward: the head's gradients are made in the forward pass (3 GEMMs, not 4), holding one
-        # (vocab, d_model) weight gradient until backward instead of any logits: ~4 % of a training step here
+        # (vocab, d_model) weight gradient until backward instead of any logits
         return SF.linear_cross_entropy(
             h, self.lm_head.weight, targets, bias=self.lm_head.bias, ignore_index=ignore_index, grad_in_forward=True
         )
