@@ -61,7 +61,7 @@ def test_held_out_numbers_never_trained_on():
         b = D.train_batch(3, step, 64, v)
         for row in b.src.tolist():
             toks = v.decode(row)
-            seen.add(int("".join(toks[1:])) if toks[0] == D.TO_WORDS else D.words_to_number(D._detokenize(toks[1:])))
+            seen.add(int("".join(toks[1:])) if toks[0] == D.TO_WORDS else D.words_to_number(D.detokenize(toks[1:])))
     assert not any(D.is_held_out(n) for n in seen)
     assert len(seen) > 1000
     held = D.held_out_pairs(0, 50, salt=2)
@@ -110,12 +110,12 @@ def test_rank_shards_average_to_the_global_gradient():
     m = D.Transformer.from_config(cfg.model_config(len(v)))
     batch = D.train_batch(0, 0, 8, v)
     n = batch.n_target_tokens
-    net = D._TransformerLoss(m)
-    (D._loss(net, batch, 0.0) / n).backward()
+    net = D.TransformerLoss(m)
+    (D.batch_loss(net, batch, 0.0) / n).backward()
     full = [p.grad.clone() for p in m.parameters()]
     m.zero_grad()
     for rank in range(2):
-        (D._loss(net, batch.rows(slice(rank, None, 2)), 0.0) * (2 / n) / 2).backward()  # / 2: DDP's average
+        (D.batch_loss(net, batch.rows(slice(rank, None, 2)), 0.0) * (2 / n) / 2).backward()  # / 2: DDP's average
     for g, p in zip(full, m.parameters()):
         assert_close(p.grad, g)
 
@@ -268,11 +268,11 @@ DROPPY = {**TINY, "dropout": 0.1, "eval_every": 3}  # dropout: the torch RNG sta
 def straight(tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
     T = sys.modules[D.train.__module__]
-    finish, T._finish = T._finish, lambda *a: None  # the final checkpoint is written before evaluation
+    finish, T.finish_run = T.finish_run, lambda *a: None  # the final checkpoint is written before evaluation
     try:
         D.train(D.DemoConfig(out=str(out), steps=3, **DROPPY))
     finally:
-        T._finish = finish
+        T.finish_run = finish
     return out
 
 
@@ -294,7 +294,7 @@ def test_interrupt_anywhere_then_resume_equals_the_uninterrupted_run(where, stra
 
     T = sys.modules[D.train.__module__]  # the training loop's module
     calls = {"step": 0, "loss": 0}
-    real_step, real_loss = torch.optim.AdamW.step, T._loss
+    real_step, real_loss = torch.optim.AdamW.step, T.batch_loss
 
     def step(self, *a, **k):
         calls["step"] += 1
@@ -323,13 +323,13 @@ def test_interrupt_anywhere_then_resume_equals_the_uninterrupted_run(where, stra
             raise KeyboardInterrupt
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
-    monkeypatch.setattr(T, "_loss", loss)
+    monkeypatch.setattr(T, "batch_loss", loss)
     with pytest.raises(KeyboardInterrupt):
         D.train(D.DemoConfig(out=str(tmp_path), steps=3, **DROPPY), on_step=on_step)
     monkeypatch.undo()
     done = json.loads((tmp_path / "trainer_state.json").read_text())["step"]
     assert done == {"forward": 1, "before_update": 1, "after_validation": 3}.get(where, 2)
-    monkeypatch.setattr(T, "_finish", lambda *a: None)  # the final checkpoint is written before evaluation
+    monkeypatch.setattr(T, "finish_run", lambda *a: None)  # the final checkpoint is written before evaluation
     D.train(D.DemoConfig(out=str(tmp_path), steps=3, resume=True, **DROPPY))
     (w1, o1, h1), (w2, o2, h2) = _saved(straight), _saved(tmp_path)
     assert h1 == h2

@@ -100,10 +100,10 @@ def info() -> None:
 
     import torch
 
-    import sublayer
+    from importlib.metadata import version
 
     rows = {
-        "sublayer": sublayer.__version__,
+        "sublayer": version("sublayer"),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "threads": str(torch.get_num_threads()),

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from .. import memory
+from .. import nn as layers
 from .harness import (
     CLOCKS, Row, command_line, copy_gbps, padded_batch, saved_bytes, set_clock, time_interleaved, write_report,
 )  # fmt: skip
@@ -142,11 +143,9 @@ def _saved_extra(row: Row, saved: dict[str, int]) -> None:
 
 
 def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compile: bool) -> Row:
-    import sublayer
-
     torch.manual_seed(0)
     eager = _EagerFFN(s.d, s.f, DROPOUT)
-    ours = sublayer.PositionWiseFFN(s.d, s.f, dropout=DROPOUT)
+    ours = layers.PositionWiseFFN(s.d, s.f, dropout=DROPOUT)
     ours.fc1.load_state_dict(eager[0].state_dict())
     ours.fc2.load_state_dict(eager[3].state_dict())
     x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
@@ -190,12 +189,10 @@ def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compi
 
 
 def bench_add_norm(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compile: bool, copy_gbps: float) -> Row:
-    import sublayer
-
     dt = torch.bfloat16 if bf16 else torch.float32
     torch.manual_seed(0)
     eager = _EagerAddNorm(s.d, DROPOUT, dtype=dt)
-    ours = sublayer.AddNorm(s.d, DROPOUT, dtype=dt)
+    ours = layers.AddNorm(s.d, DROPOUT, dtype=dt)
     rg = mode == "training"
     x = torch.randn(s.batch, s.seq, s.d).to(dt).requires_grad_(rg)
     y = torch.randn(s.batch, s.seq, s.d).to(dt).requires_grad_(rg)
@@ -222,11 +219,9 @@ def bench_add_norm(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_
 
 
 def bench_encoder(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> Row:
-    import sublayer
-
     torch.manual_seed(0)
     eager = nn.TransformerEncoderLayer(s.d, s.heads, s.f, dropout=DROPOUT, batch_first=True)
-    ours = sublayer.EncoderBlock(s.d, s.heads, s.f, dropout=DROPOUT)
+    ours = layers.EncoderBlock(s.d, s.heads, s.f, dropout=DROPOUT)
     x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
     fns = _step_fns({"eager": eager, "sublayer": ours}, lambda: (x,), bf16, mode)
     res = time_interleaved(fns, reps, warmup)
@@ -242,13 +237,11 @@ def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Ro
         from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
     except Exception:  # noqa: BLE001 - transformers is optional here
         return []
-    import sublayer
-
     rows = []
     torch.manual_seed(0)
     cfg = GPT2Config(n_embd=s.d, n_inner=s.f, resid_pdrop=DROPOUT, activation_function="gelu_new")
     hf = GPT2MLP(s.f, cfg)
-    ours = sublayer.PositionWiseFFN(s.d, s.f, activation="gelu_tanh", output_dropout=DROPOUT)
+    ours = layers.PositionWiseFFN(s.d, s.f, activation="gelu_tanh", output_dropout=DROPOUT)
     x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
     res = time_interleaved(_step_fns({"eager": hf, "sublayer": ours}, lambda: (x,), bf16, mode), reps, warmup)
     row = Row("HF GPT2MLP (gelu_new, resid dropout)", s.name, "bf16 autocast" if bf16 else "fp32", mode)
@@ -262,7 +255,7 @@ def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Ro
         def __init__(self):
             super().__init__()
             self.dense = nn.Linear(s.f, s.d)
-            self.addnorm = sublayer.AddNorm(s.d, DROPOUT, eps=1e-12)
+            self.addnorm = layers.AddNorm(s.d, DROPOUT, eps=1e-12)
 
         def forward(self, h, inp):
             return self.addnorm(inp, self.dense(h))

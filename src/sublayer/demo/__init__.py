@@ -26,10 +26,10 @@ from .checkpoint import OPTIMIZER_NAME, STATE_NAME, VOCAB_NAME, load_checkpoint,
 from .config import DemoConfig
 from .plots import loss_figure, plot_cross_attention, plot_losses, smooth
 from .report import evaluate, sample_rows, sample_table
-from .task import (BOS, DIRECTIONS, EOS, MAX_NUMBER, PAD, TO_DIGITS, TO_WORDS, UNK, Batch, Vocab, _detokenize,
+from .task import (BOS, DIRECTIONS, EOS, MAX_NUMBER, PAD, TO_DIGITS, TO_WORDS, UNK, Batch, Vocab, detokenize,
                    collate, held_out_pairs, is_held_out, make_pair, number_to_words, sample_numbers, train_batch,
                    words_to_number)  # fmt: skip
-from .training import _loss, _TransformerLoss, train
+from .training import batch_loss, TransformerLoss, train
 
 __all__ = [
     "DemoConfig",

@@ -18,7 +18,7 @@ STATE_NAME = "trainer_state.json"
 VOCAB_NAME = "vocab.json"
 
 
-def _write_text(path: Path, text: str) -> None:
+def write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda p: Path(p).write_text(text))
 
 
@@ -38,9 +38,9 @@ def save_checkpoint(
     with hold_signals():
         folder.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(folder)
-        _write_text(folder / VOCAB_NAME, vocab.to_json())
+        write_text(folder / VOCAB_NAME, vocab.to_json())
         atomic_write(folder / OPTIMIZER_NAME, lambda p: save_file(tensors, p))
-        _write_text(folder / STATE_NAME, json.dumps({**state, "param_groups": groups}, indent=1) + "\n")
+        write_text(folder / STATE_NAME, json.dumps({**state, "param_groups": groups}, indent=1) + "\n")
 
 
 def load_checkpoint(folder: str | Path) -> tuple[Transformer, Vocab, dict]:
@@ -88,7 +88,7 @@ def _check_state(state: object, path: Path) -> None:
         raise bad("'param_groups' must be a list of objects")
 
 
-def _load_optimizer(folder: Path, opt: torch.optim.Optimizer, groups: list[dict]) -> None:
+def load_optimizer(folder: Path, opt: torch.optim.Optimizer, groups: list[dict]) -> None:
     from safetensors.torch import load_file
 
     path = folder / OPTIMIZER_NAME

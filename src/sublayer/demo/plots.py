@@ -8,7 +8,7 @@ from pathlib import Path
 from ..checkpoints.io import atomic_write
 from ..models.transformer import Transformer
 from ..plot import attention
-from .task import EOS, Vocab, _detokenize, collate
+from .task import EOS, Vocab, detokenize, collate
 
 
 def _save_figure(fig, path: Path) -> None:
@@ -73,6 +73,6 @@ def plot_cross_attention(model: Transformer, vocab: Vocab, pair: tuple[list[str]
         [*pair[1], EOS],
         xlabel="Key positions (source)",
         ylabel="Query positions (output)",
-        title=f"cross-attention: {_detokenize(pair[0][1:])} → {_detokenize(pair[1])}",
+        title=f"cross-attention: {detokenize(pair[0][1:])} → {detokenize(pair[1])}",
     )
     _save_figure(fig, Path(path))

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 import torch
 
 from ..models.transformer import Transformer
-from .checkpoint import _write_text
+from .checkpoint import write_text
 from .plots import plot_cross_attention, plot_losses
-from .task import DIRECTIONS, TO_DIGITS, TO_WORDS, Vocab, _detokenize, collate, held_out_pairs, make_pair
+from .task import DIRECTIONS, TO_DIGITS, TO_WORDS, Vocab, detokenize, collate, held_out_pairs, make_pair
 
 
 def translate_pairs(
@@ -40,14 +40,14 @@ def evaluate(
         for (x, y), ids in zip(chunk, out.tolist()):
             pred = vocab.decode(ids)
             records.append({
-                "direction": x[0], "source": _detokenize(x[1:]), "target": _detokenize(y),
-                "prediction": _detokenize(pred), "correct": pred == y,
+                "direction": x[0], "source": detokenize(x[1:]), "target": detokenize(y),
+                "prediction": detokenize(pred), "correct": pred == y,
             })  # fmt: skip
     acc = sum(r["correct"] for r in records) / max(1, len(records))
     return acc, records
 
 
-def _finish(cfg, model, vocab, history, step, train_seconds, tokens_seen, out, quiet) -> dict:
+def finish_run(cfg, model, vocab, history, step, train_seconds, tokens_seen, out, quiet) -> dict:
     t0 = time.perf_counter()
     acc, records = evaluate(model, vocab, held_out_pairs(cfg.seed, cfg.n_test, salt=2))
     eval_seconds = time.perf_counter() - t0
@@ -75,7 +75,7 @@ def _finish(cfg, model, vocab, history, step, train_seconds, tokens_seen, out, q
         "model": model.config.to_dict(),
         "samples": records[:12],
     }
-    _write_text(out / "metrics.json", json.dumps(metrics, indent=1, ensure_ascii=False) + "\n")
+    write_text(out / "metrics.json", json.dumps(metrics, indent=1, ensure_ascii=False) + "\n")
     plot_losses(history, out / "loss.png")
     sample = next(r for r in records if r["direction"] == TO_DIGITS)
     plot_cross_attention(model, vocab, make_pair(int(sample["target"]), TO_DIGITS), out / "attention.png")

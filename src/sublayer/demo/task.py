@@ -63,7 +63,7 @@ def _word_tokens(text: str) -> list[str]:
     return text.replace("-", " - ").split()
 
 
-def _detokenize(tokens: Sequence[str]) -> str:
+def detokenize(tokens: Sequence[str]) -> str:
     if all(len(t) == 1 and t.isdigit() for t in tokens):
         return "".join(tokens)
     return " ".join(tokens).replace(" - ", "-")

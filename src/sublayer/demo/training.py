@@ -12,14 +12,14 @@ from torch import Tensor, nn
 
 from .._checks import check_positive_int
 from ..models.transformer import Transformer
-from .checkpoint import STATE_NAME, _load_optimizer, load_checkpoint, save_checkpoint
+from .checkpoint import STATE_NAME, load_optimizer, load_checkpoint, save_checkpoint
 from .config import DemoConfig
 from .signals import hold_signals, interrupts_raise
-from .report import _finish
+from .report import finish_run
 from .task import Batch, Vocab, collate, held_out_pairs, train_batch
 
 
-class _TransformerLoss(nn.Module):
+class TransformerLoss(nn.Module):
     """Routes ``Transformer.loss`` (the fused LM-head + cross-entropy: no (B, T, vocab) logits kept for backward)
     through ``forward``, so a wrapper such as DistributedDataParallel sees the call. Pad id 0 is ignored."""
 
@@ -31,8 +31,8 @@ class _TransformerLoss(nn.Module):
         return self.model.loss(src, tgt_in, tgt_out, ignore_index=0, **kw)
 
 
-def _loss(net: nn.Module, batch: Batch, label_smoothing: float, reduction: str = "sum") -> Tensor:
-    """``net``: a :class:`_TransformerLoss` (possibly wrapped, e.g. by DDP)."""
+def batch_loss(net: nn.Module, batch: Batch, label_smoothing: float, reduction: str = "sum") -> Tensor:
+    """``net``: a :class:`TransformerLoss` (possibly wrapped, e.g. by DDP)."""
     return net(batch.src, batch.tgt_in, batch.tgt_out, src_key_padding_mask=batch.src_mask,
                label_smoothing=label_smoothing, reduction=reduction)  # fmt: skip
 
@@ -42,7 +42,7 @@ def _val_loss(model: Transformer, batch: Batch) -> float:
     was = model.training
     model.eval()
     try:
-        return float(_loss(_TransformerLoss(model), batch, 0.0, "mean"))
+        return float(batch_loss(TransformerLoss(model), batch, 0.0, "mean"))
     finally:
         model.train(was)
 
@@ -162,8 +162,8 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
         lr=cfg.lr, betas=(0.9, 0.98), eps=1e-9,
     )  # fmt: skip
     if cfg.resume:
-        _load_optimizer(out, opt, state["param_groups"])
-    net = wrap_model(_TransformerLoss(model))
+        load_optimizer(out, opt, state["param_groups"])
+    net = wrap_model(TransformerLoss(model))
     val_batch = collate(held_out_pairs(cfg.seed, cfg.n_val, salt=1), vocab)
 
     # the state at the start of step `step`: what a checkpoint saves, whatever point of a step an interrupt hits
@@ -195,7 +195,7 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
                 lr = cfg.lr_at(step)
                 for g in opt.param_groups:
                     g["lr"] = lr
-                loss_sum = _loss(net, local, cfg.label_smoothing)
+                loss_sum = batch_loss(net, local, cfg.label_smoothing)
                 # sum over this rank's tokens / global tokens · world_size: averaged over ranks = global mean
                 (loss_sum * (world_size / n_global)).backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
@@ -241,4 +241,4 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
     if not main:
         return None
     checkpoint(step)
-    return _finish(cfg, model, vocab, history, step, train_seconds, tokens_seen, out, quiet)
+    return finish_run(cfg, model, vocab, history, step, train_seconds, tokens_seen, out, quiet)

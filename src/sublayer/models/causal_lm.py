@@ -19,8 +19,9 @@ from ..functional.cross_entropy import check_options, check_targets
 from ..functional.packing import PackedBatch, document_mask
 from ..checkpoints import FROM_CONFIG
 from ..runtime import generation, padding_free
+from ..runtime.rows import inference
 
-__all__ = ["CausalLM", "generate_with_config"]
+__all__ = ["CausalLM", "PreparedCausalLM", "generate_with_config", "check_position_ids"]
 
 
 class CausalLM(nn.Module):
@@ -44,18 +45,7 @@ class CausalLM(nn.Module):
         return self._hidden(pk.pack(input_ids), pk.pack(position_ids), None, None, packing=pk), pk
 
     def _position_ids(self, position_ids: Tensor | None, b: int, t: int, device) -> Tensor:
-        """``position_ids`` checked ((B or 1, T), >= 0, below ``config.max_positions`` when the model has learned
-        positions), or ``arange(T)`` (1, T) when None."""
-        if position_ids is None:
-            return torch.arange(t, device=device)[None]
-        limit = getattr(self.config, "max_positions", None)
-        if limit is None:
-            check_input_ids("position_ids", position_ids, None)
-        else:
-            check_input_ids("position_ids", position_ids, limit, limit_name="max_positions")
-        if position_ids.shape[-1] != t or position_ids.shape[0] not in (1, b):
-            raise ValueError(f"position_ids must have shape ({b} or 1, {t}), got {tuple(position_ids.shape)}")
-        return position_ids
+        return check_position_ids(self.config, position_ids, b, t, device)
 
     def forward(
         self, input_ids: Tensor, *, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
@@ -217,3 +207,66 @@ def generate_with_config(lm, input_ids: Tensor, max_new_tokens=FROM_CONFIG, **op
     if not isinstance(resolved["do_sample"], bool):
         raise TypeError(f"do_sample must be a bool, got {resolved['do_sample']!r}")
     return generation.generate(lm, input_ids, resolved.pop("max_new_tokens"), **resolved, **options)
+
+
+def check_position_ids(config, position_ids: Tensor | None, b: int, t: int, device) -> Tensor:
+    """``position_ids`` checked ((B or 1, T), >= 0, below ``config.max_positions`` when the model has learned
+    positions), or ``arange(T)`` (1, T) when None."""
+    if position_ids is None:
+        return torch.arange(t, device=device)[None]
+    limit = getattr(config, "max_positions", None)
+    if limit is None:
+        check_input_ids("position_ids", position_ids, None)
+    else:
+        check_input_ids("position_ids", position_ids, limit, limit_name="max_positions")
+    if position_ids.shape[-1] != t or position_ids.shape[0] not in (1, b):
+        raise ValueError(f"position_ids must have shape ({b} or 1, {t}), got {tuple(position_ids.shape)}")
+    return position_ids
+
+
+class PreparedCausalLM:
+    """The inference-only prepared form of a causal LM (``fast_inference``, int8): forward and generate, with the
+    model's checks, over the subclass's ``_hidden(input_ids, position_ids, key_padding_mask, caches)`` and
+    ``lm_head(h)``; ``config`` and ``generation_config`` as the model's. No autograd, no dropout."""
+
+    training = False
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def eval(self):
+        return self
+
+    def train(self, mode: bool = True):
+        """Inference only: ``train(True)`` raises (train the float model, then prepare it again)."""
+        if mode:
+            raise RuntimeError(f"{type(self).__name__} is inference-only; train the model itself and prepare it again")
+        return self
+
+    @inference
+    def forward(
+        self, input_ids: Tensor, *, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Tensor:
+        """As the model's ``forward``: logits (B, T, vocab_size), float32."""
+        cfg = self.config
+        check_input_ids("input_ids", input_ids, cfg.vocab_size, getattr(cfg, "max_positions", None))
+        b, t = input_ids.shape
+        kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
+        position_ids = check_position_ids(cfg, position_ids, b, t, input_ids.device)
+        kpm = kpm if kpm is not None and bool(kpm.any()) else None
+        return self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
+
+    @inference
+    def generate(self, input_ids: Tensor, max_new_tokens: int = FROM_CONFIG, **kwargs) -> Tensor:
+        """As :meth:`CausalLM.generate` (same arguments, defaults and checks) over the prepared weights."""
+        return generate_with_config(self, input_ids, max_new_tokens, **kwargs)
+
+    # what sublayer.runtime.generation needs (its CausalLM protocol)
+    def hidden_states(self, input_ids, position_ids, key_padding_mask, caches):
+        return self._hidden(input_ids, position_ids, key_padding_mask, caches)
+
+    def new_caches(self) -> list:
+        return [SF.KVCache() for _ in range(self.config.n_layers)]
+
+    def fast_decoder(self):
+        return None

@@ -34,16 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import functional as SF
 from .. import kernels
 from ..runtime.linear import DenseLinear
 from ..runtime.rows import add_norm, bias_act, inference, kernels_on, layer_norm
 from ..runtime.weights import clear_cache, prepared
 from . import decoding
-from ..checkpoints import FROM_CONFIG
-from .causal_lm import generate_with_config
+from .causal_lm import PreparedCausalLM
 from .bert import Bert
-from .._checks import check_attention_mask, check_input_ids
 from .gpt2 import GPT2
 
 __all__ = ["fast_inference", "FastBert", "FastGPT2"]
@@ -277,7 +274,7 @@ class FastBert(_FastBase):
 
 
 # ----------------------------------------------------------------------------------------------- GPT-2
-class FastGPT2(_FastBase):
+class FastGPT2(_FastBase, PreparedCausalLM):
     """Inference fast path of a :class:`GPT2` (built by :func:`fast_inference`).
 
     Forward: as :meth:`GPT2.forward` -> float32 logits (B, T, vocab_size). ``generate``: :meth:`GPT2.generate`'s
@@ -313,30 +310,6 @@ class FastGPT2(_FastBase):
         """Final-LayerNormed hidden states (B, T, d) in the compute dtype; ``caches``: one KVCache per block."""
         W = self._weights()
         return decoding.gpt2_hidden(W, self.config, input_ids, position_ids, key_padding_mask, caches, self.compute_dtype)
-
-    @inference
-    def forward(
-        self, input_ids: Tensor, *, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
-    ) -> Tensor:
-        cfg = self.config
-        check_input_ids("input_ids", input_ids, cfg.vocab_size, cfg.max_positions)
-        b, t = input_ids.shape
-        kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
-        position_ids = GPT2._position_ids(self, position_ids, b, t, input_ids.device)  # type: ignore[arg-type]
-        kpm = kpm if kpm is not None and bool(kpm.any()) else None
-        return self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
-
-    @inference
-    def generate(self, input_ids: Tensor, max_new_tokens: int = FROM_CONFIG, **kwargs) -> Tensor:
-        """:meth:`GPT2.generate` (same arguments, defaults and checks) over the fast path."""
-        return generate_with_config(self, input_ids, max_new_tokens, **kwargs)
-
-    # what sublayer.runtime.generation needs (its CausalLM protocol)
-    def hidden_states(self, input_ids, position_ids, key_padding_mask, caches):
-        return self._hidden(input_ids, position_ids, key_padding_mask, caches)
-
-    def new_caches(self) -> list:
-        return [SF.KVCache() for _ in self.model.blocks]
 
     def fast_decoder(self):
         """float32 compute: the model's fast decoding loop (the same packed weights); else the reference loop

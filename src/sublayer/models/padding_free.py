@@ -1,4 +1,5 @@
 """The old import path of :mod:`sublayer.runtime.padding_free` (re-exported)."""
 
-from ..runtime.padding_free import *  # noqa: F403
-from ..runtime.padding_free import __all__  # noqa: F401
+from ..runtime.padding_free import PackedBatch, applies, disabled, enabled, set_enabled
+
+__all__ = ["enabled", "set_enabled", "disabled", "applies", "PackedBatch"]

@@ -37,7 +37,6 @@ import fnmatch
 import math
 import os
 import warnings
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +48,20 @@ from ..functional import fused
 from .bert import Bert, BertConfig
 from ..runtime.rows import add_norm, bias_act, inference, kernels_on, layer_norm
 from .gpt2 import GPT2, GPT2Config
+from .int8 import (
+    LINEARS,
+    QUANT_METHOD,
+    QUANTIZE_CHOICES,
+    Spec,
+    check_float_cpu,
+    check_keep_float,
+    check_quantize,
+    check_tensors,
+    dense_names,
+    dense_spec,
+    quant_config,
+    quantize_weight,
+)
 from .quantized_gpt2 import DEFAULT_KEEP_FLOAT_GPT2, QuantizedGPT2
 
 __all__ = [
@@ -66,21 +79,12 @@ __all__ = [
     "QuantizedGPT2",
 ]
 
-QUANTIZE_CHOICES = ("int8",)
-QUANT_METHOD = "sublayer-int8"
 # The FFN output layers of the first two blocks stay float32: their inputs (GELU outputs) hold the "massive
 # activations" of a few tokens (one channel ~100x the rest), which per-token int8 cannot represent next to the
 # other channels. Measured on all-MiniLM-L6-v2 (64 texts / 64x128 random ids, min token cosine to HF fp32):
 # all int8 0.89 / 0.990; layers.0.fc2 float 0.987 / 0.994; layers.[01].fc2 float 0.994 / 0.993.
 DEFAULT_KEEP_FLOAT: tuple[str, ...] = ("layers.[01].fc2",)
 SMOOTH_ALPHA = 0.5
-_LINEARS = ("qkv", "out", "fc1", "fc2")
-
-
-def check_quantize(quantize: object) -> None:
-    """Raises ValueError unless ``quantize`` is None or one of :data:`QUANTIZE_CHOICES`."""
-    if quantize is not None and quantize not in QUANTIZE_CHOICES:
-        raise ValueError(f"quantize must be None or one of {', '.join(map(repr, QUANTIZE_CHOICES))}, got {quantize!r}")
 
 
 def _fbgemm() -> bool:
@@ -113,16 +117,6 @@ def engine() -> str:
 
 
 # ----------------------------------------------------------------------------------------------- one linear
-def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-output-channel int8: ``(q (M, K) int8, scale (M,) float32)`` with ``w ≈ q * scale[:, None]``,
-    ``|w - q * scale| <= scale / 2`` elementwise, ``q`` in [-127, 127]. An all-zero row gets scale 1 (q = 0)."""
-    w = w.detach().float()
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
-
-
 def activation_qparams(x: Tensor, reduce_range: bool = False) -> tuple[float, int]:
     """fbgemm's dynamic input quantization parameters: uint8 over ``[min(x, 0), max(x, 0)]`` (127 levels with
     ``reduce_range``), ``(scale, zero_point)``."""
@@ -264,62 +258,6 @@ def _make_linear(t: dict[str, Tensor], name: str):
     return FloatLinear(t[f"{name}.weight"], b)
 
 
-def _check_float_cpu(model: torch.nn.Module) -> None:
-    for name, p in model.named_parameters():
-        if p.device.type != "cpu":
-            raise ValueError(f"int8 quantization runs on the CPU only; parameter {name} is on {p.device}")
-        if p.dtype != torch.float32:
-            raise ValueError(f"int8 quantization needs float32 parameters; {name} is {p.dtype} (call model.float())")
-
-
-def dense_names(n_layers: int, head: bool = False) -> list[str]:
-    """The dense layers ``keep_float`` patterns are matched against: ``layers.{i}.{qkv,out,fc1,fc2}`` (and
-    ``head``, GPT-2's LM head)."""
-    return [f"layers.{i}.{k}" for i in range(n_layers) for k in _LINEARS] + (["head"] if head else [])
-
-
-def check_keep_float(keep_float: object, names: list[str]) -> tuple[str, ...]:
-    """``keep_float`` as a tuple of ``fnmatch`` patterns, each matching at least one of ``names``.
-
-    Raises:
-        TypeError: not a sequence of str. ValueError: a pattern that matches no layer, listing the layer names.
-    """
-    if isinstance(keep_float, str) or not all(isinstance(p, str) for p in keep_float):  # type: ignore[union-attr]
-        raise TypeError(f"keep_float must be a sequence of fnmatch patterns (str), got {keep_float!r}")
-    unmatched = [p for p in keep_float if not fnmatch.filter(names, p)]  # type: ignore[union-attr]
-    if unmatched:
-        n = sum(name.startswith("layers.") for name in names) // len(_LINEARS)
-        head = ", head" if "head" in names else ""
-        raise ValueError(
-            f"keep_float pattern(s) {', '.join(map(repr, unmatched))} match no layer; the layers are "
-            f"layers.{{i}}.{{{','.join(_LINEARS)}}} for i in 0..{n - 1}{head} (e.g. {names[0]!r})"
-        )
-    return tuple(keep_float)  # type: ignore[arg-type]
-
-
-Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
-
-
-def dense_spec(name: str, n_out: int, n_in: int, keep_float: tuple[str, ...], *, bias: bool = True) -> Spec:
-    """The stored tensors of one dense layer (see :func:`_linear_tensors`): name -> (shape, dtype)."""
-    f32 = torch.float32
-    spec: Spec = {f"{name}.bias": ((n_out,), f32)} if bias else {}
-    if any(fnmatch.fnmatchcase(name, p) for p in keep_float):
-        spec[f"{name}.weight"] = ((n_out, n_in), f32)
-    else:
-        spec[f"{name}.qweight"] = ((n_out, n_in), torch.int8)
-        spec[f"{name}.scale"] = ((n_out,), f32)
-    return spec
-
-
-def check_tensors(tensors: dict[str, Tensor], spec: Spec, source, optional: set[str] = frozenset()) -> None:
-    """Every tensor of ``spec`` present with its shape and dtype, none other (one CheckpointError lists all)."""
-    ckpt.check_and_convert(
-        tensors, {k: v[0] for k, v in spec.items()}, canonical=lambda k: k, source=source, optional=optional,
-        dtypes={k: v[1] for k, v in spec.items()},
-    )  # fmt: skip
-
-
 # ------------------------------------------------------------- epilogues: rescale, bias, act / add & norm, prepare
 # Each takes a GEMM's raw output ``y`` and its per-token scales ``r`` (None for a float layer) and, when the next
 # linear is int8, also returns that linear's prepared input ``(xs, r)`` (None otherwise), in one pass with the
@@ -379,7 +317,7 @@ class QuantizedBert:
         self.pooler = "pooler.dense.weight" in tensors
         self.compute_dtype = torch.float32
         self.training = False
-        self.layers = [{k: _make_linear(tensors, f"layers.{i}.{k}") for k in _LINEARS} for i in range(config.n_layers)]
+        self.layers = [{k: _make_linear(tensors, f"layers.{i}.{k}") for k in LINEARS} for i in range(config.n_layers)]
 
     @classmethod
     def from_model(
@@ -387,7 +325,7 @@ class QuantizedBert:
     ) -> QuantizedBert:
         """See :func:`quantize`."""
         keep_float = check_keep_float(keep_float, dense_names(model.config.n_layers))
-        _check_float_cpu(model)
+        check_float_cpu(model)
         e, t, dense = model.embeddings, {}, {}
         for n in ("word", "position", "token_type"):
             t[f"embeddings.{n}"] = getattr(e, f"{n}_embeddings").weight.detach().float().contiguous()
@@ -518,7 +456,7 @@ class QuantizedBert:
         """``model.safetensors`` (the int8 and float tensors) + ``config.json`` (HF BERT config with
         ``quantization_config``); read back with :func:`load_quantized`."""
         cfg = self.config.to_hf_dict()
-        cfg["quantization_config"] = _quant_config(self.keep_float)
+        cfg["quantization_config"] = quant_config(self.keep_float)
         ckpt.write_folder(folder, self.tensors, cfg)
 
     def eval(self):
@@ -544,16 +482,6 @@ def _calibration_ids(config: BertConfig, calibration: Tensor | None | bool) -> T
     return torch.randint(lo, config.vocab_size, (8, min(128, config.max_positions)), generator=g)
 
 
-def _quant_config(keep_float: tuple[str, ...]) -> dict[str, Any]:
-    return {
-        "quant_method": QUANT_METHOD,
-        "weights": "int8 symmetric per output channel",
-        "activations": "uint8 dynamic per call (fbgemm linear_dynamic)",
-        "keep_float": list(keep_float),
-    }
-
-
-# ----------------------------------------------------------------------------------------------- entry points
 def quantize(
     model: Bert | GPT2, *, keep_float=None, calibration: Tensor | None | bool = None
 ) -> QuantizedBert | QuantizedGPT2:

@@ -40,19 +40,17 @@ from torch import Tensor
 from .. import checkpoints as ckpt
 from .. import functional as SF
 from .. import kernels
-from ..checkpoints import FROM_CONFIG
 from ..functional import fused
 from . import decoding
-from .causal_lm import generate_with_config
+from .causal_lm import PreparedCausalLM
+from .int8 import LINEARS, check_float_cpu, check_keep_float, dense_names, dense_spec, quant_config, quantize_weight
 from ..runtime.linear import PackedLinear
 from ..runtime.rows import inference, kernels_on
-from .fast import FastGPT2
 from .gpt2 import GPT2, GPT2Config
 
 __all__ = ["DEFAULT_KEEP_FLOAT_GPT2", "WeightInt8Linear", "weight_int8_linear_reference", "QuantizedGPT2"]
 
 DEFAULT_KEEP_FLOAT_GPT2: tuple[str, ...] = ()
-_LINEARS = ("qkv", "out", "fc1", "fc2")
 
 
 def weight_int8_linear_reference(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
@@ -105,7 +103,7 @@ def _make_linear(t: dict[str, Tensor], name: str, default_weight: Tensor | None 
     return PackedLinear(t.get(f"{name}.weight", default_weight), b)
 
 
-class QuantizedGPT2:
+class QuantizedGPT2(PreparedCausalLM):
     """int8 inference wrapper of a :class:`GPT2` (build with ``quantize`` / ``fast_inference(quantize="int8")``).
 
     ``forward(input_ids, attention_mask=None, position_ids=None)``: as :meth:`GPT2.forward` -> float32 logits
@@ -123,7 +121,7 @@ class QuantizedGPT2:
         self.compute_dtype = torch.float32
         self.training = False
         t = tensors
-        self.layers = [{k: _make_linear(t, f"layers.{i}.{k}") for k in _LINEARS} for i in range(config.n_layers)]
+        self.layers = [{k: _make_linear(t, f"layers.{i}.{k}") for k in LINEARS} for i in range(config.n_layers)]
         self.head = _make_linear(t, "head", None if "head.weight" in t else t["wte"])
         self._W: dict | None = None
 
@@ -134,10 +132,9 @@ class QuantizedGPT2:
 
     @classmethod
     def from_model(cls, model: GPT2, keep_float=DEFAULT_KEEP_FLOAT_GPT2) -> QuantizedGPT2:
-        from .quantized import _check_float_cpu, check_keep_float, dense_names, quantize_weight
 
         keep_float = check_keep_float(keep_float, dense_names(model.config.n_layers, head=True))
-        _check_float_cpu(model)
+        check_float_cpu(model)
         cfg = model.config
         d = cfg.d_model
 
@@ -194,14 +191,6 @@ class QuantizedGPT2:
             self._W["flat"] = decoding.flat_gpt2(self._W, self.config.activation)
         return self._W
 
-    def eval(self):
-        return self
-
-    def train(self, mode: bool = True):
-        if mode:
-            raise RuntimeError("QuantizedGPT2 is inference-only; train the float model and quantize it again")
-        return self
-
     @inference
     def lm_head(self, h: Tensor) -> Tensor:
         """(..., d_model) float32 -> (..., vocab_size) logits."""
@@ -214,21 +203,6 @@ class QuantizedGPT2:
         return decoding.gpt2_hidden(self.decode_weights(), self.config, input_ids, position_ids, key_padding_mask, caches)
 
     # -- inference: FastGPT2's forward (its checks, then _hidden and lm_head, which this class defines for int8)
-    forward = FastGPT2.forward
-    __call__ = forward
-
-    @inference
-    def generate(self, input_ids: Tensor, max_new_tokens: int = FROM_CONFIG, **kwargs) -> Tensor:
-        """:meth:`GPT2.generate` (same arguments, defaults and checks) over the int8 weights."""
-        return generate_with_config(self, input_ids, max_new_tokens, **kwargs)
-
-    # what sublayer.runtime.generation needs (its CausalLM protocol)
-    def hidden_states(self, input_ids, position_ids, key_padding_mask, caches):
-        return self._hidden(input_ids, position_ids, key_padding_mask, caches)
-
-    def new_caches(self) -> list:
-        return [SF.KVCache() for _ in self.layers]
-
     def fast_decoder(self):
         """The float path's decoding loop over the int8 weights (``SUBLAYER_DECODING=0``: the reference loop)."""
         return decoding.gpt2_decoder(self, weights=self.decode_weights())
@@ -238,10 +212,9 @@ class QuantizedGPT2:
         """``model.safetensors`` (the int8 and float tensors), ``config.json`` (HF GPT-2 config with
         ``quantization_config``) and ``generation_config.json``; read back with
         :func:`sublayer.models.quantized.load_quantized`."""
-        from .quantized import _quant_config
 
         cfg = self.config.to_hf_dict()
-        qc = _quant_config(self.keep_float)
+        qc = quant_config(self.keep_float)
         qc["activations"] = "float32 (weight-only int8)"
         cfg["quantization_config"] = qc
         ckpt.write_folder(folder, self.tensors, cfg)
@@ -250,7 +223,6 @@ class QuantizedGPT2:
     @staticmethod
     def expected_tensors(config: GPT2Config, keep_float: tuple[str, ...]) -> dict:
         """What a saved folder holds: name -> (shape, dtype) (a tied float head is ``wte`` itself)."""
-        from .quantized import dense_spec
 
         d, f, f32 = config.d_model, config.hidden_size, torch.float32
         spec = {"wte": ((config.vocab_size, d), f32), "wpe": ((config.max_positions, d), f32),

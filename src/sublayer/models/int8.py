@@ -1,0 +1,105 @@
+"""What the int8 paths share: the symmetric per-channel quantization of one weight, the dense layers that
+``keep_float`` patterns name, the saved folder's tensors (name -> shape, dtype) and its ``quantization_config``."""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import checkpoints as ckpt
+
+__all__ = [
+    "QUANTIZE_CHOICES", "QUANT_METHOD", "LINEARS", "Spec", "check_quantize", "quantize_weight", "check_float_cpu",
+    "dense_names", "check_keep_float", "dense_spec", "check_tensors", "quant_config",
+]  # fmt: skip
+
+LINEARS = ("qkv", "out", "fc1", "fc2")  # the dense layers of a block, as keep_float patterns name them
+
+QUANTIZE_CHOICES = ("int8",)
+QUANT_METHOD = "sublayer-int8"
+
+def check_quantize(quantize: object) -> None:
+    """Raises ValueError unless ``quantize`` is None or one of :data:`QUANTIZE_CHOICES`."""
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be None or one of {', '.join(map(repr, QUANTIZE_CHOICES))}, got {quantize!r}")
+
+
+def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-output-channel int8: ``(q (M, K) int8, scale (M,) float32)`` with ``w ≈ q * scale[:, None]``,
+    ``|w - q * scale| <= scale / 2`` elementwise, ``q`` in [-127, 127]. An all-zero row gets scale 1 (q = 0)."""
+    w = w.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def check_float_cpu(model: torch.nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if p.device.type != "cpu":
+            raise ValueError(f"int8 quantization runs on the CPU only; parameter {name} is on {p.device}")
+        if p.dtype != torch.float32:
+            raise ValueError(f"int8 quantization needs float32 parameters; {name} is {p.dtype} (call model.float())")
+
+
+def dense_names(n_layers: int, head: bool = False) -> list[str]:
+    """The dense layers ``keep_float`` patterns are matched against: ``layers.{i}.{qkv,out,fc1,fc2}`` (and
+    ``head``, GPT-2's LM head)."""
+    return [f"layers.{i}.{k}" for i in range(n_layers) for k in LINEARS] + (["head"] if head else [])
+
+
+def check_keep_float(keep_float: object, names: list[str]) -> tuple[str, ...]:
+    """``keep_float`` as a tuple of ``fnmatch`` patterns, each matching at least one of ``names``.
+
+    Raises:
+        TypeError: not a sequence of str. ValueError: a pattern that matches no layer, listing the layer names.
+    """
+    if isinstance(keep_float, str) or not all(isinstance(p, str) for p in keep_float):  # type: ignore[union-attr]
+        raise TypeError(f"keep_float must be a sequence of fnmatch patterns (str), got {keep_float!r}")
+    unmatched = [p for p in keep_float if not fnmatch.filter(names, p)]  # type: ignore[union-attr]
+    if unmatched:
+        n = sum(name.startswith("layers.") for name in names) // len(LINEARS)
+        head = ", head" if "head" in names else ""
+        raise ValueError(
+            f"keep_float pattern(s) {', '.join(map(repr, unmatched))} match no layer; the layers are "
+            f"layers.{{i}}.{{{','.join(LINEARS)}}} for i in 0..{n - 1}{head} (e.g. {names[0]!r})"
+        )
+    return tuple(keep_float)  # type: ignore[arg-type]
+
+
+Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def dense_spec(name: str, n_out: int, n_in: int, keep_float: tuple[str, ...], *, bias: bool = True) -> Spec:
+    """The stored tensors of one dense layer (see :func:`_linear_tensors`): name -> (shape, dtype)."""
+    f32 = torch.float32
+    spec: Spec = {f"{name}.bias": ((n_out,), f32)} if bias else {}
+    if any(fnmatch.fnmatchcase(name, p) for p in keep_float):
+        spec[f"{name}.weight"] = ((n_out, n_in), f32)
+    else:
+        spec[f"{name}.qweight"] = ((n_out, n_in), torch.int8)
+        spec[f"{name}.scale"] = ((n_out,), f32)
+    return spec
+
+
+def check_tensors(tensors: dict[str, Tensor], spec: Spec, source, optional: set[str] = frozenset()) -> None:
+    """Every tensor of ``spec`` present with its shape and dtype, none other (one CheckpointError lists all)."""
+    ckpt.check_and_convert(
+        tensors, {k: v[0] for k, v in spec.items()}, canonical=lambda k: k, source=source, optional=optional,
+        dtypes={k: v[1] for k, v in spec.items()},
+    )  # fmt: skip
+
+
+def quant_config(keep_float: tuple[str, ...]) -> dict[str, Any]:
+    return {
+        "quant_method": QUANT_METHOD,
+        "weights": "int8 symmetric per output channel",
+        "activations": "uint8 dynamic per call (fbgemm linear_dynamic)",
+        "keep_float": list(keep_float),
+    }
+
+
+# ----------------------------------------------------------------------------------------------- entry points
