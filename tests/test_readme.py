@@ -29,7 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", flags=re.S | re.M)
+FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", flags=re.DOTALL | re.MULTILINE)
 FENCES = {doc: FENCE.findall(doc.read_text()) for doc in DOCS}
 BLOCKS = [
     pytest.param(doc, code, id=f"{doc.stem}-block{i}")

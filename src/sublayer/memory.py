@@ -3,8 +3,8 @@
 Memory-bound ops (norms, dropout, residual adds) on multi-MB tensors can spend more time in page faults than in
 arithmetic: under glibc's default ``malloc`` a big block freed at the end of a training step is often handed back to
 the kernel (``munmap`` above the mmap threshold, or heap trimming), and the next step's block of the same size then
-faults on every 4 KiB page it touches (≈3-4 µs each on this project's VMs; filling a fresh 32 MiB tensor takes
-20-30 ms, an old one 4 ms).
+faults on every 4 KiB page it touches (filling a freshly mapped tensor costs several times what refilling a
+recycled one does).
 
 * :func:`set_memory_reuse` makes glibc keep freed memory for reuse, process-wide: every op (torch's own included)
   stops page-faulting on recycled sizes. Cost: the process keeps its peak heap (resident memory does not shrink

@@ -11,11 +11,11 @@ from ..models.transformer import TransformerConfig
 
 @dataclasses.dataclass
 class DemoConfig:
-    """Settings of the demo run (the model's sizes included). Defaults reach ≥ 90% exact match in a few
-    minutes on 2 CPU cores.
+    """Settings of the demo run (the model's sizes included). Defaults train the task in minutes on a
+    small CPU (the run reports its held-out exact match).
 
     ``threads``: torch threads per process; None -> 1. The model is small (d_model 128): its matrix products
-    gain little from a second thread, and OpenMP threads that spin at every barrier collapse (tenfold) when
+    gain little from a second thread, and OpenMP threads that spin at every barrier collapse when
     another busy process shares the cores. ``overwrite``: a run that does not ``resume`` replaces an earlier run's
     checkpoint in ``out`` only with it (else :func:`~sublayer.demo.train` refuses).
     """

@@ -25,7 +25,7 @@ What the fused path changes, and what it does not:
   the hidden activation is recomputed in backward. With ``recompute=True`` it saves the input only and runs fc1
   again in backward.
 * bf16 GEMMs on a CPU without AVX512_BF16/AMX run in fp32 on upcast operands, rounded to bf16 once
-  (:func:`sublayer.kernels.native_bf16_gemm`), because oneDNN's bf16 GEMM is ~8x slower than fp32 there.
+  (:func:`sublayer.kernels.native_bf16_gemm`), because oneDNN's bf16 GEMM is several times slower than fp32 there.
 * Results equal the reference within its own low-precision error (tests derive the tolerances). The backward is
   not differentiable again: a backward with ``create_graph=True`` raises ``RuntimeError`` (use
   ``impl="reference"`` or ``sublayer.kernels.set_enabled(False)`` for higher-order gradients).
@@ -314,7 +314,7 @@ def _hidden(ops, a: Tensor, b1a: Tensor | None, act: int, gated: bool, p: float,
 
 def _gemm(dtype: torch.dtype):
     """(upcast, mm) for GEMMs on ``dtype`` operands: bf16 without native bf16 GEMMs multiplies in fp32 and rounds
-    the product to bf16 once (what a bf16 GEMM with fp32 accumulation returns), ~8x faster on AVX2."""
+    the product to bf16 once (what a bf16 GEMM with fp32 accumulation returns), faster on AVX2."""
     if dtype == torch.bfloat16 and not kernels.native_bf16_gemm():
         return (lambda t: t.float()), (lambda a, b: torch.mm(a, b).to(torch.bfloat16))
     return (lambda t: t), torch.mm
@@ -434,7 +434,7 @@ class _Bf16LinearFn(torch.autograd.Function):
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear``; in bf16 (bf16 tensors, or float32 ones under ``torch.autocast("cpu", dtype=torch.bfloat16)``)
     on a CPU without native bf16 GEMMs (:func:`sublayer.kernels.native_bf16_gemm`), the GEMMs run in fp32 on the
-    bf16-rounded operands and round once — the numbers of a bf16 GEMM with fp32 accumulation, ~8x faster there.
+    bf16-rounded operands and round once — the numbers of a bf16 GEMM with fp32 accumulation, faster there.
 
     Everything else (other dtypes, CUDA, DTensor, ``torch.compile``, kernels switched off) is ``F.linear`` itself.
 

@@ -6,8 +6,8 @@ plus whatever happens between them. This path (beside the reference loops of :me
 
 * packs every decoding matrix once (``pack_linear_weight``: panels of 16 output columns, read sequentially) and
   multiplies the few rows of a step with the ``skinny_linear`` kernel (AVX2 + FMA, both threads); a single row
-  reads four panels at a time (four weight streams per thread keep more misses in flight: ~26 GB/s on GPT-2's
-  layers here, where one stream reached ~19 and torch's GEMV ~17-21); q/k/v are one matrix; panels may also be
+  reads four panels at a time (four weight streams per thread keep more memory requests in flight than one);
+  q/k/v are one matrix; panels may also be
   float16 (the greedy head's screening copy) or int8 with a per-column scale (``QuantizedGPT2``);
 * keeps a static key/value cache allocated once per call, (B, H, T_prompt + max_new, head_dim) per layer, that
   ``decode_attention`` writes and reads in place (no ``torch.cat`` per step); positions and the padding mask are
@@ -18,7 +18,7 @@ plus whatever happens between them. This path (beside the reference loops of :me
   Transformer's decoder step is one C++ call too (``transformer_decode_layers``: self-attention, cross-attention
   and FFN of every layer, pre- or post-norm; ``transformer_stepper``'s per-op loop is its reference, and runs for
   gated FFNs). Several rows (batches, beams) take a several-row micro-kernel (AVX2: 6 rows x 16 columns;
-  AVX-512 CPUs: 8 rows x 2 panels, ~130-160 GFLOP/s here against torch's ~80-115 at 32 rows); above
+  AVX-512 CPUs: 8 rows x 2 panels); above
   :func:`skinny_max_rows` rows (32: the demo's batch of 500) torch's GEMM runs on the unpacked weight instead;
 * beam search reorders no cache: each layer's cache carries a (rows, positions) table of the cache row that holds
   each key (every slot is written once, by its own row), and ``decode_attention`` reads through it; the beams of

@@ -19,9 +19,9 @@ is **weight-only int8** (unlike BERT's, whose activations are quantized too, see
   static KV cache, the greedy/sampling rules and the one-call step (``gpt2_decode_layers``) are the float path's.
 
 The LM head is int8 by default (:data:`DEFAULT_KEEP_FLOAT_GPT2` is empty): it is a third of GPT-2 small's matrix
-bytes; keeping it float (``keep_float=("head",)``) measured 1.4x slower greedy decoding at batch 1 and no better
-agreement with the fp32 model's tokens (``python -m sublayer.bench_decode``'s int8 rows; the README's int8 section
-has the figures).
+bytes, so keeping it float (``keep_float=("head",)``) makes greedy decoding at batch 1 markedly slower, and on
+GPT-2-sized models it did not raise agreement with the fp32 model's tokens (``sublayer bench --decode`` has rows
+for both).
 
 The wrapper holds only the tensors it uses: :meth:`QuantizedGPT2.save_pretrained` writes them to
 ``model.safetensors`` + ``config.json`` (the HF GPT-2 config with a ``quantization_config`` entry);

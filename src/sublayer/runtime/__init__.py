@@ -7,6 +7,8 @@ Model-agnostic pieces that the model definitions (:mod:`sublayer.models`) use:
 * :mod:`.rules` — when any fast path may replace the modules' own forwards (not sharded, no hooks);
 * :mod:`.weights` — prepared weights (packed fp32 panels, the float16 greedy head, int8 with scales) and the one
   cache that derives them from a module's parameters and notices every change;
-* :mod:`.decoding` — static KV caches with row tables, the decoding attention, the one-call decoder step;
+* :mod:`.linear` — weight formats of a prepared layer: packed panels, dense, the float16-screened greedy head;
+* :mod:`.kv_cache` — static KV caches with row tables and the decoding attention;
+* :mod:`.rows` — row ops (add & norm, bias + activation, layer norm) on prepared weights;
 * :mod:`.generation` — the generation loops (greedy, sampling, beam search, eos, left padding) over a model's step.
 """

@@ -57,8 +57,8 @@ class PackedLinear:
         return self.packed, NO_SCALE, self.bias
 
 
-# Up to here the several-row micro-kernels beat torch's GEMM (AVX-512: 8 rows x 2 panels; AVX2: 6 rows x 16
-# columns, ~60-70 GFLOP/s at 8-32 rows where torch's reached 40-70 here); above it a blocked GEMM wins.
+# Up to this many rows the several-row micro-kernels (AVX-512: 8 rows x 2 panels; AVX2: 6 rows x 16 columns) are
+# used; above it a blocked GEMM (torch's) wins. `sublayer bench --decode` measures both.
 SKINNY_MAX_ROWS = 32
 
 

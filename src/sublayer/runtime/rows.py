@@ -27,7 +27,7 @@ def kernels_on() -> bool:
 
 def inference(fn):
     """No autograd and no autocast inside: the prepared weights' dtype decides every GEMM's dtype (autocast would
-    send them to bf16 GEMMs even where those are ~8x slower than fp32)."""
+    send them to bf16 GEMMs even where those are slower than fp32)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
