@@ -21,7 +21,40 @@ from ..checkpoints import FROM_CONFIG
 from ..runtime import generation, padding_free
 from ..runtime.rows import inference
 
-__all__ = ["CausalLM", "PreparedCausalLM", "generate_with_config", "check_position_ids"]
+__all__ = ["CausalBlock", "CausalLM", "PreparedCausalLM", "generate_with_config", "check_position_ids"]
+
+
+class CausalBlock(nn.Module):
+    """A pre-norm causal block, ``x + drop(attn(norm_1(x)))`` then ``x + drop(ffn(norm_2(x)))``; a model's block
+    subclasses it and builds ``attn_residual``, ``self_attn``, ``ffn_residual``, ``ffn`` (the names of
+    :class:`sublayer.nn.EncoderBlock`).
+
+    Shape:
+        x (B, T, d_model); key_padding_mask (B, T_k) True = padding, covering cached keys too; attn_mask (B|1, 1,
+        T, T_k) bool True = masked (other documents); rotary ``(cos, sin)`` (B | 1, T, head_dim) or None
+        -> (B, T, d_model). With ``packing`` (:class:`sublayer.functional.packing.PackedBatch`): packed rows
+        (N, d_model) -> (N, d_model), rotary (N, head_dim).
+    """
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        kv_cache: SF.KVCache | None = None,
+        packing: PackedBatch | None = None,
+        rotary: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        def attn(h: Tensor) -> Tensor:
+            # is_causal is bottom-right aligned: a 1-token query after a cached prefix sees the whole prefix.
+            return self.self_attn(
+                h, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=True, kv_cache=kv_cache,
+                rotary=rotary, packing=packing,
+            )[0]  # fmt: skip
+
+        x = self.attn_residual(x, attn)
+        return self.ffn_residual(x, self.ffn)
 
 
 class CausalLM(nn.Module):

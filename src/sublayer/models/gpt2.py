@@ -33,7 +33,7 @@ from ..checkpoints import gpt2 as keymap
 from ..nn import LayerNorm, MultiHeadAttention, PositionWiseFFN, PreNormResidual
 from ..functional.packing import PackedBatch, document_mask
 from . import decoding
-from .causal_lm import CausalLM
+from .causal_lm import CausalBlock, CausalLM
 from .config import ModelConfig
 
 __all__ = ["GPT2Config", "GPT2", "GPT2Block", "check_input_ids"]  # check_input_ids: re-exported from _checks
@@ -185,7 +185,7 @@ class GPT2Config(ModelConfig):
         }
 
 
-class GPT2Block(nn.Module):
+class GPT2Block(CausalBlock):
     """One GPT-2 block: ``x + drop(attn(ln_1(x)))`` (causal) then ``x + drop(ffn(ln_2(x)))``.
 
     Attributes (the names of :class:`sublayer.nn.EncoderBlock`): ``self_attn``, ``ffn``, ``attn_residual``,
@@ -205,25 +205,6 @@ class GPT2Block(nn.Module):
         self.self_attn = MultiHeadAttention(d, config.n_heads, dropout=config.attn_dropout, **kw)
         self.ffn_residual = PreNormResidual(d, config.dropout, eps=config.eps, **kw)
         self.ffn = PositionWiseFFN(d, config.hidden_size, activation=config.activation, **kw)
-
-    def forward(
-        self,
-        x: Tensor,
-        *,
-        key_padding_mask: Tensor | None = None,
-        attn_mask: Tensor | None = None,
-        kv_cache: SF.KVCache | None = None,
-        packing: PackedBatch | None = None,
-    ) -> Tensor:
-        def attn(h: Tensor) -> Tensor:
-            # is_causal is bottom-right aligned: a 1-token query after a cached prefix sees the whole prefix.
-            return self.self_attn(
-                h, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=True, kv_cache=kv_cache,
-                packing=packing,
-            )[0]  # fmt: skip
-
-        x = self.attn_residual(x, attn)
-        return self.ffn_residual(x, self.ffn)
 
 
 class GPT2(CausalLM):

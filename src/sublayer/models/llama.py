@@ -28,7 +28,7 @@ from ..checkpoints import llama as keymap
 from ..functional.packing import PackedBatch, document_mask
 from ..nn import MultiHeadAttention, PositionWiseFFN, PreNormResidual, RMSNorm, RotaryEmbedding
 from ..runtime import generation
-from .causal_lm import CausalLM
+from .causal_lm import CausalBlock, CausalLM
 from .config import ModelConfig
 
 __all__ = ["LlamaConfig", "Llama", "LlamaBlock", "MODEL_TYPES"]
@@ -227,7 +227,7 @@ class LlamaConfig(ModelConfig):
         return d
 
 
-class LlamaBlock(nn.Module):
+class LlamaBlock(CausalBlock):
     """One Llama block: ``x + attn(norm_1(x))`` (causal, rotary, grouped-query) then ``x + ffn(norm_2(x))``.
 
     Attributes (the names of :class:`sublayer.nn.EncoderBlock`): ``self_attn``, ``ffn`` (gated, no biases),
@@ -251,26 +251,6 @@ class LlamaBlock(nn.Module):
             self.self_attn.out_proj = nn.Linear(config.n_heads * config.attention_head_dim, d, bias=False, **kw)
         self.ffn_residual = PreNormResidual(d, norm="rms", eps=config.eps, **kw)
         self.ffn = PositionWiseFFN(d, config.d_ff, activation=config.activation, bias=False, **kw)
-
-    def forward(
-        self,
-        x: Tensor,
-        *,
-        rotary: tuple[Tensor, Tensor],
-        key_padding_mask: Tensor | None = None,
-        attn_mask: Tensor | None = None,
-        kv_cache: SF.KVCache | None = None,
-        packing: PackedBatch | None = None,
-    ) -> Tensor:
-        def attn(h: Tensor) -> Tensor:
-            # is_causal is bottom-right aligned: a 1-token query after a cached prefix sees the whole prefix.
-            return self.self_attn(
-                h, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=True, kv_cache=kv_cache,
-                rotary=rotary, packing=packing,
-            )[0]  # fmt: skip
-
-        x = self.attn_residual(x, attn)
-        return self.ffn_residual(x, self.ffn)
 
 
 class Llama(CausalLM):
