@@ -91,13 +91,25 @@ def test_every_block_is_tagged(doc):
     assert not untagged, f"{doc.name}: code blocks without a language (```python, ```bash, ```text): {untagged}"
 
 
+def _anchors(path: Path) -> set[str]:
+    """The anchors GitHub makes of a markdown file's headings (lower case, punctuation dropped, spaces -> '-')."""
+    headings = re.findall(r"^#+ (.+)$", FENCE.sub("", path.read_text()), flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.stem)
 def test_relative_links_resolve(doc):
-    """Every relative link ([text](path) or [text](path#anchor)) names a file or folder of the repository."""
+    """Every relative link ([text](path) or [text](path#anchor)) names a file or folder of the repository, and an
+    anchor names a heading of that file."""
     text = FENCE.sub("", doc.read_text())
-    targets = re.findall(r"\]\((?!https?://|#|mailto:)([^)#\s]+)", text)
-    missing = [t for t in targets if not (doc.parent / t).exists()]
-    assert not missing, f"{doc.name}: links to missing files: {missing}"
+    links = re.findall(r"\]\((?!https?://|mailto:)([^)\s]*)\)", text)
+    missing = []
+    for link in links:
+        path, _, anchor = link.partition("#")
+        target = doc.parent / path if path else doc
+        if not target.exists() or (anchor and target.suffix == ".md" and anchor not in _anchors(target)):
+            missing.append(link)
+    assert not missing, f"{doc.name}: links to missing files or headings: {missing}"
 
 
 def _free_port() -> int:
