@@ -34,7 +34,7 @@ from ._loader import cache_dir
 
 __all__ = ["available", "enabled", "set_enabled", "ops", "status", "build_error", "cache_dir", "native_bf16_gemm"]
 
-# Every csrc/*.cpp is one translation unit of the extension: kernels.cpp holds TORCH_LIBRARY(sublayer_kernels),
+# Every csrc/*.cpp is one translation unit of the extension: add_norm.cpp holds TORCH_LIBRARY(sublayer_kernels),
 # the other files add their ops with TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m). (_loader reads these names.)
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))

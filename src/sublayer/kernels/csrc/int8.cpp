@@ -11,29 +11,12 @@
 // Both float32, 2-D contiguous, rows split over the OpenMP threads. The PyTorch expressions above are the
 // reference (sublayer.models.quantized uses them when the kernels are off); tests compare the two.
 //
-// Weight-only int8 for decoding (sublayer.models.quantized_gpt2) is decode.cpp's skinny_linear on int8 panels.
+// Weight-only int8 for decoding (sublayer.models.quantized_gpt2) is packed_linear.cpp's skinny_linear on int8 panels.
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <torch/library.h>
-#include "activations.h"
+#include "common.h"
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <optional>
-#include <tuple>
-
+namespace sublayer {
 namespace {
-
-using at::Tensor;
 
 void check_2d_f32(const Tensor& t, const char* what) {
   TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.scalar_type() == at::kFloat && t.device().is_cpu(), what,
@@ -123,8 +106,6 @@ Tensor int8_rescale_rows_(Tensor y, const Tensor& r, const std::optional<Tensor>
   return y;
 }
 
-
-using namespace sublayer_act;  // Act and act_f (activations.h), as kernels.cpp
 
 // v[0:K] *= inv_next (if any); returns max |v| (1 for an all-zero row) and divides v by it.
 inline float scale_row(float* v, const float* inv, int64_t K) {
@@ -249,6 +230,7 @@ std::tuple<Tensor, Tensor, Tensor> int8_add_norm_rows_(Tensor y, const std::opti
 }
 
 }  // namespace
+}  // namespace sublayer
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
   m.def("int8_scale_rows(Tensor x, Tensor? inv_smooth) -> (Tensor, Tensor)");
@@ -260,8 +242,8 @@ TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
 }
 
 TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
-  m.impl("int8_scale_rows", &int8_scale_rows);
-  m.impl("int8_rescale_rows_", &int8_rescale_rows_);
-  m.impl("int8_act_rows_", &int8_act_rows_);
-  m.impl("int8_add_norm_rows_", &int8_add_norm_rows_);
+  m.impl("int8_scale_rows", &sublayer::int8_scale_rows);
+  m.impl("int8_rescale_rows_", &sublayer::int8_rescale_rows_);
+  m.impl("int8_act_rows_", &sublayer::int8_act_rows_);
+  m.impl("int8_add_norm_rows_", &sublayer::int8_add_norm_rows_);
 }
