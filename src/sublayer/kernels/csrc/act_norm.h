@@ -69,6 +69,19 @@ template <int64_t act, typename A> inline A act_f(A z) {
   if constexpr (act == RELU2) return z > A(0) ? z * z : A(0);
   return z;
 }
+// Runs __VA_ARGS__ (a lambda) with `constexpr int64_t ACT` = the activation id ACTV (unknown ids: IDENT).
+#define SUBLAYER_DISPATCH_ACT(ACTV, ...)                                                          \
+  [&] {                                                                                           \
+    switch (ACTV) {                                                                               \
+      case RELU: { constexpr int64_t ACT = RELU; return __VA_ARGS__(); }                          \
+      case GELU: { constexpr int64_t ACT = GELU; return __VA_ARGS__(); }                          \
+      case GELU_TANH: { constexpr int64_t ACT = GELU_TANH; return __VA_ARGS__(); }                \
+      case SILU: { constexpr int64_t ACT = SILU; return __VA_ARGS__(); }                          \
+      case RELU2: { constexpr int64_t ACT = RELU2; return __VA_ARGS__(); }                        \
+      default: { constexpr int64_t ACT = IDENT; return __VA_ARGS__(); }                           \
+    }                                                                                             \
+  }()
+
 template <int64_t act, typename A> inline A act_df(A z) {
   if constexpr (act == RELU) return z > A(0) ? A(1) : A(0);
   if constexpr (act == GELU) return norm_cdf(z) + z * A(0.39894228040143267794) * vexp(A(-0.5) * z * z);
@@ -172,6 +185,20 @@ template <typename A, typename F> inline void sum2(int64_t d, A& s1, A& s2, F&& 
     s1 += p1[k];
     s2 += p2[k];
   }
+}
+
+// LayerNorm of one float32 row: out[j] = (x[j] - mean) * rstd * w[j] + b[j], two-pass variance (out may be x).
+inline void layer_norm_row(const float* x, const float* w, const float* b, float eps, float* out, int64_t d) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < d; ++j) sum += x[j];
+  const float m = sum / float(d);
+  float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+  for (int64_t j = 0; j < d; ++j) sq += (x[j] - m) * (x[j] - m);
+  const float rs = 1.0f / std::sqrt(sq / float(d) + eps);
+#pragma omp simd
+  for (int64_t j = 0; j < d; ++j) out[j] = (x[j] - m) * rs * w[j] + b[j];
 }
 
 }  // namespace sublayer

@@ -23,17 +23,7 @@ void add_layer_norm(float* x, const float* y, const Tensor& w, const Tensor& b, 
 #pragma omp simd
         for (int64_t j = 0; j < d; ++j) xr[j] += y[r * d + j];
       }
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < d; ++j) sum += xr[j];
-      const float m = sum / float(d);
-      float sq = 0.0f;
-#pragma omp simd reduction(+ : sq)
-      for (int64_t j = 0; j < d; ++j) sq += (xr[j] - m) * (xr[j] - m);
-      const float rs = 1.0f / std::sqrt(sq / float(d) + float(eps));
-      float* hr = h + r * d;
-#pragma omp simd
-      for (int64_t j = 0; j < d; ++j) hr[j] = (xr[j] - m) * rs * wp[j] + bp[j];
+      layer_norm_row(xr, wp, bp, float(eps), h + r * d, d);
     }
   });
 }
@@ -98,15 +88,7 @@ Tensor step_linear(const Tensor& x, const Tensor* L, int64_t act, int64_t max_ro
   const int64_t n = L[2].size(0);
   if (x.size(0) <= max_rows) return skinny_linear(x, L[0], L[2], n, act, L[1]);
   Tensor y = at::addmm(L[2], x, L[3].t());
-  float* yp = y.data_ptr<float>();
-  switch (act) {
-    case RELU: act_rows<RELU>(yp, y.numel()); break;
-    case GELU: act_rows<GELU>(yp, y.numel()); break;
-    case GELU_TANH: act_rows<GELU_TANH>(yp, y.numel()); break;
-    case SILU: act_rows<SILU>(yp, y.numel()); break;
-    case RELU2: act_rows<RELU2>(yp, y.numel()); break;
-    default: break;
-  }
+  if (act != IDENT) SUBLAYER_DISPATCH_ACT(act, [&] { act_rows<ACT>(y.data_ptr<float>(), y.numel()); });
   return y;
 }
 

@@ -317,18 +317,6 @@ void act_bwd_impl(const Tensor& dh, const Tensor& saved, const Tensor& b, Tensor
     TORCH_CHECK(false, NAME ": unsupported dtype ", ST);                                        \
   }()
 
-#define SUBLAYER_DISPATCH_ACT(ACTV, ...)                                                          \
-  [&] {                                                                                           \
-    switch (ACTV) {                                                                               \
-      case RELU: { constexpr int64_t ACT = RELU; return __VA_ARGS__(); }                          \
-      case GELU: { constexpr int64_t ACT = GELU; return __VA_ARGS__(); }                          \
-      case GELU_TANH: { constexpr int64_t ACT = GELU_TANH; return __VA_ARGS__(); }                \
-      case SILU: { constexpr int64_t ACT = SILU; return __VA_ARGS__(); }                          \
-      case RELU2: { constexpr int64_t ACT = RELU2; return __VA_ARGS__(); }                        \
-      default: { constexpr int64_t ACT = IDENT; return __VA_ARGS__(); }                           \
-    }                                                                                             \
-  }()
-
 Tensor act_fwd(const Tensor& a, const std::optional<Tensor>& bias, int64_t act, double p, int64_t seed, bool inplace) {
   TORCH_CHECK(a.dim() == 2 && a.is_contiguous(), "act_fwd: a must be a contiguous 2-D tensor");
   TORCH_CHECK(act >= IDENT && act <= RELU2, "act_fwd: unknown activation id ", act);
