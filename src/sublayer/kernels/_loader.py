@@ -11,7 +11,6 @@ import contextlib
 import hashlib
 import json
 import os
-import platform
 import re
 import shutil
 import socket
@@ -23,6 +22,9 @@ from pathlib import Path
 
 import torch
 
+from .. import settings
+from . import cpu
+
 _key: dict = {}  # key_inputs(), computed once per process
 # First build measured on this project's 2-core machine (see the README); the "compiling" line shows it until
 # this machine has built once (then the last build's time).
@@ -33,19 +35,6 @@ def _pkg():
     """The package :mod:`sublayer.kernels`: it names what is built (``_SOURCES``, ``_HEADERS``, ``_NAME``,
     ``CFLAGS``, ``LDFLAGS``); read at call time, so a test can change them."""
     return sys.modules[__package__]
-
-
-def _cpu_tag() -> str:
-    # -march=native code must not be reused on another CPU: key the cache on the CPU's flags.
-    info = platform.machine()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        flags = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
-        model = next((ln for ln in text.splitlines() if ln.startswith("model name")), "")
-        info += flags + model
-    except OSError:
-        pass
-    return hashlib.sha1(info.encode()).hexdigest()[:10]
 
 
 def _compiler() -> tuple[str, str | None]:
@@ -77,7 +66,7 @@ def key_inputs() -> dict:
             torch_git=getattr(torch.version, "git_version", ""),
             cxx11_abi=bool(torch._C._GLIBCXX_USE_CXX11_ABI),
             python=sys.implementation.cache_tag,
-            cpu=_cpu_tag(),
+            cpu=cpu.tag(),
             compiler=version if version is not None else f"{cxx} (not found)",
         )
     return _key
@@ -85,16 +74,9 @@ def key_inputs() -> dict:
 
 def cache_dir() -> Path:
     """Where this build of the extension is cached: one folder per hash of :func:`key_inputs`."""
-    root = os.environ.get("SUBLAYER_KERNELS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "sublayer", "kernels")
+    root = settings.kernels_cache_root()
     digest = hashlib.sha256(json.dumps(key_inputs(), sort_keys=True).encode()).hexdigest()[:16]
-    return Path(root) / f"torch{torch.__version__.split('+')[0]}-{digest}"
-
-
-def _lock_timeout() -> float:
-    try:
-        return float(os.environ.get("SUBLAYER_KERNELS_LOCK_TIMEOUT", "600"))
-    except ValueError:
-        return 600.0
+    return root / f"torch{torch.__version__.split('+')[0]}-{digest}"
 
 
 @contextlib.contextmanager
@@ -187,7 +169,7 @@ def _compile(build_dir: Path) -> Path:
         extra_ldflags=list(pkg.LDFLAGS),
         build_directory=str(build_dir),
         is_python_module=False,
-        verbose=os.environ.get("SUBLAYER_KERNELS_VERBOSE", "0") == "1",
+        verbose=settings.kernels_verbose(),
     )
     return build_dir / f"{pkg._NAME}.so"
 
@@ -204,7 +186,7 @@ def build() -> None:
         _load_library(lib)
         return
     d.mkdir(parents=True, exist_ok=True)
-    with _build_lock(d / "build.lock", _lock_timeout()) as exclusive:
+    with _build_lock(d / "build.lock", settings.kernels_lock_timeout()) as exclusive:
         if lib.is_file():  # another process built it while we waited
             _load_library(lib)
             return

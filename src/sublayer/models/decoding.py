@@ -45,7 +45,6 @@ Switch: ``SUBLAYER_DECODING=0`` in the environment or :func:`set_enabled` (``Fal
 from __future__ import annotations
 
 import math
-import os
 import weakref
 
 import torch
@@ -53,12 +52,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import functional as SF
-from .. import kernels
+from .. import kernels, settings
 from ..functional import fused
 
 __all__ = ["set_enabled", "enabled", "clear_cache", "PackedLinear", "StaticKVCache", "decode_attention"]
 
-_enabled = os.environ.get("SUBLAYER_DECODING", "1").strip().lower() not in ("0", "false", "off", "no")
+_enabled = settings.decoding_enabled()
 
 
 def set_enabled(flag: bool) -> None:
