@@ -8,6 +8,9 @@ version — never paths, so another virtual environment with the same torch reus
 library directly (no ninja, no compiler run). ``python -m sublayer.kernels`` builds it ahead of time (e.g. in a
 Dockerfile after ``pip install``).
 
+A manifest written with the library records its size and sha256; a cached library that does not match it (a
+truncated or damaged file) or does not load is discarded and rebuilt, never loaded.
+
 Concurrent first uses wait on an OS file lock (``flock``) held by the builder; the OS drops it when the builder dies,
 so a build killed midway never blocks later processes (its half-built folder is removed and the build restarts).
 A builder still alive after ``$SUBLAYER_KERNELS_LOCK_TIMEOUT`` seconds (default 600) is given up on.
