@@ -183,8 +183,11 @@ MANIFEST = "manifest.json"  # next to the library: its size and sha256, written 
 
 
 def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _write_atomic(path: Path, text: str) -> None:
