@@ -170,6 +170,48 @@ def scenario_gpt2_from_hf(mesh, hf_dir):
     assert_close(torch.stack(losses["tp"]), torch.stack(losses["ref"]))
 
 
+def scenario_llama_gqa(mesh):
+    """A Llama with grouped-query attention (4 query heads, 2 kv heads: one group per rank), rotary positions and
+    a gated FFN: sharded forward/backward, sequence parallel too, and KV-cache decoding equal one process's."""
+    from sublayer.models import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=19, d_model=D, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=F,
+                      attention_bias=True, model_type="qwen2")  # fmt: skip
+    ref = randomized(Llama(cfg))
+    ids = torch.randint(0, 19, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[2, :1] = 0
+    for sp in (False, True):
+        ref.zero_grad()
+        compare_fwd_bwd(ref, sharded_copy(ref, mesh, sequence_parallel=sp), [ids], {"attention_mask": mask})
+    tp = sharded_copy(ref, mesh)
+    assert tp.blocks[0].self_attn.k_proj.weight.to_local().shape == (4, D)  # one kv head of 4 per rank
+    assert torch.equal(tp.generate(ids[:, :2], 4), ref.generate(ids[:, :2], 4))
+    # FSDP2 (every block, then the root; Llama.loss registered as a forward method): each rank's half batch,
+    # 2 SGD steps = the full batch
+    x = torch.randint(0, 19, (4, T))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    fsdp = fully_shard(copy.deepcopy(ref), mesh)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_f = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+    for _ in range(2):
+        loss = ref.loss(x)
+        opt_r.zero_grad()
+        loss.backward()
+        opt_r.step()
+        local = fsdp.loss(x[mine])
+        opt_f.zero_grad()
+        local.backward()
+        opt_f.step()
+        total = local.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+        assert_close(total, loss.detach())
+    for (n, p), q in zip(fsdp.named_parameters(), ref.parameters()):
+        assert_close(p.full_tensor(), q, msg=lambda m, n=n: f"{n} after 2 steps: {m}")
+
+
 def scenario_transformer_and_bert(mesh):
     from sublayer.models.bert import Bert, BertConfig
     from sublayer.models.transformer import Transformer
@@ -230,6 +272,7 @@ SCENARIOS = {
     "ffn_bare": scenario_ffn_bare,
     "gpt2_from_hf": scenario_gpt2_from_hf,
     "transformer_and_bert": scenario_transformer_and_bert,
+    "llama_gqa": scenario_llama_gqa,
     "fsdp": scenario_fsdp,
 }
 

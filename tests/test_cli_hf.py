@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -59,6 +60,7 @@ def _one_line_error(code: int, err: str, match: str) -> None:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err
     assert match in lines[0], lines[0]
+    assert match in lines[0], lines[0]
 
 
 # ---- generate ------------------------------------------------------------------------------------------------
@@ -103,18 +105,68 @@ def test_generate_text_without_tokenizer(cli, tmp_path):
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        (("--model", "{missing}", "1 2"), "checkpoint folder not found"),
+        (("--model", "{missing}", "1 2"), "error: --model: checkpoint folder not found: {missing}"),
         (("--model", "{gpt2}", "1 2", "-n", str(MAX_POS)), f"exceeds max_positions={MAX_POS}"),
-        (("--model", "{gpt2}", "1 2", "--top-p", "2"), "top_p must be in (0, 1], got 2.0"),
+        (("--model", "{gpt2}", "1 2", "--top-p", "2"), "error: --top-p must be in (0, 1], got 2.0"),
+        (("--model", "{gpt2}", "1 2", "--temperature", "0"), "error: --temperature must be a float > 0, got 0.0"),
+        (("--model", "{gpt2}", "1 2", "--top-k", "0"), "error: --top-k must be a positive int, got 0"),
         (("--model", "{gpt2}", "1 999"), "input_ids must lie in [0, vocab_size=53)"),
         (("--model", "{gpt2}", "   "), "the prompt is empty"),
-        (("--model", "{bert}", "1 2"), "model_type must be 'gpt2' for GPT-2, got 'bert'"),
+        (("--model", "{bert}", "1 2"), "generate supports model_type gpt2, llama, qwen2; "),
     ],
 )
 def test_generate_errors_are_one_line(cli, gpt2_dir, bert_dir, tmp_path, args, match):
-    fill = {"missing": tmp_path / "missing", "gpt2": gpt2_dir, "bert": bert_dir}
-    code, _, err = cli("generate", *(a.format(**{k: str(v) for k, v in fill.items()}) for a in args))
-    _one_line_error(code, err, match)
+    fill = {k: str(v) for k, v in {"missing": tmp_path / "missing", "gpt2": gpt2_dir, "bert": bert_dir}.items()}
+    code, _, err = cli("generate", *(a.format(**fill) for a in args))
+    _one_line_error(code, err, match.format(**fill))
+
+
+def test_embed_missing_folder_is_named_before_its_tokenizer(cli, tmp_path):
+    code, _, err = cli("embed", "--model", tmp_path / "nope", "hello")
+    _one_line_error(code, err, f"error: --model: checkpoint folder not found: {tmp_path / 'nope'} (a local folder")
+
+
+def test_a_model_name_resolves_through_the_local_hub_cache(cli, gpt2_dir, tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(FileNotFoundError, match=r"checkpoint folder not found: tiny/gpt2 \(a local folder .* "
+                       r"`hf download MODEL --local-dir DIR`.* local Hugging Face cache .*hub\)"):
+        GPT2.from_pretrained("tiny/gpt2")
+    repo = tmp_path / "hub" / "models--tiny--gpt2"
+    shutil.copytree(gpt2_dir, repo / "snapshots" / "abc123")
+    shutil.copytree(gpt2_dir, repo / "snapshots" / "old999")
+    (repo / "snapshots" / "old999" / "config.json").write_text("{}")  # not the one refs/main names
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    x = torch.tensor([[5, 6, 7]])
+    assert torch.equal(GPT2.from_pretrained("tiny/gpt2")(x), GPT2.from_pretrained(gpt2_dir)(x))
+    code, out, _ = cli("generate", "--model", "tiny/gpt2", "-n", "3", "5 6 7")
+    assert code == 0 and out == cli("generate", "--model", gpt2_dir, "-n", "3", "5 6 7")[1]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_generate_picks_the_class_from_model_type(cli, tmp_path, kind):
+    import transformers
+
+    from sublayer.models import Llama
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[kind]
+    torch.manual_seed(0)
+    config = config_cls(
+        vocab_size=53, hidden_size=10, intermediate_size=7, num_hidden_layers=1, num_attention_heads=5,
+        num_key_value_heads=1, eos_token_id=2,
+    )  # fmt: skip
+    model_cls(config).save_pretrained(tmp_path)
+    code, out, _ = cli("generate", "--model", tmp_path, "5 9 11", "-n", "6")
+    assert code == 0
+    want = Llama.from_pretrained(tmp_path).generate(torch.tensor([[5, 9, 11]]), 6, eos_token_id=2)[0].tolist()
+    assert out.split() == [str(i) for i in want]
+    code, _, err = cli("generate", "--model", tmp_path, "5 9", "--quantize", "int8")
+    _one_line_error(code, err, f"--quantize int8 supports model_type gpt2 only; {tmp_path} holds model_type {kind!r}")
 
 
 def test_bad_tokenizer_file(cli, tmp_path):
@@ -135,7 +187,41 @@ def test_real_entry_point_exit_code(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"error: checkpoint folder not found: {tmp_path / 'none'}"
+    assert proc.stderr.startswith(f"error: --model: checkpoint folder not found: {tmp_path / 'none'} (a local folder")
+    assert proc.stderr.count("\n") == 1
+
+
+def _run_without(packages: tuple[str, ...], code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter where importing any of ``packages`` fails as if it were not installed."""
+    block = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {packages!r}:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+    )
+    return subprocess.run([sys.executable, "-c", block + code], capture_output=True, text=True, timeout=120)
+
+
+def test_info_without_the_cli_extra_prints_only_its_hint():
+    proc = _run_without(("typer", "numpy"), "sys.argv = ['sublayer', 'info']\nfrom sublayer.cli import main\nmain()")
+    assert proc.returncode == 2
+    assert proc.stderr == "error: 'typer' is not installed (sublayer's cli extra): pip install typer rich matplotlib " \
+        "tokenizers\n"
+
+
+def test_commands_silence_transformers_notices_and_progress_bars(gpt2_dir):
+    code = (
+        "import sys\nsys.argv = ['sublayer', 'generate', '--model', sys.argv[1], '-n', '1', '5 6']\n"
+        "from sublayer.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "import huggingface_hub.utils as u\nfrom transformers.utils import logging\n"
+        "print(logging.get_verbosity(), u.are_progress_bars_disabled())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(gpt2_dir)], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if not k.startswith(("TRANSFORMERS_", "HF_HUB_D"))})
+    assert proc.stdout.splitlines()[-1] == "40 True"  # logging.ERROR
 
 
 # ---- embed ---------------------------------------------------------------------------------------------------
@@ -179,7 +265,7 @@ def test_embed_quantize_int8(cli, bert_dir, tmp_path):
     code, saved, _ = cli("embed", "--model", tmp_path, *texts)
     assert code == 0 and torch.equal(torch.tensor([r["embedding"] for r in json.loads(saved)]), i8)
     code, _, err = cli("embed", "--model", bert_dir, "--quantize", "int4", "hello")
-    _one_line_error(code, err, "quantize must be None or one of 'int8', got 'int4'")
+    _one_line_error(code, err, "error: --quantize must be one of int8, got 'int4'")
 
 
 def test_generate_quantize_int8(cli, gpt2_dir, bert_dir, tmp_path):
@@ -196,7 +282,7 @@ def test_generate_quantize_int8(cli, gpt2_dir, bert_dir, tmp_path):
     code, saved, _ = cli("generate", "--model", tmp_path / "g", "-n", "6", "5 6 7")
     assert code == 0 and saved == out8
     code, _, err = cli("generate", "--model", gpt2_dir, "--quantize", "int4", "5 6")
-    _one_line_error(code, err, "quantize must be None or one of 'int8', got 'int4'")
+    _one_line_error(code, err, "error: --quantize must be one of int8, got 'int4'")
     quantized.quantize(Bert.from_pretrained(bert_dir)).save_pretrained(tmp_path / "b")
     code, _, err = cli("generate", "--model", tmp_path / "b", "5 6")
     _one_line_error(code, err, "holds a quantized QuantizedBert, not a GPT-2")

@@ -168,7 +168,7 @@ def test_checkpoint_loads_and_gives_the_same_outputs(run):
 
 
 def test_bench_times_the_checkpoints_evaluation(run, tmp_path):
-    from sublayer.bench_decode import _demo_eval_row
+    from sublayer.bench.decode import _demo_eval_row
 
     out, _ = run
     lines = []
@@ -222,8 +222,36 @@ def _cli(monkeypatch, capsys, *args):
 def test_cli_bad_steps(monkeypatch, capsys, tmp_path, steps):
     code, io = _cli(monkeypatch, capsys, "demo", "--steps", steps, "--out", str(tmp_path / "o"))
     assert code == 2
-    assert io.err == f"error: steps must be a positive int, got {steps}\n"
+    assert io.err == f"error: --steps must be a positive int, got {steps}\n"
     assert not (tmp_path / "o").exists()
+
+
+def test_an_earlier_runs_checkpoint_is_replaced_only_with_overwrite(run, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    out = tmp_path / "o"
+    shutil.copytree(run[0], out)
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(FileExistsError, match=f"{out} holds the checkpoint of an earlier run \\(trainer_state.json\\): "
+                       "continue it with --resume, replace it with --overwrite"):
+        D.train(D.DemoConfig(out=str(out), steps=2, seed=1, **TINY))
+    assert (out / "model.safetensors").read_bytes() == before
+    code, io = _cli(monkeypatch, capsys, "demo", "--steps", "2", "--out", str(out))
+    assert code == 2 and io.err.startswith(f"error: {out} holds the checkpoint of an earlier run")
+    monkeypatch.undo()
+    metrics = D.train(D.DemoConfig(out=str(out), steps=2, seed=1, overwrite=True, **TINY))
+    assert metrics["steps"] == 2 and (out / "model.safetensors").read_bytes() != before
+
+
+def test_one_thread_by_default_and_the_bar_shows_the_summarys_tokens_per_second(tmp_path, monkeypatch):
+    T = sys.modules[D.train.__module__]
+    shown, threads = [], []
+    monkeypatch.setattr(T._Progress, "update", lambda self, **f: shown.append(f.get("tps")))
+    kw = {**TINY, "quiet": False, "threads": None}
+    metrics = D.train(D.DemoConfig(out=str(tmp_path), steps=3, **kw), on_step=lambda s, i: threads.append(
+        torch.get_num_threads()))
+    assert threads == [1, 1, 1]
+    assert shown[-1] == pytest.approx(metrics["tokens_per_second"], abs=0.06)
 
 
 def test_cli_resume_without_checkpoint(monkeypatch, capsys, tmp_path):
@@ -380,7 +408,7 @@ def test_quiet_still_prints_the_final_accuracy(run, tmp_path, capsys):
 
 def test_cli_seed_out_of_range(monkeypatch, capsys, tmp_path):
     code, io = _cli(monkeypatch, capsys, "demo", "--seed", "99999999999999999999", "--out", str(tmp_path / "o"))
-    assert code == 2 and io.err == r"error: seed must be an int in [0, 2**63), got 99999999999999999999" + "\n"
+    assert code == 2 and io.err == r"error: --seed must be an int in [0, 2**63), got 99999999999999999999" + "\n"
 
 
 def test_sample_table_shows_each_record_once_with_labelled_columns():

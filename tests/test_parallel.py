@@ -34,7 +34,7 @@ def hf_gpt2_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf_gpt2")
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
-        vocab_size=19, n_positions=16, n_embd=12, n_layer=2, n_head=2,
+        vocab_size=19, n_positions=16, n_embd=12, n_layer=2, n_head=2, bos_token_id=18, eos_token_id=18,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
     hf = transformers.GPT2LMHeadModel(cfg).eval()
@@ -112,6 +112,24 @@ def test_fake_backend_gated_ffn_and_decoder(fake_mesh):
     assert _local_shape(block.cross_attn.k_proj.weight) == (2, 16)
     out = block(torch.randn(2, 5, 16), torch.randn(2, 3, 16))
     assert out.shape == (2, 5, 16)
+
+
+def test_fake_backend_llama_plan_shards_kv_heads(fake_mesh):
+    from sublayer.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=23, d_model=32, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=4, d_ff=40)
+    model = tensor_parallel(Llama(cfg), fake_mesh)
+    for block in model.blocks:
+        a, f = block.self_attn, block.ffn
+        assert _local_shape(a.q_proj.weight) == (8, 32)  # 2 query heads of 4
+        assert _local_shape(a.k_proj.weight) == _local_shape(a.v_proj.weight) == (4, 32)  # 1 kv head of 4
+        assert _local_shape(a.out_proj.weight) == (32, 8)
+        assert _local_shape(f.fc1.weight) == (10, 32) and _local_shape(f.fc2.weight) == (32, 5)
+    logits = model(torch.randint(0, 23, (2, 8)))
+    assert logits.shape == (2, 8, 23) and not isinstance(logits, DTensor)
+    cfg = LlamaConfig(vocab_size=23, d_model=32, n_layers=1, n_heads=16, n_kv_heads=2, head_dim=4, d_ff=40)
+    with pytest.raises(ValueError, match=r"self_attn: n_kv_heads \(2\) must be divisible by the tensor-parallel mesh"):
+        tensor_parallel(Llama(cfg), fake_mesh)
 
 
 def test_plan_names_every_projection():

@@ -3,6 +3,12 @@
 Shapes are batch-first (B, T, D); ``key_padding_mask`` True = padding.
 """
 
+import warnings
+
+with warnings.catch_warnings():  # torch's import warns when NumPy is absent; sublayer does not need NumPy
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch  # noqa: F401
+
 from . import d2l, functional, memory, models, plot
 from .functional import KVCache
 from .memory import set_memory_reuse

@@ -9,8 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
+from torch import Tensor
 
 __all__ = [
+    "check_input_ids",
+    "check_attention_mask",
     "check_positive_int",
     "check_probability",
     "check_choice",
@@ -111,3 +114,38 @@ def check_param_shape(name: str, t: torch.Tensor | None, shape: tuple[int, ...])
     check_tensor(name, t)
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)} (normalized_shape), got {tuple(t.shape)}")
+
+
+def check_input_ids(
+    name: str, ids: object, vocab_size: int | None, max_len: int | None = None, *, limit_name: str = "vocab_size"
+) -> None:
+    """``ids`` must be an int64/int32 tensor (B, T), T >= 1, values in [0, vocab_size) (>= 0 when vocab_size is
+    None), T <= max_len. ``limit_name`` names ``vocab_size`` in the error (``max_positions`` for position ids...)."""
+    if not isinstance(ids, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(ids).__name__}")
+    if ids.dtype not in (torch.int64, torch.int32):  # what embedding lookups take (uint8/bool would mask-index)
+        raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype} (int64 or int32: use .long())")
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise ValueError(f"{name} must have shape (batch, seq_len) with seq_len >= 1, got {tuple(ids.shape)}")
+    if max_len is not None and ids.shape[1] > max_len:
+        raise ValueError(f"{name} has {ids.shape[1]} positions, more than max_positions={max_len}")
+    if ids.numel() == 0 or torch.compiler.is_compiling():
+        return  # the value checks read the data: skipped while torch.compile traces (a graph cannot branch on data)
+    if vocab_size is None:
+        if int(ids.min()) < 0:
+            raise ValueError(f"{name} must be >= 0, got a minimum of {int(ids.min())}")
+    elif int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(
+            f"{name} must lie in [0, {limit_name}={vocab_size}), got values in [{int(ids.min())}, {int(ids.max())}]"
+        )
+
+
+def check_attention_mask(mask: object, shape: tuple[int, ...]) -> Tensor:
+    """HF attention mask (1 = token, 0 = pad), (B, T) -> our key_padding_mask (True = pad)."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor, got {type(mask).__name__}")
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(shape)}, got {tuple(mask.shape)}")
+    if mask.numel() and not torch.compiler.is_compiling() and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+    return mask == 0

@@ -6,6 +6,9 @@ Each command's work lives in its own module, imported lazily so ``sublayer info`
 
 from __future__ import annotations
 
+import functools
+import inspect
+import os
 import sys
 import time
 from pathlib import Path
@@ -13,13 +16,14 @@ from typing import Optional
 
 # Packages of the optional extras -> the extra that installs them (a missing one is named in one line).
 _EXTRAS = {"typer": "cli", "click": "cli", "rich": "cli", "matplotlib": "cli", "tokenizers": "cli"}
+_CLI_PACKAGES = "typer rich matplotlib tokenizers"
 
 
 def _missing_package(name: str | None) -> str | None:
     """One line naming the install command for a missing optional package (None: not an optional one)."""
     top = (name or "").split(".")[0]
     if top in _EXTRAS:
-        return f'{top!r} is not installed: pip install "sublayer[{_EXTRAS[top]}]"'
+        return f"{top!r} is not installed (sublayer's {_EXTRAS[top]} extra): pip install {_CLI_PACKAGES}"
     if top == "transformers":
         return "'transformers' is not installed: pip install transformers"
     return None
@@ -27,7 +31,7 @@ def _missing_package(name: str | None) -> str | None:
 
 try:
     import typer
-except ModuleNotFoundError as _e:  # `pip install sublayer` without the [cli] extra: one line, no traceback
+except ModuleNotFoundError as _e:  # installed without the cli extra: one line, no traceback
     if _missing_package(_e.name) is None:
         raise
     print(f"error: {_missing_package(_e.name)}", file=sys.stderr)
@@ -39,6 +43,46 @@ _state = {"debug": False}
 
 class CLIError(Exception):
     """A user-facing error: printed as one line, exit code 2."""
+
+
+def _flag_errors(command):
+    """A command whose ValueError/TypeError naming one of its options (``top_p must be ...``: the library's check
+    of the value passed on) names the flag the user typed instead (``--top-p must be ...``)."""
+    flags = {
+        name: next(d for d in p.default.param_decls if d.startswith("--"))
+        for name, p in inspect.signature(command).parameters.items()
+        if isinstance(p.default, typer.models.OptionInfo) and p.default.param_decls
+    }
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            name = msg.split(" ", 1)[0]
+            if name in flags and not _state["debug"]:
+                raise CLIError(flags[name] + msg[len(name):]) from None
+            raise
+
+    return run
+
+
+def _check_quantize(quantize: str | None) -> None:
+    from .models.quantized import QUANTIZE_CHOICES
+
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise CLIError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
+
+
+def _model_folder(model: Path) -> Path:
+    """``--model``: a folder, or a model name the local Hugging Face cache holds; CLIError saying which is missing."""
+    from .checkpoints import resolve_folder
+
+    try:
+        return resolve_folder(model)
+    except (FileNotFoundError, NotADirectoryError) as e:
+        raise CLIError(f"--model: {e}") from None
 
 
 @app.callback()
@@ -82,13 +126,18 @@ def info() -> None:
 
 
 @app.command()
+@_flag_errors
 def demo(
     out: Path = typer.Option(Path("runs/demo"), "--out", "-o", help="Folder for metrics, plots and checkpoint."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Total training steps (default 1200)."),
     seed: int = typer.Option(0, "--seed", help="Random seed (weights, data, held-out split of samples)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out (up to --steps)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier run's checkpoint in --out."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sentence pairs per step (default 96)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: all cores)."),
+    threads: Optional[int] = typer.Option(
+        None, "--threads", help="torch threads per process (default 1: threads that spin at OpenMP barriers collapse "
+        "when another busy process shares the cores; with more, set OMP_WAIT_POLICY=PASSIVE in the environment)."
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or tables."),
     nproc: int = typer.Option(
         1, "--nproc",
@@ -103,7 +152,7 @@ def demo(
     """
     from .demo import DemoConfig
 
-    kw = {"out": str(out), "seed": seed, "resume": resume, "threads": threads, "quiet": quiet}
+    kw = {"out": str(out), "seed": seed, "resume": resume, "overwrite": overwrite, "threads": threads, "quiet": quiet}
     if steps is not None:
         kw["steps"] = steps
     if batch_size is not None:
@@ -124,6 +173,9 @@ def demo(
 
     from .parallel import launch
 
+    # spawned ranks start OpenMP afresh: threads that sleep at a barrier rather than spin (a rank's threads share
+    # the cores with the other ranks)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:  # one process: train() here; N: N spawned ranks; under torchrun: this process is one rank
         launch(_demo_rank, nproc, cfg)
     except ProcessRaisedException as e:
@@ -148,7 +200,7 @@ def _demo_rank(rank: int, world_size: int, cfg) -> None:
     train(cfg, rank=rank, world_size=world_size, wrap_model=DistributedDataParallel)
 
 
-# --- generate / embed: Hugging Face-format GPT-2 and BERT folders -----------------------------------------------
+# --- generate / embed: Hugging Face-format GPT-2, Llama/Qwen2 and BERT folders ----------------------------------
 
 
 def _load_tokenizer(folder: Path, *, why: str):
@@ -159,7 +211,7 @@ def _load_tokenizer(folder: Path, *, why: str):
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise CLIError("reading tokenizer.json needs the 'tokenizers' package: pip install 'sublayer[cli]'") from None
+        raise CLIError("reading tokenizer.json needs the 'tokenizers' package: pip install tokenizers") from None
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on a malformed file
@@ -180,6 +232,29 @@ def _load_model(folder: Path, float_cls, quantized_cls, quantize: str | None, *,
     return q.quantize(net) if quantize is not None else net
 
 
+GENERATE_TYPES = ("gpt2", "llama", "qwen2")  # config.json model_type -> the class generate loads (see below)
+
+
+def _generate_class(folder: Path, quantize: str | None):
+    """The model class for ``generate`` from ``FOLDER/config.json``'s ``model_type`` (a saved int8 folder: GPT-2's;
+    :func:`_load_model` then reads it); CLIError in one line for a type it does not support."""
+    from .checkpoints import read_config
+    from .models import GPT2, Llama
+    from .models import quantized as q
+
+    if q.is_quantized_folder(folder):
+        return GPT2
+    kind = read_config(folder).get("model_type")
+    if kind not in GENERATE_TYPES:
+        raise CLIError(
+            f"generate supports model_type {', '.join(GENERATE_TYPES)}; {Path(folder) / 'config.json'} has "
+            f"model_type {kind!r}"
+        )
+    if kind != "gpt2" and quantize is not None:
+        raise CLIError(f"--quantize {quantize} supports model_type gpt2 only; {folder} holds model_type {kind!r}")
+    return GPT2 if kind == "gpt2" else Llama
+
+
 def _parse_ids(prompt: str) -> list[int] | None:
     """``"1 2 3"`` or ``"1,2,3"`` -> ids; None when the prompt is text."""
     parts = prompt.replace(",", " ").split()
@@ -189,10 +264,16 @@ def _parse_ids(prompt: str) -> list[int] | None:
 
 
 @app.command()
+@_flag_errors
 def generate(
     prompt: str = typer.Argument(..., help='Token ids ("464 3290 318") or text (text needs tokenizer.json).'),
-    model: Path = typer.Option(..., "--model", "-m", help="Hugging Face-format GPT-2 folder (config.json + weights)."),
-    max_new_tokens: int = typer.Option(20, "--max-new-tokens", "-n", min=0, help="Tokens to add."),
+    model: Path = typer.Option(
+        ..., "--model", "-m", help="Hugging Face-format GPT-2, Llama or Qwen2 folder (config.json + weights)."
+    ),
+    max_new_tokens: Optional[int] = typer.Option(
+        None, "--max-new-tokens", "-n", min=0, help="Tokens to add (default: the folder's generation settings, "
+        "else 20)."
+    ),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature (> 0)."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling: smallest set with this mass."),
@@ -205,17 +286,20 @@ def generate(
         "folder loads as is."
     ),
 ) -> None:
-    """Continue a prompt with a GPT-2 checkpoint (greedy by default; KV-cached decoding).
+    """Continue a prompt with a GPT-2, Llama or Qwen2 checkpoint (the class from config.json's model_type; greedy
+    by default; KV-cached decoding).
 
     Prints the ids (prompt and continuation) for an id prompt, the decoded text for a text prompt.
-    Stops early at the model's eos token.
+    Stops early at the model's eos token. What is not given comes from the folder's generation_config.json
+    (else config.json's special ids, else Hugging Face's defaults), as HF's generate.
     """
     import torch
 
-    from .models import GPT2
+    from .checkpoints import FROM_CONFIG
     from .models import quantized as q
 
-    q.check_quantize(quantize)
+    _check_quantize(quantize)
+    model = _model_folder(model)
     if not prompt.strip():
         raise CLIError("the prompt is empty: give token ids like \"1 2 3\" or text")
     ids = _parse_ids(prompt)
@@ -225,17 +309,21 @@ def generate(
         ids = tokenizer.encode(prompt).ids
         if not ids:
             raise CLIError(f"the prompt {prompt[:40]!r} encodes to no tokens")
-    net = _load_model(model, GPT2, q.QuantizedGPT2, quantize, command="generate", kind="GPT-2")
-    do_sample = sample or temperature is not None or top_k is not None or top_p is not None
+    cls = _generate_class(model, quantize)
+    net = _load_model(model, cls, q.QuantizedGPT2, quantize, command="generate", kind="GPT-2")
+    sampling = sample or temperature is not None or top_k is not None or top_p is not None
+
+    def given(value):
+        return FROM_CONFIG if value is None else value
+
     started = time.perf_counter()
     out = net.generate(
         torch.tensor([ids]),
-        max_new_tokens,
-        temperature=1.0 if temperature is None else temperature,
-        top_k=top_k,
-        top_p=top_p,
-        do_sample=do_sample,
-        eos_token_id=net.config.eos_token_id,
+        given(max_new_tokens),
+        temperature=given(temperature),
+        top_k=given(top_k),
+        top_p=given(top_p),
+        do_sample=True if sampling else FROM_CONFIG,
         generator=torch.Generator().manual_seed(seed),
     )[0].tolist()
     seconds = time.perf_counter() - started
@@ -245,6 +333,7 @@ def generate(
 
 
 @app.command()
+@_flag_errors
 def embed(
     texts: list[str] = typer.Argument(..., help="One or more texts."),
     model: Path = typer.Option(..., "--model", "-m", help="Hugging Face-format BERT folder with tokenizer.json."),
@@ -263,7 +352,8 @@ def embed(
     from .models import Bert
     from .models import quantized as q
 
-    q.check_quantize(quantize)
+    _check_quantize(quantize)
+    model = _model_folder(model)
     tokenizer = _load_tokenizer(model, why="embed")
     net = _load_model(model, Bert, q.QuantizedBert, quantize, command="embed", kind="BERT")
     cfg = net.config
@@ -291,6 +381,7 @@ def embed(
 
 
 @app.command()
+@_flag_errors
 def bench(
     out: Path = typer.Option(Path("runs/bench"), "--out", "-o", help="Folder for bench.json, bench.md, bench.png."),
     quick: bool = typer.Option(False, "--quick", help="One small shape, fewer repetitions (about a minute)."),
@@ -314,28 +405,50 @@ def bench(
     reuse_memory: bool = typer.Option(False, "--reuse-memory", help="Same as --malloc reuse."),
     decode: bool = typer.Option(
         False, "--decode", help="Run the decoding benchmark instead: GPT-2 generation tok/s and GB/s, fp32 and int8, "
-        "vs HF and CTranslate2 (rows appear when ctranslate2 is installed: pip install 'sublayer[peers]')."
+        "vs HF and CTranslate2 (rows appear when ctranslate2 is installed: pip install ctranslate2)."
     ),
+    jobs: bool = typer.Option(
+        False, "--jobs", help="Run the whole-job suite instead: GPT-2 decoding vs CTranslate2, translate, training "
+        "steps vs HF, int8 BERT, MiniLM embedding (--quick: tiny shapes)."
+    ),
+    only: Optional[str] = typer.Option(
+        None, "--only", help="With --jobs: comma-separated subset of decode,translate,train,int8,embed."
+    ),
+    report: Optional[Path] = typer.Option(
+        None, "--report", help="Also write a markdown report (machine, versions, date, command, every row): a .md "
+        "file, or a folder where it is named <subject>-<cpu kind>-<date>.md (e.g. benchmarks/results)."
+    ),
+    notes: str = typer.Option("", "--notes", help="A line for the report's header (e.g. the machine was shared)."),
 ) -> None:
     """Time sublayer's fused FFN / Add & Norm / EncoderBlock against eager PyTorch, HF and torch.compile."""
-    if decode:
-        from .bench_decode import run_decode_bench
+    if decode or jobs:
+        import torch
 
         if threads is not None:
-            import torch
-
             torch.set_num_threads(threads)
+    if jobs:
+        from .bench.jobs import run_jobs
+
+        run_jobs(quick=quick, reps=reps, only=only, model=model, work=out / "jobs", report=report, notes=notes,
+                 log=typer.echo)  # fmt: skip
+        return
+    if decode:
+        from .bench.decode import run_decode_bench
+
         run_decode_bench(out, quick=quick, reps=reps, log=typer.echo)
         return
     from .bench import run_bench
 
     run_bench(
         out, quick=quick, use_compile=compile, reps=reps, threads=threads, shapes=shapes, dtypes=dtypes, cases=cases,
-        malloc=malloc, clock=clock, reuse_memory=reuse_memory, model=model, log=typer.echo,
+        malloc=malloc, clock=clock, reuse_memory=reuse_memory, model=model, report=report, notes=notes, log=typer.echo,
     )
 
 
 def main() -> None:
+    # a command prints its own output only: no transformers notices or progress bars (a user's setting wins)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         code = app(standalone_mode=False)
     except CLIError as e:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import platform
 
-__all__ = ["set_memory_reuse", "memory_reuse_active", "allocator_setting", "buffer_cache"]
+__all__ = ["set_memory_reuse", "memory_reuse_active", "allocator_setting", "env_allocator", "buffer_cache"]
 
 # mallopt parameters (glibc malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -64,7 +64,7 @@ def memory_reuse_active() -> bool:
     return _state["reuse"]
 
 
-def _env_allocator() -> str | None:
+def env_allocator() -> str | None:
     """An allocator condition set from outside: a preloaded malloc or glibc's MALLOC_* tunables."""
     preload = os.environ.get("LD_PRELOAD", "")
     for name in ("jemalloc", "tcmalloc", "mimalloc"):
@@ -80,7 +80,7 @@ def allocator_setting() -> str:
     """One line: the process's allocator setting (what ``sublayer info``, ``bench`` and ``demo`` print)."""
     if _state["reuse"]:
         return "glibc, memory reuse on (sublayer.set_memory_reuse: mallopt no mmap, no trim)"
-    return _env_allocator() or "glibc default (freed big blocks go back to the kernel)"
+    return env_allocator() or "glibc default (freed big blocks go back to the kernel)"
 
 
 def buffer_cache(limit_mb: float | None = None) -> dict[str, float]:

@@ -8,7 +8,9 @@ Tensor parallelism (Megatron layout, built with ``parallelize_module``):
 - :class:`~sublayer.nn.PositionWiseFFN`: ``fc1`` ``ColwiseParallel`` (for a gated activation a strided column
   shard, so that each rank holds ``[gate_r; up_r]`` — see below), ``fc2`` ``RowwiseParallel``.
 - :class:`~sublayer.nn.MultiHeadAttention`: ``q_proj``/``k_proj``/``v_proj`` ``ColwiseParallel`` (each rank
-  holds ``n_heads / tp`` whole heads), ``out_proj`` ``RowwiseParallel``.
+  holds ``n_heads / tp`` whole query heads and, with grouped-query attention, ``n_kv_heads / tp`` whole key/value
+  heads: the groups stay on one rank, so ``n_kv_heads`` must divide by the mesh size too), ``out_proj``
+  ``RowwiseParallel``.
 - With ``sequence_parallel=True`` the residual stream inside each block / stack is split along the sequence
   (dim 1) between the ranks; the norms (replicated parameters) run on the local slice, attention and FFN
   all-gather their input and reduce-scatter their output.
@@ -448,12 +450,13 @@ def tensor_parallel_plan(
     """The ``parallelize_module`` plan for ``module``: fully qualified name -> style.
 
     Covers every :class:`~sublayer.nn.PositionWiseFFN` and :class:`~sublayer.nn.MultiHeadAttention` in the tree
-    (so blocks, stacks, and the models built from them: Transformer, GPT2, Bert); embeddings and heads stay
+    (so blocks, stacks, and the models built from them: Transformer, GPT2, Bert, Llama); embeddings and heads stay
     replicated. With ``sequence_parallel`` the outermost blocks/stacks become sequence-parallel regions and the
     norms inside them get :class:`SequenceParallelNorm`.
 
     Raises:
-        ValueError: a ``n_heads`` or ``d_ff`` not divisible by ``tp_size`` (naming both numbers and the module);
+        ValueError: a ``n_heads``, ``n_kv_heads`` or ``d_ff`` not divisible by ``tp_size`` (naming both numbers
+            and the module);
             an unmaterialised lazy FFN; no attention or FFN to shard; sequence parallelism without a block.
     """
     plan: dict[str, ParallelStyle] = {}
@@ -478,6 +481,7 @@ def tensor_parallel_plan(
     for name, attn in _named(module, MultiHeadAttention):
         where = f"{type(attn).__name__} {name or '<root>'}"
         _check_divisible("n_heads", attn.n_heads, tp_size, where)
+        _check_divisible("n_kv_heads", attn.n_kv_heads, tp_size, where)  # grouped-query: kv heads sharded too
         for p in "qkv":
             plan[_join(name, f"{p}_proj")] = ColwiseParallel()
         plan[_join(name, "out_proj")] = RowwiseParallel()
@@ -540,7 +544,9 @@ def fully_shard(model: nn.Module, mesh: DeviceMesh | None = None, **kwargs: Any)
     """FSDP2 (``torch.distributed.fsdp.fully_shard``) on every block, then on the root; returns ``model``.
 
     Data parallel with sharded parameters, gradients and optimizer state: each rank feeds its own batch slice;
-    gradients are averaged across the mesh. Build the optimizer after this call.
+    gradients are averaged across the mesh. Build the optimizer after this call. A model's ``loss`` and
+    ``generate`` methods (GPT2, Llama) are registered as forward methods, so that they too gather the root's
+    parameters (embeddings, final norm, head) before they run.
 
     Args:
         model: the model (a block, a stack or a full model). mesh: a 1-D DeviceMesh (None: the default world).
@@ -553,12 +559,16 @@ def fully_shard(model: nn.Module, mesh: DeviceMesh | None = None, **kwargs: Any)
         TypeError: ``mesh`` neither None nor a DeviceMesh.
     """
     from torch.distributed.fsdp import fully_shard as _fully_shard
+    from torch.distributed.fsdp import register_fsdp_forward_method
 
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
     for unit in _fsdp_units(model):
         _fully_shard(unit, mesh=mesh, **kwargs)
     _fully_shard(model, mesh=mesh, **kwargs)
+    for method in ("loss", "generate"):
+        if callable(getattr(model, method, None)):
+            register_fsdp_forward_method(model, method)
     return model
 
 

@@ -1,5 +1,5 @@
 """Fused linear + cross-entropy: parity with ``F.cross_entropy(F.linear(...))`` forward and backward, gradcheck,
-chunk-size independence, ignored rows, label smoothing, bf16, saved bytes, argument errors."""
+double backward, chunk-size independence, ignored rows, label smoothing, bf16, saved bytes, argument errors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from sublayer.bench import _saved_bytes
+from sublayer.bench.harness import saved_bytes as _saved_bytes
 from sublayer.functional import linear_cross_entropy
 
 N, D, V = 11, 7, 13
@@ -59,6 +59,33 @@ def test_gradcheck_float64(grad_in_forward, smoothing):
         )
 
     assert torch.autograd.gradcheck(f, (h, w, b))
+
+
+@pytest.mark.parametrize("grad_in_forward", MODES)
+@pytest.mark.parametrize("kw", [{}, {"label_smoothing": 0.2, "reduction": "sum"}])
+def test_double_backward_gradient_penalty_equals_eager(grad_in_forward, kw):
+    """A gradient penalty (create_graph=True) reaches h, weight and bias as through the eager composition."""
+    h, w, b, t = _inputs()
+
+    def penalized(loss_fn):
+        loss = loss_fn(h, w, b, t)
+        (gh,) = torch.autograd.grad(loss, h, create_graph=True)
+        assert gh.requires_grad
+        return torch.autograd.grad(loss + 3.0 * gh.square().sum(), _params(h, w, b))
+
+    got = penalized(lambda *a: linear_cross_entropy(*a[:2], a[3], bias=a[2], grad_in_forward=grad_in_forward, **kw))
+    for g, r in zip(got, penalized(lambda *a: _ref(*a, **kw))):
+        assert_close(g, r)
+
+
+@pytest.mark.parametrize("grad_in_forward", MODES)
+def test_gradgradcheck_float64(grad_in_forward):
+    h, w, b, t = _inputs(5, 3, 7, dtype=torch.float64, ignore=(2,))
+
+    def f(h, w, b):
+        return linear_cross_entropy(h, w, t, bias=b, label_smoothing=0.1, grad_in_forward=grad_in_forward)
+
+    assert torch.autograd.gradgradcheck(f, (h, w, b))
 
 
 @pytest.mark.parametrize("grad_in_forward", MODES)

@@ -12,7 +12,7 @@ from torch.testing import assert_close
 import sublayer
 import sublayer.functional as SF
 from sublayer import kernels
-from sublayer.bench import _saved_bytes as _saved_activation_bytes  # bytes autograd saves, parameters excluded
+from sublayer.bench.harness import saved_bytes as _saved_activation_bytes  # bytes autograd saves, parameters excluded
 from sublayer.functional import fused
 
 from ._tol import as64, assert_fast_close, graph_names, run

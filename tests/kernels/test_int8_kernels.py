@@ -9,7 +9,7 @@ from torch.testing import assert_close
 
 from sublayer import kernels
 from sublayer.functional import activation_fn
-from sublayer.functional.fused import _ACT_IDS
+from sublayer.functional.fused import ACT_IDS
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built here")
 
@@ -43,7 +43,7 @@ def test_rescale_rows():
 def test_act_rows(act, prepare):
     y, inv, r, b = _data()
     h_ref = activation_fn(act)(y * r + b)
-    h, r2 = kernels.ops().int8_act_rows_(y.clone(), r, b, _ACT_IDS[act], inv if prepare else None)
+    h, r2 = kernels.ops().int8_act_rows_(y.clone(), r, b, ACT_IDS[act], inv if prepare else None)
     if not prepare:
         assert_close(h, h_ref)
         assert r2.numel() == 0
@@ -123,7 +123,7 @@ def test_int8_panels_match_dequantized_reference(rows, n, k, bias, gemv_isa):
     assert_fast_close(got, weight_int8_linear_reference(x, q, s, b), ref64, what=f"rows={rows} n={n} k={k}")
 
 
-@pytest.mark.parametrize("act", sorted(_ACT_IDS))
+@pytest.mark.parametrize("act", sorted(ACT_IDS))
 @pytest.mark.parametrize("rows", [1, 6, 11])
 def test_int8_panels_fused_activation(act, rows, gemv_isa):
     from ._tol import assert_fast_close
@@ -132,7 +132,7 @@ def test_int8_panels_fused_activation(act, rows, gemv_isa):
     x = torch.randn(rows, 19, generator=g)[:, 2:]  # a column slice: row stride 19, unit inner stride
     q = torch.randint(-127, 128, (23, 17), dtype=torch.int8, generator=g)
     s, b = torch.rand(23, generator=g) * 0.05, torch.randn(23, generator=g)
-    got = _int8_linear(x, q, s, b, 23, _ACT_IDS[act])
+    got = _int8_linear(x, q, s, b, 23, ACT_IDS[act])
     fn = activation_fn(act)
     ref64 = fn((x.double() @ q.double().t()) * s.double() + b.double())
     assert_fast_close(got, fn(F.linear(x, q.float()) * s + b), ref64, what=act)

@@ -44,7 +44,7 @@ def bert_parts(bert_folder):
 
 def test_gpt2_ours_save_hf_load_same_logits(gpt2_folder, hf_gpt2, tmp_path):
     GPT2.from_pretrained(gpt2_folder).save_pretrained(tmp_path)
-    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]  # no temp files left
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "generation_config.json", "model.safetensors"]  # no temp files
     back, info = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     x = _ids()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sublayer.runtime.rows import kernels_on
 from sublayer.models import GPT2, Transformer, decoding
 from sublayer.models.fast import fast_inference
 
@@ -215,7 +216,7 @@ def test_reorder_moves_the_row_table_not_the_caches(kernels_mode):
     torch.testing.assert_close(out[0], out[1])
 
 
-@pytest.mark.skipif(not decoding._kernels_on(), reason="C++ kernels unavailable")
+@pytest.mark.skipif(not kernels_on(), reason="C++ kernels unavailable")
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("sentences,beams", [(3, 1), (2, 3), (41, 1)])  # 41 rows: torch's GEMM inside the call
 def test_one_call_translate_step_equals_the_per_op_step(norm_first, sentences, beams, monkeypatch):
@@ -224,7 +225,7 @@ def test_one_call_translate_step_equals_the_per_op_step(norm_first, sentences, b
     memory = torch.randn(sentences, 5, 14, generator=g)
     mask = torch.zeros(sentences, 5, dtype=torch.bool)
     mask[1, 2:] = True
-    W = decoding._weights(m, decoding._build_transformer)
+    W = decoding.prepared_weights(m, decoding._build_transformer)
     assert W["flat"] is not None
     fast = decoding.transformer_stepper(m, memory, mask, 6, beams=beams)
     monkeypatch.setitem(W, "flat", None)
@@ -241,7 +242,7 @@ def test_one_call_translate_step_equals_the_per_op_step(norm_first, sentences, b
             per_op[1](parents)
 
 
-@pytest.mark.skipif(not decoding._kernels_on(), reason="C++ kernels unavailable")
+@pytest.mark.skipif(not kernels_on(), reason="C++ kernels unavailable")
 @pytest.mark.parametrize("rows", [5, 40])  # 40: above the head's row limit, the float32 logits' argmax
 def test_translate_next_ids_equal_the_logits_argmax(rows, monkeypatch):
     m = _tiny_transformer(True)
@@ -272,13 +273,13 @@ def test_other_activations_equal_the_reference(activation, kernels_mode, steps_t
     assert steps_taken and got.tolist() == _reference(lambda: model.generate(x, 9)).tolist()
 
 
-@pytest.mark.skipif(not decoding._kernels_on(), reason="C++ kernels unavailable")
+@pytest.mark.skipif(not kernels_on(), reason="C++ kernels unavailable")
 def test_one_call_step_equals_the_per_op_step(ours):
     """gpt2_decode_layers (every block in C++) against gpt2_step's per-op path over the same packed weights, with
     a padding mask; both append the same keys/values to their caches."""
     from torch.testing import assert_close
 
-    W = dict(decoding._weights(ours, decoding._build_gpt2))
+    W = dict(decoding.prepared_weights(ours, decoding.build_gpt2))
     assert W["flat"] is not None
     cfg = ours.config
     b, t = 3, 7

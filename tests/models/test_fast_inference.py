@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.testing import assert_close
 
 from sublayer import kernels
 from sublayer.models import GPT2, Bert, BertConfig, GPT2Config
@@ -225,3 +226,23 @@ def test_weights_made_under_inference_mode(tmp_path):
         torch.testing.assert_close(fast_inference(m, dtype=torch.float32)(ids, mask), want)
     prompt = ids[:1, :3].clamp(min=1)
     assert torch.equal(fast_inference(inf_gpt2).generate(prompt, 4), fast_inference(gpt2).generate(prompt, 4))
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_packed_documents_equal_each_document_alone(quantize):
+    """position_ids restarting at 0 mark packed documents: the fast and int8 paths attend block-diagonally, as
+    GPT2 does, so each document's logits equal the document run alone."""
+    from sublayer.models import GPT2, GPT2Config
+
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(vocab_size=53, max_positions=31, d_model=15, n_layers=2, n_heads=3, bos_token_id=0,
+                            eos_token_id=None)).eval()  # fmt: skip
+    fast = fast_inference(model, dtype=torch.float32, quantize=quantize)
+    ids = torch.randint(0, 53, (2, 9), generator=torch.Generator().manual_seed(5))
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7, 8]])
+    packed = fast(ids, position_ids=pos)
+    for a, b in ((0, 4), (4, 7), (7, 9)):
+        assert_close(packed[0, a:b], fast(ids[:1, a:b])[0])
+    assert_close(packed[1], fast(ids[1:])[0])
+    if quantize is None:
+        assert_close(packed, model(ids, position_ids=pos))

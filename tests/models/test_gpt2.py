@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from hypothesis import given
 from hypothesis import settings as hsettings
@@ -11,9 +12,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from sublayer.checkpoints import CheckpointError
 from sublayer.checkpoints import gpt2 as keymap
 from sublayer.models import GPT2, GPT2Config
-from sublayer.models.gpt2 import _filtered_probs
+from sublayer.runtime.generation import filtered_probs
 
 from .conftest import EOS, MAX_POS, N_LAYERS, PAD, VOCAB, make_hf_gpt2
 
@@ -97,7 +99,7 @@ def test_greedy_generate_left_padded_equals_hf(ours, hf_gpt2):
 
 def test_generate_stops_at_eos_like_hf(ours, hf_gpt2):
     x = _ids(t=4, seed=3)
-    free = ours.generate(x, 8)  # no eos: the tokens the model picks
+    free = ours.generate(x, 8, eos_token_id=None)  # no eos: the tokens the model picks
     eos = int(free[0, 4 + 1])  # row 0 produces it as its 2nd new token
     want = hf_gpt2.generate(x, max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
     got = ours.generate(x, 8, eos_token_id=eos, pad_token_id=PAD)
@@ -105,6 +107,81 @@ def test_generate_stops_at_eos_like_hf(ours, hf_gpt2):
     row0 = got[0, 4:].tolist()
     k = row0.index(eos)  # the first eos; after it only padding
     assert k <= 1 and all(t == PAD for t in row0[k + 1:]) and k + 1 < len(row0)
+
+
+def _hf_folder(tmp_path, name: str, x: torch.Tensor, generation_config: dict | None = None) -> tuple:
+    """A tiny HF GPT-2 whose config.json's eos is the 3rd new token greedy decoding gives row 0 of ``x``, saved
+    with ``generation_config`` as its generation_config.json (None: no such file). -> (folder, that eos)."""
+    free = make_hf_gpt2().generate(x, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    eos = int(free[0, x.shape[1] + 2])
+    folder = tmp_path / name
+    make_hf_gpt2(eos_token_id=eos).save_pretrained(folder)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    if generation_config is not None:
+        (folder / "generation_config.json").write_text(json.dumps(generation_config))
+    return folder, eos
+
+
+def _hf_generate(folder, x, **kw):
+    hf = transformers.GPT2LMHeadModel.from_pretrained(folder)
+    return hf.generate(x, attention_mask=torch.ones_like(x), **kw)
+
+
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default")  # HF's own 20 new tokens
+def test_generate_defaults_from_config_json_equal_hf(tmp_path):
+    """No generation_config.json: config.json's eos stops a row (padded with eos), as HF's generate."""
+    x = _ids(b=2, t=4, seed=5)  # both rows give that eos as their 3rd new token
+    folder, eos = _hf_folder(tmp_path, "a", x)
+    ours = GPT2.from_pretrained(folder)
+    got = ours.generate(x, 8)
+    assert got.tolist() == _hf_generate(folder, x, max_new_tokens=8).tolist()
+    assert got.shape == (2, 7) and got[:, -1].tolist() == [eos, eos]  # stopped at the eos
+    free = ours.generate(x, 8, eos_token_id=None)  # None passed: no end token
+    assert free.shape == (2, 12) and free[:, :7].tolist() == got.tolist()
+    assert ours.generate(x).tolist() == _hf_generate(folder, x).tolist()  # HF's max_length 20
+
+
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default")  # HF's own 20 new tokens
+@pytest.mark.parametrize(
+    "gen", [{"max_new_tokens": 5, "pad_token_id": PAD}, {"max_length": 7, "eos_token_id": None}, {"eos_token_id": 0}]
+)
+def test_generate_defaults_from_generation_config_json_equal_hf(tmp_path, gen):
+    x = _ids(b=2, t=4, seed=5)
+    folder, _ = _hf_folder(tmp_path, "a", x, gen)  # config.json's eos no longer counts, as in HF
+    ours = GPT2.from_pretrained(folder)
+    want = _hf_generate(folder, x)
+    assert ours.generate(x).tolist() == want.tolist()
+    ours.save_pretrained(tmp_path / "b")  # written back: HF reads the same defaults
+    assert _hf_generate(tmp_path / "b", x).tolist() == want.tolist()
+    assert GPT2.from_pretrained(tmp_path / "b").generation_config == ours.generation_config
+    assert GPT2.from_hf(transformers.GPT2LMHeadModel.from_pretrained(folder)).generation_config == ours.generation_config
+
+
+def test_generation_config_json_errors(tmp_path):
+    x = _ids(b=1, t=4)
+    for gen, match in [
+        ({"num_beams": 4}, r"unsupported generation option num_beams=4 \(only 1 is implemented\)"),
+        ({"eos_token_id": [2, 3]}, r"eos_token_id must be a single id, got the list \[2, 3\]"),
+        ({"pad_token_id": VOCAB}, rf"generation_config.pad_token_id must be < vocab_size={VOCAB}, got {VOCAB}"),
+        ({"top_p": 2}, r"top_p must be None or in \(0, 1\], got 2"),
+    ]:
+        folder, _ = _hf_folder(tmp_path, "a", x, gen)
+        with pytest.raises(CheckpointError, match=rf"generation config .*generation_config.json: {match}"):
+            GPT2.from_pretrained(folder)
+    ours = GPT2.from_pretrained(_hf_folder(tmp_path, "b", x, {"max_length": 4, "eos_token_id": EOS})[0])
+    with pytest.raises(ValueError, match="max_new_tokens is not given and generation_config.max_length=4 leaves no room"):
+        ours.generate(x)
+
+
+def test_config_ids_must_lie_in_the_vocabulary():
+    assert GPT2Config().eos_token_id == 50256 and GPT2Config(vocab_size=97).eos_token_id == 96  # -1: the last id
+    with pytest.raises(ValueError, match=r"eos_token_id must be None or an int in \[-97, vocab_size=97\), got 50256"):
+        GPT2Config(vocab_size=97, eos_token_id=50256)
+    with pytest.raises(ValueError, match=r"pad_token_id must be .*vocab_size=2000\), got 2000"):
+        GPT2Config(vocab_size=2000, pad_token_id=2000)
+    hf = transformers.GPT2Config(vocab_size=97, n_embd=6, n_layer=1, n_head=2)  # HF's bos/eos 50256
+    with pytest.raises(ValueError, match=r"bos_token_id must be .*vocab_size=97\), got 50256"):
+        GPT2Config.from_hf_dict(hf.to_dict())
 
 
 def test_cached_decoding_equals_full_recompute(ours):
@@ -168,7 +245,7 @@ def test_sampling_filters_equal_hf_warpers(temperature, top_k, top_p):
     if top_p is not None:
         warpers.append(TopPLogitsWarper(top_p))
     want = warpers(None, logits.clone()).softmax(-1)
-    got = _filtered_probs(logits, temperature, top_k, top_p)
+    got = filtered_probs(logits, temperature, top_k, top_p)
     assert_close(got, want)
     if top_k is not None:
         assert bool(((got > 0).sum(-1) <= top_k).all())
@@ -194,7 +271,10 @@ def test_generate_zero_new_tokens_returns_prompt(ours):
         ({"temperature": 0.0, "do_sample": True}, ValueError, "temperature must be a float > 0, got 0.0"),
         ({"top_k": 0}, ValueError, "top_k must be a positive int, got 0"),
         ({"top_p": 1.5}, ValueError, r"top_p must be in \(0, 1\], got 1.5"),
-        ({"eos_token_id": -1}, ValueError, "eos_token_id must be None or an int >= 0, got -1"),
+        ({"eos_token_id": -1}, ValueError, "eos_token_id must be None, an int >= 0 or a non-empty list of them, got -1"),
+        ({"eos_token_id": VOCAB}, ValueError, rf"eos_token_id must be .* vocab_size={VOCAB}\), got {VOCAB}"),
+        ({"pad_token_id": VOCAB + 5}, ValueError, rf"pad_token_id must be .* vocab_size={VOCAB}\), got {VOCAB + 5}"),
+        ({"do_sample": 1}, TypeError, "do_sample must be a bool, got 1"),
     ],
 )
 def test_generate_rejects_bad_options(ours, kwargs, exc, match):

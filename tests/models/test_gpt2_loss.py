@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from sublayer.bench import _saved_bytes
+from sublayer.bench.harness import saved_bytes as _saved_bytes
 from sublayer.checkpoints import gpt2 as keymap
 from sublayer.models import GPT2
 

@@ -14,6 +14,7 @@ from torch.testing import assert_close
 
 from sublayer.checkpoints import bert as bert_keys
 from sublayer.checkpoints import gpt2 as gpt2_keys
+from sublayer.functional import packing
 from sublayer.models import GPT2, Bert, Transformer, padding_free
 
 from .conftest import N_LAYERS, VOCAB, make_hf_bert, make_hf_gpt2
@@ -39,7 +40,7 @@ def _ids(b: int, t: int, seed: int = 3) -> torch.Tensor:
 @pytest.fixture(params=["varlen", "padded"])
 def attention_layout(request, monkeypatch):
     """Both attention layouts of the padding-free path: one attention per sequence, or scattered and masked."""
-    monkeypatch.setattr(padding_free, "ATTENTION", request.param)
+    monkeypatch.setattr(packing, "ATTENTION", request.param)
     return request.param
 
 
@@ -97,7 +98,7 @@ def test_bert_takes_the_plain_path_without_padding(bert, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("padding-free path taken without padding")
 
-    monkeypatch.setattr(padding_free, "bert_forward", boom)
+    monkeypatch.setattr(packing.PackedBatch, "__init__", boom)
     ids, _, types = _bert_batch()
     with torch.no_grad():
         assert bert(ids, torch.ones(4, 7, dtype=torch.long), types).shape == (4, 7, 15)
@@ -227,7 +228,7 @@ def test_gpt2_no_padding_is_the_plain_path_and_one_token_works(gpt2_folder, atte
     def boom(*a, **k):
         raise AssertionError("padding-free path taken without padding")
 
-    monkeypatch.setattr(padding_free, "gpt2_logits", boom)
+    monkeypatch.setattr(packing.PackedBatch, "__init__", boom)
     with torch.no_grad():
         assert_close(model(ids, attention_mask=torch.ones(2, 5, dtype=torch.long)), plain)
 
@@ -301,7 +302,7 @@ def test_training_attention_core_equals_sdpa_when_dropout_draws_nothing(gpt2_fol
         for blk in model.blocks:
             blk.self_attn.dropout = 0.5 if training else 0.0
         with monkeypatch.context() as mp:
-            mp.setattr(padding_free.fused, "dropout", lambda x, p, training: x)
+            mp.setattr(packing, "fused_dropout", lambda x, p, training: x)
             outs[training] = model(ids, attention_mask=mask)
         outs[training].square().sum().backward()
         grads[training] = _grads(model)
@@ -310,36 +311,128 @@ def test_training_attention_core_equals_sdpa_when_dropout_draws_nothing(gpt2_fol
     _close_grads(grads[True], grads[False])
 
 
-def test_loss_on_packed_rows_equals_hf(gpt2_folder):
-    # gpt2_hidden gives the real rows only: the LM head and cross-entropy on them (the bench's recipe when the
-    # model has no fused GPT2.loss) equal HF's labels= loss on a right-padded batch
-    from sublayer.bench_models import _gpt2_loss_fn
-
-    model = GPT2.from_pretrained(gpt2_folder).eval()
-    ids, mask = _ids(3, 7), _mask([7, 4, 2], 7)
-    hf = make_hf_gpt2()
-    want = hf(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
-    loss, how = _gpt2_loss_fn(model, ids, mask, fused=False)
-    assert how.startswith("LM head")
-    assert_close(loss(), want.detach(), rtol=1e-4, atol=0)
-
-
 def test_auto_layout_picks_per_sequence_attention_for_few_rows_only(monkeypatch):
     """ATTENTION = "auto" (the default): per-sequence attention for at most VARLEN_MAX_ROWS rows, the padded
     layout above (many short rows: per-sequence dispatches cost more than the padding); same numbers either way."""
-    from sublayer.functional.packing import Packing
-
-    assert padding_free.ATTENTION == "auto"
-    monkeypatch.setattr(padding_free, "VARLEN_MAX_ROWS", 2)
-    few, many = (Packing(_mask([3] * b, 4) == 0) for b in (2, 3))
-    assert isinstance(padding_free._self_mask(few, None), padding_free.Segments)
-    assert isinstance(padding_free._self_mask(many, None), padding_free.AttentionMask)
+    assert packing.ATTENTION == "auto"
+    monkeypatch.setattr(packing, "VARLEN_MAX_ROWS", 2)
+    few, many = (packing.PackedBatch(_mask([3] * b, 4) == 0) for b in (2, 3))
+    assert few.varlen() and not many.varlen()
     torch.manual_seed(0)
     m = Transformer(11, 13, d_model=14, n_heads=2, d_ff=22, n_layers=1, dropout=0.0, max_len=23).eval()
     src, tgt = _ids(3, 5) % 11, _ids(3, 6, seed=4) % 13
     src_kpm, tgt_kpm = _mask([5, 2, 3], 5) == 0, _mask([4, 6, 1], 6) == 0
     with torch.no_grad():
         auto = m(src, tgt, src_key_padding_mask=src_kpm, tgt_key_padding_mask=tgt_kpm)
-        monkeypatch.setattr(padding_free, "ATTENTION", "varlen")
+        monkeypatch.setattr(packing, "ATTENTION", "varlen")
         varlen = m(src, tgt, src_key_padding_mask=src_kpm, tgt_key_padding_mask=tgt_kpm)
     assert_close(auto, varlen)
+
+
+# ------------------------------------------------------------------------------------------------ the path is speed only
+@pytest.mark.parametrize("labels_kind", ["input_ids", "masked"])
+def test_gpt2_loss_with_left_padding_equals_hf_in_both_paths(gpt2_folder, attention_layout, labels_kind):
+    """Targets follow the padded layout: with left padding the last pad position predicts the first token, and
+    with labels=input_ids padded positions carry labels; HF's labels= loss and gradients in both paths."""
+    ids, mask = _ids(3, 7), _mask([7, 4, 2], 7, left=(1,))
+    labels = ids if labels_kind == "input_ids" else ids.masked_fill(mask == 0, -100)
+    hf = make_hf_gpt2()
+    want = hf(ids, attention_mask=mask, labels=labels).loss
+    want.backward()
+    want_grads = {k.removeprefix("transformer."): p.grad for k, p in hf.named_parameters()}
+    for free in (True, False):
+        model = GPT2.from_pretrained(gpt2_folder).eval()
+        padding_free.set_enabled(free)
+        try:
+            loss = model.loss(ids, attention_mask=mask, labels=labels)
+        finally:
+            padding_free.set_enabled(True)
+        assert_close(loss, want.detach(), msg=lambda m: f"padding_free={free}: {m}")
+        loss.backward()
+        _close_grads(_as_hf(_grads(model)), want_grads)
+
+
+def test_bert_pooled_with_left_padding_equals_hf(bert_folder, attention_layout):
+    ids, mask = _ids(3, 6), _mask([6, 4, 2], 6, left=(1, 2))
+    want = make_hf_bert()(ids, attention_mask=mask).pooler_output
+    model = Bert.from_pretrained(bert_folder)
+    for free in (True, False):
+        padding_free.set_enabled(free)
+        try:
+            assert_close(model.pooled(ids, mask), want.detach(), msg=lambda m: f"padding_free={free}: {m}")
+        finally:
+            padding_free.set_enabled(True)
+
+
+def test_all_padding_batch_gives_finite_zeros_or_a_clear_error(bert_folder, gpt2_folder, attention_layout):
+    ids, none = _ids(2, 5), torch.zeros(2, 5, dtype=torch.long)
+    for free in (True, False):
+        padding_free.set_enabled(free)
+        try:
+            bert = Bert.from_pretrained(bert_folder)
+            h = bert(ids, none)
+            assert h.shape == (2, 5, 15) and not h.any()
+            gpt2 = GPT2.from_pretrained(gpt2_folder)
+            logits = gpt2(ids, attention_mask=none)
+            assert logits.shape == (2, 5, VOCAB) and not logits.any()
+            with pytest.raises(ValueError, match="no position has a target"):
+                gpt2.loss(ids, attention_mask=none)
+            torch.manual_seed(0)
+            m = Transformer(11, 13, d_model=14, n_heads=2, d_ff=22, n_layers=1, dropout=0.0, max_len=23).eval()
+            src, tgt, pad_s, pad_t = ids % 11, ids % 13, torch.ones(2, 5, dtype=torch.bool), torch.ones(2, 5, dtype=torch.bool)
+            memory = m.encode(src, src_key_padding_mask=pad_s)
+            assert not memory.any()
+            out = m(src, tgt, src_key_padding_mask=pad_s, tgt_key_padding_mask=pad_t)
+            assert torch.isfinite(out).all() and not out.any()
+            with pytest.raises(ValueError, match="no target position"):
+                m.loss(src, tgt, tgt, src_key_padding_mask=pad_s, tgt_key_padding_mask=pad_t)
+            assert m.translate(src, 4, bos=1, eos=2, src_key_padding_mask=pad_s).shape[0] == 2
+        finally:
+            padding_free.set_enabled(True)
+
+
+def test_hooks_on_blocks_fire_in_padding_free_forward_and_loss(bert_folder, gpt2_folder):
+    """One rule for every fast path: a hook on any module the path would replace sends the call to the padded
+    path, where it fires with the padded layout (a steering hook changes the result there)."""
+    ids, mask = _ids(2, 6), _mask([6, 3], 6)
+    gpt2 = GPT2.from_pretrained(gpt2_folder)
+    bert = Bert.from_pretrained(bert_folder)
+    seen = []
+
+    def steer(mod, args, out):
+        seen.append(tuple(out.shape))
+        return out + 0.1 * torch.arange(out.shape[-1], dtype=out.dtype)  # not a constant shift (a LayerNorm would undo it)
+
+    for model, blocks, call in (
+        (gpt2, gpt2.blocks, lambda: gpt2.loss(ids, attention_mask=mask)),
+        (gpt2, gpt2.blocks, lambda: gpt2(ids, attention_mask=mask)),
+        (bert, bert.encoder.layers, lambda: bert(ids, mask)),
+    ):
+        plain = call()
+        handle = blocks[0].register_forward_hook(steer)
+        try:
+            seen.clear()
+            steered = call()
+        finally:
+            handle.remove()
+        assert seen == [(2, 6, 15)]  # the padded layout, once
+        assert not torch.equal(plain, steered)
+        with padding_free.disabled(), torch.no_grad():
+            handle = blocks[0].register_forward_hook(steer)
+            try:
+                assert_close(call(), steered.detach())
+            finally:
+                handle.remove()
+
+
+def test_packed_documents_in_the_padded_path_equal_the_padding_free_path(gpt2_folder):
+    model = GPT2.from_pretrained(gpt2_folder).eval()
+    ids = _ids(2, 8)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        free = model(ids, position_ids=pos)
+        with padding_free.disabled():
+            padded = model(ids, position_ids=pos)
+        alone = model(ids[:1, 3:7])  # the second document of row 0 alone
+    assert_close(padded, free)
+    assert_close(free[0, 3:7], alone[0])

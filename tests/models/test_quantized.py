@@ -194,6 +194,29 @@ def test_save_load_round_trip(tmp_path):
         Bert.from_pretrained(tmp_path)
 
 
+def test_load_quantized_checks_shapes_dtypes_and_the_pooler(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    Q.quantize(_outlier_bert()).save_pretrained(tmp_path)
+    t = load_file(str(tmp_path / "model.safetensors"))
+    del t["pooler.dense.bias"], t["layers.1.norm2.weight"]
+    t["embeddings.position"] = t["embeddings.position"][:-1].clone()
+    t["layers.0.fc2.weight"] = t["layers.0.fc2.weight"].double()  # kept float by default
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError) as e:
+        Q.load_quantized(tmp_path)
+    msg = str(e.value)
+    assert "missing keys (2): layers.1.norm2.weight, pooler.dense.bias" in msg
+    assert "wrong shapes (1): embeddings.position: expected" in msg
+    assert "wrong dtypes (1): layers.0.fc2.weight: expected torch.float32, got torch.float64" in msg
+
+
+def test_keep_float_pattern_matching_no_layer_is_an_error():
+    with pytest.raises(ValueError, match=r"keep_float pattern\(s\) 'layer\.0\.fc2' match no layer; the layers are "
+                       r"layers\.\{i\}\.\{qkv,out,fc1,fc2\} for i in 0\.\.1 \(e\.g\. 'layers\.0\.qkv'\)"):
+        Q.quantize(_outlier_bert(), keep_float=("layer.0.fc2",))
+
+
 def test_load_quantized_refuses_float_folder(tmp_path):
     Bert(BertConfig(**CFG)).save_pretrained(tmp_path)
     assert not Q.is_quantized_folder(tmp_path)

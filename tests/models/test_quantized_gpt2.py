@@ -170,15 +170,33 @@ def test_save_load_round_trip(tmp_path, keep_float, tied):
         GPT2.from_pretrained(tmp_path)
 
 
-def test_load_quantized_names_missing_tensors(tmp_path):
+def test_load_quantized_lists_every_bad_tensor(tmp_path):
+    """Missing (a LayerNorm too), unexpected, wrong-shape and wrong-dtype tensors: one error at load, all named."""
     from safetensors.torch import load_file, save_file
 
     Q.quantize(_gpt2()).save_pretrained(tmp_path)
     t = load_file(str(tmp_path / "model.safetensors"))
-    del t["layers.1.fc2.scale"], t["head.qweight"]
+    del t["layers.1.fc2.scale"], t["head.qweight"], t["layers.0.ln2.bias"]
+    t["layers.0.fc1.bias"] = t["layers.0.fc1.bias"][:-1].clone()
+    t["layers.1.qkv.qweight"] = t["layers.1.qkv.qweight"].float()
+    t["extra"] = torch.zeros(3)
     save_file(t, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"missing quantized tensors \['layers.1.fc2.scale', 'head.qweight'\]"):
+    with pytest.raises(CheckpointError) as e:
         Q.load_quantized(tmp_path)
+    msg = str(e.value)
+    assert "missing keys (3): head.qweight, layers.0.ln2.bias, layers.1.fc2.scale" in msg
+    assert "unexpected keys (1): extra" in msg
+    d_ff = 4 * CFG["d_model"]
+    assert f"wrong shapes (1): layers.0.fc1.bias: expected ({d_ff},), got ({d_ff - 1},)" in msg
+    assert "wrong dtypes (1): layers.1.qkv.qweight: expected torch.int8, got torch.float32" in msg
+
+
+def test_keep_float_pattern_matching_no_layer_is_an_error():
+    m = _gpt2()
+    for pattern in ("layer.0.fc2", "lm_head"):
+        with pytest.raises(ValueError, match=rf"keep_float pattern\(s\) '{pattern}' match no layer; the layers are "
+                           r"layers\.\{i\}\.\{qkv,out,fc1,fc2\} for i in 0\.\.1, head"):
+            Q.quantize(m, keep_float=(pattern, "head"))
 
 
 # ---------------------------------------------------------------------------------------------- refusals

@@ -189,7 +189,7 @@ def test_decoder_stack_incremental_decoding_equals_full(norm_first):
 
 def test_stack_bad_args():
     enc, dec = EncoderBlock(6, 2, 5), DecoderBlock(6, 2, 5)
-    with pytest.raises(TypeError, match="block must be a EncoderBlock, got DecoderBlock"):
+    with pytest.raises(TypeError, match="block must be an EncoderBlock, got DecoderBlock"):
         TransformerEncoder(dec, 2)
     with pytest.raises(TypeError, match="block must be a DecoderBlock, got EncoderBlock"):
         TransformerDecoder(enc, 2)

@@ -28,6 +28,8 @@ __all__ = [
     "SAFETENSORS_INDEX_NAME",
     "TORCH_BIN_NAME",
     "resolve_folder",
+    "hub_cache",
+    "cached_snapshot",
     "read_config",
     "read_state_dict",
     "read_hf_folder",
@@ -49,15 +51,52 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: bad file contents, or keys/shapes that do not fit the model."""
 
 
+def hub_cache() -> Path:
+    """The Hugging Face hub cache folder (``huggingface_hub``'s rule: ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
+    ``XDG_CACHE_HOME/huggingface/hub``, else ``~/.cache/huggingface/hub``)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "huggingface" / "hub"
+
+
+def cached_snapshot(name: str) -> Path | None:
+    """The local Hugging Face cache's folder of the model ``name`` (``"gpt2"``, ``"org/model"``): the snapshot of
+    ``refs/main``, else the newest snapshot; None when the cache does not hold it. Never uses the network."""
+    parts = name.split("/")
+    if not 1 <= len(parts) <= 2 or not all(p and p not in (".", "..") for p in parts):
+        return None
+    repo = hub_cache() / ("models--" + "--".join(parts))
+    snapshots = repo / "snapshots"
+    try:
+        main = (repo / "refs" / "main").read_text().strip()
+    except OSError:
+        main = ""
+    if main and (snapshots / main / CONFIG_NAME).is_file():
+        return snapshots / main
+    found = sorted((p for p in snapshots.glob("*") if (p / CONFIG_NAME).is_file()), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
 def resolve_folder(folder: str | os.PathLike) -> Path:
-    """The folder as a ``Path``.
+    """The folder as a ``Path``: a local folder, or a model name (``"gpt2"``, ``"org/model"``) that the local
+    Hugging Face cache holds (:func:`cached_snapshot`; nothing is downloaded).
 
     Raises:
-        FileNotFoundError: the folder does not exist. NotADirectoryError: it is a file.
+        FileNotFoundError: neither (saying how to get a folder). NotADirectoryError: it is a file.
     """
     path = Path(folder)
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint folder not found: {path}")
+        cached = cached_snapshot(str(folder))
+        if cached is not None:
+            return cached
+        raise FileNotFoundError(
+            f"checkpoint folder not found: {path} (a local folder with config.json and the weights is needed; nothing "
+            f"is downloaded: get one with `hf download MODEL --local-dir DIR` or transformers' "
+            f"save_pretrained(DIR), and pass DIR; a model name is also looked up in the local Hugging Face cache "
+            f"{hub_cache()})"
+        )
     if not path.is_dir():
         raise NotADirectoryError(f"checkpoint path is not a folder: {path}")
     return path
@@ -230,6 +269,7 @@ def check_and_convert(
     canonical: Callable[[str], str | None],
     source: str | os.PathLike,
     optional: frozenset[str] | set[str] = frozenset(),
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> dict[str, Tensor]:
     """Rename a file's keys to their canonical (HF base-model) names and check them against the model.
 
@@ -239,12 +279,13 @@ def check_and_convert(
         canonical: file key -> canonical name, or None for a key that is ignored on purpose (buffers, heads).
         source: the file, named in the error.
         optional: canonical names that may be absent.
+        dtypes: canonical name -> the dtype it must have (None: any dtype; float checkpoints are cast on load).
 
     Returns:
         canonical name -> tensor, exactly the expected keys (minus absent optional ones).
 
     Raises:
-        CheckpointError: one error listing every missing, unexpected, duplicate and wrong-shape key.
+        CheckpointError: one error listing every missing, unexpected, duplicate, wrong-shape and wrong-dtype key.
     """
     found: dict[str, Tensor] = {}
     origin: dict[str, str] = {}
@@ -266,6 +307,11 @@ def check_and_convert(
         for k, t in sorted(found.items())
         if tuple(t.shape) != tuple(expected_shapes[k])
     ]
+    wrong_dtype = [
+        f"{origin[k]}: expected {dtypes[k]}, got {t.dtype}"
+        for k, t in sorted(found.items())
+        if dtypes is not None and k in dtypes and t.dtype != dtypes[k]
+    ]
     problems = []
     if missing:
         problems.append(f"missing keys ({len(missing)}): {_preview(missing)}")
@@ -275,6 +321,8 @@ def check_and_convert(
         problems.append(f"keys given twice ({len(duplicate)}): {_preview(sorted(duplicate))}")
     if wrong:
         problems.append(f"wrong shapes ({len(wrong)}): {_preview(wrong)}")
+    if wrong_dtype:
+        problems.append(f"wrong dtypes ({len(wrong_dtype)}): {_preview(wrong_dtype)}")
     if problems:
         raise CheckpointError(f"checkpoint {source} does not fit the model: " + "; ".join(problems))
     return found

@@ -12,7 +12,13 @@ from ..models.transformer import TransformerConfig
 @dataclasses.dataclass
 class DemoConfig:
     """Settings of the demo run (the model's sizes included). Defaults reach ≥ 90% exact match in a few
-    minutes on 2 CPU cores."""
+    minutes on 2 CPU cores.
+
+    ``threads``: torch threads per process; None -> 1. The model is small (d_model 128): its matrix products
+    gain little from a second thread, and OpenMP threads that spin at every barrier collapse (tenfold) when
+    another busy process shares the cores. ``overwrite``: a run that does not ``resume`` replaces an earlier run's
+    checkpoint in ``out`` only with it (else :func:`~sublayer.demo.train` refuses).
+    """
 
     out: str = "runs/demo"
     steps: int = 1200
@@ -37,6 +43,7 @@ class DemoConfig:
     n_test: int = 1000
     threads: int | None = None
     quiet: bool = False
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "warmup", "d_model", "n_heads", "d_ff", "n_layers", "eval_every",

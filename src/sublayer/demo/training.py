@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -107,7 +106,8 @@ def train(
         The metrics dict on rank 0 (also written to ``metrics.json``), None on other ranks.
 
     Raises:
-        ValueError: bad rank/world_size; FileNotFoundError: ``--resume`` without a checkpoint.
+        ValueError: bad rank/world_size; FileNotFoundError: ``--resume`` without a checkpoint;
+        FileExistsError: ``cfg.out`` holds an earlier run's checkpoint and neither ``resume`` nor ``overwrite``.
         KeyboardInterrupt: after saving a checkpoint of the steps done so far (rank 0).
     """
     check_positive_int("world_size", world_size)
@@ -118,8 +118,13 @@ def train(
     main = rank == 0
     quiet = cfg.quiet or not main
     out = Path(cfg.out)
+    if not cfg.resume and not cfg.overwrite and (out / STATE_NAME).exists():
+        raise FileExistsError(
+            f"{out} holds the checkpoint of an earlier run ({STATE_NAME}): continue it with --resume, replace it "
+            "with --overwrite, or give another --out"
+        )
     old_threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(cfg.threads or 1)
     try:
         return _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out)
     finally:
@@ -181,7 +186,7 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
     model.train()
     try:
         with interrupts_raise(), _Progress(not quiet, cfg.steps, start) as bar:
-            t_last, tok_window, t_window = time.perf_counter(), 0, 0.0
+            t_last = time.perf_counter()
             while step < cfg.steps:
                 t0 = time.perf_counter()
                 batch = train_batch(cfg.seed, step, cfg.batch_size, vocab)
@@ -214,8 +219,6 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
                 dt = time.perf_counter() - t0
                 train_seconds += dt
                 tokens_seen += batch.n_tokens
-                tok_window += batch.n_tokens
-                t_window += dt
                 if on_step is not None:
                     on_step(step, {"loss": loss, "lr": lr, "tokens": batch.n_tokens})
                 if main:
@@ -223,8 +226,9 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
                     if val is not None:
                         fields["val"] = f"{val:.3f}"
                     if time.perf_counter() - t_last > 0.5 or step == cfg.steps:
-                        fields["tps"] = tok_window / max(t_window, 1e-9)
-                        t_last, tok_window, t_window = time.perf_counter(), 0, 0.0
+                        # the run's mean, as the summary's (a recent window swings with the machine's load)
+                        fields["tps"] = tokens_seen / max(train_seconds, 1e-9)
+                        t_last = time.perf_counter()
                     bar.update(**fields)
                     if step % cfg.save_every == 0 and step < cfg.steps:
                         checkpoint(step)

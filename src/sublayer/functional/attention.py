@@ -20,12 +20,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._checks import check_positive_int, check_probability, check_same_dtype_device, check_tensor
+from .rope import apply_rotary
 
 __all__ = ["KVCache", "attention", "multi_head_attention", "causal_mask"]
 
 
 class KVCache:
-    """Keys and values kept between decoding steps, (B, n_heads, T, head_dim) each.
+    """Keys and values kept between decoding steps, (B, n_kv_heads, T, head_dim) each (the key/value heads only:
+    grouped-query attention repeats them for the query heads after the cache).
 
     ``static=False`` (self-attention): each call appends the new keys/values.
     ``static=True`` (cross-attention on a fixed memory): the first call stores them, later calls reuse them and
@@ -199,14 +201,20 @@ def multi_head_attention(
     average_attn_weights: bool = True,
     kv_cache: KVCache | None = None,
     linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] = F.linear,
+    rotary: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Multi-head attention with separate q/k/v/out projections (``nn.MultiheadAttention`` math).
 
+    Grouped-query attention: ``k_weight``/``v_weight`` may project to fewer heads than ``q_weight`` (``n_kv_heads``
+    = their rows / head_dim, dividing ``n_heads``); each key/value head serves ``n_heads / n_kv_heads``
+    consecutive query heads (HF ``repeat_kv``), and a KV cache holds the key/value heads only.
+
     Args:
         query: (B, T_q, d_model). key: (B, T_k, kdim) or None (= query). value: (B, T_k, vdim) or None (= key).
-        n_heads: number of heads; the projected size must divide by it.
-        q_weight: (d_model, d_model); k_weight: (d_model, kdim); v_weight: (d_model, vdim);
-        out_weight: (d_model, d_model); biases (d_model,) or None.
+        n_heads: number of (query) heads; the projected size must divide by it.
+        q_weight: (n_heads·head_dim, d_model) (head_dim = d_model / n_heads unless the weights say otherwise);
+        k_weight: (n_kv_heads·head_dim, kdim); v_weight: (n_kv_heads·head_dim, vdim);
+        out_weight: (d_model, n_heads·head_dim); biases of the projections' output sizes, or None.
         key_padding_mask: (B, T_k) — for the keys this call attends to, cache included.
         attn_mask, is_causal, dropout, training: see :func:`attention`.
         need_weights: also return the weights, averaged over heads (B, T_q, T_k) unless
@@ -214,6 +222,9 @@ def multi_head_attention(
         kv_cache: a :class:`KVCache` that this call reads and extends (decoding).
         linear: the projection, ``F.linear`` by default (the modules pass :func:`sublayer.functional.fused.linear`,
             which speeds up bf16 on CPUs without native bf16 GEMMs).
+        rotary: ``(cos, sin)``, each (B | 1, T_q, head_dim) (:func:`sublayer.functional.rotary_cos_sin` at the
+            positions of the query tokens): rotary position embeddings applied to q and k after the projections,
+            before the cache update (HF Llama order); None = none.
 
     Returns:
         (out (B, T_q, d_model), weights or None).
@@ -242,6 +253,11 @@ def multi_head_attention(
             raise ValueError(f"{name} must have last dim {w.shape[-1]}, got shape {tuple(t.shape)}")
     b, t_q = query.shape[:2]
     head_dim = q_weight.shape[0] // n_heads
+    if q_weight.shape[0] % n_heads or k_weight.shape[0] % head_dim or (n_heads * head_dim) % k_weight.shape[0]:
+        raise ValueError(
+            f"q_weight's {q_weight.shape[0]} outputs must split into n_heads={n_heads} heads and k_weight's "
+            f"{k_weight.shape[0]} outputs into a number of heads of that size that divides n_heads"
+        )
 
     def split(x: Tensor) -> Tensor:
         # (B, T, H·d) -> (B, H, T, d); heads from the projected size, so a tensor-parallel shard with fewer
@@ -249,13 +265,20 @@ def multi_head_attention(
         return x.view(x.shape[0], x.shape[1], x.shape[-1] // head_dim, head_dim).transpose(1, 2)
 
     q = split(linear(query, q_weight, q_bias))
+    if rotary is not None:
+        q = apply_rotary(q, *rotary)
     if kv_cache is not None and kv_cache.static and kv_cache.filled:
         k, v = kv_cache.k, kv_cache.v
     else:
         k = split(linear(key, k_weight, k_bias))
         v = split(linear(value, v_weight, v_bias))
+        if rotary is not None:
+            k = apply_rotary(k, *rotary)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group of query heads
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     out, weights = attention(
         q,
         k,

@@ -19,12 +19,16 @@ Two ways to place the backward work (``grad_in_forward``):
 * ``True``: the forward already computes ``dh`` (n, D), ``dW`` (V, D) and ``db`` and keeps them; the backward only
   scales them by the incoming gradient (3 GEMMs, as eager). Faster, but it holds a weight-sized gradient from the
   forward until the backward (V·D floats: 154 MB for GPT-2's head), so it saves more bytes for backward than the
-  default; the gradient is computed even if ``backward`` is never called (with grad mode on and inputs requiring
+  default (it also keeps the gathered rows of ``h``, for a double backward); the gradient is computed even if ``backward`` is never called (with grad mode on and inputs requiring
   grad).
 
 Dtypes: float64 if any input is float64, else float32: bfloat16/float16 inputs (also mixed with float32 weights, as
 under autocast) are upcast chunk by chunk (the loss is float32, as HF's upcast logits give; each gradient is
-rounded to its input's dtype once). The backward is not differentiable again.
+rounded to its input's dtype once).
+
+Double backward (``torch.autograd.grad(loss, ..., create_graph=True)``, e.g. a gradient penalty): the backward then
+makes the gradients with the eager composition, differentiable again; it materializes the ``(n, vocab)`` logits, as
+eager does.
 
 All targets ignored: with ``reduction="mean"`` torch and HF return NaN (a mean over zero terms); here it is a
 ``ValueError``. With ``reduction="sum"`` the loss is 0 with zero gradients, as torch.
@@ -33,6 +37,7 @@ All targets ignored: with ``reduction="mean"`` torch and HF return NaN (a mean o
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .._checks import check_choice, check_positive_int, check_tensor
@@ -118,24 +123,15 @@ def _onehot_sub_(p: Tensor, tc: Tensor, v0: int, value: float) -> None:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
+    """The loss over rows that all have a target (the caller gathers them): ``scale * sum(cross-entropy)``."""
+
     @staticmethod
-    def forward(ctx, h, weight, bias, target, ignore_index, smoothing, reduction, chunk, grad_in_forward, need_grad):
-        n_all, d = h.shape
+    def forward(ctx, h, weight, bias, target, smoothing, scale, chunk, grad_in_forward, need_grad):
+        n, d = h.shape
         vocab = weight.shape[0]
         cdt = _compute_dtype(h.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
-        keep = target != ignore_index
-        n = int(keep.sum())
-        if n == 0 and reduction == "mean":
-            raise ValueError(
-                f"every target is ignore_index={ignore_index} (or there are none): the mean cross-entropy over "
-                "zero targets is undefined (torch and HF return nan); pass reduction='sum' or at least one target"
-            )
-        idx = None if n == n_all else keep.nonzero().squeeze(1)
-        hk = h if idx is None else h.index_select(0, idx)
-        tk = (target if idx is None else target.index_select(0, idx)).long()
         w = weight.to(cdt)
         b = None if bias is None else bias.to(cdt)
-        scale = 1.0 / n if reduction == "mean" and n else 1.0
         elements = chunk or _CHUNK_ELEMENTS
         rows = max(1, -(-elements // vocab))
         buf = torch.empty(min(rows, max(n, 1)), vocab, dtype=cdt, device=h.device)
@@ -147,8 +143,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dw = torch.zeros(vocab, d, dtype=cdt, device=h.device) if want_w else None
         db = torch.zeros(vocab, dtype=cdt, device=h.device) if want_b else None
         for s in range(0, n, rows):
-            hc = hk[s : s + rows].to(cdt)
-            tc = tk[s : s + rows]
+            hc = h[s : s + rows].to(cdt)
+            tc = target[s : s + rows]
             c = hc.shape[0]
             z = _logits(hc, w, b, buf[:c])
             zt = z.gather(1, tc[:, None]).squeeze(1)
@@ -172,25 +168,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     db.add_(p.sum(0), alpha=scale)
         loss = row_loss.sum() * scale
         b_dtype = None if bias is None else bias.dtype
-        ctx.meta = (n_all, smoothing, scale, elements, in_fwd, h.dtype, weight.dtype, b_dtype)
+        ctx.meta = (smoothing, scale, elements, in_fwd, h.dtype, weight.dtype, b_dtype)
         if in_fwd:
             ctx.grads = (dh, dw, db)  # not saved tensors: bench_loss counts them separately
-            ctx.save_for_backward(idx)
-        elif need_grad:
-            ctx.save_for_backward(idx, hk, tk, weight, bias, lse)
+        if need_grad:  # h, weight, bias are the caller's tensors (references, not copies)
+            ctx.save_for_backward(h, target, weight, bias, None if in_fwd else lse)
         return loss
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        n_all, smoothing, scale, elements, in_fwd, h_dtype, w_dtype, b_dtype = ctx.meta
+        smoothing, scale, elements, in_fwd, h_dtype, w_dtype, b_dtype = ctx.meta
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
-        idx = ctx.saved_tensors[0]
+        if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable again
+            return (*_reference_grads(ctx, g), None, None, None, None, None, None)
         if in_fwd:
             # out of place: a retained graph may run this backward again
             dh, dw, db = (None if t is None else t * g.to(t.dtype) for t in ctx.grads)
         else:
-            _, hk, tk, weight, bias, lse = ctx.saved_tensors
+            hk, tk, weight, bias, lse = ctx.saved_tensors
             cdt = lse.dtype
             n, d = hk.shape
             vocab = weight.shape[0]
@@ -221,13 +216,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     torch.addmm(dw[v0:v1], p.t(), hc, beta=0.0, alpha=step, out=dw[v0:v1])
                 if db is not None:
                     torch.sum(p, 0, out=db[v0:v1]).mul_(step)
-        if dh is not None:
-            if idx is not None:
-                dh = torch.zeros(n_all, dh.shape[1], dtype=dh.dtype, device=dh.device).index_copy_(0, idx, dh)
-            dh = dh.to(h_dtype)
+        dh = None if dh is None else dh.to(h_dtype)
         dw = None if dw is None else dw.to(w_dtype)
         db = None if db is None else db.to(b_dtype)
-        return dh, dw, db, None, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None
+
+
+def _reference_grads(ctx, g: Tensor) -> list[Tensor | None]:
+    """Gradients of h, weight, bias made by the eager composition, differentiable again (for ``create_graph``).
+
+    Materializes the (n, V) logits, as eager does: twice-differentiated losses (gradient penalties) pay eager's
+    memory."""
+    smoothing, scale = ctx.meta[:2]
+    h, target, weight, bias = ctx.saved_tensors[:4]
+    cdt = _compute_dtype(h.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
+    inputs = [t for t, want in zip((h, weight, bias), ctx.needs_input_grad[:3]) if want and t is not None]
+    z = F.linear(h.to(cdt), weight.to(cdt), None if bias is None else bias.to(cdt))
+    loss = F.cross_entropy(z, target, label_smoothing=smoothing, reduction="sum") * scale
+    grads = iter(torch.autograd.grad(loss, inputs, g.to(loss.dtype), create_graph=True))
+    wanted = zip((h, weight, bias), ctx.needs_input_grad[:3])
+    return [next(grads).to(t.dtype) if want and t is not None else None for t, want in wanted]
 
 
 def linear_cross_entropy(
@@ -275,7 +283,17 @@ def linear_cross_entropy(
     if not isinstance(grad_in_forward, bool):
         raise TypeError(f"grad_in_forward must be a bool, got {grad_in_forward!r}")
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, weight, bias))
+    keep = target != ignore_index
+    n = int(keep.sum())
+    if n == 0 and reduction == "mean":
+        raise ValueError(
+            f"every target is ignore_index={ignore_index} (or there are none): the mean cross-entropy over "
+            "zero targets is undefined (torch and HF return nan); pass reduction='sum' or at least one target"
+        )
+    if n < h.shape[0]:  # only rows with a target are computed; index_select's backward scatters dh back
+        idx = keep.nonzero().squeeze(1)
+        h, target = h.index_select(0, idx), target.index_select(0, idx)
+    scale = 1.0 / n if reduction == "mean" else 1.0
     return _LinearCrossEntropy.apply(
-        h, weight, bias, target, ignore_index, float(label_smoothing), reduction, chunk_size, grad_in_forward,
-        need_grad,
-    )  # fmt: skip
+        h, weight, bias, target.long(), float(label_smoothing), scale, chunk_size, grad_in_forward, need_grad
+    )

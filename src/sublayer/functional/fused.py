@@ -59,9 +59,9 @@ __all__ = [
 
 IMPLS = ("auto", "fused", "reference")
 # activation name -> kernel id (csrc/kernels.cpp: enum Act); a gated name -> its gate's id, run by glu_fwd/glu_bwd
-_ACT_IDS = {"relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4, "relu2": 5}
+ACT_IDS = {"relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4, "relu2": 5}
 _GLU_IDS = {"swiglu": 4, "geglu": 2, "reglu": 1}
-FUSED_ACTIVATIONS: tuple[str, ...] = (*_ACT_IDS, *_GLU_IDS)
+FUSED_ACTIVATIONS: tuple[str, ...] = (*ACT_IDS, *_GLU_IDS)
 _RELU = 1
 _AUTO_DTYPES = (torch.float32, torch.bfloat16)
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
@@ -398,7 +398,7 @@ def feed_forward(
     seed2 = dropout_seed(generator) if p_out > 0 else 0
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()  # not -1: x may be empty
     with torch.autocast("cpu", enabled=False):
-        act = _GLU_IDS[activation] if gated else _ACT_IDS[activation]
+        act = _GLU_IDS[activation] if gated else ACT_IDS[activation]
         out = _FFNFn.apply(x2, w1, b1, w2, b2, act, gated, p, p_out, seed1, seed2, bool(recompute))
     return out.view(*x.shape[:-1], w2.shape[0])
 

@@ -8,14 +8,26 @@ gather index once per forward and every layer reuses it (``pack`` / ``unpack`` a
 
 :func:`document_mask` turns ``position_ids`` that restart at 0 (several documents in one row, the convention of
 Hugging Face's ``DataCollatorWithFlattening``) into a block-diagonal attention mask.
+
+:class:`PackedBatch` is the descriptor a model's forward passes through its blocks instead of the padded layout:
+which positions run (as packed rows), which are padding (never attended), where packed documents start; attention
+reads it (per sequence on the packed rows, or scattered back into the padded layout with its masks), every other
+sub-layer is position-wise and takes the rows as they are. Its reference is :func:`sublayer.functional.attention`
+on the padded layout with the same masks.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["Packing", "document_mask"]
+from .attention import causal_mask
+from .fused import dropout as fused_dropout
+
+__all__ = ["Packing", "PackedBatch", "document_mask"]
 
 
 class _Gather(torch.autograd.Function):
@@ -112,3 +124,184 @@ def document_mask(position_ids: Tensor) -> Tensor | None:
         return None
     doc = (position_ids == 0).cumsum(-1)  # (B|1, T) document number of each position
     return (doc[:, :, None] != doc[:, None, :])[:, None]
+
+
+# ------------------------------------------------------------------------------------------ packed sequences
+# Attention on packed rows takes one of two layouts: "varlen" (one attention per sequence, or per packed document,
+# on the packed rows themselves) or "padded" (q/k/v scattered into (B, H, T, d_head) and masked as the padded path
+# does); "auto" picks varlen for batches of at most VARLEN_MAX_ROWS rows: each per-sequence attention costs a few
+# dispatches forward and backward, which a batch of many short rows does not repay.
+ATTENTION = "auto"
+VARLEN_MAX_ROWS = 32
+
+
+class PackedBatch:
+    """A padded batch (B, T) whose positions run as packed rows (N, ...): the descriptor that flows through a
+    model's forward in place of the padded layout (cu_seqlens-style, as varlen attention kernels take it).
+
+    Position-wise sub-layers (projections, FFN, norms, embeddings, LM head) take the packed rows as they are;
+    attention reads this descriptor (:meth:`self_attention`, :meth:`cross_attention`).
+
+    Args:
+        key_padding_mask: (B, T) bool, True = padding: keys nobody attends to. None: no padding.
+        rows: (B, T) bool, True = the position runs as a packed row. None: every non-padded position. A position
+            may run without being a key (e.g. a padded position whose output a loss reads): it then attends as it
+            would in the padded layout.
+        position_ids: (B | 1, T) positions; a restart at 0 inside a row starts a new document (packed documents,
+            HF's ``DataCollatorWithFlattening``): attention is then block-diagonal, each document sees only itself.
+        batch, seq_len: (B, T), needed when neither mask is given.
+
+    Attributes:
+        packing: the :class:`Packing` of the rows (``pack`` / ``unpack``). n_rows: N. key_padding_mask.
+        documents: (B | 1, 1, T, T) bool mask of other documents (True = other document), or None.
+    """
+
+    def __init__(
+        self,
+        key_padding_mask: Tensor | None = None,
+        *,
+        rows: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        batch: int | None = None,
+        seq_len: int | None = None,
+    ) -> None:
+        if key_padding_mask is not None and not bool(key_padding_mask.any()):
+            key_padding_mask = None  # an all-False mask is no mask
+        self.key_padding_mask = key_padding_mask
+        skip = None
+        if rows is not None:
+            skip = None if bool(rows.all()) else ~rows
+        elif key_padding_mask is not None:
+            skip = key_padding_mask
+        self.packing = Packing(skip, batch=batch, seq_len=seq_len)
+        self.batch, self.seq_len = self.packing.batch, self.packing.seq_len
+        self.n_rows = self.packing.n_tokens
+        self.position_ids = position_ids
+        self.documents = None if position_ids is None else document_mask(position_ids)
+        # the rows of a sequence are exactly its keys: attention can run per sequence on the packed rows
+        self._rows_are_keys = rows is None or (
+            bool((rows == ~key_padding_mask).all()) if key_padding_mask is not None else bool(rows.all())
+        )
+        self._masks: dict = {}  # built once per forward, shared by every layer
+
+    def pack(self, x: Tensor) -> Tensor:
+        """(B | 1, T, ...) -> (N, ...)."""
+        return self.packing.pack(x)
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """(N, ...) -> (B, T, ...), zeros at the positions that did not run."""
+        return self.packing.unpack(x)
+
+    def varlen(self) -> bool:
+        """Whether attention runs per sequence on the packed rows (else: scattered into the padded layout)."""
+        if not self._rows_are_keys:
+            return False
+        return ATTENTION == "varlen" or (ATTENTION == "auto" and self.batch <= VARLEN_MAX_ROWS)
+
+    def _segments(self) -> list[int]:
+        """Rows of each (sequence, document) run of the packed rows, in order."""
+        if self.documents is None:
+            return self.packing.row_lengths()
+        b, t = self.batch, self.seq_len
+        pos = self.position_ids.expand(b, t)
+        doc = (pos == 0).cumsum(-1) + torch.arange(b, device=pos.device)[:, None] * (t + 1)
+        return torch.unique_consecutive(self.pack(doc), return_counts=True)[1].tolist()
+
+    def _self_mask(self, causal: bool, device) -> _Segments | _AttentionMask:
+        key = ("self", causal)
+        if key not in self._masks:
+            if self.varlen():
+                self._masks[key] = _Segments(self._segments(), causal=causal, device=device)
+            else:
+                self._masks[key] = _AttentionMask(self, self, causal=causal, docs=self.documents, device=device)
+        return self._masks[key]
+
+    def self_attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, dropout: float = 0.0) -> Tensor:
+        """Self-attention of packed rows: q, k, v (N, H, d_head) -> (N, H, d_head), scaled by 1/sqrt(d_head).
+
+        Each row attends to the keys of its own sequence (and document) that are not padding, causally when
+        ``causal``; a row with no key gets zeros. ``dropout`` on the weights (training), Philox.
+        """
+        return _attend(q, k, v, self, self._self_mask(causal, q.device), dropout)
+
+    def cross_attention(self, q: Tensor, k: Tensor, v: Tensor, memory: PackedBatch, *, dropout: float = 0.0) -> Tensor:
+        """Cross-attention of these packed rows q (N, H, d) on ``memory``'s packed rows k, v (N_m, H, d)."""
+        key = ("cross", id(memory))
+        if key not in self._masks:
+            if self.varlen() and memory.varlen():
+                self._masks[key] = _Segments(self.packing.row_lengths(), memory.packing.row_lengths())
+            else:
+                self._masks[key] = _AttentionMask(self, memory, device=q.device)
+        return _attend(q, k, v, self, self._masks[key], dropout)
+
+
+class _AttentionMask:
+    """The padded layout's mask for one attention kind: (B|1, 1, T_q|1, T_k) bool ``blocked`` (True = may not
+    attend; rows that see no key opened, and zeroed after through ``dead``)."""
+
+    def __init__(self, queries: PackedBatch, keys: PackedBatch, *, causal=False, docs=None, device=None) -> None:
+        self.keys = keys
+        kpm, t_q, t_k = keys.key_padding_mask, queries.seq_len, keys.seq_len
+        allowed = None if kpm is None else ~kpm[:, None, None, :]
+        if causal:
+            c = causal_mask(t_q, t_k, device=device)[None, None]
+            allowed = c if allowed is None else allowed & c
+        if docs is not None:
+            allowed = ~docs if allowed is None else allowed & ~docs
+        self.dead = None
+        if allowed is not None:
+            dead = ~allowed.any(dim=-1, keepdim=True)
+            if bool(dead.any()):
+                self.dead, allowed = dead, allowed | dead
+        self.blocked = None if allowed is None else ~allowed
+
+
+class _Segments:
+    """Varlen attention: consecutive segments of packed rows that attend only inside themselves."""
+
+    def __init__(self, q_lengths: list[int], k_lengths: list[int] | None = None, *, causal=False, device=None):
+        self.q_lengths = q_lengths
+        self.k_lengths = q_lengths if k_lengths is None else k_lengths
+        self.causal = causal
+        t = max(self.q_lengths, default=0)
+        self.blocked = ~causal_mask(t, t, device=device) if causal else None
+
+
+def _core(q: Tensor, k: Tensor, v: Tensor, p: float, blocked: Tensor | None) -> Tensor:
+    """softmax(q k^T / sqrt(d) masked) v over the last two dims; Philox dropout p on the weights."""
+    if p > 0:  # explicit: eager SDPA with dropout takes its math path and bernoulli_, several times slower here
+        s = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-2, -1))
+        if blocked is not None:
+            s = s.masked_fill(blocked, float("-inf"))
+        return torch.matmul(fused_dropout(s.softmax(dim=-1), p, True), v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=None if blocked is None else ~blocked)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, queries: PackedBatch, mask, p: float) -> Tensor:
+    if q.shape[0] == 0:  # nothing runs (a batch of padding only)
+        return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    if isinstance(mask, _Segments):
+        outs = []
+        for qb, kb, vb in zip(q.split(mask.q_lengths), k.split(mask.k_lengths), v.split(mask.k_lengths)):
+            lq, lk = qb.shape[0], kb.shape[0]
+            if lq == 0:
+                continue
+            if lk == 0:  # no key to attend to: zeros, as the padded layout's dead rows
+                outs.append(qb.new_zeros(lq, qb.shape[1], vb.shape[-1]))
+                continue
+            qb, kb, vb = qb.transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1)
+            if p == 0 and mask.causal:
+                ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
+            else:
+                ob = _core(qb, kb, vb, p, None if mask.blocked is None else mask.blocked[:lq, :lk])
+            outs.append(ob.transpose(0, 1))
+        return torch.cat(outs, 0)
+    keys = mask.keys
+
+    def heads(x: Tensor, pk: PackedBatch) -> Tensor:  # (N, H, d) -> (B, H, T, d)
+        return pk.unpack(x).transpose(1, 2)
+
+    out = _core(heads(q, queries), heads(k, keys), heads(v, keys), p, mask.blocked)
+    if mask.dead is not None:
+        out = out.masked_fill(mask.dead, 0.0)
+    return queries.pack(out.transpose(1, 2))  # (B, T, H, d) -> (N, H, d)

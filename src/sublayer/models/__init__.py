@@ -4,6 +4,7 @@ from .bert import Bert, BertConfig
 from .config import ModelConfig
 from .fast import FastBert, FastGPT2, fast_inference
 from .gpt2 import GPT2, GPT2Config
+from .llama import Llama, LlamaConfig
 from .quantized import QuantizedBert, QuantizedGPT2, load_quantized
 from .transformer import Transformer, TransformerConfig
 
@@ -14,6 +15,8 @@ __all__ = [
     "FastGPT2",
     "GPT2",
     "GPT2Config",
+    "Llama",
+    "LlamaConfig",
     "ModelConfig",
     "QuantizedBert",
     "QuantizedGPT2",

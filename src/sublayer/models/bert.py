@@ -21,12 +21,19 @@ from torch import Tensor, nn
 
 from .. import checkpoints as ckpt
 from .. import functional as SF
-from .._checks import check_choice, check_eps, check_positive_int, check_probability
+from .._checks import (
+    check_attention_mask,
+    check_choice,
+    check_eps,
+    check_input_ids,
+    check_positive_int,
+    check_probability,
+)
 from ..checkpoints import bert as keymap
 from ..nn import EncoderBlock, LayerNorm, TransformerEncoder
-from . import padding_free
+from ..functional.packing import PackedBatch
+from ..runtime import padding_free
 from .config import ModelConfig
-from .gpt2 import check_attention_mask, check_input_ids
 
 __all__ = ["BertConfig", "Bert", "BertEmbeddings", "BertPooler"]
 
@@ -151,8 +158,9 @@ class BertEmbeddings(nn.Module):
         self.norm = LayerNorm(d, config.eps, **kw)
         self.dropout = config.dropout
 
-    def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
-        pos = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        """ids (B, T) or packed rows (N,); ``position_ids`` of the same shape, default ``arange(T)``."""
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)[None] if position_ids is None else position_ids
         x = self.word_embeddings(input_ids) + self.position_embeddings(pos) + self.token_type_embeddings(token_type_ids)
         return F.dropout(self.norm(x), self.dropout, self.training)
 
@@ -238,10 +246,19 @@ class Bert(nn.Module):
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> Tensor:
         kpm, token_type_ids = self._prepare(input_ids, attention_mask, token_type_ids)
-        if padding_free.applies(self, kpm):  # dense sub-layers on the real tokens only; zeros at padding
-            return padding_free.bert_forward(self, input_ids, token_type_ids, kpm)
-        x = self.embeddings(input_ids, token_type_ids)
-        return self.encoder(x, key_padding_mask=kpm if kpm is not None and kpm.any() else None)
+        return self._encode(input_ids, kpm, token_type_ids)
+
+    def _encode(self, input_ids: Tensor, kpm: Tensor | None, token_type_ids: Tensor, run: Tensor | None = None) -> Tensor:
+        """Hidden states (B, T, d_model): those of the positions in ``run`` (default: the real tokens), zeros at
+        the others. Padded positions in ``run`` attend as in HF (to the real tokens)."""
+        kpm = kpm if kpm is not None and bool(kpm.any()) else None
+        if padding_free.applies(self, kpm):  # the same encoder on packed rows
+            pk = PackedBatch(kpm, rows=run)
+            pos = pk.pack(torch.arange(input_ids.shape[1], device=input_ids.device)[None])
+            x = self.embeddings(pk.pack(input_ids), pk.pack(token_type_ids), pos)
+            return pk.unpack(self.encoder(x, packing=pk))
+        h = self.encoder(self.embeddings(input_ids, token_type_ids), key_padding_mask=kpm)
+        return h if kpm is None else h.masked_fill((kpm if run is None else ~run)[..., None], 0.0)
 
     def pooled(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
@@ -253,7 +270,12 @@ class Bert(nn.Module):
         """
         if self.pooler is None:
             raise ValueError("this Bert has no pooler (built with pooler=False or loaded from a file without one)")
-        return self.pooler(self(input_ids, attention_mask, token_type_ids))
+        kpm, token_type_ids = self._prepare(input_ids, attention_mask, token_type_ids)
+        run = None
+        if kpm is not None:  # the pooler reads position 0, padding or not (left padding), as HF does
+            run = ~kpm
+            run[:, 0] = True
+        return self.pooler(self._encode(input_ids, kpm, token_type_ids, run))
 
     def embed(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None

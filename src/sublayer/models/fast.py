@@ -15,9 +15,9 @@
 * runs without autograd (outputs never require grad), without dropout (eval semantics, whatever ``model.training``
   says) and with autocast switched off inside (the compute dtype above decides; calling it under
   ``torch.autocast`` changes nothing);
-* never uses stale weights: every call compares the parameters' version counters and storages with those it cached
-  and re-caches after an optimizer step, ``load_state_dict`` or ``.to()``. Writes through ``param.data`` bypass
-  the version counter: call :meth:`FastBert.refresh` / :meth:`FastGPT2.refresh` after those.
+* never uses stale weights: the cast weights come from :func:`sublayer.runtime.weights.prepared`, rebuilt after any
+  optimizer step (fused ones too), ``load_state_dict``, ``.to()``, in-place writes and writes through ``.data``
+  (see there).
 
 Memory: with float32 compute the cache aliases the parameters except the fused q/k/v weight (one copy of the
 attention input projections); with bf16 compute it holds a bf16 copy of every matrix (half the model's size).
@@ -28,7 +28,6 @@ In bf16 the results keep cosine similarity >= 0.999 to the fp32 model (tests che
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -37,9 +36,15 @@ from torch import Tensor
 
 from .. import functional as SF
 from .. import kernels
-from ..functional import fused
+from ..runtime.linear import DenseLinear
+from ..runtime.rows import add_norm, bias_act, inference, kernels_on, layer_norm
+from ..runtime.weights import clear_cache, prepared
+from . import decoding
+from ..checkpoints import FROM_CONFIG
+from .causal_lm import generate_with_config
 from .bert import Bert
-from .gpt2 import GPT2, check_attention_mask, check_input_ids
+from .._checks import check_attention_mask, check_input_ids
+from .gpt2 import GPT2
 
 __all__ = ["fast_inference", "FastBert", "FastGPT2"]
 
@@ -88,69 +93,6 @@ def fast_inference(
 
 
 # ----------------------------------------------------------------------------------------------- building blocks
-def _inference(fn):
-    """No autograd and no autocast inside: the wrapper's compute dtype decides every GEMM's dtype (autocast would
-    send them to bf16 GEMMs even where those are ~8x slower than fp32)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):
-            return fn(*args, **kwargs)
-
-    return wrapper
-
-
-def _kernels_on() -> bool:
-    return kernels._enabled and kernels.available()
-
-
-def _layer_norm(x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
-    """LayerNorm over the last dim, fp32 statistics, output in x's dtype."""
-    if x.dtype == torch.float32:
-        return F.layer_norm(x, w.shape, w, b, eps)
-    return F.layer_norm(x.float(), w.shape, w, b, eps).to(x.dtype)
-
-
-def _add_norm(
-    x: Tensor, y: Tensor, w: Tensor, b: Tensor, eps: float, *, want_sum: bool
-) -> tuple[Tensor, Tensor | None]:
-    """``(LN(x + y), x + y if want_sum)`` for 2-D (N, d) x, y; w, b float32."""
-    if _kernels_on():
-        out, s, _, _, _ = kernels.ops().add_norm_fwd(x, y, w, b, eps, 0.0, 0, False, want_sum)
-        return out, (s if want_sum else None)
-    s = x + y
-    return _layer_norm(s, w, b, eps), s
-
-
-def _bias_act(a: Tensor, b: Tensor, act: str) -> Tensor:
-    """``act(a + b)`` in place where the kernels run; a (N, f) contiguous, b float32 (f,)."""
-    if _kernels_on() and act in fused._ACT_IDS:
-        return kernels.ops().act_fwd(a, b, fused._ACT_IDS[act], 0.0, 0, True)
-    return SF.activation_fn(act)((a.float() + b).to(a.dtype) if a.dtype != torch.float32 else a + b)
-
-
-class _Cache:
-    """Weights cast once; rebuilt when a source parameter changes (version counter, storage or dtype)."""
-
-    def __init__(self, model: torch.nn.Module, build) -> None:
-        self._model, self._build, self._stamp, self.w = model, build, None, None
-
-    def _current_stamp(self) -> tuple:
-        # inference tensors (made under torch.inference_mode) have no version counter: their storage, dtype and
-        # device still tell a replaced parameter, not one changed in place under inference_mode
-        return tuple(
-            (-1 if p.is_inference() else p._version, p.data_ptr(), p.dtype, p.device) for p in self._model.parameters()
-        )
-
-    def get(self):
-        stamp = self._current_stamp()
-        if stamp != self._stamp:
-            with torch.no_grad():
-                self.w = self._build()
-            self._stamp = stamp
-        return self.w
-
-
 def _check_model_params(model: torch.nn.Module) -> None:
     for name, p in model.named_parameters():
         if p.dtype != torch.float32 or p.device.type != "cpu":
@@ -166,7 +108,6 @@ class _FastBase:
         self.config = model.config
         self.dtype = dtype
         self.compute_dtype = compute_dtype(dtype)
-        self._cache = _Cache(model, self._build)
         self.training = False
 
     def _c(self, t: Tensor) -> Tensor:
@@ -196,9 +137,15 @@ class _FastBase:
         b = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], 0)
         return self._c(w), self._c(b)
 
+    def _weights(self) -> dict:
+        """The cast weights (:func:`sublayer.runtime.weights.prepared`: rebuilt whenever a parameter changes)."""
+        key = ("fast", type(self).__name__, self.compute_dtype, kernels_on())
+        return prepared(self.model, key, lambda m: self._build())
+
     def refresh(self) -> None:
-        """Re-cast the weights on the next call (needed only after writes through ``param.data``)."""
-        self._cache._stamp = None
+        """Re-cast the weights on the next call (needed only after a write through ``param.data`` to a few
+        elements, see :mod:`sublayer.runtime.weights`)."""
+        clear_cache(self.model)
 
     def eval(self):
         return self
@@ -244,12 +191,12 @@ class FastBert(_FastBase):
             "layers": layers, "pool": pool,
         }  # fmt: skip
 
-    @_inference
+    @inference
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> Tensor:
         kpm, token_type_ids = self.model._prepare(input_ids, attention_mask, token_type_ids)
-        W = self._cache.get()
+        W = self._weights()
         cfg = self.config
         B, T = input_ids.shape
         d, H = cfg.d_model, cfg.n_heads
@@ -265,7 +212,7 @@ class FastBert(_FastBase):
         else:
             x = x.reshape(B * T, d)
             mask = None
-        x = _layer_norm(x, W["nw"], W["nb"], W["eps"]).to(cd)  # (N, d), N = real tokens
+        x = layer_norm(x, W["nw"], W["nb"], W["eps"]).to(cd)  # (N, d), N = real tokens
         scale = 1.0 / math.sqrt(hd)
         full = None
         for L in W["layers"]:
@@ -281,11 +228,11 @@ class FastBert(_FastBase):
             if keep is not None:
                 ctx = ctx.index_select(0, keep)
             y = torch.addmm(L["bo"], ctx, L["wo_t"])
-            x, _ = _add_norm(x, y, L["n1w"], L["n1b"], L["eps1"], want_sum=False)
-            h = _bias_act(torch.mm(x, L["w1_t"]), L["b1"], cfg.activation)
+            x, _ = add_norm(x, y, L["n1w"], L["n1b"], L["eps1"], want_sum=False)
+            h = bias_act(torch.mm(x, L["w1_t"]), L["b1"], cfg.activation)
             y = torch.addmm(L["b2"], h, L["w2_t"])
             del h
-            x, _ = _add_norm(x, y, L["n2w"], L["n2b"], L["eps2"], want_sum=False)
+            x, _ = add_norm(x, y, L["n2w"], L["n2b"], L["eps2"], want_sum=False)
         x = x.float()
         if keep is not None:
             out = x.new_zeros(B * T, d)
@@ -293,7 +240,7 @@ class FastBert(_FastBase):
             x = out
         return x.view(B, T, d)
 
-    @_inference
+    @inference
     def pooled(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> Tensor:
@@ -305,10 +252,10 @@ class FastBert(_FastBase):
         if self.model.pooler is None:
             raise ValueError("this Bert has no pooler (built with pooler=False or loaded from a file without one)")
         h = self(input_ids, attention_mask, token_type_ids)
-        w, b = self._cache.get()["pool"]
+        w, b = self._weights()["pool"]
         return torch.tanh(torch.addmm(b, h[:, 0], w))
 
-    @_inference
+    @inference
     def embed(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> Tensor:
@@ -341,74 +288,33 @@ class FastGPT2(_FastBase):
     """
 
     def _build(self) -> dict:
-        m = self.model
-        layers = [self._block_weights(blk) for blk in m.blocks]
-        return {
-            "wte": m.wte.weight.detach(), "wpe": m.wpe.weight.detach(), "layers": layers,
-            "nfw": self._f(m.ln_f.weight), "nfb": self._f(m.ln_f.bias), "epsf": m.ln_f.eps,
-            "head_t": self._c(m.lm_head.weight).t(),
-        }  # fmt: skip
+        """:func:`sublayer.models.decoding.build_gpt2`'s weights in the compute dtype (float32: the packed weights
+        ``generate`` decodes with, one prepared copy for both)."""
+        return decoding.build_gpt2(self.model, lambda w, b: DenseLinear(w, b, self.compute_dtype))
+
+    def _weights(self) -> dict:
+        if self.compute_dtype == torch.float32:
+            return decoding.prepared_weights(self.model, decoding.build_gpt2)
+        return super()._weights()
 
     @property
-    def decode_model(self):
-        """The model whose float32 weights :mod:`sublayer.models.decoding` streams in ``generate`` (None: this
-        wrapper's own weights differ from the model's, e.g. native bf16, and the reference loop runs)."""
-        return self.model if self.compute_dtype == torch.float32 and self.dtype in _DTYPES else None
+    def generation_config(self):
+        """The wrapped model's generation defaults."""
+        return self.model.generation_config
 
-    # what GPT2.generate needs from ``self``
-    @property
-    def blocks(self):
-        return self.model.blocks
-
-    @_inference
+    @inference
     def lm_head(self, h: Tensor) -> Tensor:
-        W = self._cache.get()
-        return torch.matmul(h.to(self.compute_dtype), W["head_t"]).float()
+        """(..., d_model) -> (..., vocab_size) float32 logits."""
+        return self._weights()["head"](h.reshape(-1, h.shape[-1])).float().view(*h.shape[:-1], -1)
 
     def _hidden(
         self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None
     ) -> Tensor:
         """Final-LayerNormed hidden states (B, T, d) in the compute dtype; ``caches``: one KVCache per block."""
-        W = self._cache.get()
-        cfg = self.config
-        B, T = input_ids.shape
-        d, H = cfg.d_model, cfg.n_heads
-        hd = d // H
-        cd = self.compute_dtype
-        x = (W["wte"][input_ids] + W["wpe"][position_ids]).to(cd).reshape(B * T, d)
-        past = 0 if caches is None else len(caches[0])
-        tk = past + T
-        if key_padding_mask is None and past == 0:
-            mask, causal = None, True
-        elif key_padding_mask is None and T == 1:
-            mask, causal = None, False
-        else:
-            mask = SF.causal_mask(T, tk, device=x.device)[None, None]
-            if key_padding_mask is not None:
-                mask = mask & ~key_padding_mask[:, None, None, :]
-            causal = False
-        L0 = W["layers"][0]
-        h = _layer_norm(x, L0["n1w"], L0["n1b"], L0["eps1"])
-        layers = W["layers"]
-        for i, L in enumerate(layers):
-            qkv = torch.addmm(L["bqkv"], h, L["wqkv_t"])
-            q, k, v = qkv.view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)
-            if caches is not None:
-                k, v = caches[i].update(k, v)
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-            y = torch.addmm(L["bo"], ctx.transpose(1, 2).reshape(B * T, d), L["wo_t"])
-            h, x = _add_norm(x, y, L["n2w"], L["n2b"], L["eps2"], want_sum=True)  # x += attn; h = ln_2(x)
-            a = _bias_act(torch.mm(h, L["w1_t"]), L["b1"], cfg.activation)
-            y = torch.addmm(L["b2"], a, L["w2_t"])
-            del a
-            nxt = layers[i + 1] if i + 1 < len(layers) else None
-            if nxt is not None:  # x += ffn; h = next ln_1(x)
-                h, x = _add_norm(x, y, nxt["n1w"], nxt["n1b"], nxt["eps1"], want_sum=True)
-            else:  # x += ffn; h = ln_f(x)
-                h, _ = _add_norm(x, y, W["nfw"], W["nfb"], W["epsf"], want_sum=False)
-        return h.view(B, T, d)
+        W = self._weights()
+        return decoding.gpt2_hidden(W, self.config, input_ids, position_ids, key_padding_mask, caches, self.compute_dtype)
 
-    @_inference
+    @inference
     def forward(
         self, input_ids: Tensor, *, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
     ) -> Tensor:
@@ -420,7 +326,19 @@ class FastGPT2(_FastBase):
         kpm = kpm if kpm is not None and bool(kpm.any()) else None
         return self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
 
-    @_inference
-    def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
-        """:meth:`GPT2.generate` (same arguments and checks) over the fast path."""
-        return GPT2.generate(self, input_ids, max_new_tokens, **kwargs)  # type: ignore[arg-type]
+    @inference
+    def generate(self, input_ids: Tensor, max_new_tokens: int = FROM_CONFIG, **kwargs) -> Tensor:
+        """:meth:`GPT2.generate` (same arguments, defaults and checks) over the fast path."""
+        return generate_with_config(self, input_ids, max_new_tokens, **kwargs)
+
+    # what sublayer.runtime.generation needs (its CausalLM protocol)
+    def hidden_states(self, input_ids, position_ids, key_padding_mask, caches):
+        return self._hidden(input_ids, position_ids, key_padding_mask, caches)
+
+    def new_caches(self) -> list:
+        return [SF.KVCache() for _ in self.model.blocks]
+
+    def fast_decoder(self):
+        """float32 compute: the model's fast decoding loop (the same packed weights); else the reference loop
+        over this wrapper's blocks."""
+        return decoding.gpt2_decoder(self.model) if self.compute_dtype == torch.float32 else None

@@ -21,23 +21,23 @@ from torch import Tensor
 
 from .. import kernels
 from ..functional.packing import Packing
+from ..runtime.rows import ffn_hidden, kernels_on, residual_out
 from . import decoding
-from .padding_free import _attention_hooked
 
 __all__ = ["supports", "encode"]
 
 
 def supports(model) -> bool:
     """Whether :func:`encode` runs ``model``'s encoder: the kernels on, float32 CPU weights, LayerNorms and linears
-    with bias, no forward hooks on an attention module (:func:`sublayer.record_attention` keeps the modules' own forwards)."""
+    with bias, and the fast-path rule (:mod:`sublayer.runtime.rules`: no hooks, not sharded)."""
     from ..nn import LayerNorm
 
     enc = model.encoder
     norms = [n for layer in enc.layers for n in (layer.attn_residual.norm, layer.ffn_residual.norm)]
     norms += [enc.norm] if enc.norm is not None else []
     return (
-        decoding._kernels_on()
-        and decoding._float32_cpu(model)
+        kernels_on()
+        and decoding.float32_cpu(model)
         and all(isinstance(n, LayerNorm) and n.bias is not None for n in norms)
         and all(
             lin.bias is not None
@@ -45,7 +45,6 @@ def supports(model) -> bool:
             for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                         layer.self_attn.out_proj, layer.ffn.fc1, layer.ffn.fc2)
         )  # fmt: skip
-        and not _attention_hooked(model)
     )
 
 
@@ -59,9 +58,9 @@ def _build(encoder) -> dict:
             "out": (a.out_proj.weight.detach(), a.out_proj.bias.detach()),
             "fc1": (layer.ffn.fc1.weight.detach(), layer.ffn.fc1.bias.detach()),
             "fc2": (layer.ffn.fc2.weight.detach(), layer.ffn.fc2.bias.detach()),
-            "norms": [decoding._norm(layer.attn_residual.norm), decoding._norm(layer.ffn_residual.norm)],
+            "norms": [decoding.norm_params(layer.attn_residual.norm), decoding.norm_params(layer.ffn_residual.norm)],
         })  # fmt: skip
-    return {"layers": layers, "final": None if encoder.norm is None else decoding._norm(encoder.norm)}
+    return {"layers": layers, "final": None if encoder.norm is None else decoding.norm_params(encoder.norm)}
 
 
 def encode(model, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Tensor | None:
@@ -76,7 +75,7 @@ def encode(model, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Te
     if not supports(model):
         return None
     cfg = model.config
-    W = decoding._weights(model.encoder, _build)
+    W = decoding.prepared_weights(model.encoder, _build)
     b, s = src.shape
     d = cfg.d_model
     pad = pk = None
@@ -98,9 +97,9 @@ def encode(model, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Te
         ctx = ops.qkv_self_attention(qkv, pad, cfg.n_heads, s, scale)
         if pk is not None:
             ctx = pk.pack(ctx.view(b, s, d))
-        x, h = decoding.residual_out(pre, x, F.linear(ctx, *L["out"]), L["norms"][0], L["norms"][1])
-        f = decoding.ffn_hidden(F.linear(h, L["fc1"][0]), L["fc1"][1], cfg.activation)
-        x, h = decoding.residual_out(pre, x, F.linear(f, *L["fc2"]), L["norms"][1], after)
+        x, h = residual_out(pre, x, F.linear(ctx, *L["out"]), L["norms"][0], L["norms"][1])
+        f = ffn_hidden(F.linear(h, L["fc1"][0]), L["fc1"][1], cfg.activation)
+        x, h = residual_out(pre, x, F.linear(f, *L["fc2"]), L["norms"][1], after)
     if not pre and W["final"] is not None:
         h = F.layer_norm(h, (d,), *W["final"][:2], W["final"][2])
     return h.view(b, s, d) if pk is None else pk.unpack(h)

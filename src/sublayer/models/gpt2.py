@@ -17,20 +17,26 @@ import math
 import os
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import checkpoints as ckpt
 from .. import functional as SF
-from ..functional.cross_entropy import check_options, check_targets
-from .._checks import check_choice, check_eps, check_positive_int, check_probability
+from .._checks import (
+    check_choice,
+    check_eps,
+    check_input_ids,
+    check_positive_int,
+    check_probability,
+)
 from ..checkpoints import gpt2 as keymap
 from ..nn import LayerNorm, MultiHeadAttention, PositionWiseFFN, PreNormResidual
-from . import padding_free
+from ..functional.packing import PackedBatch, document_mask
+from . import decoding
+from .causal_lm import CausalLM
 from .config import ModelConfig
 
-__all__ = ["GPT2Config", "GPT2", "GPT2Block", "check_input_ids"]
+__all__ = ["GPT2Config", "GPT2", "GPT2Block", "check_input_ids"]  # check_input_ids: re-exported from _checks
 
 # HF config fields that change the math; only these values are implemented.
 _HF_FIXED = {
@@ -41,11 +47,14 @@ _HF_FIXED = {
 }
 
 
-def _check_token_id(name: str, value: object) -> None:
+def _check_token_id(name: str, value: object, vocab_size: int, *, negative: bool = False) -> None:
+    """None, or an int id in ``[0, vocab_size)`` (``negative``: also ``[-vocab_size, 0)``, counted from the end)."""
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
+    low = -vocab_size if negative else 0
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < vocab_size:
+        rule = f"[{low}, vocab_size={vocab_size})" if negative else f"[0, vocab_size={vocab_size})"
+        raise ValueError(f"{name} must be None or an int in {rule}, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -61,10 +70,12 @@ class GPT2Config(ModelConfig):
         dropout (``resid_pdrop``): on each residual branch. embd_dropout (``embd_pdrop``): on the embeddings.
         attn_dropout (``attn_pdrop``): on the attention weights.
         tie_word_embeddings: the LM head shares the token embedding.
-        bos_token_id, eos_token_id, pad_token_id: special tokens (None or int).
+        bos_token_id, eos_token_id, pad_token_id: special tokens: None or an id of the vocabulary; a negative id
+            counts from its end, as a Python index (the default -1 is the last id, GPT-2's ``<|endoftext|>``:
+            50256 for the default vocabulary). Stored resolved (``>= 0``).
 
     Raises:
-        ValueError/TypeError: bad sizes, probabilities, eps, activation, token ids.
+        ValueError/TypeError: bad sizes, probabilities, eps, activation, token ids (outside the vocabulary).
     """
 
     vocab_size: int = 50257
@@ -79,8 +90,8 @@ class GPT2Config(ModelConfig):
     embd_dropout: float = 0.1
     attn_dropout: float = 0.1
     tie_word_embeddings: bool = True
-    bos_token_id: int | None = 50256
-    eos_token_id: int | None = 50256
+    bos_token_id: int | None = -1
+    eos_token_id: int | None = -1
     pad_token_id: int | None = None
 
     def validate(self) -> None:
@@ -96,7 +107,10 @@ class GPT2Config(ModelConfig):
         if not isinstance(self.tie_word_embeddings, bool):
             raise TypeError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            _check_token_id(name, getattr(self, name))
+            value = getattr(self, name)
+            _check_token_id(name, value, self.vocab_size, negative=True)
+            if value is not None and value < 0:
+                setattr(self, name, value + self.vocab_size)
 
     @property
     def hidden_size(self) -> int:
@@ -140,7 +154,7 @@ class GPT2Config(ModelConfig):
             embd_dropout=d.get("embd_pdrop", ref.embd_dropout),
             attn_dropout=d.get("attn_pdrop", ref.attn_dropout),
             tie_word_embeddings=d.get("tie_word_embeddings", True),
-            bos_token_id=d.get("bos_token_id", ref.bos_token_id),
+            bos_token_id=d.get("bos_token_id", ref.bos_token_id),  # absent: HF's default, 50256
             eos_token_id=d.get("eos_token_id", ref.eos_token_id),
             pad_token_id=d.get("pad_token_id"),
         )
@@ -171,36 +185,6 @@ class GPT2Config(ModelConfig):
         }
 
 
-def check_input_ids(
-    name: str, ids: object, vocab_size: int, max_len: int | None = None, *, limit_name: str = "vocab_size"
-) -> None:
-    """``ids`` must be an int64/int32 tensor (B, T), T >= 1, values in [0, vocab_size), T <= max_len.
-    ``limit_name`` names ``vocab_size`` in the error (``max_positions`` for position ids...)."""
-    if not isinstance(ids, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(ids).__name__}")
-    if ids.dtype not in (torch.int64, torch.int32):  # what embedding lookups take (uint8/bool would mask-index)
-        raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype} (int64 or int32: use .long())")
-    if ids.dim() != 2 or ids.shape[1] == 0:
-        raise ValueError(f"{name} must have shape (batch, seq_len) with seq_len >= 1, got {tuple(ids.shape)}")
-    if max_len is not None and ids.shape[1] > max_len:
-        raise ValueError(f"{name} has {ids.shape[1]} positions, more than max_positions={max_len}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(
-            f"{name} must lie in [0, {limit_name}={vocab_size}), got values in [{int(ids.min())}, {int(ids.max())}]"
-        )
-
-
-def check_attention_mask(mask: object, shape: tuple[int, ...]) -> Tensor:
-    """HF attention mask (1 = token, 0 = pad), (B, T) -> our key_padding_mask (True = pad)."""
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"attention_mask must be a torch.Tensor, got {type(mask).__name__}")
-    if tuple(mask.shape) != tuple(shape):
-        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(shape)}, got {tuple(mask.shape)}")
-    if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
-        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
-    return mask == 0
-
-
 class GPT2Block(nn.Module):
     """One GPT-2 block: ``x + drop(attn(ln_1(x)))`` (causal) then ``x + drop(ffn(ln_2(x)))``.
 
@@ -208,7 +192,9 @@ class GPT2Block(nn.Module):
     ``ffn_residual`` (pre-norm residuals; ``.norm`` is ln_1 / ln_2).
 
     Shape:
-        x (B, T, d_model); key_padding_mask (B, T_k) True = padding, covering cached keys too -> (B, T, d_model).
+        x (B, T, d_model); key_padding_mask (B, T_k) True = padding, covering cached keys too; attn_mask (B|1, 1,
+        T, T_k) bool True = masked (other documents) -> (B, T, d_model). With ``packing``
+        (:class:`sublayer.functional.packing.PackedBatch`): packed rows (N, d_model) -> (N, d_model).
     """
 
     def __init__(self, config: GPT2Config, *, device=None, dtype=None) -> None:
@@ -221,30 +207,45 @@ class GPT2Block(nn.Module):
         self.ffn = PositionWiseFFN(d, config.hidden_size, activation=config.activation, **kw)
 
     def forward(
-        self, x: Tensor, *, key_padding_mask: Tensor | None = None, kv_cache: SF.KVCache | None = None
+        self,
+        x: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        kv_cache: SF.KVCache | None = None,
+        packing: PackedBatch | None = None,
     ) -> Tensor:
         def attn(h: Tensor) -> Tensor:
             # is_causal is bottom-right aligned: a 1-token query after a cached prefix sees the whole prefix.
-            return self.self_attn(h, key_padding_mask=key_padding_mask, is_causal=True, kv_cache=kv_cache)[0]
+            return self.self_attn(
+                h, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=True, kv_cache=kv_cache,
+                packing=packing,
+            )[0]  # fmt: skip
 
         x = self.attn_residual(x, attn)
         return self.ffn_residual(x, self.ffn)
 
 
-class GPT2(nn.Module):
+class GPT2(CausalLM):
     """GPT-2 language model (HF ``GPT2LMHeadModel`` math, fp32 logits equal to it).
 
     Args:
         config: a :class:`GPT2Config`.
         device, dtype: factory kwargs.
 
+    Attributes:
+        generation_config: :meth:`generate`'s defaults (a :class:`sublayer.checkpoints.GenerationConfig`): the
+            config's special ids; :meth:`from_pretrained` reads a folder's ``generation_config.json`` (as HF),
+            :meth:`from_hf` takes the HF model's, :meth:`save_pretrained` writes it.
+
     Forward:
         ``input_ids`` (B, T) ints; ``attention_mask`` (B, T) 1 = token, 0 = padding (HF convention), optional;
         ``position_ids`` (B, T) or (1, T), default ``arange(T)`` as HF's forward; positions that restart at 0
         inside a row mark packed documents (HF's ``DataCollatorWithFlattening``): attention is block-diagonal
         causal, each document sees only itself.
-        Returns logits (B, T, vocab_size). When ``attention_mask`` marks padding, the layers run on the real
-        tokens only (:mod:`sublayer.models.padding_free`) and the logits at padded positions are zeros.
+        Returns logits (B, T, vocab_size), zeros at padded positions (every path). When ``attention_mask`` marks
+        padding or documents are packed, the layers run on the real tokens only
+        (:mod:`sublayer.runtime.padding_free`).
 
     Raises:
         TypeError/ValueError: ids not integer (B, T), out of the vocabulary, longer than max_positions, bad mask.
@@ -255,6 +256,8 @@ class GPT2(nn.Module):
         if not isinstance(config, GPT2Config):
             raise TypeError(f"config must be a GPT2Config, got {type(config).__name__}")
         self.config = config
+        # generate's defaults: config's special ids until from_pretrained reads a generation_config.json
+        self.generation_config = ckpt.GenerationConfig.from_model_config(config)
         kw = {"device": device, "dtype": dtype}
         self.wte = nn.Embedding(config.vocab_size, config.d_model, **kw)
         self.wpe = nn.Embedding(config.max_positions, config.d_model, **kw)
@@ -288,194 +291,23 @@ class GPT2(nn.Module):
         position_ids: Tensor,
         key_padding_mask: Tensor | None,
         caches: list[SF.KVCache] | None,
+        *,
+        packing: PackedBatch | None = None,
+        documents: bool = True,
     ) -> Tensor:
+        """Final hidden states (``ln_f`` applied): (B, T, d_model), or (N, d_model) for packed rows (``input_ids``
+        and ``position_ids`` (N,) then, packed by ``packing``). Packed documents (``position_ids`` restarting at
+        0) attend block-diagonally in both layouts."""
         x = F.dropout(self.wte(input_ids) + self.wpe(position_ids), self.config.embd_dropout, self.training)
+        docs = document_mask(position_ids) if documents and packing is None and caches is None else None
         for i, block in enumerate(self.blocks):
-            x = block(x, key_padding_mask=key_padding_mask, kv_cache=None if caches is None else caches[i])
+            cache = None if caches is None else caches[i]
+            x = block(x, key_padding_mask=key_padding_mask, attn_mask=docs, kv_cache=cache, packing=packing)
         return self.ln_f(x)
 
-    def _position_ids(self, position_ids: Tensor | None, b: int, t: int, device) -> Tensor:
-        """``position_ids`` checked ((B or 1, T), below max_positions), or ``arange(T)`` (1, T) when None."""
-        if position_ids is None:
-            return torch.arange(t, device=device)[None]
-        check_input_ids("position_ids", position_ids, self.config.max_positions, limit_name="max_positions")
-        if position_ids.shape[-1] != t or position_ids.shape[0] not in (1, b):
-            raise ValueError(f"position_ids must have shape ({b} or 1, {t}), got {tuple(position_ids.shape)}")
-        return position_ids
-
-    def forward(
-        self, input_ids: Tensor, *, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
-    ) -> Tensor:
-        check_input_ids("input_ids", input_ids, self.config.vocab_size, self.config.max_positions)
-        b, t = input_ids.shape
-        kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
-        position_ids = self._position_ids(position_ids, b, t, input_ids.device)
-        if padding_free.gpt2_applies(self, kpm, position_ids):  # real tokens only; packed documents
-            return padding_free.gpt2_logits(self, input_ids, position_ids, kpm)
-        return self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
-
-    def loss(
-        self,
-        input_ids: Tensor,
-        *,
-        attention_mask: Tensor | None = None,
-        labels: Tensor | None = None,
-        ignore_index: int = -100,
-        position_ids: Tensor | None = None,
-    ) -> Tensor:
-        """Mean next-token cross-entropy, equal to HF ``GPT2LMHeadModel(input_ids, attention_mask=...,
-        labels=...).loss``; the LM head runs only at positions that have a target, as one fused linear +
-        cross-entropy (:func:`sublayer.functional.linear_cross_entropy`): no (B, T, vocab) logits are kept.
-
-        Args:
-            input_ids: (B, T) ids. attention_mask: (B, T) 1 = token, 0 = padding (HF convention), optional.
-            labels: (B, T) ids in [0, vocab_size) or ``ignore_index``; None -> ``input_ids`` with padding set
-                to ``ignore_index``. Shifted inside as HF does: position t predicts ``labels[:, t + 1]``.
-            ignore_index: label value that adds nothing to the loss.
-            position_ids: as :meth:`forward` (restarts at 0 mark packed documents); pass labels with
-                ``ignore_index`` at each document's first token so no document predicts the next one's start.
-
-        Returns:
-            0-dim tensor (float32; float64 for a float64 model): the mean over all (row, position) pairs that
-            have a target.
-
-        Raises:
-            TypeError/ValueError: as :meth:`forward`; labels not integer, of another shape, or outside the
-            vocabulary; no position with a target (T = 1, or every label ``ignore_index``): HF returns NaN there.
-        """
-        check_input_ids("input_ids", input_ids, self.config.vocab_size, self.config.max_positions)
-        b, t = input_ids.shape
-        kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
-        check_options(ignore_index)
-        if labels is None:
-            labels = input_ids if kpm is None else input_ids.masked_fill(kpm, ignore_index)
-        else:
-            check_targets("labels", labels, self.config.vocab_size, ignore_index)
-            if labels.shape != input_ids.shape:
-                raise ValueError(f"labels must have the shape of input_ids {(b, t)}, got {tuple(labels.shape)}")
-        # HF: pad labels with ignore_index on the right, then shift left by one
-        targets = torch.cat([labels[:, 1:], labels.new_full((b, 1), ignore_index)], dim=1)
-        if not bool((targets != ignore_index).any()):
-            raise ValueError(
-                f"no position has a target (seq_len={t}, every shifted label is ignore_index={ignore_index}): the "
-                "mean loss is undefined (HF returns nan)"
-            )
-        position_ids = self._position_ids(position_ids, b, t, input_ids.device)
-        if padding_free.gpt2_applies(self, kpm, position_ids):  # hidden rows of the real tokens only
-            h, packing = padding_free.gpt2_hidden(self, input_ids, position_ids, kpm)
-            targets = packing.pack(targets)
-        else:
-            h = self._hidden(input_ids, position_ids, kpm, None).reshape(b * t, -1)
-            targets = targets.reshape(-1)
-        # grad_in_forward: the head's gradients are made in the forward pass (3 GEMMs, not 4), holding one
-        # (vocab, d_model) weight gradient until backward instead of any logits: ~4 % of a training step here
-        return SF.linear_cross_entropy(
-            h, self.lm_head.weight, targets, bias=self.lm_head.bias, ignore_index=ignore_index, grad_in_forward=True
-        )
-
-    @torch.no_grad()
-    def generate(
-        self,
-        input_ids: Tensor,
-        max_new_tokens: int,
-        *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        do_sample: bool = False,
-        eos_token_id: int | None = None,
-        pad_token_id: int | None = None,
-        attention_mask: Tensor | None = None,
-        generator: torch.Generator | None = None,
-    ) -> Tensor:
-        """Continue ``input_ids`` token by token with a KV cache (greedy: the same tokens as HF ``generate``).
-
-        Runs in eval mode (dropout off) without gradients and restores the training flag afterwards.
-
-        Args:
-            input_ids: (B, T) prompt ids. With ``attention_mask`` (1 = token, 0 = pad) prompts may be
-                left-padded; positions then count real tokens only (as HF's ``generate``).
-            max_new_tokens: tokens to add (>= 0); T + max_new_tokens <= max_positions.
-            temperature, top_k, top_p: sampling filters, applied in HF's order (temperature, top-k, top-p:
-                keep the fewest most likely tokens whose probability sums to at least ``top_p``).
-            do_sample: sample from the filtered distribution; False -> greedy argmax (filters ignored).
-            eos_token_id: a row that produced it is finished; later positions get ``pad_token_id`` (None ->
-                ``eos_token_id``); decoding stops early once every row is finished.
-            generator: a ``torch.Generator`` for reproducible sampling.
-
-        Returns:
-            (B, T + n) ids: the prompt followed by n <= max_new_tokens new tokens.
-
-        Raises:
-            ValueError/TypeError: bad ids or mask, max_new_tokens < 0, too long, temperature <= 0,
-            top_k < 1, top_p outside (0, 1].
-        """
-        cfg = self.config
-        check_input_ids("input_ids", input_ids, cfg.vocab_size, cfg.max_positions)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        b, t = input_ids.shape
-        if t + max_new_tokens > cfg.max_positions:
-            raise ValueError(
-                f"prompt length {t} + max_new_tokens {max_new_tokens} exceeds max_positions={cfg.max_positions}"
-            )
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-            raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
-        check_positive_int("top_k", top_k, allow_none=True)
-        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-        _check_token_id("eos_token_id", eos_token_id)
-        _check_token_id("pad_token_id", pad_token_id)
-        pad = eos_token_id if pad_token_id is None else pad_token_id
-
-        device = input_ids.device
-        if attention_mask is None:
-            kpm = None
-            positions = torch.arange(t, device=device)[None].expand(b, t)
-        else:
-            kpm = check_attention_mask(attention_mask, (b, t))
-            positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(kpm, 0)
-            if bool(kpm.all(dim=1).any()):
-                raise ValueError("attention_mask has a row with no token (all 0)")
-        was_training = self.training
-        self.eval()
-        def pick(logits: Tensor) -> Tensor:  # (B, V) float32 -> (B,) next ids
-            if do_sample:
-                probs = _filtered_probs(logits, temperature, top_k, top_p)
-                return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-            return logits.argmax(dim=-1)
-
-        try:
-            from . import decoding  # the fast decoding path, tested against the reference loop below
-
-            source, weights = decoding.gpt2_source(self), None
-            if source is None and hasattr(self, "decode_weights") and decoding.enabled():  # e.g. QuantizedGPT2
-                source, weights = self, self.decode_weights()
-            if source is not None:
-                return decoding.gpt2_generate(
-                    source, input_ids, positions, kpm if kpm is None or kpm.any() else None, max_new_tokens,
-                    prefill=self._hidden, pick=pick, eos_token_id=eos_token_id, pad=pad, weights=weights,
-                    greedy=not do_sample,
-                )  # fmt: skip
-            caches = [SF.KVCache() for _ in self.blocks]
-            out = input_ids
-            finished = torch.zeros(b, dtype=torch.bool, device=device)
-            step_ids, step_pos = input_ids, positions
-            for _ in range(max_new_tokens):
-                h = self._hidden(step_ids, step_pos, kpm if kpm is None or kpm.any() else None, caches)
-                nxt = pick(self.lm_head(h[:, -1]).float())
-                if eos_token_id is not None:
-                    nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
-                    finished = finished | (nxt == eos_token_id)
-                out = torch.cat([out, nxt[:, None]], dim=1)
-                if eos_token_id is not None and bool(finished.all()):
-                    break
-                step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
-                if kpm is not None:
-                    kpm = torch.cat([kpm, torch.zeros(b, 1, dtype=torch.bool, device=device)], dim=1)
-            return out
-        finally:
-            self.train(was_training)
+    def fast_decoder(self):
+        """The fast decoding loop over this model's packed weights, or None (:func:`decoding.gpt2_decoder`)."""
+        return decoding.gpt2_decoder(self)
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None) -> GPT2:
@@ -490,6 +322,7 @@ class GPT2(nn.Module):
         """
         config, tensors, source = ckpt.read_hf_folder(folder, GPT2Config.from_hf_dict)
         model = cls(config, device="meta", dtype=dtype)  # no random init: every parameter is loaded below
+        model.generation_config = ckpt.read_generation_config(folder, config.vocab_size) or model.generation_config
         n, tied = config.n_layers, config.tie_word_embeddings
         return ckpt.live.load_checked(
             model, tensors, source, canonical=lambda k: keymap.canonical(k, tied=tied), device=device,
@@ -511,6 +344,7 @@ class GPT2(nn.Module):
         config, tensors, source = ckpt.live.read_hf_model(model, GPT2Config.from_hf_dict)
         where, dtype0 = ckpt.live.placement(model)
         ours = cls(config, device="meta", dtype=dtype or dtype0)
+        ours.generation_config = ckpt.generation.of_hf_model(model) or ours.generation_config
         n, tied = config.n_layers, config.tie_word_embeddings
         return ckpt.live.load_checked(
             ours, tensors, source, canonical=lambda k: keymap.canonical(k, tied=tied), device=device or where,
@@ -526,25 +360,10 @@ class GPT2(nn.Module):
         return ckpt.live.build_hf_model("GPT2LMHeadModel", self.config.to_hf_dict(), tensors, training=self.training)
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
-        """Write ``model.safetensors`` and ``config.json`` that HF ``GPT2LMHeadModel.from_pretrained`` loads
-        (keys with the ``transformer.`` prefix; a tied ``lm_head`` is not written). Files are written under a
-        temporary name and renamed."""
+        """Write ``model.safetensors``, ``config.json`` and ``generation_config.json`` (:attr:`generation_config`)
+        that HF ``GPT2LMHeadModel.from_pretrained`` loads (keys with the ``transformer.`` prefix; a tied ``lm_head``
+        is not written). Files are written under a temporary name and renamed."""
         tensors = keymap.to_hf(self.state_dict(), self.config.n_layers, tied=self.config.tie_word_embeddings)
         tensors = {(k if k == "lm_head.weight" else keymap.PREFIX + k): v for k, v in tensors.items()}
         ckpt.write_folder(folder, tensors, self.config.to_hf_dict())
-
-
-def _filtered_probs(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None) -> Tensor:
-    """Sampling distribution (B, V) after temperature, top-k and top-p (nucleus) filtering."""
-    logits = logits / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        p = sorted_logits.softmax(dim=-1)
-        before = p.cumsum(dim=-1) - p  # probability mass of the more likely tokens
-        drop = before >= top_p
-        drop[..., 0] = False  # always keep the most likely token
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    return logits.softmax(dim=-1)
+        ckpt.write_generation_config(folder, self.generation_config)

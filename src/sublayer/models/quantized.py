@@ -47,7 +47,7 @@ from .. import checkpoints as ckpt
 from .. import kernels
 from ..functional import fused
 from .bert import Bert, BertConfig
-from .fast import _add_norm, _bias_act, _inference, _kernels_on, _layer_norm
+from ..runtime.rows import add_norm, bias_act, inference, kernels_on, layer_norm
 from .gpt2 import GPT2, GPT2Config
 from .quantized_gpt2 import DEFAULT_KEEP_FLOAT_GPT2, QuantizedGPT2
 
@@ -179,7 +179,7 @@ class Int8Linear:
 
     def prepare(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``(xs, r)``: ``x / smooth`` divided by its per-token max ``r`` (N, 1): what the int8 GEMM quantizes."""
-        if _kernels_on():
+        if kernels_on():
             return kernels.ops().int8_scale_rows(x, self._inv)
         x = x if self._inv is None else x * self._inv
         r = _row_scale(x)
@@ -194,7 +194,7 @@ class Int8Linear:
 
     def __call__(self, x: Tensor) -> Tensor:
         y, r = self.raw(x)
-        if _kernels_on():
+        if kernels_on():
             return kernels.ops().int8_rescale_rows_(y, r, self.bias)
         y.mul_(r)
         return y if self.bias is None else y.add_(self.bias)
@@ -261,10 +261,52 @@ def _check_float_cpu(model: torch.nn.Module) -> None:
             raise ValueError(f"int8 quantization needs float32 parameters; {name} is {p.dtype} (call model.float())")
 
 
-def _check_keep_float(keep_float: object) -> tuple[str, ...]:
+def dense_names(n_layers: int, head: bool = False) -> list[str]:
+    """The dense layers ``keep_float`` patterns are matched against: ``layers.{i}.{qkv,out,fc1,fc2}`` (and
+    ``head``, GPT-2's LM head)."""
+    return [f"layers.{i}.{k}" for i in range(n_layers) for k in _LINEARS] + (["head"] if head else [])
+
+
+def check_keep_float(keep_float: object, names: list[str]) -> tuple[str, ...]:
+    """``keep_float`` as a tuple of ``fnmatch`` patterns, each matching at least one of ``names``.
+
+    Raises:
+        TypeError: not a sequence of str. ValueError: a pattern that matches no layer, listing the layer names.
+    """
     if isinstance(keep_float, str) or not all(isinstance(p, str) for p in keep_float):  # type: ignore[union-attr]
         raise TypeError(f"keep_float must be a sequence of fnmatch patterns (str), got {keep_float!r}")
+    unmatched = [p for p in keep_float if not fnmatch.filter(names, p)]  # type: ignore[union-attr]
+    if unmatched:
+        n = sum(name.startswith("layers.") for name in names) // len(_LINEARS)
+        head = ", head" if "head" in names else ""
+        raise ValueError(
+            f"keep_float pattern(s) {', '.join(map(repr, unmatched))} match no layer; the layers are "
+            f"layers.{{i}}.{{{','.join(_LINEARS)}}} for i in 0..{n - 1}{head} (e.g. {names[0]!r})"
+        )
     return tuple(keep_float)  # type: ignore[arg-type]
+
+
+Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def dense_spec(name: str, n_out: int, n_in: int, keep_float: tuple[str, ...], *, bias: bool = True) -> Spec:
+    """The stored tensors of one dense layer (see :func:`_linear_tensors`): name -> (shape, dtype)."""
+    f32 = torch.float32
+    spec: Spec = {f"{name}.bias": ((n_out,), f32)} if bias else {}
+    if any(fnmatch.fnmatchcase(name, p) for p in keep_float):
+        spec[f"{name}.weight"] = ((n_out, n_in), f32)
+    else:
+        spec[f"{name}.qweight"] = ((n_out, n_in), torch.int8)
+        spec[f"{name}.scale"] = ((n_out,), f32)
+    return spec
+
+
+def check_tensors(tensors: dict[str, Tensor], spec: Spec, source, optional: set[str] = frozenset()) -> None:
+    """Every tensor of ``spec`` present with its shape and dtype, none other (one CheckpointError lists all)."""
+    ckpt.check_and_convert(
+        tensors, {k: v[0] for k, v in spec.items()}, canonical=lambda k: k, source=source, optional=optional,
+        dtypes={k: v[1] for k, v in spec.items()},
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------- epilogues: rescale, bias, act / add & norm, prepare
@@ -279,7 +321,7 @@ def _epilogue(y: Tensor, r: Tensor | None, b: Tensor | None) -> Tensor:
     """``y * r + b``."""
     if r is None:
         return y if b is None else y.add_(b)
-    if _kernels_on():
+    if kernels_on():
         return kernels.ops().int8_rescale_rows_(y, r, b)
     y.mul_(r)
     return y if b is None else y.add_(b)
@@ -288,23 +330,23 @@ def _epilogue(y: Tensor, r: Tensor | None, b: Tensor | None) -> Tensor:
 def _epilogue_act(y: Tensor, r: Tensor | None, b: Tensor | None, act: str, nxt):
     """``h = act(y * r + b)`` -> ``(h, None)``, or ``(xs, (xs, r2))`` prepared for the int8 ``nxt``."""
     inv = nxt._inv if isinstance(nxt, Int8Linear) else None
-    if _kernels_on() and act in fused._ACT_IDS:
-        h, r2 = kernels.ops().int8_act_rows_(y, r, b, fused._ACT_IDS[act], inv)
+    if kernels_on() and act in fused.ACT_IDS:
+        h, r2 = kernels.ops().int8_act_rows_(y, r, b, fused.ACT_IDS[act], inv)
         return (h, (h, r2)) if isinstance(nxt, Int8Linear) else (h, None)
     if r is not None:
         y.mul_(r)
-    h = _bias_act(y, b, act)
+    h = bias_act(y, b, act)
     return h, _prepare(nxt, h)
 
 
 def _epilogue_add_norm(y, r, b, resid, w, beta, eps: float, nxt):
     """``x = LN(y * r + b + resid)`` -> ``(x, nxt's prepared input or None)``."""
     inv = nxt._inv if isinstance(nxt, Int8Linear) else None
-    if _kernels_on():
+    if kernels_on():
         x, xs, r2 = kernels.ops().int8_add_norm_rows_(y, r, b, resid, w, beta, eps, inv)
         return x, ((xs, r2) if isinstance(nxt, Int8Linear) else None)
     y = _epilogue(y, r, b)
-    x, _ = _add_norm(resid, y, w, beta, eps, want_sum=False)
+    x, _ = add_norm(resid, y, w, beta, eps, want_sum=False)
     return x, _prepare(nxt, x)
 
 
@@ -333,7 +375,7 @@ class QuantizedBert:
         cls, model: Bert, keep_float=DEFAULT_KEEP_FLOAT, calibration: Tensor | None | bool = None
     ) -> QuantizedBert:
         """See :func:`quantize`."""
-        keep_float = _check_keep_float(keep_float)
+        keep_float = check_keep_float(keep_float, dense_names(model.config.n_layers))
         _check_float_cpu(model)
         e, t, dense = model.embeddings, {}, {}
         for n in ("word", "position", "token_type"):
@@ -368,8 +410,31 @@ class QuantizedBert:
         t = {k: v.contiguous() for k, v in t.items()}
         return cls(model.config, t, keep_float)
 
+    @staticmethod
+    def expected_tensors(config: BertConfig, keep_float: tuple[str, ...]) -> tuple[Spec, set[str]]:
+        """What a saved folder holds: name -> (shape, dtype), and the names that may be absent (the pooler, the
+        smoothing factors of an uncalibrated model)."""
+        d, f, f32 = config.d_model, config.d_ff, torch.float32
+        spec: Spec = {
+            "embeddings.word": ((config.vocab_size, d), f32), "embeddings.position": ((config.max_positions, d), f32),
+            "embeddings.token_type": ((config.type_vocab_size, d), f32),
+            "embeddings.norm.weight": ((d,), f32), "embeddings.norm.bias": ((d,), f32),
+            "pooler.dense.weight": ((d, d), f32), "pooler.dense.bias": ((d,), f32),
+        }  # fmt: skip
+        optional = {"pooler.dense.weight", "pooler.dense.bias"}
+        for i in range(config.n_layers):
+            p = f"layers.{i}"
+            for k, (n_out, n_in) in {"qkv": (3 * d, d), "out": (d, d), "fc1": (f, d), "fc2": (d, f)}.items():
+                spec |= dense_spec(f"{p}.{k}", n_out, n_in, keep_float)
+                if f"{p}.{k}.qweight" in spec:
+                    spec[f"{p}.{k}.smooth"] = ((n_in,), f32)
+                    optional.add(f"{p}.{k}.smooth")
+            for j in (1, 2):
+                spec[f"{p}.norm{j}.weight"] = spec[f"{p}.norm{j}.bias"] = ((d,), f32)
+        return spec, optional
+
     # -- forward
-    @_inference
+    @inference
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> Tensor:
@@ -387,7 +452,7 @@ class QuantizedBert:
         else:
             x = x.reshape(B * T, d)
             mask = None
-        x = _layer_norm(x, t["embeddings.norm.weight"], t["embeddings.norm.bias"], eps)
+        x = layer_norm(x, t["embeddings.norm.weight"], t["embeddings.norm.bias"], eps)
         scale = 1.0 / math.sqrt(hd)
         full = None
         layers = self.layers
@@ -419,7 +484,7 @@ class QuantizedBert:
 
     __call__ = forward
 
-    @_inference
+    @inference
     def pooled(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> Tensor:
@@ -430,7 +495,7 @@ class QuantizedBert:
         t = self.tensors
         return torch.tanh(F.linear(h[:, 0], t["pooler.dense.weight"], t["pooler.dense.bias"]))
 
-    @_inference
+    @inference
     def embed(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> Tensor:
@@ -522,7 +587,8 @@ def load_quantized(folder: str | os.PathLike) -> QuantizedBert | QuantizedGPT2:
     (by its config's ``model_type``).
 
     Raises:
-        FileNotFoundError: no folder/config/weights. CheckpointError: not a sublayer int8 folder, or keys missing.
+        FileNotFoundError: no folder/config/weights. CheckpointError: not a sublayer int8 folder, or one message
+        listing every tensor missing, unexpected, of the wrong shape or of the wrong dtype.
     """
     hf = ckpt.read_config(folder)
     qc = hf.get("quantization_config")
@@ -539,15 +605,20 @@ def load_quantized(folder: str | os.PathLike) -> QuantizedBert | QuantizedGPT2:
     except (ValueError, TypeError) as e:
         raise ckpt.CheckpointError(f"config file {os.path.join(folder, ckpt.CONFIG_NAME)}: {e}") from None
     tensors, source = ckpt.read_state_dict(folder)
-    keep = tuple(qc.get("keep_float", ()))
+    keep = qc.get("keep_float", [])
+    if not isinstance(keep, list) or not all(isinstance(p, str) for p in keep):
+        raise ckpt.CheckpointError(f"{source}: quantization_config keep_float must be a list of str, got {keep!r}")
+    keep = tuple(keep)
     if gpt2:
-        return QuantizedGPT2.from_folder_tensors(config, dict(tensors), keep, source)
-    need = ["embeddings.word", "embeddings.position", "embeddings.token_type", "embeddings.norm.weight"]
-    for i in range(config.n_layers):
-        for k in _LINEARS:
-            p = f"layers.{i}.{k}"
-            need.append(f"{p}.weight" if f"{p}.weight" in tensors else f"{p}.qweight")
-    missing = [k for k in need if k not in tensors]
-    if missing:
-        raise ckpt.CheckpointError(f"{source}: missing quantized tensors {missing[:10]}")
+        spec, optional = QuantizedGPT2.expected_tensors(config, keep), set()
+    else:
+        spec, optional = QuantizedBert.expected_tensors(config, keep)
+    pooler = ("pooler.dense.weight" in tensors) + ("pooler.dense.bias" in tensors)
+    if pooler == 1:  # both or neither
+        optional -= {"pooler.dense.weight", "pooler.dense.bias"}
+    check_tensors(tensors, spec, source, optional)
+    if gpt2:
+        model = QuantizedGPT2(config, dict(tensors), keep)
+        model.generation_config = ckpt.read_generation_config(folder, config.vocab_size) or model.generation_config
+        return model
     return QuantizedBert(config, dict(tensors), keep)

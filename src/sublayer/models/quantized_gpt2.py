@@ -40,9 +40,13 @@ from torch import Tensor
 from .. import checkpoints as ckpt
 from .. import functional as SF
 from .. import kernels
+from ..checkpoints import FROM_CONFIG
 from ..functional import fused
 from . import decoding
-from .fast import FastGPT2, _inference, _kernels_on
+from .causal_lm import generate_with_config
+from ..runtime.linear import PackedLinear
+from ..runtime.rows import inference, kernels_on
+from .fast import FastGPT2
 from .gpt2 import GPT2, GPT2Config
 
 __all__ = ["DEFAULT_KEEP_FLOAT_GPT2", "WeightInt8Linear", "weight_int8_linear_reference", "QuantizedGPT2"]
@@ -74,8 +78,8 @@ class WeightInt8Linear:
         self._packed: Tensor | None = None
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
-        if _kernels_on() and (activation is None or activation in fused._ACT_IDS):
-            act = 0 if activation is None else fused._ACT_IDS[activation]
+        if kernels_on() and (activation is None or activation in fused.ACT_IDS):
+            act = 0 if activation is None else fused.ACT_IDS[activation]
             return kernels.ops().skinny_linear(x, self.packed(), self.bias, self.out_features, act, self.scale)
         y = weight_int8_linear_reference(x, self.q, self.scale, self.bias)
         return y if activation is None else SF.activation_fn(activation)(y)
@@ -89,7 +93,7 @@ class WeightInt8Linear:
     def flat(self) -> tuple[Tensor, Tensor, Tensor] | None:
         """``(packed, scale, bias)`` for ``gpt2_decode_layers`` (decode.cpp's ``skinny_linear`` reads the same
         int8 panels), or None without the kernels or a bias."""
-        if not _kernels_on() or self.bias is None:
+        if not kernels_on() or self.bias is None:
             return None
         return self.packed(), self.scale, self.bias
 
@@ -98,7 +102,7 @@ def _make_linear(t: dict[str, Tensor], name: str, default_weight: Tensor | None 
     b = t.get(f"{name}.bias")
     if f"{name}.qweight" in t:
         return WeightInt8Linear(t[f"{name}.qweight"], t[f"{name}.scale"], b)
-    return decoding.PackedLinear(t.get(f"{name}.weight", default_weight), b)
+    return PackedLinear(t.get(f"{name}.weight", default_weight), b)
 
 
 class QuantizedGPT2:
@@ -115,6 +119,7 @@ class QuantizedGPT2:
 
     def __init__(self, config: GPT2Config, tensors: dict[str, Tensor], keep_float: tuple[str, ...]) -> None:
         self.config, self.tensors, self.keep_float = config, tensors, tuple(keep_float)
+        self.generation_config = ckpt.GenerationConfig.from_model_config(config)  # generate's defaults
         self.compute_dtype = torch.float32
         self.training = False
         t = tensors
@@ -129,9 +134,9 @@ class QuantizedGPT2:
 
     @classmethod
     def from_model(cls, model: GPT2, keep_float=DEFAULT_KEEP_FLOAT_GPT2) -> QuantizedGPT2:
-        from .quantized import _check_float_cpu, _check_keep_float, quantize_weight
+        from .quantized import _check_float_cpu, check_keep_float, dense_names, quantize_weight
 
-        keep_float = _check_keep_float(keep_float)
+        keep_float = check_keep_float(keep_float, dense_names(model.config.n_layers, head=True))
         _check_float_cpu(model)
         cfg = model.config
         d = cfg.d_model
@@ -165,7 +170,9 @@ class QuantizedGPT2:
         # detached copies: the wrapper does not follow later changes to the model
         t = {k: v.detach().float().contiguous().clone() if v.is_floating_point() else v.contiguous()
              for k, v in t.items()}  # fmt: skip
-        return cls(cfg, t, keep_float)
+        out = cls(cfg, t, keep_float)
+        out.generation_config = model.generation_config
+        return out
 
     # -- what GPT2.generate needs from ``self``
     def decode_weights(self) -> dict:
@@ -184,7 +191,7 @@ class QuantizedGPT2:
                 "lnf": norm("ln_f"), "head": self.head, "wte": t["wte"], "wpe": t["wpe"],
             }  # fmt: skip
             # every block of a step in one C++ call (decode.cpp's skinny_linear on the int8 panels)
-            self._W["flat"] = decoding._flat_gpt2(self._W, self.config.activation)
+            self._W["flat"] = decoding.flat_gpt2(self._W, self.config.activation)
         return self._W
 
     def eval(self):
@@ -195,7 +202,7 @@ class QuantizedGPT2:
             raise RuntimeError("QuantizedGPT2 is inference-only; train the float model and quantize it again")
         return self
 
-    @_inference
+    @inference
     def lm_head(self, h: Tensor) -> Tensor:
         """(..., d_model) float32 -> (..., vocab_size) logits."""
         return self.head(h.reshape(-1, h.shape[-1]).float().contiguous()).view(*h.shape[:-1], -1)
@@ -204,49 +211,33 @@ class QuantizedGPT2:
         self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None
     ) -> Tensor:
         """Final-LayerNormed hidden states (B, T, d) float32; ``caches``: one ``SF.KVCache`` per block."""
-        W = self.decode_weights()
-        cfg = self.config
-        B, T = input_ids.shape
-        d, H = cfg.d_model, cfg.n_heads
-        hd = d // H
-        x = (W["wte"][input_ids] + W["wpe"][position_ids]).reshape(B * T, d)
-        past = 0 if caches is None else len(caches[0])
-        if key_padding_mask is None and past == 0:
-            mask, causal = None, True
-        elif key_padding_mask is None and T == 1:
-            mask, causal = None, False
-        else:
-            mask = SF.causal_mask(T, past + T, device=x.device)[None, None]
-            if key_padding_mask is not None:
-                mask = mask & ~key_padding_mask[:, None, None, :]
-            causal = False
-        layers = W["layers"]
-        w, b, eps = layers[0]["ln1"]
-        h = F.layer_norm(x, (d,), w, b, eps)
-        for i, L in enumerate(layers):
-            q, k, v = L["qkv"](h).view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)
-            if caches is not None:
-                k, v = caches[i].update(k, v)
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-            y = L["out"](ctx.transpose(1, 2).reshape(B * T, d))
-            h, x = decoding._add_norm(x, y, *L["ln2"])  # x += attn; h = ln_2(x)
-            y = L["fc2"](L["fc1"](h, cfg.activation))
-            h, x = decoding._add_norm(x, y, *(layers[i + 1]["ln1"] if i + 1 < len(layers) else W["lnf"]))
-        return h.view(B, T, d)
+        return decoding.gpt2_hidden(self.decode_weights(), self.config, input_ids, position_ids, key_padding_mask, caches)
 
     # -- inference: FastGPT2's forward (its checks, then _hidden and lm_head, which this class defines for int8)
     forward = FastGPT2.forward
     __call__ = forward
 
-    @_inference
-    def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
-        """:meth:`GPT2.generate` (same arguments and checks) over the int8 weights."""
-        return GPT2.generate(self, input_ids, max_new_tokens, **kwargs)  # type: ignore[arg-type]
+    @inference
+    def generate(self, input_ids: Tensor, max_new_tokens: int = FROM_CONFIG, **kwargs) -> Tensor:
+        """:meth:`GPT2.generate` (same arguments, defaults and checks) over the int8 weights."""
+        return generate_with_config(self, input_ids, max_new_tokens, **kwargs)
+
+    # what sublayer.runtime.generation needs (its CausalLM protocol)
+    def hidden_states(self, input_ids, position_ids, key_padding_mask, caches):
+        return self._hidden(input_ids, position_ids, key_padding_mask, caches)
+
+    def new_caches(self) -> list:
+        return [SF.KVCache() for _ in self.layers]
+
+    def fast_decoder(self):
+        """The float path's decoding loop over the int8 weights (``SUBLAYER_DECODING=0``: the reference loop)."""
+        return decoding.gpt2_decoder(self, weights=self.decode_weights())
 
     # -- save / load
     def save_pretrained(self, folder: str | os.PathLike) -> None:
-        """``model.safetensors`` (the int8 and float tensors) + ``config.json`` (HF GPT-2 config with
-        ``quantization_config``); read back with :func:`sublayer.models.quantized.load_quantized`."""
+        """``model.safetensors`` (the int8 and float tensors), ``config.json`` (HF GPT-2 config with
+        ``quantization_config``) and ``generation_config.json``; read back with
+        :func:`sublayer.models.quantized.load_quantized`."""
         from .quantized import _quant_config
 
         cfg = self.config.to_hf_dict()
@@ -254,25 +245,26 @@ class QuantizedGPT2:
         qc["activations"] = "float32 (weight-only int8)"
         cfg["quantization_config"] = qc
         ckpt.write_folder(folder, self.tensors, cfg)
+        ckpt.write_generation_config(folder, self.generation_config)
 
-    @classmethod
-    def from_folder_tensors(cls, config: GPT2Config, tensors: dict[str, Tensor], keep_float: tuple[str, ...],
-                            source) -> QuantizedGPT2:
-        """Build from a saved folder's tensors (checked: every tensor the model needs is there)."""
-        need = ["wte", "wpe", "ln_f.weight", "ln_f.bias"]
+    @staticmethod
+    def expected_tensors(config: GPT2Config, keep_float: tuple[str, ...]) -> dict:
+        """What a saved folder holds: name -> (shape, dtype) (a tied float head is ``wte`` itself)."""
+        from .quantized import dense_spec
+
+        d, f, f32 = config.d_model, config.hidden_size, torch.float32
+        spec = {"wte": ((config.vocab_size, d), f32), "wpe": ((config.max_positions, d), f32),
+                "ln_f.weight": ((d,), f32), "ln_f.bias": ((d,), f32)}  # fmt: skip
         for i in range(config.n_layers):
-            need += [f"layers.{i}.ln1.weight", f"layers.{i}.ln2.weight"]
-            for k in _LINEARS:
-                p = f"layers.{i}.{k}"
-                need += [f"{p}.weight"] if f"{p}.weight" in tensors else [f"{p}.qweight", f"{p}.scale"]
-        if not any(fnmatch.fnmatchcase("head", pat) for pat in keep_float):
-            need += ["head.qweight", "head.scale"]
-        elif not config.tie_word_embeddings:
-            need.append("head.weight")
-        missing = [k for k in need if k not in tensors]
-        if missing:
-            raise ckpt.CheckpointError(f"{source}: missing quantized tensors {missing[:10]}")
-        return cls(config, dict(tensors), keep_float)
+            p = f"layers.{i}"
+            for k, (n_out, n_in) in {"qkv": (3 * d, d), "out": (d, d), "fc1": (f, d), "fc2": (d, f)}.items():
+                spec |= dense_spec(f"{p}.{k}", n_out, n_in, keep_float)
+            for n in ("ln1", "ln2"):
+                spec[f"{p}.{n}.weight"] = spec[f"{p}.{n}.bias"] = ((d,), f32)
+        head = dense_spec("head", config.vocab_size, d, keep_float, bias=False)
+        if "head.weight" not in head or not config.tie_word_embeddings:
+            spec |= head
+        return spec
 
     def __repr__(self) -> str:
         lins = [lin for L in self.layers for lin in L.values()] + [self.head]

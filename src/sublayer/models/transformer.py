@@ -21,7 +21,8 @@ from ..functional.cross_entropy import check_options, check_targets
 from ..checkpoints.io import atomic_write
 from .._checks import check_choice, check_positive_int, check_probability, check_tensor
 from ..nn import DecoderBlock, EncoderBlock, TransformerDecoder, TransformerEncoder
-from . import padding_free
+from ..functional.packing import PackedBatch
+from ..runtime import generation, padding_free
 from .config import ModelConfig
 
 __all__ = ["Transformer", "TransformerConfig", "sinusoidal_positional_encoding"]
@@ -89,7 +90,7 @@ def _check_tokens(name: str, x: object, vocab: int, max_len: int) -> None:
         raise TypeError(f"{name} must hold integer token ids, got dtype {x.dtype} (int64 or int32: use .long())")
     if x.shape[1] > max_len:
         raise ValueError(f"{name} length {x.shape[1]} exceeds max_len {max_len}")
-    if x.numel() and (int(x.min()) < 0 or int(x.max()) >= vocab):
+    if x.numel() and not torch.compiler.is_compiling() and (int(x.min()) < 0 or int(x.max()) >= vocab):
         raise ValueError(f"{name} ids must lie in [0, {vocab}), got min {int(x.min())}, max {int(x.max())}")
 
 
@@ -121,8 +122,8 @@ class Transformer(nn.Module):
     Shape:
         src (B, S) and tgt (B, T) integer ids; padding masks (B, S) / (B, T) bool, True = padding
         -> logits (B, T, tgt_vocab_size). Position t of the logits predicts target token t + 1.
-        When a mask marks padding (teacher forcing, no cache), the layers run on the real tokens only
-        (:mod:`sublayer.models.padding_free`): memory and logits at padded positions are zeros.
+        Memory and logits at padded positions are zeros (every path); when a mask marks padding (teacher
+        forcing, no cache), the layers run on the real tokens only (:mod:`sublayer.runtime.padding_free`).
 
     Raises:
         ValueError/TypeError: bad sizes at construction; at call time, non-2-D or non-integer ids, ids out of
@@ -176,9 +177,14 @@ class Transformer(nn.Module):
             raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
         return cls(**config.to_dict(), **factory)
 
-    def _embed(self, emb: nn.Embedding, ids: Tensor, start: int = 0) -> Tensor:
-        x = emb(ids) * math.sqrt(self.config.d_model) + self.pos_encoding[start : start + ids.shape[1]]
+    def _embed(self, emb: nn.Embedding, ids: Tensor, start: int = 0, positions: Tensor | None = None) -> Tensor:
+        """(B, T) ids at positions ``start + arange(T)``, or packed ids (N,) at ``positions`` (N,) -> embeddings."""
+        pe = self.pos_encoding[start : start + ids.shape[1]] if positions is None else self.pos_encoding[positions]
+        x = emb(ids) * math.sqrt(self.config.d_model) + pe
         return nn.functional.dropout(x, self.config.dropout, self.training)
+
+    def _packed_embed(self, emb: nn.Embedding, ids: Tensor, pk: PackedBatch) -> Tensor:
+        return self._embed(emb, pk.pack(ids), positions=pk.pack(torch.arange(ids.shape[1], device=ids.device)[None]))
 
     def _check_source(self, src: Tensor, src_key_padding_mask: Tensor | None) -> None:
         _check_tokens("src", src, self.config.src_vocab_size, self.config.max_len)
@@ -187,9 +193,12 @@ class Transformer(nn.Module):
     def encode(self, src: Tensor, *, src_key_padding_mask: Tensor | None = None) -> Tensor:
         """Encode source ids (B, S) -> memory (B, S, d_model)."""
         self._check_source(src, src_key_padding_mask)
-        if padding_free.applies(self, src_key_padding_mask):  # real tokens only; zeros at padding
-            return padding_free.transformer_encode(self, src, src_key_padding_mask)
-        return self.encoder(self._embed(self.src_embed, src), key_padding_mask=src_key_padding_mask)
+        kpm = src_key_padding_mask
+        if padding_free.applies(self, kpm):  # the same encoder on the real tokens; zeros at padding
+            pk = PackedBatch(kpm)
+            return pk.unpack(self.encoder(self._packed_embed(self.src_embed, src, pk), packing=pk))
+        memory = self.encoder(self._embed(self.src_embed, src), key_padding_mask=kpm)
+        return memory if kpm is None or kpm.dtype != torch.bool else memory.masked_fill(kpm[..., None], 0.0)
 
     def decode(
         self,
@@ -219,8 +228,11 @@ class Transformer(nn.Module):
             _check_padding_mask("tgt_key_padding_mask", tgt_key_padding_mask, tgt, "tgt")
         mkpm = memory_key_padding_mask
         bool_memory_mask = mkpm is None or mkpm.dtype == torch.bool
-        if caches is None and bool_memory_mask and padding_free.applies(self, mkpm, tgt_key_padding_mask):
-            return padding_free.transformer_decode(self, tgt, memory, mkpm, tgt_key_padding_mask)
+        if caches is None and bool_memory_mask:
+            packed = self._packed_decode(tgt, memory, mkpm, tgt_key_padding_mask)
+            if packed is not None:  # the same decoder on the real tokens of target and memory
+                h, pk = packed
+                return pk.unpack(self.out_proj(h))
         x = self._embed(self.tgt_embed, tgt, start)
         h = self.decoder(
             x,
@@ -229,7 +241,28 @@ class Transformer(nn.Module):
             memory_key_padding_mask=memory_key_padding_mask,
             caches=caches,
         )
-        return self.out_proj(h)
+        logits = self.out_proj(h)
+        tkpm = tgt_key_padding_mask
+        if caches is None and tkpm is not None and tkpm.dtype == torch.bool:
+            logits = logits.masked_fill(tkpm[..., None], 0.0)
+        return logits
+
+    def _packed_decode(
+        self, tgt: Tensor, memory: Tensor, mkpm: Tensor | None, tkpm: Tensor | None
+    ) -> tuple[Tensor, PackedBatch] | None:
+        """``(h (N, d_model), target descriptor)``: the decoder on the real tokens of target and memory, or None
+        where the padded path runs."""
+        if not padding_free.applies(self, mkpm, tkpm):
+            return None
+        if mkpm is not None and tuple(mkpm.shape) != tuple(memory.shape[:2]):
+            raise ValueError(
+                f"memory_key_padding_mask must have shape (batch, src_len) = {tuple(memory.shape[:2])}, "
+                f"got {tuple(mkpm.shape)}"
+            )
+        pk_t = PackedBatch(tkpm, batch=tgt.shape[0], seq_len=tgt.shape[1])
+        pk_m = PackedBatch(mkpm, batch=memory.shape[0], seq_len=memory.shape[1])
+        x = self._packed_embed(self.tgt_embed, tgt, pk_t)
+        return self.decoder(x, pk_m.pack(memory), packing=pk_t, memory_packing=pk_m), pk_t
 
     def forward(
         self,
@@ -305,12 +338,17 @@ class Transformer(nn.Module):
                 "undefined (torch returns nan); use reduction='sum' or give at least one target"
             )
         memory = self.encode(src, src_key_padding_mask=src_key_padding_mask)
-        h = self.decoder(
-            self._embed(self.tgt_embed, tgt_in),
-            memory,
-            tgt_key_padding_mask=tgt_key_padding_mask,
-            memory_key_padding_mask=src_key_padding_mask,
-        )
+        packed = self._packed_decode(tgt_in, memory, src_key_padding_mask, tgt_key_padding_mask)
+        if packed is not None:  # padded target positions have no target: only the real ones run
+            h, pk = packed
+            targets = pk.pack(targets)
+        else:
+            h = self.decoder(
+                self._embed(self.tgt_embed, tgt_in),
+                memory,
+                tgt_key_padding_mask=tgt_key_padding_mask,
+                memory_key_padding_mask=src_key_padding_mask,
+            )
         return SF.linear_cross_entropy(
             h.reshape(-1, h.shape[-1]), self.out_proj.weight, targets.reshape(-1), bias=self.out_proj.bias,
             ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction, grad_in_forward=True,
@@ -389,9 +427,10 @@ class Transformer(nn.Module):
                     memory = memory.repeat_interleave(beam_size, dim=0)
                     mask = None if mask is None else mask.repeat_interleave(beam_size, dim=0)
                 steps = self._reference_steps(memory, mask)
+            dev = self.out_proj.weight.device
             if beam_size == 1:
-                return self._greedy(steps, src.shape[0], max_len, bos, eos, pad)
-            return self._beam(steps, src.shape[0], max_len, bos, eos, pad, beam_size, length_penalty)
+                return generation.greedy_search(steps, src.shape[0], max_len, bos, eos, pad, dev)
+            return generation.beam_search(steps, src.shape[0], max_len, bos, eos, pad, beam_size, length_penalty, dev)
         finally:
             self.train(was_training)
 
@@ -416,59 +455,6 @@ class Transformer(nn.Module):
                 mask = None if mask is None else mask.index_select(0, rows)
 
         return step, reorder
-
-    def _greedy(self, steps, b, max_len, bos, eos, pad) -> Tensor:
-        """Greedy search; a row that emitted ``eos`` leaves the batch (``reorder`` keeps the others), so the
-        steps after it cost nothing for it. Rows are independent, so the tokens are those of the full batch."""
-        step, reorder, *fast = steps  # the fast path's steps also give the argmax alone (next_ids)
-        next_ids = fast[0] if fast else (lambda tok: step(tok).argmax(-1))
-        dev = self.out_proj.weight.device
-        out = torch.full((b, max_len), pad, dtype=torch.long, device=dev)
-        live = torch.arange(b, device=dev)  # the batch row of each row still running
-        tok = torch.full((b, 1), bos, dtype=torch.long, device=dev)
-        for i in range(max_len):
-            nxt = next_ids(tok)
-            out[live, i] = nxt
-            running = nxt != eos
-            if not bool(running.any()):
-                return out[:, : i + 1]
-            if not bool(running.all()):
-                keep = running.nonzero().squeeze(1)
-                reorder(keep)
-                live, nxt = live[keep], nxt[keep]
-            tok = nxt[:, None]
-        return out
-    def _beam(self, steps, b, max_len, bos, eos, pad, k, length_penalty) -> Tensor:
-        step, reorder = steps[:2]
-        dev = self.out_proj.weight.device
-        scores = torch.full((b, k), float("-inf"), device=dev)
-        scores[:, 0] = 0.0  # start from one live beam, so the first step does not pick k copies of one token
-        seqs = torch.zeros(b * k, 0, dtype=torch.long, device=dev)
-        lengths = torch.zeros(b, k, device=dev)
-        done = torch.zeros(b, k, dtype=torch.bool, device=dev)
-        tok = torch.full((b * k, 1), bos, dtype=torch.long, device=dev)
-        for _ in range(max_len):
-            logp = step(tok).log_softmax(-1)
-            v = logp.shape[-1]
-            logp = logp.view(b, k, v).float()
-            if bool(done.any()):  # a finished beam continues only with `pad` at no cost, so it keeps its score
-                logp = logp.masked_fill(done[..., None], float("-inf"))
-                logp[..., pad] = logp[..., pad].masked_fill(done, 0.0)
-            cand = (scores[..., None] + logp).view(b, k * v)
-            scores, idx = cand.topk(k, dim=-1)
-            beam, nxt = idx // v, idx % v
-            rows = (beam + torch.arange(b, device=dev)[:, None] * k).view(-1)
-            reorder(rows)
-            seqs = torch.cat([seqs.index_select(0, rows), nxt.view(-1, 1)], dim=1)
-            was_done = done.gather(1, beam)
-            lengths = lengths.gather(1, beam) + (~was_done).float()
-            done = was_done | (nxt == eos)
-            tok = nxt.view(-1, 1)
-            if bool(done.all()):
-                break
-        ranked = scores / lengths.clamp(min=1.0) ** length_penalty
-        best = ranked.argmax(-1) + torch.arange(b, device=dev) * k
-        return seqs.index_select(0, best)
 
     # ---- checkpoints ----------------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ from .conv1d import Conv1D
 from .ffn import PositionWiseFFN
 from .norm import LayerNorm, RMSNorm, make_norm
 from .record import record_attention
+from .rope import RotaryEmbedding
 from .residual import AddNorm, PreNormResidual, ResidualConnection
 from .stacks import TransformerDecoder, TransformerEncoder
 
@@ -20,6 +21,7 @@ __all__ = [
     "PreNormResidual",
     "RMSNorm",
     "ResidualConnection",
+    "RotaryEmbedding",
     "TransformerDecoder",
     "TransformerEncoder",
     "make_norm",

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional as SF
+from ..functional.packing import PackedBatch
 from .._checks import check_choice, check_positive_int, check_probability
 from .attention import MultiHeadAttention
 from .convert import block_from_torch
@@ -73,7 +74,8 @@ class EncoderBlock(_Block):
 
     Shape:
         x (B, T, d_model), key_padding_mask (B, T) True = padding, attn_mask as in MultiHeadAttention
-        -> (B, T, d_model).
+        -> (B, T, d_model). With ``packing`` (:class:`sublayer.functional.packing.PackedBatch`) x holds packed
+        rows (N, d_model) and the descriptor replaces the masks.
     """
 
     def __init__(
@@ -118,9 +120,12 @@ class EncoderBlock(_Block):
         key_padding_mask: Tensor | None = None,
         attn_mask: Tensor | None = None,
         is_causal: bool = False,
+        packing: PackedBatch | None = None,
     ) -> Tensor:
         def attn(h: Tensor) -> Tensor:
-            return self.self_attn(h, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal)[0]
+            return self.self_attn(
+                h, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal, packing=packing
+            )[0]
 
         x = self._sublayer(self.attn_residual, x, attn)
         return self._sublayer(self.ffn_residual, x, self.ffn)
@@ -139,7 +144,9 @@ class DecoderBlock(_Block):
         x (B, T, d_model), memory (B, S, memory_dim), tgt_key_padding_mask (B, T) (covering the cached keys too
         when decoding with a cache), memory_key_padding_mask (B, S) -> (B, T, d_model).
         With ``self_attn_cache``/``cross_attn_cache`` (:class:`sublayer.functional.KVCache`) the block decodes
-        incrementally: ``x`` holds only the new positions.
+        incrementally: ``x`` holds only the new positions. With ``packing`` / ``memory_packing``
+        (:class:`sublayer.functional.packing.PackedBatch`) x (N, d_model) and memory (N_m, memory_dim) hold packed
+        rows.
     """
 
     def __init__(
@@ -189,16 +196,19 @@ class DecoderBlock(_Block):
         memory_key_padding_mask: Tensor | None = None,
         self_attn_cache: SF.KVCache | None = None,
         cross_attn_cache: SF.KVCache | None = None,
+        packing: PackedBatch | None = None,
+        memory_packing: PackedBatch | None = None,
     ) -> Tensor:
         def self_attn(h: Tensor) -> Tensor:
             return self.self_attn(
-                h, key_padding_mask=tgt_key_padding_mask, is_causal=True, kv_cache=self_attn_cache
+                h, key_padding_mask=tgt_key_padding_mask, is_causal=True, kv_cache=self_attn_cache, packing=packing
             )[0]
 
         def cross_attn(h: Tensor) -> Tensor:
             return self.cross_attn(
-                h, memory, key_padding_mask=memory_key_padding_mask, kv_cache=cross_attn_cache
-            )[0]
+                h, memory, key_padding_mask=memory_key_padding_mask, kv_cache=cross_attn_cache, packing=packing,
+                memory_packing=memory_packing,
+            )[0]  # fmt: skip
 
         x = self._sublayer(self.self_attn_residual, x, self_attn)
         x = self._sublayer(self.cross_attn_residual, x, cross_attn)

@@ -7,6 +7,7 @@ import copy
 from torch import Tensor, nn
 
 from .. import functional as SF
+from ..functional.packing import PackedBatch
 from .._checks import check_positive_int
 from .blocks import DecoderBlock, EncoderBlock
 from .norm import LayerNorm, make_norm
@@ -16,7 +17,8 @@ __all__ = ["TransformerEncoder", "TransformerDecoder"]
 
 def _stack(block: nn.Module, n_layers: int, cls: type, final_norm: bool | None):
     if not isinstance(block, cls):
-        raise TypeError(f"block must be a {cls.__name__}, got {type(block).__name__}")
+        article = "an" if cls.__name__[0] in "AEIOU" else "a"
+        raise TypeError(f"block must be {article} {cls.__name__}, got {type(block).__name__}")
     check_positive_int("n_layers", n_layers)
     layers = nn.ModuleList([block] + [copy.deepcopy(block) for _ in range(n_layers - 1)])
     for layer in list(layers)[1:]:  # fresh initialisation for each copy (the first keeps the given weights)
@@ -46,7 +48,8 @@ class TransformerEncoder(nn.Module):
         final_norm: None -> one final norm iff the block is pre-norm (``norm_first``); True/False force it.
 
     Shape:
-        x (B, T, d_model), key_padding_mask (B, T) True = padding -> (B, T, d_model).
+        x (B, T, d_model), key_padding_mask (B, T) True = padding -> (B, T, d_model); with ``packing``, packed
+        rows (N, d_model) -> (N, d_model).
     """
 
     def __init__(self, block: EncoderBlock, n_layers: int, *, final_norm: bool | None = None) -> None:
@@ -60,9 +63,10 @@ class TransformerEncoder(nn.Module):
         key_padding_mask: Tensor | None = None,
         attn_mask: Tensor | None = None,
         is_causal: bool = False,
+        packing: PackedBatch | None = None,
     ) -> Tensor:
         for layer in self.layers:
-            x = layer(x, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal)
+            x = layer(x, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal, packing=packing)
         return x if self.norm is None else self.norm(x)
 
 
@@ -90,6 +94,8 @@ class TransformerDecoder(nn.Module):
         tgt_key_padding_mask: Tensor | None = None,
         memory_key_padding_mask: Tensor | None = None,
         caches: list[tuple[SF.KVCache, SF.KVCache]] | None = None,
+        packing: PackedBatch | None = None,
+        memory_packing: PackedBatch | None = None,
     ) -> Tensor:
         if caches is not None and len(caches) != len(self.layers):
             raise ValueError(f"caches must hold one pair per layer ({len(self.layers)}), got {len(caches)}")
@@ -102,5 +108,7 @@ class TransformerDecoder(nn.Module):
                 memory_key_padding_mask=memory_key_padding_mask,
                 self_attn_cache=sc,
                 cross_attn_cache=cc,
+                packing=packing,
+                memory_packing=memory_packing,
             )
         return x if self.norm is None else self.norm(x)

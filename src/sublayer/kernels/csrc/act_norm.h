@@ -1,6 +1,6 @@
 // Activations and row norms shared by the kernels: the elementwise activations (the FFN passes, the packed linear's
 // and the int8 epilogues: float32 with a vectorisable exp, double through std:: functions; ids as
-// sublayer.functional.fused._ACT_IDS), exp on 8 float32 lanes, and the row reductions of the norms.
+// sublayer.functional.fused.ACT_IDS), exp on 8 float32 lanes, and the row reductions of the norms.
 #pragma once
 
 #if defined(__AVX2__)

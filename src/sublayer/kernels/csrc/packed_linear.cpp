@@ -231,7 +231,7 @@ inline void panels_kernel(const float* x, const int8_t* w, int64_t K, float* acc
 }
 #endif
 
-// Epilogue activations: act_norm.h's Act ids (as sublayer.functional.fused._ACT_IDS) and act_f; tanh-GELU,
+// Epilogue activations: act_norm.h's Act ids (as sublayer.functional.fused.ACT_IDS) and act_f; tanh-GELU,
 // GPT-2's, is vectorised here as z * sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3), as act_f computes it.
 template <int64_t A>
 inline void act_panel(float* v) {

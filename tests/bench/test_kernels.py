@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from sublayer import bench, memory
+from sublayer import memory
+from sublayer.bench import kernels as bench
 
 TINY = bench.Shape("tiny", 1, 8, 16, 32, 2)
 
@@ -25,11 +26,11 @@ def test_quick_bench_writes_json_markdown_and_png(tmp_path, monkeypatch):
     assert {r["malloc"] for r in data["rows"]} == {here}
     assert data["meta"]["malloc"] == bench.MALLOC_SETTINGS[here]
     assert data["meta"]["allocator"][here] == memory.allocator_setting()
-    assert all(set(r["faults"]) >= {"eager", "sublayer"} for r in data["rows"])  # page faults counted per call
+    assert all(set(r["faults"]) >= {r["base"], "sublayer"} for r in data["rows"])  # page faults counted per call
     cases = {r["case"].split(" ")[0] for r in data["rows"]}
     assert {"Add&Norm", "FFN", "EncoderBlock"} <= cases
     for r in data["rows"]:
-        assert r["times_ms"]["eager"] > 0 and r["times_ms"]["sublayer"] > 0
+        assert r["times_ms"][r["base"]] > 0 and r["times_ms"]["sublayer"] > 0
     ffn = next(r for r in data["rows"] if r["case"].startswith("FFN") and r["mode"] == "training")
     assert ffn["extra"]["saved ratio"] <= 0.6  # the input and one hidden tensor, no mask
     md = (tmp_path / "bench.md").read_text()
@@ -90,3 +91,11 @@ def test_bench_without_transformers_says_it_skips_the_hf_rows(tmp_path, monkeypa
     rows = bench.run_bench(tmp_path, quick=True, reps=1, dtypes="fp32", log=lines.append)
     assert any("transformers is not installed: skipping the Hugging Face rows" in s for s in lines)
     assert rows and not any("HF" in r.case or "BERT" in r.case for r in rows)
+
+
+def test_int8_dtype_adds_the_int8_bert_row_against_the_fp32_fast_path(tmp_path):
+    rows = bench.run_bench(tmp_path, quick=True, reps=1, dtypes="int8", cases="addnorm", malloc=_here(),
+                           report=tmp_path / "r.md", log=lambda s: None)  # fmt: skip
+    (row,) = rows
+    assert row.case.startswith("BERT int8 inference") and row.base == "sublayer fp32" and row.ratio() > 0
+    assert "| BERT int8 inference (random tiny) |" in (tmp_path / "r.md").read_text()

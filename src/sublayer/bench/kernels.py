@@ -23,24 +23,25 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from . import memory
+from .. import memory
+from .harness import (
+    CLOCKS, Row, command_line, copy_gbps, padded_batch, saved_bytes, set_clock, time_interleaved, write_report,
+)  # fmt: skip
 
-__all__ = ["Shape", "SHAPES", "QUICK_SHAPES", "MALLOC_SETTINGS", "run_bench"]
+__all__ = ["Shape", "SHAPES", "QUICK_SHAPES", "MALLOC_SETTINGS", "run_bench", "main"]
 
 # allocator settings the bench can measure: name -> how the report calls it
 MALLOC_SETTINGS = {
@@ -72,100 +73,6 @@ SHAPES = [
 QUICK_SHAPES = [Shape("tutorial-quick 2x128 d512", 2, 128, 512, 2048, 8)]
 DROPOUT = 0.1
 CASES = ("addnorm", "ffn", "encoder", "hf", "bert", "loss", "models")  # --cases picks among these
-
-
-@dataclass
-class Row:
-    case: str
-    shape: str
-    dtype: str
-    mode: str  # "forward" (eval, no grad) or "training" (train mode, forward + backward)
-    times_ms: dict[str, float] = field(default_factory=dict)  # impl -> median ms
-    spread: dict[str, float] = field(default_factory=dict)  # impl -> (p75 - p25) / median
-    extra: dict[str, float | str] = field(default_factory=dict)
-    malloc: str = "default"  # a key of MALLOC_SETTINGS: the allocator setting it ran under
-    faults: dict[str, float] = field(default_factory=dict)  # impl -> median minor page faults per call
-
-    def ratio(self, impl: str = "sublayer", base: str = "eager") -> float | None:
-        if impl in self.times_ms and base in self.times_ms and self.times_ms[impl] > 0:
-            return self.times_ms[base] / self.times_ms[impl]
-        return None
-
-
-def _minflt() -> int:
-    """Minor page faults of this process so far (0 where getrusage is unavailable)."""
-    try:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    except (ImportError, OSError):
-        return 0
-
-
-def _quantiles(ts: list[float]) -> tuple[float, float]:
-    ts = sorted(ts)
-    med = statistics.median(ts)
-    q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [med, med, med]
-    return med * 1e3, (q[2] - q[0]) / med if med > 0 else 0.0
-
-
-_FAULTS: dict[str, float] = {}  # impl -> median minor page faults per call of the last _time_interleaved
-# what a timing measures: "wall" (time.perf_counter) or "cpu" (this process's CPU time, page faults included; with
-# --threads 1 it is the wall time minus the time other processes took the core: steadier on a shared machine)
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-_clock = {"now": time.perf_counter}
-
-
-def _time_interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int) -> dict[str, tuple[float, float]]:
-    """Run each fn ``warmup`` times, then ``reps`` rounds of all fns in turn (noise hits all alike).
-
-    Also counts each call's minor page faults (median per fn in ``_FAULTS``)."""
-    for f in fns.values():
-        for _ in range(warmup):
-            f()
-    ts: dict[str, list[float]] = {k: [] for k in fns}
-    flt: dict[str, list[int]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, f in fns.items():
-            f0 = _minflt()
-            now = _clock["now"]
-            t0 = now()
-            f()
-            ts[k].append(now() - t0)
-            flt[k].append(_minflt() - f0)
-    _FAULTS.clear()
-    _FAULTS.update({k: statistics.median(v) for k, v in flt.items()})
-    return {k: _quantiles(v) for k, v in ts.items()}
-
-
-def _fill(row: Row, res: dict[str, tuple[float, float]]) -> Row:
-    """Times, spreads and page faults of a _time_interleaved result into ``row``."""
-    for k, (t, sp) in res.items():
-        row.times_ms[k], row.spread[k] = t, sp
-        if k in _FAULTS:
-            row.faults[k] = _FAULTS[k]
-    return row
-
-
-def _saved_bytes(fn: Callable[[], torch.Tensor], params) -> int:
-    """Bytes of the distinct non-parameter storages autograd saves during ``fn()``."""
-    pptrs = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in pptrs:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
-
-
-def malloc_reuse() -> bool:
-    """:func:`sublayer.set_memory_reuse` (kept for old callers)."""
-    return memory.set_memory_reuse()
 
 
 def _autocast(bf16: bool):
@@ -228,13 +135,6 @@ def _maybe_compile(m: nn.Module, enabled: bool):
         return None
 
 
-def _copy_gbps(n_elem: int, dtype: torch.dtype, reps: int) -> float:
-    a = torch.randn(n_elem).to(dtype)
-    b = torch.empty_like(a)
-    (t, _), = _time_interleaved({"copy": lambda: b.copy_(a)}, reps, 2).values()
-    return 2 * a.numel() * a.element_size() / (t * 1e-3) / 1e9
-
-
 def _saved_extra(row: Row, saved: dict[str, int]) -> None:
     for name, b in saved.items():
         row.extra[f"saved MiB {name}"] = round(b / 2**20, 3)
@@ -255,32 +155,26 @@ def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compi
     if comp is not None:
         mods["compile"] = comp
     fns = _step_fns(mods, lambda: (x,), bf16, mode)
-    # the GEMMs alone, in the dtype the FFN computes them in
-    # (the fastest GEMM sublayer has for the dtype: bf16 without native bf16 support multiplies in fp32)
-    from .functional.fused import _gemm
+    # the GEMMs alone, in the dtype the FFN multiplies in (bf16 without native bf16 GEMMs multiplies in fp32)
+    from .. import kernels
 
-    dt = torch.bfloat16 if bf16 else torch.float32
-    up, mm = _gemm(dt)
-    x2 = up(x.detach().reshape(-1, s.d).to(dt))
-    w1, w2 = up(eager[0].weight.detach().to(dt)), up(eager[3].weight.detach().to(dt))
-    h = up(torch.relu(mm(x2, w1.t())))
+    dt = torch.bfloat16 if bf16 and kernels.native_bf16_gemm() else torch.float32
+    x2 = x.detach().reshape(-1, s.d).to(dt)
+    w1, w2 = eager[0].weight.detach().to(dt), eager[3].weight.detach().to(dt)
+    h = torch.relu(x2 @ w1.t())
 
     def gemms():
-        a = mm(x2, w1.t())
-        o = mm(h, w2.t())
+        a = x2 @ w1.t()
+        o = h @ w2.t()
         if mode == "training":
-            o, a = up(o), up(a)
-            mm(o, w2)
-            mm(o.t(), h)
-            mm(a.t(), x2)
-            mm(a, w1)
+            o @ w2, o.t() @ h, a.t() @ x2, a @ w1
 
     fns["gemms"] = gemms
-    res = _time_interleaved(fns, reps, warmup)
+    res = time_interleaved(fns, reps, warmup)
     row = Row("FFN relu (nn.Sequential)", s.name, "bf16 autocast" if bf16 else "fp32", mode)
-    _fill(row, res)
-    row.extra["sublayer / GEMMs alone"] = round(res["sublayer"][0] / res["gemms"][0], 3)
-    row.extra["eager / GEMMs alone"] = round(res["eager"][0] / res["gemms"][0], 3)
+    row.fill(res)
+    row.extra["sublayer / GEMMs alone"] = round(res["sublayer"].ms / res["gemms"].ms, 3)
+    row.extra["eager / GEMMs alone"] = round(res["eager"].ms / res["gemms"].ms, 3)
     if mode == "training":
         saved: dict[str, int] = {}
         for name, m in (("eager", eager), ("sublayer", ours)):
@@ -290,7 +184,7 @@ def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compi
                 with _autocast(bf16):
                     return m(x)
 
-            saved[name] = _saved_bytes(fwd, list(m.parameters()))
+            saved[name] = saved_bytes(fwd, list(m.parameters()))
         _saved_extra(row, saved)
     return row
 
@@ -310,19 +204,19 @@ def bench_add_norm(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_
     if comp is not None:
         mods["compile"] = comp
     fns = _step_fns(mods, lambda: (x, y), False, mode)
-    res = _time_interleaved(fns, reps, warmup)
+    res = time_interleaved(fns, reps, warmup)
     row = Row("Add&Norm LN(x + Dropout(y))", s.name, "bf16" if bf16 else "fp32", mode)
-    _fill(row, res)
+    row.fill(res)
     n, es = x.numel(), x.element_size()
     # minimal traffic: forward (no grad) reads x, y and writes out (3s); training also writes the sum (4s) and
     # its backward reads g, sum and writes dx, dy (4s).
     nbytes = (3 if mode == "forward" else 8) * n * es
-    row.extra["sublayer GB/s"] = round(nbytes / (res["sublayer"][0] * 1e-3) / 1e9, 2)
+    row.extra["sublayer GB/s"] = round(nbytes / (res["sublayer"].ms * 1e-3) / 1e9, 2)
     row.extra["copy GB/s"] = round(copy_gbps, 2)
     if mode == "training":
         saved = {}
         for name, m in (("eager", eager), ("sublayer", ours)):
-            saved[name] = _saved_bytes(lambda m=m: m(x, y), list(m.parameters()))
+            saved[name] = saved_bytes(lambda m=m: m(x, y), list(m.parameters()))
         _saved_extra(row, saved)
     return row
 
@@ -335,9 +229,9 @@ def bench_encoder(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> Ro
     ours = sublayer.EncoderBlock(s.d, s.heads, s.f, dropout=DROPOUT)
     x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
     fns = _step_fns({"eager": eager, "sublayer": ours}, lambda: (x,), bf16, mode)
-    res = _time_interleaved(fns, reps, warmup)
+    res = time_interleaved(fns, reps, warmup)
     row = Row("EncoderBlock vs nn.TransformerEncoderLayer", s.name, "bf16 autocast" if bf16 else "fp32", mode)
-    _fill(row, res)
+    row.fill(res)
     return row
 
 
@@ -356,9 +250,9 @@ def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Ro
     hf = GPT2MLP(s.f, cfg)
     ours = sublayer.PositionWiseFFN(s.d, s.f, activation="gelu_tanh", output_dropout=DROPOUT)
     x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
-    res = _time_interleaved(_step_fns({"eager": hf, "sublayer": ours}, lambda: (x,), bf16, mode), reps, warmup)
+    res = time_interleaved(_step_fns({"eager": hf, "sublayer": ours}, lambda: (x,), bf16, mode), reps, warmup)
     row = Row("HF GPT2MLP (gelu_new, resid dropout)", s.name, "bf16 autocast" if bf16 else "fp32", mode)
-    _fill(row, res)
+    row.fill(res)
     rows.append(row)
 
     bcfg = BertConfig(hidden_size=s.d, intermediate_size=s.f, hidden_dropout_prob=DROPOUT, layer_norm_eps=1e-12)
@@ -376,9 +270,9 @@ def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Ro
     ob = _OursBertOutput()
     h = torch.randn(s.batch, s.seq, s.f, requires_grad=(mode == "training"))
     inp = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
-    res = _time_interleaved(_step_fns({"eager": hf_out, "sublayer": ob}, lambda: (h, inp), bf16, mode), reps, warmup)
+    res = time_interleaved(_step_fns({"eager": hf_out, "sublayer": ob}, lambda: (h, inp), bf16, mode), reps, warmup)
     row = Row("HF BertOutput (dense, dropout, LN)", s.name, "bf16 autocast" if bf16 else "fp32", mode)
-    _fill(row, res)
+    row.fill(res)
     rows.append(row)
     return rows
 
@@ -388,13 +282,9 @@ def bench_bert_inference(quick: bool, reps: int, warmup: int) -> list[Row]:
     lengths uniform in 32..128): ``sublayer.models.fast.fast_inference(Bert)`` vs HF ``BertModel`` under bf16
     autocast ("eager" column), HF fp32 and our plain fp32 ``Bert``, all with the same weights and padding mask.
     ``--quick``: a tiny model (2 layers, d 96) on 4 x 32 tokens."""
-    try:
-        import transformers
-    except Exception:  # noqa: BLE001 - transformers is optional here
+    if not _has_transformers():
         return []
-    from .checkpoints import bert as keymap
-    from .models import Bert, BertConfig
-    from .models.fast import fast_inference
+    from ..models import Bert, BertConfig, fast_inference
 
     torch.manual_seed(0)
     if quick:
@@ -404,13 +294,9 @@ def bench_bert_inference(quick: bool, reps: int, warmup: int) -> list[Row]:
         cfg = BertConfig(d_model=384, n_layers=6, n_heads=12, d_ff=1536)
         b, t, lo, name = 64, 128, 32, "MiniLM 64x128 (len 32..128)"
     ours = Bert(cfg).eval()
-    hf_cfg = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("model_type", "architectures")}
-    hf = transformers.BertModel(transformers.BertConfig(**hf_cfg)).eval()
-    hf.load_state_dict(keymap.to_hf(ours.state_dict(), cfg.n_layers, pooler=True))
+    hf = ours.to_hf()
     fast = fast_inference(ours, dtype=torch.bfloat16)
-    lens = torch.randint(lo, t + 1, (b,))
-    mask = (torch.arange(t)[None] < lens[:, None]).long()
-    ids = torch.randint(1, cfg.vocab_size, (b, t)) * mask
+    ids, mask = padded_batch(b, t, lo, cfg.vocab_size)
 
     def hf_call(bf16: bool):
         def f():
@@ -428,9 +314,8 @@ def bench_bert_inference(quick: bool, reps: int, warmup: int) -> list[Row]:
         "sublayer fp32": ours_fp32,
     }  # fmt: skip
     # HF under bf16 autocast takes seconds per call on CPUs without native bf16 GEMMs: few rounds
-    res = _time_interleaved(fns, min(reps, 3), min(warmup, 1))
-    row = Row("BERT inference: fast path vs HF BertModel bf16 autocast", name, "bf16", "forward")
-    _fill(row, res)
+    res = time_interleaved(fns, min(reps, 3), min(warmup, 1))
+    row = Row("BERT inference: fast path vs HF BertModel bf16 autocast", name, "bf16", "forward").fill(res)
     real = mask.bool()
     ref = hf_call(False)()
     cos = torch.nn.functional.cosine_similarity(fast(ids, mask)[real], ref[real], dim=-1).min()
@@ -473,7 +358,8 @@ def to_markdown(rows: list[Row], meta: dict) -> str:
         which,
         "",
         f"Times are medians in ms of {'CPU time' if meta.get('clock') == 'cpu' else 'wall time'} (± inter-quartile "
-        "range / median); ratio = eager / sublayer (> 1: faster); faults = median minor page faults per call "
+        "range / median); the eager column holds the row's reference (eager PyTorch, HF, or sublayer fp32 for "
+        "int8); ratio = eager / sublayer (> 1: faster); faults = median minor page faults per call "
         "(eager / sublayer).",
         "",
     ]
@@ -487,8 +373,8 @@ def to_markdown(rows: list[Row], meta: dict) -> str:
             return f"{r.times_ms[k]:.2f} ±{100 * r.spread[k]:.0f}%" if k in r.times_ms else "—"
 
         f = r.faults
-        flt = f"{f['eager']:.0f} / {f['sublayer']:.0f}" if "eager" in f and "sublayer" in f else "—"
-        return [t("eager"), t("sublayer"), _fmt(r.ratio()), flt]
+        flt = f"{f[r.base]:.0f} / {f['sublayer']:.0f}" if r.base in f and "sublayer" in f else "—"
+        return [t(r.base), t("sublayer"), _fmt(r.ratio()), flt]
 
     for r in rows:
         if r.malloc != first:
@@ -534,10 +420,11 @@ def _plot(rows: list[Row], path: Path) -> None:
 
 
 def _log_row(r: Row, log: Callable[[str], None]) -> None:
-    flt = f"  faults {r.faults['eager']:.0f}/{r.faults['sublayer']:.0f}" if {"eager", "sublayer"} <= r.faults.keys() else ""
+    f = r.faults
+    flt = f"  faults {f[r.base]:.0f}/{f['sublayer']:.0f}" if {r.base, "sublayer"} <= f.keys() else ""
     log(
         f"[{r.malloc:7s}] {r.case:44s} {r.shape:22s} {r.dtype:13s} {r.mode:8s} "
-        f"eager {r.times_ms['eager']:9.2f} ms  sublayer {r.times_ms['sublayer']:9.2f} ms  x{_fmt(r.ratio())}{flt}"
+        f"{r.base} {r.times_ms[r.base]:9.2f} ms  sublayer {r.times_ms['sublayer']:9.2f} ms  x{_fmt(r.ratio())}{flt}"
     )
 
 
@@ -547,7 +434,7 @@ def _measure(
 ) -> list[Row]:
     """Every case of every shape in THIS process (whose allocator setting is ``malloc``); ``extras``: also
     torch.compile and the BERT inference case."""
-    from . import kernels
+    from .. import kernels
 
     kernels.available()  # build first so the first timing does not include it
     warmup = 1 if quick else 2
@@ -560,7 +447,7 @@ def _measure(
             _log_row(r, log)
 
     for s in shapes:
-        copy = {dt: _copy_gbps(s.tokens * s.d, dt, max(reps, 5)) for dt in (torch.float32, torch.bfloat16)}
+        copy = {dt: copy_gbps(s.tokens * s.d, dt, max(reps, 5)) for dt in (torch.float32, torch.bfloat16)}
         for mode in ("training", "forward"):
             for bf16 in [dt == "bf16" for dt in ("fp32", "bf16") if dt in dts]:
                 comp = extras and use_compile and not bf16 and s is shapes[0]
@@ -577,22 +464,30 @@ def _measure(
                         add(step())
     if extras and "bert" in cases and "bf16" in dts and (quick or any("minilm" in s.name.lower() for s in shapes)):
         add(bench_bert_inference(quick, reps, warmup))
-    if extras and "loss" in cases and "fp32" in dts:  # the fused LM-head loss (sublayer.bench_loss): op and GPT-2 step
-        from .bench_loss import bench_loss
+    if extras and "loss" in cases and "fp32" in dts:  # the fused LM-head loss (sublayer.bench.loss): op and GPT-2 step
+        from .loss import bench_loss
 
         add(bench_loss(quick, reps, warmup))
-    if extras and "models" in cases and "fp32" in dts:  # whole-model training steps vs HF on padded batches
-        from .bench_models import bench_training_steps
+    if extras and "models" in cases and "fp32" in dts and _has_transformers():  # whole-model training steps vs HF
+        from .jobs import train_rows
 
-        add(bench_training_steps(quick, reps, warmup))
+        add(train_rows(quick, min(reps, 5), None, padded=True))
     return rows
+
+
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except Exception:  # noqa: BLE001 - transformers is optional here
+        return False
+    return True
 
 
 def _runs_here(setting: str) -> bool:
     """Whether this process has (or can take, without losing another) the allocator ``setting``."""
     if setting == "reuse":
         return memory.memory_reuse_active()
-    return not memory.memory_reuse_active() and memory._env_allocator() is None
+    return not memory.memory_reuse_active() and memory.env_allocator() is None
 
 
 def _measure_in_child(spec: dict, log: Callable[[str], None]) -> tuple[list[Row], str]:
@@ -604,7 +499,7 @@ def _measure_in_child(spec: dict, log: Callable[[str], None]) -> tuple[list[Row]
         if spec["malloc"] == "default":  # nothing from outside either: glibc as a user's script gets it
             for k in [k for k in env if k.startswith("MALLOC_") and k.endswith("_")] + ["LD_PRELOAD"]:
                 env.pop(k, None)
-        src = str(Path(__file__).resolve().parents[1])  # this sublayer, even when it is not installed
+        src = str(Path(__file__).resolve().parents[2])  # this sublayer, even when it is not installed
         env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
         proc = subprocess.Popen(
             [sys.executable, "-m", "sublayer.bench", "--child", str(spec_path)],
@@ -630,7 +525,7 @@ def _child(spec_path: str) -> None:
         raise SystemExit("memory reuse is unavailable here (not glibc)")
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
-    _clock["now"] = CLOCKS[spec["clock"]]
+    set_clock(spec["clock"])
     shapes = [Shape(**s) for s in spec["shapes"]]
     rows = _measure(
         shapes, quick=spec["quick"], use_compile=spec["use_compile"], reps=spec["reps"], dts=spec["dts"],
@@ -654,6 +549,8 @@ def run_bench(
     clock: str = "wall",
     reuse_memory: bool = False,
     model: str | Path | None = None,
+    report: str | Path | None = None,
+    notes: str = "",
     log: Callable[[str], None] = print,
 ) -> list[Row]:
     """Run every case; write bench.json / bench.md / bench.png to ``out``; return the rows.
@@ -667,13 +564,16 @@ def run_bench(
             with ``threads=1``: with more threads it adds up the threads' times).
         reuse_memory: old spelling of ``malloc="reuse"``.
         model: a BERT folder whose weights the int8 row (``dtypes`` containing ``int8``,
-            :mod:`sublayer.bench_int8`) uses (random MiniLM-size weights without it).
+            :func:`sublayer.bench.jobs.int8_rows`) uses (random MiniLM-size weights without it).
+        report: also a markdown report with the machine, versions, date and command
+            (:func:`sublayer.bench.harness.write_report`): a ``.md`` file, or a folder for
+            ``kernels-<cpu kind>-<date>.md``; ``notes`` go in its header.
 
     Raises:
         ValueError: ``shapes`` matches no shape, ``reps``/``threads`` below 1, or an unknown ``dtypes``/``cases``/
             ``malloc``.
     """
-    from . import kernels
+    from .. import kernels
 
     if reps is not None and reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
@@ -681,9 +581,7 @@ def run_bench(
         raise ValueError(f"threads must be >= 1, got {threads}")
     if reuse_memory:
         malloc = "reuse"
-    if clock not in CLOCKS:
-        raise ValueError(f"clock must be wall or cpu, got {clock!r}")
-    _clock["now"] = CLOCKS[clock]
+    set_clock(clock)
     if malloc not in (*MALLOC_SETTINGS, "both"):
         raise ValueError(f"malloc must be one of default, reuse, both, got {malloc!r}")
     all_shapes = QUICK_SHAPES if quick else SHAPES
@@ -696,9 +594,7 @@ def run_bench(
     dts = [t.strip().lower() for t in dtypes.split(",") if t.strip()]
     if not dts or set(dts) - {"fp32", "bf16", "int8"}:
         raise ValueError(f"dtypes must be a comma-separated subset of fp32,bf16,int8, got {dtypes!r}")
-    try:
-        import transformers  # noqa: F401
-    except Exception:  # noqa: BLE001 - transformers is optional here
+    if not _has_transformers():
         log("transformers is not installed: skipping the Hugging Face rows (pip install transformers to time them)")
     picked_cases = [c.strip().lower() for c in (cases or ",".join(CASES)).split(",") if c.strip()]
     if not picked_cases or set(picked_cases) - set(CASES):
@@ -745,10 +641,10 @@ def run_bench(
             }  # fmt: skip
             child_rows, meta["allocator"][setting] = _measure_in_child(spec, log)
             rows += child_rows
-    if "int8" in dts:  # int8 BERT inference vs fp32 and CTranslate2 (sublayer.bench_int8), in this process
-        from .bench_int8 import bench_int8
+    if "int8" in dts:  # int8 BERT inference vs fp32 and CTranslate2 (sublayer.bench.int8), in this process
+        from .jobs import int8_rows
 
-        for r in bench_int8(model, quick, reps, 1 if quick else 2):
+        for r in int8_rows(quick, reps, out, model):
             r.malloc = "reuse" if memory.memory_reuse_active() else "default"
             rows.append(r)
             _log_row(r, log)
@@ -759,6 +655,9 @@ def run_bench(
         _plot(rows, out / "bench.png")
     except ImportError:
         log("matplotlib missing: no bench.png")
+    if report is not None:
+        title = "sublayer bench: sub-layers vs eager PyTorch, HF and torch.compile"
+        log(f"wrote {write_report(report, 'kernels', title, rows, command=command_line(), notes=notes, reps=reps)}")
     log(f"malloc: {meta['malloc']}")
     log(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'} in {meta['seconds']} s")
     return rows
@@ -782,14 +681,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--malloc", default="both", choices=[*MALLOC_SETTINGS, "both"])
     ap.add_argument("--reuse-memory", action="store_true", help="same as --malloc reuse")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--model", default=None, help="BERT folder for the int8 row")
+    ap.add_argument("--model", default=None, help="BERT folder for the int8 (and --jobs int8, embed) rows")
+    ap.add_argument("--jobs", action="store_true", help="the whole-job suite (sublayer.bench.jobs) instead")
+    ap.add_argument("--only", default=None, help="with --jobs: comma-separated subset of its jobs")
+    ap.add_argument("--report", default=None, help="a markdown report: a .md file or a folder")
+    ap.add_argument("--notes", default="", help="a line for the report's header")
     a = ap.parse_args(argv)
     if a.child:
         _child(a.child)
         return
+    if a.jobs:
+        from .jobs import run_jobs
+
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        run_jobs(quick=a.quick, reps=a.reps, only=a.only, model=a.model, work=Path(a.out) / "jobs", report=a.report,
+                 notes=a.notes)  # fmt: skip
+        return
     run_bench(
         a.out, quick=a.quick, use_compile=a.use_compile, reps=a.reps, threads=a.threads, shapes=a.shapes,
         dtypes=a.dtypes, cases=a.cases, malloc=a.malloc, clock=a.clock, reuse_memory=a.reuse_memory, model=a.model,
+        report=a.report, notes=a.notes,
     )
 
 

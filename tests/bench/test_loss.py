@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sublayer.bench_loss import bench_loss
+from sublayer.bench.loss import bench_loss
 
 
 def test_quick_rows_time_both_sides_and_report_saved_bytes():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from sublayer import bench_decode
+from sublayer.bench import decode as bench_decode
 
 
 def test_bytes_read_per_engine():

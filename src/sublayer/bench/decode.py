@@ -20,33 +20,20 @@ next-token distributions are flat, which makes both fractions pessimistic figure
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from .harness import copy_gbps, time_interleaved
+from .jobs import ct2_generator, decoding_switch, gpt2_folder, switched
+
 __all__ = ["run_decode_bench"]
 
 
-def _seconds(fn: Callable[[], object]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def _copy_gbps(reps: int = 5) -> float:
-    src = torch.randn(64 * 1024 * 1024)  # 256 MB
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = min(_seconds(lambda: dst.copy_(src)) for _ in range(reps))
-    return 2 * src.nbytes / best / 1e9
-
-
 def _gemv_rows(n: int, k: int, reps: int) -> list[dict]:
-    from . import kernels
+    from .. import kernels
 
     if not kernels.available():
         return []
@@ -62,45 +49,11 @@ def _gemv_rows(n: int, k: int, reps: int) -> list[dict]:
             "sublayer skinny_linear": lambda: kernels.ops().skinny_linear(x, packed, None, n),
             "sublayer skinny_linear int8": lambda: kernels.ops().skinny_linear(x, q_packed, None, n, 0, q_scale),
         }
-        ts = {name: [] for name in fns}
-        for _ in range(reps):
-            for name, fn in fns.items():
-                ts[name].append(_seconds(fn))
-        for name, t in ts.items():
-            sec = statistics.median(t)
+        for name, t in time_interleaved(fns, reps, 1).items():
+            sec = t.ms * 1e-3
             gbps = (q.nbytes if "int8" in name else w.nbytes) / sec / 1e9
             rows.append({"case": f"GEMV {n}x{k}", "rows": m, "engine": name, "ms": sec * 1e3, "GB/s": gbps})
     return rows
-
-
-def _hf_folder(cfg, out: Path) -> Path:
-    """A random GPT-2 saved as a HF folder with a byte-less toy tokenizer (vocab.json + merges.txt), which
-    CTranslate2's converter needs; reused when present."""
-    from .models import GPT2
-
-    name = f"gpt2-random-l{cfg.n_layers}-d{cfg.d_model}-v{cfg.vocab_size}"
-    folder = out / name
-    if not (folder / "config.json").is_file():
-        torch.manual_seed(0)
-        GPT2(cfg).save_pretrained(folder)
-        vocab = {f"t{i}": i for i in range(cfg.vocab_size - 1)}
-        vocab["<|endoftext|>"] = cfg.vocab_size - 1
-        (folder / "vocab.json").write_text(json.dumps(vocab))
-        (folder / "merges.txt").write_text("#version: 0.2\n")
-    return folder
-
-
-def _ct2_generator(folder: Path, threads: int, compute_type: str = "float32"):
-    """CTranslate2's generator on the float32 conversion of ``folder``, its weights cast to ``compute_type`` on
-    load (``"int8"``: CTranslate2's int8 quantization); None without ctranslate2."""
-    try:
-        import ctranslate2
-    except ImportError:
-        return None
-    ct2 = folder.parent / (folder.name + "-ct2-float32")
-    if not (ct2 / "model.bin").is_file():
-        ctranslate2.converters.TransformersConverter(str(folder)).convert(str(ct2), force=True)
-    return ctranslate2.Generator(str(ct2), device="cpu", compute_type=compute_type, intra_threads=threads)
 
 
 def _bytes_read(engine: str, step_bytes: int, head_bytes: int) -> float:
@@ -117,28 +70,22 @@ def _bytes_read(engine: str, step_bytes: int, head_bytes: int) -> float:
 
 def _fast_vs_reference(run: Callable[[], object], reps: int) -> tuple[dict, float, float]:
     """``run()``'s outputs on the fast decoding path and on the reference steps ({True: fast, False: reference}),
-    and the best of ``reps`` interleaved timings of each (fast seconds, reference seconds)."""
-    from .models import decoding
+    and the median of ``reps`` interleaved timings of each (fast seconds, reference seconds)."""
+    switch = decoding_switch()
 
     def on(flag: bool):
-        decoding.set_enabled(flag)
-        try:
+        with switched(switch, flag):
             return run()
-        finally:
-            decoding.set_enabled(True)
 
     outs = {flag: on(flag) for flag in (True, False)}
-    ts: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(reps):
-        for flag in (True, False):
-            ts[flag].append(_seconds(lambda: on(flag)))
-    return outs, min(ts[True]), min(ts[False])
+    res = time_interleaved({"fast": lambda: on(True), "reference": lambda: on(False)}, reps, 0)
+    return outs, res["fast"].ms * 1e-3, res["reference"].ms * 1e-3
 
 
 def _translate_rows(quick: bool, reps: int, log: Callable[[str], None]) -> list[dict]:
     """``Transformer.translate`` on the fast path vs the reference steps (same weights, same outputs checked):
     the demo's model (d 128, 2 pre-norm layers; batch 1, 8 and 500 as its evaluation) and a 6-layer d 512 one."""
-    from .models import Transformer
+    from ..models import Transformer
 
     torch.manual_seed(0)
     cases = [("demo d128 l2 pre-norm", dict(d_model=128, n_heads=4, d_ff=256, n_layers=2, norm_first=True), 40,
@@ -169,9 +116,9 @@ def _translate_rows(quick: bool, reps: int, log: Callable[[str], None]) -> list[
 def _demo_eval_row(folder: str | Path, reps: int, log: Callable[[str], None]) -> dict | None:
     """The trained demo checkpoint's own evaluation (``make demo`` writes it to runs/demo): its held-out pairs in
     batches of 500, padded sources, rows ending at their eos; fast path vs reference steps. None without it."""
-    from .demo.checkpoint import load_checkpoint
-    from .demo.report import translate_pairs
-    from .demo.task import held_out_pairs
+    from ..demo.checkpoint import load_checkpoint
+    from ..demo.report import translate_pairs
+    from ..demo.task import held_out_pairs
 
     folder = Path(folder)
     if not (folder / "model.safetensors").is_file():
@@ -214,9 +161,8 @@ def run_decode_bench(
         the rows (dicts: case, batch, engine, tok/s, GB/s, same tokens as HF, same as fp32; GEMV rows; translate
         rows).
     """
-    from . import kernels
-    from .models import GPT2, GPT2Config, decoding
-    from .models.fast import fast_inference
+    from .. import kernels
+    from ..models import GPT2, GPT2Config, fast_inference
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -233,7 +179,7 @@ def run_decode_bench(
         prompt, new = 32, 64
     d, f, v = cfg.d_model, cfg.hidden_size, cfg.vocab_size
     step_bytes = 4 * (cfg.n_layers * (4 * d * d + 2 * d * f) + v * d)  # every matrix once per step
-    folder = _hf_folder(cfg, out)
+    folder = gpt2_folder(cfg, out)
     model = GPT2.from_pretrained(folder).eval()
     fast = fast_inference(model, dtype=torch.float32)
     int8 = fast_inference(model, quantize="int8")
@@ -245,8 +191,8 @@ def run_decode_bench(
             hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
         except ImportError:
             hf = None
-    ct2 = _ct2_generator(folder, threads) if peers else None
-    ct2_int8 = _ct2_generator(folder, threads, "int8") if peers else None
+    ct2 = ct2_generator(folder) if peers else None
+    ct2_int8 = ct2_generator(folder, "int8") if peers else None
     wanted = None if engines is None else [e.strip() for e in engines.split(",") if e.strip()]
 
     def want(name: str) -> bool:
@@ -254,10 +200,10 @@ def run_decode_bench(
 
     int8_head_float = None  # the LM head kept float: what int8 on the head costs in accuracy / buys in speed
     if want("sublayer int8, head float"):
-        from .models import quantized
+        from ..models import quantized
 
         int8_head_float = quantized.quantize(model, keep_float=("head",))
-    copy = _copy_gbps()
+    copy = copy_gbps(64 * 1024 * 1024)  # 256 MB
     log(f"copy bandwidth {copy:.1f} GB/s (read + write), {threads} threads; "
         f"{step_bytes / 1e6:.0f} MB of weights per step")
     rows: list[dict] = []
@@ -265,15 +211,13 @@ def run_decode_bench(
         rows.append(r)
         log(f"{r['case']:22s} rows {r['rows']:2d}  {r['engine']:24s} {r['ms']:8.2f} ms  {r['GB/s']:6.1f} GB/s")
     case = f"GPT-2 l{cfg.n_layers} d{d} v{v}, prompt {prompt} + {new} greedy"
+    switch = decoding_switch()
     for b in batches:
         ids = torch.randint(0, v - 1, (b, prompt), generator=torch.Generator().manual_seed(b))
 
         def ours(obj=model, on=True):
-            decoding.set_enabled(on)
-            try:
+            with switched(switch, on):
                 return obj.generate(ids, new)[:, prompt:]
-            finally:
-                decoding.set_enabled(True)
 
         fns: dict[str, Callable[[], torch.Tensor]] = {
             "sublayer GPT2.generate": ours,
@@ -301,10 +245,7 @@ def run_decode_bench(
                 fns["CTranslate2 int8"] = lambda: ct2_run(ct2_int8)
         fns = {name: fn for name, fn in fns.items() if want(name)}
         outs = {name: fn() for name, fn in fns.items()}  # warm-up (packs the weights, builds caches)
-        times: dict[str, list[float]] = {name: [] for name in fns}
-        for _ in range(reps):
-            for name, fn in fns.items():
-                times[name].append(_seconds(fn))
+        times = {name: t.ms * 1e-3 for name, t in time_interleaved(fns, reps, 0).items()}
         hf_out, fp32 = outs.get("HF generate"), outs["sublayer GPT2.generate"]
         forced = {}  # teacher-forced next-token agreement of our int8 models with the fp32 greedy tokens
         seq = torch.cat([ids, fp32], 1)
@@ -313,7 +254,7 @@ def run_decode_bench(
                 pred = obj(seq)[:, prompt - 1 : -1].argmax(-1)
                 forced[name] = float((pred == fp32).float().mean())
         for name in fns:
-            sec = statistics.median(times[name])
+            sec = times[name]
             tps = b * new / sec
             nbytes = _bytes_read(name, step_bytes, 4 * v * d)
             row = {
@@ -327,7 +268,7 @@ def run_decode_bench(
                 f"same as HF: {row['same tokens as HF']}  same as fp32: {row['same as fp32']:.3f}{extra}")
         for ours_name, peer in (("sublayer GPT2.generate", "CTranslate2 float32"), ("sublayer int8", "CTranslate2 int8")):
             if ours_name in fns and peer in fns:
-                r = statistics.median(times[peer]) / statistics.median(times[ours_name])
+                r = times[peer] / times[ours_name]
                 log(f"batch {b:2d}  {ours_name} / {peer} tok/s: x{r:.2f}")
     if translate:
         rows += _translate_rows(quick, reps, log)

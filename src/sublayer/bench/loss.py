@@ -8,7 +8,7 @@
   0.1, AdamW step included): ``GPT2.loss`` vs the model's logits + ``F.cross_entropy`` (same model code and
   weights on both sides, so the difference is the head + loss alone).
 
-``python -m sublayer.bench_loss [--quick]`` prints the rows; ``sublayer bench`` includes them.
+``python -m sublayer.bench.loss [--quick]`` prints the rows; ``sublayer bench`` includes them.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .bench import Row, _fill, _saved_bytes, _time_interleaved
-from .functional import linear_cross_entropy
+from .harness import Row, padded_batch, saved_bytes, time_interleaved
+from .jobs import adamw_step
+from ..functional import linear_cross_entropy
 
 __all__ = ["bench_loss", "bench_lm_head", "bench_gpt2_loss_step"]
 
@@ -47,28 +48,28 @@ def bench_lm_head(quick: bool, reps: int, warmup: int) -> Row:
         "sublayer": lambda: linear_cross_entropy(h, w, t),
         "sublayer grad_in_forward": lambda: linear_cross_entropy(h, w, t, grad_in_forward=True),
     }
-    res = _time_interleaved({k: step(f) for k, f in impls.items()}, reps, warmup)
-    row = _fill(Row("LM head: fused linear + cross-entropy", f"{n}x{d} vocab {v}", "fp32", "training"), res)
-    saved = {k: _saved_bytes(f, [w]) for k, f in impls.items()}
+    res = time_interleaved({k: step(f) for k, f in impls.items()}, reps, warmup)
+    row = Row("LM head: fused linear + cross-entropy", f"{n}x{d} vocab {v}", "fp32", "training").fill(res)
+    saved = {k: saved_bytes(f, [w]) for k, f in impls.items()}
     saved["sublayer grad_in_forward"] += _held_bytes(impls["sublayer grad_in_forward"]())
     for k, b in saved.items():
         row.extra[f"saved MiB {k}"] = round(b / 2**20, 2)
     row.extra["saved ratio"] = round(saved["sublayer"] / saved["eager"], 3)
     row.extra["saved ratio grad_in_forward"] = round(saved["sublayer grad_in_forward"] / saved["eager"], 3)
     row.extra["x grad_in_forward"] = round(row.ratio("sublayer grad_in_forward"), 2)
-    if not quick:  # the issue's memory target: GPT-2's head, 4 x 256 tokens (1020 targets after the shift)
+    if not quick:  # GPT-2's head, 4 x 256 tokens (1020 targets after the shift)
         n2, d2, v2 = 4 * 255, 768, 50257
         h2 = torch.randn(n2, d2, requires_grad=True)
         w2 = (torch.randn(v2, d2) * 0.02).requires_grad_()
         t2 = torch.randint(0, v2, (n2,))
-        e2 = _saved_bytes(lambda: F.cross_entropy(F.linear(h2, w2), t2), [w2])
-        s2 = _saved_bytes(lambda: linear_cross_entropy(h2, w2, t2), [w2])
+        e2 = saved_bytes(lambda: F.cross_entropy(F.linear(h2, w2), t2), [w2])
+        s2 = saved_bytes(lambda: linear_cross_entropy(h2, w2, t2), [w2])
         row.extra["saved ratio @ vocab 50257 d 768 4x256"] = round(s2 / e2, 4)
     return row
 
 
 def bench_gpt2_loss_step(quick: bool, reps: int, warmup: int) -> Row:
-    from .models import GPT2, GPT2Config
+    from ..models import GPT2, GPT2Config
 
     if quick:
         cfg = GPT2Config(vocab_size=512, max_positions=16, d_model=32, n_layers=2, n_heads=4)
@@ -80,10 +81,7 @@ def bench_gpt2_loss_step(quick: bool, reps: int, warmup: int) -> Row:
     models = {"eager": GPT2(cfg)}
     models["sublayer"] = GPT2(cfg)
     models["sublayer"].load_state_dict(models["eager"].state_dict())
-    g = torch.Generator().manual_seed(1)
-    lens = torch.randint(lo, t + 1, (b,), generator=g)
-    mask = (torch.arange(t)[None] < lens[:, None]).long()
-    ids = torch.randint(0, cfg.vocab_size, (b, t), generator=g)
+    ids, mask = padded_batch(b, t, lo, cfg.vocab_size, seed=1)
     labels = ids.masked_fill(mask == 0, -100)
 
     def eager_loss(m):
@@ -93,26 +91,18 @@ def bench_gpt2_loss_step(quick: bool, reps: int, warmup: int) -> Row:
     def fused_loss(m):
         return m.loss(ids, attention_mask=mask)
 
-    def step(m, loss_fn):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    fns = {"eager": adamw_step(models["eager"], lambda: eager_loss(models["eager"])),
+           "sublayer": adamw_step(models["sublayer"], lambda: fused_loss(models["sublayer"]))}  # fmt: skip
+    for m in models.values():
         m.train()
-
-        def run():
-            loss_fn(m).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return run
-
-    fns = {"eager": step(models["eager"], eager_loss), "sublayer": step(models["sublayer"], fused_loss)}
-    res = _time_interleaved(fns, reps, warmup)
+    res = time_interleaved(fns, reps, warmup)
     shape = f"{cfg.n_layers}L d{cfg.d_model} vocab {cfg.vocab_size} {b}x{t}"
-    row = _fill(Row("GPT-2 train step: GPT2.loss vs logits + F.cross_entropy", shape, "fp32", "training"), res)
+    row = Row("GPT-2 train step: GPT2.loss vs logits + F.cross_entropy", shape, "fp32", "training").fill(res)
     row.extra["real tokens"] = f"{int(mask.sum())}/{b * t}"
     row.extra["dropout"] = cfg.dropout
     params = list(models["eager"].parameters())
-    e = _saved_bytes(lambda: eager_loss(models["eager"]), params)
-    s = _saved_bytes(lambda: fused_loss(models["eager"]), params)
+    e = saved_bytes(lambda: eager_loss(models["eager"]), params)
+    s = saved_bytes(lambda: fused_loss(models["eager"]), params)
     row.extra["saved MiB eager"] = round(e / 2**20, 3)
     row.extra["saved MiB sublayer"] = round(s / 2**20, 3)
     return row

@@ -1,0 +1,282 @@
+"""The benchmarks' shared harness: interleaved timing, result rows, padded batches, and the markdown report with
+the machine, the versions, the date and the command that produced it.
+
+At module level this imports the standard library and torch only, and sublayer only through its public API inside
+functions: the whole-job driver of ``benchmarks/compare_revisions.py`` runs this file against other revisions.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import platform
+import re
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "CLOCKS", "Row", "Timing", "command_line", "copy_gbps", "cpu_info", "cpu_kind", "machine", "padded_batch",
+    "report_markdown", "report_path", "saved_bytes", "set_clock", "summarize", "time_interleaved", "write_report",
+]  # fmt: skip
+
+# what a timing measures: "wall" (time.perf_counter) or "cpu" (this process's CPU time, page faults included; with
+# one thread it is the wall time minus the time other processes took the core: steadier on a shared machine)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = {"now": time.perf_counter}
+
+
+def set_clock(name: str) -> None:
+    """Time with ``CLOCKS[name]`` from now on.
+
+    Raises:
+        ValueError: ``name`` is not wall or cpu.
+    """
+    if name not in CLOCKS:
+        raise ValueError(f"clock must be wall or cpu, got {name!r}")
+    _clock["now"] = CLOCKS[name]
+
+
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (0 where getrusage is unavailable)."""
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    except (ImportError, OSError):
+        return 0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One function's timings: median ms, spread = inter-quartile range / median, median minor page faults."""
+
+    ms: float
+    spread: float
+    faults: float
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int) -> dict[str, Timing]:
+    """Run each fn ``warmup`` times, then ``reps`` rounds of all fns in turn (noise hits all alike)."""
+    for f in fns.values():
+        for _ in range(warmup):
+            f()
+    ts: dict[str, list[float]] = {k: [] for k in fns}
+    flt: dict[str, list[int]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            f0, now = _minor_faults(), _clock["now"]
+            t0 = now()
+            f()
+            ts[k].append(now() - t0)
+            flt[k].append(_minor_faults() - f0)
+    return {k: summarize([t * 1e3 for t in v], statistics.median(flt[k])) for k, v in ts.items()}
+
+
+def summarize(ms: list[float], faults: float = 0.0) -> Timing:
+    """The :class:`Timing` of the times ``ms``: their median and inter-quartile range / median."""
+    med = statistics.median(ms)
+    q = statistics.quantiles(ms, n=4) if len(ms) >= 2 else [med] * 3
+    return Timing(med, (q[2] - q[0]) / med if med > 0 else 0.0, faults)
+
+
+@dataclass
+class Row:
+    """One benchmark row: each implementation's median time (ms per call) and spread; ``base`` is the
+    implementation the ratio compares ``sublayer`` with; ``work`` items (``unit``: tokens, sequences) per call
+    give each implementation's rate."""
+
+    case: str
+    shape: str
+    dtype: str
+    mode: str  # "forward" (eval, no grad) or "training" (train mode, forward + backward)
+    times_ms: dict[str, float] = field(default_factory=dict)  # impl -> median ms
+    spread: dict[str, float] = field(default_factory=dict)  # impl -> (p75 - p25) / median
+    extra: dict[str, float | str | None] = field(default_factory=dict)
+    malloc: str = "default"  # the allocator setting it ran under (see sublayer.bench.kernels.MALLOC_SETTINGS)
+    faults: dict[str, float] = field(default_factory=dict)  # impl -> median minor page faults per call
+    base: str = "eager"
+    work: float = 0.0
+    unit: str = ""
+
+    def ratio(self, impl: str = "sublayer", base: str | None = None) -> float | None:
+        """``base``'s time / ``impl``'s (> 1: ``impl`` is faster); None when either is missing."""
+        base = base or self.base
+        if impl in self.times_ms and base in self.times_ms and self.times_ms[impl] > 0:
+            return self.times_ms[base] / self.times_ms[impl]
+        return None
+
+    def fill(self, res: dict[str, Timing]) -> Row:
+        """Times, spreads and page faults of a :func:`time_interleaved` result into this row."""
+        for k, t in res.items():
+            self.times_ms[k], self.spread[k], self.faults[k] = t.ms, t.spread, t.faults
+        return self
+
+    def rate(self, impl: str) -> float | None:
+        """``work`` per second of ``impl`` (None without ``work``)."""
+        return self.work / (self.times_ms[impl] * 1e-3) if self.work and self.times_ms.get(impl) else None
+
+
+def saved_bytes(fn: Callable[[], object], params: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves during ``fn()``."""
+    pptrs = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in pptrs:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def copy_gbps(n_elem: int, dtype: torch.dtype = torch.float32, reps: int = 5) -> float:
+    """The machine's copy bandwidth (read + write, GB/s) on ``n_elem`` elements of ``dtype``."""
+    a = torch.randn(n_elem).to(dtype)
+    b = torch.empty_like(a)
+    t = time_interleaved({"copy": lambda: b.copy_(a)}, reps, 1)["copy"].ms
+    return 2 * a.numel() * a.element_size() / (t * 1e-3) / 1e9
+
+
+def padded_batch(b: int, t: int, lo: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A right-padded batch: ids (B, T) in 1..vocab-1 (0 at padding) and attention mask (B, T) (1 = real), real
+    lengths uniform in lo..t."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, t + 1, (b,), generator=g)
+    mask = (torch.arange(t)[None] < lens[:, None]).long()
+    return torch.randint(1, vocab, (b, t), generator=g) * mask, mask
+
+
+# --- the report ------------------------------------------------------------------------------------------------
+
+_FEATURES = {  # what the report names -> /proc/cpuinfo flag
+    "AVX2": "avx2", "FMA": "fma", "AVX-512": "avx512f", "AVX512_BF16": "avx512_bf16", "AVX512_VNNI": "avx512_vnni",
+    "AMX": "amx_tile", "AMX_BF16": "amx_bf16", "AMX_INT8": "amx_int8",
+}  # fmt: skip
+
+
+def cpu_info(text: str | None = None) -> dict:
+    """The CPU: ``model`` (``model name``), ``features`` (name -> present, of :data:`_FEATURES`), ``cores``
+    (logical CPUs), read from ``/proc/cpuinfo`` (or ``text``); the platform's processor name where there is none."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            text = ""
+    model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+    flags = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
+    have = set(flags.group(1).split()) if flags else set()
+    return {
+        "model": model.group(1).strip() if model else (platform.processor() or platform.machine()),
+        "features": {name: flag in have for name, flag in _FEATURES.items()},
+        "cores": len(re.findall(r"^processor\s*:", text, re.M)) or None,
+    }
+
+
+def cpu_kind(info: dict) -> str:
+    """A file-name slug of the CPU: vendor and family words of its model, then its widest vector ISA
+    (``amd-epyc-avx512``, ``intel-xeon-amx``)."""
+    words = [w for w in re.sub(r"\(.*?\)|[^A-Za-z0-9 ]", " ", info["model"]).lower().split() if w not in ("r", "tm")]
+    f = info["features"]
+    isa = "amx" if f.get("AMX") else "avx512" if f.get("AVX-512") else "avx2" if f.get("AVX2") else platform.machine()
+    return "-".join(words[:2] + [isa.lower()])
+
+
+def machine() -> dict:
+    """The machine and versions a report states: CPU (:func:`cpu_info`), torch threads, python, torch, sublayer
+    and each peer found (transformers, ctranslate2, sentence-transformers)."""
+    vers = {"python": platform.python_version(), "torch": torch.__version__}
+    for dist in ("sublayer", "transformers", "ctranslate2", "sentence-transformers"):
+        try:
+            vers[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {"cpu": cpu_info(), "threads": torch.get_num_threads(), "versions": vers}
+
+
+def report_path(report: str | Path, subject: str, *, when: datetime.date | None = None) -> Path:
+    """``report`` itself for a file name (``.md``), else ``report/<subject>-<cpu kind>-<YYYY-MM-DD>.md``."""
+    report = Path(report)
+    if report.suffix == ".md":
+        return report
+    day = (when or datetime.datetime.now(datetime.timezone.utc).date()).isoformat()
+    return report / f"{subject}-{cpu_kind(cpu_info())}-{day}.md"
+
+
+def _fmt_ms(row: Row, impl: str) -> str:
+    ms = row.times_ms[impl]
+    rate = row.rate(impl)
+    per = f", {rate:,.1f} {row.unit}/s" if rate is not None else ""
+    return f"{impl} {ms:,.2f} ms ±{100 * row.spread.get(impl, 0):.0f}%{per}"
+
+
+def report_markdown(title: str, rows: list[Row], *, command: str, notes: str = "", info: dict | None = None,
+                    reps: int | None = None) -> str:  # fmt: skip
+    """The markdown report: a header table (machine, versions, date, command, notes), then one line a row with
+    every implementation's median time, rate and spread, and ``sublayer``'s ratio against each other one."""
+    info = info or machine()
+    cpu = info["cpu"]
+    feats = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu["features"].items())
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"# {title}", "",
+        "| | |", "|---|---|",
+        f"| date | {now} |",
+        f"| command | `{command}` |",
+        f"| CPU | {cpu['model']} |",
+        f"| CPU features | {feats} |",
+        f"| cores, torch threads | {cpu['cores']} logical CPUs, {info['threads']} threads |",
+        f"| versions | {', '.join(f'{k} {v}' for k, v in info['versions'].items())} |",
+    ]  # fmt: skip
+    if notes:
+        lines.append(f"| notes | {notes} |")
+    lines += [
+        "",
+        f"Each figure is the median of {reps or 'the'} interleaved rounds (every implementation in turn, so "
+        "noise hits all alike), ± the inter-quartile range / median. ratio = the reference's time / sublayer's "
+        "(> 1: sublayer is faster).",
+        "",
+        "| job | shape | dtype | mode | sublayer | reference | ratio | other figures | notes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        others = [k for k in r.times_ms if k not in ("sublayer", r.base)]
+        ours = _fmt_ms(r, "sublayer").removeprefix("sublayer ") if "sublayer" in r.times_ms else "—"
+        ref = _fmt_ms(r, r.base) if r.base in r.times_ms else "—"
+        note = "; ".join(f"{k} {v}" for k, v in r.extra.items())
+        mode = r.mode + (f" [{r.malloc}]" if len({x.malloc for x in rows}) > 1 else "")
+        x = r.ratio()
+        cells = [r.case, r.shape, r.dtype, mode, ours, ref, "—" if x is None else f"x{x:.2f}",
+                 "; ".join(_fmt_ms(r, k) for k in others) or "—", note]  # fmt: skip
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as typed: ``sublayer bench ...`` for the console script, ``python -m sublayer.X ...`` for a
+    module of the package, ``python FILE ...`` for a script."""
+    argv = sys.argv if argv is None else argv
+    prog, parts = argv[0], Path(argv[0]).with_suffix("").parts
+    if prog.endswith(".py"):
+        mod = parts[len(parts) - 1 - parts[::-1].index("sublayer") :] if "sublayer" in parts else None
+        prog = f"python -m {'.'.join(p for p in mod if p != '__main__')}" if mod else f"python {prog}"
+    else:
+        prog = Path(prog).name
+    return " ".join([prog, *map(shlex.quote, argv[1:])])
+
+
+def write_report(report: str | Path, subject: str, title: str, rows: list[Row], **kw) -> Path:
+    """Write :func:`report_markdown` to :func:`report_path` (folders made); returns the path."""
+    path = report_path(report, subject)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(report_markdown(title, rows, **kw))
+    return path

@@ -1,0 +1,374 @@
+"""``sublayer bench --jobs``: whole jobs a user runs, sublayer beside the peer a user would pick, in one process.
+
+Every row times its implementations interleaved (:func:`sublayer.bench.harness.time_interleaved`) on the same
+inputs and weights; ratio = the peer's time / sublayer's (> 1: sublayer is faster).
+
+* ``decode``: GPT-2 124M shape (12 layers, d 768, vocab 50257, random weights saved once as a Hugging Face folder),
+  prompt 32 + 32 greedy tokens, batch 1 and 8: ``GPT2.generate`` (fp32) and ``fast_inference(model,
+  quantize="int8").generate`` against CTranslate2's ``Generator`` in float32 and int8 (when ``ctranslate2`` is
+  installed: ``pip install 'sublayer[peers]'``). Rate: generated tokens/s.
+* ``translate``: ``Transformer.translate``, the fast path against the reference steps: the demo's shape (d 128,
+  2 pre-norm layers, 500 sources of 12 tokens, greedy) and d 512 (6 post-norm layers, vocab 8000, batch 8, beam 4).
+* ``train``: one AdamW training step (forward, loss over real tokens, backward, step; fp32, dropout 0.1) against
+  HF: BERT of MiniLM's shape (6 layers, d 384) on 16 x 128 right-padded (lengths 32..128; loss: mean square of the
+  real hidden states) and GPT-2 (6 layers, d 512, vocab 8192) on 8 x 128 (``GPT2.loss`` vs ``labels=``).
+* ``int8``: BERT inference of MiniLM's shape, 64 x 128 padded: ``fast_inference(quantize="int8")`` against the
+  float32 fast path, with the int8 model's worst token and sentence cosine to float32 (and CTranslate2 int8 when
+  ``model`` is a folder with a tokenizer).
+* ``embed``: MiniLM sentence embeddings, 64 x 128 padded: ``fast_inference(bert).embed`` against HF ``BertModel``
+  with sentence-transformers' mean pooling and L2 normalisation.
+
+``model``: a BERT folder (e.g. all-MiniLM-L6-v2) whose weights the int8 and embed rows use (random weights of
+MiniLM's shape without it). ``quick``: tiny shapes, every row, for tests.
+
+Only torch, this package's harness and sublayer's public API (``sublayer.models``) are used, so the jobs also run
+against other revisions of sublayer (``benchmarks/compare_revisions.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .harness import Row, command_line, padded_batch, time_interleaved, write_report
+
+__all__ = [
+    "JOBS", "adamw_step", "ct2_generator", "decoding_switch", "gpt2_folder", "padding_switch", "run_jobs", "switched",
+]  # fmt: skip
+
+DROPOUT = 0.1
+
+
+def _switch(names: tuple[str, ...]) -> Callable[[bool], None] | None:
+    """The first ``set_enabled`` found among the modules ``names`` (None where this sublayer has none)."""
+    for name in names:
+        try:
+            fn = getattr(importlib.import_module(name), "set_enabled", None)
+        except ImportError:
+            continue
+        if fn is not None:
+            return fn
+    return None
+
+
+@contextlib.contextmanager
+def switched(switch: Callable[[bool], None] | None, flag: bool) -> Iterator[None]:
+    """``switch(flag)`` inside the block, ``switch(True)`` after it (nothing when ``switch`` is None)."""
+    if switch is not None:
+        switch(flag)
+    try:
+        yield
+    finally:
+        if switch is not None:
+            switch(True)
+
+
+def decoding_switch() -> Callable[[bool], None] | None:
+    """``set_enabled(flag)`` of the fast decoding path (False: the reference steps run)."""
+    return _switch(("sublayer.runtime.generation", "sublayer.runtime", "sublayer.models.decoding"))
+
+
+def gpt2_folder(cfg, out: Path) -> Path:
+    """A random GPT-2 of ``cfg`` saved as a HF folder with a byte-less toy tokenizer (vocab.json + merges.txt,
+    token ``t{i}`` = id i), which CTranslate2's converter needs; reused when present."""
+    from sublayer.models import GPT2
+
+    folder = Path(out) / f"gpt2-random-l{cfg.n_layers}-d{cfg.d_model}-v{cfg.vocab_size}"
+    if not (folder / "config.json").is_file():
+        torch.manual_seed(0)
+        GPT2(cfg).save_pretrained(folder)
+        vocab = {f"t{i}": i for i in range(cfg.vocab_size - 1)}
+        vocab["<|endoftext|>"] = cfg.vocab_size - 1
+        (folder / "vocab.json").write_text(json.dumps(vocab))
+        (folder / "merges.txt").write_text("#version: 0.2\n")
+    return folder
+
+
+def _ct2_model(folder: Path, out: Path) -> Path | None:
+    """CTranslate2's float32 conversion of the HF ``folder`` (made once under ``out``), or None without
+    ctranslate2."""
+    try:
+        import ctranslate2
+    except ImportError:
+        return None
+    ct2 = Path(out) / (Path(folder).name + "-ct2-float32")
+    if not (ct2 / "model.bin").is_file():
+        ctranslate2.converters.TransformersConverter(str(folder)).convert(str(ct2), force=True)
+    return ct2
+
+
+def ct2_generator(folder: Path, compute_type: str = "float32"):
+    """CTranslate2's generator on the float32 conversion of the GPT-2 ``folder`` (converted beside it), its
+    weights cast to ``compute_type`` on load (``"int8"``: CTranslate2's int8 quantization); None without
+    ctranslate2."""
+    ct2 = _ct2_model(folder, Path(folder).parent)
+    if ct2 is None:
+        return None
+    import ctranslate2
+
+    return ctranslate2.Generator(str(ct2), device="cpu", compute_type=compute_type,
+                                 intra_threads=torch.get_num_threads())  # fmt: skip
+
+
+def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
+    """Greedy GPT-2 decoding, batch 1 and 8, fp32 and int8, against CTranslate2 (see the module doc)."""
+    from sublayer.models import GPT2, GPT2Config, fast_inference
+
+    if quick:
+        cfg = GPT2Config(vocab_size=512, d_model=64, n_layers=2, n_heads=4, max_positions=64, dropout=0.0,
+                         embd_dropout=0.0, attn_dropout=0.0, bos_token_id=511, eos_token_id=511)  # fmt: skip
+        prompt, new = 8, 8
+    else:
+        cfg = GPT2Config(dropout=0.0, embd_dropout=0.0, attn_dropout=0.0)
+        prompt, new = 32, 32
+    folder = gpt2_folder(cfg, work)
+    ours = GPT2.from_pretrained(folder).eval()
+    int8 = fast_inference(ours, quantize="int8")
+    ct2 = {dt: ct2_generator(folder, dt) for dt in ("float32", "int8")}
+    shape = f"{cfg.n_layers}L d{cfg.d_model} V{cfg.vocab_size}, prompt {prompt} + {new}"
+    rows = []
+    for b in (1, 8):
+        ids = torch.randint(0, cfg.vocab_size - 1, (b, prompt), generator=torch.Generator().manual_seed(b))
+        toks = [[f"t{i}" for i in r] for r in ids.tolist()]
+
+        def peer(gen):
+            res = gen.generate_batch(toks, max_length=new, min_length=new, include_prompt_in_result=False,
+                                     sampling_topk=1)  # fmt: skip
+            return [r.sequences_ids[0] for r in res]
+
+        fns = {"sublayer fp32": lambda: ours.generate(ids, new), "sublayer int8": lambda: int8.generate(ids, new)}
+        fns |= {f"CTranslate2 {dt}": (lambda g=g: peer(g)) for dt, g in ct2.items() if g is not None}
+        outs = {k: f() for k, f in fns.items()}  # the warm-up
+        res = time_interleaved(fns, reps, 0)
+        for dt in ("fp32", "int8"):
+            peer_name = "CTranslate2 " + ("float32" if dt == "fp32" else "int8")
+            row = Row(f"GPT-2 greedy decoding, batch {b}", shape, dt, "generate", base=peer_name, work=b * new,
+                      unit="tok")  # fmt: skip
+            row.fill({"sublayer": res[f"sublayer {dt}"], **({peer_name: res[peer_name]} if peer_name in res else {})})
+            if peer_name in outs:
+                same = outs[f"sublayer {dt}"][:, prompt:].tolist() == outs[peer_name]
+                row.extra["same tokens as CTranslate2"] = same
+            else:
+                row.extra["peer"] = "ctranslate2 not installed"
+            rows.append(row)
+    return rows
+
+
+def translate_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
+    """``Transformer.translate`` on the fast path against the reference steps (see the module doc)."""
+    from sublayer.models import Transformer
+
+    demo = dict(d_model=128, n_heads=4, d_ff=256, n_layers=2, norm_first=True)  # name, sizes, vocab, b, beam, S, L
+    if quick:
+        cases = [("demo d128 l2 pre-norm", demo, 40, 16, 1, 12, 16),
+                 ("tiny d32 l1 post-norm", dict(d_model=32, n_heads=2, d_ff=64, n_layers=1), 50, 4, 2, 6, 8)]
+    else:
+        cases = [("demo d128 l2 pre-norm", demo, 40, 500, 1, 12, 16),
+                 ("d512 l6 post-norm", dict(d_model=512, n_heads=8, d_ff=2048, n_layers=6), 8000, 8, 4, 24, 32)]
+    switch = decoding_switch()
+    rows = []
+    for name, kw, vocab, b, beam, src_len, max_len in cases:
+        torch.manual_seed(0)
+        m = Transformer(vocab, vocab, dropout=0.0, max_len=64, **kw).eval()
+        src = torch.randint(3, vocab, (b, src_len), generator=torch.Generator().manual_seed(b))
+
+        def run(fast: bool = True):
+            with switched(switch, fast):
+                return m.translate(src, max_len, bos=1, eos=2, beam_size=beam)
+
+        fns = {"sublayer": run} | ({"reference steps": lambda: run(False)} if switch is not None else {})
+        outs = {k: f().tolist() for k, f in fns.items()}  # the warm-up
+        res = time_interleaved(fns, reps, 0)
+        tokens = float(sum(map(len, outs["sublayer"])))
+        row = Row(f"Transformer.translate {name}", f"batch {b} x {src_len}, beam {beam}", "fp32", "translate",
+                  base="reference steps", work=tokens, unit="tok").fill(res)  # fmt: skip
+        if switch is not None:
+            row.extra["same output as reference"] = outs["sublayer"] == outs["reference steps"]
+        rows.append(row)
+    return rows
+
+
+def adamw_step(model: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """One training step: ``loss().backward()``, an AdamW step (lr 1e-4, its own optimizer), ``zero_grad``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        loss().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def padding_switch() -> Callable[[bool], None] | None:
+    """``set_enabled(flag)`` of padding-free execution (False: the padded path)."""
+    return _switch(("sublayer.runtime.packing", "sublayer.runtime", "sublayer.models.padding_free"))
+
+
+def train_rows(quick: bool, reps: int, work: Path, model=None, *, padded: bool = False) -> list[Row]:
+    """One AdamW step of BERT and of GPT-2 against HF (see the module doc); ``padded``: also our model with
+    padding-free execution off (column ``sublayer padded``), where this sublayer has the switch."""
+    from sublayer.models import GPT2, Bert, BertConfig, GPT2Config
+
+    drop = dict(dropout=DROPOUT, attn_dropout=DROPOUT)
+    ends = dict(bos_token_id=0, eos_token_id=0)
+    if quick:
+        bcfg = BertConfig(vocab_size=1000, d_model=96, n_layers=2, n_heads=12, d_ff=384, **drop)
+        gcfg = GPT2Config(vocab_size=1000, d_model=64, n_layers=2, n_heads=4, max_positions=64, embd_dropout=DROPOUT,
+                          **drop, **ends)  # fmt: skip
+        bshape, gshape = (4, 32, 8), (4, 32, 8)
+    else:
+        bcfg = BertConfig(d_model=384, n_layers=6, n_heads=12, d_ff=1536, **drop)
+        gcfg = GPT2Config(vocab_size=8192, d_model=512, n_layers=6, n_heads=8, max_positions=128, embd_dropout=DROPOUT,
+                          **drop, **ends)  # fmt: skip
+        bshape, gshape = (16, 128, 32), (8, 128, 32)
+    switch = padding_switch() if padded else None
+    rows = []
+    for kind, cfg, (b, t, lo) in (("BERT", bcfg, bshape), ("GPT-2", gcfg, gshape)):
+        torch.manual_seed(0)
+        ours = (Bert(cfg, pooler=False) if kind == "BERT" else GPT2(cfg)).train()
+        hf = ours.to_hf().train()
+        ids, mask = padded_batch(b, t, lo, cfg.vocab_size)
+        w = mask[..., None].float() / mask.sum()  # the mean over real tokens
+        if kind == "BERT":
+            losses = {"sublayer": lambda m=ours: (m(ids, mask).square() * w).sum(),
+                      "HF": lambda: (hf(input_ids=ids, attention_mask=mask).last_hidden_state.square() * w).sum()}  # fmt: skip
+        else:
+            labels = ids.masked_fill(mask == 0, -100)
+            losses = {"sublayer": lambda m=ours: m.loss(ids, attention_mask=mask),
+                      "HF": lambda: hf(input_ids=ids, attention_mask=mask, labels=labels).loss}  # fmt: skip
+        models = {"sublayer": ours, "HF": hf}
+        if switch is not None:  # a twin with its own optimizer: the same weights on every side at the start
+            twin = (Bert(cfg, pooler=False) if kind == "BERT" else GPT2(cfg)).train()
+            twin.load_state_dict(ours.state_dict())
+
+            def padded_loss(m=twin, f=losses["sublayer"]):
+                with switched(switch, False):
+                    return f(m)
+
+            losses["sublayer padded"], models["sublayer padded"] = padded_loss, twin
+        res = time_interleaved({k: adamw_step(models[k], f) for k, f in losses.items()}, reps, 1)
+        row = Row(f"{kind} training step (AdamW) vs HF", f"{cfg.n_layers}L d{cfg.d_model} {b}x{t} (len {lo}..{t})",
+                  "fp32", "training", base="HF", work=float(mask.sum()), unit="real tok").fill(res)  # fmt: skip
+        row.extra["HF attn"] = str(hf.config._attn_implementation)
+        rows.append(row)
+    return rows
+
+
+def _bert(quick: bool, model: Path | None):
+    """(our Bert in eval mode, its name): ``model``'s weights, or random ones of MiniLM's shape (tiny: quick)."""
+    from sublayer.models import Bert, BertConfig
+
+    if model is not None:
+        return Bert.from_pretrained(model).eval(), Path(model).name
+    torch.manual_seed(0)
+    if quick:
+        return Bert(BertConfig(vocab_size=1000, d_model=96, n_layers=2, n_heads=12, d_ff=384)).eval(), "random tiny"
+    cfg = BertConfig(vocab_size=30522, d_model=384, n_layers=6, n_heads=12, d_ff=1536)
+    return Bert(cfg).eval(), "random, MiniLM's shape"
+
+
+def _mean_pool(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sentence-transformers' pooling: the mean over real tokens, L2-normalised. (B, T, D), (B, T) -> (B, D)."""
+    w = mask[..., None].to(h.dtype)
+    return F.normalize((h * w).sum(1) / w.sum(1), dim=-1)
+
+
+def _bert_batch(quick: bool, vocab: int) -> tuple[torch.Tensor, torch.Tensor, str]:
+    b, t, lo = (4, 32, 8) if quick else (64, 128, 32)
+    return *padded_batch(b, t, lo, vocab), f"{b}x{t} (len {lo}..{t})"
+
+
+def int8_rows(quick: bool, reps: int, work: Path, model: Path | None = None) -> list[Row]:
+    """int8 BERT inference against the float32 fast path (see the module doc)."""
+    from sublayer.models import fast_inference
+
+    ours, name = _bert(quick, model)
+    ids, mask, shape = _bert_batch(quick, ours.config.vocab_size)
+    fp32, int8 = fast_inference(ours, dtype=torch.float32), fast_inference(ours, quantize="int8")
+    fns = {"sublayer": lambda: int8(ids, mask), "sublayer fp32": lambda: fp32(ids, mask)}
+    ct2 = None
+    if model is not None:
+        try:
+            import ctranslate2
+
+            ct2 = ctranslate2.Encoder(str(_ct2_model(Path(model), work)), device="cpu", compute_type="int8",
+                                      intra_threads=torch.get_num_threads())  # fmt: skip
+        except Exception:  # noqa: BLE001 - no ctranslate2, or a folder it cannot convert: no column
+            ct2 = None
+    if ct2 is not None:
+        lists = [r[: int(n)].tolist() for r, n in zip(ids, mask.sum(1))]
+        fns["CTranslate2 int8"] = lambda: ct2.forward_batch(lists)
+    res = time_interleaved(fns, reps, 1)
+    row = Row(f"BERT int8 inference ({name})", shape, "int8", "forward", base="sublayer fp32",
+              work=float(ids.shape[0]), unit="seq").fill(res)  # fmt: skip
+    h, ref = int8(ids, mask), fp32(ids, mask)
+    real = mask.bool()
+    row.extra["int8 min token cos vs fp32"] = round(float(F.cosine_similarity(h[real], ref[real], dim=-1).min()), 5)
+    sentence = (_mean_pool(h, mask) * _mean_pool(ref, mask)).sum(-1).min()
+    row.extra["int8 min sentence cos vs fp32"] = round(float(sentence), 5)
+    return [row]
+
+
+def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None) -> list[Row]:
+    """MiniLM sentence embeddings: the fast path against HF + mean pooling (see the module doc)."""
+    from sublayer.models import fast_inference
+
+    ours, name = _bert(quick, model)
+    hf = ours.to_hf().eval()
+    fast = fast_inference(ours)
+    ids, mask, shape = _bert_batch(quick, ours.config.vocab_size)
+
+    def hf_embed():
+        with torch.no_grad():
+            return _mean_pool(hf(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
+
+    res = time_interleaved({"sublayer": lambda: fast.embed(ids, mask), "HF": hf_embed}, reps, 1)
+    row = Row(f"sentence embedding ({name})", shape, str(fast.compute_dtype).replace("torch.", ""), "embed",
+              base="HF", work=float(ids.shape[0]), unit="seq").fill(res)  # fmt: skip
+    row.extra["min cos vs HF"] = round(float((fast.embed(ids, mask).float() * hf_embed()).sum(-1).min()), 5)
+    return [row]
+
+
+JOBS: dict[str, Callable[..., list[Row]]] = {
+    "decode": decode_rows, "translate": translate_rows, "train": train_rows, "int8": int8_rows, "embed": embed_rows,
+}  # fmt: skip
+
+
+def run_jobs(*, quick: bool = False, reps: int | None = None, only: str | None = None, model: str | Path | None = None,
+             work: str | Path = "runs/bench/jobs", report: str | Path | None = None, notes: str = "",
+             log: Callable[[str], None] = print) -> list[Row]:  # fmt: skip
+    """The rows of the jobs named in ``only`` (comma-separated keys of :data:`JOBS`; default all), each logged.
+
+    ``work``: the folder for the GPT-2 checkpoint and its CTranslate2 conversions. ``report``: a ``.md`` file or a
+    folder (then ``jobs-<cpu kind>-<date>.md`` in it) for the markdown report
+    (:func:`sublayer.bench.harness.write_report`), ``notes`` in its header.
+
+    Raises:
+        ValueError: ``only`` names no job, or ``reps`` below 1.
+    """
+    names = [n.strip() for n in (only or ",".join(JOBS)).split(",") if n.strip()]
+    if not names or set(names) - set(JOBS):
+        raise ValueError(f"jobs must be a comma-separated subset of {','.join(JOBS)}, got {only!r}")
+    if reps is not None and reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    reps = reps or (2 if quick else 3)
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in names:
+        for r in JOBS[name](quick, reps, work, None if model is None else Path(model)):
+            x = r.ratio()
+            log(f"{r.case:48s} {r.shape:34s} {r.dtype:5s} sublayer {r.times_ms['sublayer']:9.1f} ms  "
+                + (f"x{x:.2f} vs {r.base}" if x is not None else f"({r.base}: none)"))
+            rows.append(r)
+    if report is not None:
+        title = "sublayer whole jobs vs peers" + (" (quick: tiny shapes)" if quick else "")
+        log(f"wrote {write_report(report, 'jobs', title, rows, command=command_line(), notes=notes, reps=reps)}")
+    return rows

@@ -1,0 +1,219 @@
+"""What every causal language model shares (GPT-2, the Llama family): inputs, forward, loss and generate, written
+once over the model's own ``_hidden`` (its blocks, read top to bottom in the model's file).
+
+A model subclasses :class:`CausalLM` and defines ``config`` (``vocab_size``, optional ``max_positions``), ``blocks``,
+``lm_head`` and ``_hidden(input_ids, position_ids, key_padding_mask, caches, *, packing=None, documents=True)``
+-> final hidden states (``documents``: look for packed documents in ``position_ids``); it may define ``fast_decoder()`` (a fast decoding loop, see :mod:`sublayer.runtime.generation`). It then gets
+padding-free training and inference on padded batches and packed documents (:mod:`sublayer.runtime.padding_free`),
+the fused LM-head loss with HF's ``labels=`` meaning, and generation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .. import functional as SF
+from .._checks import check_attention_mask, check_input_ids
+from ..functional.cross_entropy import check_options, check_targets
+from ..functional.packing import PackedBatch, document_mask
+from ..checkpoints import FROM_CONFIG
+from ..runtime import generation, padding_free
+
+__all__ = ["CausalLM", "generate_with_config"]
+
+
+class CausalLM(nn.Module):
+    """Base of the causal language models: see the module docstring."""
+
+    def fast_decoder(self):
+        """A fast decoding loop for :func:`sublayer.runtime.generation.generate`, or None (the reference loop)."""
+        return None
+
+    def _packed_hidden(
+        self, input_ids: Tensor, position_ids: Tensor, kpm: Tensor | None, run: Tensor | None = None
+    ) -> tuple[Tensor, PackedBatch] | None:
+        """``(h (N, d_model), descriptor)`` on the padding-free path, or None where the padded path runs (no
+        padding and one document per row, the path switched off, hooks, a sharded model). ``run``: (B, T) bool
+        positions to compute (default: the real tokens)."""
+        b, t = input_ids.shape
+        docs = document_mask(position_ids)
+        if not padding_free.applies(self, kpm, None if docs is None else docs.any(-1)):
+            return None
+        pk = PackedBatch(kpm, rows=run, position_ids=position_ids, batch=b, seq_len=t)
+        return self._hidden(pk.pack(input_ids), pk.pack(position_ids), None, None, packing=pk), pk
+
+    def _position_ids(self, position_ids: Tensor | None, b: int, t: int, device) -> Tensor:
+        """``position_ids`` checked ((B or 1, T), >= 0, below ``config.max_positions`` when the model has learned
+        positions), or ``arange(T)`` (1, T) when None."""
+        if position_ids is None:
+            return torch.arange(t, device=device)[None]
+        limit = getattr(self.config, "max_positions", None)
+        if limit is None:
+            check_input_ids("position_ids", position_ids, None)
+        else:
+            check_input_ids("position_ids", position_ids, limit, limit_name="max_positions")
+        if position_ids.shape[-1] != t or position_ids.shape[0] not in (1, b):
+            raise ValueError(f"position_ids must have shape ({b} or 1, {t}), got {tuple(position_ids.shape)}")
+        return position_ids
+
+    def forward(
+        self, input_ids: Tensor, *, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Tensor:
+        check_input_ids("input_ids", input_ids, self.config.vocab_size, getattr(self.config, "max_positions", None))
+        b, t = input_ids.shape
+        kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
+        if kpm is None and position_ids is None:  # no padding, one document per row: nothing that reads the data
+            pos = torch.arange(t, device=input_ids.device)[None]
+            return self.lm_head(self._hidden(input_ids, pos, None, None, documents=False))
+        position_ids = self._position_ids(position_ids, b, t, input_ids.device)
+        packed = self._packed_hidden(input_ids, position_ids, kpm)  # real tokens only; packed documents
+        if packed is not None:
+            h, pk = packed
+            return pk.unpack(self.lm_head(h))
+        kpm = kpm if kpm is not None and bool(kpm.any()) else None
+        logits = self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
+        return logits if kpm is None else logits.masked_fill(kpm[..., None], 0.0)
+
+    def loss(
+        self,
+        input_ids: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        ignore_index: int = -100,
+        position_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Mean next-token cross-entropy, equal to HF ``GPT2LMHeadModel(input_ids, attention_mask=...,
+        labels=...).loss``; the LM head runs only at positions that have a target, as one fused linear +
+        cross-entropy (:func:`sublayer.functional.linear_cross_entropy`): no (B, T, vocab) logits are kept.
+
+        Args:
+            input_ids: (B, T) ids. attention_mask: (B, T) 1 = token, 0 = padding (HF convention), optional.
+            labels: (B, T) ids in [0, vocab_size) or ``ignore_index``; None -> ``input_ids`` with padding set
+                to ``ignore_index``. Shifted inside as HF does: position t predicts ``labels[:, t + 1]``.
+            ignore_index: label value that adds nothing to the loss.
+            position_ids: as :meth:`forward` (restarts at 0 mark packed documents); pass labels with
+                ``ignore_index`` at each document's first token so no document predicts the next one's start.
+
+        Returns:
+            0-dim tensor (float32; float64 for a float64 model): the mean over all (row, position) pairs that
+            have a target.
+
+        Raises:
+            TypeError/ValueError: as :meth:`forward`; labels not integer, of another shape, or outside the
+            vocabulary; no position with a target (T = 1, or every label ``ignore_index``): HF returns NaN there.
+        """
+        check_input_ids("input_ids", input_ids, self.config.vocab_size, getattr(self.config, "max_positions", None))
+        b, t = input_ids.shape
+        kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
+        check_options(ignore_index)
+        if labels is None:
+            labels = input_ids if kpm is None else input_ids.masked_fill(kpm, ignore_index)
+        else:
+            check_targets("labels", labels, self.config.vocab_size, ignore_index)
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels must have the shape of input_ids {(b, t)}, got {tuple(labels.shape)}")
+        # HF: pad labels with ignore_index on the right, then shift left by one
+        targets = torch.cat([labels[:, 1:], labels.new_full((b, 1), ignore_index)], dim=1)
+        if not bool((targets != ignore_index).any()):
+            raise ValueError(
+                f"no position has a target (seq_len={t}, every shifted label is ignore_index={ignore_index}): the "
+                "mean loss is undefined (HF returns nan)"
+            )
+        position_ids = self._position_ids(position_ids, b, t, input_ids.device)
+        # every position with a target runs, padding or not (the last left pad predicts the first token)
+        run = None if kpm is None else ~kpm | (targets != ignore_index)
+        packed = self._packed_hidden(input_ids, position_ids, kpm, run)
+        if packed is not None:
+            h, pk = packed
+            targets = pk.pack(targets)
+        else:
+            kpm = kpm if kpm is not None and bool(kpm.any()) else None
+            h = self._hidden(input_ids, position_ids, kpm, None).reshape(b * t, -1)
+            targets = targets.reshape(-1)
+        # grad_in_forward: the head's gradients are made in the forward pass (3 GEMMs, not 4), holding one
+        # (vocab, d_model) weight gradient until backward instead of any logits: ~4 % of a training step here
+        return SF.linear_cross_entropy(
+            h, self.lm_head.weight, targets, bias=self.lm_head.bias, ignore_index=ignore_index, grad_in_forward=True
+        )
+
+    def generate(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int = FROM_CONFIG,
+        *,
+        temperature: float = FROM_CONFIG,
+        top_k: int | None = FROM_CONFIG,
+        top_p: float | None = FROM_CONFIG,
+        do_sample: bool = FROM_CONFIG,
+        eos_token_id: int | list[int] | None = FROM_CONFIG,
+        pad_token_id: int | None = FROM_CONFIG,
+        attention_mask: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Continue ``input_ids`` token by token with a KV cache (greedy: the same tokens as HF ``generate``),
+        through :func:`sublayer.runtime.generation.generate` (the model's fast decoding step where it has one).
+
+        Runs in eval mode (dropout off) without gradients and restores the training flag afterwards.
+
+        The decoding options default to :data:`~sublayer.checkpoints.FROM_CONFIG`: the value of
+        ``generation_config`` (a folder's ``generation_config.json``, else ``config``'s special ids), else HF's
+        global default (:data:`sublayer.checkpoints.generation.DEFAULTS`), as HF's ``generate``. A value passed
+        wins; ``None`` passed keeps its meaning (``eos_token_id=None``: no end token, ``top_k=None``: no top-k).
+
+        Args:
+            input_ids: (B, T) prompt ids. With ``attention_mask`` (1 = token, 0 = pad) prompts may be
+                left-padded; positions then count real tokens only (as HF's ``generate``).
+            max_new_tokens: tokens to add (>= 0); T + max_new_tokens <= max_positions. Default: the config's
+                ``max_new_tokens``, else its ``max_length`` minus T, else 20 (at most ``max_positions - T``).
+            temperature, top_k, top_p: sampling filters, applied in HF's order (temperature, top-k, top-p:
+                keep the fewest most likely tokens whose probability sums to at least ``top_p``). HF's defaults:
+                1.0, 50, 1.0.
+            do_sample: sample from the filtered distribution; False (HF's default) -> greedy argmax (filters
+                ignored).
+            eos_token_id: an id or a list of ids: a row that produced one is finished; later positions get
+                ``pad_token_id`` (None -> the first eos id); decoding stops early once every row is finished.
+                Default: the model's end token(s).
+            generator: a ``torch.Generator`` for reproducible sampling.
+
+        Returns:
+            (B, T + n) ids: the prompt followed by n <= max_new_tokens new tokens.
+
+        Raises:
+            ValueError/TypeError: bad ids or mask, max_new_tokens < 0, too long, temperature <= 0,
+            top_k < 1, top_p outside (0, 1], eos/pad ids outside the vocabulary (also those of
+            ``generation_config``).
+        """
+        return generate_with_config(
+            self, input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample,
+            eos_token_id=eos_token_id, pad_token_id=pad_token_id, attention_mask=attention_mask, generator=generator,
+        )  # fmt: skip
+
+    def hidden_states(
+        self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None
+    ) -> Tensor:
+        """Final hidden states (B, T, d_model) of ids at positions; ``caches`` (one KVCache per block) extended."""
+        return self._hidden(input_ids, position_ids, key_padding_mask, caches)
+
+    def new_caches(self) -> list[SF.KVCache]:
+        """One empty KV cache per block."""
+        return [SF.KVCache() for _ in self.blocks]
+
+
+def generate_with_config(lm, input_ids: Tensor, max_new_tokens=FROM_CONFIG, **options) -> Tensor:
+    """:func:`sublayer.runtime.generation.generate` with every option left at ``FROM_CONFIG`` taken from
+    ``lm.generation_config`` (see :meth:`CausalLM.generate`); ``lm`` is a model or its prepared form."""
+    cfg = lm.config
+    max_positions = getattr(cfg, "max_positions", None)
+    check_input_ids("input_ids", input_ids, cfg.vocab_size, max_positions)
+    gen = lm.generation_config
+    gen.check_vocab(cfg.vocab_size)
+    names = ("temperature", "top_k", "top_p", "do_sample", "eos_token_id", "pad_token_id")
+    resolved = gen.resolve(
+        input_ids.shape[1], max_positions, max_new_tokens=max_new_tokens,
+        **{k: options.pop(k, FROM_CONFIG) for k in names},
+    )  # fmt: skip
+    if not isinstance(resolved["do_sample"], bool):
+        raise TypeError(f"do_sample must be a bool, got {resolved['do_sample']!r}")
+    return generation.generate(lm, input_ids, resolved.pop("max_new_tokens"), **resolved, **options)

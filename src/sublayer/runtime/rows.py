@@ -1,0 +1,88 @@
+"""The row operations of the prepared (inference) paths, on 2-D (N, d) rows: one copy each.
+
+Each runs the fused C++ kernel when the kernels are on, the PyTorch expression otherwise (its reference).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import functional as SF
+from .. import kernels
+from ..functional import fused
+
+__all__ = ["kernels_on", "inference", "layer_norm", "add_norm", "bias_act", "ffn_hidden", "residual_out", "EPILOGUE"]
+
+EPILOGUE = fused.ACT_IDS  # activations the kernels fuse into a GEMM epilogue or a bias pass
+
+
+def kernels_on() -> bool:
+    """The fused kernels are switched on and built."""
+    return kernels.enabled()
+
+
+def inference(fn):
+    """No autograd and no autocast inside: the prepared weights' dtype decides every GEMM's dtype (autocast would
+    send them to bf16 GEMMs even where those are ~8x slower than fp32)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def layer_norm(x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
+    """LayerNorm over the last dim, fp32 statistics, output in x's dtype."""
+    if x.dtype == torch.float32:
+        return F.layer_norm(x, w.shape, w, b, eps)
+    return F.layer_norm(x.float(), w.shape, w, b, eps).to(x.dtype)
+
+
+def add_norm(x: Tensor, y: Tensor, w: Tensor, b: Tensor, eps: float, *, want_sum: bool = True) -> tuple[Tensor, Tensor | None]:
+    """``(LN(x + y), x + y if want_sum)`` for (N, d) rows; w, b float32; fp32 statistics."""
+    if kernels_on():
+        out, s, _, _, _ = kernels.ops().add_norm_fwd(x, y, w, b, eps, 0.0, 0, False, want_sum)
+        return out, (s if want_sum else None)
+    s = x + y
+    return layer_norm(s, w, b, eps), s
+
+
+def bias_act(a: Tensor, bias: Tensor | None, act: str) -> Tensor:
+    """``act(a + bias)``, in place where the kernels run; a (N, f) contiguous, bias float32 (f,) or None."""
+    if kernels_on() and act in EPILOGUE:
+        return kernels.ops().act_fwd(a, bias, EPILOGUE[act], 0.0, 0, True)
+    if bias is not None:
+        a = (a.float() + bias).to(a.dtype) if a.dtype != torch.float32 else a + bias
+    return SF.activation_fn(act)(a)
+
+
+def ffn_hidden(a: Tensor, bias: Tensor | None, act: str) -> Tensor:
+    """An FFN's hidden activation from fc1's output ``a`` (N, d_ff) without its bias: ``act(a + bias)``, or for a
+    gated activation (``a`` (N, 2·d_ff), gate first) ``act(gate) * up``, as :func:`sublayer.functional.feed_forward`."""
+    if act not in SF.GATED_ACTIVATIONS:
+        return bias_act(a, bias, act)
+    gate, up = (a if bias is None else a + bias).chunk(2, dim=-1)
+    return SF.activation_fn(act)(gate) * up
+
+
+def residual_out(pre: bool, x: Tensor, y: Tensor, norm: tuple, after: tuple | None) -> tuple[Tensor, Tensor]:
+    """``(x, h)`` after a sublayer's output ``y`` joins the residual stream ``x`` (N, d):
+
+    post-norm ``x = LN(x + y)`` with this sublayer's ``norm``, and ``h = x``; pre-norm ``x = x + y`` and ``h`` the
+    next sublayer's input, ``after(x)`` (the norm that follows: the next sublayer's, or the stack's final one;
+    ``x`` itself when there is none). Norms are ``(weight, bias, eps)``; the add and the norm run fused.
+    """
+    if not pre:
+        x, _ = add_norm(x, y, *norm)
+        return x, x
+    if after is None:
+        x = x + y
+        return x, x
+    h, x = add_norm(x, y, *after)
+    return x, h

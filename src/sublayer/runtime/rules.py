@@ -1,0 +1,40 @@
+"""When a fast path may run instead of the modules' own forwards: one rule for every fast path.
+
+A fast path (padding-free rows, the decoding step, the translate encoder, ``fast_inference``) computes what the
+modules compute without calling every module's ``forward``. It therefore steps aside for the reference path when
+
+* any module it would replace has a forward hook or pre-hook (blocks, attention, FFN, norms, embeddings — any
+  submodule, and the global hooks of ``torch.nn.modules.module.register_module_forward_hook``), so hooks always see
+  the modules' own calls with the padded layout (:func:`sublayer.record_attention`, steering hooks, probes);
+* the model is sharded (DTensor parameters: tensor parallel, FSDP2), whose redistributing hooks the fast paths do
+  not reproduce.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module  # the global hook registries live there
+
+__all__ = ["has_hooks", "sharded", "fast_path_allowed"]
+
+
+def has_hooks(model: nn.Module) -> bool:
+    """Whether a forward hook or pre-hook is registered on ``model``'s submodules (or globally)."""
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules() if m is not model)
+
+
+def sharded(model: nn.Module) -> bool:
+    """Whether some parameter is a DTensor (tensor-parallel / FSDP2 model)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def fast_path_allowed(model: nn.Module) -> bool:
+    """The rule of the module docstring: not sharded and no hooks."""
+    return not has_hooks(model) and not sharded(model)

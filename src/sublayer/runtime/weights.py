@@ -1,0 +1,88 @@
+"""Prepared weights: the one place that derives them from a module's parameters, and notices every change.
+
+A fast path multiplies weights in a prepared form (packed panels, fused q|k|v, a float16 screening copy of the LM
+head, another dtype). :func:`prepared` builds that form once per module and key, keeps it (weakly, per module)
+and rebuilds it when the parameters it came from change, whichever way they changed:
+
+* an optimizer step — for-loop, ``foreach`` or ``fused``: every ``torch.optim.Optimizer.step`` is seen through
+  ``torch.optim.optimizer.register_optimizer_step_post_hook`` (fused steps do not move the parameters' version counters);
+* an in-place write under ``no_grad``, ``load_state_dict``, ``.to()`` / a replaced parameter: version counter,
+  storage, dtype, device and shape;
+* a write through ``param.data`` (which bypasses the version counter): each weight is sampled at fixed positions
+  (up to :data:`SAMPLES` per tensor) on every use, so a write that touches the whole weight (scaling, copying,
+  re-initialising) is noticed; after a write to a few elements through ``.data``, call :func:`clear_cache` (or
+  write without ``.data``, under ``torch.no_grad()``, which the version counter records);
+* inference tensors (made under ``torch.inference_mode``) have no version counter: their storage and samples tell.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+__all__ = ["prepared", "clear_cache", "stamp", "SAMPLES"]
+
+SAMPLES = 16  # positions sampled per weight tensor (spread evenly over its elements)
+
+_steps: dict[int, int] = {}  # id(parameter) -> optimizer steps taken on it
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            _steps[id(p)] = _steps.get(id(p), 0) + 1
+
+
+register_optimizer_step_post_hook(_after_step)
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {key: (stamp, value)}
+
+
+def _sample(p: Tensor) -> Tensor:
+    flat = p.detach().reshape(-1)
+    n = flat.numel()
+    if n <= SAMPLES:
+        return flat.float()
+    return flat[torch.arange(SAMPLES, device=flat.device) * (n // SAMPLES)].float()
+
+
+def stamp(module: nn.Module) -> tuple:
+    """What the prepared form of ``module`` depends on: per parameter its version counter (-1 for inference
+    tensors), storage, dtype, device, shape and optimizer steps, and the sampled values of every parameter."""
+    params = list(module.parameters())
+    meta = tuple(
+        (-1 if p.is_inference() else p._version, p.data_ptr(), p.dtype, p.device, tuple(p.shape), _steps.get(id(p), 0))
+        for p in params
+    )
+    with torch.no_grad():
+        samples = torch.cat([_sample(p) for p in params]).tolist() if params else []
+    return meta, tuple(samples)
+
+
+def prepared(module: nn.Module, key: Hashable, build: Callable[[nn.Module], Any]) -> Any:
+    """``build(module)``'s result, built once per ``(module, key)`` and rebuilt whenever a parameter of ``module``
+    changed (see the module docstring). ``key`` tells apart forms that depend on more than the weights (e.g.
+    whether the kernels are on, a compute dtype)."""
+    s = stamp(module)
+    entries = _CACHE.setdefault(module, {})
+    hit = entries.get(key)
+    if hit is not None and hit[0] == s:
+        return hit[1]
+    entries.pop(key, None)  # free the old form before building the new one
+    with torch.no_grad(), torch.inference_mode(False):
+        value = build(module)
+    entries[key] = (s, value)
+    return value
+
+
+def clear_cache(module: nn.Module | None = None) -> None:
+    """Drop the prepared forms of ``module`` (None: of every module)."""
+    if module is None:
+        _CACHE.clear()
+    else:
+        _CACHE.pop(module, None)
