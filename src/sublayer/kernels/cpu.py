@@ -16,15 +16,23 @@ from pathlib import Path
 
 from .. import settings
 
-__all__ = ["flags", "has", "model", "is_x86", "tag", "native_bf16_gemm", "int8_engine", "describe"]
+__all__ = ["cpuinfo_text", "flags", "has", "model", "is_x86", "tag", "native_bf16_gemm", "int8_engine", "describe"]
+
+
+@functools.cache
+def cpuinfo_text() -> str:
+    """``/proc/cpuinfo`` as read once ("" where there is none)."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
 
 
 @functools.cache
 def _cpuinfo() -> tuple[frozenset[str], str, bool]:
     """(flags, model name, whether /proc/cpuinfo was read) of the first processor listed."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    text = cpuinfo_text()
+    if not text:
         return frozenset(), "", False
     found: dict[str, str] = {}
     for line in text.splitlines():
