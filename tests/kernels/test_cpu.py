@@ -27,8 +27,10 @@ def fake_cpu(monkeypatch):
 
 
 def test_only_cpu_reads_cpuinfo():
+    # bench/harness.py imports nothing from sublayer: benchmarks/compare_revisions.py runs it against other revisions
     reads = re.compile(r"""["']/proc/cpuinfo["']""")
-    assert [str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if reads.search(p.read_text())] == ["kernels/cpu.py"]
+    readers = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if reads.search(p.read_text())]
+    assert sorted(readers) == ["bench/harness.py", "kernels/cpu.py"]
     assert cpu.cpuinfo_text() == (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else "")
 
 

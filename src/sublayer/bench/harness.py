@@ -21,8 +21,6 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import cpu
-
 __all__ = [
     "CLOCKS", "Row", "Timing", "command_line", "copy_gbps", "cpu_info", "cpu_kind", "machine", "padded_batch",
     "report_markdown", "report_path", "saved_bytes", "set_clock", "summarize", "time_interleaved", "write_report",
@@ -170,7 +168,10 @@ def cpu_info(text: str | None = None) -> dict:
     """The CPU: ``model`` (``model name``), ``features`` (name -> present, of :data:`_FEATURES`), ``cores``
     (logical CPUs), read from ``/proc/cpuinfo`` (or ``text``); the platform's processor name where there is none."""
     if text is None:
-        text = cpu.cpuinfo_text()
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            text = ""
     model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
     flags = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
     have = set(flags.group(1).split()) if flags else set()
