@@ -109,13 +109,9 @@ def info() -> None:
         "threads": str(torch.get_num_threads()),
         "cpu capability": torch.backends.cpu.get_cpu_capability(),
     }
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
-        rows["avx512"] = "yes" if "avx512f" in flags else "no"
-        rows["amx-bf16"] = "yes" if "amx_bf16" in flags else "no"
-    except (OSError, IndexError):
-        pass
     from . import kernels
+
+    rows.update(kernels.cpu.describe())
 
     rows["fast kernels"] = kernels.status()  # builds (or loads the cached) C++ extension once
     from .memory import allocator_setting, buffer_cache

@@ -3,6 +3,10 @@ cache on or off, buffers reused step after step, distinct dx / dy, the limit res
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -94,3 +98,15 @@ def test_big_buffers_streamed_out_give_the_same_rows(p, dtype):
             assert torch.equal(a[r0:r1], s)
     if p > 0:  # (p = 0: one shared gradient today; the aliasing fix is a separate change)
         assert big[1].untyped_storage().data_ptr() != big[2].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("value, limit", [(None, 256.0), ("3", 3.0), ("0", 0.0)])
+def test_limit_from_the_environment_at_load(value, limit):
+    # SUBLAYER_BUFFER_CACHE_MB (read by sublayer.settings) is applied when the kernels load in a fresh process
+    env = {k: v for k, v in os.environ.items() if k != "SUBLAYER_BUFFER_CACHE_MB"}
+    if value is not None:
+        env["SUBLAYER_BUFFER_CACHE_MB"] = value
+    code = "from sublayer import memory; print(memory.buffer_cache()['limit_mb'])"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert float(res.stdout) == limit

@@ -1,4 +1,5 @@
-"""Decoding kernels (csrc/decode.cpp): skinny_linear on packed weights vs F.linear, decode_attention vs SDPA."""
+"""Decoding kernels (csrc/packed_linear.cpp, attention.cpp): skinny_linear on packed weights vs F.linear,
+decode_attention vs SDPA."""
 
 from __future__ import annotations
 

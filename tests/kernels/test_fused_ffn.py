@@ -136,7 +136,7 @@ def test_gradcheck_float64(act):
 @pytest.mark.parametrize("native_bf16", [True, False])  # bf16 GEMMs native, or in fp32 rounded to bf16
 @pytest.mark.parametrize("act", ["relu", "gelu_tanh", "swiglu"])
 def test_autocast_bf16_with_fp32_weights(act, native_bf16, monkeypatch):
-    monkeypatch.setattr(kernels, "_native_bf16", native_bf16)
+    monkeypatch.setattr(kernels.cpu, "_native_bf16", native_bf16)
     ffn = sublayer.PositionWiseFFN(16, 32, activation=act)
     x = torch.randn(2, 9, 16, requires_grad=True)
 

@@ -30,7 +30,7 @@ def _names(t: torch.Tensor) -> str:
 
 @pytest.fixture
 def slow_native_bf16(monkeypatch):
-    monkeypatch.setattr(kernels, "_native_bf16", False)  # as on AVX2-only CPUs like this project's
+    monkeypatch.setattr(kernels.cpu, "_native_bf16", False)  # as on AVX2-only CPUs like this project's
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -66,12 +66,12 @@ def test_gradcheck_float64_of_the_bf16_linear_function(bias):
 def test_everything_else_is_f_linear_itself(monkeypatch):
     x, w, b = torch.randn(4, 5), torch.randn(3, 5), torch.randn(3)
     assert torch.equal(fused.linear(x, w, b), F.linear(x, w, b))  # fp32, no autocast
-    monkeypatch.setattr(kernels, "_native_bf16", True)  # a CPU with AMX / AVX512_BF16: oneDNN's own bf16 GEMM
+    monkeypatch.setattr(kernels.cpu, "_native_bf16", True)  # a CPU with AMX / AVX512_BF16: oneDNN's own bf16 GEMM
     with torch.autocast("cpu", dtype=torch.bfloat16):
         x.requires_grad_()
         assert "Bf16LinearFn" not in _names(fused.linear(x, w, b))
         assert torch.equal(fused.linear(x, w, b), F.linear(x, w, b))
-    monkeypatch.setattr(kernels, "_native_bf16", False)
+    monkeypatch.setattr(kernels.cpu, "_native_bf16", False)
     kernels.set_enabled(False)  # the switch turns it off with the other fast paths
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -84,7 +84,7 @@ def test_bad_inputs_are_named():
 
 
 # ------------------------------------------------------------------------------- weight-only int8 GEMV (decoding)
-# decode.cpp's skinny_linear on int8 panels (the product QuantizedGPT2 runs) against the dequantized reference
+# packed_linear.cpp's skinny_linear on int8 panels (the product QuantizedGPT2 runs) against the dequantized reference
 @pytest.fixture(params=["avx512", "avx2"])
 def gemv_isa(request):
     """Each GEMV test with the AVX-512 micro-kernels (where compiled in) and with the AVX2 ones."""

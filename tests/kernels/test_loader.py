@@ -104,12 +104,6 @@ def test_real_missing_compiler_in_a_fresh_process(tmp_path):
     assert "compiling" not in res.stderr  # nothing was started
 
 
-def test_env_switch():
-    assert kernels._env_enabled({}) and kernels._env_enabled({"SUBLAYER_KERNELS": "1"})
-    for off in ("0", "false", "OFF", "no"):
-        assert not kernels._env_enabled({"SUBLAYER_KERNELS": off})
-
-
 # --- the build cache: keyed on what changes the binary, a lock the OS releases, a clear cause --------------------
 
 
@@ -260,3 +254,101 @@ def test_ninja_of_an_unactivated_venv_is_found(monkeypatch, tmp_path):
     with _loader._ninja_on_path():
         assert shutil.which("ninja") is not None
     assert os.environ["PATH"] == str(tmp_path)
+
+
+# --- a damaged cache entry is detected before it is loaded: rebuilt, or the reference path with one warning ------
+
+
+def _damage(lib, how):
+    data = lib.read_bytes()
+    if how == "truncated":
+        lib.write_bytes(data[: len(data) // 2])
+    elif how == "damaged header":
+        lib.write_bytes(b"\0" * 16 + data[16:])
+    elif how == "no manifest":  # a builder killed between writing the library and its manifest
+        (lib.parent / _loader.MANIFEST).unlink()
+
+
+@pytest.mark.parametrize("how", ["truncated", "damaged header", "no manifest"])
+def test_a_damaged_cached_library_is_discarded_and_rebuilt(fake_build, capfd, how):
+    assert kernels.available() and fake_build["compile"] == 1
+    lib = kernels.cache_dir() / "sublayer_kernels.so"
+    assert _loader.entry_problem(lib) is None
+    _damage(lib, how)
+    assert _loader.entry_problem(lib) is not None
+    kernels._reset_for_tests()
+    fake_build["registered"] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a rebuild is not a failure: no warning
+        assert kernels.available()
+    assert fake_build["compile"] == 2 and fake_build["load"] == []  # the damaged file was never loaded
+    assert f"discarded the damaged cached library {lib}" in capfd.readouterr().err
+    assert _loader.entry_problem(lib) is None
+
+
+def test_a_cached_library_that_does_not_load_is_rebuilt(fake_build, monkeypatch):
+    assert kernels.available() and fake_build["compile"] == 1
+    kernels._reset_for_tests()
+    fake_build["registered"] = False
+
+    def fails(path):
+        fake_build["load"].append(path)
+        raise OSError(f"{path}: invalid ELF header")
+
+    monkeypatch.setattr(_loader, "_load_library", fails)
+    assert kernels.available()
+    assert fake_build["compile"] == 2 and len(fake_build["load"]) == 1
+
+
+def test_a_damaged_library_that_cannot_be_rebuilt_warns_once_naming_it(fake_build, monkeypatch):
+    assert kernels.available()
+    lib = kernels.cache_dir() / "sublayer_kernels.so"
+    _damage(lib, "truncated")
+    kernels._reset_for_tests()
+    fake_build["registered"] = False
+    monkeypatch.setattr(_loader, "_check_toolchain", lambda: (_ for _ in ()).throw(RuntimeError("c++: not found")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not kernels.available() and not kernels.available()
+    msgs = [str(w.message) for w in caught]
+    assert len(msgs) == 1 and str(lib) in msgs[0] and "recorded at build" in msgs[0] and "c++: not found" in msgs[0]
+    assert fake_build["load"] == []
+
+
+@pytest.mark.parametrize("how", [None, "truncated"])
+def test_the_real_library_truncated_in_the_cache_never_kills_the_process(tmp_path, monkeypatch, how):
+    # The real library, copied into a fresh cache; truncated, loading it would be a SIGBUS (returncode -7). The
+    # child cannot rebuild (no compiler): the reference path with one warning naming the file.
+    assert kernels.available()
+    key = kernels.cache_dir()
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"), SUBLAYER_KERNELS_CACHE=str(tmp_path / "cache"))
+    try:  # the child's cache folder (its key names the missing compiler)
+        monkeypatch.setattr(os, "environ", env)
+        _loader._key.clear()
+        entry = kernels.cache_dir()
+    finally:
+        monkeypatch.undo()
+        _loader._key.clear()
+    entry.mkdir(parents=True)
+    for name in ("sublayer_kernels.so", _loader.MANIFEST):
+        shutil.copy(key / name, entry / name)
+    if how:
+        _damage(entry / "sublayer_kernels.so", how)
+    code = (
+        "import json, warnings, torch, sublayer\n"
+        "from sublayer import kernels\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    out = sublayer.AddNorm(4)(torch.ones(2, 4), torch.zeros(2, 4))\n"
+        "print(kernels.available(), kernels.cache_dir(), float(out.abs().sum()))\n"
+        "print(json.dumps([str(m.message) for m in w if 'reference path' in str(m.message)]))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, (res.returncode, res.stderr)
+    first, warned = res.stdout.splitlines()
+    assert first.split() == ["True" if how is None else "False", str(entry), "0.0"], (res.stdout, res.stderr)
+    if how is None:  # an intact entry loads as it is: nothing rebuilt, nothing said
+        assert warned == "[]" and "compiling" not in res.stderr
+    else:
+        msgs = json.loads(warned)
+        assert len(msgs) == 1 and str(entry / "sublayer_kernels.so") in msgs[0] and "not found" in msgs[0], msgs

@@ -54,7 +54,7 @@ def _batch(b: int = 5, t: int = 11, vocab: int = 53):
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def compute(request, monkeypatch):
     if request.param == torch.bfloat16:
-        monkeypatch.setattr(kernels, "_native_bf16", True)  # as on an AVX512_BF16/AMX CPU
+        monkeypatch.setattr(kernels.cpu, "_native_bf16", True)  # as on an AVX512_BF16/AMX CPU
     return request.param
 
 
@@ -72,9 +72,9 @@ def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 
 def test_compute_dtype_follows_the_cpu(monkeypatch):
     m = make_bert()
-    monkeypatch.setattr(kernels, "_native_bf16", False)
+    monkeypatch.setattr(kernels.cpu, "_native_bf16", False)
     assert fast_inference(m).compute_dtype == torch.float32  # AVX2: bf16 GEMMs would be ~8x slower
-    monkeypatch.setattr(kernels, "_native_bf16", True)
+    monkeypatch.setattr(kernels.cpu, "_native_bf16", True)
     assert fast_inference(m).compute_dtype == torch.bfloat16
     assert fast_inference(m, dtype=torch.float32).compute_dtype == torch.float32
 

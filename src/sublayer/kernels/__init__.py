@@ -8,6 +8,9 @@ version — never paths, so another virtual environment with the same torch reus
 library directly (no ninja, no compiler run). ``python -m sublayer.kernels`` builds it ahead of time (e.g. in a
 Dockerfile after ``pip install``).
 
+A manifest written with the library records its size and sha256; a cached library that does not match it (a
+truncated or damaged file) or does not load is discarded and rebuilt, never loaded.
+
 Concurrent first uses wait on an OS file lock (``flock``) held by the builder; the OS drops it when the builder dies,
 so a build killed midway never blocks later processes (its half-built folder is removed and the build restarts).
 A builder still alive after ``$SUBLAYER_KERNELS_LOCK_TIMEOUT`` seconds (default 600) is given up on.
@@ -16,25 +19,26 @@ If the extension cannot be built (no compiler, no ninja, a compile error, the lo
 cause and the modules use the pure-PyTorch reference path of :mod:`sublayer.functional`.
 
 Switches: ``SUBLAYER_KERNELS=0`` in the environment, or :func:`set_enabled` (``False`` forces the reference path).
-This package imports nothing else from sublayer.
+This package imports nothing from sublayer but :mod:`sublayer.settings`; :mod:`sublayer.kernels.cpu` reads the
+CPU's features for every module.
 """
 
 from __future__ import annotations
 
-import os
-import platform
 import threading
 import warnings
 from pathlib import Path
 
 import torch
 
-from . import _loader
+from .. import settings
+from . import _loader, cpu
 from ._loader import cache_dir
+from .cpu import native_bf16_gemm
 
 __all__ = ["available", "enabled", "set_enabled", "ops", "status", "build_error", "cache_dir", "native_bf16_gemm"]
 
-# Every csrc/*.cpp is one translation unit of the extension: kernels.cpp holds TORCH_LIBRARY(sublayer_kernels),
+# Every csrc/*.cpp is one translation unit of the extension: add_norm.cpp holds TORCH_LIBRARY(sublayer_kernels),
 # the other files add their ops with TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m). (_loader reads these names.)
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
@@ -47,12 +51,7 @@ _state: dict = {"tried": False, "ok": False, "error": None, "warned": False}
 _build = _loader.build  # a name of its own: tests replace it to simulate a failed build
 
 
-def _env_enabled(environ=os.environ) -> bool:
-    """``SUBLAYER_KERNELS`` = 0/false/off/no switches the kernels off (read once, at import)."""
-    return environ.get("SUBLAYER_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
-
-
-_enabled = _env_enabled()
+_enabled = settings.kernels_enabled()
 
 
 def set_enabled(flag: bool) -> None:
@@ -64,33 +63,6 @@ def set_enabled(flag: bool) -> None:
 def enabled() -> bool:
     """True when the fast path is switched on AND the extension is built (builds it on first call)."""
     return _enabled and available()
-
-
-_native_bf16: bool | None = None
-
-
-def native_bf16_gemm() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512_BF16 or AMX-BF16; non-x86: assumed yes).
-
-    Without it, oneDNN's bf16 GEMM is ~8x slower than fp32 here (AVX2): the fused FFN then multiplies bf16
-    operands in fp32 and rounds the result to bf16 — the numbers of a bf16 GEMM with fp32 accumulation.
-    ``SUBLAYER_BF16_GEMM=native`` / ``=fp32`` overrides the detection.
-    """
-    global _native_bf16
-    if _native_bf16 is None:
-        force = os.environ.get("SUBLAYER_BF16_GEMM", "").strip().lower()
-        if force in ("native", "fp32"):
-            _native_bf16 = force == "native"
-        elif platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
-            _native_bf16 = True
-        else:
-            try:
-                text = Path("/proc/cpuinfo").read_text()
-                flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split()
-                _native_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
-            except OSError:
-                _native_bf16 = True
-    return _native_bf16
 
 
 def _registered() -> bool:
@@ -112,6 +84,8 @@ def available() -> bool:
                     _build()
                 if not _registered():
                     raise RuntimeError("the extension loaded but registered no ops")
+                if (limit_mb := settings.buffer_cache_mb()) is not None:
+                    ops().buffer_cache(int(limit_mb * 2**20))
                 _state["ok"] = True
             except Exception as e:  # no compiler, no ninja, compile error, lock timeout, ...
                 _state["ok"] = False

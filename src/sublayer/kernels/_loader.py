@@ -1,8 +1,9 @@
 """Building, caching and loading the fused kernels' extension (used by :mod:`sublayer.kernels`).
 
 The cache folder is named by a hash of what changes the binary (:func:`key_inputs`); a cached library is loaded
-with ``torch.ops.load_library``; a missing one is compiled under an OS file lock in a fresh temporary folder and
-moved into place atomically. See the package docstring for the user-facing behaviour.
+with ``torch.ops.load_library`` once its size and sha256 match its manifest (:func:`entry_problem`); a missing or
+damaged one is compiled under an OS file lock in a fresh temporary folder and moved into place atomically, then its
+manifest. See the package docstring for the user-facing behaviour.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import contextlib
 import hashlib
 import json
 import os
-import platform
 import re
 import shutil
 import socket
@@ -23,6 +23,9 @@ from pathlib import Path
 
 import torch
 
+from .. import settings
+from . import cpu
+
 _key: dict = {}  # key_inputs(), computed once per process
 # First build measured on this project's 2-core machine (see the README); the "compiling" line shows it until
 # this machine has built once (then the last build's time).
@@ -33,19 +36,6 @@ def _pkg():
     """The package :mod:`sublayer.kernels`: it names what is built (``_SOURCES``, ``_HEADERS``, ``_NAME``,
     ``CFLAGS``, ``LDFLAGS``); read at call time, so a test can change them."""
     return sys.modules[__package__]
-
-
-def _cpu_tag() -> str:
-    # -march=native code must not be reused on another CPU: key the cache on the CPU's flags.
-    info = platform.machine()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        flags = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
-        model = next((ln for ln in text.splitlines() if ln.startswith("model name")), "")
-        info += flags + model
-    except OSError:
-        pass
-    return hashlib.sha1(info.encode()).hexdigest()[:10]
 
 
 def _compiler() -> tuple[str, str | None]:
@@ -77,7 +67,7 @@ def key_inputs() -> dict:
             torch_git=getattr(torch.version, "git_version", ""),
             cxx11_abi=bool(torch._C._GLIBCXX_USE_CXX11_ABI),
             python=sys.implementation.cache_tag,
-            cpu=_cpu_tag(),
+            cpu=cpu.tag(),
             compiler=version if version is not None else f"{cxx} (not found)",
         )
     return _key
@@ -85,16 +75,9 @@ def key_inputs() -> dict:
 
 def cache_dir() -> Path:
     """Where this build of the extension is cached: one folder per hash of :func:`key_inputs`."""
-    root = os.environ.get("SUBLAYER_KERNELS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "sublayer", "kernels")
+    root = settings.kernels_cache_root()
     digest = hashlib.sha256(json.dumps(key_inputs(), sort_keys=True).encode()).hexdigest()[:16]
-    return Path(root) / f"torch{torch.__version__.split('+')[0]}-{digest}"
-
-
-def _lock_timeout() -> float:
-    try:
-        return float(os.environ.get("SUBLAYER_KERNELS_LOCK_TIMEOUT", "600"))
-    except ValueError:
-        return 600.0
+    return root / f"torch{torch.__version__.split('+')[0]}-{digest}"
 
 
 @contextlib.contextmanager
@@ -187,7 +170,7 @@ def _compile(build_dir: Path) -> Path:
         extra_ldflags=list(pkg.LDFLAGS),
         build_directory=str(build_dir),
         is_python_module=False,
-        verbose=os.environ.get("SUBLAYER_KERNELS_VERBOSE", "0") == "1",
+        verbose=settings.kernels_verbose(),
     )
     return build_dir / f"{pkg._NAME}.so"
 
@@ -196,42 +179,126 @@ def _load_library(path: Path) -> None:
     torch.ops.load_library(str(path))
 
 
+MANIFEST = "manifest.json"  # next to the library: its size and sha256, written after it at build time
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (a temporary file in its folder, then a rename)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def entry_problem(lib: Path) -> str | None:
+    """Why the cached library ``lib`` must not be loaded (None: it is the file its manifest recorded at build time).
+
+    Loading a truncated library maps pages past its end (SIGBUS at first use), so the size and sha256 recorded
+    when it was built are checked before it is loaded."""
+    try:
+        man = json.loads((lib.parent / MANIFEST).read_text())
+        size, digest = int(man["size"]), str(man["sha256"])
+    except FileNotFoundError:
+        return "no manifest"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable manifest: {type(e).__name__}"
+    try:
+        actual = lib.stat().st_size
+        if actual != size:
+            return f"{actual} bytes, {size} recorded at build"
+        if _sha256(lib) != digest:
+            return "its sha256 differs from the one recorded at build"
+    except OSError as e:
+        return f"unreadable: {e.strerror or e}"
+    return None
+
+
+def _try_load(lib: Path) -> str | None:
+    """Load a checked library; the loader's error if it does not load (None: loaded)."""
+    try:
+        _load_library(lib)
+        return None
+    except OSError as e:
+        return f"it does not load: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+
+
 def build() -> None:
-    """Load the cached library, or compile it once; registers ``torch.ops.sublayer_kernels``. Raises on failure."""
+    """Load the cached library, or compile it once; registers ``torch.ops.sublayer_kernels``. Raises on failure.
+
+    A cached library that fails its manifest's check (truncated, damaged, interrupted between the two writes) or does
+    not load is discarded and rebuilt; if the rebuild fails too, the error names the file."""
     d = cache_dir()
     lib = d / f"{_pkg()._NAME}.so"
-    if lib.is_file():
-        _load_library(lib)
-        return
+    problem = None
+    if lib.exists():
+        problem = entry_problem(lib)
+        if problem is None:
+            problem = _try_load(lib)
+            if problem is None:
+                return
     d.mkdir(parents=True, exist_ok=True)
-    with _build_lock(d / "build.lock", _lock_timeout()) as exclusive:
-        if lib.is_file():  # another process built it while we waited
-            _load_library(lib)
-            return
-        # We hold the lock, so any build-* folder is left by a build that was killed midway: start afresh.
-        stale = sorted(d.glob("build-*")) if exclusive else []
-        for p in stale:
-            shutil.rmtree(p, ignore_errors=True)
-        _check_toolchain()
-        note = " (an interrupted earlier build was discarded)" if stale else ""
-        print(
-            f"sublayer: compiling sublayer's fused CPU kernels (once, ~{_build_estimate(d.parent)} s){note}…",
-            file=sys.stderr,
-            flush=True,
-        )
-        t0 = time.perf_counter()
-        tmp = Path(tempfile.mkdtemp(prefix="build-", dir=d))
+    with _build_lock(d / "build.lock", settings.kernels_lock_timeout()) as exclusive:
+        if lib.exists() and not (problem or "").startswith("it does not load"):
+            now = entry_problem(lib)  # another process may have built (or rebuilt) it while we waited
+            if now is None:
+                problem = _try_load(lib)
+                if problem is None:
+                    return
+            else:
+                problem = now
+        if problem is not None:
+            for p in (lib, d / MANIFEST):
+                p.unlink(missing_ok=True)
+            print(f"sublayer: discarded the damaged cached library {lib} ({problem})", file=sys.stderr, flush=True)
         try:
-            with _ninja_on_path():
-                built = _compile(tmp)
-            (d / "key.json").write_text(json.dumps(key_inputs(), indent=1, sort_keys=True))
-            os.replace(built, lib)  # atomic: a library in the cache is always a complete one
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        seconds = time.perf_counter() - t0
-        with contextlib.suppress(OSError):
-            (d.parent / "last_build_seconds").write_text(f"{seconds:.0f}\n")
-        print(f"sublayer: compiled in {seconds:.0f} s, cached in {d}", file=sys.stderr, flush=True)
+            _compile_into(d, lib, exclusive)
+        except Exception as e:
+            if problem is None:
+                raise
+            raise RuntimeError(f"the cached library {lib} was damaged ({problem}) and rebuilding it failed: {cause(e)}") from e
+
+
+def _compile_into(d: Path, lib: Path, exclusive: bool) -> None:
+    """Compile the library (we hold the build lock) and publish it: the library, then its manifest, each atomically."""
+    # We hold the lock, so any build-* folder is left by a build that was killed midway: start afresh.
+    stale = sorted(d.glob("build-*")) if exclusive else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    _check_toolchain()
+    note = " (an interrupted earlier build was discarded)" if stale else ""
+    print(
+        f"sublayer: compiling sublayer's fused CPU kernels (once, ~{_build_estimate(d.parent)} s){note}…",
+        file=sys.stderr,
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="build-", dir=d))
+    try:
+        with _ninja_on_path():
+            built = _compile(tmp)
+        manifest = json.dumps({"file": lib.name, "size": built.stat().st_size, "sha256": _sha256(built)}, indent=1)
+        _write_atomic(d / "key.json", json.dumps(key_inputs(), indent=1, sort_keys=True))
+        os.replace(built, lib)  # atomic: a library in the cache is always a complete one...
+        _write_atomic(d / MANIFEST, manifest)  # ...and is loaded only once its manifest vouches for it
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    seconds = time.perf_counter() - t0
+    with contextlib.suppress(OSError):
+        _write_atomic(d.parent / "last_build_seconds", f"{seconds:.0f}\n")
+    print(f"sublayer: compiled in {seconds:.0f} s, cached in {d}", file=sys.stderr, flush=True)
 
 
 def _build_estimate(root: Path) -> int:

@@ -47,14 +47,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .. import functional as SF
-from .. import kernels
+from .. import kernels, settings
 from ..runtime import weights as weights_cache
 from ..functional.packing import document_mask
 from ..runtime.rows import EPILOGUE, add_norm, kernels_on, layer_norm, residual_out
@@ -66,7 +65,7 @@ from ..runtime.weights import prepared
 
 __all__ = ["set_enabled", "enabled", "clear_cache", "PackedLinear", "StaticKVCache", "decode_attention"]
 
-_enabled = os.environ.get("SUBLAYER_DECODING", "1").strip().lower() not in ("0", "false", "off", "no")
+_enabled = settings.decoding_enabled()
 
 
 def set_enabled(flag: bool) -> None:

@@ -101,18 +101,7 @@ def engine() -> str:
     overrides."""
     global _engine
     if _engine is None:
-        supported = torch.backends.quantized.supported_engines
-        force = os.environ.get("SUBLAYER_INT8_ENGINE", "").strip().lower()
-        if force in supported:
-            _engine = force
-        else:
-            try:
-                text = open("/proc/cpuinfo").read()
-                flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split()
-            except OSError:
-                flags = []
-            fast = "amx_int8" in flags or "avx512_vnni" in flags
-            _engine = "onednn" if fast and "onednn" in supported else "fbgemm"
+        _engine = kernels.cpu.int8_engine(torch.backends.quantized.supported_engines)
     return _engine
 
 

@@ -7,8 +7,9 @@
 // under the limit goes back to malloc. Tensors made here are ordinary resizable CPU tensors: only where their memory
 // comes from (and goes to) differs.
 //
-// Limit: $SUBLAYER_BUFFER_CACHE_MB (default 256) at first use, or buffer_cache(limit_bytes) at any time (0 empties
-// the cache and turns it off). Blocks under 256 KiB are not cached (malloc recycles those without page faults).
+// Limit: 256 MiB, or buffer_cache(limit_bytes) at any time (0 empties the cache and turns it off; sublayer.kernels
+// sets $SUBLAYER_BUFFER_CACHE_MB's value when it loads the extension). Blocks under 256 KiB are not cached (malloc
+// recycles those without page faults).
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/Allocator.h>
@@ -17,7 +18,6 @@
 
 #include <cstdlib>
 #include <mutex>
-#include <string>
 #include <vector>
 
 namespace sublayer_cache {
@@ -37,20 +37,8 @@ struct Cache {
   std::mutex mu;
   std::vector<Block> free;  // blocks ready for reuse
   size_t cached = 0;        // bytes in `free`
-  size_t limit;
+  size_t limit = size_t(256) << 20;
   int64_t hits = 0, misses = 0;
-  Cache() {
-    const char* env = std::getenv("SUBLAYER_BUFFER_CACHE_MB");
-    double mb = 256;
-    if (env && *env) {
-      try {
-        mb = std::stod(env);
-      } catch (...) {
-        mb = 256;
-      }
-    }
-    limit = mb > 0 ? size_t(mb * 1048576.0) : 0;
-  }
   void trim_to(size_t cap) {  // caller holds mu
     while (cached > cap && !free.empty()) {
       const Block b = free.back();

@@ -7,33 +7,16 @@
 //    with inv_next, y := h * inv_next / r2 and r2 = the rows' max |h * inv_next| (the next linear's input),
 //    otherwise y := h (r2 empty).
 //  * int8_add_norm_rows_(y, r?, bias?, resid, w, beta, eps, inv_next?) -> (y, xs, r2): y := LN(y * r + bias +
-//    resid) (two-pass variance, float32), and with inv_next also xs, r2 = int8_scale_rows(y, inv_next).
+//    resid) (act_norm.h's layer_norm_row), and with inv_next also xs, r2 = int8_scale_rows(y, inv_next).
 // Both float32, 2-D contiguous, rows split over the OpenMP threads. The PyTorch expressions above are the
 // reference (sublayer.models.quantized uses them when the kernels are off); tests compare the two.
 //
-// Weight-only int8 for decoding (sublayer.models.quantized_gpt2) is decode.cpp's skinny_linear on int8 panels.
+// Weight-only int8 for decoding (sublayer.models.quantized_gpt2) is packed_linear.cpp's skinny_linear on int8 panels.
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <torch/library.h>
-#include "activations.h"
+#include "common.h"
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <optional>
-#include <tuple>
-
+namespace sublayer {
 namespace {
-
-using at::Tensor;
 
 void check_2d_f32(const Tensor& t, const char* what) {
   TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.scalar_type() == at::kFloat && t.device().is_cpu(), what,
@@ -124,8 +107,6 @@ Tensor int8_rescale_rows_(Tensor y, const Tensor& r, const std::optional<Tensor>
 }
 
 
-using namespace sublayer_act;  // Act and act_f (activations.h), as kernels.cpp
-
 // v[0:K] *= inv_next (if any); returns max |v| (1 for an all-zero row) and divides v by it.
 inline float scale_row(float* v, const float* inv, int64_t K) {
   float m = 0.f;
@@ -178,14 +159,7 @@ std::tuple<Tensor, Tensor> int8_act_rows_(Tensor y, const std::optional<Tensor>&
   const float* B = bias ? bias->data_ptr<float>() : nullptr;
   const float* S = inv_next ? inv_next->data_ptr<float>() : nullptr;
   float* R2 = inv_next ? r2.data_ptr<float>() : nullptr;
-  switch (act) {
-    case RELU: act_rows<RELU>(Y, R, B, S, R2, N, M); break;
-    case GELU: act_rows<GELU>(Y, R, B, S, R2, N, M); break;
-    case GELU_TANH: act_rows<GELU_TANH>(Y, R, B, S, R2, N, M); break;
-    case SILU: act_rows<SILU>(Y, R, B, S, R2, N, M); break;
-    case RELU2: act_rows<RELU2>(Y, R, B, S, R2, N, M); break;
-    default: act_rows<IDENT>(Y, R, B, S, R2, N, M);
-  }
+  SUBLAYER_DISPATCH_ACT(act, [&] { act_rows<ACT>(Y, R, B, S, R2, N, M); });
   return {y, r2};
 }
 
@@ -221,23 +195,9 @@ std::tuple<Tensor, Tensor, Tensor> int8_add_norm_rows_(Tensor y, const std::opti
       float* yi = Y + i * M;
       const float* xi = X + i * M;
       const float ri = R ? R[i] : 1.f;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < M; ++j) {
-        const float v = yi[j] * ri + (B ? B[j] : 0.f) + xi[j];
-        yi[j] = v;
-        sum += v;
-      }
-      const float mean = sum / float(M);
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < M; ++j) {
-        const float d = yi[j] - mean;
-        ss += d * d;
-      }
-      const float rstd = 1.f / std::sqrt(ss / float(M) + e);
 #pragma omp simd
-      for (int64_t j = 0; j < M; ++j) yi[j] = (yi[j] - mean) * rstd * W[j] + BE[j];
+      for (int64_t j = 0; j < M; ++j) yi[j] = yi[j] * ri + (B ? B[j] : 0.f) + xi[j];
+      layer_norm_row(yi, W, BE, e, yi, M);
       if (S) {
         float* oi = XS + i * M;
         std::copy(yi, yi + M, oi);
@@ -249,6 +209,7 @@ std::tuple<Tensor, Tensor, Tensor> int8_add_norm_rows_(Tensor y, const std::opti
 }
 
 }  // namespace
+}  // namespace sublayer
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
   m.def("int8_scale_rows(Tensor x, Tensor? inv_smooth) -> (Tensor, Tensor)");
@@ -260,8 +221,8 @@ TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
 }
 
 TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
-  m.impl("int8_scale_rows", &int8_scale_rows);
-  m.impl("int8_rescale_rows_", &int8_rescale_rows_);
-  m.impl("int8_act_rows_", &int8_act_rows_);
-  m.impl("int8_add_norm_rows_", &int8_add_norm_rows_);
+  m.impl("int8_scale_rows", &sublayer::int8_scale_rows);
+  m.impl("int8_rescale_rows_", &sublayer::int8_rescale_rows_);
+  m.impl("int8_act_rows_", &sublayer::int8_act_rows_);
+  m.impl("int8_add_norm_rows_", &sublayer::int8_add_norm_rows_);
 }

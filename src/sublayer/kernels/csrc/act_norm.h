@@ -1,0 +1,204 @@
+// Activations and row norms shared by the kernels: the elementwise activations (the FFN passes, the packed linear's
+// and the int8 epilogues: float32 with a vectorisable exp, double through std:: functions; ids as
+// sublayer.functional.fused.ACT_IDS), exp on 8 float32 lanes, and the row reductions of the norms.
+#pragma once
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define SUBLAYER_AVX2_FMA 1
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace sublayer {
+
+enum Act : int64_t { IDENT = 0, RELU = 1, GELU = 2, GELU_TANH = 3, SILU = 4, RELU2 = 5 };
+
+// Vectorisable float32 exp (Cephes expf: range reduction + degree-5 polynomial, ~1 ulp); double uses std::exp.
+inline float exp_f(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500E-4f;
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return y * scale;
+}
+inline float vexp(float x) { return exp_f(x); }
+inline double vexp(double x) { return std::exp(x); }
+
+// Phi(z), the standard normal CDF: 0.5*erfc(-z/sqrt2). float: erfc from Numerical Recipes' erfcc (relative error
+// < 1.2e-7 everywhere, so the tails keep their relative accuracy); double: std::erfc.
+inline float norm_cdf(float z) {
+  const float w = std::fabs(z) * 0.70710678118654752440f, t = 1.0f / (1.0f + 0.5f * w);
+  const float poly =
+      -1.26551223f +
+      t * (1.00002368f +
+           t * (0.37409196f +
+                t * (0.09678418f +
+                     t * (-0.18628806f +
+                          t * (0.27886807f + t * (-1.13520398f + t * (1.48851587f + t * (-0.82215223f + t * 0.17087277f))))))));
+  const float half_erfc = 0.5f * t * exp_f(-w * w + poly);
+  return z >= 0.0f ? 1.0f - half_erfc : half_erfc;
+}
+inline double norm_cdf(double z) { return 0.5 * std::erfc(-z * 0.70710678118654752440); }
+
+// tanh-GELU through one exp: 1 + tanh(u) = 2*sigmoid(2u), 1 - tanh(u)^2 = 4*sigmoid(2u)*(1 - sigmoid(2u)).
+template <typename A> inline A sigmoid(A v) { return A(1) / (A(1) + vexp(-v)); }
+
+template <int64_t act, typename A> inline A act_f(A z) {
+  if constexpr (act == RELU) return z > A(0) ? z : A(0);
+  if constexpr (act == GELU) return z * norm_cdf(z);
+  if constexpr (act == GELU_TANH) {
+    const A k = A(0.79788456080286535588), u = k * (z + A(0.044715) * z * z * z);
+    return z * sigmoid(A(2) * u);
+  }
+  if constexpr (act == SILU) return z * sigmoid(z);
+  if constexpr (act == RELU2) return z > A(0) ? z * z : A(0);
+  return z;
+}
+// Runs __VA_ARGS__ (a lambda) with `constexpr int64_t ACT` = the activation id ACTV (unknown ids: IDENT).
+#define SUBLAYER_DISPATCH_ACT(ACTV, ...)                                                          \
+  [&] {                                                                                           \
+    switch (ACTV) {                                                                               \
+      case RELU: { constexpr int64_t ACT = RELU; return __VA_ARGS__(); }                          \
+      case GELU: { constexpr int64_t ACT = GELU; return __VA_ARGS__(); }                          \
+      case GELU_TANH: { constexpr int64_t ACT = GELU_TANH; return __VA_ARGS__(); }                \
+      case SILU: { constexpr int64_t ACT = SILU; return __VA_ARGS__(); }                          \
+      case RELU2: { constexpr int64_t ACT = RELU2; return __VA_ARGS__(); }                        \
+      default: { constexpr int64_t ACT = IDENT; return __VA_ARGS__(); }                           \
+    }                                                                                             \
+  }()
+
+template <int64_t act, typename A> inline A act_df(A z) {
+  if constexpr (act == RELU) return z > A(0) ? A(1) : A(0);
+  if constexpr (act == GELU) return norm_cdf(z) + z * A(0.39894228040143267794) * vexp(A(-0.5) * z * z);
+  if constexpr (act == GELU_TANH) {
+    const A k = A(0.79788456080286535588), z2 = z * z, s = sigmoid(A(2) * k * (z + A(0.044715) * z2 * z));
+    return s + A(2) * z * s * (A(1) - s) * k * (A(1) + A(3 * 0.044715) * z2);
+  }
+  if constexpr (act == SILU) {
+    const A s = sigmoid(z);
+    return s * (A(1) + z * (A(1) - s));
+  }
+  if constexpr (act == RELU2) return z > A(0) ? A(2) * z : A(0);
+  return A(1);
+}
+
+#if SUBLAYER_AVX2_FMA
+// Cephes expf on 8 lanes (range reduction + degree-5 polynomial, ~1 ulp), inputs clamped to [-87.3, 88.3].
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+// ------------------------------------------------------------------ row norms
+// Row reductions with 4 independent vector accumulators (a single one is bound by the add latency). The order of
+// the additions depends on d only: results are bitwise reproducible.
+template <typename A> constexpr int64_t kLanes = 4 * 32 / int64_t(sizeof(A));
+
+// v[j] = f(j) for j < d, returning sum_j v[j].
+template <typename A, typename F> inline A fill_sum(A* v, int64_t d, F&& f) {
+  constexpr int64_t L = kLanes<A>;
+  A part[L] = {};
+  int64_t j = 0;
+  for (; j + L <= d; j += L) {
+#pragma omp simd
+    for (int64_t k = 0; k < L; ++k) {
+      const A t = f(j + k);
+      v[j + k] = t;
+      part[k] += t;
+    }
+  }
+  A acc = 0;
+  for (; j < d; ++j) {
+    const A t = f(j);
+    v[j] = t;
+    acc += t;
+  }
+  for (int64_t k = 0; k < L; ++k) acc += part[k];
+  return acc;
+}
+
+template <typename A> inline A row_sqdev(const A* v, A m, int64_t d) {  // sum (v - m)^2
+  constexpr int64_t L = kLanes<A>;
+  A part[L] = {};
+  int64_t j = 0;
+  for (; j + L <= d; j += L) {
+#pragma omp simd
+    for (int64_t k = 0; k < L; ++k) part[k] += (v[j + k] - m) * (v[j + k] - m);
+  }
+  A acc = 0;
+  for (; j < d; ++j) acc += (v[j] - m) * (v[j] - m);
+  for (int64_t k = 0; k < L; ++k) acc += part[k];
+  return acc;
+}
+
+// s1 = sum_j a_j and s2 = sum_j b_j where f(j, a_j, b_j) gives them (and may do more per element), with 4
+// independent vector accumulators each, in an order that depends on d only.
+template <typename A, typename F> inline void sum2(int64_t d, A& s1, A& s2, F&& f) {
+  constexpr int64_t L = kLanes<A>;
+  A p1[L] = {}, p2[L] = {};
+  int64_t j = 0;
+  for (; j + L <= d; j += L) {
+#pragma omp simd
+    for (int64_t k = 0; k < L; ++k) {
+      A a, b;
+      f(j + k, a, b);
+      p1[k] += a;
+      p2[k] += b;
+    }
+  }
+  s1 = 0;
+  s2 = 0;
+  for (; j < d; ++j) {
+    A a, b;
+    f(j, a, b);
+    s1 += a;
+    s2 += b;
+  }
+  for (int64_t k = 0; k < L; ++k) {
+    s1 += p1[k];
+    s2 += p2[k];
+  }
+}
+
+// LayerNorm of one float32 row: out[j] = (x[j] - mean) * rstd * w[j] + b[j], two-pass variance (out may be x).
+inline void layer_norm_row(const float* x, const float* w, const float* b, float eps, float* out, int64_t d) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < d; ++j) sum += x[j];
+  const float m = sum / float(d);
+  float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+  for (int64_t j = 0; j < d; ++j) sq += (x[j] - m) * (x[j] - m);
+  const float rs = 1.0f / std::sqrt(sq / float(d) + eps);
+#pragma omp simd
+  for (int64_t j = 0; j < d; ++j) out[j] = (x[j] - m) * rs * w[j] + b[j];
+}
+
+}  // namespace sublayer

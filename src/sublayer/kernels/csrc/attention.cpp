@@ -1,0 +1,305 @@
+// Attention kernels for decoding and encoding (registered as torch.ops.sublayer_kernels.*).
+//
+//  * decode_attention: one query per row against a static key/value cache (B, H, T_max, hd): optionally writes
+//    this step's key/value at position length-1 first, then softmax(q k^T * scale) v over the first `length`
+//    positions, skipping those the (B, T_max) padding mask marks True. A row whose keys are all masked gets zeros.
+//    An optional (N, T_max) row table says which cache row holds each key (beam search reorders the table, not
+//    the caches; beams share their sentence's cross-attention memory). Per head: four keys' dot products at a
+//    time (one hadd ladder), the output in registers, the next head's lines prefetched.
+//  * qkv_self_attention: the encoder's self-attention read straight from the fused q|k|v projection (B*S rows).
+//
+// float32 only, over both threads (at::parallel_for).
+
+#include "common.h"
+
+#include <limits>
+
+namespace sublayer {
+namespace {
+
+// The data of an optional (rows, cols) padding mask (True = skip), checked; null when absent.
+const bool* padding_mask(const c10::optional<Tensor>& mask, int64_t rows, int64_t cols, const char* op) {
+  if (!mask.has_value() || !mask->defined()) return nullptr;
+  TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 2 && mask->size(0) == rows &&
+                  mask->size(1) == cols && mask->is_contiguous(),
+              op, ": mask must be a contiguous bool (", rows, ", ", cols, ") tensor");
+  return mask->data_ptr<bool>();
+}
+
+// s[j] = scale * (q . K[j]) for j < L (key rows ks floats apart), -inf where m[j] (mask, may be null); returns
+// max_j s[j].
+inline float head_scores(const float* q, const float* K, int64_t ks, const bool* m, int64_t L, int64_t hd, float sc,
+                         float* s) {
+  int64_t j = 0;
+#if SUBLAYER_AVX2_FMA
+  if (hd % 8 == 0) {  // four keys at a time, their four sums reduced together by a hadd ladder
+    const __m128 vsc = _mm_set1_ps(sc);
+    for (; j + 4 <= L; j += 4) {
+      const float* k0 = K + j * ks;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t e = 0; e < hd; e += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + e);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + e), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + ks + e), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * ks + e), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * ks + e), a3);
+      }
+      // lanes of t: [a0 0-3, a1 0-3, a2 0-3, a3 0-3 | the same over elements 4-7]
+      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      const __m128 r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+      _mm_storeu_ps(s + j, _mm_mul_ps(r, vsc));
+    }
+  }
+#endif
+  for (; j < L; ++j) s[j] = dot(q, K + j * ks, hd) * sc;
+  float mx = -std::numeric_limits<float>::infinity();
+  for (j = 0; j < L; ++j) {
+    if (m && m[j]) s[j] = -std::numeric_limits<float>::infinity();
+    mx = std::max(mx, s[j]);
+  }
+  return mx;
+}
+
+// s[j] = exp(s[j] - mx) in place (-inf -> 0); returns their sum.
+inline float exp_scores(float* s, int64_t L, float mx) {
+  float sum = 0.0f;
+  int64_t j = 0;
+#if SUBLAYER_AVX2_FMA
+  {  // exp of 8 scores at a time (exp256: ~1 ulp; masked scores, -inf, are clamped to e^-87.3 -> re-zeroed)
+    __m256 vs = _mm256_setzero_ps();
+    const __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (; j + 8 <= L; j += 8) {
+      const __m256 v = _mm256_loadu_ps(s + j);
+      const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(v, ninf, _CMP_EQ_OQ), exp256(_mm256_sub_ps(v, vmx)));
+      _mm256_storeu_ps(s + j, e);
+      vs = _mm256_add_ps(vs, e);
+    }
+    float l8[8];
+    _mm256_storeu_ps(l8, vs);
+    for (float l : l8) sum += l;
+  }
+#endif
+  for (; j < L; ++j) {
+    s[j] = std::exp(s[j] - mx);
+    sum += s[j];
+  }
+  return sum;
+}
+
+#if SUBLAYER_AVX2_FMA
+// o[0, 8*NV) = inv * sum_j p[j] V[j][0, 8*NV) (V rows vs floats apart), the accumulators in registers.
+template <int NV>
+inline void weighted_sum_chunk(const float* p, float inv, const float* V, int64_t vs, int64_t L, float* o) {
+  __m256 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    if (p[j] == 0.0f) continue;  // a masked key: skipped, so a non-finite value there cannot leak in
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const float* vj = V + j * vs;
+    for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * v), acc[v]);
+  }
+  const __m256 vi = _mm256_set1_ps(inv);
+  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(o + 8 * v, _mm256_mul_ps(acc[v], vi));
+}
+#endif
+
+// o[0, hd) = inv * sum_{j<L} p[j] V[j] (rows vs floats apart); keys with p[j] == 0 (masked) are skipped.
+inline void head_weighted_sum(const float* p, float inv, const float* V, int64_t vs, int64_t L, int64_t hd,
+                              float* o) {
+#if SUBLAYER_AVX2_FMA
+  if (hd % 8 == 0) {
+    for (int64_t c = 0; c < hd; c += 64) {  // up to 8 vectors of the output per pass over the keys
+      switch (std::min<int64_t>(8, (hd - c) / 8)) {
+        case 1: weighted_sum_chunk<1>(p, inv, V + c, vs, L, o + c); break;
+        case 2: weighted_sum_chunk<2>(p, inv, V + c, vs, L, o + c); break;
+        case 3: weighted_sum_chunk<3>(p, inv, V + c, vs, L, o + c); break;
+        case 4: weighted_sum_chunk<4>(p, inv, V + c, vs, L, o + c); break;
+        case 5: weighted_sum_chunk<5>(p, inv, V + c, vs, L, o + c); break;
+        case 6: weighted_sum_chunk<6>(p, inv, V + c, vs, L, o + c); break;
+        case 7: weighted_sum_chunk<7>(p, inv, V + c, vs, L, o + c); break;
+        default: weighted_sum_chunk<8>(p, inv, V + c, vs, L, o + c); break;
+      }
+    }
+    return;
+  }
+#endif
+  std::fill(o, o + hd, 0.0f);
+  for (int64_t j = 0; j < L; ++j) {
+    if (p[j] == 0.0f) continue;
+    const float pj = p[j] * inv;
+    const float* vj = V + j * vs;
+#pragma omp simd
+    for (int64_t e = 0; e < hd; ++e) o[e] += pj * vj[e];
+  }
+}
+
+}  // namespace
+
+// q (N, H*hd) unit inner stride; kc, vc (B, H, T_max, hd) contiguous; mask (N, T_max) bool, True = skip; rows
+// (N, T_max) int64 or none: key j of query row n is cache row rows[n, j] (beam search reorders this table instead
+// of copying caches; beams share their sentence's cross-attention memory), else row n itself (then N == B).
+Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, const c10::optional<Tensor>& mask,
+                        int64_t length, double scale, const c10::optional<Tensor>& new_k,
+                        const c10::optional<Tensor>& new_v, const c10::optional<Tensor>& rows) {
+  check_float_contig(kc, "decode_attention: k_cache", 4);
+  check_float_contig(vc, "decode_attention: v_cache", 4);
+  TORCH_CHECK(kc.sizes() == vc.sizes(), "decode_attention: k_cache and v_cache shapes differ");
+  const int64_t B = kc.size(0), H = kc.size(1), T = kc.size(2), hd = kc.size(3), d = H * hd, N = q.size(0);
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 2 && q.size(1) == d && q.stride(1) == 1,
+              "decode_attention: q must be float32 (N, ", d, ") with unit inner stride, got ", q.sizes());
+  TORCH_CHECK(length >= 1 && length <= T, "decode_attention: length ", length, " outside [1, ", T, "]");
+  const int64_t* rp = nullptr;
+  if (rows.has_value() && rows->defined()) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 2 && rows->size(0) == N && rows->size(1) == T &&
+                    rows->is_contiguous(),
+                "decode_attention: rows must be a contiguous int64 (N=", N, ", T_max=", T, ") tensor");
+    rp = rows->data_ptr<int64_t>();
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t j = 0; j < length; ++j) {
+        TORCH_CHECK(rp[n * T + j] >= 0 && rp[n * T + j] < B, "decode_attention: rows[", n, ", ", j, "] = ",
+                    rp[n * T + j], " is not a cache row in [0, ", B, ")");
+      }
+    }
+  } else {
+    TORCH_CHECK(N == B, "decode_attention: q has ", N, " rows but the caches ", B, " (pass rows to map them)");
+  }
+  const bool* mp = padding_mask(mask, N, T, "decode_attention");
+  const bool write = new_k.has_value() && new_k->defined();
+  if (write) {  // query row n writes cache row n (a compacted batch, N < B, keeps the first N rows' slots)
+    TORCH_CHECK(N <= B, "decode_attention: new_k/new_v need at most one query row per cache row");
+    for (const Tensor* t : {&*new_k, &*new_v}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == N && t->size(1) == d &&
+                      t->stride(1) == 1,
+                  "decode_attention: new_k/new_v must be float32 (N, ", d, ") with unit inner stride");
+    }
+    for (int64_t n = 0; rp && n < N; ++n) {
+      TORCH_CHECK(rp[n * T + length - 1] == n, "decode_attention: rows[", n, ", ", length - 1, "] must be ", n,
+                  " (the new key is written in the row's own cache row)");
+    }
+  }
+  Tensor out = at::empty({N, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* qp = q.data_ptr<float>();
+  float* kp = kc.data_ptr<float>();
+  float* vp = vc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* nk = write ? new_k->data_ptr<float>() : nullptr;
+  const float* nv = write ? new_v->data_ptr<float>() : nullptr;
+  const int64_t qs = q.stride(0), nks = write ? new_k->stride(0) : 0, nvs = write ? new_v->stride(0) : 0;
+  const float sc = float(scale);
+  // threads only when there is enough to read: a parallel region costs more than a short head's work
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(1, length * hd));
+  // A head's keys and values are a few cache lines that the step last touched long ago (L3 or DRAM), too short a
+  // run for the hardware prefetcher: the next head's (two ahead for heads under 8 lines) are fetched explicitly,
+  // so its misses overlap this head's arithmetic (in the decoder steps: attention 30-40% faster).
+  const int64_t lines = (length * hd * int64_t(sizeof(float)) + 63) / 64, ahead = lines < 8 ? 2 : 1;
+  at::parallel_for(0, N * H, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> s(length);
+    std::vector<float> gk, gv;  // a head's keys and values gathered from several cache rows
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n = i / H, h = i % H;
+      if (i + ahead < i1) {
+        const int64_t n2 = (i + ahead) / H, h2 = (i + ahead) % H, r2 = rp ? rp[n2 * T] : n2;
+        const char* k2 = reinterpret_cast<const char*>(kp + (r2 * H + h2) * T * hd);
+        const char* v2 = reinterpret_cast<const char*>(vp + (r2 * H + h2) * T * hd);
+        for (int64_t l = 0; l < lines; ++l) {
+          __builtin_prefetch(k2 + l * 64, 0, 3);
+          __builtin_prefetch(v2 + l * 64, 0, 3);
+        }
+      }
+      const bool* m = mp ? mp + n * T : nullptr;
+      const float* qh = qp + n * qs + h * hd;
+      float* o = op + n * d + h * hd;
+      int64_t r = n;  // the cache row when every key of this query is in one row
+      bool one_row = true;
+      if (rp) {
+        r = rp[n * T];
+        for (int64_t j = 1; j < length && one_row; ++j) one_row = rp[n * T + j] == r;
+      }
+      float* K = kp + (r * H + h) * T * hd;
+      float* V = vp + (r * H + h) * T * hd;
+      if (write) {
+        float* Kn = kp + (n * H + h) * T * hd;
+        float* Vn = vp + (n * H + h) * T * hd;
+        std::copy(nk + n * nks + h * hd, nk + n * nks + (h + 1) * hd, Kn + (length - 1) * hd);
+        std::copy(nv + n * nvs + h * hd, nv + n * nvs + (h + 1) * hd, Vn + (length - 1) * hd);
+      }
+      if (!one_row) {
+        gk.resize(length * hd);
+        gv.resize(length * hd);
+        for (int64_t j = 0; j < length; ++j) {
+          const int64_t off = (rp[n * T + j] * H + h) * T * hd + j * hd;
+          std::copy(kp + off, kp + off + hd, gk.data() + j * hd);
+          std::copy(vp + off, vp + off + hd, gv.data() + j * hd);
+        }
+        K = gk.data();
+        V = gv.data();
+      }
+      const float mx = head_scores(qh, K, hd, m, length, hd, sc, s.data());
+      if (mx == -std::numeric_limits<float>::infinity()) {  // every key masked: zeros (as SDPA)
+        std::fill(o, o + hd, 0.0f);
+        continue;
+      }
+      const float sum = exp_scores(s.data(), length, mx);
+      head_weighted_sum(s.data(), 1.0f / sum, V, hd, length, hd, o);
+    }
+  });
+  return out;
+}
+
+namespace {
+
+// Self-attention of B sequences of S rows each, read straight from the fused projection: qkv (B*S, 3*H*hd) with
+// unit inner stride (q | k | v of row b*S + t), mask (B, S) bool True = padding (those keys are skipped, and those
+// query rows get zeros). Returns (B*S, H*hd) = softmax(q k^T * scale) v per sequence and head; no transposes and
+// no (B, H, S, S) scores: each (sequence, head) is a few KB that stay in L1 while its S queries run.
+Tensor qkv_self_attention(const Tensor& qkv, const c10::optional<Tensor>& mask, int64_t n_heads, int64_t seq_len,
+                          double scale) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.stride(1) == 1,
+              "qkv_self_attention: qkv must be a float32 matrix with unit inner stride, got ", qkv.sizes());
+  const int64_t S = seq_len, H = n_heads, rows = qkv.size(0);
+  TORCH_CHECK(S >= 1 && H >= 1 && rows % S == 0 && qkv.size(1) % (3 * H) == 0,
+              "qkv_self_attention: qkv ", qkv.sizes(), " is not (B*", S, ", 3*", H, "*head_dim)");
+  const int64_t B = rows / S, d = qkv.size(1) / 3, hd = d / H, rs = qkv.stride(0);
+  const bool* mp = padding_mask(mask, B, S, "qkv_self_attention");
+  Tensor out = at::empty({rows, d}, qkv.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* base = qkv.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = float(scale);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(1, S * S * hd));
+  at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> s(S);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / H, h = i % H;
+      const float* Q = base + b * S * rs + h * hd;
+      const float* K = Q + d;
+      const float* V = Q + 2 * d;
+      const bool* m = mp ? mp + b * S : nullptr;
+      for (int64_t t = 0; t < S; ++t) {
+        float* o = op + (b * S + t) * d + h * hd;
+        const float mx = (m && m[t]) ? -std::numeric_limits<float>::infinity()
+                                     : head_scores(Q + t * rs, K, rs, m, S, hd, sc, s.data());
+        if (mx == -std::numeric_limits<float>::infinity()) {  // a padding row, or no key to see: zeros
+          std::fill(o, o + hd, 0.0f);
+          continue;
+        }
+        const float sum = exp_scores(s.data(), S, mx);
+        head_weighted_sum(s.data(), 1.0f / sum, V, rs, S, hd, o);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace sublayer
+
+TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
+  m.def("qkv_self_attention(Tensor qkv, Tensor? mask, int n_heads, int seq_len, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? mask, int length, float scale, "
+        "Tensor? new_k, Tensor? new_v, Tensor? rows=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
+  m.impl("decode_attention", &sublayer::decode_attention);
+  m.impl("qkv_self_attention", &sublayer::qkv_self_attention);
+}

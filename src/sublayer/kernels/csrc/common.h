@@ -1,0 +1,127 @@
+// Shared by every translation unit of the extension (torch.ops.sublayer_kernels): element types, argument checks,
+// dropout's parameters, the deterministic row chunking, and the functions that one file defines and another calls.
+// Everything is in namespace sublayer; each .cpp keeps its own helpers in an unnamed namespace inside it.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/core/ScalarType.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "act_norm.h"
+
+namespace sublayer {
+
+using at::Tensor;
+
+// ------------------------------------------------------------------ element types
+inline float bf16_to_f(uint16_t v) {
+  uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t f_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+  return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t(0x7fc0) : uint16_t(r);
+}
+struct BF16 {};  // tag: bfloat16 stored as uint16_t
+
+template <typename T> struct Elt;
+template <> struct Elt<float> {
+  using store = float;
+  using acc = float;
+  static float ld(float v) { return v; }
+  static float st(float v) { return v; }
+};
+template <> struct Elt<double> {
+  using store = double;
+  using acc = double;
+  static double ld(double v) { return v; }
+  static double st(double v) { return v; }
+};
+template <> struct Elt<BF16> {
+  using store = uint16_t;
+  using acc = float;
+  static float ld(uint16_t v) { return bf16_to_f(v); }
+  static uint16_t st(float v) { return f_to_bf16(v); }
+};
+
+template <typename T> typename Elt<T>::store* ptr(const Tensor& t) {
+  return static_cast<typename Elt<T>::store*>(t.data_ptr());
+}
+
+// keep iff draw >= thr, thr = round(p * 2^16): the keep probability is 1 - p rounded to a multiple of 2^-16, and
+// kept values are scaled by 1 / that probability (not 1/(1-p): near p = 1 the two differ a lot, and only the real
+// keep probability leaves the mean unbiased). Python rejects p whose threshold would round to 0 or 2^16.
+struct Drop {
+  bool on;
+  uint32_t thr;
+  double scale;
+  uint64_t seed;
+  Drop(double p, int64_t s) : on(p > 0), thr(0), scale(1.0), seed(uint64_t(s)) {
+    if (on) {
+      const double t = std::nearbyint(p * 65536.0);
+      thr = t >= 65535.0 ? 65535u : uint32_t(std::max(t, 1.0));
+      scale = 65536.0 / (65536.0 - double(thr));
+    }
+  }
+};
+
+// Fixed row chunking for deterministic reductions: depends on the row count only.
+inline int64_t n_chunks(int64_t rows) { return std::max<int64_t>(1, std::min<int64_t>(64, (rows + 63) / 64)); }
+
+template <typename A>
+void reduce_chunks(const std::vector<A>& part, int64_t nch, int64_t d, A* out) {
+  for (int64_t j = 0; j < d; ++j) out[j] = 0;
+  for (int64_t c = 0; c < nch; ++c) {
+    const A* p = part.data() + c * d;
+    for (int64_t j = 0; j < d; ++j) out[j] += p[j];
+  }
+}
+
+inline at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+inline void check_float_contig(const Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, " must be ", dim, "-D, got ", t.dim(), "-D");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// ------------------------------------------------------------------ defined in one file, called from another
+// ffn.cpp: dropout draws (16 bits per element) of elements [start, start + n) of the Philox stream `seed`.
+void philox_fill(uint64_t start, int64_t n, uint64_t seed, uint32_t* out);
+// packed_linear.cpp: y = act(x @ W^T * scale + bias) on packed panels.
+Tensor skinny_linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias, int64_t n,
+                     int64_t act, const c10::optional<Tensor>& scale);
+// attention.cpp: one query per row against a static key/value cache.
+Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, const c10::optional<Tensor>& mask,
+                        int64_t length, double scale, const c10::optional<Tensor>& new_k,
+                        const c10::optional<Tensor>& new_v, const c10::optional<Tensor>& rows);
+
+}  // namespace sublayer
+
+namespace sublayer_cache {  // buffer_cache.cpp: big buffers kept for reuse (no fresh-page faults step after step)
+at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype);
+}  // namespace sublayer_cache

@@ -1,0 +1,212 @@
+// One decoding step through every block or layer in one call (registered as torch.ops.sublayer_kernels.*):
+// gpt2_decode_layers and transformer_decode_layers, built from packed_linear.cpp's skinny_linear,
+// attention.cpp's decode_attention and a fused residual + LayerNorm. float32 only.
+
+#include "common.h"
+
+#include <ATen/ops/addmm.h>
+
+namespace sublayer {
+namespace {
+
+// The steps take their weights as one flat list (models/decoding.py's _flat_gpt2 / _flat_transformer build it);
+// these views name its entries, so the layout is written here once.
+struct Linear {  // as skinny_linear takes it (scale: empty for float panels); weight: unpacked, for torch's GEMM
+  const Tensor &packed, &scale, &bias, *weight;
+};
+struct Norm {
+  const Tensor &weight, &bias;
+};
+
+struct GPT2Block {  // 16 tensors: ln_1, attention q|k|v and out, ln_2, fc1, fc2
+  static constexpr int64_t SIZE = 16;
+  Norm ln_1;
+  Linear qkv, out;
+  Norm ln_2;
+  Linear fc1, fc2;
+  explicit GPT2Block(const Tensor* P)
+      : ln_1{P[0], P[1]}, qkv{P[2], P[3], P[4], nullptr}, out{P[5], P[6], P[7], nullptr}, ln_2{P[8], P[9]},
+        fc1{P[10], P[11], P[12], nullptr}, fc2{P[13], P[14], P[15], nullptr} {}
+};
+
+// 30 tensors: q|k|v, out, q_cross, out_cross, fc1, fc2 (packed, scale, bias, weight each); then the
+// self-attention, cross-attention and FFN residuals' norms
+struct TransformerLayer {
+  static constexpr int64_t SIZE = 30;
+  Linear qkv, out, q_cross, out_cross, fc1, fc2;
+  Norm self_norm, cross_norm, ffn_norm;
+  static Linear linear(const Tensor* P) { return {P[0], P[1], P[2], &P[3]}; }
+  explicit TransformerLayer(const Tensor* P)
+      : qkv(linear(P)), out(linear(P + 4)), q_cross(linear(P + 8)), out_cross(linear(P + 12)), fc1(linear(P + 16)),
+        fc2(linear(P + 20)), self_norm{P[24], P[25]}, cross_norm{P[26], P[27]}, ffn_norm{P[28], P[29]} {}
+};
+
+// Every LayerNorm parameter: float32 (d,); what: "<op>: LayerNorm parameter".
+void check_norm(const Norm& n, int64_t d, const char* what) {
+  for (const Tensor* t : {&n.weight, &n.bias}) {
+    check_float_contig(*t, what, 1);
+    TORCH_CHECK(t->size(0) == d, what, "s must have ", d, " elements");
+  }
+}
+
+// h = LayerNorm(x) per row (two-pass variance), and first x += y when y is given: GPT-2's residual + ln.
+void add_layer_norm(float* x, const float* y, const Norm& n, double eps, float* h, int64_t B, int64_t d) {
+  const float *wp = n.weight.data_ptr<float>(), *bp = n.bias.data_ptr<float>();
+  // rows on both threads only for big batches (a translate step's hundreds of rows): a parallel region costs more
+  // than a few rows' work
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, d));
+  at::parallel_for(0, B, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* xr = x + r * d;
+      if (y) {
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) xr[j] += y[r * d + j];
+      }
+      layer_norm_row(xr, wp, bp, float(eps), h + r * d, d);
+    }
+  });
+}
+
+// One GPT-2 decoding step through every block (models/decoding.py's gpt2_step, in one call): x (B, d) the
+// embeddings of this step's tokens; `params`: each block's GPT2Block, then ln_f weight, bias; the blocks' caches
+// (B, H, T_max, hd), written at position length-1. Returns ln_f of the last residual stream (B, d).
+Tensor gpt2_decode_layers(const Tensor& x, at::TensorList params, at::TensorList k_caches, at::TensorList v_caches,
+                          const c10::optional<Tensor>& mask, int64_t length, double eps, int64_t act) {
+  constexpr int64_t PER = GPT2Block::SIZE;
+  const int64_t n_layers = int64_t(k_caches.size());
+  TORCH_CHECK(n_layers > 0 && int64_t(params.size()) == PER * n_layers + 2 && int64_t(v_caches.size()) == n_layers,
+              "gpt2_decode_layers: expected 16 tensors per block + 2 and one k/v cache per block");
+  check_float_contig(x, "gpt2_decode_layers: x", 2);
+  const int64_t B = x.size(0), d = x.size(1);
+  Tensor resid = x.clone();
+  Tensor h = at::empty_like(resid);
+  float *rp = resid.data_ptr<float>(), *hp = h.data_ptr<float>();
+  const Norm ln_f{params[PER * n_layers], params[PER * n_layers + 1]};
+  constexpr const char* kNormWhat = "gpt2_decode_layers: LayerNorm parameter";
+  for (int64_t i = 0; i < n_layers; ++i) {
+    const GPT2Block L(params.data() + PER * i);
+    check_norm(L.ln_1, d, kNormWhat);
+    check_norm(L.ln_2, d, kNormWhat);
+  }
+  check_norm(ln_f, d, kNormWhat);
+  add_layer_norm(rp, nullptr, GPT2Block(params.data()).ln_1, eps, hp, B, d);
+  const double scale = 1.0 / std::sqrt(double(d / k_caches[0].size(1)));
+  auto linear = [&](const Tensor& in, const Linear& l, int64_t a) {
+    return skinny_linear(in, l.packed, l.bias, l.bias.size(0), a, l.scale);
+  };
+  for (int64_t i = 0; i < n_layers; ++i) {
+    const GPT2Block L(params.data() + PER * i);
+    const Tensor qkv = linear(h, L.qkv, IDENT);
+    const Tensor ctx = decode_attention(qkv.narrow(1, 0, d), k_caches[i], v_caches[i], mask, length, scale,
+                                        qkv.narrow(1, d, d), qkv.narrow(1, 2 * d, d), c10::nullopt);
+    const Tensor o = linear(ctx, L.out, IDENT);
+    add_layer_norm(rp, o.data_ptr<float>(), L.ln_2, eps, hp, B, d);
+    const Tensor y = linear(linear(h, L.fc1, act), L.fc2, IDENT);
+    const Norm next = i + 1 < n_layers ? GPT2Block(params.data() + PER * (i + 1)).ln_1 : ln_f;
+    add_layer_norm(rp, y.data_ptr<float>(), next, eps, hp, B, d);
+  }
+  return h;
+}
+
+template <int64_t A>
+void act_rows(float* p, int64_t n) {
+  at::parallel_for(0, n, 1 << 14, [&](int64_t i0, int64_t i1) {
+#pragma omp simd
+    for (int64_t i = i0; i < i1; ++i) p[i] = act_f<A>(p[i]);
+  });
+}
+
+// y = act(x @ W^T + b) for a decoder step's rows: skinny_linear on the packed panels for up to max_rows rows,
+// else torch's GEMM (addmm) on the unpacked weight and the activation in place (models/decoding.py, PackedLinear).
+Tensor step_linear(const Tensor& x, const Linear& l, int64_t act, int64_t max_rows) {
+  if (x.size(0) <= max_rows) return skinny_linear(x, l.packed, l.bias, l.bias.size(0), act, l.scale);
+  Tensor y = at::addmm(l.bias, x, l.weight->t());
+  if (act != IDENT) SUBLAYER_DISPATCH_ACT(act, [&] { act_rows<ACT>(y.data_ptr<float>(), y.numel()); });
+  return y;
+}
+
+// One Transformer decoder step through every layer (models/decoding.py's transformer_stepper step, in one call):
+// x (N, d) this step's target embeddings (scaled, plus the position's encoding). `params`: each layer's
+// TransformerLayer, then the final norm's weight and bias (empty tensors: none). k_caches/v_caches (N, H, T_max,
+// hd) get this step's keys at position length-1; cross_k/cross_v (B, H, S, hd) hold the memory's, with cross_mask
+// (N, S) True = padding; rows (N, T_max) and cross_rows (N, S) map query rows to cache rows (decode_attention) or
+// are absent. norm_first: pre-norm residuals x + f(LN(x)), else post-norm LN(x + f(x)). Returns the final hidden
+// states (N, d), what the LM head reads.
+Tensor transformer_decode_layers(const Tensor& x, at::TensorList params, at::TensorList k_caches,
+                                 at::TensorList v_caches, at::TensorList cross_k, at::TensorList cross_v,
+                                 const c10::optional<Tensor>& cross_mask, const c10::optional<Tensor>& rows,
+                                 const c10::optional<Tensor>& cross_rows, int64_t length, double eps, int64_t act,
+                                 bool norm_first, int64_t max_rows) {
+  constexpr int64_t PER = TransformerLayer::SIZE;
+  constexpr const char* kNormWhat = "transformer_decode_layers: LayerNorm parameter";
+  const int64_t n_layers = int64_t(k_caches.size());
+  TORCH_CHECK(n_layers > 0 && int64_t(params.size()) == PER * n_layers + 2 && int64_t(v_caches.size()) == n_layers &&
+                  int64_t(cross_k.size()) == n_layers && int64_t(cross_v.size()) == n_layers,
+              "transformer_decode_layers: expected 30 tensors per layer + 2 and one cache of each kind per layer");
+  TORCH_CHECK(act >= IDENT && act <= RELU2, "transformer_decode_layers: act ", act, " is not a fused activation");
+  check_float_contig(x, "transformer_decode_layers: x", 2);
+  const int64_t N = x.size(0), d = x.size(1), S = cross_k[0].size(2);
+  const Norm final_norm{params[PER * n_layers], params[PER * n_layers + 1]};
+  const bool has_final = final_norm.weight.numel() > 0;
+  for (int64_t i = 0; i < n_layers; ++i) {
+    const TransformerLayer L(params.data() + PER * i);
+    for (const Norm* n : {&L.self_norm, &L.cross_norm, &L.ffn_norm}) check_norm(*n, d, kNormWhat);
+  }
+  if (has_final) check_norm(final_norm, d, kNormWhat);
+  Tensor resid = x.clone();
+  Tensor h = norm_first ? at::empty_like(resid) : resid;  // post-norm: the sublayers read the residual stream
+  float *rp = resid.data_ptr<float>(), *hp = h.data_ptr<float>();
+  const double scale = 1.0 / std::sqrt(double(d / k_caches[0].size(1)));
+  // a residual: pre-norm x += y, then h = LN(x) with the norm that follows (the next sublayer's; none: h = x);
+  // post-norm x = LN(x + y) in place (h is x)
+  auto residual = [&](const Tensor& y, const Norm& norm_here, const Norm* norm_next) {
+    if (!norm_first) {
+      add_layer_norm(rp, y.data_ptr<float>(), norm_here, eps, rp, N, d);
+    } else if (norm_next) {
+      add_layer_norm(rp, y.data_ptr<float>(), *norm_next, eps, hp, N, d);
+    } else {
+      const float* yp = y.data_ptr<float>();
+      for (int64_t j = 0; j < N * d; ++j) hp[j] = rp[j] += yp[j];
+    }
+  };
+  if (norm_first) add_layer_norm(rp, nullptr, TransformerLayer(params.data()).self_norm, eps, hp, N, d);
+  for (int64_t i = 0; i < n_layers; ++i) {
+    const TransformerLayer L(params.data() + PER * i);
+    // pre-norm: the norm after the FFN is the next layer's first (or the final one)
+    const std::optional<TransformerLayer> next =
+        i + 1 < n_layers ? std::optional<TransformerLayer>(params.data() + PER * (i + 1)) : std::nullopt;
+    const Norm* after = next ? &next->self_norm : (has_final ? &final_norm : nullptr);
+    const Tensor qkv = step_linear(h, L.qkv, IDENT, max_rows);
+    const Tensor ctx = decode_attention(qkv.narrow(1, 0, d), k_caches[i], v_caches[i], c10::nullopt, length, scale,
+                                        qkv.narrow(1, d, d), qkv.narrow(1, 2 * d, d), rows);
+    residual(step_linear(ctx, L.out, IDENT, max_rows), L.self_norm, &L.cross_norm);
+    const Tensor q = step_linear(h, L.q_cross, IDENT, max_rows);
+    const Tensor cctx = decode_attention(q, cross_k[i], cross_v[i], cross_mask, S, scale, c10::nullopt, c10::nullopt,
+                                         cross_rows);
+    residual(step_linear(cctx, L.out_cross, IDENT, max_rows), L.cross_norm, &L.ffn_norm);
+    const Tensor f = step_linear(h, L.fc1, act, max_rows);
+    residual(step_linear(f, L.fc2, IDENT, max_rows), L.ffn_norm, after);
+  }
+  if (!norm_first && has_final) {
+    Tensor out = at::empty_like(resid);
+    add_layer_norm(rp, nullptr, final_norm, eps, out.data_ptr<float>(), N, d);
+    return out;
+  }
+  return h;
+}
+
+}  // namespace
+}  // namespace sublayer
+
+TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
+  m.def("gpt2_decode_layers(Tensor x, Tensor[] params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor? mask, "
+        "int length, float eps, int act) -> Tensor");
+  m.def("transformer_decode_layers(Tensor x, Tensor[] params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+        "Tensor[] cross_k, Tensor[] cross_v, Tensor? cross_mask, Tensor? rows, Tensor? cross_rows, int length, "
+        "float eps, int act, bool norm_first, int max_rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
+  m.impl("gpt2_decode_layers", &sublayer::gpt2_decode_layers);
+  m.impl("transformer_decode_layers", &sublayer::transformer_decode_layers);
+}

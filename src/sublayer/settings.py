@@ -1,0 +1,120 @@
+"""Every ``SUBLAYER_*`` environment variable, read here and nowhere else (:data:`VARIABLES` lists them with
+their values and defaults; one typed accessor each).
+
+Each accessor reads the environment when it is called (``environ=`` reads a mapping instead, for tests). An empty
+or unset variable means its default; any other value outside its list is a ``ValueError`` naming the variable, its
+value and the accepted ones. This module imports nothing from sublayer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+__all__ = [
+    "VARIABLES",
+    "kernels_enabled",
+    "kernels_cache_root",
+    "kernels_lock_timeout",
+    "kernels_verbose",
+    "bf16_gemm",
+    "int8_engine",
+    "decoding_enabled",
+    "buffer_cache_mb",
+]
+
+#: name -> its values, default and effect
+VARIABLES: dict[str, str] = {
+    "SUBLAYER_KERNELS": "1/0: the fused C++ kernels on (default) or off (every module runs the pure-PyTorch reference "
+    "path; the extension is never built); read once, when sublayer.kernels is imported",
+    "SUBLAYER_KERNELS_CACHE": "folder of the compiled kernels (default ~/.cache/sublayer/kernels)",
+    "SUBLAYER_KERNELS_LOCK_TIMEOUT": "seconds to wait for another process compiling the kernels (default 600)",
+    "SUBLAYER_KERNELS_VERBOSE": "1/0: print torch's build commands (default 0)",
+    "SUBLAYER_BF16_GEMM": "native/fp32: how bf16 GEMMs run (default: detected from the CPU's flags)",
+    "SUBLAYER_INT8_ENGINE": "fbgemm/onednn: the int8 GEMMs' quantized engine (default: detected)",
+    "SUBLAYER_DECODING": "1/0: generate/translate use the fast decoding loops (default) or the reference loops; read "
+    "once, at import",
+    "SUBLAYER_BUFFER_CACHE_MB": "MiB of freed big buffers the fused Add & Norm keeps for reuse (default 256, 0: off); "
+    "applied when the kernels load",
+}
+
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+
+
+def _raw(name: str, environ: Mapping[str, str] | None) -> str:
+    return (os.environ if environ is None else environ).get(name, "").strip()
+
+
+def _flag(name: str, default: bool, environ: Mapping[str, str] | None) -> bool:
+    v = _raw(name, environ).lower()
+    if not v:
+        return default
+    if v in _TRUE or v in _FALSE:
+        return v in _TRUE
+    raise ValueError(f"{name}={v!r} is not a switch: use one of {', '.join(_TRUE + _FALSE)}")
+
+
+def _choice(name: str, choices: tuple[str, ...], environ: Mapping[str, str] | None) -> str | None:
+    v = _raw(name, environ).lower()
+    if not v:
+        return None
+    if v not in choices:
+        raise ValueError(f"{name}={v!r} is not one of {', '.join(choices)}")
+    return v
+
+
+def _number(name: str, default: float | None, environ: Mapping[str, str] | None, *, positive: bool) -> float | None:
+    v = _raw(name, environ)
+    if not v:
+        return default
+    try:
+        x = float(v)
+    except ValueError:
+        x = float("nan")
+    if not (x > 0 if positive else x >= 0):
+        raise ValueError(f"{name}={v!r} must be a number {'> 0' if positive else '>= 0'}")
+    return x
+
+
+def kernels_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """``SUBLAYER_KERNELS``: whether the fused C++ kernels may be used (default True)."""
+    return _flag("SUBLAYER_KERNELS", True, environ)
+
+
+def kernels_cache_root(environ: Mapping[str, str] | None = None) -> Path:
+    """``SUBLAYER_KERNELS_CACHE``: the root folder of the kernels' build cache (default ``~/.cache/sublayer/kernels``)."""
+    v = _raw("SUBLAYER_KERNELS_CACHE", environ)
+    return Path(v) if v else Path.home() / ".cache" / "sublayer" / "kernels"
+
+
+def kernels_lock_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """``SUBLAYER_KERNELS_LOCK_TIMEOUT``: seconds to wait for another process's build (default 600)."""
+    return _number("SUBLAYER_KERNELS_LOCK_TIMEOUT", 600.0, environ, positive=True)
+
+
+def kernels_verbose(environ: Mapping[str, str] | None = None) -> bool:
+    """``SUBLAYER_KERNELS_VERBOSE``: whether torch's build prints its commands (default False)."""
+    return _flag("SUBLAYER_KERNELS_VERBOSE", False, environ)
+
+
+def bf16_gemm(environ: Mapping[str, str] | None = None) -> str | None:
+    """``SUBLAYER_BF16_GEMM``: ``"native"`` or ``"fp32"`` when forced, None to detect from the CPU."""
+    return _choice("SUBLAYER_BF16_GEMM", ("native", "fp32"), environ)
+
+
+def int8_engine(environ: Mapping[str, str] | None = None) -> str | None:
+    """``SUBLAYER_INT8_ENGINE``: ``"fbgemm"`` or ``"onednn"`` when forced, None to detect from the CPU."""
+    return _choice("SUBLAYER_INT8_ENGINE", ("fbgemm", "onednn"), environ)
+
+
+def decoding_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """``SUBLAYER_DECODING``: whether generation uses the fast decoding loops (default True)."""
+    return _flag("SUBLAYER_DECODING", True, environ)
+
+
+def buffer_cache_mb(environ: Mapping[str, str] | None = None) -> float | None:
+    """``SUBLAYER_BUFFER_CACHE_MB``: the fused Add & Norm's buffer cache limit in MiB (0: off); None when unset
+    (the kernels' own default, 256)."""
+    return _number("SUBLAYER_BUFFER_CACHE_MB", None, environ, positive=False)
