@@ -27,8 +27,8 @@ from .. import settings
 from . import cpu
 
 _key: dict = {}  # key_inputs(), computed once per process
-# First build measured on this project's 2-core machine (see the README); the "compiling" line shows it until
-# this machine has built once (then the last build's time).
+# What the "compiling" line announces until this machine has built once (then the last build's time): a rough
+# figure for a small machine.
 _BUILD_SECONDS_ESTIMATE = 50
 
 
@@ -302,7 +302,7 @@ def _compile_into(d: Path, lib: Path, exclusive: bool) -> None:
 
 
 def _build_estimate(root: Path) -> int:
-    """Seconds the last build under ``root`` took on this machine (the measured default before any)."""
+    """Seconds the last build under ``root`` took on this machine (the default estimate before any)."""
     try:
         return max(1, round(float((root / "last_build_seconds").read_text())))
     except (OSError, ValueError):

@@ -74,7 +74,7 @@ _native_bf16: bool | None = None
 def native_bf16_gemm() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512_BF16 or AMX-BF16; non-x86 or unknown flags: assumed yes).
 
-    Without it, oneDNN's bf16 GEMM is ~8x slower than fp32 (AVX2): the fused FFN then multiplies bf16 operands in
+    Without it, oneDNN's bf16 GEMM is several times slower than fp32 (AVX2): the fused FFN then multiplies bf16 operands in
     fp32 and rounds the result to bf16 — the numbers of a bf16 GEMM with fp32 accumulation.
     ``SUBLAYER_BF16_GEMM=native`` / ``=fp32`` overrides the detection (read at the first call).
     """
@@ -90,9 +90,8 @@ def native_bf16_gemm() -> bool:
 
 def int8_engine(supported: Iterable[str]) -> str:
     """The quantized engine for the int8 GEMMs among ``supported`` (``torch.backends.quantized.supported_engines``):
-    ``"onednn"`` on CPUs with AMX-INT8 or AVX512-VNNI (oneDNN uses them: ~2.4x fbgemm's speed measured on a Xeon with
-    AMX), ``"fbgemm"`` elsewhere (AVX2: fbgemm ~400 GOP/s). ``SUBLAYER_INT8_ENGINE=fbgemm|onednn`` overrides when
-    that engine is supported."""
+    ``"onednn"`` on CPUs with AMX-INT8 or AVX512-VNNI (oneDNN uses them, fbgemm does not), ``"fbgemm"`` elsewhere
+    (AVX2). ``SUBLAYER_INT8_ENGINE=fbgemm|onednn`` overrides when that engine is supported."""
     supported = list(supported)
     force = settings.int8_engine()
     if force in supported:

@@ -113,7 +113,7 @@ inline void panel_kernel(const float* x, int64_t ldx, const T* w, int64_t K, flo
 
 // One row against NP panels at once (acc + i*16 as panel_kernel<T, 1> for panel w + i*K*16): NP weight streams in
 // flight per thread keep more cache-line misses outstanding than one, which is what bounds a core's read bandwidth
-// (GPT-2's layers: ~19 GB/s with one stream per thread, ~26 GB/s with four, on the 2-core Xeon here). 2*NP
+// (`sublayer bench --decode` reports the GB/s reached). 2*NP
 // accumulators (8 for NP=4) fit AVX2's 16 registers and are enough independent FMA chains.
 template <int NP, typename T>
 inline void panels_kernel(const float* x, const T* w, int64_t K, float* acc) {
