@@ -15,7 +15,7 @@ from torch.testing import assert_close
 from sublayer.checkpoints import bert as bert_keys
 from sublayer.checkpoints import gpt2 as gpt2_keys
 from sublayer.functional import packing
-from sublayer.models import GPT2, Bert, Transformer, padding_free
+from sublayer.models import GPT2, Bert, Transformer, decoding, padding_free
 
 from .conftest import N_LAYERS, VOCAB, make_hf_bert, make_hf_gpt2
 
@@ -387,6 +387,11 @@ def test_all_padding_batch_gives_finite_zeros_or_a_clear_error(bert_folder, gpt2
             with pytest.raises(ValueError, match="no target position"):
                 m.loss(src, tgt, tgt, src_key_padding_mask=pad_s, tgt_key_padding_mask=pad_t)
             assert m.translate(src, 4, bos=1, eos=2, src_key_padding_mask=pad_s).shape[0] == 2
+            decoding.set_enabled(False)  # the reference steps too
+            try:
+                assert m.translate(src, 4, bos=1, eos=2, src_key_padding_mask=pad_s).shape[0] == 2
+            finally:
+                decoding.set_enabled(True)
         finally:
             padding_free.set_enabled(True)
 

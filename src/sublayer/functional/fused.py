@@ -58,7 +58,7 @@ __all__ = [
 ]  # fmt: skip
 
 IMPLS = ("auto", "fused", "reference")
-# activation name -> kernel id (csrc/kernels.cpp: enum Act); a gated name -> its gate's id, run by glu_fwd/glu_bwd
+# activation name -> kernel id (csrc/act_norm.h: enum Act); a gated name -> its gate's id, run by glu_fwd/glu_bwd
 ACT_IDS = {"relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4, "relu2": 5}
 _GLU_IDS = {"swiglu": 4, "geglu": 2, "reglu": 1}
 FUSED_ACTIVATIONS: tuple[str, ...] = (*ACT_IDS, *_GLU_IDS)

@@ -8,7 +8,7 @@ is **weight-only int8** (unlike BERT's, whose activations are quantized too, see
   symmetric per output channel (:func:`~.quantized.quantize_weight`: ``w ≈ q · s[j]``, error <= ``s[j] / 2``),
   except those ``keep_float`` names (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}`` and ``head``);
 * activations stay float32: ``y = act((x @ q^T) · s + b)`` with exact products and fp32 sums, by the
-  ``skinny_linear`` kernel of the float decoding path (``kernels/csrc/decode.cpp``) on int8 panels: the float
+  ``skinny_linear`` kernel of the float decoding path (``kernels/csrc/packed_linear.cpp``) on int8 panels: the float
   panels at a quarter of the bytes, widened to fp32 in registers, the scale applied in the epilogue. The same
   kernel for every row count, so the prompt (prefill) and the decoding steps share one numerics. Without the C++
   kernels :func:`weight_int8_linear_reference` computes them in plain PyTorch (``F.linear`` on the widened
@@ -89,7 +89,7 @@ class WeightInt8Linear:
         return self._packed
 
     def flat(self) -> tuple[Tensor, Tensor, Tensor] | None:
-        """``(packed, scale, bias)`` for ``gpt2_decode_layers`` (decode.cpp's ``skinny_linear`` reads the same
+        """``(packed, scale, bias)`` for ``gpt2_decode_layers`` (packed_linear.cpp's ``skinny_linear`` reads the same
         int8 panels), or None without the kernels or a bias."""
         if not kernels_on() or self.bias is None:
             return None
@@ -187,7 +187,7 @@ class QuantizedGPT2(PreparedCausalLM):
                            for i, L in enumerate(self.layers)],
                 "lnf": norm("ln_f"), "head": self.head, "wte": t["wte"], "wpe": t["wpe"],
             }  # fmt: skip
-            # every block of a step in one C++ call (decode.cpp's skinny_linear on the int8 panels)
+            # every block of a step in one C++ call (packed_linear.cpp's skinny_linear on the int8 panels)
             self._W["flat"] = decoding.flat_gpt2(self._W, self.config.activation)
         return self._W
 
