@@ -19,7 +19,8 @@ What is quantized in BERT, and how:
 * **SmoothQuant**: before quantizing, ``quantize`` runs the float layers once on calibration ids (default: 8
   random sequences from a fixed seed; ``calibration=`` takes the user's) and divides each input channel by
   ``s[k] = sqrt(max|x[:, k]| / max|W[:, k]|)``, multiplying the weight's column by it: the LayerNorm outputs'
-  outlier channels (an order of magnitude above the median in all-MiniLM-L6-v2) move into the weights, which per-channel int8 absorbs;
+  outlier channels (an order of magnitude above the median in all-MiniLM-L6-v2) move into the weights, which
+  per-channel int8 absorbs;
 * what stays float32: embeddings, LayerNorms, attention (SDPA), GELU, the pooler, and the dense layers matched by
   ``keep_float`` (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}``; default :data:`DEFAULT_KEEP_FLOAT`,
   chosen by measurement, see its comment). Without fbgemm (another CPU architecture)
@@ -80,8 +81,8 @@ __all__ = [
 ]
 
 # The FFN output layers of the first two blocks stay float32: their inputs (GELU outputs) hold the "massive
-# activations" of a few tokens (one channel orders of magnitude above the rest), which per-token int8 cannot represent next to the
-# other channels. Chosen on all-MiniLM-L6-v2 by the minimum token cosine to HF fp32 over real texts and random
+# activations" of a few tokens (one channel orders of magnitude above the rest), which per-token int8 cannot
+# represent next to the other channels. Chosen on all-MiniLM-L6-v2 by the minimum token cosine to HF fp32 over real texts and random
 # ids: keeping these two layers float raised it most; keeping more layers float bought little.
 DEFAULT_KEEP_FLOAT: tuple[str, ...] = ("layers.[01].fc2",)
 SMOOTH_ALPHA = 0.5
