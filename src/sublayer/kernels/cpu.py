@@ -74,8 +74,8 @@ _native_bf16: bool | None = None
 def native_bf16_gemm() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512_BF16 or AMX-BF16; non-x86 or unknown flags: assumed yes).
 
-    Without it, oneDNN's bf16 GEMM is several times slower than fp32 (AVX2): the fused FFN then multiplies bf16 operands in
-    fp32 and rounds the result to bf16 — the numbers of a bf16 GEMM with fp32 accumulation.
+    Without it, oneDNN's bf16 GEMM is several times slower than fp32 (AVX2): the fused FFN then multiplies bf16
+    operands in fp32 and rounds the result to bf16 — the numbers of a bf16 GEMM with fp32 accumulation.
     ``SUBLAYER_BF16_GEMM=native`` / ``=fp32`` overrides the detection (read at the first call).
     """
     global _native_bf16

@@ -5,7 +5,8 @@
 
 * caches the weights once in the *compute dtype*: bf16 when the CPU multiplies bf16 natively (AVX512_BF16 / AMX,
   :func:`sublayer.kernels.native_bf16_gemm`), otherwise float32 — on an AVX2 CPU oneDNN's bf16 GEMMs are
-  several times slower than fp32, so asking for bf16 there gives the fp32 path (``fast.compute_dtype`` tells which one runs);
+  several times slower than fp32, so asking for bf16 there gives the fp32 path (``fast.compute_dtype`` tells
+  which one runs);
 * fuses q, k, v into one GEMM, adds biases inside the GEMM (``addmm``), runs bias + activation and residual add +
   LayerNorm in the fused kernels of :mod:`sublayer.kernels` (fp32 statistics; the reference ops when the kernels
   are off), attention in ``F.scaled_dot_product_attention`` with the padding mask;

@@ -82,8 +82,8 @@ __all__ = [
 
 # The FFN output layers of the first two blocks stay float32: their inputs (GELU outputs) hold the "massive
 # activations" of a few tokens (one channel orders of magnitude above the rest), which per-token int8 cannot
-# represent next to the other channels. Chosen on all-MiniLM-L6-v2 by the minimum token cosine to HF fp32 over real texts and random
-# ids: keeping these two layers float raised it most; keeping more layers float bought little.
+# represent next to the other channels. Chosen on all-MiniLM-L6-v2 by the minimum token cosine to HF fp32 over
+# real texts and random ids: keeping these two layers float raised it most; keeping more float bought little.
 DEFAULT_KEEP_FLOAT: tuple[str, ...] = ("layers.[01].fc2",)
 SMOOTH_ALPHA = 0.5
 

@@ -2,7 +2,7 @@
 //
 // Why: under glibc's default malloc a multi-MB tensor that is freed at the end of a training step is often handed
 // back to the kernel (heap trimming, or munmap above the mmap threshold), so the next step's buffer of the same size
-// page-faults on every 4 KiB page it touches (a page fault can cost more than the kernel's own work on that page). Blocks
+// page-faults on every 4 KiB page it touches (a fault can cost more than the kernel's own work on the page). Blocks
 // freed here are kept for the next request of the same size instead, up to a byte limit; a block that does not fit
 // under the limit goes back to malloc. Tensors made here are ordinary resizable CPU tensors: only where their memory
 // comes from (and goes to) differs.
