@@ -44,11 +44,9 @@ _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {ke
 
 
 def _sample(p: Tensor) -> Tensor:
+    """Up to :data:`SAMPLES` elements spread evenly over ``p`` (views: one strided slice, no copy)."""
     flat = p.detach().reshape(-1)
-    n = flat.numel()
-    if n <= SAMPLES:
-        return flat.float()
-    return flat[torch.arange(SAMPLES, device=flat.device) * (n // SAMPLES)].float()
+    return flat[:: max(1, flat.numel() // SAMPLES)][:SAMPLES]
 
 
 def stamp(module: nn.Module) -> tuple:
@@ -60,7 +58,7 @@ def stamp(module: nn.Module) -> tuple:
         for p in params
     )
     with torch.no_grad():
-        samples = torch.cat([_sample(p) for p in params]).tolist() if params else []
+        samples = torch.cat([_sample(p).float() for p in params]).tolist() if params else []
     return meta, tuple(samples)
 
 
