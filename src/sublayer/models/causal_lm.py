@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from .. import functional as SF
 from .._checks import check_attention_mask, check_input_ids
 from ..functional.cross_entropy import check_options, check_targets
-from ..functional.packing import PackedBatch, document_mask
+from ..functional.packing import PackedBatch
 from ..checkpoints import FROM_CONFIG
 from ..runtime import generation, padding_free
 from ..runtime.rows import inference
@@ -71,8 +71,7 @@ class CausalLM(nn.Module):
         padding and one document per row, the path switched off, hooks, a sharded model). ``run``: (B, T) bool
         positions to compute (default: the real tokens)."""
         b, t = input_ids.shape
-        docs = document_mask(position_ids)
-        if not padding_free.applies(self, kpm, None if docs is None else docs.any(-1)):
+        if not padding_free.applies(self, kpm, position_ids[:, 1:] == 0):  # padding, or a document starts inside
             return None
         pk = PackedBatch(kpm, rows=run, position_ids=position_ids, batch=b, seq_len=t)
         return self._hidden(pk.pack(input_ids), pk.pack(position_ids), None, None, packing=pk), pk

@@ -32,6 +32,7 @@ from .._checks import (
 from ..checkpoints import gpt2 as keymap
 from ..nn import LayerNorm, MultiHeadAttention, PositionWiseFFN, PreNormResidual
 from ..functional.packing import PackedBatch, document_mask
+from ..runtime.generation import check_token_id
 from . import decoding
 from .causal_lm import CausalBlock, CausalLM
 from .config import ModelConfig
@@ -45,16 +46,6 @@ _HF_FIXED = {
     "reorder_and_upcast_attn": False,
     "add_cross_attention": False,
 }
-
-
-def _check_token_id(name: str, value: object, vocab_size: int, *, negative: bool = False) -> None:
-    """None, or an int id in ``[0, vocab_size)`` (``negative``: also ``[-vocab_size, 0)``, counted from the end)."""
-    if value is None:
-        return
-    low = -vocab_size if negative else 0
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < vocab_size:
-        rule = f"[{low}, vocab_size={vocab_size})" if negative else f"[0, vocab_size={vocab_size})"
-        raise ValueError(f"{name} must be None or an int in {rule}, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -108,7 +99,7 @@ class GPT2Config(ModelConfig):
             raise TypeError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
-            _check_token_id(name, value, self.vocab_size, negative=True)
+            check_token_id(name, value, self.vocab_size, negative=True)
             if value is not None and value < 0:
                 setattr(self, name, value + self.vocab_size)
 

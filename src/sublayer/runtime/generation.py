@@ -53,14 +53,18 @@ class CausalLM(Protocol):
         pad, greedy) -> ids``, or None where the reference loop runs."""
 
 
-def check_token_id(name: str, value: object, vocab_size: int | None = None) -> None:
-    """``value`` is None or an int in [0, vocab_size)."""
+def check_token_id(name: str, value: object, vocab_size: int | None = None, *, negative: bool = False) -> None:
+    """``value`` is None or an int id in ``[0, vocab_size)`` (``>= 0`` without ``vocab_size``; ``negative``: also
+    ``[-vocab_size, 0)``, counted from the end)."""
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
-    if vocab_size is not None and value >= vocab_size:
-        raise ValueError(f"{name} must be None or an int in [0, vocab_size={vocab_size}), got {value}")
+    if vocab_size is None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
+        return
+    low = -vocab_size if negative else 0
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < vocab_size:
+        raise ValueError(f"{name} must be None or an int in [{low}, vocab_size={vocab_size}), got {value!r}")
 
 
 def check_eos_ids(name: str, value: object, vocab_size: int | None = None) -> list[int]:
