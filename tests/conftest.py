@@ -27,3 +27,14 @@ def _seed() -> None:
 def grads(*tensors: torch.Tensor) -> list[torch.Tensor | None]:
     """The ``.grad`` of each tensor (parameters or leaf inputs), for side-by-side comparisons."""
     return [t.grad for t in tensors]
+
+
+def reference_decoding(fn):
+    """``fn()`` with the fast decoding path switched off (generate / translate take their reference loops)."""
+    from sublayer.models import decoding
+
+    decoding.set_enabled(False)
+    try:
+        return fn()
+    finally:
+        decoding.set_enabled(True)

@@ -11,6 +11,8 @@ from sublayer.runtime.rows import kernels_on
 from sublayer.models import GPT2, Transformer, decoding
 from sublayer.models.fast import fast_inference
 
+from tests.conftest import reference_decoding
+
 from .conftest import EOS, MAX_POS, PAD, VOCAB
 
 transformers = pytest.importorskip("transformers")
@@ -28,14 +30,6 @@ def steps_taken(monkeypatch):
     real = decoding.gpt2_step
     monkeypatch.setattr(decoding, "gpt2_step", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
-
-
-def _reference(fn):
-    decoding.set_enabled(False)
-    try:
-        return fn()
-    finally:
-        decoding.set_enabled(True)
 
 
 def _padded_batch(seed: int = 11):
@@ -56,7 +50,7 @@ def test_greedy_left_padded_with_eos_equals_reference_and_hf(ours, hf_gpt2, kern
     steps_taken.clear()
     got = ours.generate(x, 9, attention_mask=mask, eos_token_id=eos, pad_token_id=PAD)
     assert steps_taken, "the fast path did not run"
-    ref = _reference(lambda: ours.generate(x, 9, attention_mask=mask, eos_token_id=eos, pad_token_id=PAD))
+    ref = reference_decoding(lambda: ours.generate(x, 9, attention_mask=mask, eos_token_id=eos, pad_token_id=PAD))
     assert got.tolist() == ref.tolist() == want.tolist()
     assert got[1, 6 + 3 :].eq(PAD).all()
 
@@ -81,7 +75,7 @@ def test_sampling_with_a_generator_equals_the_reference(ours, kw, steps_taken):
 
     got = run()
     assert steps_taken
-    assert got.tolist() == _reference(run).tolist()
+    assert got.tolist() == reference_decoding(run).tolist()
 
 
 def test_cache_is_allocated_once_per_call(ours, monkeypatch):
@@ -106,7 +100,7 @@ def test_packed_weights_follow_parameter_updates(gpt2_folder):
     with torch.no_grad():
         model.blocks[0].ffn.fc1.weight.mul_(-2.0)  # an in-place update bumps the version counter
         model.wte.weight.add_(0.1)
-    assert model.generate(x, 5).tolist() == _reference(lambda: model.generate(x, 5)).tolist()
+    assert model.generate(x, 5).tolist() == reference_decoding(lambda: model.generate(x, 5)).tolist()
 
 
 def test_zero_new_tokens_and_position_limit(ours):
@@ -116,7 +110,7 @@ def test_zero_new_tokens_and_position_limit(ours):
     with pytest.raises(ValueError, match=too_long):
         ours.generate(x, 1)
     out = ours.generate(x[:, 1:], 1)  # the last position exactly
-    assert out.shape == (2, MAX_POS) and out.tolist() == _reference(lambda: ours.generate(x[:, 1:], 1)).tolist()
+    assert out.shape == (2, MAX_POS) and out.tolist() == reference_decoding(lambda: ours.generate(x[:, 1:], 1)).tolist()
 
 
 def test_empty_prompt_is_a_clear_error(ours):
@@ -156,7 +150,7 @@ def test_translate_equals_the_reference_steps(norm_first, beam_size, kernels_mod
     kw = {"bos": 1, "eos": 2, "src_key_padding_mask": mask, "beam_size": beam_size}
     got = m.translate(src, 9, **kw)
     assert fast_steps == [True]
-    assert got.tolist() == _reference(lambda: m.translate(src, 9, **kw)).tolist()
+    assert got.tolist() == reference_decoding(lambda: m.translate(src, 9, **kw)).tolist()
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
@@ -167,7 +161,7 @@ def test_translate_with_a_gated_ffn_equals_the_reference(activation, beam_size, 
                     activation=activation).eval()  # fmt: skip
     src = torch.randint(3, 11, (3, 5), generator=torch.Generator().manual_seed(6))
     kw = {"bos": 1, "eos": 2, "beam_size": beam_size}
-    assert m.translate(src, 7, **kw).tolist() == _reference(lambda: m.translate(src, 7, **kw)).tolist()
+    assert m.translate(src, 7, **kw).tolist() == reference_decoding(lambda: m.translate(src, 7, **kw)).tolist()
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
@@ -181,7 +175,7 @@ def test_greedy_rows_that_ended_leave_the_batch(norm_first, kernels_mode, monkey
     real = decoding.StaticKVCache.reorder
     monkeypatch.setattr(decoding.StaticKVCache, "reorder", lambda c, rows: kept.append(rows.numel()) or real(c, rows))
     for fast in (True, False):
-        run = (lambda f: f()) if fast else _reference
+        run = (lambda f: f()) if fast else reference_decoding
         got = run(lambda: m.translate(src, 12, bos=1, eos=2, pad=0, src_key_padding_mask=mask))
         ends = [row.index(2) if 2 in row else None for row in got.tolist()]
         assert len({e for e in ends if e is not None}) > 1  # rows end at different steps: the batch shrinks
@@ -270,7 +264,7 @@ def test_other_activations_equal_the_reference(activation, kernels_mode, steps_t
     model = GPT2(cfg).eval()
     x = torch.randint(0, 29, (2, 5), generator=torch.Generator().manual_seed(1))
     got = model.generate(x, 9)
-    assert steps_taken and got.tolist() == _reference(lambda: model.generate(x, 9)).tolist()
+    assert steps_taken and got.tolist() == reference_decoding(lambda: model.generate(x, 9)).tolist()
 
 
 @pytest.mark.skipif(not kernels_on(), reason="C++ kernels unavailable")

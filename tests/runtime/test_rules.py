@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from sublayer import record_attention
-from sublayer.models import GPT2, GPT2Config, Transformer, decoding
+from sublayer.models import GPT2, GPT2Config, Transformer
 from sublayer.runtime import rules
+
+from tests.conftest import reference_decoding
 
 
 def _gpt2() -> GPT2:
@@ -17,14 +19,6 @@ def _gpt2() -> GPT2:
 
 def _steer(mod, args, out):
     return out + 0.3 * torch.arange(out.shape[-1], dtype=out.dtype)
-
-
-def _reference(fn):
-    decoding.set_enabled(False)
-    try:
-        return fn()
-    finally:
-        decoding.set_enabled(True)
 
 
 def test_generate_records_every_attention_call():
@@ -43,7 +37,7 @@ def test_a_steering_hook_on_a_block_changes_generate_as_in_the_reference_loop():
     try:
         assert rules.has_hooks(model) and not rules.fast_path_allowed(model)
         steered = model.generate(ids, 8)
-        assert torch.equal(steered, _reference(lambda: model.generate(ids, 8)))
+        assert torch.equal(steered, reference_decoding(lambda: model.generate(ids, 8)))
     finally:
         handle.remove()
     assert not torch.equal(plain, steered)
@@ -62,7 +56,7 @@ def test_a_steering_hook_on_a_decoder_layer_changes_translate_as_in_the_referenc
         try:
             steered = model.translate(src, 8, bos=1, eos=2, beam_size=beam)
             assert calls == [1]  # the encoder layer ran its own forward, once
-            assert torch.equal(steered, _reference(lambda: model.translate(src, 8, bos=1, eos=2, beam_size=beam)))
+            assert torch.equal(steered, reference_decoding(lambda: model.translate(src, 8, bos=1, eos=2, beam_size=beam)))
         finally:
             for h in handles:
                 h.remove()
