@@ -4,11 +4,14 @@ the C++ kernels; the static cache; edge cases."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from sublayer.runtime.rows import kernels_on
 from sublayer.models import GPT2, Transformer, decoding
+from sublayer.runtime import causal
 from sublayer.models.fast import fast_inference
 
 from tests.conftest import reference_decoding
@@ -27,9 +30,16 @@ def ours(gpt2_folder) -> GPT2:
 def steps_taken(monkeypatch):
     """Counts the fast path's GPT-2 steps (proves the fast path ran)."""
     calls = []
-    real = decoding.gpt2_step
-    monkeypatch.setattr(decoding, "gpt2_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = causal.step
+    monkeypatch.setattr(causal, "step", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
+
+
+def _per_op(W):
+    """``W`` without the one-call step's tensors: :func:`causal.step` runs its per-op loop."""
+    W = copy.copy(W)
+    W.flat = None
+    return W
 
 
 def _padded_batch(seed: int = 11):
@@ -269,12 +279,12 @@ def test_other_activations_equal_the_reference(activation, kernels_mode, steps_t
 
 @pytest.mark.skipif(not kernels_on(), reason="C++ kernels unavailable")
 def test_one_call_step_equals_the_per_op_step(ours):
-    """gpt2_decode_layers (every block in C++) against gpt2_step's per-op path over the same packed weights, with
+    """causal_decode_layers (every block in C++) against causal.step's per-op path over the same packed weights, with
     a padding mask; both append the same keys/values to their caches."""
     from torch.testing import assert_close
 
-    W = dict(decoding.prepared_weights(ours, decoding.build_gpt2))
-    assert W["flat"] is not None
+    W = causal.packed_weights(ours)
+    assert W.flat is not None
     cfg = ours.config
     b, t = 3, 7
     g = torch.Generator().manual_seed(4)
@@ -293,8 +303,8 @@ def test_one_call_step_equals_the_per_op_step(ours):
     tok = torch.randint(3, VOCAB, (b,), generator=g)
     pos = torch.tensor([t, t - 2, t])
     c1, c2 = caches(), caches()
-    got = decoding.gpt2_step(ours, W, tok, pos, c1, mask)
-    want = decoding.gpt2_step(ours, {**W, "flat": None}, tok, pos, c2, mask)
+    got = causal.step(W, tok, pos, c1, mask)
+    want = causal.step(_per_op(W), tok, pos, c2, mask)
     assert_close(got, want)
     for a, r in zip(c1, c2):
         assert a.length == r.length == t + 1

@@ -187,7 +187,7 @@ def test_weights_are_never_stale_and_training_is_untouched():
 
 def test_bad_input():
     m = make_bert(pooler=False)
-    with pytest.raises(TypeError, match="needs a sublayer Bert or GPT2 model, got Linear"):
+    with pytest.raises(TypeError, match="needs a sublayer Bert, GPT2 or Llama model, got Linear"):
         fast_inference(torch.nn.Linear(3, 5))
     with pytest.raises(ValueError, match=r"dtype must be torch.float32 or torch.bfloat16, got torch.float16"):
         fast_inference(m, dtype=torch.float16)

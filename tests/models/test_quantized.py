@@ -233,7 +233,7 @@ def test_refusals():
         fast_inference(Bert(BertConfig(**CFG)).half(), quantize="int8")
     with pytest.raises(ValueError, match="CPU only.*meta"):
         Q.quantize(Bert(BertConfig(**CFG), device="meta"))
-    with pytest.raises(TypeError, match="needs a sublayer Bert or GPT2 model, got Linear"):
+    with pytest.raises(TypeError, match="needs a sublayer Bert, GPT2 or Llama model, got Linear"):
         Q.quantize(torch.nn.Linear(3, 5))
     with pytest.raises(TypeError, match="keep_float must be a sequence"):
         Q.quantize(m, keep_float="layers.0.fc2")

@@ -14,6 +14,7 @@ from sublayer.models import GPT2, GPT2Config, decoding
 from sublayer.models import quantized as Q
 from sublayer.models.fast import fast_inference
 from sublayer.models.quantized_gpt2 import QuantizedGPT2, WeightInt8Linear
+from sublayer.runtime import causal
 
 pytest.importorskip("safetensors")
 
@@ -62,11 +63,12 @@ def test_weight_int8_linear_within_derived_bound(activation, kernels_mode):
 def test_every_linear_is_int8_and_within_its_bound():
     m = _gpt2()
     qm = Q.quantize(m)
-    lins = [lin for L in qm.layers for lin in L.values()] + [qm.head]
+    W = qm.weights()
+    lins = [L[k] for L in W.layers for k in ("qkv", "out", "fc1", "fc2")] + [W.head]
     assert all(isinstance(lin, WeightInt8Linear) for lin in lins) and len(lins) == 4 * CFG["n_layers"] + 1
     a = m.blocks[1].self_attn
     w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
-    for lin, weight in ((qm.layers[1]["qkv"], w), (qm.head, m.lm_head.weight.detach())):
+    for lin, weight in ((W.layers[1]["qkv"], w), (W.head, m.lm_head.weight.detach())):
         err = (lin.q.float() * lin.scale[:, None] - weight).abs()
         assert (err <= lin.scale[:, None] / 2 * (1 + 1e-6)).all()
 
@@ -91,7 +93,8 @@ def test_logits_close_and_greedy_tokens_agree_with_float(kernels_mode):
 def test_head_kept_float_only_changes_the_head():
     m = _gpt2()
     q_all, q_head = Q.quantize(m), Q.quantize(m, keep_float=("head",))
-    assert not isinstance(q_head.head, WeightInt8Linear) and isinstance(q_head.layers[0]["fc2"], WeightInt8Linear)
+    W = q_head.weights()
+    assert not isinstance(W.head, WeightInt8Linear) and isinstance(W.layers[0]["fc2"], WeightInt8Linear)
     ids = _ids()
     h = q_all._hidden(ids, torch.arange(7)[None], None, None)
     assert torch.allclose(q_head(ids), F.linear(h, m.lm_head.weight), atol=1e-5)
@@ -100,17 +103,17 @@ def test_head_kept_float_only_changes_the_head():
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_generate_fast_loop_equals_reference_loop(padded, kernels_mode, monkeypatch):
-    """decoding.gpt2_generate over the int8 weights vs GPT2.generate's reference loop on the wrapper (and
+    """causal.decode over the int8 weights vs GPT2.generate's reference loop on the wrapper (and
     greedy vs seeded sampling), with the kernels on and off (kernels_mode)."""
     qm = Q.quantize(_gpt2(), keep_float=("layers.1.fc1",))
     calls = []
-    real = decoding.gpt2_generate
+    real = causal.decode
 
     def spy(model, *args, weights=None, **kw):
-        calls.append(model is qm and weights is qm.decode_weights())
+        calls.append(model is qm and weights is qm.weights())
         return real(model, *args, weights=weights, **kw)
 
-    monkeypatch.setattr(decoding, "gpt2_generate", spy)
+    monkeypatch.setattr(causal, "decode", spy)
     ids = _ids(3, 7)
     mask = torch.ones_like(ids)
     if padded:
@@ -208,7 +211,7 @@ def test_refusals():
         fast_inference(_gpt2().half(), quantize="int8")
     with pytest.raises(ValueError, match="CPU only.*meta"):
         Q.quantize(GPT2(GPT2Config(**CFG), device="meta"))
-    with pytest.raises(ValueError, match="GPT-2 is quantized weight-only.*calibration must be None, got Tensor"):
+    with pytest.raises(ValueError, match="GPT2 is quantized weight-only.*calibration must be None, got Tensor"):
         Q.quantize(m, calibration=_ids())
     with pytest.raises(TypeError, match="keep_float must be a sequence"):
         Q.quantize(m, keep_float="head")

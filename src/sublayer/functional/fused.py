@@ -60,7 +60,8 @@ __all__ = [
 IMPLS = ("auto", "fused", "reference")
 # activation name -> kernel id (csrc/act_norm.h: enum Act); a gated name -> its gate's id, run by glu_fwd/glu_bwd
 ACT_IDS = {"relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4, "relu2": 5}
-_GLU_IDS = {"swiglu": 4, "geglu": 2, "reglu": 1}
+GLU_IDS = {"swiglu": 4, "geglu": 2, "reglu": 1}  # a gated activation -> its gate's ACT_IDS id
+_GLU_IDS = GLU_IDS
 FUSED_ACTIVATIONS: tuple[str, ...] = (*ACT_IDS, *_GLU_IDS)
 _RELU = 1
 _AUTO_DTYPES = (torch.float32, torch.bfloat16)

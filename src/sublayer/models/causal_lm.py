@@ -1,11 +1,14 @@
 """What every causal language model shares (GPT-2, the Llama family): inputs, forward, loss and generate, written
 once over the model's own ``_hidden`` (its blocks, read top to bottom in the model's file).
 
-A model subclasses :class:`CausalLM` and defines ``config`` (``vocab_size``, optional ``max_positions``), ``blocks``,
-``lm_head`` and ``_hidden(input_ids, position_ids, key_padding_mask, caches, *, packing=None, documents=True)``
--> final hidden states (``documents``: look for packed documents in ``position_ids``); it may define ``fast_decoder()`` (a fast decoding loop, see :mod:`sublayer.runtime.generation`). It then gets
-padding-free training and inference on padded batches and packed documents (:mod:`sublayer.runtime.padding_free`),
-the fused LM-head loss with HF's ``labels=`` meaning, and generation.
+A model subclasses :class:`CausalLM` and defines ``config`` (``vocab_size``, optional ``max_positions``), ``blocks``
+(:class:`CausalBlock` s of the standard sub-layers), ``lm_head``, ``causal_parts()`` (its embedding, position
+table or rotary module, final norm and head: :class:`sublayer.runtime.causal.CausalParts`) and
+``_hidden(input_ids, position_ids, key_padding_mask, caches, *, packing=None, documents=True)`` -> final hidden
+states (``documents``: look for packed documents in ``position_ids``). It then gets padding-free training and
+inference on padded batches and packed documents (:mod:`sublayer.runtime.padding_free`), the fused LM-head loss
+with HF's ``labels=`` meaning, and generation through the fast decoding step, ``fast_inference`` and int8
+(:mod:`sublayer.runtime.causal`), with no engine code of its own.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from .._checks import check_attention_mask, check_input_ids
 from ..functional.cross_entropy import check_options, check_targets
 from ..functional.packing import PackedBatch
 from ..checkpoints import FROM_CONFIG
-from ..runtime import generation, padding_free
+from ..runtime import causal, generation, padding_free
 from ..runtime.rows import inference
 
 __all__ = ["CausalBlock", "CausalLM", "PreparedCausalLM", "generate_with_config", "check_position_ids"]
@@ -60,9 +63,14 @@ class CausalBlock(nn.Module):
 class CausalLM(nn.Module):
     """Base of the causal language models: see the module docstring."""
 
+    def causal_parts(self) -> causal.CausalParts:
+        """The model-level parts the decoding engine reads (:class:`sublayer.runtime.causal.CausalParts`)."""
+        raise NotImplementedError
+
     def fast_decoder(self):
-        """A fast decoding loop for :func:`sublayer.runtime.generation.generate`, or None (the reference loop)."""
-        return None
+        """The fast decoding loop of :func:`sublayer.runtime.generation.generate` over this model's packed
+        weights, or None (the reference loop: switched off, not float32 CPU, hooks, sharded)."""
+        return causal.decoder(self)
 
     def _packed_hidden(
         self, input_ids: Tensor, position_ids: Tensor, kpm: Tensor | None, run: Tensor | None = None

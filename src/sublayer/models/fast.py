@@ -1,7 +1,8 @@
-"""An inference fast path for :class:`~sublayer.models.Bert` and :class:`~sublayer.models.GPT2`.
+"""An inference fast path for :class:`~sublayer.models.Bert` and the decoder-only LMs (:class:`~sublayer.models.GPT2`,
+:class:`~sublayer.models.Llama`: one class for all, over :mod:`sublayer.runtime.causal`).
 
 ``fast = fast_inference(model, dtype=torch.bfloat16)`` returns a separate, inference-only wrapper object
-(:class:`FastBert` / :class:`FastGPT2`); the model itself is not changed and keeps training as before. The wrapper:
+(:class:`FastBert` / :class:`FastCausalLM`); the model itself is not changed and keeps training as before. The wrapper:
 
 * caches the weights once in the *compute dtype*: bf16 when the CPU multiplies bf16 natively (AVX512_BF16 / AMX,
   :func:`sublayer.kernels.native_bf16_gemm`), otherwise float32 — on an AVX2 CPU oneDNN's bf16 GEMMs are
@@ -36,15 +37,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import kernels
+from ..runtime import causal
 from ..runtime.linear import DenseLinear
 from ..runtime.rows import add_norm, bias_act, inference, kernels_on, layer_norm
 from ..runtime.weights import clear_cache, prepared
-from . import decoding
-from .causal_lm import PreparedCausalLM
 from .bert import Bert
-from .gpt2 import GPT2
+from .causal_lm import CausalLM, PreparedCausalLM
 
-__all__ = ["fast_inference", "FastBert", "FastGPT2"]
+__all__ = ["fast_inference", "FastBert", "FastCausalLM", "FastGPT2", "linear_factory"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -57,24 +57,25 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def fast_inference(
-    model: Bert | GPT2, *, dtype: torch.dtype = torch.bfloat16, quantize: str | None = None
-) -> FastBert | FastGPT2:
+    model: Bert | CausalLM, *, dtype: torch.dtype = torch.bfloat16, quantize: str | None = None
+) -> FastBert | FastCausalLM:
     """An inference-only fast wrapper around ``model`` (see the module docstring).
 
     Args:
-        model: a :class:`Bert` or :class:`GPT2` on the CPU, float32 parameters.
+        model: a :class:`Bert` or a decoder-only LM (:class:`GPT2`, :class:`Llama`) on the CPU, float32 (or,
+            for the LMs, bfloat16) parameters.
         dtype: ``torch.bfloat16`` (default: bf16 weights and activations where the CPU has native bf16 GEMMs,
             float32 elsewhere) or ``torch.float32``.
         quantize: None, or ``"int8"``: the int8 wrapper of :mod:`sublayer.models.quantized` (QuantizedBert /
-            QuantizedGPT2; its float parts run in float32 whatever ``dtype`` says).
+            QuantizedCausalLM; its float parts run in float32 whatever ``dtype`` says).
 
     Returns:
-        :class:`FastBert` (``__call__``/``forward``, ``embed``, ``pooled`` as the model's) or :class:`FastGPT2`
-        (``__call__``/``forward`` giving logits, ``generate``).
+        :class:`FastBert` (``__call__``/``forward``, ``embed``, ``pooled`` as the model's) or
+        :class:`FastCausalLM` (``__call__``/``forward`` giving logits, ``generate``).
 
     Raises:
-        TypeError: ``model`` is not a Bert or GPT2. ValueError: ``dtype`` not float32/bfloat16, ``quantize``
-        not None/"int8", or the model's parameters are not float32 CPU tensors.
+        TypeError: ``model`` is not a Bert or a causal LM. ValueError: ``dtype`` not float32/bfloat16,
+        ``quantize`` not None/"int8", or the model's parameters are not CPU tensors of a supported dtype.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype!r}")
@@ -85,16 +86,18 @@ def fast_inference(
         return quantized.quantize(model)
     if isinstance(model, Bert):
         return FastBert(model, dtype=dtype)
-    if isinstance(model, GPT2):
-        return FastGPT2(model, dtype=dtype)
-    raise TypeError(f"fast_inference needs a sublayer Bert or GPT2 model, got {type(model).__name__}")
+    if isinstance(model, CausalLM):
+        return FastCausalLM(model, dtype=dtype)
+    raise TypeError(f"fast_inference needs a sublayer Bert, GPT2 or Llama model, got {type(model).__name__}")
 
 
 # ----------------------------------------------------------------------------------------------- building blocks
 def _check_model_params(model: torch.nn.Module) -> None:
+    dtypes = (torch.float32, torch.bfloat16) if isinstance(model, CausalLM) else (torch.float32,)
     for name, p in model.named_parameters():
-        if p.dtype != torch.float32 or p.device.type != "cpu":
-            raise ValueError(f"fast_inference needs float32 CPU parameters; {name} is {p.dtype} on {p.device}")
+        if p.dtype not in dtypes or p.device.type != "cpu":
+            kinds = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise ValueError(f"fast_inference needs {kinds} CPU parameters; {name} is {p.dtype} on {p.device}")
 
 
 class _FastBase:
@@ -274,26 +277,32 @@ class FastBert(_FastBase):
         return F.normalize(mean, p=2.0, dim=-1)
 
 
-# ----------------------------------------------------------------------------------------------- GPT-2
-class FastGPT2(_FastBase, PreparedCausalLM):
-    """Inference fast path of a :class:`GPT2` (built by :func:`fast_inference`).
+# ----------------------------------------------------------------------------------------------- causal LMs
+def linear_factory(dtype: torch.dtype):
+    """The prepared format of a causal LM's dense layers for a compute dtype (``linear`` of
+    :func:`sublayer.runtime.causal.build`): float32 packed panels, else the weight cast once (:class:`DenseLinear`)."""
+    if dtype == torch.float32:
+        return causal.packed_linear
+    return lambda name, t: DenseLinear(t[f"{name}.weight"], t.get(f"{name}.bias"), dtype)
 
-    Forward: as :meth:`GPT2.forward` -> float32 logits (B, T, vocab_size). ``generate``: :meth:`GPT2.generate`'s
-    loop (same arguments, greedy gives the model's tokens) over the fast blocks with a KV cache.
+
+class FastCausalLM(_FastBase, PreparedCausalLM):
+    """Inference fast path of a decoder-only LM (:class:`GPT2`, :class:`Llama`; built by :func:`fast_inference`)
+    over :mod:`sublayer.runtime.causal`.
+
+    Forward: as the model's ``forward`` -> float32 logits (B, T, vocab_size). ``generate``: the model's
+    ``generate`` (same arguments; greedy gives the model's tokens): float32 compute decodes with the model's
+    packed weights and fast step, bf16 runs the reference loop over this wrapper's forward with a KV cache.
 
     Raises:
-        TypeError/ValueError: as :meth:`GPT2.forward` / :meth:`GPT2.generate`.
+        TypeError/ValueError: as the model's ``forward`` / ``generate``.
     """
 
-    def _build(self) -> dict:
-        """:func:`sublayer.models.decoding.build_gpt2`'s weights in the compute dtype (float32: the packed weights
-        ``generate`` decodes with, one prepared copy for both)."""
-        return decoding.build_gpt2(self.model, lambda w, b: DenseLinear(w, b, self.compute_dtype))
-
-    def _weights(self) -> dict:
-        if self.compute_dtype == torch.float32:
-            return decoding.prepared_weights(self.model, decoding.build_gpt2)
-        return super()._weights()
+    def _weights(self) -> causal.CausalWeights:
+        if self.compute_dtype == torch.float32:  # the weights generate decodes with: one prepared copy for both
+            return causal.packed_weights(self.model)
+        key = ("fast", self.compute_dtype, kernels_on())
+        return prepared(self.model, key, lambda m: causal.build(m, linear_factory(self.compute_dtype)))
 
     @property
     def generation_config(self):
@@ -303,16 +312,18 @@ class FastGPT2(_FastBase, PreparedCausalLM):
     @inference
     def lm_head(self, h: Tensor) -> Tensor:
         """(..., d_model) -> (..., vocab_size) float32 logits."""
-        return self._weights()["head"](h.reshape(-1, h.shape[-1])).float().view(*h.shape[:-1], -1)
+        return self._weights().head(h.reshape(-1, h.shape[-1])).float().view(*h.shape[:-1], -1)
 
     def _hidden(
         self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None
     ) -> Tensor:
-        """Final-LayerNormed hidden states (B, T, d) in the compute dtype; ``caches``: one KVCache per block."""
-        W = self._weights()
-        return decoding.gpt2_hidden(W, self.config, input_ids, position_ids, key_padding_mask, caches, self.compute_dtype)
+        """Final-normed hidden states (B, T, d) in the compute dtype; ``caches``: one KVCache per block."""
+        return causal.hidden(self._weights(), input_ids, position_ids, key_padding_mask, caches, self.compute_dtype)
 
     def fast_decoder(self):
         """float32 compute: the model's fast decoding loop (the same packed weights); else the reference loop
         over this wrapper's blocks."""
-        return decoding.gpt2_decoder(self.model) if self.compute_dtype == torch.float32 else None
+        return causal.decoder(self.model) if self.compute_dtype == torch.float32 else None
+
+
+FastGPT2 = FastCausalLM  # the GPT-2 name, kept importable

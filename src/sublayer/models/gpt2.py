@@ -33,7 +33,7 @@ from ..checkpoints import gpt2 as keymap
 from ..nn import LayerNorm, MultiHeadAttention, PositionWiseFFN, PreNormResidual
 from ..functional.packing import PackedBatch, document_mask
 from ..runtime.generation import check_token_id
-from . import decoding
+from ..runtime.causal import CausalParts
 from .causal_lm import CausalBlock, CausalLM
 from .config import ModelConfig
 
@@ -277,9 +277,9 @@ class GPT2(CausalLM):
             x = block(x, key_padding_mask=key_padding_mask, attn_mask=docs, kv_cache=cache, packing=packing)
         return self.ln_f(x)
 
-    def fast_decoder(self):
-        """The fast decoding loop over this model's packed weights, or None (:func:`decoding.gpt2_decoder`)."""
-        return decoding.gpt2_decoder(self)
+    def causal_parts(self) -> CausalParts:
+        return CausalParts(embed=self.wte.weight, positions=self.wpe.weight, rotary=None, norm=self.ln_f,
+                           lm_head=self.lm_head)  # fmt: skip
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None) -> GPT2:

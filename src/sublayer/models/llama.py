@@ -28,6 +28,7 @@ from ..checkpoints import llama as keymap
 from ..functional.packing import PackedBatch, document_mask
 from ..nn import MultiHeadAttention, PositionWiseFFN, PreNormResidual, RMSNorm, RotaryEmbedding
 from ..runtime import generation
+from ..runtime.causal import CausalParts
 from .causal_lm import CausalBlock, CausalLM
 from .config import ModelConfig
 
@@ -324,6 +325,10 @@ class Llama(CausalLM):
             cache = None if caches is None else caches[i]
             x = block(x, rotary=rotary, key_padding_mask=key_padding_mask, attn_mask=docs, kv_cache=cache, packing=packing)
         return self.norm(x)
+
+    def causal_parts(self) -> CausalParts:
+        return CausalParts(embed=self.embed_tokens.weight, positions=None, rotary=self.rotary, norm=self.norm,
+                           lm_head=self.lm_head)  # fmt: skip
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
 

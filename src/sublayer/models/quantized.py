@@ -1,6 +1,7 @@
 """int8 inference: ``fast_inference(model, quantize="int8")`` or :func:`quantize` for :class:`~sublayer.models.Bert`
-(this module: int8 weights and int8 activations) and :class:`~sublayer.models.GPT2` (weight-only int8 for decoding,
-:mod:`sublayer.models.quantized_gpt2`: :class:`QuantizedGPT2`). Both save with ``save_pretrained`` and load with
+(this module: int8 weights and int8 activations) and the decoder-only LMs :class:`~sublayer.models.GPT2` and
+:class:`~sublayer.models.Llama` (weight-only int8 for decoding,
+:mod:`sublayer.models.quantized_gpt2`: :class:`QuantizedCausalLM`). All save with ``save_pretrained`` and load with
 :func:`load_quantized`, which reads the folder's ``model_type``.
 
 What is quantized in BERT, and how:
@@ -48,7 +49,10 @@ from .. import kernels
 from ..functional import fused
 from .bert import Bert, BertConfig
 from ..runtime.rows import add_norm, bias_act, inference, kernels_on, layer_norm
+from .causal_lm import CausalLM
 from .gpt2 import GPT2, GPT2Config
+from .llama import MODEL_TYPES as LLAMA_TYPES
+from .llama import Llama, LlamaConfig
 from .int8 import (
     LINEARS,
     QUANT_METHOD,
@@ -63,7 +67,7 @@ from .int8 import (
     quant_config,
     quantize_weight,
 )
-from .quantized_gpt2 import DEFAULT_KEEP_FLOAT_GPT2, QuantizedGPT2
+from .quantized_gpt2 import DEFAULT_KEEP_FLOAT_GPT2, QuantizedCausalLM, QuantizedGPT2
 
 __all__ = [
     "QUANTIZE_CHOICES",
@@ -78,6 +82,7 @@ __all__ = [
     "Int8Linear",
     "QuantizedBert",
     "QuantizedGPT2",
+    "QuantizedCausalLM",
 ]
 
 # The FFN output layers of the first two blocks stay float32: their inputs (GELU outputs) hold the "massive
@@ -473,33 +478,38 @@ def _calibration_ids(config: BertConfig, calibration: Tensor | None | bool) -> T
 
 
 def quantize(
-    model: Bert | GPT2, *, keep_float=None, calibration: Tensor | None | bool = None
-) -> QuantizedBert | QuantizedGPT2:
+    model: Bert | CausalLM, *, keep_float=None, calibration: Tensor | None | bool = None
+) -> QuantizedBert | QuantizedCausalLM:
     """The int8 inference wrapper of ``model`` (see the module docstring).
 
     Args:
-        model: a :class:`Bert` or :class:`GPT2` with float32 CPU parameters.
+        model: a :class:`Bert` or a decoder-only LM (:class:`GPT2`, :class:`Llama`) with float32 CPU parameters.
         keep_float: ``fnmatch`` patterns of dense layers left in float32, over ``layers.{i}.{qkv,out,fc1,fc2}``
-            (GPT-2 also ``head``, the LM head); None: :data:`DEFAULT_KEEP_FLOAT` (BERT) /
-            :data:`~sublayer.models.quantized_gpt2.DEFAULT_KEEP_FLOAT_GPT2` (GPT-2).
+            (the LMs also ``head``, the LM head); None: :data:`DEFAULT_KEEP_FLOAT` (BERT) /
+            :data:`~sublayer.models.quantized_gpt2.DEFAULT_KEEP_FLOAT_GPT2` (the LMs).
         calibration: BERT only: (B, T) token ids the float layers run on to measure input ranges for the
-            smoothing factors; None: 8 random sequences (fixed seed); False: no smoothing. GPT-2's activations
+            smoothing factors; None: 8 random sequences (fixed seed); False: no smoothing. The LMs' activations
             stay float32: nothing to calibrate (must be None).
 
     Raises:
-        TypeError: not a Bert/GPT2, or bad ``keep_float``. ValueError: parameters not float32 or not on the CPU,
-        bad calibration ids (as :meth:`Bert.forward`), ``calibration`` given for a GPT-2.
+        TypeError: not a Bert or causal LM, or bad ``keep_float``. ValueError: parameters not float32 or not on
+        the CPU, bad calibration ids (as :meth:`Bert.forward`), ``calibration`` given for a causal LM.
     """
     if isinstance(model, Bert):
         return QuantizedBert.from_model(model, DEFAULT_KEEP_FLOAT if keep_float is None else keep_float, calibration)
-    if isinstance(model, GPT2):
+    if isinstance(model, CausalLM):
         if calibration is not None:
             raise ValueError(
-                f"calibration applies to BERT's activation quantization; GPT-2 is quantized weight-only (its "
-                f"activations stay float32), so calibration must be None, got {type(calibration).__name__}"
+                f"calibration applies to BERT's activation quantization; {type(model).__name__} is quantized "
+                f"weight-only (its activations stay float32), so calibration must be None, got "
+                f"{type(calibration).__name__}"
             )
-        return QuantizedGPT2.from_model(model, DEFAULT_KEEP_FLOAT_GPT2 if keep_float is None else keep_float)
-    raise TypeError(f"int8 quantization needs a sublayer Bert or GPT2 model, got {type(model).__name__}")
+        return QuantizedCausalLM.from_model(model, DEFAULT_KEEP_FLOAT_GPT2 if keep_float is None else keep_float)
+    raise TypeError(f"int8 quantization needs a sublayer Bert, GPT2 or Llama model, got {type(model).__name__}")
+
+
+# model_type -> the decoder-only LM class and its config class (load_quantized)
+_CAUSAL = {"gpt2": (GPT2, GPT2Config), **{k: (Llama, LlamaConfig) for k in LLAMA_TYPES}}
 
 
 def is_quantized_folder(folder: str | os.PathLike) -> bool:
@@ -511,9 +521,9 @@ def is_quantized_folder(folder: str | os.PathLike) -> bool:
     return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
 
 
-def load_quantized(folder: str | os.PathLike) -> QuantizedBert | QuantizedGPT2:
-    """Read a folder written by :meth:`QuantizedBert.save_pretrained` or :meth:`QuantizedGPT2.save_pretrained`
-    (by its config's ``model_type``).
+def load_quantized(folder: str | os.PathLike) -> QuantizedBert | QuantizedCausalLM:
+    """Read a folder written by :meth:`QuantizedBert.save_pretrained` or :meth:`QuantizedCausalLM.save_pretrained`
+    (by its config's ``model_type``: gpt2, llama, qwen2 or BERT's).
 
     Raises:
         FileNotFoundError: no folder/config/weights. CheckpointError: not a sublayer int8 folder, or one message
@@ -526,9 +536,9 @@ def load_quantized(folder: str | os.PathLike) -> QuantizedBert | QuantizedGPT2:
             f"{folder} is not a sublayer int8 folder (config.json has no quantization_config with "
             f"quant_method={QUANT_METHOD!r}); load float folders with Bert/GPT2.from_pretrained and quantize them"
         )
-    gpt2 = hf.get("model_type") == "gpt2"
+    lm = _CAUSAL.get(hf.get("model_type"))
     try:
-        config = (GPT2Config if gpt2 else BertConfig).from_hf_dict(
+        config = (lm[1] if lm else BertConfig).from_hf_dict(
             {k: v for k, v in hf.items() if k != "quantization_config"}
         )
     except (ValueError, TypeError) as e:
@@ -538,16 +548,17 @@ def load_quantized(folder: str | os.PathLike) -> QuantizedBert | QuantizedGPT2:
     if not isinstance(keep, list) or not all(isinstance(p, str) for p in keep):
         raise ckpt.CheckpointError(f"{source}: quantization_config keep_float must be a list of str, got {keep!r}")
     keep = tuple(keep)
-    if gpt2:
-        spec, optional = QuantizedGPT2.expected_tensors(config, keep), set()
+    if lm:
+        skeleton = lm[0](config, device="meta")
+        spec, optional = QuantizedCausalLM.expected_tensors(skeleton, keep), set()
     else:
         spec, optional = QuantizedBert.expected_tensors(config, keep)
     pooler = ("pooler.dense.weight" in tensors) + ("pooler.dense.bias" in tensors)
     if pooler == 1:  # both or neither
         optional -= {"pooler.dense.weight", "pooler.dense.bias"}
     check_tensors(tensors, spec, source, optional)
-    if gpt2:
-        model = QuantizedGPT2(config, dict(tensors), keep)
+    if lm:
+        model = QuantizedCausalLM(skeleton, dict(tensors), keep)
         model.generation_config = ckpt.read_generation_config(folder, config.vocab_size) or model.generation_config
         return model
     return QuantizedBert(config, dict(tensors), keep)

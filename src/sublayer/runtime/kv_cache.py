@@ -15,7 +15,8 @@ __all__ = ["StaticKVCache", "decode_attention"]
 
 
 class StaticKVCache:
-    """Keys and values of one attention layer, allocated once: (B, n_heads, capacity, head_dim) each.
+    """Keys and values of one attention layer, allocated once: (B, n_heads, capacity, head_dim) each (the
+    key/value heads only, for grouped-query attention).
 
     ``length`` positions are filled; :func:`decode_attention` appends one position per step in place.
     """
@@ -59,26 +60,29 @@ def decode_attention(
     new_v: Tensor | None = None,
     rows: Tensor | None = None,
 ) -> Tensor:
-    """One query per row against cached keys/values: q (N, d), k/v (B, H, T_max, hd) -> (N, d).
+    """One query per row against cached keys/values: q (N, H·hd), k/v (B, H_kv, T_max, hd) -> (N, H·hd), H a
+    multiple of H_kv (grouped-query attention: query head h reads key/value head h // (H / H_kv)).
 
-    With ``new_k``/``new_v`` (N, d) they are first written at position ``length - 1`` of cache rows [0, N) (in
+    With ``new_k``/``new_v`` (N, H_kv·hd) they are first written at position ``length - 1`` of cache rows [0, N) (in
     place; N <= B, and N < B only through a row table). Attends to positions [0, length) except those ``mask``
     (N, T_max) bool marks True; scaled by 1/sqrt(hd). ``rows`` (N, T_max) int64: key j of query row n is in cache
     row ``rows[n, j]`` (a reordered beam's history, a row that outlived others, or the sentence whose memory the
     beams share); None: row n (N == B).
     """
-    b, h, _, hd = k.shape
+    b, h_kv, _, hd = k.shape
     scale = 1.0 / math.sqrt(hd)
     if kernels_on():
         return kernels.ops().decode_attention(q, k, v, mask, length, scale, new_k, new_v, rows)
-    n = q.shape[0]
+    n, h = q.shape[0], q.shape[1] // hd
     if new_k is not None:  # query row i writes cache row i
-        k[:n, :, length - 1] = new_k.reshape(n, h, hd)
-        v[:n, :, length - 1] = new_v.reshape(n, h, hd)
+        k[:n, :, length - 1] = new_k.reshape(n, h_kv, hd)
+        v[:n, :, length - 1] = new_v.reshape(n, h_kv, hd)
     k, v = k[:, :, :length], v[:, :, :length]
     if rows is not None:  # (N, length, H, hd) gathered through the table, as (N, H, length, hd)
         at = torch.arange(length, device=k.device)
         k, v = (t.transpose(1, 2)[rows[:, :length], at].transpose(1, 2) for t in (k, v))
+    if h != h_kv:
+        k, v = k.repeat_interleave(h // h_kv, dim=1), v.repeat_interleave(h // h_kv, dim=1)
     am = None if mask is None else ~mask[:, None, None, :length]
     ctx = F.scaled_dot_product_attention(q.reshape(n, h, 1, hd), k, v, attn_mask=am, scale=scale)
     return ctx.reshape(n, h * hd)

@@ -50,11 +50,11 @@ class PackedLinear:
         return y if activation is None else ffn_hidden(y, None, activation)
 
     def flat(self) -> tuple[Tensor, Tensor, Tensor] | None:
-        """``(packed, scale, bias)`` as ``gpt2_decode_layers`` takes a linear (no scale: an empty tensor), or None
-        (no kernels, no bias)."""
-        if self.packed is None or self.bias is None:
+        """``(packed, scale, bias)`` as the one-call decoding steps take a linear (no scale, no bias: an empty
+        tensor), or None (no kernels)."""
+        if self.packed is None:
             return None
-        return self.packed, NO_SCALE, self.bias
+        return self.packed, NO_SCALE, NO_SCALE if self.bias is None else self.bias
 
 
 # Up to this many rows the several-row micro-kernels (AVX-512: 8 rows x 2 panels; AVX2: 6 rows x 16 columns) are

@@ -1,6 +1,7 @@
 // Attention kernels for decoding and encoding (registered as torch.ops.sublayer_kernels.*).
 //
-//  * decode_attention: one query per row against a static key/value cache (B, H, T_max, hd): optionally writes
+//  * decode_attention: one query per row against a static key/value cache (B, H_kv, T_max, hd), grouped-query
+//    (each key/value head serves H / H_kv query heads): optionally writes
 //    this step's key/value at position length-1 first, then softmax(q k^T * scale) v over the first `length`
 //    positions, skipping those the (B, T_max) padding mask marks True. A row whose keys are all masked gets zeros.
 //    An optional (N, T_max) row table says which cache row holds each key (beam search reorders the table, not
@@ -135,18 +136,23 @@ inline void head_weighted_sum(const float* p, float inv, const float* V, int64_t
 
 }  // namespace
 
-// q (N, H*hd) unit inner stride; kc, vc (B, H, T_max, hd) contiguous; mask (N, T_max) bool, True = skip; rows
+// q (N, H*hd) unit inner stride; kc, vc (B, H_kv, T_max, hd) contiguous, H a multiple of H_kv (grouped-query
+// attention: query head h reads key/value head h / (H / H_kv)); mask (N, T_max) bool, True = skip; rows
 // (N, T_max) int64 or none: key j of query row n is cache row rows[n, j] (beam search reorders this table instead
 // of copying caches; beams share their sentence's cross-attention memory), else row n itself (then N == B).
+// new_k/new_v (N, H_kv*hd): written at position length-1 of cache rows [0, N) before any head reads.
 Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, const c10::optional<Tensor>& mask,
                         int64_t length, double scale, const c10::optional<Tensor>& new_k,
                         const c10::optional<Tensor>& new_v, const c10::optional<Tensor>& rows) {
   check_float_contig(kc, "decode_attention: k_cache", 4);
   check_float_contig(vc, "decode_attention: v_cache", 4);
   TORCH_CHECK(kc.sizes() == vc.sizes(), "decode_attention: k_cache and v_cache shapes differ");
-  const int64_t B = kc.size(0), H = kc.size(1), T = kc.size(2), hd = kc.size(3), d = H * hd, N = q.size(0);
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 2 && q.size(1) == d && q.stride(1) == 1,
-              "decode_attention: q must be float32 (N, ", d, ") with unit inner stride, got ", q.sizes());
+  const int64_t B = kc.size(0), Hkv = kc.size(1), T = kc.size(2), hd = kc.size(3), dkv = Hkv * hd, N = q.size(0);
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 2 && q.size(1) % dkv == 0 && q.size(1) > 0 &&
+                  q.stride(1) == 1,
+              "decode_attention: q must be float32 (N, H*", hd, ") with H a multiple of the caches' ", Hkv,
+              " heads and unit inner stride, got ", q.sizes());
+  const int64_t d = q.size(1), H = d / hd, group = H / Hkv;
   TORCH_CHECK(length >= 1 && length <= T, "decode_attention: length ", length, " outside [1, ", T, "]");
   const int64_t* rp = nullptr;
   if (rows.has_value() && rows->defined()) {
@@ -164,27 +170,34 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
     TORCH_CHECK(N == B, "decode_attention: q has ", N, " rows but the caches ", B, " (pass rows to map them)");
   }
   const bool* mp = padding_mask(mask, N, T, "decode_attention");
-  const bool write = new_k.has_value() && new_k->defined();
-  if (write) {  // query row n writes cache row n (a compacted batch, N < B, keeps the first N rows' slots)
+  float* kp = kc.data_ptr<float>();
+  float* vp = vc.data_ptr<float>();
+  if (new_k.has_value() && new_k->defined()) {  // query row n writes cache row n (a compacted batch, N < B, keeps
+                                               // the first N rows' slots)
     TORCH_CHECK(N <= B, "decode_attention: new_k/new_v need at most one query row per cache row");
     for (const Tensor* t : {&*new_k, &*new_v}) {
-      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == N && t->size(1) == d &&
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == N && t->size(1) == dkv &&
                       t->stride(1) == 1,
-                  "decode_attention: new_k/new_v must be float32 (N, ", d, ") with unit inner stride");
+                  "decode_attention: new_k/new_v must be float32 (N, ", dkv, ") with unit inner stride");
     }
     for (int64_t n = 0; rp && n < N; ++n) {
       TORCH_CHECK(rp[n * T + length - 1] == n, "decode_attention: rows[", n, ", ", length - 1, "] must be ", n,
                   " (the new key is written in the row's own cache row)");
     }
+    const float *nk = new_k->data_ptr<float>(), *nv = new_v->data_ptr<float>();
+    const int64_t nks = new_k->stride(0), nvs = new_v->stride(0);
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t off = ((n * Hkv + h) * T + length - 1) * hd;
+        std::copy(nk + n * nks + h * hd, nk + n * nks + (h + 1) * hd, kp + off);
+        std::copy(nv + n * nvs + h * hd, nv + n * nvs + (h + 1) * hd, vp + off);
+      }
+    }
   }
   Tensor out = at::empty({N, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
   const float* qp = q.data_ptr<float>();
-  float* kp = kc.data_ptr<float>();
-  float* vp = vc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const float* nk = write ? new_k->data_ptr<float>() : nullptr;
-  const float* nv = write ? new_v->data_ptr<float>() : nullptr;
-  const int64_t qs = q.stride(0), nks = write ? new_k->stride(0) : 0, nvs = write ? new_v->stride(0) : 0;
+  const int64_t qs = q.stride(0);
   const float sc = float(scale);
   // threads only when there is enough to read: a parallel region costs more than a short head's work
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(1, length * hd));
@@ -196,38 +209,32 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
     std::vector<float> s(length);
     std::vector<float> gk, gv;  // a head's keys and values gathered from several cache rows
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t n = i / H, h = i % H;
+      const int64_t n = i / H, h = (i % H) / group;  // h: the key/value head
       if (i + ahead < i1) {
-        const int64_t n2 = (i + ahead) / H, h2 = (i + ahead) % H, r2 = rp ? rp[n2 * T] : n2;
-        const char* k2 = reinterpret_cast<const char*>(kp + (r2 * H + h2) * T * hd);
-        const char* v2 = reinterpret_cast<const char*>(vp + (r2 * H + h2) * T * hd);
+        const int64_t n2 = (i + ahead) / H, h2 = ((i + ahead) % H) / group, r2 = rp ? rp[n2 * T] : n2;
+        const char* k2 = reinterpret_cast<const char*>(kp + (r2 * Hkv + h2) * T * hd);
+        const char* v2 = reinterpret_cast<const char*>(vp + (r2 * Hkv + h2) * T * hd);
         for (int64_t l = 0; l < lines; ++l) {
           __builtin_prefetch(k2 + l * 64, 0, 3);
           __builtin_prefetch(v2 + l * 64, 0, 3);
         }
       }
       const bool* m = mp ? mp + n * T : nullptr;
-      const float* qh = qp + n * qs + h * hd;
-      float* o = op + n * d + h * hd;
+      const float* qh = qp + n * qs + (i % H) * hd;
+      float* o = op + n * d + (i % H) * hd;
       int64_t r = n;  // the cache row when every key of this query is in one row
       bool one_row = true;
       if (rp) {
         r = rp[n * T];
         for (int64_t j = 1; j < length && one_row; ++j) one_row = rp[n * T + j] == r;
       }
-      float* K = kp + (r * H + h) * T * hd;
-      float* V = vp + (r * H + h) * T * hd;
-      if (write) {
-        float* Kn = kp + (n * H + h) * T * hd;
-        float* Vn = vp + (n * H + h) * T * hd;
-        std::copy(nk + n * nks + h * hd, nk + n * nks + (h + 1) * hd, Kn + (length - 1) * hd);
-        std::copy(nv + n * nvs + h * hd, nv + n * nvs + (h + 1) * hd, Vn + (length - 1) * hd);
-      }
+      const float* K = kp + (r * Hkv + h) * T * hd;
+      const float* V = vp + (r * Hkv + h) * T * hd;
       if (!one_row) {
         gk.resize(length * hd);
         gv.resize(length * hd);
         for (int64_t j = 0; j < length; ++j) {
-          const int64_t off = (rp[n * T + j] * H + h) * T * hd + j * hd;
+          const int64_t off = (rp[n * T + j] * Hkv + h) * T * hd + j * hd;
           std::copy(kp + off, kp + off + hd, gk.data() + j * hd);
           std::copy(vp + off, vp + off + hd, gv.data() + j * hd);
         }

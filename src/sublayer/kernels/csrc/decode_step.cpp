@@ -1,6 +1,7 @@
 // One decoding step through every block or layer in one call (registered as torch.ops.sublayer_kernels.*):
-// gpt2_decode_layers and transformer_decode_layers, built from packed_linear.cpp's skinny_linear,
-// attention.cpp's decode_attention and a fused residual + LayerNorm. float32 only.
+// causal_decode_layers (any decoder-only language model: GPT-2, the Llama family) and transformer_decode_layers,
+// built from packed_linear.cpp's skinny_linear, attention.cpp's decode_attention and a fused residual + norm.
+// float32 only.
 
 #include "common.h"
 
@@ -9,7 +10,8 @@
 namespace sublayer {
 namespace {
 
-// The steps take their weights as one flat list (models/decoding.py's _flat_gpt2 / _flat_transformer build it);
+// The steps take their weights as one flat list (runtime/causal.py's flat_weights, models/decoding.py's
+// flat_transformer build them);
 // these views name its entries, so the layout is written here once.
 struct Linear {  // as skinny_linear takes it (scale: empty for float panels); weight: unpacked, for torch's GEMM
   const Tensor &packed, &scale, &bias, *weight;
@@ -18,14 +20,16 @@ struct Norm {
   const Tensor &weight, &bias;
 };
 
-struct GPT2Block {  // 16 tensors: ln_1, attention q|k|v and out, ln_2, fc1, fc2
+// One decoder-only block (16 tensors): the attention residual's norm, q|k|v and out, the FFN residual's norm, fc1,
+// fc2. A LayerNorm has weight and bias, an RMSNorm an empty bias; a linear without bias has an empty one.
+struct CausalBlock {
   static constexpr int64_t SIZE = 16;
-  Norm ln_1;
+  Norm norm_1;
   Linear qkv, out;
-  Norm ln_2;
+  Norm norm_2;
   Linear fc1, fc2;
-  explicit GPT2Block(const Tensor* P)
-      : ln_1{P[0], P[1]}, qkv{P[2], P[3], P[4], nullptr}, out{P[5], P[6], P[7], nullptr}, ln_2{P[8], P[9]},
+  explicit CausalBlock(const Tensor* P)
+      : norm_1{P[0], P[1]}, qkv{P[2], P[3], P[4], nullptr}, out{P[5], P[6], P[7], nullptr}, norm_2{P[8], P[9]},
         fc1{P[10], P[11], P[12], nullptr}, fc2{P[13], P[14], P[15], nullptr} {}
 };
 
@@ -41,17 +45,30 @@ struct TransformerLayer {
         fc2(linear(P + 20)), self_norm{P[24], P[25]}, cross_norm{P[26], P[27]}, ffn_norm{P[28], P[29]} {}
 };
 
-// Every LayerNorm parameter: float32 (d,); what: "<op>: LayerNorm parameter".
-void check_norm(const Norm& n, int64_t d, const char* what) {
+// Every norm parameter: float32 (d,) (an RMSNorm has no bias); what: "<op>: norm parameter".
+void check_norm(const Norm& n, int64_t d, const char* what, bool rms = false) {
   for (const Tensor* t : {&n.weight, &n.bias}) {
+    if (rms && t == &n.bias) continue;
     check_float_contig(*t, what, 1);
     TORCH_CHECK(t->size(0) == d, what, "s must have ", d, " elements");
   }
 }
 
-// h = LayerNorm(x) per row (two-pass variance), and first x += y when y is given: GPT-2's residual + ln.
-void add_layer_norm(float* x, const float* y, const Norm& n, double eps, float* h, int64_t B, int64_t d) {
-  const float *wp = n.weight.data_ptr<float>(), *bp = n.bias.data_ptr<float>();
+// RMSNorm of one float32 row: out[j] = x[j] / sqrt(mean(x^2) + eps) * w[j] (out may be x).
+inline void rms_norm_row(const float* x, const float* w, float eps, float* out, int64_t d) {
+  float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+  for (int64_t j = 0; j < d; ++j) sq += x[j] * x[j];
+  const float rs = 1.0f / std::sqrt(sq / float(d) + eps);
+#pragma omp simd
+  for (int64_t j = 0; j < d; ++j) out[j] = x[j] * rs * w[j];
+}
+
+// h = LayerNorm(x) (two-pass variance) or RMSNorm(x) per row, and first x += y when y is given: a pre-norm
+// residual followed by the next norm.
+void add_layer_norm(float* x, const float* y, const Norm& n, double eps, float* h, int64_t B, int64_t d,
+                    bool rms = false) {
+  const float *wp = n.weight.data_ptr<float>(), *bp = rms ? nullptr : n.bias.data_ptr<float>();
   // rows on both threads only for big batches (a translate step's hundreds of rows): a parallel region costs more
   // than a few rows' work
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, d));
@@ -62,48 +79,111 @@ void add_layer_norm(float* x, const float* y, const Norm& n, double eps, float* 
 #pragma omp simd
         for (int64_t j = 0; j < d; ++j) xr[j] += y[r * d + j];
       }
-      layer_norm_row(xr, wp, bp, float(eps), h + r * d, d);
+      if (rms)
+        rms_norm_row(xr, wp, float(eps), h + r * d, d);
+      else
+        layer_norm_row(xr, wp, bp, float(eps), h + r * d, d);
     }
   });
 }
 
-// One GPT-2 decoding step through every block (models/decoding.py's gpt2_step, in one call): x (B, d) the
-// embeddings of this step's tokens; `params`: each block's GPT2Block, then ln_f weight, bias; the blocks' caches
-// (B, H, T_max, hd), written at position length-1. Returns ln_f of the last residual stream (B, d).
-Tensor gpt2_decode_layers(const Tensor& x, at::TensorList params, at::TensorList k_caches, at::TensorList v_caches,
-                          const c10::optional<Tensor>& mask, int64_t length, double eps, int64_t act) {
-  constexpr int64_t PER = GPT2Block::SIZE;
+// x[:, h*hd : (h+1)*hd] rotated in place for heads h < H of each row (HF rotate_half convention): the pair
+// (i, i + hd/2) by cos/sin (B, hd) of the row's position.
+void rotate_heads(Tensor& x, int64_t col0, int64_t H, int64_t hd, const Tensor& cos, const Tensor& sin) {
+  const int64_t B = x.size(0), rs = x.stride(0), half = hd / 2;
+  float* xp = x.data_ptr<float>() + col0;
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  for (int64_t r = 0; r < B; ++r) {
+    const float *c = cp + r * hd, *s = sp + r * hd;
+    for (int64_t h = 0; h < H; ++h) {
+      float* v = xp + r * rs + h * hd;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  }
+}
+
+template <int64_t A>
+void glu_row(const float* a, float* o, int64_t f) {
+#pragma omp simd
+  for (int64_t j = 0; j < f; ++j) o[j] = act_f<A>(a[j]) * a[f + j];
+}
+
+// act(gate) * up of a gated FFN: a (B, 2f) = [gate | up] per row -> (B, f).
+Tensor glu_rows(const Tensor& a, int64_t act) {
+  const int64_t B = a.size(0), f = a.size(1) / 2;
+  Tensor out = at::empty({B, f}, a.options());
+  const float* ap = a.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < B; ++r) SUBLAYER_DISPATCH_ACT(act, [&] { glu_row<ACT>(ap + r * 2 * f, op + r * f, f); });
+  return out;
+}
+
+c10::optional<Tensor> maybe(const Tensor& t) { return t.numel() ? c10::optional<Tensor>(t) : c10::nullopt; }
+
+// One decoding step of a decoder-only language model through every block (sublayer.runtime.causal's step, in one
+// call): x (B, d) the embeddings of this step's tokens (plus learned positions); `params`: each block's
+// CausalBlock, then the final norm's weight and bias. Norms are LayerNorms or (rms) RMSNorms; q|k|v has n_heads
+// query heads and the caches' (B, H_kv, T_max, hd) key/value heads (grouped-query attention), the new ones
+// written at position length-1 after rotary (cos/sin (B, hd) of each row's position, when given) rotates q and k.
+// fc1 has d_ff outputs: act(fc1) -> fc2, or with `gated` fc1 = [gate | up] -> act(gate) * up -> fc2.
+// Returns the final norm of the last residual stream (B, d).
+Tensor causal_decode_layers(const Tensor& x, at::TensorList params, at::TensorList k_caches, at::TensorList v_caches,
+                            const c10::optional<Tensor>& mask, const c10::optional<Tensor>& cos,
+                            const c10::optional<Tensor>& sin, int64_t length, int64_t n_heads, int64_t d_ff,
+                            double eps, bool rms, int64_t act, bool gated) {
+  constexpr int64_t PER = CausalBlock::SIZE;
   const int64_t n_layers = int64_t(k_caches.size());
   TORCH_CHECK(n_layers > 0 && int64_t(params.size()) == PER * n_layers + 2 && int64_t(v_caches.size()) == n_layers,
-              "gpt2_decode_layers: expected 16 tensors per block + 2 and one k/v cache per block");
-  check_float_contig(x, "gpt2_decode_layers: x", 2);
-  const int64_t B = x.size(0), d = x.size(1);
+              "causal_decode_layers: expected 16 tensors per block + 2 and one k/v cache per block");
+  TORCH_CHECK(act >= IDENT && act <= RELU2, "causal_decode_layers: act ", act, " is not a fused activation");
+  check_float_contig(x, "causal_decode_layers: x", 2);
+  const int64_t B = x.size(0), d = x.size(1), H_kv = k_caches[0].size(1), hd = k_caches[0].size(3);
+  TORCH_CHECK(n_heads > 0 && n_heads % H_kv == 0, "causal_decode_layers: n_heads ", n_heads,
+              " is not a multiple of the caches' ", H_kv, " key/value heads");
+  const bool rotary = cos.has_value() && cos->defined();
+  if (rotary) {
+    for (const Tensor* t : {&*cos, &*sin}) {
+      check_float_contig(*t, "causal_decode_layers: cos/sin", 2);
+      TORCH_CHECK(t->size(0) == B && t->size(1) == hd, "causal_decode_layers: cos/sin must be (", B, ", ", hd, ")");
+    }
+  }
   Tensor resid = x.clone();
   Tensor h = at::empty_like(resid);
   float *rp = resid.data_ptr<float>(), *hp = h.data_ptr<float>();
-  const Norm ln_f{params[PER * n_layers], params[PER * n_layers + 1]};
-  constexpr const char* kNormWhat = "gpt2_decode_layers: LayerNorm parameter";
+  const Norm final_norm{params[PER * n_layers], params[PER * n_layers + 1]};
+  constexpr const char* kNormWhat = "causal_decode_layers: norm parameter";
   for (int64_t i = 0; i < n_layers; ++i) {
-    const GPT2Block L(params.data() + PER * i);
-    check_norm(L.ln_1, d, kNormWhat);
-    check_norm(L.ln_2, d, kNormWhat);
+    const CausalBlock L(params.data() + PER * i);
+    check_norm(L.norm_1, d, kNormWhat, rms);
+    check_norm(L.norm_2, d, kNormWhat, rms);
   }
-  check_norm(ln_f, d, kNormWhat);
-  add_layer_norm(rp, nullptr, GPT2Block(params.data()).ln_1, eps, hp, B, d);
-  const double scale = 1.0 / std::sqrt(double(d / k_caches[0].size(1)));
-  auto linear = [&](const Tensor& in, const Linear& l, int64_t a) {
-    return skinny_linear(in, l.packed, l.bias, l.bias.size(0), a, l.scale);
+  check_norm(final_norm, d, kNormWhat, rms);
+  add_layer_norm(rp, nullptr, CausalBlock(params.data()).norm_1, eps, hp, B, d, rms);
+  const double scale = 1.0 / std::sqrt(double(hd));
+  const int64_t dq = n_heads * hd, dkv = H_kv * hd;
+  auto linear = [&](const Tensor& in, const Linear& l, int64_t n, int64_t a) {
+    return skinny_linear(in, l.packed, maybe(l.bias), n, a, maybe(l.scale));
   };
   for (int64_t i = 0; i < n_layers; ++i) {
-    const GPT2Block L(params.data() + PER * i);
-    const Tensor qkv = linear(h, L.qkv, IDENT);
-    const Tensor ctx = decode_attention(qkv.narrow(1, 0, d), k_caches[i], v_caches[i], mask, length, scale,
-                                        qkv.narrow(1, d, d), qkv.narrow(1, 2 * d, d), c10::nullopt);
-    const Tensor o = linear(ctx, L.out, IDENT);
-    add_layer_norm(rp, o.data_ptr<float>(), L.ln_2, eps, hp, B, d);
-    const Tensor y = linear(linear(h, L.fc1, act), L.fc2, IDENT);
-    const Norm next = i + 1 < n_layers ? GPT2Block(params.data() + PER * (i + 1)).ln_1 : ln_f;
-    add_layer_norm(rp, y.data_ptr<float>(), next, eps, hp, B, d);
+    const CausalBlock L(params.data() + PER * i);
+    Tensor qkv = linear(h, L.qkv, dq + 2 * dkv, IDENT);
+    if (rotary) {
+      rotate_heads(qkv, 0, n_heads, hd, *cos, *sin);
+      rotate_heads(qkv, dq, H_kv, hd, *cos, *sin);
+    }
+    const Tensor ctx = decode_attention(qkv.narrow(1, 0, dq), k_caches[i], v_caches[i], mask, length, scale,
+                                        qkv.narrow(1, dq, dkv), qkv.narrow(1, dq + dkv, dkv), c10::nullopt);
+    const Tensor o = linear(ctx, L.out, d, IDENT);
+    add_layer_norm(rp, o.data_ptr<float>(), L.norm_2, eps, hp, B, d, rms);
+    const Tensor f = gated ? glu_rows(linear(h, L.fc1, d_ff, IDENT), act) : linear(h, L.fc1, d_ff, act);
+    const Tensor y = linear(f, L.fc2, d, IDENT);
+    const Norm next = i + 1 < n_layers ? CausalBlock(params.data() + PER * (i + 1)).norm_1 : final_norm;
+    add_layer_norm(rp, y.data_ptr<float>(), next, eps, hp, B, d, rms);
   }
   return h;
 }
@@ -199,14 +279,14 @@ Tensor transformer_decode_layers(const Tensor& x, at::TensorList params, at::Ten
 }  // namespace sublayer
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
-  m.def("gpt2_decode_layers(Tensor x, Tensor[] params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor? mask, "
-        "int length, float eps, int act) -> Tensor");
+  m.def("causal_decode_layers(Tensor x, Tensor[] params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor? mask, "
+        "Tensor? cos, Tensor? sin, int length, int n_heads, int d_ff, float eps, bool rms, int act, bool gated) -> Tensor");
   m.def("transformer_decode_layers(Tensor x, Tensor[] params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
         "Tensor[] cross_k, Tensor[] cross_v, Tensor? cross_mask, Tensor? rows, Tensor? cross_rows, int length, "
         "float eps, int act, bool norm_first, int max_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
-  m.impl("gpt2_decode_layers", &sublayer::gpt2_decode_layers);
+  m.impl("causal_decode_layers", &sublayer::causal_decode_layers);
   m.impl("transformer_decode_layers", &sublayer::transformer_decode_layers);
 }
