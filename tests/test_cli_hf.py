@@ -287,7 +287,7 @@ def test_generate_quantize_int8(cli, gpt2_dir, bert_dir, tmp_path):
     code, _, err = cli("generate", "--model", tmp_path / "b", "5 6")
     _one_line_error(code, err, "holds a quantized QuantizedBert, not a GPT-2")
     code, _, err = cli("embed", "--model", tmp_path / "g", "hello")
-    _one_line_error(code, err, "holds a quantized QuantizedGPT2, not a BERT")
+    _one_line_error(code, err, "holds a quantized QuantizedCausalLM, not a BERT")
 
 
 def test_embed_errors(cli, bert_dir, gpt2_dir, tmp_path):

@@ -287,14 +287,15 @@ class PreparedCausalLM:
     def forward(
         self, input_ids: Tensor, *, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
     ) -> Tensor:
-        """As the model's ``forward``: logits (B, T, vocab_size), float32."""
+        """As the model's ``forward``: logits (B, T, vocab_size), float32, zeros at padded positions."""
         cfg = self.config
         check_input_ids("input_ids", input_ids, cfg.vocab_size, getattr(cfg, "max_positions", None))
         b, t = input_ids.shape
         kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
         position_ids = check_position_ids(cfg, position_ids, b, t, input_ids.device)
         kpm = kpm if kpm is not None and bool(kpm.any()) else None
-        return self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
+        logits = self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
+        return logits if kpm is None else logits.masked_fill(kpm[..., None], 0.0)
 
     @inference
     def generate(self, input_ids: Tensor, max_new_tokens: int = FROM_CONFIG, **kwargs) -> Tensor:
