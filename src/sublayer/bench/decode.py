@@ -1,7 +1,7 @@
 """Decoding benchmark: GPT-2 greedy generation tokens/s and the weight bandwidth each engine reaches.
 
 Engines on the same random GPT-2 (saved once as a Hugging Face folder under ``--out``): sublayer's fast decoding
-path (:mod:`sublayer.models.decoding`, through ``GPT2.generate`` and ``fast_inference(gpt2).generate``), the
+path (:mod:`sublayer.runtime.causal`, through ``GPT2.generate`` and ``fast_inference(gpt2).generate``), the
 reference loop it replaced (``SUBLAYER_DECODING=0``), HF ``generate`` and, when the optional peer is installed
 (``pip install 'sublayer[peers]'``), CTranslate2's ``Generator`` in float32. Runs are interleaved (engine after
 engine, repeated); the median is reported. ``GB/s`` = matrix bytes each engine reads per decoding step (every
@@ -58,7 +58,7 @@ def _gemv_rows(n: int, k: int, reps: int) -> list[dict]:
 
 def _bytes_read(engine: str, step_bytes: int, head_bytes: int) -> float:
     """Weight bytes an engine reads per greedy step: float32 everywhere, except sublayer's fast path (the LM head
-    screened in float16, :class:`~sublayer.models.decoding.GreedyHead`) and int8 (a byte per weight; "head float"
+    screened in float16, :class:`~sublayer.runtime.linear.GreedyHead`) and int8 (a byte per weight; "head float"
     keeps the head in float32)."""
     layers = step_bytes - head_bytes
     if "int8" in engine:

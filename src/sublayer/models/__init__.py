@@ -2,16 +2,17 @@
 
 from .bert import Bert, BertConfig
 from .config import ModelConfig
-from .fast import FastBert, FastGPT2, fast_inference
+from .fast import FastBert, FastCausalLM, FastGPT2, fast_inference
 from .gpt2 import GPT2, GPT2Config
 from .llama import Llama, LlamaConfig
-from .quantized import QuantizedBert, QuantizedGPT2, load_quantized
+from .quantized import QuantizedBert, QuantizedCausalLM, QuantizedGPT2, load_quantized
 from .transformer import Transformer, TransformerConfig
 
 __all__ = [
     "Bert",
     "BertConfig",
     "FastBert",
+    "FastCausalLM",
     "FastGPT2",
     "GPT2",
     "GPT2Config",
@@ -19,6 +20,7 @@ __all__ = [
     "LlamaConfig",
     "ModelConfig",
     "QuantizedBert",
+    "QuantizedCausalLM",
     "QuantizedGPT2",
     "Transformer",
     "TransformerConfig",
