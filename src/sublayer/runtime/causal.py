@@ -1,33 +1,17 @@
-"""The engine of every decoder-only language model (GPT-2, the Llama family): prepared weights read from the
-model's standard sub-layers, the prepared forward, the decoding step and the decoding loop. No model has engine
-code of its own.
+"""The engine of every decoder-only language model (GPT-2, the Llama family): no model has engine code of its own.
 
-What a model provides (:class:`sublayer.models.causal_lm.CausalLM` subclasses):
-
-* blocks (``model.blocks``) made of the standard sub-layers: ``attn_residual.norm`` and ``ffn_residual.norm``
-  (:class:`~sublayer.nn.LayerNorm` with or without bias, or :class:`~sublayer.nn.RMSNorm`),
-  ``self_attn.{q,k,v,out}_proj`` (:class:`~sublayer.nn.MultiHeadAttention`: biases optional, ``n_kv_heads``
-  key/value heads of ``head_dim``), ``ffn.{fc1,fc2}`` with ``ffn.activation`` (plain, or gated: fc1 packs
-  ``[gate; up]``);
-* ``causal_parts()`` -> :class:`CausalParts`: the token embedding, the learned position table or None, the rotary
-  module or None, the final norm and the LM head.
-
-From these, :func:`named_tensors` gives the model's float tensors under engine names (q|k|v fused), and
-:func:`build` makes :class:`CausalWeights` from such tensors with a ``linear(name, tensors)`` factory — so the
-weight format (packed float32 panels, another compute dtype, int8 with scales) is a property of the layer. Then:
-
-* :func:`hidden` — the prepared forward (prompt prefill, ``fast_inference``): LayerNorm or RMSNorm, learned
-  positions or rotary, grouped-query attention, plain or gated FFN, packed documents (``position_ids`` restarting
-  at 0: block-diagonal attention), left padding, KV caches;
-* :func:`step` — one decoding step over :class:`~sublayer.runtime.kv_cache.StaticKVCache` s holding only the
-  key/value heads: every block in one C++ call (``causal_decode_layers``) where it applies, else the per-op loop
-  (its reference);
-* :func:`decode` — the decoding loop (prefill through the model's reference forward with caches, the static
-  cache, :class:`~sublayer.runtime.linear.GreedyHead`'s exact argmax for greedy decoding, ``token_loop``);
-  :func:`decoder` hands it to :func:`sublayer.runtime.generation.generate`.
-
-:func:`packed_weights` are the float32 decoding weights of a model, through
-:func:`sublayer.runtime.weights.prepared` (rebuilt whenever a parameter changes).
+A model (:class:`sublayer.models.causal_lm.CausalLM`) provides ``blocks`` of the standard sub-layers
+(``attn_residual.norm`` / ``ffn_residual.norm``: LayerNorm with or without bias, or RMSNorm;
+``self_attn.{q,k,v,out}_proj``: optional biases, ``n_kv_heads`` key/value heads of ``head_dim``;
+``ffn.{fc1,fc2}`` + ``ffn.activation``, plain or gated with fc1 = ``[gate; up]``) and ``causal_parts()``
+(:class:`CausalParts`). :func:`named_tensors` gives its tensors under engine names; :func:`build` makes
+:class:`CausalWeights` from them with a ``linear(name, tensors)`` factory, so a weight format (float32 panels,
+another compute dtype, int8 with scales) is a property of the layer. Then :func:`hidden` is the prepared forward
+(prefill, ``fast_inference``: rotary or learned positions, grouped-query attention, packed documents, left
+padding), :func:`step` one decoding step over static caches of the key/value heads (every block in one C++ call,
+``causal_decode_layers``, where it applies; the per-op loop is its reference), and :func:`decode` the decoding
+loop (:func:`decoder` hands it to :func:`sublayer.runtime.generation.generate`). :func:`packed_weights` come
+through :func:`sublayer.runtime.weights.prepared`: rebuilt whenever a parameter changes.
 
 Switch: ``SUBLAYER_DECODING=0`` in the environment or :func:`set_enabled` (``False``: the reference loops run).
 """
@@ -199,17 +183,13 @@ def packed_weights(model: nn.Module) -> CausalWeights:
     return prepared(model, ("causal", "packed", kernels_on()), lambda m: build(m, packed_linear, greedy=True))
 
 
-def _same(values) -> bool:
-    return len(set(values)) == 1
-
-
 def flat_weights(W: CausalWeights) -> list[Tensor] | None:
     """The tensors of ``causal_decode_layers`` (every block of a step in one C++ call), or None where it does not
     apply: no kernels, a linear without panels (``flat()``), an activation it does not fuse, norms of mixed kinds
     or eps, LayerNorms without bias."""
     norms = [n for L in W.layers for n in (L["ln1"], L["ln2"])] + [W.norm]
     act_ok = W.activation in fused.ACT_IDS or W.activation in fused.GLU_IDS
-    if not kernels_on() or not act_ok or not _same(n.eps for n in norms) or not _same(n.rms for n in norms):
+    if not kernels_on() or not act_ok or len({(n.eps, n.rms) for n in norms}) != 1:
         return None
     if any(n.bias is None for n in norms if not n.rms):
         return None
@@ -360,19 +340,10 @@ def decode(
     greedy: bool = False,
 ) -> Tensor:
     """The decoding loop of :func:`sublayer.runtime.generation.generate` on the fast path (arguments checked
-    there).
-
-    Args:
-        model: the model (or prepared form) whose ``blocks`` decode. input_ids (B, T); positions (B, T) of the
-        prompt tokens; key_padding_mask (B, T) True = padding, or None. prefill: ``fn(ids, positions, kpm, caches)
-        -> hidden`` (the reference forward, final norm applied) run once on the prompt. pick: ``fn(logits (B, V))
-        -> (B,) ids``. eos_token_id, pad: as ``generate``. weights: the decoding weights (:func:`build`'s);
-        None -> :func:`packed_weights` of ``model``. greedy: ``pick`` is the argmax; the weights' ``greedy`` head
-        then finds it without computing every logit in float32.
-
-    Returns:
-        (B, T + n) ids.
-    """
+    there): input_ids (B, T), positions (B, T), key_padding_mask (B, T) True = padding or None; ``prefill(ids,
+    positions, kpm, caches)`` (the reference forward) runs once on the prompt; ``pick(logits (B, V)) -> (B,)``;
+    ``weights``: :func:`build`'s (None: :func:`packed_weights` of ``model``); ``greedy``: ``pick`` is the argmax,
+    which the weights' :class:`GreedyHead` finds without every float32 logit. Returns (B, T + n) ids."""
     b, t = input_ids.shape
     if max_new_tokens == 0:
         return input_ids
