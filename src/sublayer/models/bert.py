@@ -34,6 +34,7 @@ from ..nn import EncoderBlock, LayerNorm, TransformerEncoder
 from ..functional.packing import PackedBatch
 from ..runtime import padding_free
 from .config import ModelConfig
+from .outputs import BaseModelOutput
 
 __all__ = ["BertConfig", "Bert", "BertEmbeddings", "BertPooler"]
 
@@ -243,10 +244,28 @@ class Bert(nn.Module):
         return kpm, token_type_ids
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
-    ) -> Tensor:
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        *,
+        return_dict: bool = False,
+    ) -> Tensor | BaseModelOutput:
+        """``last_hidden_state`` (B, T, d_model); ``return_dict``: a :class:`BaseModelOutput` holding it and HF's
+        ``pooler_output`` (B, d_model) (None without pooler), as :meth:`pooled`."""
         kpm, token_type_ids = self._prepare(input_ids, attention_mask, token_type_ids)
-        return self._encode(input_ids, kpm, token_type_ids)
+        if not return_dict:
+            return self._encode(input_ids, kpm, token_type_ids)
+        if self.pooler is None:
+            return BaseModelOutput(last_hidden_state=self._encode(input_ids, kpm, token_type_ids))
+        run = None
+        if kpm is not None:
+            run = ~kpm
+            run[:, 0] = True
+        h = self._encode(input_ids, kpm, token_type_ids, run)  # position 0 runs, padding or not: the pooler's
+        pooled = self.pooler(h)
+        return BaseModelOutput(last_hidden_state=h if run is None else h.masked_fill(kpm[..., None], 0.0),
+                               pooler_output=pooled)  # fmt: skip
 
     def _encode(self, input_ids: Tensor, kpm: Tensor | None, token_type_ids: Tensor, run: Tensor | None = None) -> Tensor:
         """Hidden states (B, T, d_model): those of the positions in ``run`` (default: the real tokens), zeros at
@@ -270,12 +289,8 @@ class Bert(nn.Module):
         """
         if self.pooler is None:
             raise ValueError("this Bert has no pooler (built with pooler=False or loaded from a file without one)")
-        kpm, token_type_ids = self._prepare(input_ids, attention_mask, token_type_ids)
-        run = None
-        if kpm is not None:  # the pooler reads position 0, padding or not (left padding), as HF does
-            run = ~kpm
-            run[:, 0] = True
-        return self.pooler(self._encode(input_ids, kpm, token_type_ids, run))
+        # the pooler reads position 0, padding or not (left padding), as HF does
+        return self(input_ids, attention_mask, token_type_ids, return_dict=True).pooler_output
 
     def embed(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
