@@ -177,8 +177,10 @@ def test_bad_tokenizer_file(cli, tmp_path):
 
 
 def test_debug_shows_the_exception(cli, tmp_path):
-    with pytest.raises(CLIError, match="needs a tokenizer file"):
+    with pytest.raises(FileNotFoundError, match="needs a tokenizer file"):
         cli("--debug", "generate", "--model", tmp_path, "hello")
+    with pytest.raises(CLIError, match="--quantize must be one of int8"):
+        cli("--debug", "generate", "--model", tmp_path, "--quantize", "int4", "hello")
 
 
 def test_real_entry_point_exit_code(tmp_path):

@@ -36,7 +36,7 @@ from ..runtime import padding_free
 from .config import ModelConfig
 from .outputs import BaseModelOutput
 
-__all__ = ["BertConfig", "Bert", "BertEmbeddings", "BertPooler"]
+__all__ = ["BertConfig", "Bert", "BertEmbeddings", "BertPooler", "mean_pooled"]
 
 
 @dataclasses.dataclass
@@ -144,6 +144,24 @@ class BertConfig(ModelConfig):
             "pad_token_id": self.pad_token_id,
             "position_embedding_type": "absolute",
         }
+
+
+def mean_pooled(h: Tensor, attention_mask: Tensor | None, *, normalize: bool = True) -> Tensor:
+    """Hidden states (B, T, D) averaged over the real tokens (``attention_mask`` (B, T) 1; None: all), then
+    L2-normalised when ``normalize``: sentence-transformers' mean pooling, (B, D).
+
+    Raises:
+        ValueError: a row with no token (attention_mask all 0).
+    """
+    if attention_mask is None:
+        mean = h.mean(dim=1)
+    else:
+        w = attention_mask.to(h.dtype)[..., None]  # (B, T, 1)
+        count = w.sum(dim=1)
+        if bool((count == 0).any()):
+            raise ValueError("attention_mask has a row with no token (all 0): nothing to average")
+        mean = (h * w).sum(dim=1) / count
+    return F.normalize(mean, p=2.0, dim=-1) if normalize else mean
 
 
 class BertEmbeddings(nn.Module):
@@ -308,15 +326,7 @@ class Bert(nn.Module):
             h = self(input_ids, attention_mask, token_type_ids)
         finally:
             self.train(was_training)
-        if attention_mask is None:
-            mean = h.mean(dim=1)
-        else:
-            w = attention_mask.to(h.dtype)[..., None]  # (B, T, 1)
-            count = w.sum(dim=1)
-            if bool((count == 0).any()):
-                raise ValueError("attention_mask has a row with no token (all 0): nothing to average")
-            mean = (h * w).sum(dim=1) / count
-        return F.normalize(mean, p=2.0, dim=-1)
+        return mean_pooled(h, attention_mask)
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None) -> Bert:
