@@ -119,14 +119,15 @@ class Encoder:
     Args:
         model: a :class:`Bert`, its ``fast_inference`` or int8 form (anything with Bert's forward).
         tokenizer: an HF tokenizer (a callable giving ``input_ids``).
-        max_length: tokens kept per text (longer texts are truncated); default the model's positions.
+        max_length: tokens kept per text (longer texts are truncated); at most the model's positions and the
+            tokenizer's ``model_max_length`` (where sentence-transformers writes its ``max_seq_length``).
     """
 
     def __init__(self, model, tokenizer, *, max_length: int | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
-        limit = model.config.max_positions
         check_positive_int("max_length", max_length, allow_none=True)
-        self.max_length = limit if max_length is None else min(max_length, limit)
+        limits = [model.config.max_positions, getattr(tokenizer, "model_max_length", None), max_length]
+        self.max_length = min(n for n in limits if isinstance(n, int))
 
     @classmethod
     def from_pretrained(
@@ -135,7 +136,8 @@ class Encoder:
         """The folder's BERT and tokenizer. The model runs through :func:`sublayer.models.fast_inference`
         (``dtype``: float32, the model's numbers; ``torch.bfloat16``: bf16 where the CPU multiplies bf16
         natively); ``quantize="int8"``: int8 (a saved int8 folder loads as it is). A sentence-transformers folder's
-        ``sentence_bert_config.json`` ``max_seq_length`` sets :attr:`max_length`.
+        ``max_seq_length`` (its tokenizer's ``model_max_length``, or ``sentence_bert_config.json``'s) sets
+        :attr:`max_length`.
 
         Raises:
             FileNotFoundError/ValueError: no folder, no tokenizer, not a BERT, bad ``dtype`` or ``quantize``.
@@ -181,6 +183,8 @@ class Encoder:
         """
         items = _texts("texts", texts)
         check_positive_int("batch_size", batch_size)
+        if not items:
+            return torch.empty(0, self.model.config.d_model)
         rows = self.tokenizer(items, truncation=True, max_length=self.max_length)
         ids = rows["input_ids"]
         types = rows.get("token_type_ids") or [[0] * len(r) for r in ids]
