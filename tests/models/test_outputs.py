@@ -134,6 +134,11 @@ def test_bert_return_dict_equals_hf(left):
     real = mask.bool()[..., None]
     assert_close(out.last_hidden_state * real, want.last_hidden_state * real, rtol=1e-4, atol=1e-5)
     assert_close(out.pooler_output, want.pooler_output, rtol=1e-4, atol=1e-5)
+    fast = fast_inference(ours, dtype=torch.float32)(x, mask, return_dict=True)
+    assert torch.equal(fast.last_hidden_state, fast_inference(ours, dtype=torch.float32)(x, mask))
+    assert_close(fast.last_hidden_state, out.last_hidden_state * real, rtol=1e-4, atol=1e-5)
+    if not left:  # the fast path's pooler reads its (zero) hidden state at a padded position 0
+        assert_close(fast.pooler_output, out.pooler_output, rtol=1e-4, atol=1e-5)
     no_pool = Bert(ours.config, pooler=False)
     out = no_pool(x, mask, return_dict=True)
     assert out.pooler_output is None and out.keys() == ["last_hidden_state"]

@@ -205,7 +205,9 @@ class Bert(nn.Module):
 
     Forward:
         ``input_ids`` (B, T) ints; ``attention_mask`` (B, T) 1 = token, 0 = padding (HF convention), default
-        all tokens; ``token_type_ids`` (B, T), default zeros. Returns ``last_hidden_state`` (B, T, d_model).
+        all tokens; ``token_type_ids`` (B, T), default zeros. Returns ``last_hidden_state`` (B, T, d_model);
+        ``return_dict=True``: a :class:`~sublayer.models.outputs.BaseModelOutput` (``.last_hidden_state``,
+        ``.pooler_output``). No ``labels``: BERT's task heads are not part of this model.
         Padded positions get outputs too (queries are not masked, as in HF); only their keys are ignored.
 
     Raises:
