@@ -103,7 +103,10 @@ def test_encode_normalize_and_progress_bar(bert_dir, capsys):
 
 def test_encode_equals_sentence_transformers(bert_dir, tmp_path):
     st = pytest.importorskip("sentence_transformers")
-    from sentence_transformers import models
+    try:
+        from sentence_transformers.sentence_transformer import modules as models
+    except ImportError:  # sentence-transformers < 6
+        from sentence_transformers import models
 
     modules = [models.Transformer(str(bert_dir), max_seq_length=7)]
     modules += [models.Pooling(15, pooling_mode="mean"), models.Normalize()]
