@@ -177,8 +177,10 @@ def test_bad_tokenizer_file(cli, tmp_path):
 
 
 def test_debug_shows_the_exception(cli, tmp_path):
-    with pytest.raises(CLIError, match="needs a tokenizer file"):
+    with pytest.raises(FileNotFoundError, match="needs a tokenizer file"):
         cli("--debug", "generate", "--model", tmp_path, "hello")
+    with pytest.raises(CLIError, match="--quantize must be one of int8"):
+        cli("--debug", "generate", "--model", tmp_path, "--quantize", "int4", "hello")
 
 
 def test_real_entry_point_exit_code(tmp_path):
@@ -298,3 +300,32 @@ def test_embed_errors(cli, bert_dir, gpt2_dir, tmp_path):
     _one_line_error(code, err, "model_type must be 'bert' for BERT, got 'gpt2'")
     code, _, err = cli("embed", "--model", bert_dir)
     assert code == 2 and "Missing" in err and "texts" in err.lower()  # a usage error, exit 2
+
+
+def test_generate_stream_prints_the_same_text(cli, gpt2_dir):
+    code, out, _ = cli("generate", "--model", gpt2_dir, "the quick brown fox", "-n", "7")
+    code2, streamed, err = cli("generate", "--model", gpt2_dir, "the quick brown fox", "-n", "7", "--stream")
+    assert code == code2 == 0 and streamed == out and err == ""
+
+
+def test_generate_text_stops_at_eos(cli, gpt2_dir):
+    tok = word_tokenizer()
+    model = GPT2.from_pretrained(gpt2_dir)
+    for prompt in ("the cat", "hello world", "big dog", "sun", "the quick brown fox", "a red ball"):
+        ids = tok.encode(prompt).ids
+        new = model.generate(torch.tensor([ids]), 12)[0, len(ids):].tolist()
+        if 2 in new:  # the eos id (the tokenizer's [CLS]): the text ends before it
+            code, out, _ = cli("generate", "--model", gpt2_dir, prompt, "-n", "12")
+            assert code == 0 and out.strip() == tok.decode(ids + new[: new.index(2)])
+            return
+    pytest.skip("no prompt reaches the eos id")
+
+
+def test_embed_batch_size_gives_the_same_vectors(cli, bert_dir):
+    texts = ["the cat sat on a mat", "hello world", "big dog"]
+    one = torch.tensor([r["embedding"] for r in json.loads(cli("embed", "--model", bert_dir, *texts)[1])])
+    code, out, _ = cli("embed", "--model", bert_dir, "--batch-size", "1", *texts)
+    assert code == 0
+    assert_close(torch.tensor([r["embedding"] for r in json.loads(out)]), one)
+    code, _, err = cli("embed", "--model", bert_dir, "--batch-size", "0", "hello")
+    _one_line_error(code, err, "error: --batch-size must be a positive int, got 0")

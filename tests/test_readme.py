@@ -8,7 +8,7 @@ How it works — read this before adding a snippet to the README or a guide:
 - Model folders: a snippet names one of the placeholder folders of :data:`PLACEHOLDERS` (e.g.
   ``GPT2.from_pretrained("path/to/gpt2")``). The test replaces the quoted placeholder by a tiny random Hugging
   Face model of that architecture, saved in a temporary folder, with the real model's vocabulary size — so real
-  token ids (GPT-2's 464 = "The") are valid. Nothing is downloaded. Add a placeholder here if you need another.
+  token ids (GPT-2's 464 = "The") are valid — and a small word-level tokenizer (``sublayer.text`` reads it). Nothing is downloaded. Add a placeholder here if you need another.
 - A block that calls ``dist.init_process_group`` is a ``torchrun`` script: it runs in a subprocess as a
   one-process ``torchrun`` would (RANK=0, WORLD_SIZE=1, a free MASTER_PORT).
 - A block passes when it runs without an exception and every floating-point tensor it leaves is finite.
@@ -56,6 +56,16 @@ def _tiny_llama(vocab: int):
     return transformers.LlamaForCausalLM(config).eval()
 
 
+def _word_tokenizer(arch: str):
+    """The tests' WordLevel tokenizer as an HF tokenizer folder would hold it (``tokenizer_config.json`` too)."""
+    import transformers
+
+    from tests.models.conftest import word_tokenizer
+
+    specials = {"pad_token": "[PAD]", "unk_token": "[UNK]"}
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=word_tokenizer(bert=arch == "bert"), **specials)
+
+
 @pytest.fixture(scope="module")
 def model_folders(tmp_path_factory):
     """Lazily saved tiny HF folders, one per placeholder (only the snippets that name one need transformers)."""
@@ -75,6 +85,7 @@ def model_folders(tmp_path_factory):
                 model = _tiny_llama(vocab)
             made[placeholder] = tmp_path_factory.mktemp(arch)
             model.save_pretrained(made[placeholder])
+            _word_tokenizer(arch).save_pretrained(made[placeholder])  # small ids: valid in every vocabulary
         return made[placeholder]
 
     return folder

@@ -203,58 +203,6 @@ def _demo_rank(rank: int, world_size: int, cfg) -> None:
 # --- generate / embed: Hugging Face-format GPT-2, Llama/Qwen2 and BERT folders ----------------------------------
 
 
-def _load_tokenizer(folder: Path, *, why: str):
-    """``FOLDER/tokenizer.json`` read with the ``tokenizers`` library; CLIError naming the file if absent/bad."""
-    path = Path(folder) / "tokenizer.json"
-    if not path.is_file():
-        raise CLIError(f"{why} needs a tokenizer file, but {path} does not exist")
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise CLIError("reading tokenizer.json needs the 'tokenizers' package: pip install tokenizers") from None
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises a bare Exception on a malformed file
-        raise CLIError(f"cannot read tokenizer file {path}: {e}") from None
-
-
-def _load_model(folder: Path, float_cls, quantized_cls, quantize: str | None, *, command: str, kind: str):
-    """The model of ``folder`` in eval mode: a saved quantized folder as it is (refused unless ``quantized_cls``),
-    else ``float_cls.from_pretrained``, quantized when ``quantize`` is given."""
-    from .models import quantized as q
-
-    if q.is_quantized_folder(folder):
-        net = q.load_quantized(folder)
-        if not isinstance(net, quantized_cls):
-            raise CLIError(f"{folder} holds a quantized {type(net).__name__}, not a {kind}: {command} needs a {kind}")
-        return net
-    net = float_cls.from_pretrained(folder).eval()
-    return q.quantize(net) if quantize is not None else net
-
-
-GENERATE_TYPES = ("gpt2", "llama", "qwen2")  # config.json model_type -> the class generate loads (see below)
-
-
-def _generate_class(folder: Path, quantize: str | None):
-    """The model class for ``generate`` from ``FOLDER/config.json``'s ``model_type`` (a saved int8 folder: GPT-2's;
-    :func:`_load_model` then reads it); CLIError in one line for a type it does not support."""
-    from .checkpoints import read_config
-    from .models import GPT2, Llama
-    from .models import quantized as q
-
-    if q.is_quantized_folder(folder):
-        return GPT2
-    kind = read_config(folder).get("model_type")
-    if kind not in GENERATE_TYPES:
-        raise CLIError(
-            f"generate supports model_type {', '.join(GENERATE_TYPES)}; {Path(folder) / 'config.json'} has "
-            f"model_type {kind!r}"
-        )
-    if kind != "gpt2" and quantize is not None:
-        raise CLIError(f"--quantize {quantize} supports model_type gpt2 only; {folder} holds model_type {kind!r}")
-    return GPT2 if kind == "gpt2" else Llama
-
-
 def _parse_ids(prompt: str) -> list[int] | None:
     """``"1 2 3"`` or ``"1,2,3"`` -> ids; None when the prompt is text."""
     parts = prompt.replace(",", " ").split()
@@ -266,7 +214,7 @@ def _parse_ids(prompt: str) -> list[int] | None:
 @app.command()
 @_flag_errors
 def generate(
-    prompt: str = typer.Argument(..., help='Token ids ("464 3290 318") or text (text needs tokenizer.json).'),
+    prompt: str = typer.Argument(..., help='Token ids ("464 3290 318") or text (text needs the folder\'s tokenizer).'),
     model: Path = typer.Option(
         ..., "--model", "-m", help="Hugging Face-format GPT-2, Llama or Qwen2 folder (config.json + weights)."
     ),
@@ -285,94 +233,92 @@ def generate(
         None, "--quantize", help="int8: weight-only int8 decoding (sublayer.models.quantized_gpt2); a saved int8 "
         "folder loads as is."
     ),
+    stream: bool = typer.Option(
+        False, "--stream", help="Print a text prompt's continuation as it is made (no tokens/s line)."
+    ),
 ) -> None:
     """Continue a prompt with a GPT-2, Llama or Qwen2 checkpoint (the class from config.json's model_type; greedy
-    by default; KV-cached decoding).
+    by default; KV-cached decoding), through sublayer.text.TextGenerator.
 
-    Prints the ids (prompt and continuation) for an id prompt, the decoded text for a text prompt.
-    Stops early at the model's eos token. What is not given comes from the folder's generation_config.json
-    (else config.json's special ids, else Hugging Face's defaults), as HF's generate.
+    Prints the ids (prompt and continuation) for an id prompt, the prompt and its continuation for a text prompt
+    (read with the folder's tokenizer). Stops early at the model's eos token. What is not given comes from the
+    folder's generation_config.json (else config.json's special ids, else Hugging Face's defaults), as HF's generate.
     """
     import torch
 
     from .checkpoints import FROM_CONFIG
-    from .models import quantized as q
+    from .text import TextGenerator, load_tokenizer
 
     _check_quantize(quantize)
     model = _model_folder(model)
     if not prompt.strip():
         raise CLIError("the prompt is empty: give token ids like \"1 2 3\" or text")
     ids = _parse_ids(prompt)
-    tokenizer = None
-    if ids is None:
-        tokenizer = _load_tokenizer(model, why=f"the text prompt {prompt[:40]!r}")
-        ids = tokenizer.encode(prompt).ids
-        if not ids:
-            raise CLIError(f"the prompt {prompt[:40]!r} encodes to no tokens")
-    cls = _generate_class(model, quantize)
-    net = _load_model(model, cls, q.QuantizedGPT2, quantize, command="generate", kind="GPT-2")
+    tokenizer = None if ids is not None else load_tokenizer(model, why=f"the text prompt {prompt[:40]!r}")
+    gen = TextGenerator.from_pretrained(model, quantize=quantize, tokenizer=tokenizer)
     sampling = sample or temperature is not None or top_k is not None or top_p is not None
 
     def given(value):
         return FROM_CONFIG if value is None else value
 
+    options = {
+        "max_new_tokens": given(max_new_tokens), "temperature": given(temperature), "top_k": given(top_k),
+        "top_p": given(top_p), "do_sample": True if sampling else FROM_CONFIG,
+        "generator": torch.Generator().manual_seed(seed),
+    }  # fmt: skip
     started = time.perf_counter()
-    out = net.generate(
-        torch.tensor([ids]),
-        given(max_new_tokens),
-        temperature=given(temperature),
-        top_k=given(top_k),
-        top_p=given(top_p),
-        do_sample=True if sampling else FROM_CONFIG,
-        generator=torch.Generator().manual_seed(seed),
-    )[0].tolist()
+    counter = _Counter()
+    if ids is not None:
+        out = gen.model.generate(torch.tensor([ids]), streamer=counter, **options)[0].tolist()
+        typer.echo(" ".join(map(str, out)))
+    elif stream:  # pieces as they are made; no speed line (a piece may hold several tokens)
+        typer.echo(prompt, nl=False)
+        for piece in gen.stream(prompt, **options):
+            typer.echo(piece, nl=False)
+        typer.echo("")
+        return
+    else:
+        typer.echo(gen.generate(prompt, streamer=counter, **options))
     seconds = time.perf_counter() - started
-    typer.echo(" ".join(map(str, out)) if tokenizer is None else tokenizer.decode(out))
-    new = len(out) - len(ids)  # speed on stderr: stdout stays the ids/text
+    new = counter.new  # speed on stderr: stdout stays the ids/text
     typer.echo(f"{new} new tokens in {seconds:.2f} s: {new / max(seconds, 1e-9):.1f} tokens/s", err=True)
+
+
+class _Counter:
+    """A streamer counting the new tokens (``generate(streamer=...)``)."""
+
+    def __init__(self) -> None:
+        self.new, self.prompt = 0, True
+
+    def put(self, ids) -> None:
+        self.new += 0 if self.prompt else 1
+        self.prompt = False
+
+    def end(self) -> None:
+        pass
 
 
 @app.command()
 @_flag_errors
 def embed(
     texts: list[str] = typer.Argument(..., help="One or more texts."),
-    model: Path = typer.Option(..., "--model", "-m", help="Hugging Face-format BERT folder with tokenizer.json."),
+    model: Path = typer.Option(..., "--model", "-m", help="Hugging Face-format BERT folder with its tokenizer."),
     quantize: Optional[str] = typer.Option(
         None, "--quantize", help="int8: int8 inference (sublayer.models.quantized); a saved int8 folder loads as is."
     ),
+    batch_size: int = typer.Option(32, "--batch-size", help="Texts per forward (sorted by length)."),
 ) -> None:
-    """Sentence vectors from a BERT checkpoint: mean-pooled over tokens, L2-normalised.
+    """Sentence vectors from a BERT checkpoint: mean-pooled over tokens, L2-normalised (sublayer.text.Encoder).
 
     Prints JSON: a list of {"text", "embedding"} objects. Texts longer than the model's positions are truncated.
     """
     import json
 
-    import torch
-
-    from .models import Bert
-    from .models import quantized as q
+    from .text import Encoder
 
     _check_quantize(quantize)
-    model = _model_folder(model)
-    tokenizer = _load_tokenizer(model, why="embed")
-    net = _load_model(model, Bert, q.QuantizedBert, quantize, command="embed", kind="BERT")
-    cfg = net.config
-    tokenizer.no_padding()
-    tokenizer.enable_truncation(max_length=cfg.max_positions)
-    encodings = tokenizer.encode_batch(list(texts))
-    for text, enc in zip(texts, encodings):
-        if not enc.ids:
-            raise CLIError(f"the text {text[:40]!r} encodes to no tokens")
-    t = max(len(e.ids) for e in encodings)
-    pad = cfg.pad_token_id or 0
-    ids = torch.full((len(texts), t), pad, dtype=torch.long)
-    mask = torch.zeros((len(texts), t), dtype=torch.long)
-    types = torch.zeros((len(texts), t), dtype=torch.long)
-    for i, e in enumerate(encodings):
-        n = len(e.ids)
-        ids[i, :n], mask[i, :n], types[i, :n] = torch.tensor(e.ids), 1, torch.tensor(e.type_ids)
-    with torch.no_grad():
-        vectors = net.embed(ids, mask, types)
+    encoder = Encoder.from_pretrained(_model_folder(model), quantize=quantize)
+    vectors = encoder.encode(list(texts), batch_size=batch_size)
     rows = [{"text": text, "embedding": v} for text, v in zip(texts, vectors.tolist())]
     typer.echo(json.dumps(rows))
 

@@ -34,8 +34,9 @@ from ..nn import EncoderBlock, LayerNorm, TransformerEncoder
 from ..functional.packing import PackedBatch
 from ..runtime import padding_free
 from .config import ModelConfig
+from .outputs import BaseModelOutput
 
-__all__ = ["BertConfig", "Bert", "BertEmbeddings", "BertPooler"]
+__all__ = ["BertConfig", "Bert", "BertEmbeddings", "BertPooler", "mean_pooled"]
 
 
 @dataclasses.dataclass
@@ -145,6 +146,24 @@ class BertConfig(ModelConfig):
         }
 
 
+def mean_pooled(h: Tensor, attention_mask: Tensor | None, *, normalize: bool = True) -> Tensor:
+    """Hidden states (B, T, D) averaged over the real tokens (``attention_mask`` (B, T) 1; None: all), then
+    L2-normalised when ``normalize``: sentence-transformers' mean pooling, (B, D).
+
+    Raises:
+        ValueError: a row with no token (attention_mask all 0).
+    """
+    if attention_mask is None:
+        mean = h.mean(dim=1)
+    else:
+        w = attention_mask.to(h.dtype)[..., None]  # (B, T, 1)
+        count = w.sum(dim=1)
+        if bool((count == 0).any()):
+            raise ValueError("attention_mask has a row with no token (all 0): nothing to average")
+        mean = (h * w).sum(dim=1) / count
+    return F.normalize(mean, p=2.0, dim=-1) if normalize else mean
+
+
 class BertEmbeddings(nn.Module):
     """``dropout(LN(word[ids] + position[arange(T)] + token_type[type_ids]))``; (B, T) -> (B, T, d_model)."""
 
@@ -186,7 +205,9 @@ class Bert(nn.Module):
 
     Forward:
         ``input_ids`` (B, T) ints; ``attention_mask`` (B, T) 1 = token, 0 = padding (HF convention), default
-        all tokens; ``token_type_ids`` (B, T), default zeros. Returns ``last_hidden_state`` (B, T, d_model).
+        all tokens; ``token_type_ids`` (B, T), default zeros. Returns ``last_hidden_state`` (B, T, d_model);
+        ``return_dict=True``: a :class:`~sublayer.models.outputs.BaseModelOutput` (``.last_hidden_state``,
+        ``.pooler_output``). No ``labels``: BERT's task heads are not part of this model.
         Padded positions get outputs too (queries are not masked, as in HF); only their keys are ignored.
 
     Raises:
@@ -243,10 +264,28 @@ class Bert(nn.Module):
         return kpm, token_type_ids
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
-    ) -> Tensor:
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        *,
+        return_dict: bool = False,
+    ) -> Tensor | BaseModelOutput:
+        """``last_hidden_state`` (B, T, d_model); ``return_dict``: a :class:`BaseModelOutput` holding it and HF's
+        ``pooler_output`` (B, d_model) (None without pooler), as :meth:`pooled`."""
         kpm, token_type_ids = self._prepare(input_ids, attention_mask, token_type_ids)
-        return self._encode(input_ids, kpm, token_type_ids)
+        if not return_dict:
+            return self._encode(input_ids, kpm, token_type_ids)
+        if self.pooler is None:
+            return BaseModelOutput(last_hidden_state=self._encode(input_ids, kpm, token_type_ids))
+        run = None
+        if kpm is not None:
+            run = ~kpm
+            run[:, 0] = True
+        h = self._encode(input_ids, kpm, token_type_ids, run)  # position 0 runs, padding or not: the pooler's
+        pooled = self.pooler(h)
+        return BaseModelOutput(last_hidden_state=h if run is None else h.masked_fill(kpm[..., None], 0.0),
+                               pooler_output=pooled)  # fmt: skip
 
     def _encode(self, input_ids: Tensor, kpm: Tensor | None, token_type_ids: Tensor, run: Tensor | None = None) -> Tensor:
         """Hidden states (B, T, d_model): those of the positions in ``run`` (default: the real tokens), zeros at
@@ -270,12 +309,8 @@ class Bert(nn.Module):
         """
         if self.pooler is None:
             raise ValueError("this Bert has no pooler (built with pooler=False or loaded from a file without one)")
-        kpm, token_type_ids = self._prepare(input_ids, attention_mask, token_type_ids)
-        run = None
-        if kpm is not None:  # the pooler reads position 0, padding or not (left padding), as HF does
-            run = ~kpm
-            run[:, 0] = True
-        return self.pooler(self._encode(input_ids, kpm, token_type_ids, run))
+        # the pooler reads position 0, padding or not (left padding), as HF does
+        return self(input_ids, attention_mask, token_type_ids, return_dict=True).pooler_output
 
     def embed(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
@@ -293,15 +328,7 @@ class Bert(nn.Module):
             h = self(input_ids, attention_mask, token_type_ids)
         finally:
             self.train(was_training)
-        if attention_mask is None:
-            mean = h.mean(dim=1)
-        else:
-            w = attention_mask.to(h.dtype)[..., None]  # (B, T, 1)
-            count = w.sum(dim=1)
-            if bool((count == 0).any()):
-                raise ValueError("attention_mask has a row with no token (all 0): nothing to average")
-            mean = (h * w).sum(dim=1) / count
-        return F.normalize(mean, p=2.0, dim=-1)
+        return mean_pooled(h, attention_mask)
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None) -> Bert:

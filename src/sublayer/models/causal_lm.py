@@ -14,6 +14,7 @@ with HF's ``labels=`` meaning, and generation through the fast decoding step, ``
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import functional as SF
@@ -23,8 +24,11 @@ from ..functional.packing import PackedBatch
 from ..checkpoints import FROM_CONFIG
 from ..runtime import causal, generation, padding_free
 from ..runtime.rows import inference
+from .outputs import CausalLMOutput
 
-__all__ = ["CausalBlock", "CausalLM", "PreparedCausalLM", "generate_with_config", "check_position_ids"]
+__all__ = [
+    "CausalBlock", "CausalLM", "PreparedCausalLM", "generate_with_config", "check_position_ids", "shifted_targets",
+]  # fmt: skip
 
 
 class CausalBlock(nn.Module):
@@ -88,8 +92,30 @@ class CausalLM(nn.Module):
         return check_position_ids(self.config, position_ids, b, t, device)
 
     def forward(
-        self, input_ids: Tensor, *, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
-    ) -> Tensor:
+        self,
+        input_ids: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+        return_dict: bool = False,
+    ) -> Tensor | CausalLMOutput:
+        """Logits (B, T, vocab_size) (see the model's class docstring for the inputs).
+
+        Args:
+            labels: (B, T) ids or -100, as HF's ``labels=``: the output is then a :class:`CausalLMOutput` whose
+                ``loss`` is :meth:`loss` (fused LM head + cross-entropy: ``logits`` stay None, none are built);
+                ``out[0]`` is the loss, as HF's tuple.
+            return_dict: a :class:`CausalLMOutput` (``.logits``) instead of the logits tensor.
+        """
+        if labels is not None:
+            return CausalLMOutput(
+                loss=self.loss(input_ids, attention_mask=attention_mask, labels=labels, position_ids=position_ids)
+            )
+        logits = self._logits(input_ids, attention_mask, position_ids)
+        return CausalLMOutput(logits=logits) if return_dict else logits
+
+    def _logits(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None) -> Tensor:
         check_input_ids("input_ids", input_ids, self.config.vocab_size, getattr(self.config, "max_positions", None))
         b, t = input_ids.shape
         kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
@@ -137,20 +163,7 @@ class CausalLM(nn.Module):
         check_input_ids("input_ids", input_ids, self.config.vocab_size, getattr(self.config, "max_positions", None))
         b, t = input_ids.shape
         kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
-        check_options(ignore_index)
-        if labels is None:
-            labels = input_ids if kpm is None else input_ids.masked_fill(kpm, ignore_index)
-        else:
-            check_targets("labels", labels, self.config.vocab_size, ignore_index)
-            if labels.shape != input_ids.shape:
-                raise ValueError(f"labels must have the shape of input_ids {(b, t)}, got {tuple(labels.shape)}")
-        # HF: pad labels with ignore_index on the right, then shift left by one
-        targets = torch.cat([labels[:, 1:], labels.new_full((b, 1), ignore_index)], dim=1)
-        if not bool((targets != ignore_index).any()):
-            raise ValueError(
-                f"no position has a target (seq_len={t}, every shifted label is ignore_index={ignore_index}): the "
-                "mean loss is undefined (HF returns nan)"
-            )
+        targets = shifted_targets(self.config, input_ids, labels, kpm, ignore_index)
         position_ids = self._position_ids(position_ids, b, t, input_ids.device)
         # every position with a target runs, padding or not (the last left pad predicts the first token)
         run = None if kpm is None else ~kpm | (targets != ignore_index)
@@ -173,6 +186,7 @@ class CausalLM(nn.Module):
         input_ids: Tensor,
         max_new_tokens: int = FROM_CONFIG,
         *,
+        max_length: int | None = None,
         temperature: float = FROM_CONFIG,
         top_k: int | None = FROM_CONFIG,
         top_p: float | None = FROM_CONFIG,
@@ -181,6 +195,7 @@ class CausalLM(nn.Module):
         pad_token_id: int | None = FROM_CONFIG,
         attention_mask: Tensor | None = None,
         generator: torch.Generator | None = None,
+        streamer=None,
     ) -> Tensor:
         """Continue ``input_ids`` token by token with a KV cache (greedy: the same tokens as HF ``generate``),
         through :func:`sublayer.runtime.generation.generate` (the model's fast decoding step where it has one).
@@ -197,6 +212,8 @@ class CausalLM(nn.Module):
                 left-padded; positions then count real tokens only (as HF's ``generate``).
             max_new_tokens: tokens to add (>= 0); T + max_new_tokens <= max_positions. Default: the config's
                 ``max_new_tokens``, else its ``max_length`` minus T, else 20 (at most ``max_positions - T``).
+            max_length: the total length, prompt included (HF's meaning): ``max_new_tokens = max_length - T``;
+                ``max_new_tokens`` given too wins (as HF).
             temperature, top_k, top_p: sampling filters, applied in HF's order (temperature, top-k, top-p:
                 keep the fewest most likely tokens whose probability sums to at least ``top_p``). HF's defaults:
                 1.0, 50, 1.0.
@@ -206,18 +223,22 @@ class CausalLM(nn.Module):
                 ``pad_token_id`` (None -> the first eos id); decoding stops early once every row is finished.
                 Default: the model's end token(s).
             generator: a ``torch.Generator`` for reproducible sampling.
+            streamer: HF's streamer protocol (``transformers.TextStreamer``, ``TextIteratorStreamer``, or any
+                object with ``put(ids)`` and ``end()``): ``put`` gets the prompt (B, T), then each step's (B,)
+                new ids as they are made (finished rows: ``pad_token_id``), then ``end()``.
 
         Returns:
             (B, T + n) ids: the prompt followed by n <= max_new_tokens new tokens.
 
         Raises:
-            ValueError/TypeError: bad ids or mask, max_new_tokens < 0, too long, temperature <= 0,
+            ValueError/TypeError: bad ids or mask, max_new_tokens < 0, max_length <= T, too long, temperature <= 0,
             top_k < 1, top_p outside (0, 1], eos/pad ids outside the vocabulary (also those of
             ``generation_config``).
         """
         return generate_with_config(
-            self, input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample,
-            eos_token_id=eos_token_id, pad_token_id=pad_token_id, attention_mask=attention_mask, generator=generator,
+            self, input_ids, max_new_tokens, max_length=max_length, temperature=temperature, top_k=top_k, top_p=top_p,
+            do_sample=do_sample, eos_token_id=eos_token_id, pad_token_id=pad_token_id, attention_mask=attention_mask,
+            generator=generator, streamer=streamer,
         )  # fmt: skip
 
     def hidden_states(
@@ -231,12 +252,21 @@ class CausalLM(nn.Module):
         return [SF.KVCache() for _ in self.blocks]
 
 
-def generate_with_config(lm, input_ids: Tensor, max_new_tokens=FROM_CONFIG, **options) -> Tensor:
+def generate_with_config(lm, input_ids: Tensor, max_new_tokens=FROM_CONFIG, *, max_length=None, **options) -> Tensor:
     """:func:`sublayer.runtime.generation.generate` with every option left at ``FROM_CONFIG`` taken from
-    ``lm.generation_config`` (see :meth:`CausalLM.generate`); ``lm`` is a model or its prepared form."""
+    ``lm.generation_config`` (see :meth:`CausalLM.generate`, also for ``max_length``); ``lm`` is a model or its
+    prepared form."""
     cfg = lm.config
     max_positions = getattr(cfg, "max_positions", None)
     check_input_ids("input_ids", input_ids, cfg.vocab_size, max_positions)
+    if max_length is not None:
+        t = input_ids.shape[1]
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= t:
+            raise ValueError(
+                f"max_length must be an int > the prompt length {t} (it counts the prompt, as HF's), got {max_length!r}"
+            )
+        if max_new_tokens is FROM_CONFIG:  # both given: max_new_tokens wins, as HF
+            max_new_tokens = max_length - t
     gen = lm.generation_config
     gen.check_vocab(cfg.vocab_size)
     names = ("temperature", "top_k", "top_p", "do_sample", "eos_token_id", "pad_token_id")
@@ -247,6 +277,28 @@ def generate_with_config(lm, input_ids: Tensor, max_new_tokens=FROM_CONFIG, **op
     if not isinstance(resolved["do_sample"], bool):
         raise TypeError(f"do_sample must be a bool, got {resolved['do_sample']!r}")
     return generation.generate(lm, input_ids, resolved.pop("max_new_tokens"), **resolved, **options)
+
+
+def shifted_targets(config, input_ids: Tensor, labels: Tensor | None, kpm: Tensor | None, ignore_index: int) -> Tensor:
+    """The (B, T) next-token targets of HF's ``labels=`` (``labels[:, t + 1]`` at t, ``ignore_index`` last); None
+    labels -> ``input_ids`` with padding (``kpm`` True) ignored. Raises ValueError/TypeError for bad labels or
+    when no position has a target."""
+    b, t = input_ids.shape
+    check_options(ignore_index)
+    if labels is None:
+        labels = input_ids if kpm is None else input_ids.masked_fill(kpm, ignore_index)
+    else:
+        check_targets("labels", labels, config.vocab_size, ignore_index)
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels must have the shape of input_ids {(b, t)}, got {tuple(labels.shape)}")
+    # HF: pad labels with ignore_index on the right, then shift left by one
+    targets = torch.cat([labels[:, 1:], labels.new_full((b, 1), ignore_index)], dim=1)
+    if not bool((targets != ignore_index).any()):
+        raise ValueError(
+            f"no position has a target (seq_len={t}, every shifted label is ignore_index={ignore_index}): the "
+            "mean loss is undefined (HF returns nan)"
+        )
+    return targets
 
 
 def check_position_ids(config, position_ids: Tensor | None, b: int, t: int, device) -> Tensor:
@@ -285,9 +337,17 @@ class PreparedCausalLM:
 
     @inference
     def forward(
-        self, input_ids: Tensor, *, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
-    ) -> Tensor:
-        """As the model's ``forward``: logits (B, T, vocab_size), float32, zeros at padded positions."""
+        self,
+        input_ids: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+        return_dict: bool = False,
+    ) -> Tensor | CausalLMOutput:
+        """As the model's ``forward``: logits (B, T, vocab_size), float32, zeros at padded positions; with ``labels`` (HF's meaning, see
+        :meth:`CausalLM.loss`) or ``return_dict``, a :class:`CausalLMOutput` holding ``loss`` (float32, from these
+        logits) and ``logits``."""
         cfg = self.config
         check_input_ids("input_ids", input_ids, cfg.vocab_size, getattr(cfg, "max_positions", None))
         b, t = input_ids.shape
@@ -295,7 +355,12 @@ class PreparedCausalLM:
         position_ids = check_position_ids(cfg, position_ids, b, t, input_ids.device)
         kpm = kpm if kpm is not None and bool(kpm.any()) else None
         logits = self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
-        return logits if kpm is None else logits.masked_fill(kpm[..., None], 0.0)
+        logits = logits if kpm is None else logits.masked_fill(kpm[..., None], 0.0)
+        if labels is None:
+            return CausalLMOutput(logits=logits) if return_dict else logits
+        targets = shifted_targets(cfg, input_ids, labels, kpm, -100).reshape(-1)
+        loss = F.cross_entropy(logits.reshape(b * t, -1).float(), targets, ignore_index=-100)
+        return CausalLMOutput(loss=loss, logits=logits)
 
     @inference
     def generate(self, input_ids: Tensor, max_new_tokens: int = FROM_CONFIG, **kwargs) -> Tensor:

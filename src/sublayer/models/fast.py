@@ -41,6 +41,7 @@ from ..runtime import causal
 from ..runtime.linear import DenseLinear
 from ..runtime.rows import add_norm, bias_act, inference, kernels_on, layer_norm
 from ..runtime.weights import clear_cache, prepared
+from .outputs import BaseModelOutput
 from .bert import Bert
 from .causal_lm import CausalLM, PreparedCausalLM
 
@@ -171,8 +172,8 @@ class _FastBase:
 class FastBert(_FastBase):
     """Inference fast path of a :class:`Bert` (built by :func:`fast_inference`).
 
-    Forward: as :meth:`Bert.forward` (``input_ids``, ``attention_mask`` 1 = token, ``token_type_ids``) ->
-    float32 (B, T, d_model); hidden states at padded positions are zeros. ``embed`` and ``pooled`` as the model's.
+    Forward: as :meth:`Bert.forward` (``input_ids``, ``attention_mask`` 1 = token, ``token_type_ids``,
+    ``return_dict``) -> float32 (B, T, d_model); hidden states at padded positions are zeros. ``embed`` and ``pooled`` as the model's.
 
     Raises:
         TypeError/ValueError: as :meth:`Bert.forward` (ids, mask, token types).
@@ -194,8 +195,13 @@ class FastBert(_FastBase):
 
     @inference
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
-    ) -> Tensor:
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        *,
+        return_dict: bool = False,
+    ) -> Tensor | BaseModelOutput:
         kpm, token_type_ids = self.model._prepare(input_ids, attention_mask, token_type_ids)
         W = self._weights()
         cfg = self.config
@@ -239,7 +245,10 @@ class FastBert(_FastBase):
             out = x.new_zeros(B * T, d)
             out.index_copy_(0, keep, x)
             x = out
-        return x.view(B, T, d)
+        if not return_dict:
+            return x.view(B, T, d)
+        pool = None if W["pool"] is None else torch.tanh(torch.addmm(W["pool"][1], x.view(B, T, d)[:, 0], W["pool"][0]))
+        return BaseModelOutput(last_hidden_state=x.view(B, T, d), pooler_output=pool)
 
     @inference
     def pooled(
@@ -252,9 +261,7 @@ class FastBert(_FastBase):
         """
         if self.model.pooler is None:
             raise ValueError("this Bert has no pooler (built with pooler=False or loaded from a file without one)")
-        h = self(input_ids, attention_mask, token_type_ids)
-        w, b = self._weights()["pool"]
-        return torch.tanh(torch.addmm(b, h[:, 0], w))
+        return self(input_ids, attention_mask, token_type_ids, return_dict=True).pooler_output
 
     @inference
     def embed(

@@ -267,8 +267,8 @@ class Llama(CausalLM):
         that restart at 0 inside a row mark packed documents (HF's ``DataCollatorWithFlattening``): attention is
         block-diagonal causal, each document sees only itself.
         Returns logits (B, T, vocab_size), zeros at padded positions (every path); with padding or packed
-        documents the layers run on the real tokens only (:mod:`sublayer.runtime.padding_free`). ``loss`` and
-        ``generate``: :class:`~sublayer.models.causal_lm.CausalLM`.
+        documents the layers run on the real tokens only (:mod:`sublayer.runtime.padding_free`). ``labels=``,
+        ``return_dict=``, ``loss`` and ``generate``: :class:`~sublayer.models.causal_lm.CausalLM`.
 
     Raises:
         TypeError/ValueError: ids not integer (B, T) or out of the vocabulary, bad mask or positions.

@@ -13,6 +13,7 @@ reference step runs the model's own forward with a growing :class:`sublayer.func
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Protocol
 
 import torch
@@ -98,6 +99,9 @@ def filtered_probs(logits: Tensor, temperature: float, top_k: int | None, top_p:
     return logits.softmax(dim=-1)
 
 
+_STREAMER: ContextVar = ContextVar("sublayer_streamer", default=None)  # generate's streamer, read by token_loop
+
+
 def token_loop(
     input_ids: Tensor,
     max_new_tokens: int,
@@ -108,7 +112,9 @@ def token_loop(
 ) -> Tensor:
     """The token loop shared by every decoding step: ``first`` (B,) ids after the prompt; ``step(ids, s)`` gives
     the ids after step ``s``'s (B,) ids. A row that produced ``eos_token_id`` (one of them, for a list) is
-    finished: later positions get ``pad``; the loop stops once every row is finished. Returns (B, T + n) ids."""
+    finished: later positions get ``pad``; the loop stops once every row is finished. Returns (B, T + n) ids.
+    Each step's (B,) ids go to the streamer of the :func:`generate` call that runs the loop (``put``), if any."""
+    streamer = _STREAMER.get()
     b, t = input_ids.shape
     eos = None if eos_token_id is None else torch.tensor(eos_token_id, device=input_ids.device).reshape(-1)
     out = torch.empty(b, t + max_new_tokens, dtype=torch.long, device=input_ids.device)
@@ -121,6 +127,8 @@ def token_loop(
             finished = finished | torch.isin(nxt, eos)
         out[:, t + s] = nxt
         n = s + 1
+        if streamer is not None:
+            streamer.put(nxt)
         if s + 1 == max_new_tokens or (eos is not None and bool(finished.all())):
             break
         nxt = step(nxt, s)
@@ -141,9 +149,12 @@ def generate(
     pad_token_id: int | None = None,
     attention_mask: Tensor | None = None,
     generator: torch.Generator | None = None,
+    streamer=None,
 ) -> Tensor:
     """Continue ``input_ids`` token by token (see :meth:`sublayer.models.GPT2.generate` for the arguments;
     ``eos_token_id`` may be a list of ids: a row ends at any of them, and ``pad_token_id`` defaults to the first).
+    ``streamer`` (HF's protocol: ``put(ids)``, ``end()``) gets the prompt (B, T), each step's (B,) ids as they are
+    made (by the reference or the fast loop: both run :func:`token_loop`), then ``end()``.
 
     Runs in eval mode (dropout off) without gradients and restores the training flag afterwards.
 
@@ -179,7 +190,11 @@ def generate(
         if bool(kpm.all(dim=1).any()):
             raise ValueError("attention_mask has a row with no token (all 0)")
         kpm = kpm if bool(kpm.any()) else None
+    if streamer is not None:
+        streamer.put(input_ids)
     if max_new_tokens == 0:
+        if streamer is not None:
+            streamer.end()
         return input_ids
 
     def pick(logits: Tensor) -> Tensor:  # (B, V) float32 -> (B,) next ids
@@ -191,11 +206,15 @@ def generate(
     was_training = getattr(lm, "training", False)
     if was_training:
         lm.eval()
+    streaming = _STREAMER.set(streamer)
     try:
         fast = lm.fast_decoder()
         if fast is not None:
-            return fast(input_ids, positions, kpm, max_new_tokens, prefill=lm.hidden_states, pick=pick,
-                        eos_token_id=eos_token_id, pad=pad, greedy=not do_sample)  # fmt: skip
+            out = fast(input_ids, positions, kpm, max_new_tokens, prefill=lm.hidden_states, pick=pick,
+                       eos_token_id=eos_token_id, pad=pad, greedy=not do_sample)  # fmt: skip
+            if streamer is not None:
+                streamer.end()
+            return out
         caches = lm.new_caches()
         h = lm.hidden_states(input_ids, positions, kpm, caches)
         state = {"pos": positions[:, -1:], "kpm": kpm}
@@ -207,8 +226,12 @@ def generate(
             h = lm.hidden_states(nxt[:, None], state["pos"], state["kpm"], caches)
             return pick(lm.lm_head(h[:, -1]).float())
 
-        return token_loop(input_ids, max_new_tokens, pick(lm.lm_head(h[:, -1]).float()), step, eos_token_id, pad)
+        out = token_loop(input_ids, max_new_tokens, pick(lm.lm_head(h[:, -1]).float()), step, eos_token_id, pad)
+        if streamer is not None:
+            streamer.end()
+        return out
     finally:
+        _STREAMER.reset(streaming)
         if was_training:
             lm.train(True)
 
