@@ -389,7 +389,8 @@ def _bench_int8_activations(reps: int, warmup: int) -> list[Row]:
                   "int8", "forward").fill(time_interleaved(timed, max(reps, 5), warmup))  # fmt: skip
         row.extra["x vs int8 weight-only"] = round(row.ratio("sublayer", "int8 weight-only"), 2)
         row.extra["x vs fp32 panels"] = round(row.ratio("sublayer", "fp32 panels"), 2)
-        row.extra["min cos vs fp32"] = round(float(torch.nn.functional.cosine_similarity(lin8(x), fns["eager"]()).min()), 5)
+        cos = torch.nn.functional.cosine_similarity(lin8(x), fns["eager"]()).min()
+        row.extra["min cos vs fp32"] = round(float(cos), 5)
         rows.append(row)
     return rows
 

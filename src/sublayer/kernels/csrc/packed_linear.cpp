@@ -7,7 +7,8 @@
 //    interleaved, widened exactly by a shift or a mask; half the bytes of float32: bf16 decoding), or int8 with a
 //    per-column scale (weight-only int8). bfloat16 numerics: one row, AVX2, or decode_bf16_dot(0): float32 x times
 //    the exactly widened weights, float32 sums (= F.linear(x, w.float())); several rows on AVX512_BF16 CPUs: x
-//    rounded to bf16, vdpbf16ps (= F.linear(x.bfloat16().float(), w.float()), as torch's bf16 GEMM multiplies). Decoding reads every weight once per token, so this is a streaming kernel: each thread
+//    rounded to bf16, vdpbf16ps (= F.linear(x.bfloat16().float(), w.float()), as torch's bf16 GEMM multiplies).
+//    Decoding reads every weight once per token, so this is a streaming kernel: each thread
 //    walks a contiguous run of panels, each panel is read from memory once and re-read from L2 by the next row
 //    chunk (up to 4 rows at a time, 2 AVX2 vectors x 4 rows = 8 FMA accumulators). torch's GEMV (MKL/oneDNN
 //    sgemv) reaches about a third of the memory bandwidth here on the GPT-2 shapes; this reaches most of it.
@@ -469,8 +470,6 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
 // Whether several rows of bfloat16 panels use vdpbf16ps, x rounded to bf16 (where compiled in and the AVX-512
 // kernels are on), or widen the weights to float32 (exact products with float32 x): decode_bf16_dot(flag) sets it
 // and returns the previous value; -1 reads it.
-// Whether skinny_linear uses the AVX-512 micro-kernels (several rows; one row of int8) where compiled in (tests switch it off to
-// check the AVX2 one on the same machine): decode_avx512(flag) sets it and returns the previous value; -1 reads it.
 bool decode_bf16_dot(int64_t flag) {
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
   const bool was = g_bf16dot.load();
@@ -482,6 +481,8 @@ bool decode_bf16_dot(int64_t flag) {
 #endif
 }
 
+// Whether skinny_linear uses the AVX-512 micro-kernels (several rows; one row of int8) where compiled in (tests switch it off to
+// check the AVX2 one on the same machine): decode_avx512(flag) sets it and returns the previous value; -1 reads it.
 bool decode_avx512(int64_t flag) {
 #if SUBLAYER_AVX2_FMA && defined(__AVX512F__)
   const bool was = g_avx512.load();
