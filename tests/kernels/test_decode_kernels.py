@@ -263,7 +263,7 @@ def test_skinny_linear_on_float16_panels_matches_the_widened_weight(rows, micro_
 
 
 def test_pack_linear_weight_rejects_other_dtypes():
-    with pytest.raises(RuntimeError, match="float32, float16 or int8"):
+    with pytest.raises(RuntimeError, match="float32, float16, bfloat16 or int8"):
         _ops().pack_linear_weight(torch.randn(4, 3, dtype=torch.float64))
 
 

@@ -147,5 +147,5 @@ def test_int8_panels_reject_bad_inputs():
         kernels.ops().skinny_linear(torch.randn(2, 4), packed, None, 5, 0, torch.ones(5))
     with pytest.raises(RuntimeError, match="scale must have 5 elements, got 4"):
         kernels.ops().skinny_linear(torch.randn(2, 3), packed, None, 5, 0, torch.ones(4))
-    with pytest.raises(RuntimeError, match="float32, float16 or int8"):
+    with pytest.raises(RuntimeError, match="float32, float16, bfloat16 or int8"):
         kernels.ops().pack_linear_weight(torch.zeros(5, 3, dtype=torch.float64))

@@ -73,7 +73,8 @@ SHAPES = [
 ]
 QUICK_SHAPES = [Shape("tutorial-quick 2x128 d512", 2, 128, 512, 2048, 8)]
 DROPOUT = 0.1
-CASES = ("addnorm", "ffn", "encoder", "hf", "bert", "loss", "models")  # --cases picks among these
+CASES = ("addnorm", "ffn", "encoder", "hf", "bert", "loss", "models", "gemv")  # --cases picks among these
+GEMV_SHAPES = [(768, 768), (3072, 768), (50257, 768)]  # (N, K): GPT-2 small's attention out, fc1, LM head
 
 
 def _autocast(bf16: bool):
@@ -321,6 +322,79 @@ def bench_bert_inference(quick: bool, reps: int, warmup: int) -> list[Row]:
     return [row]
 
 
+def bench_gemv(quick: bool, reps: int, warmup: int) -> list[Row]:
+    """A decoding step's linear layers (``runtime.linear.PackedLinear``'s ``skinny_linear``), 1 and 8 rows:
+    bf16 panels ("sublayer") vs float32 panels and torch's ``F.linear`` on the float32 weight ("eager"); for 8
+    rows also the bf16 panels widened to float32 instead of ``vdpbf16ps`` (where the CPU has AVX512_BF16).
+    ``--quick``: without the LM head's 50257 x 768."""
+    from .. import kernels
+
+    if not kernels.available():
+        return []
+    ops = kernels.ops()
+    rows: list[Row] = []
+    for n, k in GEMV_SHAPES[:2] if quick else GEMV_SHAPES:
+        g = torch.Generator().manual_seed(n + k)
+        w, b = torch.randn(n, k, generator=g) * 0.02, torch.randn(n, generator=g)
+        p32, p16 = ops.pack_linear_weight(w), ops.pack_linear_weight(w.bfloat16())
+        for m in (1, 8):
+            x = torch.randn(m, k, generator=g)
+            fns = {
+                "eager": lambda x=x: torch.nn.functional.linear(x, w, b),
+                "sublayer": lambda x=x: ops.skinny_linear(x, p16, b, n),
+                "fp32 panels": lambda x=x: ops.skinny_linear(x, p32, b, n),
+            }
+            dot = m > 1 and ops.decode_bf16_dot(-1)
+            if dot:
+
+                def widened(x=x):
+                    ops.decode_bf16_dot(0)
+                    try:
+                        return ops.skinny_linear(x, p16, b, n)
+                    finally:
+                        ops.decode_bf16_dot(1)
+
+                fns["bf16 widened"] = widened
+            calls = max(1, (1 << 24) // (n * k))  # several calls per timing: a small GEMV takes microseconds
+            timed = {name: (lambda f=f: [f() for _ in range(calls)]) for name, f in fns.items()}
+            row = Row("decoding GEMV: bf16 panels vs torch fp32", f"{n}x{k} rows {m} (x{calls} calls)", "bf16",
+                      "forward").fill(time_interleaved(timed, max(reps, 5), warmup))  # fmt: skip
+            row.extra["x vs fp32 panels"] = round(row.ratio("sublayer", "fp32 panels"), 2)
+            if dot:
+                row.extra["x vs bf16 widened"] = round(row.ratio("sublayer", "bf16 widened"), 2)
+            row.extra["bf16 GB/s"] = round(p16.numel() * 2 * calls / row.times_ms["sublayer"] / 1e6, 1)
+            rows.append(row)
+    return rows + _bench_int8_activations(reps, warmup)
+
+
+def _bench_int8_activations(reps: int, warmup: int) -> list[Row]:
+    """Several rows at 768 x 3072 (GPT-2's fc2): ``Int8Linear`` with int8 activations ("sublayer") vs the same
+    weight weight-only (``activations="float"``), float32 panels and torch's ``F.linear`` ("eager")."""
+    from ..runtime.linear import Int8Linear, PackedLinear
+
+    n, k = 768, 3072
+    g = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=g) * 0.02, torch.randn(n, generator=g)
+    s = w.abs().amax(1) / 127
+    q = torch.round(w / s[:, None]).to(torch.int8)
+    lin8, lin8w, lin32 = Int8Linear(q, s, b), Int8Linear(q, s, b, activations="float"), PackedLinear(w, b)
+    rows = []
+    for m in (8, 32):
+        x = torch.randn(m, k, generator=g)
+        calls = 4
+        fns = {"eager": lambda: torch.nn.functional.linear(x, w, b), "sublayer": lambda: lin8(x),
+               "int8 weight-only": lambda: lin8w(x), "fp32 panels": lambda: lin32(x)}  # fmt: skip
+        timed = {name: (lambda f=f: [f() for _ in range(calls)]) for name, f in fns.items()}
+        row = Row("int8 activations (Int8Linear) vs weight-only int8 and fp32", f"{n}x{k} rows {m} (x{calls} calls)",
+                  "int8", "forward").fill(time_interleaved(timed, max(reps, 5), warmup))  # fmt: skip
+        row.extra["x vs int8 weight-only"] = round(row.ratio("sublayer", "int8 weight-only"), 2)
+        row.extra["x vs fp32 panels"] = round(row.ratio("sublayer", "fp32 panels"), 2)
+        cos = torch.nn.functional.cosine_similarity(lin8(x), fns["eager"]()).min()
+        row.extra["min cos vs fp32"] = round(float(cos), 5)
+        rows.append(row)
+    return rows
+
+
 def _fmt(v: float | None, nd: int = 2) -> str:
     return "—" if v is None else f"{v:.{nd}f}"
 
@@ -457,6 +531,8 @@ def _measure(
                         add(step())
     if extras and "bert" in cases and "bf16" in dts and (quick or any("minilm" in s.name.lower() for s in shapes)):
         add(bench_bert_inference(quick, reps, warmup))
+    if extras and "gemv" in cases and "bf16" in dts:  # decoding's skinny_linear: bf16 / fp32 panels, torch
+        add(bench_gemv(quick, reps, warmup))
     if extras and "loss" in cases and "fp32" in dts:  # the fused LM-head loss (sublayer.bench.loss): op and GPT-2 step
         from .loss import bench_loss
 
@@ -552,7 +628,7 @@ def run_bench(
         malloc: ``"default"`` (glibc's defaults), ``"reuse"`` (:func:`sublayer.set_memory_reuse`) or ``"both"``
             (default: each case under both, reported side by side). A setting this process does not have runs in
             a child process; this process's own allocator setting is never changed.
-        cases: comma-separated subset of addnorm, ffn, encoder, hf, bert, loss, models (default: all).
+        cases: comma-separated subset of addnorm, ffn, encoder, hf, bert, loss, models, gemv (default: all).
         clock: ``"wall"`` (default) or ``"cpu"``: this process's CPU time per call, for shared machines (use it
             with ``threads=1``: with more threads it adds up the threads' times).
         reuse_memory: old spelling of ``malloc="reuse"``.

@@ -1,7 +1,9 @@
 """Prepared weight formats of one linear layer: what a fast path multiplies instead of an ``nn.Linear``'s weight.
 
-* :class:`PackedLinear` — float32 (or float16 / int8-with-scales) panels of 16 output columns for the
+* :class:`PackedLinear` — float32 or bfloat16 panels of 16 output columns for the
   ``skinny_linear`` kernel (few rows: decoding steps), torch's GEMM on the unpacked weight for more rows;
+* :class:`Int8Linear` — an int8 weight (symmetric per output channel) times int8 activations quantized per row
+  (``int8_linear``: AVX512-VNNI where present), or float32 activations (weight-only, ``skinny_linear``);
 * :class:`DenseLinear` — the weight cast once to another compute dtype (bf16 on CPUs that multiply it natively);
 * :class:`GreedyHead` — the argmax of an LM head read in float16, exact to the float32 argmax.
 
@@ -18,25 +20,47 @@ from torch import Tensor
 from .. import kernels
 from .rows import EPILOGUE, ffn_hidden, kernels_on
 
-__all__ = ["PackedLinear", "DenseLinear", "GreedyHead", "SKINNY_MAX_ROWS", "skinny_max_rows", "NO_SCALE"]
+__all__ = [
+    "PackedLinear", "Int8Linear", "DenseLinear", "GreedyHead", "SKINNY_MAX_ROWS", "skinny_max_rows", "NO_SCALE",
+    "quantize_rows", "int8_linear_reference",
+]  # fmt: skip
 
 
 class PackedLinear:
     """``y = x @ weight.T + bias`` for few rows, the weight packed once for the ``skinny_linear`` kernel.
 
     Args:
-        weight: (N, K) float32 (``nn.Linear`` layout). bias: (N,) or None.
+        weight: (N, K) (``nn.Linear`` layout). bias: (N,) or None (kept float32).
+        dtype: the panels' dtype: ``torch.float32`` or ``torch.bfloat16`` (half the bytes a decoding step
+            streams; the weight is rounded to bf16 once).
 
-    Call: x (M, K) float32 with unit inner stride (a column slice of a wider tensor works) -> (M, N).
-    Without the kernels, or for more than :func:`skinny_max_rows` rows, ``F.linear`` runs on the unpacked weight.
+    Call: x (M, K) float32 with unit inner stride (a column slice of a wider tensor works) -> (M, N) float32.
+    Up to :func:`skinny_max_rows` rows ``skinny_linear`` multiplies the panels: float32 x times the bf16 weight
+    widened exactly, float32 sums (one row; and several rows without AVX512_BF16 or with
+    ``decode_bf16_dot(0)``), or with AVX512_BF16 and several rows x rounded to bf16 and ``vdpbf16ps`` (exact
+    bf16 products, float32 sums; see ``kernels/csrc/packed_linear.cpp``). Above it, or without the kernels,
+    torch's GEMM runs on :attr:`weight`: float32, or for ``dtype=torch.bfloat16`` on CPUs that multiply bf16
+    natively (:func:`sublayer.kernels.native_bf16_gemm`) a bf16 copy (x and the product rounded to bf16, the bias
+    added in float32, as under ``torch.autocast``), elsewhere the float32 weight (the bf16 one widened if only
+    that was given).
+
+    Raises:
+        ValueError: ``dtype`` is neither float32 nor bfloat16.
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
-        weight = weight.detach().float().contiguous()
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, *, dtype: torch.dtype = torch.float32) -> None:
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"PackedLinear: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+        weight = weight.detach()
+        self.dtype = dtype
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.weight = weight  # the parameter itself (no copy) for batches above skinny_max_rows()
-        self.packed = kernels.ops().pack_linear_weight(weight) if kernels_on() else None
+        panels = weight.to(dtype).contiguous()
+        if dtype == torch.bfloat16 and kernels.native_bf16_gemm():
+            self.weight = panels  # torch's bf16 GEMM above skinny_max_rows()
+        else:  # the parameter itself (no copy) when it is float32
+            self.weight = (weight if weight.dtype == torch.float32 else panels).float().contiguous()
+        self.packed = kernels.ops().pack_linear_weight(panels) if kernels_on() else None
         self.max_rows = skinny_max_rows() if self.packed is not None else 0  # decided once, not per call
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
@@ -46,15 +70,91 @@ class PackedLinear:
             act = EPILOGUE.get(activation, 0)
             y = kernels.ops().skinny_linear(x, self.packed, self.bias, self.out_features, act)
             return y if activation is None or act else ffn_hidden(y, None, activation)
+        if self.weight.dtype == torch.bfloat16:
+            y = torch.mm(x.to(torch.bfloat16), self.weight.t()).float()
+            if activation is not None:
+                return ffn_hidden(y, self.bias, activation)
+            return y if self.bias is None else y.add_(self.bias)
         y = F.linear(x, self.weight, self.bias)
         return y if activation is None else ffn_hidden(y, None, activation)
 
     def flat(self) -> tuple[Tensor, Tensor, Tensor] | None:
         """``(packed, scale, bias)`` as the one-call decoding steps take a linear (no scale, no bias: an empty
-        tensor), or None (no kernels)."""
+        tensor; float32 or bfloat16 panels alike), or None (no kernels)."""
         if self.packed is None:
             return None
         return self.packed, NO_SCALE, NO_SCALE if self.bias is None else self.bias
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-row int8 quantization as the ``int8_linear`` kernel computes it: x (M, K) float32 ->
+    (q (M, K) float32 holding integers in [-127, 127], s (M, 1)) with ``x ≈ q * s``; ``s = max_k |x| / 127``,
+    ``q = round_half_even(x * (127 / max_k |x|))`` (an all-zero row: q = 0, s = 0)."""
+    amax = x.abs().amax(dim=1, keepdim=True)
+    nz = amax > 0
+    inv = torch.where(nz, 127 / torch.where(nz, amax, 1), 0)
+    return torch.round(x * inv).clamp_(-127, 127), torch.where(nz, amax / 127, 0)
+
+
+def int8_linear_reference(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    """``((x_q @ q^T) * s_x) * scale + bias`` in PyTorch, the sums exact (float64 holds them): x (M, K) float32,
+    q (N, K) int8, scale (N,) -> (M, N) float32; x quantized by :func:`quantize_rows`."""
+    xq, sx = quantize_rows(x)
+    y = (xq.double() @ q.double().t()).float().mul_(sx).mul_(scale)
+    return y if bias is None else y.add_(bias)
+
+
+class Int8Linear:
+    """``y = act(x @ (q * scale[:, None]).T + bias)`` from an int8 weight, symmetric per output channel.
+
+    Args:
+        q: (N, K) int8. scale: (N,) float32 (the weight is ``q * scale[:, None]``). bias: (N,) or None.
+        activations: ``"int8"`` — each row of x quantized to int8 (:func:`quantize_rows`: symmetric, scale
+            ``max|x_r| / 127``), exact int32 sums of int8 x int8 (the ``int8_linear`` kernel: AVX512-VNNI
+            ``vpdpbusd`` on x + 128 minus 128 times the weight's column sums, a portable loop elsewhere), then
+            ``* s_x * scale + bias`` in float32 (:func:`int8_linear_reference` without the kernels); ``"float"``
+            — weight-only: float32 x times the exactly widened weight (``skinny_linear`` on int8 panels). One row
+            (batch-1 decoding) is memory-bound, where weight-only costs no more and is more accurate.
+
+    Call: x (M, K) float32 with unit inner stride, ``activation`` an FFN activation name or None -> (M, N).
+    The weight is packed at the first call with the kernels on.
+
+    Raises:
+        ValueError: ``activations`` is neither "int8" nor "float". TypeError: ``q`` is not a 2-D int8 tensor.
+    """
+
+    def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None, *, activations: str = "int8") -> None:
+        if activations not in ("int8", "float"):
+            raise ValueError(f"Int8Linear: activations must be 'int8' or 'float', got {activations!r}")
+        if q.dtype != torch.int8 or q.dim() != 2:
+            raise TypeError(f"Int8Linear: q must be a 2-D int8 tensor, got {q.dtype} {tuple(q.shape)}")
+        self.q, self.scale, self.activations = q.detach().contiguous(), scale.detach().float().contiguous(), activations
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.out_features, self.in_features = q.shape
+        self.colsum = self.q.sum(dim=1, dtype=torch.int32)  # takes the unsigned activations' +128 back
+        self._packed: Tensor | None = None
+
+    def packed(self) -> Tensor:
+        """The weight in the kernel's layout (``pack_int8_quads`` / ``pack_linear_weight``), packed once."""
+        if self._packed is None:
+            ops = kernels.ops()
+            self._packed = ops.pack_int8_quads(self.q) if self.activations == "int8" else ops.pack_linear_weight(self.q)
+        return self._packed
+
+    def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
+        if kernels_on():
+            act, n = EPILOGUE.get(activation, 0), self.out_features
+            if self.activations == "int8":
+                y = kernels.ops().int8_linear(x, self.packed(), self.colsum, self.scale, self.bias, n, act)
+            else:
+                y = kernels.ops().skinny_linear(x, self.packed(), self.bias, n, act, self.scale)
+            return y if activation is None or act else ffn_hidden(y, None, activation)
+        if self.activations == "int8":
+            y = int8_linear_reference(x, self.q, self.scale, self.bias)
+        else:
+            y = F.linear(x, self.q.float()).mul_(self.scale)
+            y = y if self.bias is None else y.add_(self.bias)
+        return y if activation is None else ffn_hidden(y, None, activation)
 
 
 # Up to this many rows the several-row micro-kernels (AVX-512: 8 rows x 2 panels; AVX2: 6 rows x 16 columns) are

@@ -3,15 +3,20 @@
 //  * skinny_linear: y = act(x @ W^T + b) for few rows (1..16, any count works) reading W once from a packed layout
 //    (W (N, K) stored as ceil(N/16) panels of K x 16 floats, zero-padded: see pack_linear_weight). The panels may
 //    also be float16 (widened exactly in registers, F16C; accumulation in float32): half the bytes, for the
-//    screening pass of greedy decoding's LM head (models/decoding.py, GreedyHead), or int8 with a per-column scale
-//    (weight-only int8). Decoding reads every weight once per token, so this is a streaming kernel: each thread
+//    screening pass of greedy decoding's LM head (models/decoding.py, GreedyHead), bfloat16 (k pairs
+//    interleaved, widened exactly by a shift or a mask; half the bytes of float32: bf16 decoding), or int8 with a
+//    per-column scale (weight-only int8). bfloat16 numerics: one row, AVX2, or decode_bf16_dot(0): float32 x times
+//    the exactly widened weights, float32 sums (= F.linear(x, w.float())); several rows on AVX512_BF16 CPUs: x
+//    rounded to bf16, vdpbf16ps (= F.linear(x.bfloat16().float(), w.float()), as torch's bf16 GEMM multiplies).
+//    Decoding reads every weight once per token, so this is a streaming kernel: each thread
 //    walks a contiguous run of panels, each panel is read from memory once and re-read from L2 by the next row
 //    chunk (up to 4 rows at a time, 2 AVX2 vectors x 4 rows = 8 FMA accumulators). torch's GEMV (MKL/oneDNN
 //    sgemv) reaches about a third of the memory bandwidth here on the GPT-2 shapes; this reaches most of it.
-//  * pack_linear_weight: the panel layout; decode_avx512: the switch between the AVX-512 and AVX2 micro-kernels.
+//  * pack_linear_weight: the panel layout; decode_avx512: the switch between the AVX-512 and AVX2 micro-kernels;
+//    decode_bf16_dot: between vdpbf16ps and widening for several rows of bf16 panels.
 //  * screened_argmax: greedy decoding's exact argmax from screened (approximate) logits and error bounds.
 //
-// float32 activations only (the decode path's compute dtype on an AVX2 CPU), over both threads (at::parallel_for).
+// float32 activations only (the decode path's compute dtype), over both threads (at::parallel_for).
 
 #include "common.h"
 
@@ -40,7 +45,36 @@ inline __m256 load8(const at::Half* w) {
 inline __m256 load8(const int8_t* w) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
 }
+
+// The kernels walk K in pairs: wk = a panel + k * PANEL (k even) and wload8<ODD>(wk, h) is columns 8h..8h+7 at k
+// (ODD=0) or k+1 (ODD=1). bfloat16 panels interleave the pair (pack_linear_weight): one 32-byte load holds both
+// k of 8 columns, k in the low and k+1 in the high half of each 32-bit lane, so widening is one shift (k) or one
+// mask (k+1) and no shuffle. Widening is exact: a float32 with the bf16's bits and 16 zero bits.
+template <int ODD, typename T>
+inline __m256 wload8(const T* wk, int h) {
+  return load8(wk + ODD * PANEL + h * 8);
+}
+template <int ODD>
+inline __m256 wload8(const at::BFloat16* wk, int h) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + h * 16));
+  return _mm256_castsi256_ps(ODD ? _mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u))) : _mm256_slli_epi32(v, 16));
+}
 #endif
+
+// Weight (k, column j) of a panel, any element type (the portable path): bfloat16 panels are k-pair interleaved.
+template <typename T>
+inline float wat(const T* w, int64_t k, int64_t j) {
+  return static_cast<float>(w[k * PANEL + j]);
+}
+inline float wat(const at::BFloat16* w, int64_t k, int64_t j) {
+  return static_cast<float>(w[(k & ~int64_t(1)) * PANEL + 2 * j + (k & 1)]);
+}
+
+// Elements from one panel to the next: K x 16, or for bfloat16 K rounded up to even (the pairs' zero padding).
+template <typename T>
+constexpr int64_t panel_elems(int64_t K) {
+  return (std::is_same<T, at::BFloat16>::value ? K + (K & 1) : K) * PANEL;
+}
 
 // acc[r][0..15] = sum_k x[r][k] * w[k][0..15] for R rows; w is one panel (K x 16) of T (float, Half or int8).
 template <typename T, int R>
@@ -51,16 +85,24 @@ inline void panel_kernel(const float* x, int64_t ldx, const T* w, int64_t K, flo
     __m256 a0[R], a1[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; ++k) {
-      if ((k & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048, _MM_HINT_T0);
-      const __m256 w0 = load8(w + k * PANEL), w1 = load8(w + k * PANEL + 8);
+    auto step = [&](auto odd, const T* wk, int64_t k) {  // odd: std::integral_constant, k + odd's row
+      constexpr int ODD = decltype(odd)::value;
+      const __m256 w0 = wload8<ODD>(wk, 0), w1 = wload8<ODD>(wk, 1);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const __m256 xa = _mm256_broadcast_ss(x + r * ldx + k);
+        const __m256 xa = _mm256_broadcast_ss(x + r * ldx + k + ODD);
         a0[r] = _mm256_fmadd_ps(xa, w0, a0[r]);
         a1[r] = _mm256_fmadd_ps(xa, w1, a1[r]);
       }
+    };
+    int64_t k = 0;
+    for (; k + 2 <= K; k += 2) {
+      const T* wk = w + k * PANEL;
+      if ((k & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048, _MM_HINT_T0);
+      step(std::integral_constant<int, 0>(), wk, k);
+      step(std::integral_constant<int, 1>(), wk, k);
     }
+    if (k < K) step(std::integral_constant<int, 0>(), w + k * PANEL, k);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       _mm256_storeu_ps(acc + r * PANEL, a0[r]);
@@ -76,8 +118,8 @@ inline void panel_kernel(const float* x, int64_t ldx, const T* w, int64_t K, flo
     // software prefetch 2 KB ahead: the hardware streamer stops at 4 KB page boundaries
     _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048, _MM_HINT_T0);
     if (sizeof(T) == 4) _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048 + 64, _MM_HINT_T0);
-    const __m256 w0 = load8(w + k * PANEL), w1 = load8(w + k * PANEL + 8);
-    const __m256 w2 = load8(w + k * PANEL + 16), w3 = load8(w + k * PANEL + 24);
+    const T* wk = w + k * PANEL;
+    const __m256 w0 = wload8<0>(wk, 0), w1 = wload8<0>(wk, 1), w2 = wload8<1>(wk, 0), w3 = wload8<1>(wk, 1);
     for (int r = 0; r < R; ++r) {
       const __m256 xa = _mm256_broadcast_ss(x + r * ldx + k), xb = _mm256_broadcast_ss(x + r * ldx + k + 1);
       a0[r] = _mm256_fmadd_ps(xa, w0, a0[r]);
@@ -86,8 +128,8 @@ inline void panel_kernel(const float* x, int64_t ldx, const T* w, int64_t K, flo
       b1[r] = _mm256_fmadd_ps(xb, w3, b1[r]);
     }
   }
-  for (; k < K; ++k) {
-    const __m256 w0 = load8(w + k * PANEL), w1 = load8(w + k * PANEL + 8);
+  for (; k < K; ++k) {  // odd K: the last k
+    const __m256 w0 = wload8<0>(w + k * PANEL, 0), w1 = wload8<0>(w + k * PANEL, 1);
     for (int r = 0; r < R; ++r) {
       const __m256 xa = _mm256_broadcast_ss(x + r * ldx + k);
       a0[r] = _mm256_fmadd_ps(xa, w0, a0[r]);
@@ -104,7 +146,7 @@ inline void panel_kernel(const float* x, int64_t ldx, const T* w, int64_t K, flo
     for (int64_t k = 0; k < K; ++k) {
       const float xv = x[r * ldx + k];
 #pragma omp simd
-      for (int j = 0; j < PANEL; ++j) s[j] += xv * static_cast<float>(w[k * PANEL + j]);
+      for (int j = 0; j < PANEL; ++j) s[j] += xv * wat(w, k, j);
     }
     for (int j = 0; j < PANEL; ++j) acc[r * PANEL + j] = s[j];
   }
@@ -120,7 +162,7 @@ inline void panels_kernel(const float* x, const T* w, int64_t K, float* acc) {
 #if SUBLAYER_AVX2_FMA
   __m256 a0[NP], a1[NP];
   for (int i = 0; i < NP; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
-  const int64_t stride = K * PANEL;
+  const int64_t stride = panel_elems<T>(K);
   int64_t k = 0;
   for (; k + 2 <= K; k += 2) {
     const __m256 xa = _mm256_broadcast_ss(x + k), xb = _mm256_broadcast_ss(x + k + 1);
@@ -128,17 +170,17 @@ inline void panels_kernel(const float* x, const T* w, int64_t K, float* acc) {
       const T* wi = w + i * stride + k * PANEL;
       _mm_prefetch(reinterpret_cast<const char*>(wi) + 2048, _MM_HINT_T0);
       if (sizeof(T) == 4) _mm_prefetch(reinterpret_cast<const char*>(wi) + 2048 + 64, _MM_HINT_T0);
-      a0[i] = _mm256_fmadd_ps(xa, load8(wi), a0[i]);
-      a1[i] = _mm256_fmadd_ps(xa, load8(wi + 8), a1[i]);
-      a0[i] = _mm256_fmadd_ps(xb, load8(wi + 16), a0[i]);
-      a1[i] = _mm256_fmadd_ps(xb, load8(wi + 24), a1[i]);
+      a0[i] = _mm256_fmadd_ps(xa, wload8<0>(wi, 0), a0[i]);
+      a1[i] = _mm256_fmadd_ps(xa, wload8<0>(wi, 1), a1[i]);
+      a0[i] = _mm256_fmadd_ps(xb, wload8<1>(wi, 0), a0[i]);
+      a1[i] = _mm256_fmadd_ps(xb, wload8<1>(wi, 1), a1[i]);
     }
   }
   for (; k < K; ++k) {
     const __m256 xa = _mm256_broadcast_ss(x + k);
     for (int i = 0; i < NP; ++i) {
-      a0[i] = _mm256_fmadd_ps(xa, load8(w + i * stride + k * PANEL), a0[i]);
-      a1[i] = _mm256_fmadd_ps(xa, load8(w + i * stride + k * PANEL + 8), a1[i]);
+      a0[i] = _mm256_fmadd_ps(xa, wload8<0>(w + i * stride + k * PANEL, 0), a0[i]);
+      a1[i] = _mm256_fmadd_ps(xa, wload8<0>(w + i * stride + k * PANEL, 1), a1[i]);
     }
   }
   for (int i = 0; i < NP; ++i) {
@@ -146,7 +188,7 @@ inline void panels_kernel(const float* x, const T* w, int64_t K, float* acc) {
     _mm256_storeu_ps(acc + i * PANEL + 8, a1[i]);
   }
 #else
-  for (int i = 0; i < NP; ++i) panel_kernel<T, 1>(x, 0, w + i * K * PANEL, K, acc + i * PANEL);
+  for (int i = 0; i < NP; ++i) panel_kernel<T, 1>(x, 0, w + i * panel_elems<T>(K), K, acc + i * PANEL);
 #endif
 }
 
@@ -163,16 +205,33 @@ inline __m512 load16(const at::Half* w) {
 inline __m512 load16(const int8_t* w) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
 }
+// A panel's 16 columns at k (ODD=0) or k+1 (ODD=1), wk = panel + k * PANEL with k even (as wload8).
+template <int ODD, typename T>
+inline __m512 wload16(const T* wk) {
+  return load16(wk + ODD * PANEL);
+}
+template <int ODD>
+inline __m512 wload16(const at::BFloat16* wk) {
+  const __m512i v = _mm512_loadu_si512(wk);
+  return _mm512_castsi512_ps(ODD ? _mm512_and_si512(v, _mm512_set1_epi32(int(0xffff0000u))) : _mm512_slli_epi32(v, 16));
+}
 
 template <typename T, int R>
 inline void panel_kernel512(const float* x, int64_t ldx, const T* w, int64_t K, float* acc) {
   __m512 a[R];
   for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    if ((k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048, _MM_HINT_T0);
-    const __m512 wk = load16(w + k * PANEL);
-    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), wk, a[r]);
+  auto step = [&](auto odd, const T* wk, int64_t k) {
+    constexpr int ODD = decltype(odd)::value;
+    const __m512 wv = wload16<ODD>(wk);
+    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + ODD]), wv, a[r]);
+  };
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048, _MM_HINT_T0);
+    step(std::integral_constant<int, 0>(), w + k * PANEL, k);
+    step(std::integral_constant<int, 1>(), w + k * PANEL, k);
   }
+  if (k < K) step(std::integral_constant<int, 0>(), w + k * PANEL, k);
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * PANEL, a[r]);
 }
 
@@ -182,19 +241,24 @@ template <typename T, int R>
 inline void panel_pair_kernel512(const float* x, int64_t ldx, const T* w, int64_t K, float* acc) {
   __m512 a[R], b[R];
   for (int r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_ps();
-  const T* w1 = w + K * PANEL;
-  for (int64_t k = 0; k < K; ++k) {
-    if ((k & 1) == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w1 + k * PANEL) + 2048, _MM_HINT_T0);
-    }
-    const __m512 wa = load16(w + k * PANEL), wb = load16(w1 + k * PANEL);
+  const T* w1 = w + panel_elems<T>(K);
+  auto step = [&](auto odd, int64_t k) {
+    constexpr int ODD = decltype(odd)::value;
+    const __m512 wa = wload16<ODD>(w + k * PANEL), wb = wload16<ODD>(w1 + k * PANEL);
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + k + ODD]);
       a[r] = _mm512_fmadd_ps(xv, wa, a[r]);
       b[r] = _mm512_fmadd_ps(xv, wb, b[r]);
     }
+  };
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w1 + k * PANEL) + 2048, _MM_HINT_T0);
+    step(std::integral_constant<int, 0>(), k);
+    step(std::integral_constant<int, 1>(), k);
   }
+  if (k < K) step(std::integral_constant<int, 0>(), k);
   for (int r = 0; r < R; ++r) {
     _mm512_storeu_ps(acc + r * PANEL, a[r]);
     _mm512_storeu_ps(acc + (R + r) * PANEL, b[r]);
@@ -228,6 +292,33 @@ inline void panels_kernel(const float* x, const int8_t* w, int64_t K, float* acc
     for (int i = 0; i < NP; ++i)
       a[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), load16(w + i * stride + k * PANEL), a[i]);
   for (int i = 0; i < NP; ++i) _mm512_storeu_ps(acc + i * PANEL, _mm512_add_ps(a[i], b[i]));
+}
+#endif
+
+#if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
+std::atomic<bool> g_bf16dot{true};  // decode_bf16_dot
+// Several rows on AVX512_BF16 CPUs: two bf16 panels against R rows of x rounded to bf16 (xb: ceil(K/2) 32-bit k
+// pairs per row), one vdpbf16ps per k pair, panel and row: half the instructions of widening the weights and an
+// FMA per k, which is what several rows are bound by. Each bf16 x bf16 product is exact in float32 and the sums
+// are float32 (vdpbf16ps rounds to nearest even and treats denormal inputs and results as zero).
+template <int R, int NPAN>  // NPAN panels (1 or 2; acc: R rows of each panel in turn)
+inline void panels_kernel_dp(const uint32_t* xb, int64_t K2, const at::BFloat16* w, int64_t stride, float* acc) {
+  __m512 a[NPAN][R];
+  for (int q = 0; q < NPAN; ++q)
+    for (int r = 0; r < R; ++r) a[q][r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < K2; ++i) {
+    __m512bh wv[NPAN];
+    for (int q = 0; q < NPAN; ++q) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + q * stride + i * 32) + 2048, _MM_HINT_T0);
+      wv[q] = (__m512bh)_mm512_loadu_si512(w + q * stride + i * 32);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(xb[r * K2 + i]));
+      for (int q = 0; q < NPAN; ++q) a[q][r] = _mm512_dpbf16_ps(a[q][r], xv, wv[q]);
+    }
+  }
+  for (int q = 0; q < NPAN; ++q)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (q * R + r) * PANEL, a[q][r]);
 }
 #endif
 
@@ -295,10 +386,19 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
   // Panels are handed out in chunks of ~256 KB from a shared counter, not split in halves up front: a thread
   // that the OS or a neighbour slows down takes fewer chunks instead of holding the other one at the join.
   // (a multiple of STREAMS panels, so that a single row reads STREAMS panels at a time)
-  const int64_t bytes = std::max<int64_t>(1, K * PANEL * int64_t(sizeof(T)));
+  const int64_t stride = panel_elems<T>(K), bytes = std::max<int64_t>(1, stride * int64_t(sizeof(T)));
   const int64_t chunk = ((std::max<int64_t>(1, (int64_t(1) << 18) / bytes) + STREAMS - 1) / STREAMS) * STREAMS;
   const int64_t n_chunks = (P + chunk - 1) / chunk;
   std::atomic<int64_t> next{0};
+  const int64_t K2 = (K + 1) / 2;
+  std::vector<uint32_t> xb;
+#if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
+  if (std::is_same<T, at::BFloat16>::value && pair && g_bf16dot.load()) {
+    xb.assign(M * K2, 0u);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t k = 0; k < K; ++k) xb[r * K2 + k / 2] |= uint32_t(f_to_bf16(xp[r * ldx + k])) << (16 * (k & 1));
+  }
+#endif
   at::parallel_for(0, std::min<int64_t>(n_chunks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     float acc[2 * 8 * PANEL];  // up to two panels of max(ROWS, STREAMS, ROWS512) rows
     auto store = [&](int64_t p, int64_t r0, int64_t R, float* a) {  // epilogue + copy out: R rows of panel p
@@ -318,18 +418,41 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
         for (; p + STREAMS <= pe; p += STREAMS) {
 #if SUBLAYER_AVX2_FMA && defined(__AVX512F__)
           if (std::is_same<T, int8_t>::value && g_avx512.load(std::memory_order_relaxed))
-            panels_kernel<STREAMS>(xp, wp + p * K * PANEL, K, acc);  // int8: the AVX-512 overload
+            panels_kernel<STREAMS>(xp, wp + p * stride, K, acc);  // int8: the AVX-512 overload
           else
 #endif
-            panels_kernel<STREAMS, T>(xp, wp + p * K * PANEL, K, acc);
+            panels_kernel<STREAMS, T>(xp, wp + p * stride, K, acc);
           for (int64_t q = 0; q < STREAMS; ++q) store(p + q, 0, 1, acc + q * PANEL);
         }
+#if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
+      if constexpr (std::is_same<T, at::BFloat16>::value)
+        if (!xb.empty()) {  // several rows by vdpbf16ps: two panels at a time, then the odd one
+          using DpFn = void (*)(const uint32_t*, int64_t, const at::BFloat16*, int64_t, float*);
+          static constexpr DpFn kDp2[ROWS512 + 1] = {
+              nullptr, panels_kernel_dp<1, 2>, panels_kernel_dp<2, 2>, panels_kernel_dp<3, 2>,
+              panels_kernel_dp<4, 2>, panels_kernel_dp<5, 2>, panels_kernel_dp<6, 2>, panels_kernel_dp<7, 2>,
+              panels_kernel_dp<8, 2>};
+          static constexpr DpFn kDp1[ROWS512 + 1] = {
+              nullptr, panels_kernel_dp<1, 1>, panels_kernel_dp<2, 1>, panels_kernel_dp<3, 1>,
+              panels_kernel_dp<4, 1>, panels_kernel_dp<5, 1>, panels_kernel_dp<6, 1>, panels_kernel_dp<7, 1>,
+              panels_kernel_dp<8, 1>};
+          for (; p < pe; p += 2) {
+            const int64_t np = std::min<int64_t>(2, pe - p);
+            for (int64_t r0 = 0; r0 < M; r0 += ROWS512) {
+              const int64_t R = std::min<int64_t>(ROWS512, M - r0);
+              (np == 2 ? kDp2 : kDp1)[R](xb.data() + r0 * K2, K2, wp + p * stride, stride, acc);
+              for (int64_t q = 0; q < np; ++q) store(p + q, r0, R, acc + q * R * PANEL);
+            }
+          }
+          continue;
+        }
+#endif
 #if SUBLAYER_AVX2_FMA && defined(__AVX512F__)
       if (pair)  // several rows on AVX-512: two panels at a time
         for (; p + 2 <= pe; p += 2)
           for (int64_t r0 = 0; r0 < M; r0 += ROWS512) {
             const int64_t R = std::min<int64_t>(ROWS512, M - r0);
-            pair[R](xp + r0 * ldx, ldx, wp + p * K * PANEL, K, acc);
+            pair[R](xp + r0 * ldx, ldx, wp + p * stride, K, acc);
             store(p, r0, R, acc);
             store(p + 1, r0, R, acc + R * PANEL);
           }
@@ -337,11 +460,25 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
       for (; p < pe; ++p)
         for (int64_t r0 = 0; r0 < M; r0 += rows) {
           const int64_t R = std::min<int64_t>(rows, M - r0);
-          panel[R](xp + r0 * ldx, ldx, wp + p * K * PANEL, K, acc);
+          panel[R](xp + r0 * ldx, ldx, wp + p * stride, K, acc);
           store(p, r0, R, acc);
         }
     }
   });
+}
+
+// Whether several rows of bfloat16 panels use vdpbf16ps, x rounded to bf16 (where compiled in and the AVX-512
+// kernels are on), or widen the weights to float32 (exact products with float32 x): decode_bf16_dot(flag) sets it
+// and returns the previous value; -1 reads it.
+bool decode_bf16_dot(int64_t flag) {
+#if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
+  const bool was = g_bf16dot.load();
+  if (flag >= 0) g_bf16dot.store(flag != 0);
+  return was;
+#else
+  (void)flag;
+  return false;
+#endif
 }
 
 // Whether skinny_linear uses the AVX-512 micro-kernels (several rows; one row of int8) where compiled in (tests switch it off to
@@ -364,10 +501,11 @@ const float* check_skinny(const char* op, const Tensor& x, const Tensor& packed,
               " unsupported (0 none, 1 relu, 2 GELU, 3 tanh-GELU, 4 SiLU, 5 relu^2)");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
               ": x must be a 2-D float32 CPU tensor with unit inner stride");
-  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.is_contiguous() &&
-                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kHalf ||
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == (bf16 ? 4 : 3) && packed.is_contiguous() &&
+                  (bf16 || packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kHalf ||
                    packed.scalar_type() == at::kChar),
-              op, ": packed must be a contiguous 3-D float32, float16 or int8 CPU tensor");
+              op, ": packed must be a contiguous 3-D float32, float16 or int8 or 4-D bfloat16 CPU tensor");
   const bool scaled = scale.has_value() && scale->defined() && scale->numel() > 0;
   TORCH_CHECK(scaled == (packed.scalar_type() == at::kChar), op, ": a scale (n,) goes with int8 panels, and only");
   if (scaled) {
@@ -375,8 +513,13 @@ const float* check_skinny(const char* op, const Tensor& x, const Tensor& packed,
     TORCH_CHECK(scale->size(0) == n, op, ": scale must have ", n, " elements, got ", scale->size(0));
   }
   const int64_t K = x.size(1), P = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K && packed.size(2) == PANEL, op, ": packed must be (P, K=", K, ", 16), got ",
-              packed.sizes());
+  if (bf16) {
+    TORCH_CHECK(packed.size(1) == (K + 1) / 2 && packed.size(2) == PANEL && packed.size(3) == 2, op,
+                ": bfloat16 packed must be (P, ceil(K/2)=", (K + 1) / 2, ", 16, 2), got ", packed.sizes());
+  } else {
+    TORCH_CHECK(packed.size(1) == K && packed.size(2) == PANEL, op, ": packed must be (P, K=", K, ", 16), got ",
+                packed.sizes());
+  }
   TORCH_CHECK(n > (P - 1) * PANEL && n <= P * PANEL, op, ": n=", n, " does not fit ", P, " panels");
   if (!(bias.has_value() && bias->defined())) return nullptr;
   check_float_contig(*bias, op, 1);
@@ -387,7 +530,7 @@ const float* check_skinny(const char* op, const Tensor& x, const Tensor& packed,
 }  // namespace
 
 // x (M, K) float32 (row stride free, unit inner stride), packed (P, K, 16) -> (M, n) = act(x @ W^T * scale + bias):
-// float32 or float16 panels (no scale), or int8 panels with their per-column scale (weight-only int8).
+// float32, float16 or bfloat16 panels (no scale), or int8 panels with their per-column scale (weight-only int8).
 Tensor skinny_linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias, int64_t n,
                      int64_t act, const c10::optional<Tensor>& scale) {
   const float* bp = check_skinny("skinny_linear", x, packed, bias, n, act, scale);
@@ -398,6 +541,8 @@ Tensor skinny_linear(const Tensor& x, const Tensor& packed, const c10::optional<
   float* op = out.data_ptr<float>();
   if (packed.scalar_type() == at::kChar)
     skinny_panels(xp, x.stride(0), M, K, packed.data_ptr<int8_t>(), P, scale->data_ptr<float>(), bp, n, act, op);
+  else if (packed.scalar_type() == at::kBFloat16)
+    skinny_panels(xp, x.stride(0), M, K, packed.data_ptr<at::BFloat16>(), P, nullptr, bp, n, act, op);
   else if (packed.scalar_type() == at::kHalf)
     skinny_panels(xp, x.stride(0), M, K, packed.data_ptr<at::Half>(), P, nullptr, bp, n, act, op);
   else
@@ -421,7 +566,7 @@ void advise_huge_pages(void* p, size_t bytes) {
 #endif
 }
 
-// W (N, K) -> (ceil(N/16), K, 16), zero-padded columns; float32 or float16, kept.
+// W (N, K) -> (ceil(N/16), K, 16), zero-padded columns; float32, float16 or int8, kept.
 template <typename T>
 void pack_panels(const T* src, T* dst, int64_t N, int64_t K, int64_t P) {
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
@@ -434,20 +579,176 @@ void pack_panels(const T* src, T* dst, int64_t N, int64_t K, int64_t P) {
   });
 }
 
+// bfloat16: W (N, K) -> (ceil(N/16), ceil(K/2), 16, 2), [p, i, j, t] = W[16p + j, 2i + t], zero-padded columns
+// and (odd K) a zero k: each k pair of a column is one 32-bit lane (wload8/wload16 widen it without a shuffle).
+void pack_bf16_panels(const at::BFloat16* src, at::BFloat16* dst, int64_t N, int64_t K, int64_t P) {
+  const int64_t K2 = (K + 1) / 2;
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t i = 0; i < K2; ++i)
+        for (int64_t j = 0; j < PANEL; ++j)
+          for (int64_t t = 0; t < 2; ++t) {
+            const int64_t c = p * PANEL + j, k = 2 * i + t;
+            dst[((p * K2 + i) * PANEL + j) * 2 + t] = c < N && k < K ? src[c * K + k] : at::BFloat16(0.0f);
+          }
+  });
+}
+
 Tensor pack_linear_weight(const Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() &&
-                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kHalf || w.scalar_type() == at::kChar),
-              "pack_linear_weight: weight must be a contiguous 2-D float32, float16 or int8 CPU tensor, got ",
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kHalf || w.scalar_type() == at::kChar ||
+                   w.scalar_type() == at::kBFloat16),
+              "pack_linear_weight: weight must be a contiguous 2-D float32, float16, bfloat16 or int8 CPU tensor, got ",
               w.scalar_type(), " ", w.sizes());
   const int64_t N = w.size(0), K = w.size(1), P = (N + PANEL - 1) / PANEL;
-  Tensor out = at::empty({P, K, PANEL}, w.options());
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  Tensor out = bf16 ? at::empty({P, (K + 1) / 2, PANEL, 2}, w.options()) : at::empty({P, K, PANEL}, w.options());
   advise_huge_pages(out.data_ptr(), size_t(out.numel()) * out.element_size());
-  if (w.scalar_type() == at::kHalf)
+  if (bf16)
+    pack_bf16_panels(w.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), N, K, P);
+  else if (w.scalar_type() == at::kHalf)
     pack_panels(w.data_ptr<at::Half>(), out.data_ptr<at::Half>(), N, K, P);
   else if (w.scalar_type() == at::kChar)
     pack_panels(w.data_ptr<int8_t>(), out.data_ptr<int8_t>(), N, K, P);
   else
     pack_panels(w.data_ptr<float>(), out.data_ptr<float>(), N, K, P);
+  return out;
+}
+
+// ------------------------------------------------------------------ int8 x int8 (int8 activations)
+// W (N, K) int8 -> (ceil(N/16), ceil(K/4), 16, 4), [p, i, j, t] = W[16p + j, 4i + t], zero-padded: each column's 4
+// consecutive k are one 32-bit lane, the operand layout of vpdpbusd.
+Tensor pack_int8_quads(const Tensor& q) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
+              "pack_int8_quads: q must be a contiguous 2-D int8 CPU tensor, got ", q.scalar_type(), " ", q.sizes());
+  const int64_t N = q.size(0), K = q.size(1), P = (N + PANEL - 1) / PANEL, K4 = (K + 3) / 4;
+  Tensor out = at::empty({P, K4, PANEL, 4}, q.options());
+  advise_huge_pages(out.data_ptr(), size_t(out.numel()));
+  const int8_t* src = q.data_ptr<int8_t>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t i = 0; i < K4; ++i)
+        for (int64_t j = 0; j < PANEL; ++j)
+          for (int64_t t = 0; t < 4; ++t) {
+            const int64_t c = p * PANEL + j, k = 4 * i + t;
+            dst[((p * K4 + i) * PANEL + j) * 4 + t] = c < N && k < K ? src[c * K + k] : int8_t(0);
+          }
+  });
+  return out;
+}
+
+// acc[r][0..15] (int32) = sum_k xu[r][k] * w[k][0..15] for R rows of one quad panel, xu: the rows' unsigned
+// activations (x_int8 + 128), K4 32-bit quads per row. AVX512-VNNI: one vpdpbusd per quad, row and panel; the
+// portable loop elsewhere (same integer sums).
+template <int R>
+inline void quad_kernel(const uint32_t* xu, int64_t K4, const int8_t* w, int32_t* acc) {
+#if SUBLAYER_AVX2_FMA && defined(__AVX512VNNI__)
+  if (g_avx512.load(std::memory_order_relaxed)) {
+    __m512i a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_si512();
+    for (int64_t i = 0; i < K4; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + i * 64) + 2048, _MM_HINT_T0);
+      const __m512i wv = _mm512_loadu_si512(w + i * 64);
+      for (int r = 0; r < R; ++r) a[r] = _mm512_dpbusd_epi32(a[r], _mm512_set1_epi32(int(xu[r * K4 + i])), wv);
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_si512(acc + r * PANEL, a[r]);
+    return;
+  }
+#endif
+  for (int r = 0; r < R; ++r) {
+    int32_t s[PANEL] = {0};
+    const uint8_t* xr = reinterpret_cast<const uint8_t*>(xu + r * K4);
+    for (int64_t i = 0; i < K4; ++i)
+      for (int t = 0; t < 4; ++t) {
+        const int32_t xv = xr[4 * i + t];
+#pragma omp simd
+        for (int j = 0; j < PANEL; ++j) s[j] += xv * int32_t(w[(i * PANEL + j) * 4 + t]);
+      }
+    std::copy(s, s + PANEL, acc + r * PANEL);
+  }
+}
+
+// Per-row symmetric quantization as int8_linear's reference computes it: amax = max_k |x[k]|, inv = 127 / amax,
+// q[k] = round-half-even(x[k] * inv) in [-127, 127], the row's scale amax / 127 (an all-zero row: 0 and 0).
+// Writes q + 128 as bytes (K4 quads, padded with 128: q = 0) and returns the scale.
+float quantize_row(const float* x, int64_t K, int64_t K4, uint8_t* out) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t k = 0; k < K; ++k)
+    out[k] = uint8_t(int32_t(std::min(127.f, std::max(-127.f, std::nearbyint(x[k] * inv)))) + 128);
+  for (int64_t k = K; k < 4 * K4; ++k) out[k] = 128;
+  return amax > 0.f ? amax / 127.f : 0.f;
+}
+
+constexpr int64_t QROWS = 8;  // rows per quad_kernel call
+
+// x (M, K) float32 -> (M, n) = act(((x_int8 @ W^T) * sx[row]) * scale[col] + bias): int8 activations quantized per
+// row (quantize_row), int8 weights in quad panels (pack_int8_quads) with colsum[c] = sum_k W[c, k] (int32; the
+// unsigned activations' +128 is taken back as 128 * colsum), exact int32 sums.
+Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, const Tensor& scale,
+                   const c10::optional<Tensor>& bias, int64_t n, int64_t act) {
+  TORCH_CHECK(act >= IDENT && act <= RELU2, "int8_linear: act ", act, " unsupported");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "int8_linear: x must be a 2-D float32 CPU tensor with unit inner stride");
+  const int64_t M = x.size(0), K = x.size(1), K4 = (K + 3) / 4;
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kChar && packed.dim() == 4 &&
+                  packed.is_contiguous() && packed.size(1) == K4 && packed.size(2) == PANEL && packed.size(3) == 4,
+              "int8_linear: packed must be int8 (P, ceil(K/4)=", K4, ", 16, 4), got ", packed.sizes());
+  const int64_t P = packed.size(0);
+  TORCH_CHECK(n > (P - 1) * PANEL && n <= P * PANEL, "int8_linear: n=", n, " does not fit ", P, " panels");
+  TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.dim() == 1 && colsum.numel() == n && colsum.is_contiguous(),
+              "int8_linear: colsum must be int32 (", n, ",)");
+  check_float_contig(scale, "int8_linear: scale", 1);
+  TORCH_CHECK(scale.size(0) == n, "int8_linear: scale must have ", n, " elements");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check_float_contig(*bias, "int8_linear: bias", 1);
+    TORCH_CHECK(bias->size(0) == n, "int8_linear: bias must have ", n, " elements");
+    bp = bias->data_ptr<float>();
+  }
+  Tensor out = at::empty({M, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (M == 0 || n == 0) return out;
+  std::vector<uint32_t> xu(M * K4);
+  std::vector<float> sx(M);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r)
+    sx[r] = quantize_row(xp + r * x.stride(0), K, K4, reinterpret_cast<uint8_t*>(xu.data() + r * K4));
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int32_t* cp = colsum.data_ptr<int32_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  using QuadFn = void (*)(const uint32_t*, int64_t, const int8_t*, int32_t*);
+  static constexpr QuadFn kQuad[QROWS + 1] = {nullptr,         quad_kernel<1>, quad_kernel<2>, quad_kernel<3>,
+                                              quad_kernel<4>, quad_kernel<5>, quad_kernel<6>, quad_kernel<7>,
+                                              quad_kernel<8>};
+  const int64_t stride = K4 * PANEL * 4;
+  const int64_t chunk = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, stride));
+  const int64_t n_chunks = (P + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n_chunks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    int32_t acc[QROWS * PANEL];
+    float v[PANEL];
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;)
+      for (int64_t p = c * chunk; p < std::min(P, (c + 1) * chunk); ++p) {
+        const int64_t c0 = p * PANEL, nc = std::min<int64_t>(PANEL, n - c0);
+        float spanel[PANEL] = {0}, bpanel[PANEL] = {0};
+        int32_t cpanel[PANEL] = {0};
+        std::copy(sp + c0, sp + c0 + nc, spanel);
+        std::copy(cp + c0, cp + c0 + nc, cpanel);
+        if (bp) std::copy(bp + c0, bp + c0 + nc, bpanel);
+        for (int64_t r0 = 0; r0 < M; r0 += QROWS) {
+          const int64_t R = std::min<int64_t>(QROWS, M - r0);
+          kQuad[R](xu.data() + r0 * K4, K4, wp + p * stride, acc);
+          for (int64_t r = 0; r < R; ++r) {
+            for (int j = 0; j < PANEL; ++j) v[j] = float(acc[r * PANEL + j] - 128 * cpanel[j]) * sx[r0 + r];
+            epilogue(v, spanel, bp ? bpanel : nullptr, act);
+            std::copy(v, v + nc, op + (r0 + r) * n + c0);
+          }
+        }
+      }
+  });
   return out;
 }
 
@@ -547,12 +848,17 @@ Tensor screened_argmax(const Tensor& x, const Tensor& screened, const Tensor& we
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("decode_avx512(int flag) -> bool", &sublayer::decode_avx512);
+  m.def("decode_bf16_dot(int flag) -> bool", &sublayer::decode_bf16_dot);
   m.def("screened_argmax(Tensor x, Tensor screened, Tensor weight, Tensor? bias, Tensor bound) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int n, int act=0, Tensor? scale=None) -> Tensor");
+  m.def("pack_int8_quads(Tensor q) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor colsum, Tensor scale, Tensor? bias, int n, int act=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
   m.impl("pack_linear_weight", &sublayer::pack_linear_weight);
   m.impl("screened_argmax", &sublayer::screened_argmax);
   m.impl("skinny_linear", &sublayer::skinny_linear);
+  m.impl("pack_int8_quads", &sublayer::pack_int8_quads);
+  m.impl("int8_linear", &sublayer::int8_linear);
 }

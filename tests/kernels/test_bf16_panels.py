@@ -1,0 +1,112 @@
+"""skinny_linear on bfloat16 panels (csrc/packed_linear.cpp) against F.linear on the bf16 weight widened to float32,
+on every micro-kernel this CPU can run: AVX2, AVX-512 widening the weights, AVX-512 with vdpbf16ps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sublayer import kernels
+from sublayer.functional import activation_fn
+from sublayer.functional.fused import ACT_IDS
+
+from ._tol import assert_fast_close
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="C++ kernels unavailable")
+
+
+def _ops():
+    return kernels.ops()
+
+
+def _has_dot() -> bool:
+    was = _ops().decode_bf16_dot(1)
+    on = _ops().decode_bf16_dot(-1)
+    _ops().decode_bf16_dot(int(was))
+    return on
+
+
+@pytest.fixture(params=["avx512-dot", "avx512", "avx2"])
+def path(request):
+    """Each test on the AVX-512 kernels with vdpbf16ps (where compiled in), widening, and on the AVX2 kernels.
+    Yields whether several rows round x to bf16 (the vdpbf16ps path)."""
+    if request.param == "avx512-dot" and not (_has_dot() and _ops().decode_avx512(-1)):
+        pytest.skip("no AVX512_BF16 kernels compiled in")
+    was_avx, was_dot = _ops().decode_avx512(int(request.param != "avx2")), _ops().decode_bf16_dot(-1)
+    _ops().decode_bf16_dot(int(request.param == "avx512-dot"))
+    yield request.param == "avx512-dot"
+    _ops().decode_avx512(int(was_avx))
+    _ops().decode_bf16_dot(int(was_dot))
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _x_as_multiplied(x: torch.Tensor, dot: bool) -> torch.Tensor:
+    """x as the kernel multiplies it: rounded to bf16 for several rows on the vdpbf16ps path, else as is."""
+    return x.bfloat16().float() if dot and x.shape[0] > 1 else x
+
+
+def test_pack_bf16_layout_interleaves_k_pairs_zero_padded():
+    w = torch.randn(37, 13, generator=_gen(0)).bfloat16()
+    packed = _ops().pack_linear_weight(w)
+    assert packed.shape == (3, 7, 16, 2) and packed.dtype == torch.bfloat16  # ceil(37/16) panels, ceil(13/2) pairs
+    padded = torch.zeros(48, 14, dtype=torch.bfloat16)
+    padded[:37, :13] = w
+    want = padded.view(3, 16, 7, 2).transpose(1, 2)  # [p, i, j, t] = W[16p + j, 2i + t]
+    assert torch.equal(packed, want)
+
+
+@pytest.mark.parametrize(("n", "k"), [(37, 13), (17, 29), (5, 3), (53, 101), (131, 64)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16_panels_match_f_linear_on_the_widened_weight(n, k, bias, path):
+    g = _gen(n * 100 + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g) if bias else None
+    packed = _ops().pack_linear_weight(w)
+    for rows in range(1, 41):
+        x = _x_as_multiplied(torch.randn(rows, k, generator=g), path)
+        got = _ops().skinny_linear(x, packed, b, n)
+        ref64 = F.linear(x.double(), w.double(), None if b is None else b.double())
+        assert_fast_close(got, F.linear(x, w.float(), b), ref64, what=f"rows={rows} n={n} k={k}")
+
+
+@pytest.mark.parametrize("act", sorted(ACT_IDS))
+@pytest.mark.parametrize("rows", [1, 6, 11])
+def test_bf16_panels_fused_activation(act, rows, path):
+    g = _gen(rows + 7)
+    x = torch.randn(rows, 19, generator=g)[:, 2:]  # a column slice: row stride 19, unit inner stride
+    w = (torch.randn(23, 17, generator=g) * 0.5).bfloat16()
+    b = torch.randn(23, generator=g)
+    got = _ops().skinny_linear(x, _ops().pack_linear_weight(w), b, 23, ACT_IDS[act])
+    xm, fn = _x_as_multiplied(x, path), activation_fn(act)
+    ref64 = fn(F.linear(xm.double(), w.double(), b.double()))
+    assert_fast_close(got, fn(F.linear(xm, w.float(), b)), ref64, what=act)
+
+
+def test_widening_keeps_x_in_float32_and_vdpbf16ps_rounds_it():
+    # x with bits below bf16's precision: widening multiplies them, the vdpbf16ps path rounds them off
+    g = _gen(5)
+    w = torch.randn(16, 32, generator=g).bfloat16()
+    x = torch.full((4, 32), 1.0 + 2.0**-12)
+    exact, rounded = F.linear(x, w.float()), F.linear(x.bfloat16().float(), w.float())
+    assert not torch.allclose(exact, rounded, rtol=0, atol=1e-6)
+    packed = _ops().pack_linear_weight(w)
+    was = _ops().decode_bf16_dot(0)
+    try:
+        torch.testing.assert_close(_ops().skinny_linear(x, packed, None, 16), exact)
+        if _has_dot() and _ops().decode_avx512(-1):
+            _ops().decode_bf16_dot(1)
+            torch.testing.assert_close(_ops().skinny_linear(x, packed, None, 16), rounded)
+    finally:
+        _ops().decode_bf16_dot(int(was))
+
+
+def test_bf16_panels_reject_a_mismatched_packing():
+    packed = _ops().pack_linear_weight(torch.randn(17, 5).bfloat16())
+    with pytest.raises(RuntimeError, match=r"bfloat16 packed must be \(P, ceil\(K/2\)=4, 16, 2\)"):
+        _ops().skinny_linear(torch.randn(2, 7), packed, None, 17)
+    with pytest.raises(RuntimeError, match="a scale"):
+        _ops().skinny_linear(torch.randn(2, 5), packed, None, 17, 0, torch.ones(17))

@@ -1,0 +1,131 @@
+"""int8_linear (csrc/packed_linear.cpp): int8 activations quantized per row times int8 quad panels, against
+runtime.linear's PyTorch reference (exact integer sums), with AVX512-VNNI and with the portable loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sublayer import kernels
+from sublayer.functional import activation_fn
+from sublayer.functional.fused import ACT_IDS
+from sublayer.runtime.linear import Int8Linear, int8_linear_reference, quantize_rows
+
+from ._tol import assert_fast_close
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="C++ kernels unavailable")
+
+
+@pytest.fixture(params=["vnni", "portable"])
+def isa(request):
+    """Each test with the AVX-512 (VNNI where compiled in) kernels and with the portable loop."""
+    was = kernels.ops().decode_avx512(int(request.param == "vnni"))
+    yield request.param
+    kernels.ops().decode_avx512(int(was))
+
+
+def _int8(seed: int, n: int, k: int) -> torch.Tensor:
+    return torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+
+
+def _linear(x, q, s, b, act=0):
+    ops = kernels.ops()
+    return ops.int8_linear(x, ops.pack_int8_quads(q), q.sum(1, dtype=torch.int32), s, b, q.shape[0], act)
+
+
+@needs_kernels
+def test_pack_int8_quads_layout():
+    q = _int8(0, 37, 13)
+    packed = kernels.ops().pack_int8_quads(q)
+    assert packed.shape == (3, 4, 16, 4) and packed.dtype == torch.int8
+    padded = torch.zeros(48, 16, dtype=torch.int8)
+    padded[:37, :13] = q
+    assert torch.equal(packed, padded.view(3, 16, 4, 4).transpose(1, 2))  # [p, i, j, t] = W[16p + j, 4i + t]
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 40])
+@pytest.mark.parametrize(("n", "k"), [(37, 13), (17, 29), (5, 3), (53, 101), (149, 773)])
+def test_int8_linear_integer_sums_are_exact(rows, n, k, isa):
+    # integer x whose rows reach +-127 and unit scales: the output is the integer sum itself
+    g = torch.Generator().manual_seed(rows * 100 + n)
+    q = _int8(n + k, n, k)
+    x = torch.randint(-127, 128, (rows, k), generator=g).float()
+    x[:, 0] = 127.0
+    got = _linear(x, q, torch.ones(n), None)
+    assert torch.equal(got, (x.long() @ q.long().t()).float())
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 11, 32])
+@pytest.mark.parametrize(("n", "k"), [(37, 13), (53, 101), (149, 773)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_linear_matches_the_pytorch_reference(rows, n, k, bias, isa):
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=g)
+    x[0] = 0.0  # an all-zero row: scale 0, output = bias
+    q, s = _int8(n * k, n, k), torch.rand(n, generator=g) * 0.02
+    b = torch.randn(n, generator=g) if bias else None
+    got = _linear(x, q, s, b)
+    want = int8_linear_reference(x, q, s, b)
+    xq, sx = quantize_rows(x)
+    ref64 = (xq.double() @ q.double().t()) * sx.double() * s.double() + (0 if b is None else b.double())
+    assert_fast_close(got, want, ref64, what=f"rows={rows} n={n} k={k}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("act", sorted(ACT_IDS))
+def test_int8_linear_fused_activation(act, isa):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 19, generator=g)[:, 2:]  # a column slice
+    q, s, b = _int8(4, 23, 17), torch.rand(23, generator=g) * 0.05, torch.randn(23, generator=g)
+    fn = activation_fn(act)
+    xq, sx = quantize_rows(x)
+    ref64 = fn((xq.double() @ q.double().t()) * sx.double() * s.double() + b.double())
+    assert_fast_close(_linear(x, q, s, b, ACT_IDS[act]), fn(int8_linear_reference(x, q, s, b)), ref64, what=act)
+
+
+def test_quantize_rows_is_symmetric_per_row_and_close():
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    xq, sx = quantize_rows(x)
+    assert xq.abs().amax(1).eq(127).all() and torch.equal(xq, xq.round())
+    assert ((xq * sx - x).abs() <= sx / 2 * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("activations", ["int8", "float"])
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_int8_linear_class_matches_its_reference(activations, kernels_on, monkeypatch):
+    if kernels_on and not kernels.available():
+        pytest.skip("C++ kernels unavailable")
+    monkeypatch.setattr(kernels, "_enabled", kernels_on)
+    g = torch.Generator().manual_seed(2)
+    x, q = torch.randn(7, 41, generator=g), _int8(9, 29, 41)
+    s, b = torch.rand(29, generator=g) * 0.03, torch.randn(29, generator=g)
+    lin = Int8Linear(q, s, b, activations=activations)
+    if activations == "int8":
+        want = int8_linear_reference(x, q, s, b)
+    else:
+        want = F.linear(x, q.float()) * s + b
+    torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin(x, "gelu_tanh"), F.gelu(want, approximate="tanh"), rtol=1e-5, atol=1e-5)
+    # int8 activations stay close to the float product: the per-row rounding error only
+    full = F.linear(x, q.float() * s[:, None], b)
+    assert F.cosine_similarity(lin(x), full, dim=1).min() > 0.999
+
+
+def test_int8_linear_class_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="activations must be 'int8' or 'float', got 'int4'"):
+        Int8Linear(torch.zeros(3, 2, dtype=torch.int8), torch.ones(3), activations="int4")
+    with pytest.raises(TypeError, match="q must be a 2-D int8 tensor"):
+        Int8Linear(torch.zeros(3, 2), torch.ones(3))
+
+
+@needs_kernels
+def test_int8_linear_rejects_a_mismatched_packing():
+    q = _int8(0, 17, 5)
+    packed = kernels.ops().pack_int8_quads(q)
+    with pytest.raises(RuntimeError, match=r"packed must be int8 \(P, ceil\(K/4\)=3, 16, 4\)"):
+        kernels.ops().int8_linear(torch.randn(2, 9), packed, q.sum(1, dtype=torch.int32), torch.ones(17), None, 17)
+    with pytest.raises(RuntimeError, match="colsum must be int32"):
+        kernels.ops().int8_linear(torch.randn(2, 5), packed, torch.zeros(17), torch.ones(17), None, 17)

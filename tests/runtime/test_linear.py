@@ -1,0 +1,75 @@
+"""runtime.linear's prepared formats against F.linear: PackedLinear in float32 and bfloat16, below and above
+skinny_max_rows() rows, with and without the kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from sublayer import kernels
+from sublayer.runtime.linear import PackedLinear, skinny_max_rows
+
+
+def _case(seed: int, rows: int, n: int = 37, k: int = 29):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+
+
+def _bf16_reference(x, w, b, activation=None):
+    """What PackedLinear(dtype=bf16) computes: the bf16 weight; above skinny_max_rows() on a native-bf16 CPU (or
+    on the vdpbf16ps kernel's several rows) x rounded to bf16 too."""
+    wb = w.bfloat16()
+    if x.shape[0] > skinny_max_rows() and kernels.native_bf16_gemm():
+        y = torch.mm(x.bfloat16(), wb.t()).float() + b
+    else:
+        if x.shape[0] > 1 and kernels.available() and kernels.ops().decode_bf16_dot(-1):
+            x = x.bfloat16().float()
+        y = F.linear(x, wb.float(), b)
+    return y if activation is None else F.gelu(y, approximate="tanh")
+
+
+@pytest.mark.parametrize("rows", [1, 5, skinny_max_rows(), skinny_max_rows() + 1, 53])
+@pytest.mark.parametrize("activation", [None, "gelu_tanh"])
+def test_bf16_packed_linear_matches_the_bf16_weight(rows, activation):
+    x, w, b = _case(rows, rows)
+    lin = PackedLinear(w, b, dtype=torch.bfloat16)
+    assert lin.bias.dtype == torch.float32
+    got = lin(x, activation)
+    want = _bf16_reference(x, w, b, activation)
+    above = rows > lin.max_rows and lin.weight.dtype == torch.bfloat16  # bf16 output rounding of torch's GEMM
+    assert_close(got, want, rtol=2**-7 if above else 1e-5, atol=2**-7 if above else 1e-5)
+
+
+def test_float32_packed_linear_matches_f_linear():
+    for rows in (1, 7, skinny_max_rows() + 2):
+        x, w, b = _case(rows, rows)
+        assert_close(PackedLinear(w, b)(x), F.linear(x, w, b))
+
+
+def test_bf16_packed_linear_takes_bf16_weights_and_flat_gives_its_panels():
+    x, w, b = _case(3, 4)
+    lin = PackedLinear(w.bfloat16(), b, dtype=torch.bfloat16)
+    assert_close(lin(x), _bf16_reference(x, w, b), rtol=1e-5, atol=1e-5)
+    if kernels.available():
+        packed, scale, bias = lin.flat()
+        assert packed.dtype == torch.bfloat16 and scale.numel() == 0 and bias is lin.bias
+        assert_close(kernels.ops().skinny_linear(x, packed, bias, 37), lin(x))
+
+
+def test_bf16_packed_linear_without_kernels_uses_torch(monkeypatch):
+    monkeypatch.setattr(kernels, "_enabled", False)
+    x, w, b = _case(4, 3)
+    lin = PackedLinear(w, b, dtype=torch.bfloat16)
+    assert lin.packed is None and lin.flat() is None
+    if kernels.native_bf16_gemm():
+        want = torch.mm(x.bfloat16(), w.bfloat16().t()).float() + b
+    else:
+        want = F.linear(x, w, b)  # the float32 weight as given
+    assert_close(lin(x), want)
+
+
+def test_packed_linear_rejects_other_dtypes():
+    with pytest.raises(ValueError, match="dtype must be torch.float32 or torch.bfloat16, got torch.float16"):
+        PackedLinear(torch.randn(3, 2), dtype=torch.float16)
