@@ -18,6 +18,9 @@ inputs and weights; ratio = the peer's time / sublayer's (> 1: sublayer is faste
 * ``embed``: MiniLM sentence embeddings, 64 x 128 padded: ``fast_inference(bert).embed`` against HF ``BertModel``
   with sentence-transformers' mean pooling and L2 normalisation.
 
+* ``hf``: live HF models (BERT and GPT-2 fine-tuning steps, sentence-transformers ``encode``) patched by
+  :func:`sublayer.hf.patch` against unpatched (:mod:`sublayer.bench.hfpatch`).
+
 ``model``: a BERT folder (e.g. all-MiniLM-L6-v2) whose weights the int8 and embed rows use (random weights of
 MiniLM's shape without it). ``quick``: tiny shapes, every row, for tests.
 
@@ -37,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .harness import Row, command_line, padded_batch, time_interleaved, write_report
+from .hfpatch import hf_rows
 
 __all__ = [
     "JOBS", "adamw_step", "ct2_generator", "decoding_switch", "gpt2_folder", "padding_switch", "run_jobs", "switched",
@@ -338,6 +342,7 @@ def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None) ->
 
 JOBS: dict[str, Callable[..., list[Row]]] = {
     "decode": decode_rows, "translate": translate_rows, "train": train_rows, "int8": int8_rows, "embed": embed_rows,
+    "hf": hf_rows,
 }  # fmt: skip
 
 
