@@ -273,3 +273,21 @@ def test_sentence_transformers_encode(tmp_path):
     report = hf.patch(model)
     assert _counts(report) == {"BertLayer": 2, "BertSelfOutput": 2}, str(report)
     torch.testing.assert_close(model.encode(texts, convert_to_tensor=True), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_keeps_hf_cast_order(dtype):
+    """HF's RMSNorm rounds the normed input to its dtype before the weight multiplies it: in bfloat16 that is two
+    roundings, which the patched norm keeps (fp32: the weight is fused)."""
+    model = _llama().to(dtype)
+    norm = model.model.norm
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 5, 12, dtype=dtype, requires_grad=True)
+    want = norm(x)
+    (gx_want,) = torch.autograd.grad(want.float().square().sum(), x)
+    hf.patch(model)
+    got = norm(x)
+    (gx,) = torch.autograd.grad(got.float().square().sum(), x)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(gx, gx_want)

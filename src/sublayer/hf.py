@@ -141,6 +141,8 @@ def _why_not(mod: nn.Module, parts: dict[str, type | tuple[type, ...]]) -> str |
 # ----------------------------------------------------------------------------------------------- forwards
 def _add_norm(ln: nn.LayerNorm, drop: nn.Dropout, residual: Tensor, y: Tensor) -> Tensor:
     """``ln(dropout(y) + residual)`` fused."""
+    if torch.is_autocast_enabled("cpu"):  # autocast runs layer_norm in float32
+        residual = residual.float()
     return fused.add_norm(
         residual, y, ln.normalized_shape, ln.weight, ln.bias, ln.eps, dropout=drop.p, training=drop.training
     )
@@ -175,12 +177,14 @@ def _glu_mlp(self, x: Tensor) -> Tensor:
 
 
 def _layer_norm(self, x: Tensor) -> Tensor:
+    if torch.is_autocast_enabled("cpu"):  # autocast runs layer_norm in float32
+        x = x.float()
     return fused.add_norm(x, torch.zeros_like(x), self.normalized_shape, self.weight, self.bias, self.eps)
 
 
 def _rms_norm(self, hidden_states: Tensor) -> Tensor:
     w, d = self.weight, self.weight.shape[-1]
-    if w.dtype == hidden_states.dtype:  # HF's weight * normed.to(dtype) is one rounding in one dtype: fuse it
+    if w.dtype == hidden_states.dtype == torch.float32:  # no rounding between norm and weight: fuse the weight
         return fused.add_norm(hidden_states, torch.zeros_like(hidden_states), d, w, None, self.variance_epsilon,
                               norm="rms")  # fmt: skip
     normed = fused.add_norm(hidden_states, torch.zeros_like(hidden_states), d, None, None, self.variance_epsilon,
