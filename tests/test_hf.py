@@ -128,7 +128,9 @@ def test_bf16_autocast_within_bf16_rounding(name):
     torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=2e-2)
     for n in grads[0]:
         scale = grads[0][n].abs().max().item() + 1e-6
-        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0.0, atol=3e-2 * scale, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(
+            grads[1][n], grads[0][n], rtol=0.0, atol=3e-2 * scale, msg=lambda m, n=n: f"{n}: {m}"
+        )
 
 
 def test_lm_loss_hf_kwargs():

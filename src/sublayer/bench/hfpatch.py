@@ -1,4 +1,4 @@
-"""``sublayer bench --jobs --only hf``: live Hugging Face models, :func:`sublayer.hf.patch` ed against unpatched.
+"""``sublayer bench --jobs --only hf``: live Hugging Face models patched by :func:`sublayer.hf.patch` vs unpatched.
 
 Every row times the same HF model twice (two copies of one set of weights, each with its own optimizer),
 interleaved; ratio = unpatched time / patched time (> 1: the patch is faster).

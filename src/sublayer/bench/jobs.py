@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 
 from .harness import Row, command_line, padded_batch, time_interleaved, write_report
-from .hfpatch import hf_rows
 
 __all__ = [
     "JOBS", "adamw_step", "ct2_generator", "decoding_switch", "gpt2_folder", "padding_switch", "run_jobs", "switched",
@@ -338,6 +337,13 @@ def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None) ->
               base="HF", work=float(ids.shape[0]), unit="seq").fill(res)  # fmt: skip
     row.extra["min cos vs HF"] = round(float((fast.embed(ids, mask).float() * hf_embed()).sum(-1).min()), 5)
     return [row]
+
+
+def hf_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
+    """The ``hf`` job: :func:`sublayer.bench.hfpatch.hf_rows` (imported here: this file also runs standalone)."""
+    from sublayer.bench.hfpatch import hf_rows as rows
+
+    return rows(quick, reps, work, model)
 
 
 JOBS: dict[str, Callable[..., list[Row]]] = {
