@@ -9,7 +9,7 @@ with warnings.catch_warnings():  # torch's import warns when NumPy is absent; su
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch  # noqa: F401
 
-from . import d2l, functional, memory, models, plot
+from . import d2l, functional, hf, memory, models, plot
 from .functional import KVCache
 from .memory import set_memory_reuse
 from .nn import (
@@ -47,6 +47,7 @@ __all__ = [
     "__version__",
     "d2l",
     "functional",
+    "hf",
     "memory",
     "models",
     "plot",

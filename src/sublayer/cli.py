@@ -358,7 +358,7 @@ def bench(
         "steps vs HF, int8 BERT, MiniLM embedding (--quick: tiny shapes)."
     ),
     only: Optional[str] = typer.Option(
-        None, "--only", help="With --jobs: comma-separated subset of decode,translate,train,int8,embed."
+        None, "--only", help="With --jobs: comma-separated subset of decode,translate,train,int8,embed,hf."
     ),
     report: Optional[Path] = typer.Option(
         None, "--report", help="Also write a markdown report (machine, versions, date, command, every row): a .md "

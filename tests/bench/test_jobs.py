@@ -16,8 +16,11 @@ def test_quick_jobs_time_each_row_against_its_peer_and_write_the_report(tmp_path
     rows = jobs.run_jobs(quick=True, reps=1, work=tmp_path / "work", report=tmp_path, notes="shared", log=lines.append)
     by_case = {r.case.split(" (")[0].split(",")[0]: r for r in rows}
     assert set(by_case) >= {"GPT-2 greedy decoding", "Transformer.translate demo d128 l2 pre-norm",
-                            "BERT training step", "GPT-2 training step", "BERT int8 inference", "sentence embedding"}  # fmt: skip
-    assert len(rows) == 4 + 2 + 2 + 1 + 1
+                            "BERT training step", "GPT-2 training step", "BERT int8 inference", "sentence embedding",
+                            "HF BertForSequenceClassification fine-tuning step", "HF GPT2LMHeadModel fine-tuning step"}  # fmt: skip
+    from sublayer import kernels
+
+    assert len(rows) == 4 + 2 + 2 + 1 + 1 + 2 * (2 if kernels.native_bf16_gemm() else 1) + 1
     for r in rows:
         assert r.times_ms["sublayer"] > 0
         if not r.case.startswith("GPT-2 greedy"):  # the decoding peer (CTranslate2) is optional
@@ -36,7 +39,7 @@ def test_quick_jobs_time_each_row_against_its_peer_and_write_the_report(tmp_path
 
 
 def test_bad_job_names_and_reps():
-    with pytest.raises(ValueError, match="jobs must be a comma-separated subset of decode,translate,train,int8,embed, got 'decode,nope'"):
+    with pytest.raises(ValueError, match="jobs must be a comma-separated subset of decode,translate,train,int8,embed,hf, got 'decode,nope'"):
         jobs.run_jobs(only="decode,nope")
     with pytest.raises(ValueError, match="reps must be >= 1, got 0"):
         jobs.run_jobs(reps=0)

@@ -18,6 +18,9 @@ inputs and weights; ratio = the peer's time / sublayer's (> 1: sublayer is faste
 * ``embed``: MiniLM sentence embeddings, 64 x 128 padded: ``fast_inference(bert).embed`` against HF ``BertModel``
   with sentence-transformers' mean pooling and L2 normalisation.
 
+* ``hf``: live HF models (BERT and GPT-2 fine-tuning steps, sentence-transformers ``encode``) patched by
+  :func:`sublayer.hf.patch` against unpatched (:mod:`sublayer.bench.hfpatch`).
+
 ``model``: a BERT folder (e.g. all-MiniLM-L6-v2) whose weights the int8 and embed rows use (random weights of
 MiniLM's shape without it). ``quick``: tiny shapes, every row, for tests.
 
@@ -336,8 +339,16 @@ def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None) ->
     return [row]
 
 
+def hf_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
+    """The ``hf`` job: :func:`sublayer.bench.hfpatch.hf_rows` (imported here: this file also runs standalone)."""
+    from sublayer.bench.hfpatch import hf_rows as rows
+
+    return rows(quick, reps, work, model)
+
+
 JOBS: dict[str, Callable[..., list[Row]]] = {
     "decode": decode_rows, "translate": translate_rows, "train": train_rows, "int8": int8_rows, "embed": embed_rows,
+    "hf": hf_rows,
 }  # fmt: skip
 
 

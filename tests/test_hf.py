@@ -1,0 +1,295 @@
+"""sublayer.hf.patch: a patched HF model equals the unpatched one (outputs, loss, every gradient), in train and eval
+mode, fp32 and bf16 autocast; Trainer, save_pretrained and unpatch stay HF's; what cannot be patched is reported."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from sublayer import hf  # noqa: E402
+
+V, T, B = 97, 11, 3
+
+
+def _bert(head: str = "mlm", **kw):
+    cfg = transformers.BertConfig(
+        vocab_size=V, hidden_size=14, num_hidden_layers=2, num_attention_heads=2, intermediate_size=23,
+        max_position_embeddings=31, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3, **kw,
+    )  # fmt: skip
+    cls = {"mlm": transformers.BertForMaskedLM, "cls": transformers.BertForSequenceClassification,
+           "base": transformers.BertModel}[head]  # fmt: skip
+    return cls(cfg)
+
+
+def _gpt2(**kw):
+    cfg = transformers.GPT2Config(
+        vocab_size=V, n_embd=14, n_layer=2, n_head=2, n_positions=31, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, **kw,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _llama(kind: str = "llama", **kw):
+    cfg_cls, cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[kind]
+    cfg = cfg_cls(
+        vocab_size=V, hidden_size=12, intermediate_size=23, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=31, **kw,
+    )  # fmt: skip
+    return cls(cfg)
+
+
+MODELS = {"bert_mlm": _bert, "bert_cls": lambda: _bert("cls"), "gpt2": _gpt2, "llama": _llama,
+          "qwen2": lambda: _llama("qwen2")}  # fmt: skip
+EXPECTED = {  # (HF class, how many) every build above must have replaced
+    "bert_mlm": {"BertLayer": 2, "BertSelfOutput": 2},
+    "bert_cls": {"BertLayer": 2, "BertSelfOutput": 2},
+    "gpt2": {"GPT2MLP": 2, "LayerNorm": 5, "GPT2LMHeadModel": 1},
+    "llama": {"LlamaMLP": 2, "LlamaRMSNorm": 5, "LlamaForCausalLM": 1},
+    "qwen2": {"Qwen2MLP": 2, "Qwen2RMSNorm": 5, "Qwen2ForCausalLM": 1},
+}
+
+
+def _batch(name: str):
+    ids = torch.randint(0, V, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, 7:] = 0  # a padded row
+    mask[2, 9:] = 0
+    if name == "bert_cls":
+        labels = torch.tensor([0, 2, 1])
+    else:
+        labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _run(model, batch, *, labels: bool):
+    kw = dict(batch) if labels else {k: v for k, v in batch.items() if k != "labels"}
+    out = model(**kw)
+    loss = out.loss if labels else out.logits.float().square().mean()
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _counts(report):
+    counts: dict[str, int] = {}
+    for _, what in report.replaced:
+        cls = what.split(" ->")[0]
+        counts[cls] = counts.get(cls, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_patched_equals_hf(name, mode):
+    ref = MODELS[name]()
+    model = copy.deepcopy(ref)
+    report = hf.patch(model)
+    assert _counts(report) == EXPECTED[name], str(report)
+    assert not report.skipped, str(report)
+    batch = _batch(name)
+    for m in (ref, model):
+        m.train(mode == "train")
+    for labels in (True, False):
+        want, want_g = _run(ref, batch, labels=labels)
+        got, got_g = _run(model, batch, labels=labels)
+        if labels:
+            torch.testing.assert_close(got.loss, want.loss)
+        lm_train = labels and mode == "train" and name in ("gpt2", "llama", "qwen2")
+        if lm_train:  # the fused loss made no logits
+            assert got.logits is None
+        else:
+            torch.testing.assert_close(got.logits, want.logits)
+        assert got_g.keys() == want_g.keys()
+        for n in want_g:
+            torch.testing.assert_close(got_g[n], want_g[n], msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("name", ["bert_cls", "gpt2", "llama"])
+def test_bf16_autocast_within_bf16_rounding(name):
+    ref = MODELS[name]()
+    model = copy.deepcopy(ref)
+    hf.patch(model)
+    batch = _batch(name)
+    losses, grads = [], []
+    for m in (ref, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(**batch)
+        m.zero_grad()
+        out.loss.backward()
+        losses.append(out.loss)
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=2e-2)
+    for n in grads[0]:
+        scale = grads[0][n].abs().max().item() + 1e-6
+        torch.testing.assert_close(
+            grads[1][n], grads[0][n], rtol=0.0, atol=3e-2 * scale, msg=lambda m, n=n: f"{n}: {m}"
+        )
+
+
+def test_lm_loss_hf_kwargs():
+    """num_items_in_batch (Trainer's gradient-accumulation scaling), shift_labels, return_dict=False and
+    positional labels all give HF's loss."""
+    ref = _gpt2()
+    model = copy.deepcopy(ref)
+    hf.patch(model)
+    batch = _batch("gpt2")
+    shift = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[..., 1:].contiguous()
+    for kw in ({"num_items_in_batch": torch.tensor(7)}, {"shift_labels": shift}, {"return_dict": False}):
+        want, got = ref(**batch, **kw), model(**batch, **kw)
+        torch.testing.assert_close(got[0], want[0])
+    # all targets ignored: HF's own loss (NaN), no error
+    ignored = dict(batch, labels=torch.full((B, T), -100))
+    assert model(**ignored).loss.isnan() and ref(**ignored).loss.isnan()
+    # eval or no grad: HF's logits are kept
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, ref(**batch).logits)
+
+
+def test_loss_false_keeps_logits():
+    model = _gpt2()
+    report = hf.patch(model, loss=False)
+    assert "GPT2LMHeadModel" not in _counts(report)
+    assert model(**_batch("gpt2")).logits.shape == (B, T, V)
+
+
+def test_unpatch_restores_exactly_and_patch_is_idempotent():
+    ref = _gpt2()
+    model = copy.deepcopy(ref)
+    report = hf.patch(model)
+    again = hf.patch(model)
+    assert not again.replaced and "already patched" in again.notes[0]
+    assert hf.unpatch(model) is True
+    assert hf.unpatch(model) is False
+    assert all("forward" not in m.__dict__ for m in model.modules()), report
+    batch = _batch("gpt2")
+    assert torch.equal(model(**batch).logits, ref(**batch).logits)
+    with hf.patched(model) as r:
+        assert r.replaced and model(**batch).logits is None
+    assert model(**batch).logits is not None
+
+
+def test_patching_a_submodule_first_is_noted():
+    model = _bert("cls")
+    hf.patch(model.bert)
+    report = hf.patch(model)
+    assert not report.replaced and len(report.notes) == 4, str(report)  # 2 BertLayer + 2 BertSelfOutput
+
+
+def test_left_alone_and_reported():
+    model = _bert("base", hidden_act="quick_gelu")
+    model.encoder.layer[1].attention.output.dense.register_forward_hook(lambda *a: None)
+    report = hf.patch(model)
+    why = dict(report.skipped)
+    assert "QuickGELUActivation" in why["encoder.layer.0"] and "QuickGELUActivation" in why["encoder.layer.1"]
+    assert "hooks" in why["encoder.layer.1.attention.output"]
+    assert dict(report.replaced).keys() == {
+        "encoder.layer.0.attention.output", "encoder.layer.0.output", "encoder.layer.1.output",
+    }  # fmt: skip
+    assert "skipped" in str(report)
+    half = _llama().half()
+    assert all("float16" in why for _, why in hf.patch(half).skipped)
+
+
+def test_not_an_hf_model():
+    with pytest.raises(TypeError, match="model must be a transformers"):
+        hf.patch(torch.nn.Linear(3, 5))
+    with pytest.raises(TypeError, match="model must be"):
+        hf.patch("bert-base-uncased")
+    with pytest.raises(TypeError, match="loss must be a bool"):
+        hf.patch(_gpt2(), loss="yes")
+
+
+def test_save_pretrained_round_trips(tmp_path):
+    model = _bert("cls")
+    keys = set(model.state_dict())
+    hf.patch(model)
+    assert set(model.state_dict()) == keys
+    model.save_pretrained(tmp_path)
+    back = transformers.BertForSequenceClassification.from_pretrained(tmp_path)
+    assert set(back.state_dict()) == keys
+    for k, v in model.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("name", ["bert_cls", "gpt2"])
+def test_trainer_gives_the_same_weights(name, tmp_path):
+    pytest.importorskip("accelerate")  # transformers.Trainer needs it
+    from torch.utils.data import Dataset
+
+    class Rows(Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(1)
+            self.rows = []
+            for _ in range(8):
+                ids = torch.randint(0, V, (T,), generator=g)
+                label = torch.tensor(int(ids[0]) % 3) if name == "bert_cls" else ids
+                self.rows.append({"input_ids": ids, "attention_mask": torch.ones(T, dtype=torch.long), "labels": label})
+
+        def __len__(self):
+            return len(self.rows)
+
+        def __getitem__(self, i):
+            return self.rows[i]
+
+    ref = MODELS[name]()
+    model = copy.deepcopy(ref)
+    hf.patch(model)
+    init = copy.deepcopy(ref.state_dict())
+    out = []
+    for m in (ref, model):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3, learning_rate=1e-2,
+            use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no", seed=0, disable_tqdm=True,
+        )  # fmt: skip
+        transformers.Trainer(model=m, args=args, train_dataset=Rows()).train()
+        out.append(m.state_dict())
+    for k in out[0]:
+        torch.testing.assert_close(out[1][k], out[0][k], msg=lambda m, k=k: f"{k}: {m}")
+    assert not all(torch.equal(out[0][k], v) for k, v in init.items())  # it trained
+
+
+def test_sentence_transformers_encode(tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"the a cat dog sat ran on mat fast slow".split()]
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+    tok = transformers.BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt"))
+    cfg = transformers.BertConfig(vocab_size=len(words), hidden_size=14, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=23, max_position_embeddings=31)  # fmt: skip
+    bert = transformers.BertModel(cfg)
+    bert.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    try:
+        from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    except ImportError:  # sentence-transformers < 6
+        from sentence_transformers.models import Pooling, Transformer
+    model = st.SentenceTransformer(modules=[Transformer(str(tmp_path)), Pooling(14)], device="cpu")
+    texts = ["the cat sat on the mat", "a dog ran", "the dog ran fast on a mat", "slow"]
+    want = model.encode(texts, convert_to_tensor=True)
+    report = hf.patch(model)
+    assert _counts(report) == {"BertLayer": 2, "BertSelfOutput": 2}, str(report)
+    torch.testing.assert_close(model.encode(texts, convert_to_tensor=True), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_keeps_hf_cast_order(dtype):
+    """HF's RMSNorm rounds the normed input to its dtype before the weight multiplies it: in bfloat16 that is two
+    roundings, which the patched norm keeps (fp32: the weight is fused)."""
+    model = _llama().to(dtype)
+    norm = model.model.norm
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 5, 12, dtype=dtype, requires_grad=True)
+    want = norm(x)
+    (gx_want,) = torch.autograd.grad(want.float().square().sum(), x)
+    hf.patch(model)
+    got = norm(x)
+    (gx,) = torch.autograd.grad(got.float().square().sum(), x)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(gx, gx_want)
