@@ -41,7 +41,8 @@ class TrainConfig:
     fine-tuning; linear warm-up over ``warmup`` steps (None: a tenth of the run, at most 100), then cosine decay
     to ``min_lr_ratio · lr``. ``val_fraction``: the documents held out for the perplexity, measured every
     ``eval_every`` steps (None: ten times a run) and at the end, when a checkpoint is also written.
-    ``threads``: torch threads per process (None: torch's default).
+    ``threads``: torch threads per process (None: 1 for a built-in model, whose small matrix products gain little
+    from a second thread while spinning OpenMP threads collapse on a shared machine; else torch's default).
     """
 
     model: str
@@ -150,7 +151,7 @@ def eos_id(config) -> int:
     eos = config.eos_token_id
     eos = eos[0] if isinstance(eos, list) and eos else eos
     if eos is None:
-        raise ValueError("model has no eos_token_id in config.json: documents need an end token")
+        raise ValueError("model: config.json has no eos_token_id, and documents need an end token")
     return eos
 
 
@@ -169,7 +170,8 @@ def prepare_data(cfg: TrainConfig, tokenizer, config, seq_len: int) -> Data:
     ids = D.tokenize(tokenizer, docs, eos_id(config))
     top = max(max(d) for d in ids)
     if top >= config.vocab_size:
-        raise ValueError(f"model's tokenizer gives id {top}, outside its vocabulary ({config.vocab_size} ids)")
+        raise ValueError(f"model {cfg.model!r}: its tokenizer gives id {top}, outside the vocabulary "
+                         f"({config.vocab_size} ids)")  # fmt: skip
     val_idx = set(D.held_out(len(ids), cfg.val_fraction, cfg.seed))
     train_docs = [d for i, d in enumerate(ids) if i not in val_idx]
     val_docs = [d for i, d in enumerate(ids) if i in val_idx]
@@ -234,8 +236,9 @@ def train(
     if not cfg.resume and out.exists() and Path(cfg.model).exists() and out.resolve() == Path(cfg.model).resolve():
         raise ValueError(f"out {str(out)!r} is the --model folder: give another folder for the trained model")
     old_threads = torch.get_num_threads()
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
+    threads = cfg.threads or (1 if cfg.model.startswith("builtin:") else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
         return _train(cfg, rank, world_size, wrap_model, on_step, out)
     finally:
