@@ -106,6 +106,11 @@ def test_documents_are_paragraphs_or_files(tmp_path):
     tok = T.byte_tokenizer()
     ids = T.tokenize(tok, ["é 12", "x"], eos=256)
     assert ids == [[*"é 12".encode(), 256], [ord("x"), 256]] and tok.decode(ids[0][:-1]) == "é 12"
+    from tests.models.conftest import word_tokenizer
+
+    cls_sep = word_tokenizer(bert=True)  # a tokenizer that adds its own special tokens (as Llama's adds bos)
+    ids = T.tokenize(cls_sep, ["the"], eos=3)[0]
+    assert ids == [2, cls_sep.token_to_id("the"), 3]  # [CLS] the [SEP]: [SEP] is the eos, not added twice
 
 
 def test_held_out_documents_and_batches_are_pure_functions():
@@ -208,6 +213,8 @@ def test_interrupt_then_resume_equals_the_uninterrupted_run(droppy, tmp_path, mo
     state = json.loads((tmp_path / "stopped" / "trainer_state.json").read_text())
     assert state["step"] == {"after_step": 3, "sigint_in_update": 2}[where]
     assert not (tmp_path / "stopped" / "metrics.json").exists()
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the folder's tokenizer files, copied
+        assert (tmp_path / "stopped" / name).read_bytes() == (droppy / name).read_bytes()
     seen = []
     T.train(_resume_cfg(droppy, tmp_path / "stopped", resume=True), on_step=lambda s, i: seen.append(s))
     assert seen == list(range(state["step"] + 1, 5))
@@ -229,6 +236,11 @@ def test_resume_refuses_other_data_or_data_order(droppy, tmp_path):
     other.write_text("some other text\n\n" * 200)
     with pytest.raises(ValueError, match="does not give the rows the checkpoint in"):
         T.train(_resume_cfg(droppy, tmp_path, resume=True, data=str(other)))
+    state = json.loads((tmp_path / "trainer_state.json").read_text())
+    del state["train_config"]  # e.g. the demo's checkpoint
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="is not a checkpoint of sublayer train"):
+        T.train(_resume_cfg(droppy, tmp_path, resume=True))
 
 
 # ---- the CLI ---------------------------------------------------------------------------------------------------
@@ -292,12 +304,15 @@ def test_cli_errors_name_the_flag_its_value_and_the_rule(cli, tmp_path, args, me
     assert re.fullmatch(f"error: {message}.*\n", err), err
 
 
-def test_cli_refuses_a_bert_folder_and_an_earlier_run(cli, bert_dir, run, tmp_path):
+def test_cli_refuses_a_bert_folder_an_earlier_run_and_writing_over_the_model(cli, bert_dir, run, droppy, tmp_path):
     code, _, err = cli("train", "--model", str(bert_dir), "--data", "builtin:numbers", "--out", str(tmp_path / "o"))
     assert code == 2 and err == (f"error: --model {str(bert_dir)!r} has model_type 'bert' in config.json: train "
                                  "supports gpt2, llama, qwen2\n")  # fmt: skip
     code, _, err = cli("train", "--model", "builtin:gpt2-tiny", "--data", "builtin:numbers", "--out", str(run[0]))
     assert code == 2 and err.startswith(f"error: {run[0]} holds the checkpoint of an earlier run")
+    code, _, err = cli("train", "--model", str(droppy), "--data", "builtin:numbers", "--out", str(droppy))
+    assert code == 2 and err == f"error: --out {str(droppy)!r} is the --model folder: give another folder for the " \
+        "trained model\n"
 
 
 def test_readme_round_trip_runs(cli, tmp_path, monkeypatch):

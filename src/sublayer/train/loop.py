@@ -252,6 +252,8 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
         if not (out / STATE_NAME).is_file():
             raise FileNotFoundError(f"--resume: no checkpoint in {out} ({STATE_NAME} missing)")
         state = read_training_state(out)
+        if not isinstance(state.get("train_config"), dict):
+            raise ValueError(f"--resume: {out / STATE_NAME} is not a checkpoint of sublayer train (no train_config)")
         model = model_class(out).from_pretrained(out, dtype=torch.float32).train()
         tokenizer, source = read_tokenizer(out), None
         seq_len = state["train_config"]["seq_len"]
@@ -265,6 +267,7 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
     if seq_len > model.config.max_positions:
         raise ValueError(f"seq_len ({seq_len}) must be at most the model's max_positions ({model.config.max_positions})")
     data = prepare_data(cfg, tokenizer, model.config, seq_len)
+    fingerprint = data.train.fingerprint()
     n_rows = len(data.train)
     if n_rows < cfg.batch_size:
         raise ValueError(f"batch_size ({cfg.batch_size}) is more than the {n_rows} rows of {seq_len} tokens that "
@@ -282,7 +285,7 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
             if name != "seq_len" and settings[name] != state["train_config"][name]:
                 raise ValueError(f"{name} ({settings[name]!r}) differs from the checkpoint's "
                                  f"({state['train_config'][name]!r}): a resumed run keeps its data order")  # fmt: skip
-        if state.get("data") != data.train.fingerprint():
+        if state.get("data") != fingerprint:
             raise ValueError(f"data {cfg.data!r} does not give the rows the checkpoint in {out} was trained on")
         start, history = state["step"], state["history"]
         train_seconds, tokens_seen = state["train_seconds"], state["tokens_seen"]
@@ -303,7 +306,7 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
     def checkpoint(step: int) -> None:
         if main:
             state = {"step": step, "history": history, "train_seconds": train_seconds, "tokens_seen": tokens_seen,
-                     "train_config": settings, "data": data.train.fingerprint()}  # fmt: skip
+                     "train_config": settings, "data": fingerprint}  # fmt: skip
             with hold_signals():
                 model.save_pretrained(out)
                 save_training_state(out, opt, state, rng)
