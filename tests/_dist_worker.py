@@ -310,6 +310,33 @@ DEMO_TINY = {"batch_size": 8, "d_model": 16, "n_heads": 2, "d_ff": 24, "n_layers
 SCENARIOS["demo_ddp"] = scenario_demo_ddp
 
 
+def scenario_train_ddp(mesh, out_dir):
+    """``sublayer train --nproc 2``'s rank function: each rank half of every global batch's rows, DDP-averaged
+    gradients — the weights and held-out loss of one process on whole batches (run here on rank 0)."""
+    from safetensors.torch import load_file
+
+    from sublayer.train import TrainConfig, rank_main, train
+
+    kw = {"model": "builtin:gpt2-tiny", "data": "builtin:numbers", "steps": 3, "batch_size": 4, "seq_len": 32,
+          "eval_every": 3, "quiet": True, "threads": 1}  # fmt: skip
+    two, one = Path(out_dir, "train_two"), Path(out_dir, "train_one")
+    rank_main(dist.get_rank(), dist.get_world_size(), TrainConfig(out=str(two), **kw))
+    if dist.get_rank() != 0:
+        return
+    ref = train(TrainConfig(out=str(one), **kw))
+    got = json.loads((two / "metrics.json").read_text())
+    assert got["steps"] == ref["steps"] == 3
+    w1, w2 = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
+    assert w1.keys() == w2.keys()
+    for k in w1:  # the gradients differ only in summation order (key biases: see scenario_demo_ddp)
+        if not k.endswith("c_attn.bias"):
+            assert_close(w2[k], w1[k], msg=lambda m, k=k: f"{k}: {m}")
+    assert_close(got["val_loss"], ref["val_loss"])
+
+
+SCENARIOS["train_ddp"] = scenario_train_ddp
+
+
 def worker(rank: int, world: int, out_dir: str, hf_dir: str) -> None:
     """Run by ``sublayer.parallel.launch`` (which set up the gloo process group) on every rank."""
     torch.set_num_threads(1)
@@ -319,7 +346,7 @@ def worker(rank: int, world: int, out_dir: str, hf_dir: str) -> None:
         for name, fn in SCENARIOS.items():
             torch.manual_seed(1234)  # every rank starts each scenario from the same generator state
             try:
-                extra = {"gpt2_from_hf": (hf_dir,), "demo_ddp": (out_dir,)}.get(name, ())
+                extra = {"gpt2_from_hf": (hf_dir,), "demo_ddp": (out_dir,), "train_ddp": (out_dir,)}.get(name, ())
                 fn(mesh, *extra)
                 results[name] = None
             except Exception:  # record, keep going: each scenario is its own test

@@ -4,7 +4,7 @@ cycle between modules, and no module reaches for another module's ``_private`` n
 Layers, bottom to top (a module may import its own layer and the layers below):
 
     _checks, settings  <  kernels  <  functional  <  nn  <  runtime  <  checkpoints  <  models
-    <  parallel, memory, d2l, hf, plot  <  demo, bench, cli, text  <  the package root
+    <  parallel, memory, d2l, hf, plot  <  demo, train, bench, cli, text  <  the package root
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ LAYERS = [
     ("sublayer.checkpoints",),
     ("sublayer.models",),
     ("sublayer.parallel", "sublayer.memory", "sublayer.d2l", "sublayer.hf", "sublayer.plot"),
-    ("sublayer.demo", "sublayer.bench", "sublayer.cli", "sublayer.text"),
+    ("sublayer.demo", "sublayer.train", "sublayer.bench", "sublayer.cli", "sublayer.text"),
 ]
 
 

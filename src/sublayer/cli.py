@@ -1,4 +1,4 @@
-"""The ``sublayer`` command line: ``demo`` (the main job), ``generate``, ``embed``, ``bench``, ``info``.
+"""The ``sublayer`` command line: ``demo`` (the main job), ``train``, ``generate``, ``embed``, ``bench``, ``info``.
 
 Errors are one line on stderr with exit code 2 (a traceback only with ``--debug``).
 Each command's work lives in its own module, imported lazily so ``sublayer info`` starts fast.
@@ -162,12 +162,18 @@ def demo(
     cfg = DemoConfig(**kw)
     if cfg.batch_size % nproc:
         raise CLIError(f"--batch-size ({cfg.batch_size}) must be divisible by --nproc ({nproc})")
+    _launch_training(_demo_rank, nproc, cfg, "demo")
+
+
+def _launch_training(rank_fn, nproc: int, cfg, what: str) -> None:
+    """``rank_fn(rank, world_size, cfg)`` in this process or on ``nproc`` spawned ranks (:func:`parallel.launch`),
+    the kernels built first (so tokens/s never includes the build); a rank's error as one line."""
     from . import kernels
 
     kernels.enabled()  # build (once, announced on stderr) before training starts, so tok/s never includes it
     from .memory import allocator_setting
 
-    if not quiet:
+    if not cfg.quiet:
         typer.echo(f"allocator: {allocator_setting()}")
     from torch.multiprocessing import ProcessRaisedException
 
@@ -177,12 +183,12 @@ def demo(
     # the cores with the other ranks)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:  # one process: train() here; N: N spawned ranks; under torchrun: this process is one rank
-        launch(_demo_rank, nproc, cfg)
+        launch(rank_fn, nproc, cfg)
     except ProcessRaisedException as e:
         if _state["debug"]:
             raise
         last = [line for line in str(e).splitlines() if line.strip()][-1]
-        raise CLIError(f"a demo process failed: {last}") from None
+        raise CLIError(f"a {what} process failed: {last}") from None
 
 
 def _demo_rank(rank: int, world_size: int, cfg) -> None:
@@ -198,6 +204,46 @@ def _demo_rank(rank: int, world_size: int, cfg) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     train(cfg, rank=rank, world_size=world_size, wrap_model=DistributedDataParallel)
+
+
+# --- train: a GPT-2 / Llama folder on your own text -----------------------------------------------------------
+
+
+@app.command(name="train")
+@_flag_errors
+def train_command(
+    model: str = typer.Option(..., "--model", "-m", help="HF GPT-2/Llama/Qwen2 folder with tokenizer.json, or "
+                              "builtin:gpt2-tiny / builtin:llama-tiny (a small new model, byte-level tokenizer)."),
+    data: str = typer.Option(..., "--data", help="A text file, a folder of .txt/.md files, or builtin:numbers."),
+    out: Path = typer.Option(Path("runs/train"), "--out", "-o", help="Folder for the trained HF folder, plots."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (default: --epochs 1)."),
+    epochs: Optional[int] = typer.Option(None, "--epochs", help="Passes over the training rows."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Rows per step (over all processes)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per row (default: min(256, positions))."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate (default 1e-3 builtin, else 5e-5)."),
+    split: str = typer.Option("paragraphs", "--split", help="Documents: paragraphs (blank lines) or files."),
+    val_fraction: float = typer.Option(0.05, "--val-fraction", help="Documents held out for the perplexity."),
+    eval_every: Optional[int] = typer.Option(None, "--eval-every", help="Steps between evaluations+checkpoints."),
+    seed: int = typer.Option(0, "--seed", help="Random seed (new weights, held-out split, row order, dropout)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads per process (default: 1 for a "
+                                           "builtin model, else torch's)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier run's checkpoint in --out."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    nproc: int = typer.Option(1, "--nproc", help="Train data-parallel on N local CPU processes (gloo, DDP)."),
+) -> None:
+    """Train or fine-tune a causal LM on text: packed documents, held-out perplexity, a Hugging Face folder out.
+
+    Ctrl-C saves a checkpoint (continue with --resume); the result loads in sublayer generate and HF.
+    """
+    from .train import TrainConfig, rank_main
+
+    cfg = TrainConfig(model=model, data=data, out=str(out), steps=steps, epochs=epochs, batch_size=batch_size,
+                      seq_len=seq_len, lr=lr, split=split, val_fraction=val_fraction, eval_every=eval_every, seed=seed,
+                      threads=threads, resume=resume, overwrite=overwrite, quiet=quiet)  # fmt: skip
+    if nproc < 1 or batch_size % nproc:
+        raise CLIError(f"--nproc must be >= 1 and divide --batch-size ({batch_size}), got {nproc}")
+    _launch_training(rank_main, nproc, cfg, "train")
 
 
 # --- generate / embed: Hugging Face-format GPT-2, Llama/Qwen2 and BERT folders ----------------------------------

@@ -29,18 +29,25 @@ def save_checkpoint(
     """Model (safetensors + config), vocabulary, optimizer state (tensors in safetensors, the rest in JSON) and
     the trainer state (step, loss history, RNG: ``rng_state``, default torch's now), each file written
     atomically, Ctrl-C and SIGTERM held meanwhile."""
+    with hold_signals():
+        folder.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(folder)
+        write_text(folder / VOCAB_NAME, vocab.to_json())
+        save_training_state(folder, opt, state, rng_state)
+
+
+def save_training_state(folder: Path, opt: torch.optim.Optimizer, state: dict, rng_state: Tensor | None = None) -> None:
+    """``optimizer.safetensors`` (the optimizer's tensors and torch's RNG state: ``rng_state``, default torch's
+    now) and ``trainer_state.json`` (``state`` plus the optimizer's param groups), each written atomically. The
+    caller holds the signals (:func:`.signals.hold_signals`) around the whole checkpoint."""
     from safetensors.torch import save_file
 
     sd = opt.state_dict()
     tensors = {f"state.{i}.{k}": v.detach().contiguous().cpu() for i, st in sd["state"].items() for k, v in st.items()}
     tensors["torch_rng_state"] = torch.get_rng_state() if rng_state is None else rng_state
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
-    with hold_signals():
-        folder.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(folder)
-        write_text(folder / VOCAB_NAME, vocab.to_json())
-        atomic_write(folder / OPTIMIZER_NAME, lambda p: save_file(tensors, p))
-        write_text(folder / STATE_NAME, json.dumps({**state, "param_groups": groups}, indent=1) + "\n")
+    atomic_write(folder / OPTIMIZER_NAME, lambda p: save_file(tensors, p))
+    write_text(folder / STATE_NAME, json.dumps({**state, "param_groups": groups}, indent=1) + "\n")
 
 
 def load_checkpoint(folder: str | Path) -> tuple[Transformer, Vocab, dict]:
@@ -48,6 +55,11 @@ def load_checkpoint(folder: str | Path) -> tuple[Transformer, Vocab, dict]:
     folder = Path(folder)
     model = Transformer.from_pretrained(folder)
     vocab = Vocab.load(folder / VOCAB_NAME)
+    return model, vocab, read_training_state(folder)
+
+
+def read_training_state(folder: Path) -> dict:
+    """``folder/trainer_state.json``, checked. Raises FileNotFoundError or ValueError naming the file."""
     path = folder / STATE_NAME
     if not path.is_file():
         raise FileNotFoundError(f"trainer state not found: {path} (not a demo checkpoint?)")
@@ -56,7 +68,7 @@ def load_checkpoint(folder: str | Path) -> tuple[Transformer, Vocab, dict]:
     except json.JSONDecodeError as e:
         raise ValueError(f"trainer state {path} is not valid JSON: {e}") from None
     _check_state(state, path)
-    return model, vocab, state
+    return state
 
 
 # key: (types, what the error says)

@@ -27,7 +27,7 @@ def smooth(values: Sequence[float], window: int | None = None) -> list[float]:
     return out
 
 
-def loss_figure(history: dict):
+def loss_figure(history: dict, title: str = "sublayer demo: numbers words ↔ digits"):
     """The figure of :func:`plot_losses` (a matplotlib Figure)."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, NullFormatter
@@ -49,15 +49,15 @@ def loss_figure(history: dict):
     ax.yaxis.set_minor_formatter(plain if hi / lo < 10 else NullFormatter())
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy per token")
-    ax.set_title("sublayer demo: numbers words ↔ digits")
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     return fig
 
 
-def plot_losses(history: dict, path: str | Path) -> None:
-    """Training loss (raw and smoothed) and validation loss against steps, log scale."""
-    _save_figure(loss_figure(history), Path(path))
+def plot_losses(history: dict, path: str | Path, **kw) -> None:
+    """Training loss (raw and smoothed) and validation loss against steps, log scale; ``kw``: :func:`loss_figure`'s."""
+    _save_figure(loss_figure(history, **kw), Path(path))
 
 
 def plot_cross_attention(model: Transformer, vocab: Vocab, pair: tuple[list[str], list[str]], path: str | Path) -> None:

@@ -47,10 +47,10 @@ def _val_loss(model: Transformer, batch: Batch) -> float:
         model.train(was)
 
 
-class _Progress:
-    """A rich progress bar (loss, tokens/s, ETA) on rank 0; nothing when quiet."""
+class Progress:
+    """A rich progress bar (loss, validation, tokens/s, ETA) on rank 0; nothing when quiet."""
 
-    def __init__(self, enabled: bool, total: int, start: int) -> None:
+    def __init__(self, enabled: bool, total: int, start: int, title: str = "training") -> None:
         self.bar = None
         if not enabled:
             return
@@ -58,7 +58,7 @@ class _Progress:
                                    TimeRemainingColumn)  # fmt: skip
 
         self.bar = Progress(
-            TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+            TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]:.3f}  val {task.fields[val]}  {task.fields[tps]:,.0f} tok/s"),
             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
         )  # fmt: skip
@@ -78,7 +78,7 @@ class _Progress:
             self.bar.update(self.task, **fields)
 
 
-def _echo(quiet: bool, text: str) -> None:
+def echo(quiet: bool, text: str) -> None:
     if not quiet:
         from rich.console import Console
 
@@ -131,7 +131,7 @@ def train(
         torch.set_num_threads(old_threads)
 
 
-def _optimizer_steps(opt: torch.optim.Optimizer) -> int:
+def optimizer_steps(opt: torch.optim.Optimizer) -> int:
     """How many updates the optimizer has made (AdamW's per-parameter ``step`` counters; 0 before the first)."""
     return max((int(s["step"]) for s in opt.state.values() if "step" in s), default=0)
 
@@ -179,13 +179,13 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
         out.mkdir(parents=True, exist_ok=True)
         n_params = sum(p.numel() for p in model.parameters())
         what = f"resuming at step {start}" if cfg.resume else "training"
-        _echo(quiet, f"[bold]sublayer demo[/]: numbers in words ↔ digits; {what} a {n_params / 1e3:.0f}k-parameter "
+        echo(quiet, f"[bold]sublayer demo[/]: numbers in words ↔ digits; {what} a {n_params / 1e3:.0f}k-parameter "
                      f"Transformer for {cfg.steps} steps on {torch.get_num_threads()} thread(s) → {out}/")  # fmt: skip
 
     step = start
     model.train()
     try:
-        with interrupts_raise(), _Progress(not quiet, cfg.steps, start) as bar:
+        with interrupts_raise(), Progress(not quiet, cfg.steps, start) as bar:
             t_last = time.perf_counter()
             while step < cfg.steps:
                 t0 = time.perf_counter()
@@ -208,7 +208,7 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
                     try:
                         opt.step()
                     finally:
-                        if _optimizer_steps(opt) > step:
+                        if optimizer_steps(opt) > step:
                             opt.zero_grad(set_to_none=True)
                             step += 1
                             history["train"].append([step, loss])
@@ -236,7 +236,7 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
         if main:
             checkpoint(step)
             why = f" by {e}" if str(e).startswith("SIG") else ""
-            _echo(False, f"interrupted{why} at step {step}: checkpoint saved in {out}/ — continue with --resume")
+            echo(False, f"interrupted{why} at step {step}: checkpoint saved in {out}/ — continue with --resume")
         raise
     if not main:
         return None

@@ -1,0 +1,436 @@
+"""``sublayer train``'s settings (:class:`TrainConfig`) and loop (:func:`train`): resumable, data-parallel aware,
+Ctrl-C saves a checkpoint (the demo's machinery: :mod:`sublayer.demo.checkpoint`, :mod:`sublayer.demo.signals`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .._checks import check_positive_int, check_probability
+from ..demo.checkpoint import STATE_NAME, load_optimizer, read_training_state, save_training_state, write_text
+from ..demo.plots import plot_losses
+from ..demo.signals import hold_signals, interrupts_raise
+from ..demo.training import Progress, echo, optimizer_steps
+from . import data as D
+from .starter import STARTERS, save_tokenizer, starter_model
+
+MODEL_TYPES = ("gpt2", "llama", "qwen2")
+# the tokenizer files of a Hugging Face folder, copied next to the trained weights
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja")  # fmt: skip
+# settings that decide which rows each step trains on: a resumed run must keep them
+DATA_ORDER = ("seq_len", "batch_size", "seed", "val_fraction", "split")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Settings of ``sublayer train`` (each field is the flag of the same name).
+
+    ``model``: a Hugging Face GPT-2, Llama or Qwen2 folder with ``tokenizer.json`` (fine-tuning), or
+    ``builtin:gpt2-tiny`` / ``builtin:llama-tiny`` (:mod:`.starter`: from scratch). ``data``: a text file, a
+    folder of ``.txt``/``.md`` files or ``builtin:numbers`` (:mod:`.data`). ``steps`` or ``epochs`` (neither: one
+    epoch). ``seq_len``: None -> the model's positions, at most 256. ``lr``: None -> 1e-3 from scratch, 5e-5
+    fine-tuning; linear warm-up over ``warmup`` steps (None: a tenth of the run, at most 100), then cosine decay
+    to ``min_lr_ratio · lr``. ``val_fraction``: the documents held out for the perplexity, measured every
+    ``eval_every`` steps (None: ten times a run) and at the end, when a checkpoint is also written.
+    ``threads``: torch threads per process (None: 1 for a built-in model, whose small matrix products gain little
+    from a second thread while spinning OpenMP threads collapse on a shared machine; else torch's default).
+    """
+
+    model: str
+    data: str
+    out: str = "runs/train"
+    steps: int | None = None
+    epochs: int | None = None
+    batch_size: int = 8
+    seq_len: int | None = None
+    lr: float | None = None
+    warmup: int | None = None
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    val_fraction: float = 0.05
+    split: str = "paragraphs"
+    eval_every: int | None = None
+    seed: int = 0
+    threads: int | None = None
+    resume: bool = False
+    overwrite: bool = False
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "epochs", "seq_len", "warmup", "eval_every", "threads"):
+            check_positive_int(name, getattr(self, name), allow_none=True)
+        check_positive_int("batch_size", self.batch_size)
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError(f"steps ({self.steps}) and --epochs ({self.epochs}) exclude each other: give one")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        for name in ("lr", "clip_norm"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
+        for name in ("min_lr_ratio", "weight_decay"):
+            check_probability(name, getattr(self, name))
+        if isinstance(self.val_fraction, bool) or not isinstance(self.val_fraction, (int, float)) or not (
+            0 <= self.val_fraction < 1
+        ):
+            raise ValueError(f"val_fraction must be a number in [0, 1), got {self.val_fraction!r}")
+        if self.split not in D.SPLITS:
+            raise ValueError(f"split must be one of {', '.join(D.SPLITS)}, got {self.split!r}")
+
+    def lr_at(self, step: int, steps: int, warmup: int, lr: float) -> float:
+        """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_lr_ratio · lr`` at ``steps``."""
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        t = min(1.0, (step - warmup) / max(1, steps - warmup))
+        return lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+class LMLoss(nn.Module):
+    """Routes ``model.loss`` (padding-free, fused LM head + cross-entropy) through ``forward``, so a wrapper such
+    as DistributedDataParallel sees the call."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, **kw):
+        return self.model.loss(input_ids, **kw)
+
+
+def model_class(folder: Path):
+    """GPT2 or Llama from ``folder/config.json``'s ``model_type``; ValueError naming ``model`` otherwise."""
+    from ..checkpoints import read_config
+    from ..models import GPT2, Llama
+
+    kind = read_config(folder).get("model_type")
+    if kind not in MODEL_TYPES:
+        raise ValueError(f"model {str(folder)!r} has model_type {kind!r} in config.json: train supports "
+                         f"{', '.join(MODEL_TYPES)}")  # fmt: skip
+    return GPT2 if kind == "gpt2" else Llama
+
+
+def load_start(spec: str, seed: int):
+    """``(model in train mode, tokenizer, tokenizer files to copy or None)`` from ``--model``: a built-in starter
+    or a Hugging Face folder with ``tokenizer.json``."""
+    from ..checkpoints import resolve_folder
+
+    if spec.startswith("builtin:"):
+        model, tokenizer = starter_model(spec[len("builtin:") :], seed=seed)
+        return model.train(), tokenizer, None
+    try:
+        folder = resolve_folder(spec)
+    except (FileNotFoundError, NotADirectoryError) as e:
+        raise ValueError(f"model {spec!r}: {e}; or use one of {', '.join('builtin:' + s for s in STARTERS)}") from None
+    return model_class(folder).from_pretrained(folder, dtype=torch.float32).train(), read_tokenizer(folder), folder
+
+
+def read_tokenizer(folder: Path):
+    from tokenizers import Tokenizer
+
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"model {str(folder)!r} has no tokenizer.json: train tokenizes --data with the model's "
+                         "tokenizer")  # fmt: skip
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+        raise ValueError(f"model {str(folder)!r}: cannot read {path}: {e}") from None
+
+
+def eos_id(config) -> int:
+    eos = config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    if eos is None:
+        raise ValueError("model: config.json has no eos_token_id, and documents need an end token")
+    return eos
+
+
+@dataclasses.dataclass
+class Data:
+    """The packed training and held-out rows, with their document counts."""
+
+    train: D.Rows
+    val: D.Rows | None
+    n_train_docs: int
+    n_val_docs: int
+
+
+def prepare_data(cfg: TrainConfig, tokenizer, config, seq_len: int) -> Data:
+    docs = D.read_documents(cfg.data, split=cfg.split)
+    ids = D.tokenize(tokenizer, docs, eos_id(config))
+    top = max(max(d) for d in ids)
+    if top >= config.vocab_size:
+        raise ValueError(f"model {cfg.model!r}: its tokenizer gives id {top}, outside the vocabulary "
+                         f"({config.vocab_size} ids)")  # fmt: skip
+    val_idx = set(D.held_out(len(ids), cfg.val_fraction, cfg.seed))
+    train_docs = [d for i, d in enumerate(ids) if i not in val_idx]
+    val_docs = [d for i, d in enumerate(ids) if i in val_idx]
+    pad = eos_id(config)
+    val = D.pack_documents(val_docs, seq_len, pad_id=pad) if val_docs else None
+    return Data(D.pack_documents(train_docs, seq_len, pad_id=pad), val, len(train_docs), len(val_docs))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, rows: D.Rows, batch_size: int) -> float:
+    """Mean next-token cross-entropy over every target of ``rows`` (eval mode; perplexity = exp of it)."""
+    was = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for i in range(0, len(rows), batch_size):
+            part = rows[i : i + batch_size]
+            n = part.n_targets
+            if n:
+                total += float(model.loss(part.input_ids, **part.loss_kwargs())) * n
+                count += n
+    finally:
+        model.train(was)
+    return total / max(count, 1)
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    wrap_model: Callable[[nn.Module], nn.Module] = lambda m: m,
+    on_step: Callable[[int, dict], None] | None = None,
+) -> dict | None:
+    """Train (or resume) a causal LM on text and write an HF folder, ``metrics.json`` and ``loss.png`` to ``out``.
+
+    Args:
+        cfg: the run's settings. rank, world_size: this process's place in a data-parallel group; each rank keeps
+            rows ``rank::world_size`` of every global batch (``cfg.batch_size`` must divide evenly).
+        wrap_model: applied to the :class:`LMLoss` before training (e.g. ``DistributedDataParallel``).
+        on_step: called on every rank after each optimizer step with ``(step, {"loss", "lr", "tokens"})``.
+
+    Returns:
+        The metrics dict on rank 0 (also in ``metrics.json``), None on other ranks.
+
+    Raises:
+        ValueError: a bad setting, naming it; FileNotFoundError: ``resume`` without a checkpoint;
+        FileExistsError: ``out`` holds an earlier run's checkpoint and neither ``resume`` nor ``overwrite``.
+        KeyboardInterrupt: after saving a checkpoint of the steps done so far (rank 0).
+    """
+    check_positive_int("world_size", world_size)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+    if cfg.batch_size % world_size:
+        raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by --nproc ({world_size})")
+    out = Path(cfg.out)
+    if not cfg.resume and not cfg.overwrite and (out / STATE_NAME).exists():
+        raise FileExistsError(
+            f"{out} holds the checkpoint of an earlier run ({STATE_NAME}): continue it with --resume, replace it "
+            "with --overwrite, or give another --out"
+        )
+    if not cfg.resume and out.exists() and Path(cfg.model).exists() and out.resolve() == Path(cfg.model).resolve():
+        raise ValueError(f"out {str(out)!r} is the --model folder: give another folder for the trained model")
+    old_threads = torch.get_num_threads()
+    threads = cfg.threads or (1 if cfg.model.startswith("builtin:") else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _train(cfg, rank, world_size, wrap_model, on_step, out)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -> dict | None:
+    main = rank == 0
+    quiet = cfg.quiet or not main
+    if cfg.resume:
+        if not (out / STATE_NAME).is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint in {out} ({STATE_NAME} missing)")
+        state = read_training_state(out)
+        if not isinstance(state.get("train_config"), dict):
+            raise ValueError(f"--resume: {out / STATE_NAME} is not a checkpoint of sublayer train (no train_config)")
+        model = model_class(out).from_pretrained(out, dtype=torch.float32).train()
+        tokenizer, source = read_tokenizer(out), None
+        seq_len = state["train_config"]["seq_len"]
+        if cfg.seq_len not in (None, seq_len):
+            raise ValueError(f"seq_len ({cfg.seq_len}) differs from the checkpoint's ({seq_len}): a resumed run "
+                             "keeps its data order")  # fmt: skip
+    else:
+        torch.manual_seed(cfg.seed)
+        model, tokenizer, source = load_start(cfg.model, cfg.seed)
+        seq_len = cfg.seq_len or min(256, model.config.max_positions)
+    if seq_len > model.config.max_positions:
+        raise ValueError(f"seq_len ({seq_len}) must be at most the model's max_positions ({model.config.max_positions})")
+    data = prepare_data(cfg, tokenizer, model.config, seq_len)
+    fingerprint = data.train.fingerprint()
+    n_rows = len(data.train)
+    if n_rows < cfg.batch_size:
+        raise ValueError(f"batch_size ({cfg.batch_size}) is more than the {n_rows} rows of {seq_len} tokens that "
+                         f"--data packs into: give a smaller --batch-size or --seq-len")  # fmt: skip
+    per_epoch = n_rows // cfg.batch_size
+    steps = cfg.steps if cfg.steps is not None else per_epoch * (cfg.epochs or 1)
+    warmup = cfg.warmup if cfg.warmup is not None else max(1, min(100, steps // 10))
+    lr = cfg.lr if cfg.lr is not None else (1e-3 if cfg.model.startswith("builtin:") else 5e-5)
+    eval_every = cfg.eval_every or max(1, steps // 10)
+    settings = {**dataclasses.asdict(cfg), "seq_len": seq_len, "steps": steps, "lr": lr, "warmup": warmup}
+    history: dict[str, list] = {"train": [], "val": []}
+    start, train_seconds, tokens_seen = 0, 0.0, 0
+    if cfg.resume:
+        for name in DATA_ORDER:
+            if name != "seq_len" and settings[name] != state["train_config"][name]:
+                raise ValueError(f"{name} ({settings[name]!r}) differs from the checkpoint's "
+                                 f"({state['train_config'][name]!r}): a resumed run keeps its data order")  # fmt: skip
+        if state.get("data") != fingerprint:
+            raise ValueError(f"data {cfg.data!r} does not give the rows the checkpoint in {out} was trained on")
+        start, history = state["step"], state["history"]
+        train_seconds, tokens_seen = state["train_seconds"], state["tokens_seen"]
+        if start > steps:
+            raise ValueError(f"steps ({steps}): the checkpoint in {out} is at step {start} already: nothing to train "
+                             "(give a larger --steps to continue)")  # fmt: skip
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95),
+    )  # fmt: skip
+    if cfg.resume:
+        load_optimizer(out, opt, state["param_groups"])  # and torch's RNG state
+    net = wrap_model(LMLoss(model))
+    rng = torch.get_rng_state()  # the state at the start of step `step`: what a checkpoint saves
+
+    def checkpoint(step: int) -> None:
+        if main:
+            state = {"step": step, "history": history, "train_seconds": train_seconds, "tokens_seen": tokens_seen,
+                     "train_config": settings, "data": fingerprint}  # fmt: skip
+            with hold_signals():
+                model.save_pretrained(out)
+                save_training_state(out, opt, state, rng)
+
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not cfg.resume:
+            _write_tokenizer(tokenizer, source, out, seq_len)
+        n_params = sum(p.numel() for p in model.parameters())
+        what = f"resuming at step {start} of" if cfg.resume else "training for"
+        echo(quiet, f"[bold]sublayer train[/]: {type(model).__name__} ({n_params / 1e6:.2f}M parameters), "
+                    f"{data.n_train_docs} documents in {n_rows} rows of {seq_len} tokens ({data.n_val_docs} held "
+                    f"out); {what} {steps} steps ({steps / per_epoch:.2f} epochs) of {cfg.batch_size} rows on "
+                    f"{torch.get_num_threads()} thread(s) × {world_size} → {out}/")  # fmt: skip
+
+    step = start
+    model.train()
+    try:
+        with interrupts_raise(), Progress(not quiet, steps, start) as bar:
+            t_last = time.perf_counter()
+            while step < steps:
+                t0 = time.perf_counter()
+                batch = data.train[D.batch_index(cfg.seed, step, n_rows, cfg.batch_size)]
+                local = batch[rank::world_size]
+                lr_now = cfg.lr_at(step, steps, warmup, lr)
+                for g in opt.param_groups:
+                    g["lr"] = lr_now
+                n_local = local.n_targets
+                loss = net(local.input_ids, **local.loss_kwargs())
+                # this rank's mean · its share of the targets · world_size: averaged over ranks = the global mean
+                (loss * (n_local * world_size / batch.n_targets)).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+                loss = float(loss.detach())
+                val = None
+                with hold_signals():  # the step lands whole or not at all (see sublayer.demo.training)
+                    try:
+                        opt.step()
+                    finally:
+                        if optimizer_steps(opt) > step:
+                            opt.zero_grad(set_to_none=True)
+                            step += 1
+                            history["train"].append([step, loss])
+                            rng = torch.get_rng_state()
+                    if main and data.val is not None and (step % eval_every == 0 or step == steps):
+                        val = evaluate(model, data.val, cfg.batch_size)
+                        history["val"].append([step, val])
+                train_seconds += time.perf_counter() - t0
+                tokens_seen += batch.n_tokens
+                if on_step is not None:
+                    on_step(step, {"loss": loss, "lr": lr_now, "tokens": batch.n_tokens})
+                if main:
+                    fields = {"completed": step, "loss": loss}
+                    if val is not None:
+                        fields["val"] = f"{val:.3f} (ppl {math.exp(val):.1f})"
+                    if time.perf_counter() - t_last > 0.5 or step == steps:
+                        fields["tps"] = tokens_seen / max(train_seconds, 1e-9)
+                        t_last = time.perf_counter()
+                    bar.update(**fields)
+                    if step % eval_every == 0 and step < steps:
+                        checkpoint(step)
+    except KeyboardInterrupt as e:
+        if main:
+            checkpoint(step)
+            why = f" by {e}" if str(e).startswith("SIG") else ""
+            echo(False, f"interrupted{why} at step {step}: checkpoint saved in {out}/ — continue with --resume")
+        raise
+    if not main:
+        return None
+    checkpoint(step)
+    return _finish(cfg, model, data, history, step, train_seconds, tokens_seen, out, quiet)
+
+
+def _write_tokenizer(tokenizer, source: Path | None, out: Path, seq_len: int) -> None:
+    with hold_signals():
+        if source is None:
+            save_tokenizer(tokenizer, out, seq_len)
+            return
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, out / name)
+
+
+def _finish(cfg, model, data: Data, history, step, train_seconds, tokens_seen, out: Path, quiet: bool) -> dict:
+    val = history["val"][-1][1] if history["val"] and history["val"][-1][0] == step else None
+    if val is None and data.val is not None:
+        val = evaluate(model, data.val, cfg.batch_size)
+    tail = [loss for _, loss in history["train"][-20:]]
+    metrics = {
+        "steps": step,
+        "final_train_loss": sum(tail) / len(tail) if tail else None,
+        "val_loss": val,
+        "val_perplexity": None if val is None else math.exp(val),
+        "n_train_documents": data.n_train_docs,
+        "n_val_documents": data.n_val_docs,
+        "train_seconds": round(train_seconds, 2),
+        "tokens_per_second": round(tokens_seen / max(train_seconds, 1e-9), 1),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "n_parameters": sum(p.numel() for p in model.parameters()),
+        "model": type(model).__name__,
+    }
+    write_text(out / "metrics.json", json.dumps(metrics, indent=1) + "\n")
+    plot_losses(history, out / "loss.png", title=f"sublayer train: {type(model).__name__} on {cfg.data}")
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    held = "no held-out documents" if val is None else (
+        f"held-out perplexity {math.exp(val):.2f} (loss {val:.3f}) on {data.n_val_docs} documents")  # fmt: skip
+    console.print(f"[bold]{held}[/]; {step} steps, {train_seconds:.0f} s training, "
+                  f"{metrics['tokens_per_second']:,.0f} tok/s")  # fmt: skip
+    if not quiet:
+        console.print(f"wrote {out}/: a Hugging Face folder (config.json, model.safetensors, tokenizer), "
+                      f"metrics.json, loss.png — try: sublayer generate --model {out} \"some text\"")  # fmt: skip
+    return metrics
+
+
+def rank_main(rank: int, world_size: int, cfg: TrainConfig) -> None:
+    """One rank of ``sublayer train`` (module level: it is pickled into the spawned processes)."""
+    from ..memory import set_memory_reuse
+
+    set_memory_reuse()  # a spawned rank is a fresh process
+    if world_size == 1:
+        train(cfg)
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    train(cfg, rank=rank, world_size=world_size, wrap_model=DistributedDataParallel)
