@@ -5,6 +5,11 @@ Shapes are batch-first (B, T, D); ``key_padding_mask`` True = padding.
 
 import warnings
 
+from . import settings
+
+if settings.command_line_process():  # before torch's import, which starts OpenMP: see settings.apply_wait_policy
+    settings.apply_wait_policy()
+
 with warnings.catch_warnings():  # torch's import warns when NumPy is absent; sublayer does not need NumPy
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch  # noqa: F401

@@ -106,10 +106,12 @@ def info() -> None:
         "sublayer": version("sublayer"),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "threads": str(torch.get_num_threads()),
         "cpu capability": torch.backends.cpu.get_cpu_capability(),
     }
-    from . import kernels
+    from . import kernels, settings
+
+    rows["threads"] = "{} ({})".format(*kernels.cpu.choose_threads())  # what demo/generate/embed use
+    rows["openmp waits"] = settings.wait_policy_effect()
 
     rows.update(kernels.cpu.describe())
 
@@ -135,8 +137,8 @@ def demo(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier run's checkpoint in --out."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sentence pairs per step (default 96)."),
     threads: Optional[int] = typer.Option(
-        None, "--threads", help="torch threads per process (default 1: threads that spin at OpenMP barriers collapse "
-        "when another busy process shares the cores; with more, set OMP_WAIT_POLICY=PASSIVE in the environment)."
+        None, "--threads", help="torch threads per process (default: SUBLAYER_THREADS, else the CPUs that other "
+        "busy processes leave free, shared among the --nproc ranks; `sublayer info` shows the choice)."
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or tables."),
     nproc: int = typer.Option(
@@ -152,6 +154,10 @@ def demo(
     """
     from .demo import DemoConfig
 
+    from .kernels.cpu import choose_threads
+
+    if threads is None:
+        threads = max(1, choose_threads()[0] // max(nproc, 1))
     kw = {"out": str(out), "seed": seed, "resume": resume, "overwrite": overwrite, "threads": threads, "quiet": quiet}
     if steps is not None:
         kw["steps"] = steps
@@ -296,7 +302,10 @@ def generate(
     import torch
 
     from .checkpoints import FROM_CONFIG
+    from .kernels.cpu import choose_threads
     from .models import quantized as q
+
+    torch.set_num_threads(choose_threads()[0])
 
     _check_quantize(quantize)
     model = _model_folder(model)
@@ -349,8 +358,11 @@ def embed(
 
     import torch
 
+    from .kernels.cpu import choose_threads
     from .models import Bert
     from .models import quantized as q
+
+    torch.set_num_threads(choose_threads()[0])
 
     _check_quantize(quantize)
     model = _model_folder(model)
