@@ -424,7 +424,11 @@ def bench(
         "steps vs HF, int8 BERT, MiniLM embedding (--quick: tiny shapes)."
     ),
     only: Optional[str] = typer.Option(
-        None, "--only", help="With --jobs: comma-separated subset of decode,translate,train,int8,embed."
+        None, "--only", help="With --jobs: comma-separated subset of decode,translate,train,int8,embed,demo."
+    ),
+    contention: bool = typer.Option(
+        False, "--contention", help="With --jobs: run every job quiet, then beside a competing busy process (one "
+        "it starts), and report each ratio's busy / quiet."
     ),
     report: Optional[Path] = typer.Option(
         None, "--report", help="Also write a markdown report (machine, versions, date, command, every row): a .md "
@@ -442,7 +446,7 @@ def bench(
         from .bench.jobs import run_jobs
 
         run_jobs(quick=quick, reps=reps, only=only, model=model, work=out / "jobs", report=report, notes=notes,
-                 log=typer.echo)  # fmt: skip
+                 contention=contention, log=typer.echo)  # fmt: skip
         return
     if decode:
         from .bench.decode import run_decode_bench
