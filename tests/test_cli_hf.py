@@ -298,3 +298,8 @@ def test_embed_errors(cli, bert_dir, gpt2_dir, tmp_path):
     _one_line_error(code, err, "model_type must be 'bert' for BERT, got 'gpt2'")
     code, _, err = cli("embed", "--model", bert_dir)
     assert code == 2 and "Missing" in err and "texts" in err.lower()  # a usage error, exit 2
+
+
+def test_bench_contention_needs_jobs(cli):
+    code, _, err = cli("bench", "--contention")
+    _one_line_error(code, err, "--contention needs --jobs")

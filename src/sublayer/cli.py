@@ -437,6 +437,8 @@ def bench(
     notes: str = typer.Option("", "--notes", help="A line for the report's header (e.g. the machine was shared)."),
 ) -> None:
     """Time sublayer's fused FFN / Add & Norm / EncoderBlock against eager PyTorch, HF and torch.compile."""
+    if contention and not jobs:
+        raise CLIError("--contention needs --jobs (it measures the whole jobs quiet and beside a busy process)")
     if decode or jobs:
         import torch
 
