@@ -26,8 +26,9 @@ inputs and weights; ratio = the peer's time / sublayer's (> 1: sublayer is faste
 ``model``: a BERT folder (e.g. all-MiniLM-L6-v2) whose weights the int8 and embed rows use (random weights of
 MiniLM's shape without it). ``quick``: tiny shapes, every row, for tests.
 
-Only torch, this package's harness and sublayer's public API (``sublayer.models``) are used, so the jobs also run
-against other revisions of sublayer (``benchmarks/compare_revisions.py``).
+Only torch, this package's harness and sublayer's public API (``sublayer.models``, ``sublayer.demo``) are used, so
+the jobs also run against other revisions of sublayer (``benchmarks/compare_revisions.py``; the demo row falls back
+to torch's thread count where ``sublayer.kernels.cpu.choose_threads`` is missing).
 """
 
 from __future__ import annotations
