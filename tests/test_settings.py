@@ -155,6 +155,18 @@ def test_the_command_line_sets_the_wait_policy_before_torch_only_when_unset():
     assert "threads          3 (SUBLAYER_THREADS)" in _info({"SUBLAYER_THREADS": "3"})
 
 
+def test_the_command_line_reports_a_bad_wait_policy_in_one_line():
+    import os
+    import subprocess
+    import sys
+
+    env = os.environ | {"SUBLAYER_WAIT_POLICY": "spin", "SUBLAYER_KERNELS": "0"}
+    proc = subprocess.run([sys.executable, "-m", "sublayer.cli", "info"], capture_output=True, text=True, timeout=300,
+                          env=env)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr == "error: SUBLAYER_WAIT_POLICY='spin' is not one of passive, openmp\n"
+
+
 def test_importing_the_library_leaves_the_wait_policy_alone():
     import os
     import subprocess

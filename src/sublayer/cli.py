@@ -88,6 +88,9 @@ def _model_folder(model: Path) -> Path:
 @app.callback()
 def _root(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors.")) -> None:
     _state["debug"] = debug
+    from . import settings
+
+    settings.wait_policy()  # a bad SUBLAYER_WAIT_POLICY is an error of every command
     from .memory import set_memory_reuse
 
     set_memory_reuse()  # every command: glibc keeps freed memory (no page faults on recycled big buffers)
@@ -179,9 +182,11 @@ def demo(
 
     from .parallel import launch
 
+    from . import settings
+
     # spawned ranks start OpenMP afresh: threads that sleep at a barrier rather than spin (a rank's threads share
-    # the cores with the other ranks)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # the cores with the other ranks), unless the user chose otherwise
+    settings.apply_wait_policy(os.environ, torch_loaded=False)
     try:  # one process: train() here; N: N spawned ranks; under torchrun: this process is one rank
         launch(_demo_rank, nproc, cfg)
     except ProcessRaisedException as e:
