@@ -140,8 +140,8 @@ def demo(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier run's checkpoint in --out."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sentence pairs per step (default 96)."),
     threads: Optional[int] = typer.Option(
-        None, "--threads", help="torch threads per process (default: SUBLAYER_THREADS, else the CPUs that other "
-        "busy processes leave free, shared among the --nproc ranks; `sublayer info` shows the choice)."
+        None, "--threads", help="torch threads per process (default: SUBLAYER_THREADS, else the usable CPUs "
+        "(less busy ones where OpenMP threads spin), shared among the --nproc ranks; `sublayer info` shows it)."
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or tables."),
     nproc: int = typer.Option(

@@ -43,8 +43,8 @@ VARIABLES: dict[str, str] = {
     "once, at import",
     "SUBLAYER_BUFFER_CACHE_MB": "MiB of freed big buffers the fused Add & Norm keeps for reuse (default 256, 0: off); "
     "applied when the kernels load",
-    "SUBLAYER_THREADS": "auto or a count: torch threads of the sublayer command (default auto: the usable CPUs that "
-    "other processes leave free; a command's --threads wins)",
+    "SUBLAYER_THREADS": "auto or a count: torch threads of the sublayer command (default auto: the usable CPUs, "
+    "less those other processes keep busy where OpenMP threads spin; a command's --threads wins)",
     "SUBLAYER_WAIT_POLICY": "passive/openmp: how idle OpenMP threads of the sublayer command wait (default passive: "
     "they sleep at once, so a busy neighbour process cannot stall every parallel region; openmp: OpenMP's own "
     "spin-then-sleep); applied only before torch is imported and only when neither OMP_WAIT_POLICY nor "

@@ -88,15 +88,16 @@ def test_describe_without_cpuinfo(fake_cpu):
 
 
 @pytest.mark.parametrize(
-    "cpus, busy, threads",
-    [(2, 0.0, 2), (2, 0.4, 2), (2, 0.6, 1), (2, 1.0, 1), (2, 7.0, 1), (2, None, 2), (16, 3.2, 13), (1.5, 0.0, 1),
-     (0.5, 0.0, 1), (7, 6.6, 1)],
+    "cpus, busy, spin, sleep",
+    [(2, 0.0, 2, 2), (2, 0.4, 2, 2), (2, 0.6, 1, 2), (2, 1.0, 1, 2), (2, 7.0, 1, 2), (2, None, 2, 2),
+     (16, 3.2, 13, 16), (1.5, 0.0, 1, 1), (0.5, 0.0, 1, 1), (7, 6.6, 1, 7)],
 )  # fmt: skip
-def test_default_threads_leaves_busy_cores_to_their_owners(cpus, busy, threads):
-    n, why = cpu.default_threads(cpus, busy)
-    assert n == threads
-    assert f"{int(cpus) or 1} usable CPUs" in why or cpus < 1
-    assert ("unknown" in why) is (busy is None)
+def test_default_threads_leaves_busy_cores_to_their_owners_when_waits_spin(cpus, busy, spin, sleep):
+    for waits_sleep, want in ((False, spin), (True, sleep)):
+        n, why = cpu.default_threads(cpus, busy, waits_sleep=waits_sleep)
+        assert n == want
+        assert why.startswith(f"{max(1, int(cpus))} usable CPUs")
+        assert ("unknown" in why) is (busy is None)
 
 
 def test_choose_threads_order(monkeypatch):
@@ -104,7 +105,11 @@ def test_choose_threads_order(monkeypatch):
     monkeypatch.setattr(cpu, "usable_cpus", lambda: 2.0)
     monkeypatch.delenv("SUBLAYER_THREADS", raising=False)
     assert cpu.choose_threads(3) == (3, "--threads")
-    assert cpu.choose_threads() == (1, "2 usable CPUs, 1.0 kept busy by other processes")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert cpu.choose_threads() == (1, "2 usable CPUs, 1.0 kept busy by other processes; waits spin: busy CPUs left "
+                                    "to them")  # fmt: skip
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert cpu.choose_threads() == (2, "2 usable CPUs, 1.0 kept busy by other processes; waits sleep")
     monkeypatch.setenv("SUBLAYER_THREADS", "5")
     assert cpu.choose_threads() == (5, "SUBLAYER_THREADS")
     monkeypatch.setenv("SUBLAYER_THREADS", "many")

@@ -144,23 +144,29 @@ def busy_cpus(seconds: float = 0.1) -> float | None:
     return max(0.0, busy - (own1 - own0) / max(t1 - t0, 1e-9))
 
 
-def default_threads(cpus: float, busy: float | None) -> tuple[int, str]:
-    """The thread count that fits the machine, and why: the usable ``cpus`` less those that other processes keep
-    busy (``busy``, in CPUs; rounded: a neighbour that takes 0.6 of a CPU counts as one), at least 1.
+def default_threads(cpus: float, busy: float | None, *, waits_sleep: bool) -> tuple[int, str]:
+    """The thread count that fits the machine, and why.
 
-    A thread whose core a busy neighbour holds gets a scheduler slice now and then, and every parallel region
-    waits for it; so a machine's busy cores are left to their owners.
+    With threads that spin at barriers (``waits_sleep`` False: OpenMP's default), the usable ``cpus`` less those
+    that other processes keep busy (``busy``, in CPUs; rounded: a neighbour that takes 0.6 of a CPU counts as
+    one), at least 1: a spinning thread holds the core that the thread every region waits for needs, and two
+    threads beside a busy neighbour run many times slower than one. With threads that sleep at barriers
+    (``OMP_WAIT_POLICY=PASSIVE``) every usable CPU: a thread that waits frees its core, and the extra threads
+    win a share of busy cores too.
     """
     usable = max(1, math.floor(cpus))
     if busy is None:
         return usable, f"{usable} usable CPUs (their load is unknown)"
-    n = usable - min(usable - 1, int(math.floor(busy + 0.5)))
-    return n, f"{usable} usable CPUs, {busy:.1f} kept busy by other processes"
+    why = f"{usable} usable CPUs, {busy:.1f} kept busy by other processes"
+    if waits_sleep:
+        return usable, why + "; waits sleep"
+    return usable - min(usable - 1, int(math.floor(busy + 0.5))), why + "; waits spin: busy CPUs left to them"
 
 
 def choose_threads(given: int | None = None) -> tuple[int, str]:
     """The ``sublayer`` command's thread count and why: ``given`` (a ``--threads`` flag), else
-    ``SUBLAYER_THREADS``, else :func:`default_threads` of this machine now (which samples its load for 0.1 s).
+    ``SUBLAYER_THREADS``, else :func:`default_threads` of this machine now (which samples its load for 0.1 s;
+    waits sleep where ``OMP_WAIT_POLICY`` is passive, as the command sets it).
 
     Raises:
         ValueError: ``SUBLAYER_THREADS`` is neither auto nor a count >= 1.
@@ -169,7 +175,8 @@ def choose_threads(given: int | None = None) -> tuple[int, str]:
         return given, "--threads"
     if (n := settings.threads()) is not None:
         return n, "SUBLAYER_THREADS"
-    return default_threads(usable_cpus(), busy_cpus())
+    sleep = os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
+    return default_threads(usable_cpus(), busy_cpus(), waits_sleep=sleep)
 
 
 def describe() -> dict[str, str]:
