@@ -329,3 +329,8 @@ def test_embed_batch_size_gives_the_same_vectors(cli, bert_dir):
     assert_close(torch.tensor([r["embedding"] for r in json.loads(out)]), one)
     code, _, err = cli("embed", "--model", bert_dir, "--batch-size", "0", "hello")
     _one_line_error(code, err, "error: --batch-size must be a positive int, got 0")
+
+
+def test_bench_contention_needs_jobs(cli):
+    code, _, err = cli("bench", "--contention")
+    _one_line_error(code, err, "--contention needs --jobs")

@@ -44,6 +44,7 @@ def test_defaults_when_unset_or_empty():
         assert settings.kernels_lock_timeout(env) == 600.0
         assert settings.bf16_gemm(env) is None and settings.int8_engine(env) is None
         assert settings.buffer_cache_mb(env) is None
+        assert settings.threads(env) is None and settings.wait_policy(env) == "passive"
 
 
 @pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("ON", True), ("yes", True), ("0", False),
@@ -61,6 +62,8 @@ def test_values(tmp_path):
     assert settings.int8_engine({"SUBLAYER_INT8_ENGINE": "onednn"}) == "onednn"
     assert settings.buffer_cache_mb({"SUBLAYER_BUFFER_CACHE_MB": "0"}) == 0.0
     assert settings.buffer_cache_mb({"SUBLAYER_BUFFER_CACHE_MB": "64.5"}) == 64.5
+    assert settings.threads({"SUBLAYER_THREADS": "3"}) == 3 and settings.threads({"SUBLAYER_THREADS": "AUTO"}) is None
+    assert settings.wait_policy({"SUBLAYER_WAIT_POLICY": "OpenMP"}) == "openmp"
 
 
 @pytest.mark.parametrize(
@@ -74,6 +77,10 @@ def test_values(tmp_path):
         (settings.buffer_cache_mb, "SUBLAYER_BUFFER_CACHE_MB", "nan", r"must be a number >= 0"),
         (settings.bf16_gemm, "SUBLAYER_BF16_GEMM", "amx", r"SUBLAYER_BF16_GEMM='amx' is not one of native, fp32"),
         (settings.int8_engine, "SUBLAYER_INT8_ENGINE", "qnnpack", r"SUBLAYER_INT8_ENGINE='qnnpack' is not one of fbgemm, onednn"),
+        (settings.threads, "SUBLAYER_THREADS", "0", r"SUBLAYER_THREADS='0' must be auto or an integer >= 1"),
+        (settings.threads, "SUBLAYER_THREADS", "2.5", r"SUBLAYER_THREADS='2.5' must be auto or an integer >= 1"),
+        (settings.threads, "SUBLAYER_THREADS", "-1", r"SUBLAYER_THREADS='-1' must be auto"),
+        (settings.wait_policy, "SUBLAYER_WAIT_POLICY", "spin", r"SUBLAYER_WAIT_POLICY='spin' is not one of passive, openmp"),
     ],
 )  # fmt: skip
 def test_bad_values_name_the_variable_and_the_rule(read, name, value, match):
@@ -86,3 +93,86 @@ def test_reads_the_process_environment(monkeypatch):
     assert settings.buffer_cache_mb() == 12.0
     monkeypatch.delenv("SUBLAYER_BUFFER_CACHE_MB")
     assert settings.buffer_cache_mb() is None
+
+
+@pytest.mark.parametrize(
+    "env, loaded, after, says",
+    [
+        ({}, False, "PASSIVE", "OMP_WAIT_POLICY=PASSIVE (sublayer's default"),
+        ({}, True, None, "torch was imported before sublayer"),
+        ({"SUBLAYER_WAIT_POLICY": "openmp"}, False, None, "SUBLAYER_WAIT_POLICY=openmp"),
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, False, "ACTIVE", "OMP_WAIT_POLICY=ACTIVE (set by the user)"),
+        ({"GOMP_SPINCOUNT": "1000"}, False, None, "GOMP_SPINCOUNT=1000 (set by the user)"),
+    ],
+)  # fmt: skip
+def test_apply_wait_policy_only_where_unset_and_in_time(env, loaded, after, says):
+    env = dict(env)
+    assert says in settings.apply_wait_policy(env, torch_loaded=loaded)
+    assert env.get("OMP_WAIT_POLICY") == after
+
+
+def test_apply_wait_policy_rejects_a_bad_policy():
+    with pytest.raises(ValueError, match="SUBLAYER_WAIT_POLICY='busy' is not one of passive, openmp"):
+        settings.apply_wait_policy({"SUBLAYER_WAIT_POLICY": "busy"}, torch_loaded=False)
+
+
+@pytest.mark.parametrize(
+    "argv, cli",
+    [
+        (["python", "/venv/bin/sublayer", "demo"], True),
+        (["/venv/bin/python3", "-X", "utf8", "/venv/bin/sublayer"], True),
+        (["python", "-m", "sublayer.cli", "info"], True),
+        (["python", "-msublayer.cli"], True),
+        (["python", "-m", "pytest", "sublayer"], False),
+        (["python", "-c", "import sublayer", "sublayer"], False),
+        (["python", "train.py", "sublayer"], False),
+        (["python"], False),
+    ],
+)  # fmt: skip
+def test_command_line_process(argv, cli):
+    assert settings.command_line_process(argv) is cli
+
+
+def _info(env: dict[str, str]) -> str:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | env
+    proc = subprocess.run([sys.executable, "-m", "sublayer.cli", "info"], capture_output=True, text=True, timeout=300,
+                          env=env | {"SUBLAYER_KERNELS": "0"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_the_command_line_sets_the_wait_policy_before_torch_only_when_unset():
+    rows = {line[:16].strip(): line[17:] for line in _info({}).splitlines()}  # "{name:16s} {value}"
+    assert rows["openmp waits"].startswith("OMP_WAIT_POLICY=PASSIVE (sublayer's default")  # torch not yet imported
+    assert re.fullmatch(r"\d+ \(.+\)", rows["threads"].strip())
+    assert "OMP_WAIT_POLICY=active (set by the user)" in _info({"OMP_WAIT_POLICY": "active"})
+    assert "GOMP_SPINCOUNT=5000 (set by the user)" in _info({"GOMP_SPINCOUNT": "5000"})
+    assert "OpenMP's default (SUBLAYER_WAIT_POLICY=openmp)" in _info({"SUBLAYER_WAIT_POLICY": "openmp"})
+    assert "threads          3 (SUBLAYER_THREADS)" in _info({"SUBLAYER_THREADS": "3"})
+
+
+def test_the_command_line_reports_a_bad_wait_policy_in_one_line():
+    import os
+    import subprocess
+    import sys
+
+    env = os.environ | {"SUBLAYER_WAIT_POLICY": "spin", "SUBLAYER_KERNELS": "0"}
+    proc = subprocess.run([sys.executable, "-m", "sublayer.cli", "info"], capture_output=True, text=True, timeout=300,
+                          env=env)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr == "error: SUBLAYER_WAIT_POLICY='spin' is not one of passive, openmp\n"
+
+
+def test_importing_the_library_leaves_the_wait_policy_alone():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    code = "import os, sublayer; print(os.environ.get('OMP_WAIT_POLICY'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env).stdout
+    assert out.strip() == "None"

@@ -5,6 +5,14 @@ Shapes are batch-first (B, T, D); ``key_padding_mask`` True = padding.
 
 import warnings
 
+from . import settings
+
+if settings.command_line_process():  # before torch's import, which starts OpenMP: see settings.apply_wait_policy
+    try:
+        settings.apply_wait_policy()
+    except ValueError:  # a bad SUBLAYER_WAIT_POLICY: the command reports it in one line
+        pass
+
 with warnings.catch_warnings():  # torch's import warns when NumPy is absent; sublayer does not need NumPy
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch  # noqa: F401

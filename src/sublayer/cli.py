@@ -88,6 +88,9 @@ def _model_folder(model: Path) -> Path:
 @app.callback()
 def _root(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors.")) -> None:
     _state["debug"] = debug
+    from . import settings
+
+    settings.wait_policy()  # a bad SUBLAYER_WAIT_POLICY is an error of every command
     from .memory import set_memory_reuse
 
     set_memory_reuse()  # every command: glibc keeps freed memory (no page faults on recycled big buffers)
@@ -106,10 +109,12 @@ def info() -> None:
         "sublayer": version("sublayer"),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "threads": str(torch.get_num_threads()),
         "cpu capability": torch.backends.cpu.get_cpu_capability(),
     }
-    from . import kernels
+    from . import kernels, settings
+
+    rows["threads"] = "{} ({})".format(*kernels.cpu.choose_threads())  # what demo/generate/embed use
+    rows["openmp waits"] = settings.wait_policy_effect()
 
     rows.update(kernels.cpu.describe())
 
@@ -135,8 +140,8 @@ def demo(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier run's checkpoint in --out."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sentence pairs per step (default 96)."),
     threads: Optional[int] = typer.Option(
-        None, "--threads", help="torch threads per process (default 1: threads that spin at OpenMP barriers collapse "
-        "when another busy process shares the cores; with more, set OMP_WAIT_POLICY=PASSIVE in the environment)."
+        None, "--threads", help="torch threads per process (default: SUBLAYER_THREADS, else the usable CPUs "
+        "(less busy ones where OpenMP threads spin), shared among the --nproc ranks; `sublayer info` shows it)."
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or tables."),
     nproc: int = typer.Option(
@@ -152,6 +157,10 @@ def demo(
     """
     from .demo import DemoConfig
 
+    from .kernels.cpu import choose_threads
+
+    if threads is None:
+        threads = max(1, choose_threads()[0] // max(nproc, 1))
     kw = {"out": str(out), "seed": seed, "resume": resume, "overwrite": overwrite, "threads": threads, "quiet": quiet}
     if steps is not None:
         kw["steps"] = steps
@@ -179,9 +188,11 @@ def _launch_training(rank_fn, nproc: int, cfg, what: str) -> None:
 
     from .parallel import launch
 
+    from . import settings
+
     # spawned ranks start OpenMP afresh: threads that sleep at a barrier rather than spin (a rank's threads share
-    # the cores with the other ranks)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # the cores with the other ranks), unless the user chose otherwise
+    settings.apply_wait_policy(os.environ, torch_loaded=False)
     try:  # one process: train() here; N: N spawned ranks; under torchrun: this process is one rank
         launch(rank_fn, nproc, cfg)
     except ProcessRaisedException as e:
@@ -294,6 +305,9 @@ def generate(
 
     from .checkpoints import FROM_CONFIG
     from .text import TextGenerator, load_tokenizer
+    from .kernels.cpu import choose_threads
+
+    torch.set_num_threads(choose_threads()[0])
 
     _check_quantize(quantize)
     model = _model_folder(model)
@@ -361,6 +375,11 @@ def embed(
     import json
 
     from .text import Encoder
+    import torch
+
+    from .kernels.cpu import choose_threads
+
+    torch.set_num_threads(choose_threads()[0])
 
     _check_quantize(quantize)
     encoder = Encoder.from_pretrained(_model_folder(model), quantize=quantize)
@@ -404,7 +423,11 @@ def bench(
         "steps vs HF, int8 BERT, MiniLM embedding (--quick: tiny shapes)."
     ),
     only: Optional[str] = typer.Option(
-        None, "--only", help="With --jobs: comma-separated subset of decode,translate,train,int8,embed,hf."
+        None, "--only", help="With --jobs: comma-separated subset of decode,translate,train,int8,embed,hf,demo."
+    ),
+    contention: bool = typer.Option(
+        False, "--contention", help="With --jobs: run every job quiet, then beside a competing busy process (one "
+        "it starts), and report each ratio's busy / quiet."
     ),
     report: Optional[Path] = typer.Option(
         None, "--report", help="Also write a markdown report (machine, versions, date, command, every row): a .md "
@@ -413,6 +436,8 @@ def bench(
     notes: str = typer.Option("", "--notes", help="A line for the report's header (e.g. the machine was shared)."),
 ) -> None:
     """Time sublayer's fused FFN / Add & Norm / EncoderBlock against eager PyTorch, HF and torch.compile."""
+    if contention and not jobs:
+        raise CLIError("--contention needs --jobs (it measures the whole jobs quiet and beside a busy process)")
     if decode or jobs:
         import torch
 
@@ -422,7 +447,7 @@ def bench(
         from .bench.jobs import run_jobs
 
         run_jobs(quick=quick, reps=reps, only=only, model=model, work=out / "jobs", report=report, notes=notes,
-                 log=typer.echo)  # fmt: skip
+                 contention=contention, log=typer.echo)  # fmt: skip
         return
     if decode:
         from .bench.decode import run_decode_bench

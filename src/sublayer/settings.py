@@ -9,7 +9,8 @@ value and the accepted ones. This module imports nothing from sublayer.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 __all__ = [
@@ -22,6 +23,11 @@ __all__ = [
     "int8_engine",
     "decoding_enabled",
     "buffer_cache_mb",
+    "threads",
+    "wait_policy",
+    "apply_wait_policy",
+    "wait_policy_effect",
+    "command_line_process",
 ]
 
 #: name -> its values, default and effect
@@ -37,6 +43,12 @@ VARIABLES: dict[str, str] = {
     "once, at import",
     "SUBLAYER_BUFFER_CACHE_MB": "MiB of freed big buffers the fused Add & Norm keeps for reuse (default 256, 0: off); "
     "applied when the kernels load",
+    "SUBLAYER_THREADS": "auto or a count: torch threads of the sublayer command (default auto: the usable CPUs, "
+    "less those other processes keep busy where OpenMP threads spin; a command's --threads wins)",
+    "SUBLAYER_WAIT_POLICY": "passive/openmp: how idle OpenMP threads of the sublayer command wait (default passive: "
+    "they sleep at once, so a busy neighbour process cannot stall every parallel region; openmp: OpenMP's own "
+    "spin-then-sleep); applied only before torch is imported and only when neither OMP_WAIT_POLICY nor "
+    "GOMP_SPINCOUNT is set",
 }
 
 _TRUE = ("1", "true", "on", "yes")
@@ -118,3 +130,89 @@ def buffer_cache_mb(environ: Mapping[str, str] | None = None) -> float | None:
     """``SUBLAYER_BUFFER_CACHE_MB``: the fused Add & Norm's buffer cache limit in MiB (0: off); None when unset
     (the kernels' own default, 256)."""
     return _number("SUBLAYER_BUFFER_CACHE_MB", None, environ, positive=False)
+
+
+def threads(environ: Mapping[str, str] | None = None) -> int | None:
+    """``SUBLAYER_THREADS``: a thread count, or None for ``auto`` (unset, empty or ``auto``)."""
+    v = _raw("SUBLAYER_THREADS", environ)
+    if not v or v.lower() == "auto":
+        return None
+    if not (v.isascii() and v.isdigit() and int(v) >= 1):
+        raise ValueError(f"SUBLAYER_THREADS={v!r} must be auto or an integer >= 1")
+    return int(v)
+
+
+def wait_policy(environ: Mapping[str, str] | None = None) -> str:
+    """``SUBLAYER_WAIT_POLICY``: ``"passive"`` (default) or ``"openmp"``."""
+    return _choice("SUBLAYER_WAIT_POLICY", ("passive", "openmp"), environ) or "passive"
+
+
+def apply_wait_policy(environ: MutableMapping[str, str] | None = None, *, torch_loaded: bool | None = None) -> str:
+    """Set ``OMP_WAIT_POLICY=PASSIVE`` in ``environ`` (default ``os.environ``) per :func:`wait_policy`, where it
+    can still take effect: OpenMP reads it once, when torch's import loads it (``torch_loaded``: whether that
+    happened; default: whether ``torch`` is in ``sys.modules``). A user's ``OMP_WAIT_POLICY`` or
+    ``GOMP_SPINCOUNT`` is left as it is.
+
+    Returns:
+        What the process's OpenMP waits with, for ``sublayer info``.
+
+    Raises:
+        ValueError: ``SUBLAYER_WAIT_POLICY`` is not passive or openmp.
+    """
+    env = os.environ if environ is None else environ
+    effect = _wait_effect(env, torch_loaded)
+    if environ is None:
+        _applied["effect"] = effect
+    return effect
+
+
+_applied: dict[str, str | None] = {"effect": None}
+
+
+def _wait_effect(env: MutableMapping[str, str], torch_loaded: bool | None) -> str:
+    policy = wait_policy(env)
+    loaded = "torch" in sys.modules if torch_loaded is None else torch_loaded
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        if env.get(name, "").strip():
+            return f"{name}={env[name].strip()} (set by the user)"
+    if policy == "openmp":
+        return "OpenMP's default (SUBLAYER_WAIT_POLICY=openmp)"
+    if loaded:
+        return "OpenMP's default (torch was imported before sublayer)"
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return "OMP_WAIT_POLICY=PASSIVE (sublayer's default: idle threads sleep at once)"
+
+
+def wait_policy_effect() -> str:
+    """What this process's OpenMP waits with: what :func:`apply_wait_policy` did, else the user's variables or
+    OpenMP's default."""
+    if _applied["effect"] is not None:
+        return _applied["effect"]
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        if os.environ.get(name, "").strip():
+            return f"{name}={os.environ[name].strip()} (set by the user)"
+    return "OpenMP's default (spin, then sleep)"
+
+
+def command_line_process(argv: list[str] | None = None) -> bool:
+    """Whether this process runs the ``sublayer`` command: its console script, or ``python -m sublayer.cli``.
+
+    Args:
+        argv: the interpreter's own command line (default ``sys.orig_argv``: ``[python, options..., script or
+            -m module, args...]``).
+    """
+    argv = list(getattr(sys, "orig_argv", []) if argv is None else argv)
+    skip = False
+    for i, a in enumerate(argv[1:], 1):
+        if skip or a in ("-X", "-W"):  # options with a value
+            skip = not skip
+            continue
+        if a == "-m":
+            return argv[i + 1 : i + 2] == ["sublayer.cli"]
+        if a.startswith("-m"):
+            return a == "-msublayer.cli"
+        if a == "-c" or a == "-":
+            return False
+        if not a.startswith("-"):
+            return Path(a).stem == "sublayer"
+    return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,3 +102,12 @@ def test_report_has_machine_versions_command_and_every_row_with_its_ratios(tmp_p
     assert "| 2.00 ms ±5%, 4,000.0 tok/s | peer 3.00 ms ±10%, 2,666.7 tok/s | x1.50 | other 8.00 ms ±0%" in line
     train = next(ln for ln in md.splitlines() if ln.startswith("| train |"))
     assert "| — |" in train and "HF attn sdpa" in train  # no reference timed: no ratio
+
+
+def test_busy_neighbour_spins_during_the_block_only():
+    with harness.busy_neighbour() as proc:
+        assert proc.poll() is None
+        stat = Path(f"/proc/{proc.pid}/stat")
+        if stat.exists():  # Linux: the neighbour has used CPU time (utime, in clock ticks) by now
+            assert int(stat.read_text().rsplit(")", 1)[1].split()[11]) > 0
+    assert proc.poll() is not None

@@ -17,10 +17,11 @@ def test_quick_jobs_time_each_row_against_its_peer_and_write_the_report(tmp_path
     by_case = {r.case.split(" (")[0].split(",")[0]: r for r in rows}
     assert set(by_case) >= {"GPT-2 greedy decoding", "Transformer.translate demo d128 l2 pre-norm",
                             "BERT training step", "GPT-2 training step", "BERT int8 inference", "sentence embedding",
-                            "HF BertForSequenceClassification fine-tuning step", "HF GPT2LMHeadModel fine-tuning step"}  # fmt: skip
+                            "HF BertForSequenceClassification fine-tuning step", "HF GPT2LMHeadModel fine-tuning step",
+                            "sublayer demo training"}  # fmt: skip
     from sublayer import kernels
 
-    assert len(rows) == 4 + 2 + 2 + 1 + 1 + 2 * (2 if kernels.native_bf16_gemm() else 1) + 1
+    assert len(rows) == 4 + 2 + 2 + 1 + 1 + 2 * (2 if kernels.native_bf16_gemm() else 1) + 1 + 1
     for r in rows:
         assert r.times_ms["sublayer"] > 0
         if not r.case.startswith("GPT-2 greedy"):  # the decoding peer (CTranslate2) is optional
@@ -39,7 +40,30 @@ def test_quick_jobs_time_each_row_against_its_peer_and_write_the_report(tmp_path
 
 
 def test_bad_job_names_and_reps():
-    with pytest.raises(ValueError, match="jobs must be a comma-separated subset of decode,translate,train,int8,embed,hf, got 'decode,nope'"):
+    with pytest.raises(ValueError, match="jobs must be a comma-separated subset of decode,translate,train,int8,embed,hf,demo, got 'decode,nope'"):
         jobs.run_jobs(only="decode,nope")
     with pytest.raises(ValueError, match="reps must be >= 1, got 0"):
         jobs.run_jobs(reps=0)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_contention_runs_each_job_quiet_then_beside_a_busy_process(tmp_path, monkeypatch):
+    started = []
+    real = jobs.busy_neighbour
+
+    def watched():
+        started.append(1)
+        return real()
+
+    monkeypatch.setattr(jobs, "busy_neighbour", watched)
+    rows = jobs.run_jobs(quick=True, reps=1, only="train,demo", work=tmp_path / "work", report=tmp_path,
+                         contention=True, log=lambda line: None)  # fmt: skip
+    assert len(started) == 2  # one neighbour per job
+    assert [r.mode.rsplit(" ", 1)[1] for r in rows] == ["[quiet]"] * 2 + ["[busy]"] * 2 + ["[quiet]", "[busy]"]
+    demo = rows[-1]
+    assert demo.base == "1 thread" and demo.times_ms["1 thread"] > 0 and demo.extra["threads"]
+    (path,) = tmp_path.glob("jobs-contention-*.md")
+    table = path.read_text().split("## Under a competing busy process")[1]
+    assert table.count("\n| ") == 1 + 3  # the header, then one line a quiet/busy pair
+    for q, b in zip(rows[:2], rows[2:4]):
+        assert f"x{q.ratio():.2f} | x{b.ratio():.2f} | {b.ratio() / q.ratio():.2f} |" in table

@@ -85,3 +85,49 @@ def test_describe_without_cpuinfo(fake_cpu):
     assert cpu.describe() == {}
     fake_cpu("avx512f", "amx_bf16")
     assert cpu.describe() == {"avx512": "yes", "amx-bf16": "yes", "avx512-bf16": "no"}
+
+
+@pytest.mark.parametrize(
+    "cpus, busy, spin, sleep",
+    [(2, 0.0, 2, 2), (2, 0.4, 2, 2), (2, 0.6, 1, 2), (2, 1.0, 1, 2), (2, 7.0, 1, 2), (2, None, 2, 2),
+     (16, 3.2, 13, 16), (1.5, 0.0, 1, 1), (0.5, 0.0, 1, 1), (7, 6.6, 1, 7)],
+)  # fmt: skip
+def test_default_threads_leaves_busy_cores_to_their_owners_when_waits_spin(cpus, busy, spin, sleep):
+    for waits_sleep, want in ((False, spin), (True, sleep)):
+        n, why = cpu.default_threads(cpus, busy, waits_sleep=waits_sleep)
+        assert n == want
+        assert why.startswith(f"{max(1, int(cpus))} usable CPUs")
+        assert ("unknown" in why) is (busy is None)
+
+
+def test_choose_threads_order(monkeypatch):
+    monkeypatch.setattr(cpu, "busy_cpus", lambda seconds=0.1: 1.0)  # a fake load: one busy neighbour
+    monkeypatch.setattr(cpu, "usable_cpus", lambda: 2.0)
+    monkeypatch.delenv("SUBLAYER_THREADS", raising=False)
+    assert cpu.choose_threads(3) == (3, "--threads")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert cpu.choose_threads() == (1, "2 usable CPUs, 1.0 kept busy by other processes; waits spin: busy CPUs left "
+                                    "to them")  # fmt: skip
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert cpu.choose_threads() == (2, "2 usable CPUs, 1.0 kept busy by other processes; waits sleep")
+    monkeypatch.setenv("SUBLAYER_THREADS", "5")
+    assert cpu.choose_threads() == (5, "SUBLAYER_THREADS")
+    monkeypatch.setenv("SUBLAYER_THREADS", "many")
+    with pytest.raises(ValueError, match="SUBLAYER_THREADS='many'"):
+        cpu.choose_threads()
+
+
+def test_busy_cpus_sees_a_busy_neighbour():
+    import subprocess
+    import sys
+
+    if cpu.busy_cpus(0.01) is None:
+        pytest.skip("no /proc/stat")
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        busy = cpu.busy_cpus(0.5)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert 0.5 < busy <= (__import__("os").cpu_count() or 1)
+    assert 1.0 <= cpu.usable_cpus() <= (__import__("os").cpu_count() or 1)

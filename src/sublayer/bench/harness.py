@@ -13,17 +13,20 @@ import platform
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 __all__ = [
-    "CLOCKS", "Row", "Timing", "command_line", "copy_gbps", "cpu_info", "cpu_kind", "machine", "padded_batch",
-    "report_markdown", "report_path", "saved_bytes", "set_clock", "summarize", "time_interleaved", "write_report",
+    "CLOCKS", "Row", "Timing", "busy_neighbour", "command_line", "contention_table", "copy_gbps", "cpu_info",
+    "cpu_kind", "machine", "padded_batch", "report_markdown", "report_path", "saved_bytes", "set_clock", "summarize",
+    "time_interleaved", "write_report",
 ]  # fmt: skip
 
 # what a timing measures: "wall" (time.perf_counter) or "cpu" (this process's CPU time, page faults included; with
@@ -123,6 +126,19 @@ class Row:
         return self.work / (self.times_ms[impl] * 1e-3) if self.work and self.times_ms.get(impl) else None
 
 
+@contextmanager
+def busy_neighbour() -> Iterator[subprocess.Popen]:
+    """A competing busy process for the block's duration: a Python loop spinning on one core (as a browser tab, a
+    CI neighbour or another user's job keeps a core busy), killed at the end."""
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)  # running before the timings start
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def saved_bytes(fn: Callable[[], object], params: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct non-parameter storages autograd saves during ``fn()``."""
     pptrs = {p.untyped_storage().data_ptr() for p in params}
@@ -220,9 +236,10 @@ def _fmt_ms(row: Row, impl: str) -> str:
 
 
 def report_markdown(title: str, rows: list[Row], *, command: str, notes: str = "", info: dict | None = None,
-                    reps: int | None = None) -> str:  # fmt: skip
+                    reps: int | None = None, appendix: str = "") -> str:  # fmt: skip
     """The markdown report: a header table (machine, versions, date, command, notes), then one line a row with
-    every implementation's median time, rate and spread, and ``sublayer``'s ratio against each other one."""
+    every implementation's median time, rate and spread, and ``sublayer``'s ratio against each other one; then
+    ``appendix`` (e.g. :func:`contention_table`)."""
     info = info or machine()
     cpu = info["cpu"]
     feats = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu["features"].items())
@@ -258,7 +275,27 @@ def report_markdown(title: str, rows: list[Row], *, command: str, notes: str = "
         cells = [r.case, r.shape, r.dtype, mode, ours, ref, "—" if x is None else f"x{x:.2f}",
                  "; ".join(_fmt_ms(r, k) for k in others) or "—", note]  # fmt: skip
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ([("\n" + appendix.strip())] if appendix.strip() else [])) + "\n"
+
+
+def contention_table(quiet: list[Row], busy: list[Row]) -> str:
+    """Markdown: each row's ratio quiet and beside a busy neighbour (:func:`busy_neighbour`), and busy / quiet
+    (1: the neighbour costs sublayer no more than its reference). ``quiet`` and ``busy`` pair up in order."""
+    lines = [
+        "## Under a competing busy process", "",
+        "ratio = the reference's time / sublayer's, measured quiet and while one other process spins on a core; "
+        "held = busy ratio / quiet ratio.", "",
+        "| job | shape | reference | ratio quiet | ratio busy | held | sublayer quiet → busy |",
+        "|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for q, b in zip(quiet, busy):
+        rq, rb = q.ratio(), b.ratio()
+        held = f"{rb / rq:.2f}" if rq and rb else "—"
+        ms = f"{q.times_ms['sublayer']:,.2f} → {b.times_ms['sublayer']:,.2f} ms"
+        cells = [q.case, q.shape, q.base, "—" if rq is None else f"x{rq:.2f}", "—" if rb is None else f"x{rb:.2f}",
+                 held, ms]  # fmt: skip
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def command_line(argv: list[str] | None = None) -> str:

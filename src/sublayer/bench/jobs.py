@@ -17,6 +17,11 @@ inputs and weights; ratio = the peer's time / sublayer's (> 1: sublayer is faste
   ``model`` is a folder with a tokenizer).
 * ``embed``: MiniLM sentence embeddings, 64 x 128 padded: ``fast_inference(bert).embed`` against HF ``BertModel``
   with sentence-transformers' mean pooling and L2 normalisation.
+* ``demo``: ``sublayer demo``'s training (40 steps of its default size), tokens/s at the threads the command
+  chooses (:func:`sublayer.kernels.cpu.choose_threads`) against 1 thread.
+
+``contention``: every job twice, quiet and beside a competing busy process
+(:func:`sublayer.bench.harness.busy_neighbour`), the report adding each ratio's busy / quiet.
 
 * ``hf``: live HF models (BERT and GPT-2 fine-tuning steps, sentence-transformers ``encode``) patched by
   :func:`sublayer.hf.patch` against unpatched (:mod:`sublayer.bench.hfpatch`).
@@ -24,14 +29,17 @@ inputs and weights; ratio = the peer's time / sublayer's (> 1: sublayer is faste
 ``model``: a BERT folder (e.g. all-MiniLM-L6-v2) whose weights the int8 and embed rows use (random weights of
 MiniLM's shape without it). ``quick``: tiny shapes, every row, for tests.
 
-Only torch, this package's harness and sublayer's public API (``sublayer.models``) are used, so the jobs also run
-against other revisions of sublayer (``benchmarks/compare_revisions.py``).
+Only torch, this package's harness and sublayer's public API (``sublayer.models``, ``sublayer.demo``) are used, so
+the jobs also run against other revisions of sublayer (``benchmarks/compare_revisions.py``; the demo row falls back
+to torch's thread count where ``sublayer.kernels.cpu.choose_threads`` is missing).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
+import io
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,7 +47,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .harness import Row, command_line, padded_batch, time_interleaved, write_report
+from .harness import (Row, busy_neighbour, command_line, contention_table, padded_batch, summarize, time_interleaved,
+                      write_report)  # fmt: skip
 
 __all__ = [
     "JOBS", "adamw_step", "ct2_generator", "decoding_switch", "gpt2_folder", "padding_switch", "run_jobs", "switched",
@@ -346,20 +355,50 @@ def hf_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     return rows(quick, reps, work, model)
 
 
+def demo_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
+    """``sublayer demo``'s training at the threads it chooses against 1 thread (see the module doc); the
+    threads are chosen when the row starts, as the command chooses them when it starts."""
+    from sublayer.demo import DemoConfig, train
+
+    try:
+        from sublayer.kernels.cpu import choose_threads
+
+        threads, why = choose_threads()
+    except ImportError:  # a sublayer without the choice: torch's count
+        threads, why = torch.get_num_threads(), "torch's default"
+    size = dict(steps=3, batch_size=16, n_val=4, n_test=4) if quick else dict(steps=40, n_val=16, n_test=16)
+    cfg = DemoConfig(**size)
+    ms: dict[str, list[float]] = {"sublayer": [], "1 thread": []}
+    for _ in range(reps):
+        for name, n in (("sublayer", threads), ("1 thread", 1)):
+            with contextlib.redirect_stdout(io.StringIO()):  # the demo's result line
+                metrics = train(dataclasses.replace(cfg, out=str(Path(work) / "demo"), threads=n, quiet=True,
+                                                    overwrite=True, eval_every=10**6, save_every=10**6))  # fmt: skip
+            ms[name].append(1e6 / metrics["tokens_per_second"])  # ms per 1000 training tokens
+    row = Row("sublayer demo training, default threads vs 1", f"{cfg.steps} steps of {cfg.batch_size} pairs",
+              "fp32", "training", base="1 thread", work=1000.0, unit="tok")  # fmt: skip
+    row.fill({k: summarize(v) for k, v in ms.items()})
+    row.extra["threads"] = f"{threads} ({why})"
+    return [row]
+
+
 JOBS: dict[str, Callable[..., list[Row]]] = {
     "decode": decode_rows, "translate": translate_rows, "train": train_rows, "int8": int8_rows, "embed": embed_rows,
     "hf": hf_rows,
+    "demo": demo_rows,
 }  # fmt: skip
 
 
 def run_jobs(*, quick: bool = False, reps: int | None = None, only: str | None = None, model: str | Path | None = None,
              work: str | Path = "runs/bench/jobs", report: str | Path | None = None, notes: str = "",
-             log: Callable[[str], None] = print) -> list[Row]:  # fmt: skip
+             contention: bool = False, log: Callable[[str], None] = print) -> list[Row]:  # fmt: skip
     """The rows of the jobs named in ``only`` (comma-separated keys of :data:`JOBS`; default all), each logged.
 
     ``work``: the folder for the GPT-2 checkpoint and its CTranslate2 conversions. ``report``: a ``.md`` file or a
     folder (then ``jobs-<cpu kind>-<date>.md`` in it) for the markdown report
-    (:func:`sublayer.bench.harness.write_report`), ``notes`` in its header.
+    (:func:`sublayer.bench.harness.write_report`), ``notes`` in its header. ``contention``: each job runs quiet,
+    then beside a competing busy process (:func:`sublayer.bench.harness.busy_neighbour`); the rows' modes say
+    ``[quiet]`` / ``[busy]`` and the report adds :func:`sublayer.bench.harness.contention_table`.
 
     Raises:
         ValueError: ``only`` names no job, or ``reps`` below 1.
@@ -372,14 +411,25 @@ def run_jobs(*, quick: bool = False, reps: int | None = None, only: str | None =
     reps = reps or (2 if quick else 3)
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows: list[Row] = []
+    by: dict[str, list[Row]] = {"quiet": [], "busy": []}
     for name in names:
-        for r in JOBS[name](quick, reps, work, None if model is None else Path(model)):
-            x = r.ratio()
-            log(f"{r.case:48s} {r.shape:34s} {r.dtype:5s} sublayer {r.times_ms['sublayer']:9.1f} ms  "
-                + (f"x{x:.2f} vs {r.base}" if x is not None else f"({r.base}: none)"))
-            rows.append(r)
+        for cond in ("quiet", "busy") if contention else ("",):
+            with busy_neighbour() if cond == "busy" else contextlib.nullcontext():
+                got = JOBS[name](quick, reps, work, None if model is None else Path(model))
+            for r in got:
+                if cond:
+                    r.mode += f" [{cond}]"
+                    by[cond].append(r)
+                x = r.ratio()
+                log(f"{r.case:48s} {r.shape:34s} {r.dtype:5s} {cond:5s} sublayer {r.times_ms['sublayer']:9.1f} ms  "
+                    + (f"x{x:.2f} vs {r.base}" if x is not None else f"({r.base}: none)"))
+                rows.append(r)
     if report is not None:
-        title = "sublayer whole jobs vs peers" + (" (quick: tiny shapes)" if quick else "")
-        log(f"wrote {write_report(report, 'jobs', title, rows, command=command_line(), notes=notes, reps=reps)}")
+        title = "sublayer whole jobs vs peers" + (", quiet and beside a busy process" if contention else "") + (
+            " (quick: tiny shapes)" if quick else "")  # fmt: skip
+        appendix = contention_table(by["quiet"], by["busy"]) if contention else ""
+        path = write_report(report, "jobs-contention" if contention else "jobs", title, rows, command=command_line(),
+                            notes=notes, reps=reps, appendix=appendix)  # fmt: skip
+        log(f"wrote {path}")
     return rows

@@ -14,7 +14,8 @@ class DemoConfig:
     """Settings of the demo run (the model's sizes included). Defaults train the task in minutes on a
     small CPU (the run reports its held-out exact match).
 
-    ``threads``: torch threads per process; None -> 1. The model is small (d_model 128): its matrix products
+    ``threads``: torch threads per process; None -> 1 (``sublayer demo`` passes the count it chooses:
+    :func:`sublayer.kernels.cpu.choose_threads`). The model is small (d_model 128): its matrix products
     gain little from a second thread, and OpenMP threads that spin at every barrier collapse when
     another busy process shares the cores. ``overwrite``: a run that does not ``resume`` replaces an earlier run's
     checkpoint in ``out`` only with it (else :func:`~sublayer.demo.train` refuses).

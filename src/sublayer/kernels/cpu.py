@@ -2,21 +2,27 @@
 Arm); elsewhere none are known and the decisions below take their portable default.
 
 Every choice that depends on the CPU is made here: the kernels' cache key (:func:`tag`), whether bf16 GEMMs run
-natively (:func:`native_bf16_gemm`), which engine the int8 GEMMs use (:func:`int8_engine`), and the lines
-``sublayer info`` prints (:func:`describe`).
+natively (:func:`native_bf16_gemm`), which engine the int8 GEMMs use (:func:`int8_engine`), how many threads the
+``sublayer`` command uses (:func:`choose_threads`), and the lines ``sublayer info`` prints (:func:`describe`).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import math
+import os
 import platform
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from .. import settings
 
-__all__ = ["cpuinfo_text", "flags", "has", "model", "is_x86", "tag", "native_bf16_gemm", "int8_engine", "describe"]
+__all__ = [
+    "cpuinfo_text", "flags", "has", "model", "is_x86", "tag", "native_bf16_gemm", "int8_engine", "usable_cpus",
+    "busy_cpus", "default_threads", "choose_threads", "describe",
+]  # fmt: skip
 
 
 @functools.cache
@@ -97,6 +103,80 @@ def int8_engine(supported: Iterable[str]) -> str:
     if force in supported:
         return force
     return "onednn" if has("amx_int8", "avx512_vnni") and "onednn" in supported else "fbgemm"
+
+
+def usable_cpus() -> float:
+    """The CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota (``cpu.max``, a
+    container's ``--cpus``) where there is one."""
+    try:
+        n = float(len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        n = float(os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1.0, int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    return n
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) clock ticks of all CPUs since boot, from ``/proc/stat`` (None where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(v) - v[3] - (v[4] if len(v) > 4 else 0), sum(v)  # idle and iowait are not busy
+
+
+def busy_cpus(seconds: float = 0.1) -> float | None:
+    """How many CPUs other processes keep busy: the machine's busy time over ``seconds`` (``/proc/stat``) less
+    this process's own, in CPUs. None where ``/proc/stat`` is missing."""
+    a, own0, t0 = _cpu_ticks(), time.process_time(), time.perf_counter()
+    time.sleep(seconds)
+    b, own1, t1 = _cpu_ticks(), time.process_time(), time.perf_counter()
+    if a is None or b is None or b[1] <= a[1]:
+        return None
+    cpus = os.cpu_count() or 1
+    busy = cpus * (b[0] - a[0]) / (b[1] - a[1])
+    return max(0.0, busy - (own1 - own0) / max(t1 - t0, 1e-9))
+
+
+def default_threads(cpus: float, busy: float | None, *, waits_sleep: bool) -> tuple[int, str]:
+    """The thread count that fits the machine, and why.
+
+    With threads that spin at barriers (``waits_sleep`` False: OpenMP's default), the usable ``cpus`` less those
+    that other processes keep busy (``busy``, in CPUs; rounded: a neighbour that takes 0.6 of a CPU counts as
+    one), at least 1: a spinning thread holds the core that the thread every region waits for needs, and two
+    threads beside a busy neighbour run many times slower than one. With threads that sleep at barriers
+    (``OMP_WAIT_POLICY=PASSIVE``) every usable CPU: a thread that waits frees its core, and the extra threads
+    win a share of busy cores too.
+    """
+    usable = max(1, math.floor(cpus))
+    if busy is None:
+        return usable, f"{usable} usable CPUs (their load is unknown)"
+    why = f"{usable} usable CPUs, {busy:.1f} kept busy by other processes"
+    if waits_sleep:
+        return usable, why + "; waits sleep"
+    return usable - min(usable - 1, int(math.floor(busy + 0.5))), why + "; waits spin: busy CPUs left to them"
+
+
+def choose_threads(given: int | None = None) -> tuple[int, str]:
+    """The ``sublayer`` command's thread count and why: ``given`` (a ``--threads`` flag), else
+    ``SUBLAYER_THREADS``, else :func:`default_threads` of this machine now (which samples its load for 0.1 s;
+    waits sleep where ``OMP_WAIT_POLICY`` is passive, as the command sets it).
+
+    Raises:
+        ValueError: ``SUBLAYER_THREADS`` is neither auto nor a count >= 1.
+    """
+    if given is not None:
+        return given, "--threads"
+    if (n := settings.threads()) is not None:
+        return n, "SUBLAYER_THREADS"
+    sleep = os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
+    return default_threads(usable_cpus(), busy_cpus(), waits_sleep=sleep)
 
 
 def describe() -> dict[str, str]:

@@ -91,7 +91,7 @@ void add_norm_fwd_impl(const Tensor& x, const Tensor& y, const Tensor& w, const 
   const int64_t nb = (d + 7) / 8;  // mask bytes per row
   const A scale = A(dr.scale), aeps = A(eps), inv_d = A(1) / A(d);
   const int32_t thr = int32_t(dr.thr);  // draws are 16-bit: a signed compare vectorises
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, d)), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, N, row_grain(d), [&](int64_t r0, int64_t r1) {
     const A sc = scale;  // locals, not captured references: keeps the inner loops vectorised
     const int32_t th = thr;
     std::vector<A> s(d);
@@ -161,7 +161,7 @@ void add_norm_bwd_impl(const Tensor& g, const Tensor& sum, const Tensor& mean, c
   const A scale = A(dr.scale), inv_d = A(1) / A(d);
   const uint8_t* kp = mask.defined() && mask.numel() ? mask.data_ptr<uint8_t>() : nullptr;  // saved keep bits
   const int64_t nb = (d + 7) / 8;
-  at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
+  at::parallel_for(0, nch, row_grain(rows_per * d), [&](int64_t c0, int64_t c1) {
     const A sc = scale;  // a local, not a captured reference: keeps the inner loops vectorised
     std::vector<A> keep(dr.on && dyp ? d : 0), gws(d);
     const bool nt = N * d * int64_t(sizeof(typename Elt<TX>::store)) >= kStreamBytes;  // stream dx, dy out

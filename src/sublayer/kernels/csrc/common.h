@@ -81,7 +81,15 @@ struct Drop {
   }
 };
 
-// Fixed row chunking for deterministic reductions: depends on the row count only.
+// Grain of a loop over rows of `row_elems` elements: rows per chunk, so that each chunk holds at least
+// kGrainElems elements (torch's at::internal::GRAIN_SIZE: a fused kernel forks no more eagerly than the aten ops
+// it replaces). A loop with less work than two chunks runs on the calling thread: no fork, and no wait for a
+// thread that a busy neighbour process may keep off its core.
+constexpr int64_t kGrainElems = 32768;
+inline int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems)); }
+
+// Fixed row chunking for deterministic reductions: depends on the row count only (the chunks' partial sums are
+// added in chunk order, whichever thread computed them).
 inline int64_t n_chunks(int64_t rows) { return std::max<int64_t>(1, std::min<int64_t>(64, (rows + 63) / 64)); }
 
 template <typename A>

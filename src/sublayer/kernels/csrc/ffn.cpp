@@ -207,7 +207,7 @@ void act_fwd_impl(const Tensor& a, const Tensor& b, Tensor& out, const Drop& dr)
   const A* bp = b.defined() ? static_cast<const A*>(b.data_ptr()) : nullptr;
   const A scale = A(dr.scale);
   const int32_t thr = int32_t(dr.thr);  // draws are 16-bit: a signed compare vectorises
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, f)), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, N, row_grain(f), [&](int64_t r0, int64_t r1) {
     std::vector<uint32_t> rnd(dr.on ? f : 0);
     std::vector<A> z(f);
     for (int64_t r = r0; r < r1; ++r) {
@@ -252,7 +252,7 @@ void act_bwd_impl(const Tensor& dh, const Tensor& saved, const Tensor& b, Tensor
   const int64_t nch = n_chunks(N), rows_per = (N + nch - 1) / nch;
   std::vector<A> pb(want_db ? nch * f : 0);
   const A scale = A(dr.scale);
-  at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
+  at::parallel_for(0, nch, row_grain(rows_per * f), [&](int64_t c0, int64_t c1) {
     std::vector<uint32_t> rnd(dr.on ? f : 0);
     std::vector<A> m(f, scale);  // keep * scale per column
     std::vector<A> z(f);
@@ -361,7 +361,7 @@ void glu_fwd_impl(const Tensor& a, const std::vector<typename Elt<T>::acc>& bias
   const int64_t N = a.size(0), f = out.size(1);
   const auto* ap = ptr<T>(a);
   auto* op = ptr<T>(out);  // bias: gate bias (zeros without bias), then the up bias
-  at::parallel_for(0, N, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, f)), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, N, row_grain(2 * f), [&](int64_t r0, int64_t r1) {
     const A* bg = bias.data();  // locals, not captured references: keeps the inner loops vectorised
     const int64_t f = out.size(1);
     std::vector<uint32_t> rnd(dr.on ? f : 0);
@@ -396,7 +396,7 @@ void glu_bwd_impl(const Tensor& dh, const Tensor& a, const std::vector<typename 
   const bool want_db = db.defined();
   const int64_t nch = n_chunks(N), rows_per = (N + nch - 1) / nch;
   std::vector<A> pb(want_db ? nch * f2 : 0);
-  at::parallel_for(0, nch, 1, [&](int64_t c0, int64_t c1) {
+  at::parallel_for(0, nch, row_grain(rows_per * f2), [&](int64_t c0, int64_t c1) {
     const A* bg = bias.data();  // locals, not captured references: keeps the inner loops vectorised
     const int64_t f = dh.size(1), f2 = 2 * f;
     std::vector<uint32_t> rnd(dr.on ? f : 0);

@@ -39,7 +39,7 @@ std::tuple<Tensor, Tensor> int8_scale_rows(const Tensor& x, const std::optional<
   const float* S = inv_smooth ? inv_smooth->data_ptr<float>() : nullptr;
   float* O = xs.data_ptr<float>();
   float* R = r.data_ptr<float>();
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, N, row_grain(K), [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
       const float* xi = X + i * K;
       float* oi = O + i * K;
@@ -86,7 +86,7 @@ Tensor int8_rescale_rows_(Tensor y, const Tensor& r, const std::optional<Tensor>
   float* Y = y.data_ptr<float>();
   const float* R = r.data_ptr<float>();
   const float* B = bias ? bias->data_ptr<float>() : nullptr;
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(M, 1)), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, N, row_grain(M), [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
       float* yi = Y + i * M;
       const float ri = R[i];
@@ -128,7 +128,7 @@ inline float scale_row(float* v, const float* inv, int64_t K) {
 
 template <int64_t act>
 void act_rows(float* Y, const float* R, const float* B, const float* S, float* R2, int64_t N, int64_t M) {
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(M, 1)), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, N, row_grain(M), [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
       float* yi = Y + i * M;
       const float ri = R ? R[i] : 1.f;
@@ -190,7 +190,7 @@ std::tuple<Tensor, Tensor, Tensor> int8_add_norm_rows_(Tensor y, const std::opti
   float* XS = inv_next ? xs.data_ptr<float>() : nullptr;
   float* R2 = inv_next ? r2.data_ptr<float>() : nullptr;
   const float e = float(eps);
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(M, 1)), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, N, row_grain(M), [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
       float* yi = Y + i * M;
       const float* xi = X + i * M;
