@@ -412,7 +412,12 @@ def bench(
         "steps vs HF, int8 BERT, MiniLM embedding (--quick: tiny shapes)."
     ),
     only: Optional[str] = typer.Option(
-        None, "--only", help="With --jobs: comma-separated subset of decode,translate,train,int8,embed."
+        None, "--only", help="With --jobs: comma-separated subset of decode,translate,train,int8,embed (the default) "
+        "and llama,llama-train (a SmolLM-135M-shaped Llama vs llama.cpp and HF)."
+    ),
+    peers_env: Optional[Path] = typer.Option(
+        None, "--peers-env", help="With --only llama: the llama.cpp side environment (a venv with llama-cpp-python "
+        "built from source), built there on first use by benchmarks/peers_env.sh (default: .peers-env, not built)."
     ),
     report: Optional[Path] = typer.Option(
         None, "--report", help="Also write a markdown report (machine, versions, date, command, every row): a .md "
@@ -428,6 +433,9 @@ def bench(
             torch.set_num_threads(threads)
     if jobs:
         from .bench.jobs import run_jobs
+
+        if peers_env is not None:
+            os.environ["SUBLAYER_PEERS_ENV"] = str(peers_env)
 
         run_jobs(quick=quick, reps=reps, only=only, model=model, work=out / "jobs", report=report, notes=notes,
                  log=typer.echo)  # fmt: skip

@@ -17,6 +17,8 @@ inputs and weights; ratio = the peer's time / sublayer's (> 1: sublayer is faste
   ``model`` is a folder with a tokenizer).
 * ``embed``: MiniLM sentence embeddings, 64 x 128 padded: ``fast_inference(bert).embed`` against HF ``BertModel``
   with sentence-transformers' mean pooling and L2 normalisation.
+* ``llama``, ``llama-train`` (run only when named in ``only``): a SmolLM-135M-shaped Llama, greedy decoding against
+  llama.cpp and HF ``generate``, and an AdamW step against HF ``labels=`` (:mod:`sublayer.bench.llama`).
 
 ``model``: a BERT folder (e.g. all-MiniLM-L6-v2) whose weights the int8 and embed rows use (random weights of
 MiniLM's shape without it). ``quick``: tiny shapes, every row, for tests.
@@ -36,10 +38,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .harness import Row, command_line, padded_batch, time_interleaved, write_report
+from .harness import Row, command_line, machine, padded_batch, time_interleaved, write_report
 
 __all__ = [
-    "JOBS", "adamw_step", "ct2_generator", "decoding_switch", "gpt2_folder", "padding_switch", "run_jobs", "switched",
+    "DEFAULT_JOBS", "JOBS", "adamw_step", "ct2_generator", "decoding_switch", "gpt2_folder", "llama_rows",
+    "llama_train_rows", "padding_switch", "run_jobs", "switched",
 ]  # fmt: skip
 
 DROPOUT = 0.1
@@ -336,24 +339,42 @@ def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None) ->
     return [row]
 
 
+def llama_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
+    """Llama decoding against llama.cpp and HF (:func:`sublayer.bench.llama.decode_rows`)."""
+    from .llama import decode_rows as rows
+
+    return rows(quick, reps, work, model)
+
+
+def llama_train_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
+    """A Llama training step against HF (:func:`sublayer.bench.llama.train_rows`)."""
+    from .llama import train_rows as rows
+
+    return rows(quick, reps, work, model)
+
+
 JOBS: dict[str, Callable[..., list[Row]]] = {
     "decode": decode_rows, "translate": translate_rows, "train": train_rows, "int8": int8_rows, "embed": embed_rows,
+    "llama": llama_rows, "llama-train": llama_train_rows,
 }  # fmt: skip
+# what runs without --only (the Llama jobs are asked for by name: their model is larger, their peer a side env)
+DEFAULT_JOBS = ("decode", "translate", "train", "int8", "embed")
 
 
 def run_jobs(*, quick: bool = False, reps: int | None = None, only: str | None = None, model: str | Path | None = None,
              work: str | Path = "runs/bench/jobs", report: str | Path | None = None, notes: str = "",
              log: Callable[[str], None] = print) -> list[Row]:  # fmt: skip
-    """The rows of the jobs named in ``only`` (comma-separated keys of :data:`JOBS`; default all), each logged.
+    """The rows of the jobs named in ``only`` (comma-separated keys of :data:`JOBS`; default
+    :data:`DEFAULT_JOBS`), each logged.
 
     ``work``: the folder for the GPT-2 checkpoint and its CTranslate2 conversions. ``report``: a ``.md`` file or a
-    folder (then ``jobs-<cpu kind>-<date>.md`` in it) for the markdown report
+    folder (then ``jobs-<cpu kind>-<date>.md`` in it; ``llama-...`` when only Llama jobs ran) for the markdown report
     (:func:`sublayer.bench.harness.write_report`), ``notes`` in its header.
 
     Raises:
         ValueError: ``only`` names no job, or ``reps`` below 1.
     """
-    names = [n.strip() for n in (only or ",".join(JOBS)).split(",") if n.strip()]
+    names = [n.strip() for n in (only or ",".join(DEFAULT_JOBS)).split(",") if n.strip()]
     if not names or set(names) - set(JOBS):
         raise ValueError(f"jobs must be a comma-separated subset of {','.join(JOBS)}, got {only!r}")
     if reps is not None and reps < 1:
@@ -365,10 +386,19 @@ def run_jobs(*, quick: bool = False, reps: int | None = None, only: str | None =
     for name in names:
         for r in JOBS[name](quick, reps, work, None if model is None else Path(model)):
             x = r.ratio()
-            log(f"{r.case:48s} {r.shape:34s} {r.dtype:5s} sublayer {r.times_ms['sublayer']:9.1f} ms  "
+            ms = f"{r.times_ms['sublayer']:9.1f} ms" if "sublayer" in r.times_ms else "     none"
+            log(f"{r.case:48s} {r.shape:34s} {r.dtype:5s} sublayer {ms}  "
                 + (f"x{x:.2f} vs {r.base}" if x is not None else f"({r.base}: none)"))
             rows.append(r)
     if report is not None:
-        title = "sublayer whole jobs vs peers" + (" (quick: tiny shapes)" if quick else "")
-        log(f"wrote {write_report(report, 'jobs', title, rows, command=command_line(), notes=notes, reps=reps)}")
+        llama = all(n.startswith("llama") for n in names)  # its own file: llama-<cpu kind>-<date>.md
+        title = ("sublayer Llama (SmolLM-135M shape) vs llama.cpp and HF" if llama else "sublayer whole jobs vs peers")
+        info = machine()
+        if any(n.startswith("llama") for n in names):
+            from .llama import peer_versions
+
+            info["versions"].update(peer_versions())
+        path = write_report(report, "llama" if llama else "jobs", title + (" (quick: tiny shapes)" if quick else ""),
+                            rows, command=command_line(), notes=notes, reps=reps, info=info)  # fmt: skip
+        log(f"wrote {path}")
     return rows
