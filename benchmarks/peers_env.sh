@@ -20,8 +20,8 @@ ls "$DIR"/sdist/llama_cpp_python-*.tar.gz >/dev/null 2>&1 ||
   "$DIR/bin/python" -m pip download --quiet --no-deps --no-binary :all: "$SPEC" -d "$DIR/sdist"
 SDIST=$(ls "$DIR"/sdist/llama_cpp_python-*.tar.gz | head -1)
 "${PIP[@]}" "torch==2.13.0" numpy sentencepiece "transformers>=4.40" safetensors gguf
-# Native CPU build (AVX2/AVX-512 as the CPU has them), no server/examples/tests, no network at run time.
-export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF}"
+# Native CPU build (AVX2/AVX-512 as the CPU has them); no multimodal library (LLAVA_BUILD), server, examples, tests.
+export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF}"
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 "${PIP[@]}" --no-binary llama-cpp-python "$SDIST"
 rm -rf "$DIR/converter" && mkdir -p "$DIR/converter"

@@ -42,7 +42,8 @@ __all__ = [
 
 SMOLLM_135M = dict(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
                    tie_word_embeddings=True, rope_theta=10000.0, eps=1e-5, max_positions=2048)  # fmt: skip
-QUICK = dict(vocab_size=521, d_model=60, n_layers=2, n_heads=6, n_kv_heads=2, d_ff=97, tie_word_embeddings=True,
+# tiny, with rows in whole q8_0 blocks of 32 (llama.cpp's converter keeps other rows in f16)
+QUICK = dict(vocab_size=521, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, tie_word_embeddings=True,
              rope_theta=10000.0, eps=1e-5, max_positions=128)  # fmt: skip
 EMBED_SCALE = 8.0  # the token embedding (and tied head) times this: peaked next-token distributions
 GGUF_TYPES = ("f32", "q8_0", "bf16", "f16")
