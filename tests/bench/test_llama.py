@@ -53,7 +53,8 @@ def test_tokenizer_has_exactly_vocab_size_entries_and_falls_back_to_bytes(tmp_pa
 
 
 def test_bad_tokenizer_size_and_gguf_type(tmp_path):
-    with pytest.raises(ValueError, match=r"vocab_size must be >= 260 \(3 specials, 256 bytes, the word start\), got 100"):
+    rule = r"vocab_size must be >= 260 \(3 specials, 256 bytes, the word start\), got 100"
+    with pytest.raises(ValueError, match=rule):
         llama.write_tokenizer(tmp_path, 100)
     with pytest.raises(ValueError, match="outtype must be one of f32, q8_0, bf16, f16, got 'q4_0'"):
         llama.gguf_file(tmp_path, "q4_0", tmp_path)

@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .harness import Row, command_line, machine, padded_batch, time_interleaved, write_report
+from .harness import Row, adamw_step, command_line, machine, padded_batch, time_interleaved, write_report
 
 __all__ = [
-    "DEFAULT_JOBS", "JOBS", "adamw_step", "ct2_generator", "decoding_switch", "gpt2_folder", "llama_rows",
+    "DEFAULT_JOBS", "JOBS", "ct2_generator", "decoding_switch", "gpt2_folder", "llama_rows",
     "llama_train_rows", "padding_switch", "run_jobs", "switched",
 ]  # fmt: skip
 
@@ -195,18 +195,6 @@ def translate_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
             row.extra["same output as reference"] = outs["sublayer"] == outs["reference steps"]
         rows.append(row)
     return rows
-
-
-def adamw_step(model: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> Callable[[], None]:
-    """One training step: ``loss().backward()``, an AdamW step (lr 1e-4, its own optimizer), ``zero_grad``."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step() -> None:
-        loss().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
 
 
 def padding_switch() -> Callable[[bool], None] | None:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .harness import Row, padded_batch, time_interleaved
+from .harness import Row, adamw_step, padded_batch, time_interleaved
 
 __all__ = [
     "EMBED_SCALE", "GGUF_TYPES", "PEERS_ENV", "QUICK", "SMOLLM_135M", "LlamaCpp", "decode_rows", "gguf_file",
@@ -74,8 +74,8 @@ def peer_versions(env: Path | None = None) -> dict[str, str]:
 def write_tokenizer(folder: str | os.PathLike, vocab_size: int) -> None:
     """A Llama-style tokenizer of exactly ``vocab_size`` entries in ``folder``: ``tokenizer.json`` (a BPE with byte
     fallback and no merges: ``<unk>``, ``<s>``, ``</s>``, the 256 byte tokens ``<0x00>``..``<0xFF>``, the word
-    start ``▁``, then ``▁t{i}`` fillers), ``tokenizer_config.json`` and ``special_tokens_map.json``. HF's ``tokenizers`` and
-    llama.cpp's converter (its llama vocabulary path) read it; built in code, nothing downloaded.
+    start ``▁``, then ``▁t{i}`` fillers), ``tokenizer_config.json`` and ``special_tokens_map.json``. HF's
+    ``tokenizers`` and llama.cpp's converter (its llama vocabulary path) read it; built in code, nothing downloaded.
 
     Raises:
         ValueError: ``vocab_size`` below 260 (the specials, the bytes and ``▁``).
@@ -90,7 +90,8 @@ def write_tokenizer(folder: str | os.PathLike, vocab_size: int) -> None:
     tok = {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
         "normalizer": {"type": "Sequence", "normalizers": [
-            {"type": "Prepend", "prepend": "\u2581"}, {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]},
+            {"type": "Prepend", "prepend": "\u2581"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]},
         "pre_tokenizer": None, "post_processor": None,
         "decoder": {"type": "Sequence", "decoders": [
             {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
@@ -271,10 +272,10 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
                 if ours_name in res:
                     x_hf = row.ratio(base="HF fp32")
                     row.extra["x vs HF fp32"] = None if x_hf is None else round(x_hf, 2)
-                    same = outs[ours_name].tolist() == ref.tolist()
-                    row.extra["same tokens as HF fp32"] = same
-                    if not same:
-                        row.extra["fraction equal to HF fp32"] = round(float((outs[ours_name] == ref).float().mean()), 3)
+                    equal = float((outs[ours_name] == ref).float().mean())
+                    row.extra["same tokens as HF fp32"] = equal == 1.0
+                    if equal < 1.0:
+                        row.extra["fraction equal to HF fp32"] = round(equal, 3)
                 else:
                     row.extra["sublayer"] = notes.get(ours_name.removeprefix("sublayer "), "not run")
                 for k in (peer, *others):
@@ -292,8 +293,6 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
 def train_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     """One AdamW training step against HF ``labels=`` on padded batches, dropout off (see the module doc)."""
     from sublayer.models import Llama, LlamaConfig
-
-    from .jobs import adamw_step
 
     shape = QUICK if quick else SMOLLM_135M
     b, t, lo = (4, 32, 13) if quick else (8, 256, 102)  # lengths lo..t: ~70 % real tokens
