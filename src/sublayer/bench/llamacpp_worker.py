@@ -16,7 +16,6 @@ An error answers ``{"error": message}``.
 """
 
 import ctypes
-import importlib.metadata
 import json
 import sys
 
@@ -76,8 +75,7 @@ def main() -> None:
         req = json.loads(line)
         try:
             if req["op"] == "versions":
-                ans = {"llama-cpp-python": importlib.metadata.version("llama-cpp-python"),
-                       "system_info": L.llama_print_system_info().decode().strip()}  # fmt: skip
+                ans = {"llama-cpp-python": L.__version__, "system_info": L.llama_print_system_info().decode().strip()}
             elif req["op"] == "load":
                 models[req["key"]] = _Model(req["path"], req["n_seq"], req["n_ctx"], req["threads"])
                 ans = {"ok": True}
