@@ -434,8 +434,9 @@ def bench(
     if jobs:
         from .bench.jobs import run_jobs
 
-        if peers_env is not None:
-            os.environ["SUBLAYER_PEERS_ENV"] = str(peers_env)
+        from .bench.llama import use_peers_env
+
+        use_peers_env(peers_env)
 
         run_jobs(quick=quick, reps=reps, only=only, model=model, work=out / "jobs", report=report, notes=notes,
                  log=typer.echo)  # fmt: skip

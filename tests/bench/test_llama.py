@@ -14,7 +14,7 @@ pytest.importorskip("transformers")  # the HF peer of every row
 
 @pytest.mark.filterwarnings("ignore")
 def test_quick_llama_rows_without_the_peers_env_time_ours_and_hf_and_say_how_to_build_llama_cpp(tmp_path, monkeypatch):
-    monkeypatch.delenv(llama.PEERS_ENV, raising=False)
+    llama.use_peers_env(None)
     monkeypatch.chdir(tmp_path)  # no .peers-env here: llama.cpp is left out, never built
     lines: list[str] = []
     rows = jobs.run_jobs(quick=True, reps=1, only="llama,llama-train", work=tmp_path / "work", report=tmp_path,

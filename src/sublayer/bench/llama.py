@@ -36,8 +36,8 @@ import torch
 from .harness import Row, adamw_step, padded_batch, time_interleaved
 
 __all__ = [
-    "EMBED_SCALE", "GGUF_TYPES", "PEERS_ENV", "QUICK", "SMOLLM_135M", "LlamaCpp", "decode_rows", "gguf_file",
-    "llama_folder", "peer_versions", "peers_env", "train_rows", "write_tokenizer",
+    "EMBED_SCALE", "GGUF_TYPES", "QUICK", "SMOLLM_135M", "LlamaCpp", "decode_rows", "gguf_file",
+    "llama_folder", "peer_versions", "peers_env", "train_rows", "use_peers_env", "write_tokenizer",
 ]  # fmt: skip
 
 SMOLLM_135M = dict(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
@@ -47,14 +47,19 @@ QUICK = dict(vocab_size=521, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_
              rope_theta=10000.0, eps=1e-5, max_positions=128)  # fmt: skip
 EMBED_SCALE = 8.0  # the token embedding (and tied head) times this: peaked next-token distributions
 GGUF_TYPES = ("f32", "q8_0", "bf16", "f16")
-PEERS_ENV = "SUBLAYER_PEERS_ENV"  # environment variable: the peers environment's folder (default .peers-env)
+_PEERS: dict[str, Path | None] = {"env": None}  # the folder named by use_peers_env (sublayer bench --peers-env)
 _SPECIALS = ("<unk>", "<s>", "</s>")
 
 
+def use_peers_env(folder: str | os.PathLike | None) -> None:
+    """Use the peers environment in ``folder`` (None: ``.peers-env`` if built); the rows build it there first
+    (``benchmarks/peers_env.sh``) when it is not built yet."""
+    _PEERS["env"] = None if folder is None else Path(folder)
+
+
 def peers_env() -> Path:
-    """The peers environment's folder: ``$SUBLAYER_PEERS_ENV``, else ``.peers-env`` (made by
-    ``benchmarks/peers_env.sh``)."""
-    return Path(os.environ.get(PEERS_ENV, ".peers-env"))
+    """The peers environment's folder: the one named by :func:`use_peers_env`, else ``.peers-env``."""
+    return _PEERS["env"] or Path(".peers-env")
 
 
 def _env_ready(env: Path) -> bool:
@@ -128,9 +133,9 @@ def llama_folder(quick: bool, work: str | os.PathLike) -> Path:
 
 def _build_env(env: Path, log: Callable[[str], None]) -> bool:
     """True when the peers environment ``env`` is ready; built first by ``benchmarks/peers_env.sh`` (when this is a
-    checkout that has it) where ``$SUBLAYER_PEERS_ENV`` names it (``sublayer bench --peers-env DIR``)."""
+    checkout that has it) where :func:`use_peers_env` named it (``sublayer bench --peers-env DIR``)."""
     script = Path(__file__).resolve().parents[3] / "benchmarks" / "peers_env.sh"
-    if _env_ready(env) or not script.is_file() or PEERS_ENV not in os.environ:
+    if _env_ready(env) or not script.is_file() or _PEERS["env"] is None:
         return _env_ready(env)
     log(f"building the peers environment in {env} ({script}; minutes: llama.cpp compiles)")
     done = subprocess.run(["bash", str(script), str(env)], capture_output=True, text=True)
