@@ -423,11 +423,16 @@ def bench(
         "steps vs HF, int8 BERT, MiniLM embedding (--quick: tiny shapes)."
     ),
     only: Optional[str] = typer.Option(
-        None, "--only", help="With --jobs: comma-separated subset of decode,translate,train,int8,embed,hf,demo."
+        None, "--only", help="With --jobs: comma-separated subset of decode,translate,train,int8,embed,hf,demo (the "
+        "default) and llama,llama-train (a SmolLM-135M-shaped Llama vs llama.cpp and HF)."
     ),
     contention: bool = typer.Option(
         False, "--contention", help="With --jobs: run every job quiet, then beside a competing busy process (one "
         "it starts), and report each ratio's busy / quiet."
+    ),
+    peers_env: Optional[Path] = typer.Option(
+        None, "--peers-env", help="With --only llama: the llama.cpp side environment (a venv with llama-cpp-python "
+        "built from source), built there on first use by benchmarks/peers_env.sh (default: .peers-env, not built)."
     ),
     report: Optional[Path] = typer.Option(
         None, "--report", help="Also write a markdown report (machine, versions, date, command, every row): a .md "
@@ -445,6 +450,10 @@ def bench(
             torch.set_num_threads(threads)
     if jobs:
         from .bench.jobs import run_jobs
+
+        from .bench.llama import use_peers_env
+
+        use_peers_env(peers_env)
 
         run_jobs(quick=quick, reps=reps, only=only, model=model, work=out / "jobs", report=report, notes=notes,
                  contention=contention, log=typer.echo)  # fmt: skip

@@ -1,5 +1,5 @@
-"""The benchmarks' shared harness: interleaved timing, result rows, padded batches, and the markdown report with
-the machine, the versions, the date and the command that produced it.
+"""The benchmarks' shared harness: interleaved timing, result rows, padded batches, the AdamW training step, and the
+markdown report with the machine, the versions, the date and the command that produced it.
 
 At module level this imports the standard library and torch only, and sublayer only through its public API inside
 functions: the whole-job driver of ``benchmarks/compare_revisions.py`` runs this file against other revisions.
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "CLOCKS", "Row", "Timing", "busy_neighbour", "command_line", "contention_table", "copy_gbps", "cpu_info",
-    "cpu_kind", "machine", "padded_batch", "report_markdown", "report_path", "saved_bytes", "set_clock", "summarize",
-    "time_interleaved", "write_report",
+    "CLOCKS", "Row", "Timing", "adamw_step", "busy_neighbour", "command_line", "contention_table", "copy_gbps",
+    "cpu_info", "cpu_kind", "machine", "padded_batch", "report_markdown", "report_path", "saved_bytes", "set_clock",
+    "summarize", "time_interleaved", "write_report",
 ]  # fmt: skip
 
 # what a timing measures: "wall" (time.perf_counter) or "cpu" (this process's CPU time, page faults included; with
@@ -170,6 +170,18 @@ def padded_batch(b: int, t: int, lo: int, vocab: int, seed: int = 0) -> tuple[to
     lens = torch.randint(lo, t + 1, (b,), generator=g)
     mask = (torch.arange(t)[None] < lens[:, None]).long()
     return torch.randint(1, vocab, (b, t), generator=g) * mask, mask
+
+
+def adamw_step(model: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """One training step: ``loss().backward()``, an AdamW step (lr 1e-4, its own optimizer), ``zero_grad``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        loss().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
 
 
 # --- the report ------------------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ inputs and weights; ratio = the peer's time / sublayer's (> 1: sublayer is faste
 
 * ``hf``: live HF models (BERT and GPT-2 fine-tuning steps, sentence-transformers ``encode``) patched by
   :func:`sublayer.hf.patch` against unpatched (:mod:`sublayer.bench.hfpatch`).
+* ``llama``, ``llama-train`` (run only when named in ``only``): a SmolLM-135M-shaped Llama, greedy decoding against
+  llama.cpp and HF ``generate``, and an AdamW step against HF ``labels=`` (:mod:`sublayer.bench.llama`).
 
 ``model``: a BERT folder (e.g. all-MiniLM-L6-v2) whose weights the int8 and embed rows use (random weights of
 MiniLM's shape without it). ``quick``: tiny shapes, every row, for tests.
@@ -47,11 +49,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .harness import (Row, busy_neighbour, command_line, contention_table, padded_batch, summarize, time_interleaved,
-                      write_report)  # fmt: skip
+from .harness import (Row, adamw_step, busy_neighbour, command_line, contention_table, machine, padded_batch,
+                      summarize, time_interleaved, write_report)  # fmt: skip
 
 __all__ = [
-    "JOBS", "adamw_step", "ct2_generator", "decoding_switch", "gpt2_folder", "padding_switch", "run_jobs", "switched",
+    "DEFAULT_JOBS", "JOBS", "ct2_generator", "decoding_switch", "gpt2_folder", "llama_rows",
+    "llama_train_rows", "padding_switch", "run_jobs", "switched",
 ]  # fmt: skip
 
 DROPOUT = 0.1
@@ -206,18 +209,6 @@ def translate_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     return rows
 
 
-def adamw_step(model: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> Callable[[], None]:
-    """One training step: ``loss().backward()``, an AdamW step (lr 1e-4, its own optimizer), ``zero_grad``."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step() -> None:
-        loss().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
-
-
 def padding_switch() -> Callable[[bool], None] | None:
     """``set_enabled(flag)`` of padding-free execution (False: the padded path)."""
     return _switch(("sublayer.runtime.packing", "sublayer.runtime", "sublayer.models.padding_free"))
@@ -355,6 +346,13 @@ def hf_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     return rows(quick, reps, work, model)
 
 
+def llama_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
+    """Llama decoding against llama.cpp and HF (:func:`sublayer.bench.llama.decode_rows`)."""
+    from .llama import decode_rows as rows
+
+    return rows(quick, reps, work, model)
+
+
 def demo_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     """``sublayer demo``'s training at the threads it chooses against 1 thread (see the module doc); the
     threads are chosen when the row starts, as the command chooses them when it starts."""
@@ -382,20 +380,31 @@ def demo_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     return [row]
 
 
+def llama_train_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
+    """A Llama training step against HF (:func:`sublayer.bench.llama.train_rows`)."""
+    from .llama import train_rows as rows
+
+    return rows(quick, reps, work, model)
+
+
 JOBS: dict[str, Callable[..., list[Row]]] = {
     "decode": decode_rows, "translate": translate_rows, "train": train_rows, "int8": int8_rows, "embed": embed_rows,
     "hf": hf_rows,
     "demo": demo_rows,
+    "llama": llama_rows, "llama-train": llama_train_rows,
 }  # fmt: skip
+# what runs without --only (the Llama jobs are asked for by name: their model is larger, their peer a side env)
+DEFAULT_JOBS = ("decode", "translate", "train", "int8", "embed", "hf", "demo")
 
 
 def run_jobs(*, quick: bool = False, reps: int | None = None, only: str | None = None, model: str | Path | None = None,
              work: str | Path = "runs/bench/jobs", report: str | Path | None = None, notes: str = "",
              contention: bool = False, log: Callable[[str], None] = print) -> list[Row]:  # fmt: skip
-    """The rows of the jobs named in ``only`` (comma-separated keys of :data:`JOBS`; default all), each logged.
+    """The rows of the jobs named in ``only`` (comma-separated keys of :data:`JOBS`; default
+    :data:`DEFAULT_JOBS`), each logged.
 
     ``work``: the folder for the GPT-2 checkpoint and its CTranslate2 conversions. ``report``: a ``.md`` file or a
-    folder (then ``jobs-<cpu kind>-<date>.md`` in it) for the markdown report
+    folder (then ``jobs-<cpu kind>-<date>.md`` in it; ``llama-...`` when only Llama jobs ran) for the markdown report
     (:func:`sublayer.bench.harness.write_report`), ``notes`` in its header. ``contention``: each job runs quiet,
     then beside a competing busy process (:func:`sublayer.bench.harness.busy_neighbour`); the rows' modes say
     ``[quiet]`` / ``[busy]`` and the report adds :func:`sublayer.bench.harness.contention_table`.
@@ -403,7 +412,7 @@ def run_jobs(*, quick: bool = False, reps: int | None = None, only: str | None =
     Raises:
         ValueError: ``only`` names no job, or ``reps`` below 1.
     """
-    names = [n.strip() for n in (only or ",".join(JOBS)).split(",") if n.strip()]
+    names = [n.strip() for n in (only or ",".join(DEFAULT_JOBS)).split(",") if n.strip()]
     if not names or set(names) - set(JOBS):
         raise ValueError(f"jobs must be a comma-separated subset of {','.join(JOBS)}, got {only!r}")
     if reps is not None and reps < 1:
@@ -422,14 +431,22 @@ def run_jobs(*, quick: bool = False, reps: int | None = None, only: str | None =
                     r.mode += f" [{cond}]"
                     by[cond].append(r)
                 x = r.ratio()
-                log(f"{r.case:48s} {r.shape:34s} {r.dtype:5s} {cond:5s} sublayer {r.times_ms['sublayer']:9.1f} ms  "
+                ms = f"{r.times_ms['sublayer']:9.1f} ms" if "sublayer" in r.times_ms else "     none"
+                log(f"{r.case:48s} {r.shape:34s} {r.dtype:5s} {cond:5s} sublayer {ms}  "
                     + (f"x{x:.2f} vs {r.base}" if x is not None else f"({r.base}: none)"))
                 rows.append(r)
     if report is not None:
-        title = "sublayer whole jobs vs peers" + (", quiet and beside a busy process" if contention else "") + (
-            " (quick: tiny shapes)" if quick else "")  # fmt: skip
+        llama = all(n.startswith("llama") for n in names)  # its own file: llama-<cpu kind>-<date>.md
+        title = "sublayer Llama (SmolLM-135M shape) vs llama.cpp and HF" if llama else "sublayer whole jobs vs peers"
+        title += (", quiet and beside a busy process" if contention else "") + (" (quick: tiny shapes)" if quick else "")
+        info = machine()
+        if any(n.startswith("llama") for n in names):
+            from .llama import peer_versions
+
+            info["versions"].update(peer_versions())
         appendix = contention_table(by["quiet"], by["busy"]) if contention else ""
-        path = write_report(report, "jobs-contention" if contention else "jobs", title, rows, command=command_line(),
-                            notes=notes, reps=reps, appendix=appendix)  # fmt: skip
+        kind = "llama" if llama else "jobs"
+        path = write_report(report, kind + ("-contention" if contention else ""), title, rows, command=command_line(),
+                            notes=notes, reps=reps, info=info, appendix=appendix)  # fmt: skip
         log(f"wrote {path}")
     return rows

@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .harness import Row, padded_batch, saved_bytes, time_interleaved
-from .jobs import adamw_step
+from .harness import Row, adamw_step, padded_batch, saved_bytes, time_interleaved
 from ..functional import linear_cross_entropy
 
 __all__ = ["bench_loss", "bench_lm_head", "bench_gpt2_loss_step"]
