@@ -76,15 +76,16 @@ def test_generate_fast_step_equals_hf_and_the_reference_loop(case, kernels_mode,
 
 
 @pytest.mark.skipif(not kernels.enabled(), reason="C++ kernels unavailable")
+@pytest.mark.parametrize("panels", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("avx512", [True, False])
 @layouts
-def test_one_call_step_equals_the_per_op_step(case, avx512):
+def test_one_call_step_equals_the_per_op_step(case, avx512, panels):
     """causal_decode_layers (every block in C++: RMSNorm, rotary, GQA, gated FFN, optional biases) against the
     per-op step over the same packed weights, with a padding mask and per-row positions; both write the same
     keys/values (rotated) into caches of the key/value heads only."""
     model = Llama.from_hf(make_hf(case))
-    W = causal.packed_weights(model)
-    assert W.flat is not None
+    W = causal.packed_weights(model, panels)
+    assert W.flat is not None and W.layers[0]["qkv"].packed.dtype == panels
     per_op = copy.copy(W)
     per_op.flat = None
     b, t = 3, 7

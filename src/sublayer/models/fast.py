@@ -298,8 +298,8 @@ class FastCausalLM(_FastBase, PreparedCausalLM):
     over :mod:`sublayer.runtime.causal`.
 
     Forward: as the model's ``forward`` -> float32 logits (B, T, vocab_size). ``generate``: the model's
-    ``generate`` (same arguments; greedy gives the model's tokens): float32 compute decodes with the model's
-    packed weights and fast step, bf16 runs the reference loop over this wrapper's forward with a KV cache.
+    ``generate`` (same arguments; greedy gives the model's tokens at float32): the prompt runs through this
+    wrapper's forward, each new token through the fast step over packed panels of the compute dtype.
 
     Raises:
         TypeError/ValueError: as the model's ``forward`` / ``generate``.
@@ -328,9 +328,11 @@ class FastCausalLM(_FastBase, PreparedCausalLM):
         return causal.hidden(self._weights(), input_ids, position_ids, key_padding_mask, caches, self.compute_dtype)
 
     def fast_decoder(self):
-        """float32 compute: the model's fast decoding loop (the same packed weights); else the reference loop
-        over this wrapper's blocks."""
-        return causal.decoder(self.model) if self.compute_dtype == torch.float32 else None
+        """The model's fast decoding loop over packed panels of the compute dtype (float32: the same packed
+        weights as the model's own ``generate``; bf16: bfloat16 panels, half the bytes per step)."""
+        if self.compute_dtype == torch.float32:
+            return causal.decoder(self.model)
+        return causal.decoder(self.model, lambda: causal.packed_weights(self.model, self.compute_dtype), check=True)
 
 
 FastGPT2 = FastCausalLM  # the GPT-2 name, kept importable

@@ -171,16 +171,22 @@ def _opt(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.float()
 
 
-def packed_linear(name: str, t: dict[str, Tensor]) -> PackedLinear:
-    """The float32 decoding format of one dense layer (``linear`` of :func:`build`; float32 panels of float32 or
-    bfloat16 parameters)."""
-    return PackedLinear(t[f"{name}.weight"], t.get(f"{name}.bias"))
+def packed_linear(name: str, t: dict[str, Tensor], dtype: torch.dtype = torch.float32) -> PackedLinear:
+    """The decoding format of one dense layer (``linear`` of :func:`build`): ``dtype`` (float32 or bfloat16)
+    panels for the ``skinny_linear`` kernel, from float32 or bfloat16 parameters."""
+    return PackedLinear(t[f"{name}.weight"], t.get(f"{name}.bias"), dtype=dtype)
 
 
-def packed_weights(model: nn.Module) -> CausalWeights:
-    """``model``'s float32 decoding weights (packed panels, the greedy head), built once and rebuilt whenever a
-    parameter changes (:func:`sublayer.runtime.weights.prepared`)."""
-    return prepared(model, ("causal", "packed", kernels_on()), lambda m: build(m, packed_linear, greedy=True))
+def packed_weights(model: nn.Module, dtype: torch.dtype | None = None) -> CausalWeights:
+    """``model``'s decoding weights (packed panels, the greedy head), built once and rebuilt whenever a parameter
+    changes (:func:`sublayer.runtime.weights.prepared`). ``dtype``: the panels' (None: bfloat16 for a model whose
+    parameters are all bfloat16, else float32); bfloat16 panels stream half the bytes per step."""
+    if dtype is None:
+        dtype = torch.bfloat16 if all(p.dtype == torch.bfloat16 for p in model.parameters()) else torch.float32
+    return prepared(
+        model, ("causal", "packed", dtype, kernels_on()),
+        lambda m: build(m, functools.partial(packed_linear, dtype=dtype), greedy=True),
+    )  # fmt: skip
 
 
 def flat_weights(W: CausalWeights) -> list[Tensor] | None:
@@ -374,8 +380,8 @@ def decode(
 
 
 def supports(model: nn.Module) -> bool:
-    """Whether the packed float32 decoding runs ``model``: switched on, float32 or bfloat16 CPU parameters (the
-    panels are float32 either way), and the fast-path rule (:mod:`sublayer.runtime.rules`: not sharded, no forward hook on any submodule)."""
+    """Whether the packed decoding runs ``model``: switched on, float32 or bfloat16 CPU parameters (float32
+    panels, or bfloat16 ones for an all-bfloat16 model: :func:`packed_weights`), and the fast-path rule (:mod:`sublayer.runtime.rules`: not sharded, no forward hook on any submodule)."""
     return (
         _enabled
         and all(p.dtype in (torch.float32, torch.bfloat16) and p.device.type == "cpu" for p in model.parameters())
@@ -383,10 +389,11 @@ def supports(model: nn.Module) -> bool:
     )
 
 
-def decoder(model: nn.Module, weights: Callable[[], CausalWeights] | None = None):
+def decoder(model: nn.Module, weights: Callable[[], CausalWeights] | None = None, *, check: bool | None = None):
     """The fast decoding loop of :func:`sublayer.runtime.generation.generate` for ``model``, or None where the
-    reference loop runs. ``weights``: a function giving the prepared weights (an int8 form's); None: ``model``'s
-    packed float32 weights, when :func:`supports` allows."""
-    if not _enabled or (weights is None and not supports(model)):
+    reference loop runs. ``weights``: a function giving the prepared weights (an int8 or bf16 form's); None:
+    ``model``'s :func:`packed_weights`. ``check``: ask :func:`supports` first (default: when ``weights`` is
+    None)."""
+    if not _enabled or ((weights is None if check is None else check) and not supports(model)):
         return None
     return functools.partial(decode, model, weights=None if weights is None else weights())
