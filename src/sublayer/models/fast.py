@@ -42,7 +42,7 @@ from ..runtime.linear import DenseLinear
 from ..runtime.rows import add_norm, bias_act, inference, kernels_on, layer_norm
 from ..runtime.weights import clear_cache, prepared
 from .outputs import BaseModelOutput
-from .bert import Bert
+from .bert import Bert, mean_pooled
 from .causal_lm import CausalLM, PreparedCausalLM
 
 __all__ = ["fast_inference", "FastBert", "FastCausalLM", "FastGPT2", "linear_factory"]
@@ -272,16 +272,7 @@ class FastBert(_FastBase):
         Raises:
             ValueError: as :meth:`forward`, or a row with no token.
         """
-        h = self(input_ids, attention_mask, token_type_ids)
-        if attention_mask is None:
-            mean = h.mean(dim=1)
-        else:
-            w = attention_mask.to(h.dtype)[..., None]
-            count = w.sum(dim=1)
-            if bool((count == 0).any()):
-                raise ValueError("attention_mask has a row with no token (all 0): nothing to average")
-            mean = (h * w).sum(dim=1) / count  # padded rows are zeros here anyway
-        return F.normalize(mean, p=2.0, dim=-1)
+        return mean_pooled(self(input_ids, attention_mask, token_type_ids), attention_mask)
 
 
 # ----------------------------------------------------------------------------------------------- causal LMs
