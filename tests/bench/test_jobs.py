@@ -21,7 +21,7 @@ def test_quick_jobs_time_each_row_against_its_peer_and_write_the_report(tmp_path
                             "sublayer demo training"}  # fmt: skip
     from sublayer import kernels
 
-    assert len(rows) == 4 + 2 + 2 + 1 + 1 + 2 * (2 if kernels.native_bf16_gemm() else 1) + 1 + 1
+    assert len(rows) == 6 + 2 + 2 + 1 + 1 + 2 * (2 if kernels.native_bf16_gemm() else 1) + 1 + 1
     for r in rows:
         assert r.times_ms["sublayer"] > 0
         if not r.case.startswith("GPT-2 greedy"):  # the decoding peer (CTranslate2) is optional
@@ -31,7 +31,7 @@ def test_quick_jobs_time_each_row_against_its_peer_and_write_the_report(tmp_path
             assert r.extra["same tokens as CTranslate2"]  # the same weights decode the same greedy tokens
         if r.case.startswith("Transformer.translate"):
             assert r.extra["same output as reference"]
-    assert [r.dtype for r in rows[:4]] == ["fp32", "int8"] * 2
+    assert [r.dtype for r in rows[:6]] == ["fp32", "int8", "bf16"] * 2
     (path,) = tmp_path.glob("jobs-*.md")
     md = path.read_text()
     assert "| notes | shared |" in md and md.count("\n| ") >= 9 + len(rows)  # header rows, then one per row

@@ -6,7 +6,8 @@ inputs and weights; ratio = the peer's time / sublayer's (> 1: sublayer is faste
 * ``decode``: GPT-2 124M shape (12 layers, d 768, vocab 50257, random weights saved once as a Hugging Face folder),
   prompt 32 + 32 greedy tokens, batch 1 and 8: ``GPT2.generate`` (fp32) and ``fast_inference(model,
   quantize="int8").generate`` against CTranslate2's ``Generator`` in float32 and int8 (when ``ctranslate2`` is
-  installed: ``pip install 'sublayer[peers]'``). Rate: generated tokens/s.
+  installed: ``pip install 'sublayer[peers]'``), and ``fast_inference(model, dtype=torch.bfloat16).generate``
+  (bf16 panels where the CPU multiplies bf16 natively) against our fp32. Rate: generated tokens/s.
 * ``translate``: ``Transformer.translate``, the fast path against the reference steps: the demo's shape (d 128,
   2 pre-norm layers, 500 sources of 12 tokens, greedy) and d 512 (6 post-norm layers, vocab 8000, batch 8, beam 4).
 * ``train``: one AdamW training step (forward, loss over real tokens, backward, step; fp32, dropout 0.1) against
@@ -132,7 +133,8 @@ def ct2_generator(folder: Path, compute_type: str = "float32"):
 
 
 def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
-    """Greedy GPT-2 decoding, batch 1 and 8, fp32 and int8, against CTranslate2 (see the module doc)."""
+    """Greedy GPT-2 decoding, batch 1 and 8, fp32 and int8 against CTranslate2, bf16 against our fp32 (see the
+    module doc)."""
     from sublayer.models import GPT2, GPT2Config, fast_inference
 
     if quick:
@@ -145,6 +147,7 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     folder = gpt2_folder(cfg, work)
     ours = GPT2.from_pretrained(folder).eval()
     int8 = fast_inference(ours, quantize="int8")
+    bf16 = fast_inference(ours, dtype=torch.bfloat16)  # bf16 panels where the CPU multiplies bf16 natively
     ct2 = {dt: ct2_generator(folder, dt) for dt in ("float32", "int8")}
     shape = f"{cfg.n_layers}L d{cfg.d_model} V{cfg.vocab_size}, prompt {prompt} + {new}"
     rows = []
@@ -157,7 +160,8 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
                                      sampling_topk=1)  # fmt: skip
             return [r.sequences_ids[0] for r in res]
 
-        fns = {"sublayer fp32": lambda: ours.generate(ids, new), "sublayer int8": lambda: int8.generate(ids, new)}
+        fns = {"sublayer fp32": lambda: ours.generate(ids, new), "sublayer int8": lambda: int8.generate(ids, new),
+               "sublayer bf16": lambda: bf16.generate(ids, new)}  # fmt: skip
         fns |= {f"CTranslate2 {dt}": (lambda g=g: peer(g)) for dt, g in ct2.items() if g is not None}
         outs = {k: f() for k, f in fns.items()}  # the warm-up
         res = time_interleaved(fns, reps, 0)
@@ -172,6 +176,12 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
             else:
                 row.extra["peer"] = "ctranslate2 not installed"
             rows.append(row)
+        row = Row(f"GPT-2 greedy decoding, batch {b}", shape, "bf16", "generate", base="sublayer fp32", work=b * new,
+                  unit="tok")  # fmt: skip
+        row.fill({"sublayer": res["sublayer bf16"], "sublayer fp32": res["sublayer fp32"]})
+        row.extra["compute dtype"] = str(bf16.compute_dtype).replace("torch.", "")
+        row.extra["same tokens as fp32"] = outs["sublayer bf16"].tolist() == outs["sublayer fp32"].tolist()
+        rows.append(row)
     return rows
 
 
