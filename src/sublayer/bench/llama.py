@@ -9,7 +9,7 @@ byte-fallback BPE of exactly ``vocab_size`` entries, which llama.cpp's converter
 
 * ``llama`` (decoding): greedy, prompt 32 + 64 new tokens, batch 1 and batch 8, all implementations interleaved in
   one run per batch size: ``Llama.generate`` (fp32), ``fast_inference(model, dtype=..., quantize=...)`` fp32 /
-  bf16 / int8 (a row notes "not available" while ``fast_inference`` refuses a Llama with a TypeError), llama.cpp
+  bf16 / int8, llama.cpp
   (``llama-cpp-python`` in the peers environment; GGUF f32, q8_0, bf16, f16 made by llama.cpp's converter from the
   HF folder; batch 8 as one ``llama_decode`` a step over 8 sequences) and HF ``generate`` with fp32 and bf16
   weights. Each row compares one precision: ours fp32 vs llama.cpp f32, int8 vs q8_0, bf16 vs bf16 (f16 and HF
