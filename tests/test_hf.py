@@ -159,6 +159,22 @@ def test_loss_false_keeps_logits():
     assert model(**_batch("gpt2")).logits.shape == (B, T, V)
 
 
+def test_autocast_keeps_hf_loss_and_logits():
+    """Under bf16 autocast the patched LM runs HF's own head and loss (logits kept, HF's loss value); without
+    autocast the fused loss runs (logits None)."""
+    torch.manual_seed(3)
+    model = _gpt2().train()
+    batch = _batch("gpt2")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(**batch)
+    hf.patch(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(**batch)
+    assert got.logits is not None and got.logits.shape == (B, T, V)
+    torch.testing.assert_close(got.loss.float(), want.loss.float(), rtol=2e-2, atol=2e-2)
+    assert model(**batch).logits is None
+
+
 def test_unpatch_restores_exactly_and_patch_is_idempotent():
     ref = _gpt2()
     model = copy.deepcopy(ref)

@@ -36,8 +36,8 @@ What changes and what does not:
 * Outputs and gradients equal HF's to float32 rounding (bfloat16 autocast: to bfloat16 rounding).
 * Dropout draws its masks from sublayer's counter-based stream (seeded from torch's generator, so
   ``torch.manual_seed`` reproduces a run): the same distribution as HF's dropout, not the same masks.
-* The loss path returns ``logits=None`` only when it runs: ``labels`` given, ``model.training``, grad mode on and
-  ``logits_to_keep`` left at 0 — what Liger-Kernel's patched models return in training. In ``eval()`` mode (HF's
+* The loss path returns ``logits=None`` only when it runs: ``labels`` given, ``model.training``, grad mode on,
+  no autocast (under bf16 autocast HF's own bf16 head and loss run) and ``logits_to_keep`` left at 0 — what Liger-Kernel's patched models return in training. In ``eval()`` mode (HF's
   ``Trainer`` evaluation and ``generate`` included), without ``labels`` or with ``patch(model, loss=False)`` the
   logits are HF's. A batch whose targets are all ``ignore_index`` runs HF's loss (its NaN mean).
 * Modules with hooks, non-default activations (``gelu_python``, ``quick_gelu``, ...), float16 parameters, or
@@ -205,6 +205,7 @@ def _lm_forward(self, *args, **kwargs):
         or not isinstance(kwargs.get("logits_to_keep", 0), int)
         or kwargs.get("logits_to_keep", 0) != 0
         or _hooked(head)
+        or torch.is_autocast_enabled("cpu")  # bf16 autocast: HF's bf16 head GEMM + loss is the faster one
     ):
         return original(*args, **kwargs)
     ignore = kwargs.get("ignore_index", -100)
@@ -237,7 +238,7 @@ def _lm_forward(self, *args, **kwargs):
     with torch.autocast("cpu", enabled=False):
         loss = linear_cross_entropy(
             h.reshape(-1, h.shape[-1]), w, target.to(h.device), bias=b, ignore_index=ignore,
-            reduction="mean" if n_items is None else "sum",
+            reduction="mean" if n_items is None else "sum", grad_in_forward=True,
         )  # fmt: skip
     if n_items is not None:
         loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
