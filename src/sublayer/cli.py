@@ -113,7 +113,7 @@ def info() -> None:
     }
     from . import kernels, settings
 
-    rows["threads"] = "{} ({})".format(*kernels.cpu.choose_threads())  # what demo/generate/embed use
+    rows["threads"] = "{} ({})".format(*kernels.cpu.choose_threads())  # what generate/embed use
     rows["openmp waits"] = settings.wait_policy_effect()
 
     rows.update(kernels.cpu.describe())
@@ -140,8 +140,8 @@ def demo(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier run's checkpoint in --out."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sentence pairs per step (default 96)."),
     threads: Optional[int] = typer.Option(
-        None, "--threads", help="torch threads per process (default: SUBLAYER_THREADS, else the usable CPUs "
-        "(less busy ones where OpenMP threads spin), shared among the --nproc ranks; `sublayer info` shows it)."
+        None, "--threads", help="torch threads per process (default: SUBLAYER_THREADS, else 1: the demo's model is "
+        "small, a second thread's barriers cost more than it saves)."
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or tables."),
     nproc: int = typer.Option(
@@ -157,10 +157,6 @@ def demo(
     """
     from .demo import DemoConfig
 
-    from .kernels.cpu import choose_threads
-
-    if threads is None:
-        threads = max(1, choose_threads()[0] // max(nproc, 1))
     kw = {"out": str(out), "seed": seed, "resume": resume, "overwrite": overwrite, "threads": threads, "quiet": quiet}
     if steps is not None:
         kw["steps"] = steps

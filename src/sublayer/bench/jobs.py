@@ -369,9 +369,9 @@ def demo_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     from sublayer.demo import DemoConfig, train
 
     try:
-        from sublayer.kernels.cpu import choose_threads
+        from sublayer.demo.config import demo_threads
 
-        threads, why = choose_threads()
+        threads, why = demo_threads()
     except ImportError:  # a sublayer without the choice: torch's count
         threads, why = torch.get_num_threads(), "torch's default"
     size = dict(steps=3, batch_size=16, n_val=4, n_test=4) if quick else dict(steps=40, n_val=16, n_test=16)

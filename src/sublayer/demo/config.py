@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .. import settings
 from .._checks import check_positive_int, check_probability
 from ..models.transformer import TransformerConfig
 
@@ -14,9 +15,9 @@ class DemoConfig:
     """Settings of the demo run (the model's sizes included). Defaults train the task in minutes on a
     small CPU (the run reports its held-out exact match).
 
-    ``threads``: torch threads per process; None -> 1 (``sublayer demo`` passes the count it chooses:
-    :func:`sublayer.kernels.cpu.choose_threads`). The model is small (d_model 128): its matrix products
-    gain little from a second thread, and OpenMP threads that spin at every barrier collapse when
+    ``threads``: torch threads per process; None -> :func:`demo_threads` (1 unless ``SUBLAYER_THREADS`` says
+    otherwise). The model is small (d_model 128): its matrix products gain nothing from a second thread, whose
+    barriers cost more than they save (``sublayer bench --jobs --only demo`` measures it), and far more when
     another busy process shares the cores. ``overwrite``: a run that does not ``resume`` replaces an earlier run's
     checkpoint in ``out`` only with it (else :func:`~sublayer.demo.train` refuses).
     """
@@ -75,3 +76,9 @@ class DemoConfig:
             return self.lr * (step + 1) / self.warmup
         t = min(1.0, (step - self.warmup) / max(1, self.steps - self.warmup))
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def demo_threads() -> tuple[int, str]:
+    """The demo's threads per process and why: ``SUBLAYER_THREADS`` when set, else 1 (its model is small)."""
+    n = settings.threads()
+    return (n, "SUBLAYER_THREADS") if n is not None else (1, "the demo's model is small: one thread per process")

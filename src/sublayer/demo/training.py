@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from .._checks import check_positive_int
 from ..models.transformer import Transformer
 from .checkpoint import STATE_NAME, load_optimizer, load_checkpoint, save_checkpoint
+from .config import demo_threads
 from .config import DemoConfig
 from .signals import hold_signals, interrupts_raise
 from .report import finish_run
@@ -124,7 +125,7 @@ def train(
             "with --overwrite, or give another --out"
         )
     old_threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads or 1)
+    torch.set_num_threads(cfg.threads or demo_threads()[0])
     try:
         return _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out)
     finally:
