@@ -201,16 +201,9 @@ def _launch_training(rank_fn, nproc: int, cfg, what: str) -> None:
 def _demo_rank(rank: int, world_size: int, cfg) -> None:
     """One rank of ``sublayer demo`` (module level: it is pickled into the spawned processes)."""
     from .demo import train
-    from .memory import set_memory_reuse
+    from .demo.training import run_rank
 
-    set_memory_reuse()  # a spawned rank is a fresh process
-
-    if world_size == 1:
-        train(cfg)
-        return
-    from torch.nn.parallel import DistributedDataParallel
-
-    train(cfg, rank=rank, world_size=world_size, wrap_model=DistributedDataParallel)
+    run_rank(train, rank, world_size, cfg)
 
 
 # --- train: a GPT-2 / Llama folder on your own text -----------------------------------------------------------
