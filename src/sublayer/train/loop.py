@@ -7,7 +7,6 @@ import dataclasses
 import json
 import math
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 
