@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .._checks import check_positive_int, check_probability
+from ..demo.config import warmup_cosine
 from ..demo.checkpoint import STATE_NAME, load_optimizer, read_training_state, save_training_state, write_text
 from ..demo.plots import plot_losses
 from ..demo.signals import hold_signals
@@ -88,10 +89,7 @@ class TrainConfig:
 
     def lr_at(self, step: int, steps: int, warmup: int, lr: float) -> float:
         """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_lr_ratio · lr`` at ``steps``."""
-        if step < warmup:
-            return lr * (step + 1) / warmup
-        t = min(1.0, (step - warmup) / max(1, steps - warmup))
-        return lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+        return warmup_cosine(step, steps, warmup, lr, self.min_lr_ratio)
 
 
 class LMLoss(nn.Module):
