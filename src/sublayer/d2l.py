@@ -258,7 +258,7 @@ class TransformerEncoderBlock(nn.Module):
         return self.addnorm2(Y, self.ffn(Y))
 
 
-def _embed_and_blocks(stack: nn.Module, vocab_size: int, num_hiddens: int, dropout: float, num_blks: int, block) -> None:
+def _embed_and_blocks(stack: nn.Module, vocab_size: int, num_hiddens: int, dropout: float, num_blks: int, block):
     """The book's stack attributes, made in its order: ``embedding``, ``pos_encoding``, ``blks`` (``block(i)``
     named ``block{i}``)."""
     stack.num_hiddens = num_hiddens

@@ -300,9 +300,9 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
         echo(quiet, f"[bold]sublayer demo[/]: numbers in words ↔ digits; {what} a {n_params / 1e3:.0f}k-parameter "
                      f"Transformer for {cfg.steps} steps on {torch.get_num_threads()} thread(s) → {out}/")  # fmt: skip
 
-    run_steps(run, cfg.steps, model, opt, one_step, lr_at=cfg.lr_at, clip_norm=cfg.clip_norm,
-              eval_every=cfg.eval_every, validate=lambda: _val_loss(model, val_batch), val_text="{:.3f}".format,
-              save_every=cfg.save_every, checkpoint=checkpoint, on_step=on_step, main=main, quiet=quiet, out=out)  # fmt: skip
+    run_steps(run, cfg.steps, model, opt, one_step, lr_at=cfg.lr_at, clip_norm=cfg.clip_norm, eval_every=cfg.eval_every,
+              validate=lambda: _val_loss(model, val_batch), val_text="{:.3f}".format, save_every=cfg.save_every,
+              checkpoint=checkpoint, on_step=on_step, main=main, quiet=quiet, out=out)  # fmt: skip
     if not main:
         return None
     return finish_run(cfg, model, vocab, run.history, run.step, run.train_seconds, run.tokens_seen, out, quiet)

@@ -1,14 +1,13 @@
 """What every causal language model shares (GPT-2, the Llama family): inputs, forward, loss and generate, written
-once over the model's own ``_hidden`` (its blocks, read top to bottom in the model's file).
+once over the model's own embedding and blocks (read top to bottom in the model's file).
 
 A model subclasses :class:`CausalLM`, names its ``config_class``, key map (``keymap``, a module of
-:mod:`sublayer.checkpoints`) and token embedding attribute (``embedding``), and defines ``config``
-(``vocab_size``, optional ``max_positions``), ``blocks`` (:class:`CausalBlock` s of the standard sub-layers),
-``lm_head``, ``causal_parts()`` (its embedding, position table or rotary module, final norm and head:
-:class:`sublayer.runtime.causal.CausalParts`) and ``_hidden(input_ids, position_ids, key_padding_mask, caches, *,
-packing=None, documents=True)`` -> final hidden states (``documents``: look for packed documents in
-``position_ids``; :meth:`CausalLM._blocks` runs the blocks). It then gets Hugging Face folders and models in and
-out (``from_pretrained``, ``from_hf``, ``to_hf``, ``save_pretrained``), padding-free training and
+:mod:`sublayer.checkpoints`), token embedding and final norm (``embedding``, ``final_norm``: attribute names),
+and defines ``config`` (``vocab_size``, optional ``max_positions``), ``blocks`` (:class:`CausalBlock` s of the
+standard sub-layers), ``lm_head``, ``causal_parts()`` (its embedding, position table or rotary module, final norm
+and head: :class:`sublayer.runtime.causal.CausalParts`) and ``_embed(input_ids, position_ids)`` -> (embeddings,
+rotary ``(cos, sin)`` or None), read by :meth:`CausalLM._hidden`. It then gets Hugging Face folders and models
+in and out (``from_pretrained``, ``from_hf``, ``to_hf``, ``save_pretrained``), padding-free training and
 inference on padded batches and packed documents (:mod:`sublayer.runtime.padding_free`), the fused LM-head loss
 with HF's ``labels=`` meaning, and generation through the fast decoding step, ``fast_inference`` and int8
 (:mod:`sublayer.runtime.causal`), with no engine code of its own.
@@ -75,9 +74,9 @@ class CausalBlock(nn.Module):
 class CausalLM(nn.Module):
     """Base of the causal language models: see the module docstring."""
 
-    config_class: type  # set by each model: its config class, key map and token embedding's attribute
+    config_class: type  # set by each model: its config class, key map, token embedding's and final norm's attributes
     keymap = None
-    embedding = ""
+    embedding = final_norm = ""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -101,14 +100,19 @@ class CausalLM(nn.Module):
             elif isinstance(m, (LayerNorm, RMSNorm)):
                 m.reset_parameters()
 
-    def _blocks(self, x: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None,
-                packing: PackedBatch | None, documents: bool, rotary: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """``x`` through every block (packed documents, found in ``position_ids``, attend block-diagonally)."""
+    def _hidden(self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None,
+                *, packing: PackedBatch | None = None, documents: bool = True) -> Tensor:  # fmt: skip
+        """Final hidden states (final norm applied): (B, T, d_model), or (N, d_model) for rows packed by ``packing``
+        (``input_ids`` and ``position_ids`` (N,) then). Packed documents (``position_ids`` restarting at 0, looked
+        for when ``documents``) attend block-diagonally in both layouts; with ``caches`` the blocks read and extend
+        them (decoding: ``key_padding_mask`` covers the cached keys)."""
+        x, rotary = self._embed(input_ids, position_ids)
         docs = document_mask(position_ids) if documents and packing is None and caches is None else None
         for i, block in enumerate(self.blocks):
             cache = None if caches is None else caches[i]
-            x = block(x, rotary=rotary, key_padding_mask=key_padding_mask, attn_mask=docs, kv_cache=cache, packing=packing)
-        return x  # fmt: skip
+            x = block(x, rotary=rotary, key_padding_mask=key_padding_mask, attn_mask=docs, kv_cache=cache,
+                      packing=packing)
+        return getattr(self, self.final_norm)(x)
 
     # ---- checkpoints: the model's key map between its state dict and Hugging Face's names -------------------
 

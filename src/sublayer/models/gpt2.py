@@ -30,7 +30,6 @@ from .._checks import (
 )
 from ..checkpoints import gpt2 as keymap
 from ..nn import LayerNorm, MultiHeadAttention, PositionWiseFFN, PreNormResidual
-from ..functional.packing import PackedBatch
 from ..runtime.generation import check_token_id
 from ..runtime.causal import CausalParts
 from .causal_lm import CausalBlock, CausalLM
@@ -223,7 +222,7 @@ class GPT2(CausalLM):
         TypeError/ValueError: ids not integer (B, T), out of the vocabulary, longer than max_positions, bad mask.
     """
 
-    config_class, keymap, embedding = GPT2Config, keymap, "wte"
+    config_class, keymap, embedding, final_norm = GPT2Config, keymap, "wte", "ln_f"
 
     def __init__(self, config: GPT2Config, *, device=None, dtype=None) -> None:
         super().__init__(config)
@@ -243,21 +242,9 @@ class GPT2(CausalLM):
             for lin in (block.self_attn.out_proj, block.ffn.fc2):
                 nn.init.normal_(lin.weight, 0.0, 0.02 / math.sqrt(2 * self.config.n_layers))
 
-    def _hidden(
-        self,
-        input_ids: Tensor,
-        position_ids: Tensor,
-        key_padding_mask: Tensor | None,
-        caches: list[SF.KVCache] | None,
-        *,
-        packing: PackedBatch | None = None,
-        documents: bool = True,
-    ) -> Tensor:
-        """Final hidden states (``ln_f`` applied): (B, T, d_model), or (N, d_model) for packed rows (``input_ids``
-        and ``position_ids`` (N,) then, packed by ``packing``). Packed documents (``position_ids`` restarting at
-        0) attend block-diagonally in both layouts."""
-        x = F.dropout(self.wte(input_ids) + self.wpe(position_ids), self.config.embd_dropout, self.training)
-        return self.ln_f(self._blocks(x, position_ids, key_padding_mask, caches, packing, documents))
+    def _embed(self, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, None]:
+        """Token + learned position embeddings, dropout; no rotary."""
+        return F.dropout(self.wte(input_ids) + self.wpe(position_ids), self.config.embd_dropout, self.training), None
 
     def causal_parts(self) -> CausalParts:
         return CausalParts(embed=self.wte.weight, positions=self.wpe.weight, rotary=None, norm=self.ln_f,

@@ -23,7 +23,6 @@ from torch import Tensor, nn
 from .. import functional as SF
 from .._checks import check_choice, check_eps, check_positive_int, check_probability
 from ..checkpoints import llama as keymap
-from ..functional.packing import PackedBatch
 from ..nn import MultiHeadAttention, PositionWiseFFN, PreNormResidual, RMSNorm, RotaryEmbedding
 from ..runtime import generation
 from ..runtime.causal import CausalParts
@@ -272,7 +271,7 @@ class Llama(CausalLM):
         TypeError/ValueError: ids not integer (B, T) or out of the vocabulary, bad mask or positions.
     """
 
-    config_class, keymap, embedding = LlamaConfig, keymap, "embed_tokens"
+    config_class, keymap, embedding, final_norm = LlamaConfig, keymap, "embed_tokens", "norm"
 
     def __init__(self, config: LlamaConfig, *, device=None, dtype=None) -> None:
         super().__init__(config)
@@ -292,21 +291,10 @@ class Llama(CausalLM):
             with torch.no_grad():
                 self.embed_tokens.weight[self.config.pad_token_id].zero_()
 
-    def _hidden(
-        self,
-        input_ids: Tensor,
-        position_ids: Tensor,
-        key_padding_mask: Tensor | None,
-        caches: list[SF.KVCache] | None,
-        *,
-        packing: PackedBatch | None = None,
-        documents: bool = True,
-    ) -> Tensor:
-        """Final hidden states (after ``norm``), (B, T, d_model), or (N, d_model) for rows packed by ``packing``;
-        with ``caches`` the blocks read and extend them (decoding: ``key_padding_mask`` covers the cached keys)."""
+    def _embed(self, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Token embeddings and the rotary ``(cos, sin)`` of the positions."""
         x = self.embed_tokens(input_ids)
-        rotary = self.rotary(position_ids, dtype=x.dtype)
-        return self.norm(self._blocks(x, position_ids, key_padding_mask, caches, packing, documents, rotary))
+        return x, self.rotary(position_ids, dtype=x.dtype)
 
     def causal_parts(self) -> CausalParts:
         return CausalParts(embed=self.embed_tokens.weight, positions=None, rotary=self.rotary, norm=self.norm,
