@@ -45,6 +45,15 @@ _HF_FIXED = {
     "add_cross_attention": False,
 }
 
+# our field -> the HF config.json key, in HF's order
+_HF_NAMES = (
+    ("vocab_size", "vocab_size"), ("max_positions", "n_positions"), ("d_model", "n_embd"), ("n_layers", "n_layer"),
+    ("n_heads", "n_head"), ("d_ff", "n_inner"), ("activation", "activation_function"), ("eps", "layer_norm_epsilon"),
+    ("dropout", "resid_pdrop"), ("embd_dropout", "embd_pdrop"), ("attn_dropout", "attn_pdrop"),
+    ("tie_word_embeddings", "tie_word_embeddings"), ("bos_token_id", "bos_token_id"),
+    ("eos_token_id", "eos_token_id"), ("pad_token_id", "pad_token_id"),
+)  # fmt: skip
+
 
 @dataclasses.dataclass
 class GPT2Config(ModelConfig):
@@ -129,49 +138,21 @@ class GPT2Config(ModelConfig):
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if isinstance(d.get(key), list):
                 raise ValueError(f"{key} must be a single id, got the list {d[key]!r}")
-        ref = cls()
-        return cls(
-            vocab_size=d.get("vocab_size", ref.vocab_size),
-            max_positions=d.get("n_positions", ref.max_positions),
-            d_model=d.get("n_embd", ref.d_model),
-            n_layers=d.get("n_layer", ref.n_layers),
-            n_heads=d.get("n_head", ref.n_heads),
-            d_ff=d.get("n_inner"),
-            activation=ckpt.hf_activation("activation_function", d.get("activation_function", "gelu_new")),
-            eps=d.get("layer_norm_epsilon", ref.eps),
-            dropout=d.get("resid_pdrop", ref.dropout),
-            embd_dropout=d.get("embd_pdrop", ref.embd_dropout),
-            attn_dropout=d.get("attn_pdrop", ref.attn_dropout),
-            tie_word_embeddings=d.get("tie_word_embeddings", True),
-            bos_token_id=d.get("bos_token_id", ref.bos_token_id),  # absent: HF's default, 50256
-            eos_token_id=d.get("eos_token_id", ref.eos_token_id),
-            pad_token_id=d.get("pad_token_id"),
-        )
+        ref = cls()  # an absent key: the default (HF's: bos/eos 50256 for the default vocabulary)
+        hf_act = ckpt.hf_activation("activation_function", d.get("activation_function", "gelu_new"))
+        return cls(**{ours: hf_act if ours == "activation" else d.get(hf, getattr(ref, ours))
+                      for ours, hf in _HF_NAMES})  # fmt: skip
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` dict (``GPT2LMHeadModel``) for this config."""
         if self.activation not in ckpt.io.TO_HF_ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} has no Hugging Face GPT-2 equivalent")
         return {
-            "model_type": "gpt2",
-            "architectures": ["GPT2LMHeadModel"],
-            "vocab_size": self.vocab_size,
-            "n_positions": self.max_positions,
-            "n_embd": self.d_model,
-            "n_layer": self.n_layers,
-            "n_head": self.n_heads,
-            "n_inner": self.d_ff,
-            "activation_function": ckpt.io.TO_HF_ACTIVATIONS[self.activation],
-            "layer_norm_epsilon": self.eps,
-            "resid_pdrop": self.dropout,
-            "embd_pdrop": self.embd_dropout,
-            "attn_pdrop": self.attn_dropout,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
+            "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+            **{hf: ckpt.io.TO_HF_ACTIVATIONS[self.activation] if ours == "activation" else getattr(self, ours)
+               for ours, hf in _HF_NAMES},
             **_HF_FIXED,
-        }
+        }  # fmt: skip
 
 
 class GPT2Block(CausalBlock):

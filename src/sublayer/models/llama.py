@@ -38,6 +38,15 @@ _HF_GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "relu": "regl
 _TO_HF_GATED = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
 _MOE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size")
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# the HF config.json key -> our field (or property), in HF's order
+_HF_NAMES = (
+    ("vocab_size", "vocab_size"), ("max_position_embeddings", "max_positions"), ("hidden_size", "d_model"),
+    ("num_hidden_layers", "n_layers"), ("num_attention_heads", "n_heads"), ("num_key_value_heads", "kv_heads"),
+    ("head_dim", "attention_head_dim"), ("intermediate_size", "d_ff"), ("hidden_act", "activation"),
+    ("rms_norm_eps", "eps"), ("rope_theta", "rope_theta"), ("rope_scaling", "rope_scaling"),
+    ("attention_dropout", "attn_dropout"), ("tie_word_embeddings", "tie_word_embeddings"),
+    ("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "pad_token_id"),
+)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -197,27 +206,10 @@ class LlamaConfig(ModelConfig):
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` dict (``LlamaForCausalLM`` / ``Qwen2ForCausalLM``) for this config."""
-        d = {
-            "model_type": self.model_type,
-            "architectures": [_ARCHITECTURES[self.model_type]],
-            "vocab_size": self.vocab_size,
-            "max_position_embeddings": self.max_positions,
-            "hidden_size": self.d_model,
-            "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads,
-            "num_key_value_heads": self.kv_heads,
-            "head_dim": self.attention_head_dim,
-            "intermediate_size": self.d_ff,
-            "hidden_act": _TO_HF_GATED[self.activation],
-            "rms_norm_eps": self.eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling),  # a copy: HF edits it
-            "attention_dropout": self.attn_dropout,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-        }
+        d = {"model_type": self.model_type, "architectures": [_ARCHITECTURES[self.model_type]],
+             **{hf: getattr(self, ours) for hf, ours in _HF_NAMES}}  # fmt: skip
+        d["hidden_act"] = _TO_HF_GATED[self.activation]
+        d["rope_scaling"] = None if self.rope_scaling is None else dict(self.rope_scaling)  # a copy: HF edits it
         if self.model_type == "llama":
             d.update(attention_bias=self.attention_bias, mlp_bias=False)
         else:
