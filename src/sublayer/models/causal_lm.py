@@ -78,8 +78,10 @@ class CausalLM(nn.Module):
     keymap = None
     embedding = final_norm = ""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config=None) -> None:
         super().__init__()
+        if not hasattr(self, "config_class"):  # a model that sets its own ``config`` and ``generation_config``
+            return
         if not isinstance(config, self.config_class):
             raise TypeError(f"config must be a {self.config_class.__name__}, got {type(config).__name__}")
         self.config = config
