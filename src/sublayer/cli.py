@@ -68,8 +68,15 @@ def _flag_errors(command):
     return run
 
 
-def _check_quantize(quantize: str | None) -> None:
+def _setup_inference(quantize: str | None) -> None:
+    """generate's and embed's start: torch's threads as :func:`sublayer.kernels.cpu.choose_threads` says, and
+    ``--quantize`` checked."""
+    import torch
+
+    from .kernels.cpu import choose_threads
     from .models.quantized import QUANTIZE_CHOICES
+
+    torch.set_num_threads(choose_threads()[0])
 
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise CLIError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
@@ -201,16 +208,9 @@ def _launch_training(rank_fn, nproc: int, cfg, what: str) -> None:
 def _demo_rank(rank: int, world_size: int, cfg) -> None:
     """One rank of ``sublayer demo`` (module level: it is pickled into the spawned processes)."""
     from .demo import train
-    from .memory import set_memory_reuse
+    from .demo.training import run_rank
 
-    set_memory_reuse()  # a spawned rank is a fresh process
-
-    if world_size == 1:
-        train(cfg)
-        return
-    from torch.nn.parallel import DistributedDataParallel
-
-    train(cfg, rank=rank, world_size=world_size, wrap_model=DistributedDataParallel)
+    run_rank(train, rank, world_size, cfg)
 
 
 # --- train: a GPT-2 / Llama folder on your own text -----------------------------------------------------------
@@ -301,11 +301,7 @@ def generate(
 
     from .checkpoints import FROM_CONFIG
     from .text import TextGenerator, load_tokenizer
-    from .kernels.cpu import choose_threads
-
-    torch.set_num_threads(choose_threads()[0])
-
-    _check_quantize(quantize)
+    _setup_inference(quantize)
     model = _model_folder(model)
     if not prompt.strip():
         raise CLIError("the prompt is empty: give token ids like \"1 2 3\" or text")
@@ -371,13 +367,8 @@ def embed(
     import json
 
     from .text import Encoder
-    import torch
 
-    from .kernels.cpu import choose_threads
-
-    torch.set_num_threads(choose_threads()[0])
-
-    _check_quantize(quantize)
+    _setup_inference(quantize)
     encoder = Encoder.from_pretrained(_model_folder(model), quantize=quantize)
     vectors = encoder.encode(list(texts), batch_size=batch_size)
     rows = [{"text": text, "embedding": v} for text, v in zip(texts, vectors.tolist())]
@@ -473,20 +464,11 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         code = app(standalone_mode=False)
-    except CLIError as e:
+    except (CLIError, ModuleNotFoundError, ValueError, TypeError, OSError) as e:
         if _state["debug"]:
             raise
-        typer.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    except ModuleNotFoundError as e:
-        if _state["debug"]:
-            raise
-        typer.echo(f"error: {_missing_package(e.name) or f'{type(e).__name__}: {e}'}", err=True)
-        sys.exit(2)
-    except (ValueError, TypeError, FileNotFoundError, OSError) as e:
-        if _state["debug"]:
-            raise
-        typer.echo(f"error: {e}", err=True)
+        missing = isinstance(e, ModuleNotFoundError) and (_missing_package(e.name) or f"{type(e).__name__}: {e}")
+        typer.echo(f"error: {missing or e}", err=True)
         sys.exit(2)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)

@@ -258,6 +258,17 @@ class TransformerEncoderBlock(nn.Module):
         return self.addnorm2(Y, self.ffn(Y))
 
 
+def _embed_and_blocks(stack: nn.Module, vocab_size: int, num_hiddens: int, dropout: float, num_blks: int, block):
+    """The book's stack attributes, made in its order: ``embedding``, ``pos_encoding``, ``blks`` (``block(i)``
+    named ``block{i}``)."""
+    stack.num_hiddens = num_hiddens
+    stack.embedding = nn.Embedding(vocab_size, num_hiddens)
+    stack.pos_encoding = PositionalEncoding(num_hiddens, dropout)
+    stack.blks = nn.Sequential()
+    for i in range(num_blks):
+        stack.blks.add_module("block" + str(i), block(i))
+
+
 class TransformerEncoder(nn.Module):
     """The book's Transformer encoder: embeddings scaled by sqrt(num_hiddens) plus :class:`PositionalEncoding`,
     then ``num_blks`` :class:`TransformerEncoderBlock` s (``blks.block0`` ...). After a call,
@@ -267,25 +278,11 @@ class TransformerEncoder(nn.Module):
         X (B, T) token ids, valid_lens None, (B,) or (B, T) -> (B, T, num_hiddens).
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        num_hiddens: int,
-        ffn_num_hiddens: int,
-        num_heads: int,
-        num_blks: int,
-        dropout: float,
-        use_bias: bool = False,
-    ) -> None:
+    def __init__(self, vocab_size: int, num_hiddens: int, ffn_num_hiddens: int, num_heads: int, num_blks: int,
+                 dropout: float, use_bias: bool = False) -> None:  # fmt: skip
         super().__init__()
-        self.num_hiddens = num_hiddens
-        self.embedding = nn.Embedding(vocab_size, num_hiddens)
-        self.pos_encoding = PositionalEncoding(num_hiddens, dropout)
-        self.blks = nn.Sequential()
-        for i in range(num_blks):
-            self.blks.add_module(
-                "block" + str(i), TransformerEncoderBlock(num_hiddens, ffn_num_hiddens, num_heads, dropout, use_bias)
-            )
+        _embed_and_blocks(self, vocab_size, num_hiddens, dropout, num_blks,
+                          lambda i: TransformerEncoderBlock(num_hiddens, ffn_num_hiddens, num_heads, dropout, use_bias))
         self.attention_weights: list[Tensor | None] = [None] * num_blks
 
     def forward(self, X: Tensor, valid_lens: Tensor | None, *args) -> Tensor:
@@ -356,15 +353,9 @@ class TransformerDecoder(nn.Module):
         self, vocab_size: int, num_hiddens: int, ffn_num_hiddens: int, num_heads: int, num_blks: int, dropout: float
     ) -> None:
         super().__init__()
-        self.num_hiddens = num_hiddens
         self.num_blks = num_blks
-        self.embedding = nn.Embedding(vocab_size, num_hiddens)
-        self.pos_encoding = PositionalEncoding(num_hiddens, dropout)
-        self.blks = nn.Sequential()
-        for i in range(num_blks):
-            self.blks.add_module(
-                "block" + str(i), TransformerDecoderBlock(num_hiddens, ffn_num_hiddens, num_heads, dropout, i)
-            )
+        _embed_and_blocks(self, vocab_size, num_hiddens, dropout, num_blks,
+                          lambda i: TransformerDecoderBlock(num_hiddens, ffn_num_hiddens, num_heads, dropout, i))
         self.dense = nn.Linear(num_hiddens, vocab_size)
         self._attention_weights: list[list[Tensor | None]] = [[None] * num_blks for _ in range(2)]
 

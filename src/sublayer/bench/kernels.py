@@ -128,16 +128,32 @@ class _EagerAddNorm(nn.Module):
         return self.norm(x + self.drop(y))
 
 
-def _maybe_compile(m: nn.Module, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        return torch.compile(m)
-    except Exception:  # noqa: BLE001 - a missing compiler toolchain etc.: just no column
-        return None
+def _row(case: str, s: Shape, bf16: bool, mode: str, res: dict) -> Row:
+    return Row(case, s.name, "bf16 autocast" if bf16 else "fp32", mode).fill(res)
 
 
-def _saved_extra(row: Row, saved: dict[str, int]) -> None:
+def _impls(eager: nn.Module, ours: nn.Module, use_compile: bool) -> dict[str, nn.Module]:
+    """The modules timed: eager, sublayer and, when asked, torch.compile of the eager one (if it compiles)."""
+    mods = {"eager": eager, "sublayer": ours}
+    if use_compile:
+        try:
+            mods["compile"] = torch.compile(eager)
+        except Exception:  # noqa: BLE001 - a missing compiler toolchain etc.: just no column
+            pass
+    return mods
+
+
+def _saved_extra(row: Row, mods: dict[str, nn.Module], forward: Callable[[nn.Module], object], bf16: bool) -> None:
+    """The bytes autograd saves in ``forward(m)`` (training mode), eager vs sublayer, as the row's extras."""
+    saved: dict[str, int] = {}
+    for name in ("eager", "sublayer"):
+        m = mods[name].train()
+
+        def fwd(m=m):
+            with _autocast(bf16):
+                return forward(m)
+
+        saved[name] = saved_bytes(fwd, list(m.parameters()))
     for name, b in saved.items():
         row.extra[f"saved MiB {name}"] = round(b / 2**20, 3)
     row.extra["saved ratio"] = round(saved["sublayer"] / saved["eager"], 3) if saved["eager"] else float("nan")
@@ -150,10 +166,7 @@ def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compi
     ours.fc1.load_state_dict(eager[0].state_dict())
     ours.fc2.load_state_dict(eager[3].state_dict())
     x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
-    mods = {"eager": eager, "sublayer": ours}
-    comp = _maybe_compile(eager, use_compile)
-    if comp is not None:
-        mods["compile"] = comp
+    mods = _impls(eager, ours, use_compile)
     fns = _step_fns(mods, lambda: (x,), bf16, mode)
     # the GEMMs alone, in the dtype the FFN multiplies in (bf16 without native bf16 GEMMs multiplies in fp32)
     from .. import kernels
@@ -171,21 +184,11 @@ def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compi
 
     fns["gemms"] = gemms
     res = time_interleaved(fns, reps, warmup)
-    row = Row("FFN relu (nn.Sequential)", s.name, "bf16 autocast" if bf16 else "fp32", mode)
-    row.fill(res)
+    row = _row("FFN relu (nn.Sequential)", s, bf16, mode, res)
     row.extra["sublayer / GEMMs alone"] = round(res["sublayer"].ms / res["gemms"].ms, 3)
     row.extra["eager / GEMMs alone"] = round(res["eager"].ms / res["gemms"].ms, 3)
     if mode == "training":
-        saved: dict[str, int] = {}
-        for name, m in (("eager", eager), ("sublayer", ours)):
-            m.train()
-
-            def fwd(m=m):
-                with _autocast(bf16):
-                    return m(x)
-
-            saved[name] = saved_bytes(fwd, list(m.parameters()))
-        _saved_extra(row, saved)
+        _saved_extra(row, mods, lambda m: m(x), bf16)
     return row
 
 
@@ -197,14 +200,10 @@ def bench_add_norm(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_
     rg = mode == "training"
     x = torch.randn(s.batch, s.seq, s.d).to(dt).requires_grad_(rg)
     y = torch.randn(s.batch, s.seq, s.d).to(dt).requires_grad_(rg)
-    mods = {"eager": eager, "sublayer": ours}
-    comp = _maybe_compile(eager, use_compile)
-    if comp is not None:
-        mods["compile"] = comp
+    mods = _impls(eager, ours, use_compile)
     fns = _step_fns(mods, lambda: (x, y), False, mode)
     res = time_interleaved(fns, reps, warmup)
-    row = Row("Add&Norm LN(x + Dropout(y))", s.name, "bf16" if bf16 else "fp32", mode)
-    row.fill(res)
+    row = Row("Add&Norm LN(x + Dropout(y))", s.name, "bf16" if bf16 else "fp32", mode).fill(res)
     n, es = x.numel(), x.element_size()
     # minimal traffic: forward (no grad) reads x, y and writes out (3s); training also writes the sum (4s) and
     # its backward reads g, sum and writes dx, dy (4s).
@@ -212,10 +211,7 @@ def bench_add_norm(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_
     row.extra["sublayer GB/s"] = round(nbytes / (res["sublayer"].ms * 1e-3) / 1e9, 2)
     row.extra["copy GB/s"] = round(copy_gbps, 2)
     if mode == "training":
-        saved = {}
-        for name, m in (("eager", eager), ("sublayer", ours)):
-            saved[name] = saved_bytes(lambda m=m: m(x, y), list(m.parameters()))
-        _saved_extra(row, saved)
+        _saved_extra(row, mods, lambda m: m(x, y), False)
     return row
 
 
@@ -226,9 +222,7 @@ def bench_encoder(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> Ro
     x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
     fns = _step_fns({"eager": eager, "sublayer": ours}, lambda: (x,), bf16, mode)
     res = time_interleaved(fns, reps, warmup)
-    row = Row("EncoderBlock vs nn.TransformerEncoderLayer", s.name, "bf16 autocast" if bf16 else "fp32", mode)
-    row.fill(res)
-    return row
+    return _row("EncoderBlock vs nn.TransformerEncoderLayer", s, bf16, mode, res)
 
 
 def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Row]:
@@ -245,9 +239,7 @@ def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Ro
     ours = layers.PositionWiseFFN(s.d, s.f, activation="gelu_tanh", output_dropout=DROPOUT)
     x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
     res = time_interleaved(_step_fns({"eager": hf, "sublayer": ours}, lambda: (x,), bf16, mode), reps, warmup)
-    row = Row("HF GPT2MLP (gelu_new, resid dropout)", s.name, "bf16 autocast" if bf16 else "fp32", mode)
-    row.fill(res)
-    rows.append(row)
+    rows.append(_row("HF GPT2MLP (gelu_new, resid dropout)", s, bf16, mode, res))
 
     bcfg = BertConfig(hidden_size=s.d, intermediate_size=s.f, hidden_dropout_prob=DROPOUT, layer_norm_eps=1e-12)
     hf_out = BertOutput(bcfg)
@@ -265,9 +257,7 @@ def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Ro
     h = torch.randn(s.batch, s.seq, s.f, requires_grad=(mode == "training"))
     inp = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
     res = time_interleaved(_step_fns({"eager": hf_out, "sublayer": ob}, lambda: (h, inp), bf16, mode), reps, warmup)
-    row = Row("HF BertOutput (dense, dropout, LN)", s.name, "bf16 autocast" if bf16 else "fp32", mode)
-    row.fill(res)
-    rows.append(row)
+    rows.append(_row("HF BertOutput (dense, dropout, LN)", s, bf16, mode, res))
     return rows
 
 

@@ -312,17 +312,9 @@ def check_and_convert(
         for k, t in sorted(found.items())
         if dtypes is not None and k in dtypes and t.dtype != dtypes[k]
     ]
-    problems = []
-    if missing:
-        problems.append(f"missing keys ({len(missing)}): {_preview(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys ({len(unexpected)}): {_preview(sorted(unexpected))}")
-    if duplicate:
-        problems.append(f"keys given twice ({len(duplicate)}): {_preview(sorted(duplicate))}")
-    if wrong:
-        problems.append(f"wrong shapes ({len(wrong)}): {_preview(wrong)}")
-    if wrong_dtype:
-        problems.append(f"wrong dtypes ({len(wrong_dtype)}): {_preview(wrong_dtype)}")
+    kinds = {"missing keys": missing, "unexpected keys": sorted(unexpected), "keys given twice": sorted(duplicate),
+             "wrong shapes": wrong, "wrong dtypes": wrong_dtype}  # fmt: skip
+    problems = [f"{kind} ({len(keys)}): {_preview(keys)}" for kind, keys in kinds.items() if keys]
     if problems:
         raise CheckpointError(f"checkpoint {source} does not fit the model: " + "; ".join(problems))
     return found

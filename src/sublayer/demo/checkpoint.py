@@ -30,8 +30,7 @@ def save_checkpoint(
     the trainer state (step, loss history, RNG: ``rng_state``, default torch's now), each file written
     atomically, Ctrl-C and SIGTERM held meanwhile."""
     with hold_signals():
-        folder.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(folder)
+        model.save_pretrained(folder)  # creates the folder
         write_text(folder / VOCAB_NAME, vocab.to_json())
         save_training_state(folder, opt, state, rng_state)
 

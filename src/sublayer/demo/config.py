@@ -72,10 +72,15 @@ class DemoConfig:
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_lr_ratio · lr`` at ``steps``."""
-        if step < self.warmup:
-            return self.lr * (step + 1) / self.warmup
-        t = min(1.0, (step - self.warmup) / max(1, self.steps - self.warmup))
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+        return warmup_cosine(step, self.steps, self.warmup, self.lr, self.min_lr_ratio)
+
+
+def warmup_cosine(step: int, steps: int, warmup: int, lr: float, min_lr_ratio: float) -> float:
+    """:meth:`DemoConfig.lr_at` (and ``sublayer train``'s) with the settings as arguments."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def demo_threads() -> tuple[int, str]:

@@ -20,36 +20,33 @@ def _raise(signum, frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def _on_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
-
-
 @contextlib.contextmanager
-def interrupts_raise():
-    """SIGINT and SIGTERM raise KeyboardInterrupt inside the block (previous handlers restored after)."""
-    if not _on_main_thread():
+def _handled(handler):
+    """``handler`` for SIGINT and SIGTERM inside the block, the previous handlers after (off the main thread:
+    nothing, signals cannot be handled there)."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = {s: signal.signal(s, _raise) for s in _SIGNALS}
+    old = {s: signal.signal(s, handler) for s in _SIGNALS}
     try:
         yield
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def interrupts_raise():
+    """SIGINT and SIGTERM raise KeyboardInterrupt inside the block (previous handlers restored after)."""
+    return _handled(_raise)
 
 
 @contextlib.contextmanager
 def hold_signals():
     """Hold SIGINT and SIGTERM until the block ends, then raise KeyboardInterrupt if one came."""
-    if not _on_main_thread():
-        yield
-        return
     got: list[int] = []
-    old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in _SIGNALS}
     try:
-        yield
+        with _handled(lambda signum, frame: got.append(signum)):
+            yield
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
         if got:
             raise KeyboardInterrupt(signal.Signals(got[0]).name)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -13,8 +14,7 @@ from torch import Tensor, nn
 from .._checks import check_positive_int
 from ..models.transformer import Transformer
 from .checkpoint import STATE_NAME, load_optimizer, load_checkpoint, save_checkpoint
-from .config import demo_threads
-from .config import DemoConfig
+from .config import DemoConfig, demo_threads
 from .signals import hold_signals, interrupts_raise
 from .report import finish_run
 from .task import Batch, Vocab, collate, held_out_pairs, train_batch
@@ -111,25 +111,38 @@ def train(
         FileExistsError: ``cfg.out`` holds an earlier run's checkpoint and neither ``resume`` nor ``overwrite``.
         KeyboardInterrupt: after saving a checkpoint of the steps done so far (rank 0).
     """
+    out = check_start(cfg, rank, world_size, "world_size")
+    with torch_threads(cfg.threads or demo_threads()[0]):
+        return _train(cfg, rank, world_size, wrap_model, on_step, rank == 0, cfg.quiet or rank != 0, out)
+
+
+def check_start(cfg, rank: int, world_size: int, group: str) -> Path:
+    """``cfg.out`` as a Path, after checking ``rank``/``world_size`` (``cfg.batch_size`` divisible by it, named
+    ``group`` in the message) and that a run that neither resumes nor overwrites finds no earlier checkpoint."""
     check_positive_int("world_size", world_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
     if cfg.batch_size % world_size:
-        raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by world_size ({world_size})")
-    main = rank == 0
-    quiet = cfg.quiet or not main
+        raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by {group} ({world_size})")
     out = Path(cfg.out)
     if not cfg.resume and not cfg.overwrite and (out / STATE_NAME).exists():
         raise FileExistsError(
             f"{out} holds the checkpoint of an earlier run ({STATE_NAME}): continue it with --resume, replace it "
             "with --overwrite, or give another --out"
         )
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads or demo_threads()[0])
+    return out
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """torch's thread count set to ``n`` (None: left as it is) inside the block, restored after it."""
+    old = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
     try:
-        return _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out)
+        yield
     finally:
-        torch.set_num_threads(old_threads)
+        torch.set_num_threads(old)
 
 
 def optimizer_steps(opt: torch.optim.Optimizer) -> int:
@@ -137,70 +150,61 @@ def optimizer_steps(opt: torch.optim.Optimizer) -> int:
     return max((int(s["step"]) for s in opt.state.values() if "step" in s), default=0)
 
 
-def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict | None:
-    vocab = Vocab.default()
-    history: dict[str, list] = {"train": [], "val": []}
-    start, train_seconds, tokens_seen = 0, 0.0, 0
-    if cfg.resume:
-        if not (out / STATE_NAME).is_file():
-            raise FileNotFoundError(f"--resume: no checkpoint in {out} ({STATE_NAME} missing)")
-        model, vocab, state = load_checkpoint(out)
-        start, history = state["step"], state["history"]
-        train_seconds, tokens_seen = state["train_seconds"], state["tokens_seen"]
-        if start > cfg.steps:
-            raise ValueError(
-                f"--resume: the checkpoint in {out} is at step {start}, past steps={cfg.steps}: nothing to train "
-                f"(give a larger --steps to continue)"
-            )
-    else:
-        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        model = Transformer.from_config(cfg.model_config(len(vocab)))
+def adamw(model: nn.Module, lr: float, weight_decay: float, **kw) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters, with weight decay on the matrices only (not on biases and gains)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.98), eps=1e-9,
+    return torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=lr, **kw,
     )  # fmt: skip
-    if cfg.resume:
-        load_optimizer(out, opt, state["param_groups"])
-    net = wrap_model(TransformerLoss(model))
-    val_batch = collate(held_out_pairs(cfg.seed, cfg.n_val, salt=1), vocab)
 
-    # the state at the start of step `step`: what a checkpoint saves, whatever point of a step an interrupt hits
-    rng = torch.get_rng_state()
 
-    def checkpoint(step: int) -> None:
-        if main:
-            state = {"step": step, "history": history, "train_seconds": train_seconds, "tokens_seen": tokens_seen,
-                     "demo_config": dataclasses.asdict(cfg)}  # fmt: skip
-            save_checkpoint(out, model, opt, vocab, state, rng_state=rng)
+@dataclasses.dataclass
+class Run:
+    """Where a training run stands, as its checkpoint keeps it: ``step`` updates done, ``history`` (``train`` and
+    ``val`` lists of ``[step, loss]``), ``train_seconds``, ``tokens_seen``, and ``rng``: torch's RNG state at the
+    start of step ``step`` (whatever point of a step an interrupt hits)."""
 
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        n_params = sum(p.numel() for p in model.parameters())
-        what = f"resuming at step {start}" if cfg.resume else "training"
-        echo(quiet, f"[bold]sublayer demo[/]: numbers in words ↔ digits; {what} a {n_params / 1e3:.0f}k-parameter "
-                     f"Transformer for {cfg.steps} steps on {torch.get_num_threads()} thread(s) → {out}/")  # fmt: skip
+    step: int = 0
+    history: dict = dataclasses.field(default_factory=lambda: {"train": [], "val": []})
+    train_seconds: float = 0.0
+    tokens_seen: int = 0
+    rng: Tensor | None = None
 
-    step = start
+    @classmethod
+    def resumed(cls, state: dict) -> Run:
+        return cls(state["step"], state["history"], state["train_seconds"], state["tokens_seen"])
+
+    def state(self, **extra) -> dict:
+        """The checkpoint's ``trainer_state.json`` fields, ``extra`` after them."""
+        return {"step": self.step, "history": self.history, "train_seconds": self.train_seconds,
+                "tokens_seen": self.tokens_seen, **extra}  # fmt: skip
+
+
+def run_steps(run: Run, steps: int, model: nn.Module, opt: torch.optim.Optimizer, one_step: Callable[[int], tuple],
+              *, lr_at: Callable[[int], float], clip_norm: float, eval_every: int, validate: Callable[[], float | None],
+              val_text: Callable[[float], str], save_every: int, checkpoint: Callable[[], None],
+              on_step: Callable[[int, dict], None] | None, main: bool, quiet: bool, out: Path) -> None:  # fmt: skip
+    """The training loop of ``sublayer demo`` and ``sublayer train``, from ``run.step`` to ``steps``.
+
+    Each step sets ``lr_at(step)``, runs ``one_step(step)`` (forward and backward; returns the step's loss and
+    tokens), clips the gradient norm and updates. On rank 0 (``main``): ``validate()`` (a loss, or None: none)
+    every ``eval_every`` steps and at the end, shown by ``val_text``; the progress bar; ``checkpoint()`` every
+    ``save_every`` steps, at the end, and on an interrupt, which is raised again. ``on_step`` as :func:`train`'s.
+    """
+    run.rng = torch.get_rng_state()
     model.train()
     try:
-        with interrupts_raise(), Progress(not quiet, cfg.steps, start) as bar:
+        with interrupts_raise(), Progress(not quiet, steps, run.step) as bar:
             t_last = time.perf_counter()
-            while step < cfg.steps:
+            while run.step < steps:
                 t0 = time.perf_counter()
-                batch = train_batch(cfg.seed, step, cfg.batch_size, vocab)
-                n_global = batch.n_target_tokens
-                local = batch.rows(slice(rank, None, world_size))
-                lr = cfg.lr_at(step)
+                lr = lr_at(run.step)
                 for g in opt.param_groups:
                     g["lr"] = lr
-                loss_sum = batch_loss(net, local, cfg.label_smoothing)
-                # sum over this rank's tokens / global tokens · world_size: averaged over ranks = global mean
-                (loss_sum * (world_size / n_global)).backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
-                loss = float(loss_sum.detach()) / max(1, local.n_target_tokens)
+                loss, tokens = one_step(run.step)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
                 # The step lands whole or not at all: signals are held until its bookkeeping (validation
                 # included) is done, and an interrupt raised as the update returns still counts the step
                 # (AdamW's counter says it landed).
@@ -209,37 +213,96 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
                     try:
                         opt.step()
                     finally:
-                        if optimizer_steps(opt) > step:
+                        if optimizer_steps(opt) > run.step:
                             opt.zero_grad(set_to_none=True)
-                            step += 1
-                            history["train"].append([step, loss])
-                            rng = torch.get_rng_state()
-                    if main and (step % cfg.eval_every == 0 or step == cfg.steps):
-                        val = _val_loss(model, val_batch)
-                        history["val"].append([step, val])
-                dt = time.perf_counter() - t0
-                train_seconds += dt
-                tokens_seen += batch.n_tokens
+                            run.step += 1
+                            run.history["train"].append([run.step, loss])
+                            run.rng = torch.get_rng_state()
+                    if main and (run.step % eval_every == 0 or run.step == steps):
+                        val = validate()
+                        if val is not None:
+                            run.history["val"].append([run.step, val])
+                run.train_seconds += time.perf_counter() - t0
+                run.tokens_seen += tokens
                 if on_step is not None:
-                    on_step(step, {"loss": loss, "lr": lr, "tokens": batch.n_tokens})
+                    on_step(run.step, {"loss": loss, "lr": lr, "tokens": tokens})
                 if main:
-                    fields = {"completed": step, "loss": loss}
+                    fields = {"completed": run.step, "loss": loss}
                     if val is not None:
-                        fields["val"] = f"{val:.3f}"
-                    if time.perf_counter() - t_last > 0.5 or step == cfg.steps:
+                        fields["val"] = val_text(val)
+                    if time.perf_counter() - t_last > 0.5 or run.step == steps:
                         # the run's mean, as the summary's (a recent window swings with the machine's load)
-                        fields["tps"] = tokens_seen / max(train_seconds, 1e-9)
+                        fields["tps"] = run.tokens_seen / max(run.train_seconds, 1e-9)
                         t_last = time.perf_counter()
                     bar.update(**fields)
-                    if step % cfg.save_every == 0 and step < cfg.steps:
-                        checkpoint(step)
+                    if run.step % save_every == 0 and run.step < steps:
+                        checkpoint()
     except KeyboardInterrupt as e:
         if main:
-            checkpoint(step)
+            checkpoint()
             why = f" by {e}" if str(e).startswith("SIG") else ""
-            echo(False, f"interrupted{why} at step {step}: checkpoint saved in {out}/ — continue with --resume")
+            echo(False, f"interrupted{why} at step {run.step}: checkpoint saved in {out}/ — continue with --resume")
         raise
+    if main:
+        checkpoint()
+
+
+def run_rank(train_fn: Callable, rank: int, world_size: int, cfg) -> None:
+    """One rank of a training command: ``train_fn(cfg)`` alone, or data-parallel with DistributedDataParallel."""
+    from ..memory import set_memory_reuse
+
+    set_memory_reuse()  # a spawned rank is a fresh process
+    if world_size == 1:
+        train_fn(cfg)
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    train_fn(cfg, rank=rank, world_size=world_size, wrap_model=DistributedDataParallel)
+
+
+def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict | None:
+    vocab = Vocab.default()
+    run = Run()
+    if cfg.resume:
+        if not (out / STATE_NAME).is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint in {out} ({STATE_NAME} missing)")
+        model, vocab, state = load_checkpoint(out)
+        run = Run.resumed(state)
+        if run.step > cfg.steps:
+            raise ValueError(
+                f"--resume: the checkpoint in {out} is at step {run.step}, past steps={cfg.steps}: nothing to train "
+                f"(give a larger --steps to continue)"
+            )
+    else:
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        model = Transformer.from_config(cfg.model_config(len(vocab)))
+    opt = adamw(model, cfg.lr, cfg.weight_decay, betas=(0.9, 0.98), eps=1e-9)
+    if cfg.resume:
+        load_optimizer(out, opt, state["param_groups"])
+    net = wrap_model(TransformerLoss(model))
+    val_batch = collate(held_out_pairs(cfg.seed, cfg.n_val, salt=1), vocab)
+
+    def one_step(step: int) -> tuple[float, int]:
+        batch = train_batch(cfg.seed, step, cfg.batch_size, vocab)
+        local = batch.rows(slice(rank, None, world_size))
+        loss_sum = batch_loss(net, local, cfg.label_smoothing)
+        # sum over this rank's tokens / global tokens · world_size: averaged over ranks = global mean
+        (loss_sum * (world_size / batch.n_target_tokens)).backward()
+        return float(loss_sum.detach()) / max(1, local.n_target_tokens), batch.n_tokens
+
+    def checkpoint() -> None:
+        save_checkpoint(out, model, opt, vocab, run.state(demo_config=dataclasses.asdict(cfg)), rng_state=run.rng)
+
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        n_params = sum(p.numel() for p in model.parameters())
+        what = f"resuming at step {run.step}" if cfg.resume else "training"
+        echo(quiet, f"[bold]sublayer demo[/]: numbers in words ↔ digits; {what} a {n_params / 1e3:.0f}k-parameter "
+                     f"Transformer for {cfg.steps} steps on {torch.get_num_threads()} thread(s) → {out}/")  # fmt: skip
+
+    run_steps(run, cfg.steps, model, opt, one_step, lr_at=cfg.lr_at, clip_norm=cfg.clip_norm, eval_every=cfg.eval_every,
+              validate=lambda: _val_loss(model, val_batch), val_text="{:.3f}".format, save_every=cfg.save_every,
+              checkpoint=checkpoint, on_step=on_step, main=main, quiet=quiet, out=out)  # fmt: skip
     if not main:
         return None
-    checkpoint(step)
-    return finish_run(cfg, model, vocab, history, step, train_seconds, tokens_seen, out, quiet)
+    return finish_run(cfg, model, vocab, run.history, run.step, run.train_seconds, run.tokens_seen, out, quiet)

@@ -1,17 +1,21 @@
 """What every causal language model shares (GPT-2, the Llama family): inputs, forward, loss and generate, written
-once over the model's own ``_hidden`` (its blocks, read top to bottom in the model's file).
+once over the model's own embedding and blocks (read top to bottom in the model's file).
 
-A model subclasses :class:`CausalLM` and defines ``config`` (``vocab_size``, optional ``max_positions``), ``blocks``
-(:class:`CausalBlock` s of the standard sub-layers), ``lm_head``, ``causal_parts()`` (its embedding, position
-table or rotary module, final norm and head: :class:`sublayer.runtime.causal.CausalParts`) and
-``_hidden(input_ids, position_ids, key_padding_mask, caches, *, packing=None, documents=True)`` -> final hidden
-states (``documents``: look for packed documents in ``position_ids``). It then gets padding-free training and
+A model subclasses :class:`CausalLM`, names its ``config_class``, key map (``keymap``, a module of
+:mod:`sublayer.checkpoints`), token embedding and final norm (``embedding``, ``final_norm``: attribute names),
+and defines ``config`` (``vocab_size``, optional ``max_positions``), ``blocks`` (:class:`CausalBlock` s of the
+standard sub-layers), ``lm_head``, ``causal_parts()`` (its embedding, position table or rotary module, final norm
+and head: :class:`sublayer.runtime.causal.CausalParts`) and ``_embed(input_ids, position_ids)`` -> (embeddings,
+rotary ``(cos, sin)`` or None), read by :meth:`CausalLM._hidden`. It then gets Hugging Face folders and models
+in and out (``from_pretrained``, ``from_hf``, ``to_hf``, ``save_pretrained``), padding-free training and
 inference on padded batches and packed documents (:mod:`sublayer.runtime.padding_free`), the fused LM-head loss
 with HF's ``labels=`` meaning, and generation through the fast decoding step, ``fast_inference`` and int8
 (:mod:`sublayer.runtime.causal`), with no engine code of its own.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +25,10 @@ from .. import functional as SF
 from .._checks import check_attention_mask, check_input_ids
 from ..functional.cross_entropy import check_options, check_targets
 from ..functional.packing import PackedBatch
+from .. import checkpoints as ckpt
 from ..checkpoints import FROM_CONFIG
+from ..functional.packing import document_mask
+from ..nn import LayerNorm, RMSNorm
 from ..runtime import causal, generation, padding_free
 from ..runtime.rows import inference
 from .outputs import CausalLMOutput
@@ -66,6 +73,113 @@ class CausalBlock(nn.Module):
 
 class CausalLM(nn.Module):
     """Base of the causal language models: see the module docstring."""
+
+    config_class: type  # set by each model: its config class, key map, token embedding's and final norm's attributes
+    keymap = None
+    embedding = final_norm = ""
+
+    def __init__(self, config=None) -> None:
+        super().__init__()
+        if not hasattr(self, "config_class"):  # a model that sets its own ``config`` and ``generation_config``
+            return
+        if not isinstance(config, self.config_class):
+            raise TypeError(f"config must be a {self.config_class.__name__}, got {type(config).__name__}")
+        self.config = config
+        # generate's defaults: config's special ids until from_pretrained reads a generation_config.json
+        self.generation_config = ckpt.GenerationConfig.from_model_config(config)
+
+    def _tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = getattr(self, self.embedding).weight
+
+    def _init_weights(self, std: float = 0.02) -> None:
+        """N(0, std) Linear and Embedding weights, zero biases, norms reset."""
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, 0.0, std)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, (LayerNorm, RMSNorm)):
+                m.reset_parameters()
+
+    def _hidden(self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None,
+                *, packing: PackedBatch | None = None, documents: bool = True) -> Tensor:  # fmt: skip
+        """Final hidden states (final norm applied): (B, T, d_model), or (N, d_model) for rows packed by ``packing``
+        (``input_ids`` and ``position_ids`` (N,) then). Packed documents (``position_ids`` restarting at 0, looked
+        for when ``documents``) attend block-diagonally in both layouts; with ``caches`` the blocks read and extend
+        them (decoding: ``key_padding_mask`` covers the cached keys)."""
+        x, rotary = self._embed(input_ids, position_ids)
+        docs = document_mask(position_ids) if documents and packing is None and caches is None else None
+        for i, block in enumerate(self.blocks):
+            cache = None if caches is None else caches[i]
+            x = block(x, rotary=rotary, key_padding_mask=key_padding_mask, attn_mask=docs, kv_cache=cache,
+                      packing=packing)
+        return getattr(self, self.final_norm)(x)
+
+    # ---- checkpoints: the model's key map between its state dict and Hugging Face's names -------------------
+
+    def _load(self, tensors: dict[str, Tensor], source: object, device):
+        n, tied, keymap = self.config.n_layers, self.config.tie_word_embeddings, self.keymap
+        return ckpt.live.load_checked(
+            self, tensors, str(source), canonical=lambda k: keymap.canonical(k, tied=tied), device=device,
+            to_hf=lambda sd: keymap.to_hf(sd, n, tied=tied), from_hf=lambda sd: keymap.from_hf(sd, n, tied=tied),
+            after_empty=self._tie_weights,  # to_empty makes new parameters: tie again
+        )  # fmt: skip
+
+    def _hf_tensors(self) -> dict[str, Tensor]:
+        tensors = self.keymap.to_hf(self.state_dict(), self.config.n_layers, tied=self.config.tie_word_embeddings)
+        return {(k if k == "lm_head.weight" else self.keymap.PREFIX + k): v for k, v in tensors.items()}
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None):
+        """Load a Hugging Face folder of the model's family (``config.json`` + ``model.safetensors``, a sharded
+        ``model.safetensors.index.json`` or ``pytorch_model.bin``; ``generation_config.json`` when present), in
+        eval mode (as HF's ``from_pretrained``).
+
+        Key names and layouts are mapped by the model's key map (:mod:`sublayer.checkpoints.gpt2`,
+        :mod:`sublayer.checkpoints.llama`); loading is strict.
+
+        Raises:
+            FileNotFoundError: no folder, config or weights file. CheckpointError (a ValueError): bad JSON,
+            unsupported config (naming the key and value), unreadable file, or one message listing every
+            missing/unexpected/wrong-shape key.
+        """
+        config, tensors, source = ckpt.read_hf_folder(folder, cls.config_class.from_hf_dict)
+        model = cls(config, device="meta", dtype=dtype)  # no random init: every parameter is loaded
+        model.generation_config = ckpt.read_generation_config(folder, config.vocab_size) or model.generation_config
+        return model._load(tensors, source, device).eval()  # as HF's from_pretrained: dropout off until .train()
+
+    @classmethod
+    def from_hf(cls, model: nn.Module, *, device=None, dtype=None):
+        """Convert a live Hugging Face model of the family (``GPT2LMHeadModel`` or ``GPT2Model``;
+        ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``, or a base ``LlamaModel`` / ``Qwen2Model`` with tied
+        embeddings): same logits and gradients. Keys are mapped as for a folder, strictly; the copy lives on the HF
+        model's device and dtype unless ``device``/``dtype`` say otherwise, in its train/eval mode; its
+        ``generation_config`` is the HF model's.
+
+        Raises:
+            TypeError: not an HF model. CheckpointError (a ValueError): unsupported config, or one message listing
+            every missing/unexpected/wrong-shape key.
+        """
+        config, tensors, source = ckpt.live.read_hf_model(model, cls.config_class.from_hf_dict)
+        where, dtype0 = ckpt.live.placement(model)
+        ours = cls(config, device="meta", dtype=dtype or dtype0)
+        ours.generation_config = ckpt.generation.of_hf_model(model) or ours.generation_config
+        return ours._load(tensors, source, device or where).train(model.training)
+
+    def to_hf(self) -> nn.Module:
+        """This model as its Hugging Face class (``GPT2LMHeadModel``, ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``:
+        the config's ``architectures``), weights copied; same device, dtype, train/eval mode. Needs
+        ``transformers``."""
+        d = self.config.to_hf_dict()
+        return ckpt.live.build_hf_model(d["architectures"][0], d, self._hf_tensors(), training=self.training)
+
+    def save_pretrained(self, folder: str | os.PathLike) -> None:
+        """Write ``model.safetensors``, ``config.json`` and ``generation_config.json`` (:attr:`generation_config`)
+        that the Hugging Face class's ``from_pretrained`` loads (keys with its prefix, ``transformer.`` or
+        ``model.``; a tied ``lm_head`` is not written). Files are written under a temporary name and renamed."""
+        ckpt.write_folder(folder, self._hf_tensors(), self.config.to_hf_dict())
+        ckpt.write_generation_config(folder, self.generation_config)
 
     def causal_parts(self) -> causal.CausalParts:
         """The model-level parts the decoding engine reads (:class:`sublayer.runtime.causal.CausalParts`)."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any
 
 import torch.nn.functional as F
@@ -31,7 +30,6 @@ from .._checks import (
 )
 from ..checkpoints import gpt2 as keymap
 from ..nn import LayerNorm, MultiHeadAttention, PositionWiseFFN, PreNormResidual
-from ..functional.packing import PackedBatch, document_mask
 from ..runtime.generation import check_token_id
 from ..runtime.causal import CausalParts
 from .causal_lm import CausalBlock, CausalLM
@@ -46,6 +44,15 @@ _HF_FIXED = {
     "reorder_and_upcast_attn": False,
     "add_cross_attention": False,
 }
+
+# our field -> the HF config.json key, in HF's order
+_HF_NAMES = (
+    ("vocab_size", "vocab_size"), ("max_positions", "n_positions"), ("d_model", "n_embd"), ("n_layers", "n_layer"),
+    ("n_heads", "n_head"), ("d_ff", "n_inner"), ("activation", "activation_function"), ("eps", "layer_norm_epsilon"),
+    ("dropout", "resid_pdrop"), ("embd_dropout", "embd_pdrop"), ("attn_dropout", "attn_pdrop"),
+    ("tie_word_embeddings", "tie_word_embeddings"), ("bos_token_id", "bos_token_id"),
+    ("eos_token_id", "eos_token_id"), ("pad_token_id", "pad_token_id"),
+)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -131,49 +138,21 @@ class GPT2Config(ModelConfig):
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if isinstance(d.get(key), list):
                 raise ValueError(f"{key} must be a single id, got the list {d[key]!r}")
-        ref = cls()
-        return cls(
-            vocab_size=d.get("vocab_size", ref.vocab_size),
-            max_positions=d.get("n_positions", ref.max_positions),
-            d_model=d.get("n_embd", ref.d_model),
-            n_layers=d.get("n_layer", ref.n_layers),
-            n_heads=d.get("n_head", ref.n_heads),
-            d_ff=d.get("n_inner"),
-            activation=ckpt.hf_activation("activation_function", d.get("activation_function", "gelu_new")),
-            eps=d.get("layer_norm_epsilon", ref.eps),
-            dropout=d.get("resid_pdrop", ref.dropout),
-            embd_dropout=d.get("embd_pdrop", ref.embd_dropout),
-            attn_dropout=d.get("attn_pdrop", ref.attn_dropout),
-            tie_word_embeddings=d.get("tie_word_embeddings", True),
-            bos_token_id=d.get("bos_token_id", ref.bos_token_id),  # absent: HF's default, 50256
-            eos_token_id=d.get("eos_token_id", ref.eos_token_id),
-            pad_token_id=d.get("pad_token_id"),
-        )
+        ref = cls()  # an absent key: the default (HF's: bos/eos 50256 for the default vocabulary)
+        hf_act = ckpt.hf_activation("activation_function", d.get("activation_function", "gelu_new"))
+        return cls(**{ours: hf_act if ours == "activation" else d.get(hf, getattr(ref, ours))
+                      for ours, hf in _HF_NAMES})  # fmt: skip
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` dict (``GPT2LMHeadModel``) for this config."""
         if self.activation not in ckpt.io.TO_HF_ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} has no Hugging Face GPT-2 equivalent")
         return {
-            "model_type": "gpt2",
-            "architectures": ["GPT2LMHeadModel"],
-            "vocab_size": self.vocab_size,
-            "n_positions": self.max_positions,
-            "n_embd": self.d_model,
-            "n_layer": self.n_layers,
-            "n_head": self.n_heads,
-            "n_inner": self.d_ff,
-            "activation_function": ckpt.io.TO_HF_ACTIVATIONS[self.activation],
-            "layer_norm_epsilon": self.eps,
-            "resid_pdrop": self.dropout,
-            "embd_pdrop": self.embd_dropout,
-            "attn_pdrop": self.attn_dropout,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
+            "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+            **{hf: ckpt.io.TO_HF_ACTIVATIONS[self.activation] if ours == "activation" else getattr(self, ours)
+               for ours, hf in _HF_NAMES},
             **_HF_FIXED,
-        }
+        }  # fmt: skip
 
 
 class GPT2Block(CausalBlock):
@@ -224,13 +203,10 @@ class GPT2(CausalLM):
         TypeError/ValueError: ids not integer (B, T), out of the vocabulary, longer than max_positions, bad mask.
     """
 
+    config_class, keymap, embedding, final_norm = GPT2Config, keymap, "wte", "ln_f"
+
     def __init__(self, config: GPT2Config, *, device=None, dtype=None) -> None:
-        super().__init__()
-        if not isinstance(config, GPT2Config):
-            raise TypeError(f"config must be a GPT2Config, got {type(config).__name__}")
-        self.config = config
-        # generate's defaults: config's special ids until from_pretrained reads a generation_config.json
-        self.generation_config = ckpt.GenerationConfig.from_model_config(config)
+        super().__init__(config)
         kw = {"device": device, "dtype": dtype}
         self.wte = nn.Embedding(config.vocab_size, config.d_model, **kw)
         self.wpe = nn.Embedding(config.max_positions, config.d_model, **kw)
@@ -240,103 +216,17 @@ class GPT2(CausalLM):
         self._tie_weights()
         self.reset_parameters()
 
-    def _tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.wte.weight
-
     def reset_parameters(self) -> None:
         """GPT-2's init: N(0, 0.02) weights, zero biases, residual output projections scaled by 1/sqrt(2·n_layers)."""
-        std = 0.02
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, 0.0, std)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, LayerNorm):
-                m.reset_parameters()
+        self._init_weights(0.02)
         for block in self.blocks:
             for lin in (block.self_attn.out_proj, block.ffn.fc2):
-                nn.init.normal_(lin.weight, 0.0, std / math.sqrt(2 * self.config.n_layers))
+                nn.init.normal_(lin.weight, 0.0, 0.02 / math.sqrt(2 * self.config.n_layers))
 
-    def _hidden(
-        self,
-        input_ids: Tensor,
-        position_ids: Tensor,
-        key_padding_mask: Tensor | None,
-        caches: list[SF.KVCache] | None,
-        *,
-        packing: PackedBatch | None = None,
-        documents: bool = True,
-    ) -> Tensor:
-        """Final hidden states (``ln_f`` applied): (B, T, d_model), or (N, d_model) for packed rows (``input_ids``
-        and ``position_ids`` (N,) then, packed by ``packing``). Packed documents (``position_ids`` restarting at
-        0) attend block-diagonally in both layouts."""
-        x = F.dropout(self.wte(input_ids) + self.wpe(position_ids), self.config.embd_dropout, self.training)
-        docs = document_mask(position_ids) if documents and packing is None and caches is None else None
-        for i, block in enumerate(self.blocks):
-            cache = None if caches is None else caches[i]
-            x = block(x, key_padding_mask=key_padding_mask, attn_mask=docs, kv_cache=cache, packing=packing)
-        return self.ln_f(x)
+    def _embed(self, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, None]:
+        """Token + learned position embeddings, dropout; no rotary."""
+        return F.dropout(self.wte(input_ids) + self.wpe(position_ids), self.config.embd_dropout, self.training), None
 
     def causal_parts(self) -> CausalParts:
         return CausalParts(embed=self.wte.weight, positions=self.wpe.weight, rotary=None, norm=self.ln_f,
                            lm_head=self.lm_head)  # fmt: skip
-
-    @classmethod
-    def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None) -> GPT2:
-        """Load a Hugging Face GPT-2 folder (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``), in
-        eval mode (as HF's ``from_pretrained``).
-
-        Key names and layouts are mapped by :mod:`sublayer.checkpoints.gpt2`; loading is strict.
-
-        Raises:
-            FileNotFoundError: no folder, config or weights file. CheckpointError (a ValueError): bad JSON,
-            unsupported config, unreadable file, or one message listing every missing/unexpected/wrong-shape key.
-        """
-        config, tensors, source = ckpt.read_hf_folder(folder, GPT2Config.from_hf_dict)
-        model = cls(config, device="meta", dtype=dtype)  # no random init: every parameter is loaded below
-        model.generation_config = ckpt.read_generation_config(folder, config.vocab_size) or model.generation_config
-        n, tied = config.n_layers, config.tie_word_embeddings
-        return ckpt.live.load_checked(
-            model, tensors, source, canonical=lambda k: keymap.canonical(k, tied=tied), device=device,
-            to_hf=lambda sd: keymap.to_hf(sd, n, tied=tied), from_hf=lambda sd: keymap.from_hf(sd, n, tied=tied),
-            after_empty=model._tie_weights,  # to_empty makes new parameters: tie again
-        ).eval()  # fmt: skip  (as HF's from_pretrained: dropout off until .train())
-
-    @classmethod
-    def from_hf(cls, model: nn.Module, *, device=None, dtype=None) -> GPT2:
-        """Convert a live Hugging Face ``GPT2LMHeadModel`` (or ``GPT2Model``): same logits and gradients.
-
-        Keys are mapped by :mod:`sublayer.checkpoints.gpt2` as for a folder, strictly; the copy lives on the HF
-        model's device and dtype unless ``device``/``dtype`` say otherwise, in its train/eval mode.
-
-        Raises:
-            TypeError: not an HF model. CheckpointError (a ValueError): unsupported config, or one message listing
-            every missing/unexpected/wrong-shape key.
-        """
-        config, tensors, source = ckpt.live.read_hf_model(model, GPT2Config.from_hf_dict)
-        where, dtype0 = ckpt.live.placement(model)
-        ours = cls(config, device="meta", dtype=dtype or dtype0)
-        ours.generation_config = ckpt.generation.of_hf_model(model) or ours.generation_config
-        n, tied = config.n_layers, config.tie_word_embeddings
-        return ckpt.live.load_checked(
-            ours, tensors, source, canonical=lambda k: keymap.canonical(k, tied=tied), device=device or where,
-            to_hf=lambda sd: keymap.to_hf(sd, n, tied=tied), from_hf=lambda sd: keymap.from_hf(sd, n, tied=tied),
-            after_empty=ours._tie_weights,
-        ).train(model.training)  # fmt: skip
-
-    def to_hf(self) -> nn.Module:
-        """This model as a Hugging Face ``transformers.GPT2LMHeadModel`` (weights copied; same device, dtype,
-        train/eval mode). Needs ``transformers``."""
-        tensors = keymap.to_hf(self.state_dict(), self.config.n_layers, tied=self.config.tie_word_embeddings)
-        tensors = {(k if k == "lm_head.weight" else keymap.PREFIX + k): v for k, v in tensors.items()}
-        return ckpt.live.build_hf_model("GPT2LMHeadModel", self.config.to_hf_dict(), tensors, training=self.training)
-
-    def save_pretrained(self, folder: str | os.PathLike) -> None:
-        """Write ``model.safetensors``, ``config.json`` and ``generation_config.json`` (:attr:`generation_config`)
-        that HF ``GPT2LMHeadModel.from_pretrained`` loads (keys with the ``transformer.`` prefix; a tied ``lm_head``
-        is not written). Files are written under a temporary name and renamed."""
-        tensors = keymap.to_hf(self.state_dict(), self.config.n_layers, tied=self.config.tie_word_embeddings)
-        tensors = {(k if k == "lm_head.weight" else keymap.PREFIX + k): v for k, v in tensors.items()}
-        ckpt.write_folder(folder, tensors, self.config.to_hf_dict())
-        ckpt.write_generation_config(folder, self.generation_config)

@@ -15,17 +15,14 @@ Module structure (what tensor-parallel plans and the checkpoint key map address)
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .. import checkpoints as ckpt
 from .. import functional as SF
 from .._checks import check_choice, check_eps, check_positive_int, check_probability
 from ..checkpoints import llama as keymap
-from ..functional.packing import PackedBatch, document_mask
 from ..nn import MultiHeadAttention, PositionWiseFFN, PreNormResidual, RMSNorm, RotaryEmbedding
 from ..runtime import generation
 from ..runtime.causal import CausalParts
@@ -41,6 +38,15 @@ _HF_GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "relu": "regl
 _TO_HF_GATED = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
 _MOE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size")
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# the HF config.json key -> our field (or property), in HF's order
+_HF_NAMES = (
+    ("vocab_size", "vocab_size"), ("max_position_embeddings", "max_positions"), ("hidden_size", "d_model"),
+    ("num_hidden_layers", "n_layers"), ("num_attention_heads", "n_heads"), ("num_key_value_heads", "kv_heads"),
+    ("head_dim", "attention_head_dim"), ("intermediate_size", "d_ff"), ("hidden_act", "activation"),
+    ("rms_norm_eps", "eps"), ("rope_theta", "rope_theta"), ("rope_scaling", "rope_scaling"),
+    ("attention_dropout", "attn_dropout"), ("tie_word_embeddings", "tie_word_embeddings"),
+    ("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "pad_token_id"),
+)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -200,27 +206,10 @@ class LlamaConfig(ModelConfig):
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` dict (``LlamaForCausalLM`` / ``Qwen2ForCausalLM``) for this config."""
-        d = {
-            "model_type": self.model_type,
-            "architectures": [_ARCHITECTURES[self.model_type]],
-            "vocab_size": self.vocab_size,
-            "max_position_embeddings": self.max_positions,
-            "hidden_size": self.d_model,
-            "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads,
-            "num_key_value_heads": self.kv_heads,
-            "head_dim": self.attention_head_dim,
-            "intermediate_size": self.d_ff,
-            "hidden_act": _TO_HF_GATED[self.activation],
-            "rms_norm_eps": self.eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling),  # a copy: HF edits it
-            "attention_dropout": self.attn_dropout,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-        }
+        d = {"model_type": self.model_type, "architectures": [_ARCHITECTURES[self.model_type]],
+             **{hf: getattr(self, ours) for hf, ours in _HF_NAMES}}  # fmt: skip
+        d["hidden_act"] = _TO_HF_GATED[self.activation]
+        d["rope_scaling"] = None if self.rope_scaling is None else dict(self.rope_scaling)  # a copy: HF edits it
         if self.model_type == "llama":
             d.update(attention_bias=self.attention_bias, mlp_bias=False)
         else:
@@ -274,120 +263,31 @@ class Llama(CausalLM):
         TypeError/ValueError: ids not integer (B, T) or out of the vocabulary, bad mask or positions.
     """
 
+    config_class, keymap, embedding, final_norm = LlamaConfig, keymap, "embed_tokens", "norm"
+
     def __init__(self, config: LlamaConfig, *, device=None, dtype=None) -> None:
-        super().__init__()
-        if not isinstance(config, LlamaConfig):
-            raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
-        self.config = config
+        super().__init__(config)
         kw = {"device": device, "dtype": dtype}
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_token_id, **kw)
         self.rotary = RotaryEmbedding(config.attention_head_dim, theta=config.rope_theta, scaling=config.rope_scaling)
         self.blocks = nn.ModuleList([LlamaBlock(config, **kw) for _ in range(config.n_layers)])
         self.norm = RMSNorm(config.d_model, config.eps, **kw)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, **kw)
-        self.generation_config = ckpt.GenerationConfig.from_model_config(config)  # generate's defaults
         self._tie_weights()
         self.reset_parameters()
 
-    def _tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
     def reset_parameters(self) -> None:
         """HF Llama's init: N(0, 0.02) weights, zero biases (and padding row), RMSNorm gains 1."""
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, 0.0, 0.02)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, RMSNorm):
-                m.reset_parameters()
+        self._init_weights(0.02)
         if self.config.pad_token_id is not None:
             with torch.no_grad():
                 self.embed_tokens.weight[self.config.pad_token_id].zero_()
 
-    def _hidden(
-        self,
-        input_ids: Tensor,
-        position_ids: Tensor,
-        key_padding_mask: Tensor | None,
-        caches: list[SF.KVCache] | None,
-        *,
-        packing: PackedBatch | None = None,
-        documents: bool = True,
-    ) -> Tensor:
-        """Final hidden states (after ``norm``), (B, T, d_model), or (N, d_model) for rows packed by ``packing``;
-        with ``caches`` the blocks read and extend them (decoding: ``key_padding_mask`` covers the cached keys)."""
+    def _embed(self, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Token embeddings and the rotary ``(cos, sin)`` of the positions."""
         x = self.embed_tokens(input_ids)
-        rotary = self.rotary(position_ids, dtype=x.dtype)
-        docs = document_mask(position_ids) if documents and packing is None and caches is None else None
-        for i, block in enumerate(self.blocks):
-            cache = None if caches is None else caches[i]
-            x = block(x, rotary=rotary, key_padding_mask=key_padding_mask, attn_mask=docs, kv_cache=cache, packing=packing)
-        return self.norm(x)
+        return x, self.rotary(position_ids, dtype=x.dtype)
 
     def causal_parts(self) -> CausalParts:
         return CausalParts(embed=self.embed_tokens.weight, positions=None, rotary=self.rotary, norm=self.norm,
                            lm_head=self.lm_head)  # fmt: skip
-
-    # ---- checkpoints ------------------------------------------------------------------------------------------
-
-    def _load(self, tensors: dict[str, Tensor], source: object, device) -> Llama:
-        n, tied = self.config.n_layers, self.config.tie_word_embeddings
-        return ckpt.live.load_checked(
-            self, tensors, str(source), canonical=lambda k: keymap.canonical(k, tied=tied), device=device,
-            to_hf=lambda sd: keymap.to_hf(sd, n, tied=tied), from_hf=lambda sd: keymap.from_hf(sd, n, tied=tied),
-            after_empty=self._tie_weights,  # to_empty makes new parameters: tie again
-        )  # fmt: skip
-
-    def _hf_tensors(self) -> dict[str, Tensor]:
-        tensors = keymap.to_hf(self.state_dict(), self.config.n_layers, tied=self.config.tie_word_embeddings)
-        return {(k if k == "lm_head.weight" else keymap.PREFIX + k): v for k, v in tensors.items()}
-
-    @classmethod
-    def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None) -> Llama:
-        """Load a Hugging Face Llama or Qwen2 folder (``config.json`` + ``model.safetensors``, a sharded
-        ``model.safetensors.index.json`` or ``pytorch_model.bin``), in eval mode (as HF's ``from_pretrained``).
-
-        Key names and layouts are mapped by :mod:`sublayer.checkpoints.llama`; loading is strict.
-
-        Raises:
-            FileNotFoundError: no folder, config or weights file. CheckpointError (a ValueError): bad JSON,
-            unsupported config (naming the key and value), unreadable file, or one message listing every
-            missing/unexpected/wrong-shape key.
-        """
-        config, tensors, source = ckpt.read_hf_folder(folder, LlamaConfig.from_hf_dict)
-        model = cls(config, device="meta", dtype=dtype)._load(tensors, source, device).eval()
-        model.generation_config = ckpt.read_generation_config(folder, config.vocab_size) or model.generation_config
-        return model
-
-    @classmethod
-    def from_hf(cls, model: nn.Module, *, device=None, dtype=None) -> Llama:
-        """Convert a live Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (or a base ``LlamaModel`` /
-        ``Qwen2Model`` with tied embeddings):
-        same logits and gradients; on the HF model's device and dtype unless ``device``/``dtype`` say otherwise,
-        in its train/eval mode.
-
-        Raises:
-            TypeError: not an HF model. CheckpointError (a ValueError): unsupported config, or one message listing
-            every missing/unexpected/wrong-shape key.
-        """
-        config, tensors, source = ckpt.live.read_hf_model(model, LlamaConfig.from_hf_dict)
-        where, dtype0 = ckpt.live.placement(model)
-        ours = cls(config, device="meta", dtype=dtype or dtype0)
-        ours.generation_config = ckpt.generation.of_hf_model(model) or ours.generation_config
-        return ours._load(tensors, source, device or where).train(model.training)
-
-    def to_hf(self) -> nn.Module:
-        """This model as a Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (weights copied; same device,
-        dtype, train/eval mode). Needs ``transformers``."""
-        arch = _ARCHITECTURES[self.config.model_type]
-        return ckpt.live.build_hf_model(arch, self.config.to_hf_dict(), self._hf_tensors(), training=self.training)
-
-    def save_pretrained(self, folder: str | os.PathLike) -> None:
-        """Write ``model.safetensors`` and ``config.json`` that HF ``LlamaForCausalLM.from_pretrained`` (or
-        ``Qwen2ForCausalLM``'s) loads (keys with the ``model.`` prefix; a tied ``lm_head`` is not written).
-        Files are written under a temporary name and renamed; ``generation_config.json`` holds
-        ``generation_config``."""
-        ckpt.write_folder(folder, self._hf_tensors(), self.config.to_hf_dict())
-        ckpt.write_generation_config(folder, self.generation_config)

@@ -9,7 +9,6 @@ Decoding (greedy or beam search) runs incrementally with key/value caches. Check
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from torch import Tensor, nn
 
 from .. import functional as SF
 from ..functional.cross_entropy import check_options, check_targets
-from ..checkpoints.io import atomic_write
+from ..checkpoints.io import write_folder
 from .._checks import check_choice, check_positive_int, check_probability, check_tensor
 from ..nn import DecoderBlock, EncoderBlock, TransformerDecoder, TransformerEncoder
 from ..functional.packing import PackedBatch
@@ -460,14 +459,7 @@ class Transformer(nn.Module):
 
     def save_pretrained(self, folder: str | Path) -> None:
         """Write ``model.safetensors`` and ``config.json`` to ``folder`` (created if needed), each atomically."""
-        from safetensors.torch import save_file
-
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        atomic_write(folder / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-        text = json.dumps(self.config.to_dict(), indent=2, sort_keys=True) + "\n"
-        atomic_write(folder / CONFIG_NAME, lambda p: Path(p).write_text(text))
+        write_folder(folder, self.state_dict(), self.config.to_dict())
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, **factory) -> Transformer:

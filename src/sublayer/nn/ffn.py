@@ -62,14 +62,11 @@ class PositionWiseFFN(nn.Module):
         check_probability("output_dropout", output_dropout)
         if not isinstance(recompute, bool):
             raise TypeError(f"recompute must be a bool, got {recompute!r}")
-        if d_ff is None:
-            if d_model is None:
-                raise ValueError("d_ff must be given when d_model is None (lazy input size), got d_ff=None")
-            d_ff = 4 * d_model
-        if d_out is None:
-            if d_model is None:
-                raise ValueError("d_out must be given when d_model is None (lazy input size), got d_out=None")
-            d_out = d_model
+        if d_model is None and (d_ff is None or d_out is None):
+            name = "d_ff" if d_ff is None else "d_out"
+            raise ValueError(f"{name} must be given when d_model is None (lazy input size), got {name}=None")
+        d_ff = 4 * d_model if d_ff is None else d_ff
+        d_out = d_model if d_out is None else d_out
         self.d_model, self.d_ff, self.d_out = d_model, d_ff, d_out
         self.activation = activation
         self.dropout = float(dropout)
@@ -93,17 +90,9 @@ class PositionWiseFFN(nn.Module):
             self.d_model = self.fc1.in_features
         # fused CPU kernel when it applies (sublayer.kernels), else the reference SF.feed_forward
         return fused.feed_forward(
-            x,
-            self.fc1.weight,
-            self.fc1.bias,
-            self.fc2.weight,
-            self.fc2.bias,
-            activation=self.activation,
-            dropout=self.dropout,
-            output_dropout=self.output_dropout,
-            training=self.training,
-            recompute=self.recompute,
-        )
+            x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, activation=self.activation,
+            dropout=self.dropout, output_dropout=self.output_dropout, training=self.training, recompute=self.recompute,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         s = f"activation={self.activation!r}, dropout={self.dropout}, output_dropout={self.output_dropout}"

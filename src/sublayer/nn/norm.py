@@ -13,7 +13,38 @@ from .._checks import check_choice, check_eps, normalize_shape
 __all__ = ["LayerNorm", "RMSNorm", "make_norm"]
 
 
-class LayerNorm(nn.Module):
+class _Norm(nn.Module):
+    """What LayerNorm and RMSNorm share: the trailing shape, eps and the affine ``weight`` (ones) and, for
+    LayerNorm (``bias`` not None), ``bias`` (zeros)."""
+
+    def __init__(self, normalized_shape, eps, elementwise_affine, bias, device, dtype) -> None:
+        super().__init__()
+        self.normalized_shape = normalize_shape("normalized_shape", normalized_shape)
+        check_eps("eps", eps)
+        self.eps = float(eps)
+        self.elementwise_affine = elementwise_affine
+        kw = {"device": device, "dtype": dtype}
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **kw))
+            if bias is not None:
+                self.bias = nn.Parameter(torch.empty(self.normalized_shape, **kw)) if bias else None
+        else:
+            self.register_parameter("weight", None)
+            if bias is not None:
+                self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if getattr(self, "bias", None) is not None:
+            nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class LayerNorm(_Norm):
     """Layer normalisation over the trailing ``normalized_shape`` dims; same numbers as ``nn.LayerNorm``.
 
     Statistics in float32 for half inputs, two-pass variance.
@@ -41,34 +72,13 @@ class LayerNorm(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.normalized_shape = normalize_shape("normalized_shape", normalized_shape)
-        check_eps("eps", eps)
-        self.eps = float(eps)
-        self.elementwise_affine = elementwise_affine
-        kw = {"device": device, "dtype": dtype}
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **kw))
-            self.bias = nn.Parameter(torch.empty(self.normalized_shape, **kw)) if bias else None
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        if self.weight is not None:
-            nn.init.ones_(self.weight)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         return SF.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
-    def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
-
-class RMSNorm(nn.Module):
+class RMSNorm(_Norm):
     """Root-mean-square normalisation; same numbers as ``nn.RMSNorm`` (same eps) and HF ``LlamaRMSNorm``.
 
     Args:
@@ -89,25 +99,10 @@ class RMSNorm(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.normalized_shape = normalize_shape("normalized_shape", normalized_shape)
-        check_eps("eps", eps)
-        self.eps = float(eps)
-        self.elementwise_affine = elementwise_affine
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
-        else:
-            self.register_parameter("weight", None)
-
-    def reset_parameters(self) -> None:
-        if self.weight is not None:
-            nn.init.ones_(self.weight)
+        super().__init__(normalized_shape, eps, elementwise_affine, None, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         return SF.rms_norm(x, self.normalized_shape, self.weight, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
 def make_norm(

@@ -15,7 +15,19 @@ from .norm import make_norm
 __all__ = ["AddNorm", "ResidualConnection", "PreNormResidual"]
 
 
-class AddNorm(nn.Module):
+class _Residual(nn.Module):
+    """What the residuals share: ``dropout``, a probability, on the branch in training."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        check_probability("dropout", dropout)
+        self.dropout = float(dropout)
+
+    def extra_repr(self) -> str:
+        return f"dropout={self.dropout}"
+
+
+class AddNorm(_Residual):
     """Post-norm Add & Norm: ``norm(x + dropout(y))`` (the Transformer's, BERT's and d2l's).
 
     Args:
@@ -44,33 +56,19 @@ class AddNorm(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        check_probability("dropout", dropout)
+        super().__init__(dropout)
         self.normalized_shape = normalize_shape("normalized_shape", normalized_shape)
-        self.dropout = float(dropout)
         self.norm_type = norm
         self.norm = make_norm(norm, self.normalized_shape, eps, device=device, dtype=dtype)
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
         n = self.norm
         # fused CPU kernel when it applies (sublayer.kernels), else the reference SF.add_norm
-        return fused.add_norm(
-            x,
-            y,
-            n.normalized_shape,
-            n.weight,
-            getattr(n, "bias", None),
-            n.eps,
-            dropout=self.dropout,
-            training=self.training,
-            norm=self.norm_type,
-        )
-
-    def extra_repr(self) -> str:
-        return f"dropout={self.dropout}"
+        return fused.add_norm(x, y, n.normalized_shape, n.weight, getattr(n, "bias", None), n.eps, dropout=self.dropout,
+                              training=self.training, norm=self.norm_type)  # fmt: skip
 
 
-class ResidualConnection(nn.Module):
+class ResidualConnection(_Residual):
     """The plain residual: ``x + dropout(sublayer(x))``.
 
     Args:
@@ -89,18 +87,13 @@ class ResidualConnection(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        check_probability("dropout", dropout)
-        self.dropout = float(dropout)
+        super().__init__(dropout)
 
     def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         return x + fused.dropout(sublayer(x), self.dropout, self.training)  # Philox dropout on the CPU
 
-    def extra_repr(self) -> str:
-        return f"dropout={self.dropout}"
 
-
-class PreNormResidual(nn.Module):
+class PreNormResidual(_Residual):
     """Pre-norm residual: ``x + dropout(sublayer(norm(x)))`` (GPT-2, the Annotated Transformer).
 
     A stack of pre-norm blocks needs one final norm after the last block (see ``TransformerEncoder``).
@@ -125,14 +118,9 @@ class PreNormResidual(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
         check_choice("norm", norm, SF.NORMS)
-        check_probability("dropout", dropout)
-        self.dropout = float(dropout)
+        super().__init__(dropout)
         self.norm = make_norm(norm, normalized_shape, eps, device=device, dtype=dtype)
 
     def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         return x + fused.dropout(sublayer(self.norm(x)), self.dropout, self.training)  # Philox dropout on the CPU
-
-    def extra_repr(self) -> str:
-        return f"dropout={self.dropout}"

@@ -101,14 +101,7 @@ class TransformerDecoder(nn.Module):
             raise ValueError(f"caches must hold one pair per layer ({len(self.layers)}), got {len(caches)}")
         for i, layer in enumerate(self.layers):
             sc, cc = caches[i] if caches is not None else (None, None)
-            x = layer(
-                x,
-                memory,
-                tgt_key_padding_mask=tgt_key_padding_mask,
-                memory_key_padding_mask=memory_key_padding_mask,
-                self_attn_cache=sc,
-                cross_attn_cache=cc,
-                packing=packing,
-                memory_packing=memory_packing,
-            )
+            x = layer(x, memory, tgt_key_padding_mask=tgt_key_padding_mask,
+                      memory_key_padding_mask=memory_key_padding_mask, self_attn_cache=sc, cross_attn_cache=cc,
+                      packing=packing, memory_packing=memory_packing)  # fmt: skip
         return x if self.norm is None else self.norm(x)

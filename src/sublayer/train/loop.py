@@ -7,7 +7,6 @@ import dataclasses
 import json
 import math
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,10 +14,11 @@ import torch
 from torch import nn
 
 from .._checks import check_positive_int, check_probability
+from ..demo.config import warmup_cosine
 from ..demo.checkpoint import STATE_NAME, load_optimizer, read_training_state, save_training_state, write_text
 from ..demo.plots import plot_losses
-from ..demo.signals import hold_signals, interrupts_raise
-from ..demo.training import Progress, echo, optimizer_steps
+from ..demo.signals import hold_signals
+from ..demo.training import Run, adamw, check_start, echo, run_rank, run_steps, torch_threads
 from . import data as D
 from .starter import STARTERS, save_tokenizer, starter_model
 
@@ -89,10 +89,7 @@ class TrainConfig:
 
     def lr_at(self, step: int, steps: int, warmup: int, lr: float) -> float:
         """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_lr_ratio · lr`` at ``steps``."""
-        if step < warmup:
-            return lr * (step + 1) / warmup
-        t = min(1.0, (step - warmup) / max(1, steps - warmup))
-        return lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+        return warmup_cosine(step, steps, warmup, lr, self.min_lr_ratio)
 
 
 class LMLoss(nn.Module):
@@ -222,27 +219,11 @@ def train(
         FileExistsError: ``out`` holds an earlier run's checkpoint and neither ``resume`` nor ``overwrite``.
         KeyboardInterrupt: after saving a checkpoint of the steps done so far (rank 0).
     """
-    check_positive_int("world_size", world_size)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
-    if cfg.batch_size % world_size:
-        raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by --nproc ({world_size})")
-    out = Path(cfg.out)
-    if not cfg.resume and not cfg.overwrite and (out / STATE_NAME).exists():
-        raise FileExistsError(
-            f"{out} holds the checkpoint of an earlier run ({STATE_NAME}): continue it with --resume, replace it "
-            "with --overwrite, or give another --out"
-        )
+    out = check_start(cfg, rank, world_size, "--nproc")
     if not cfg.resume and out.exists() and Path(cfg.model).exists() and out.resolve() == Path(cfg.model).resolve():
         raise ValueError(f"out {str(out)!r} is the --model folder: give another folder for the trained model")
-    old_threads = torch.get_num_threads()
-    threads = cfg.threads or (1 if cfg.model.startswith("builtin:") else None)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
+    with torch_threads(cfg.threads or (1 if cfg.model.startswith("builtin:") else None)):
         return _train(cfg, rank, world_size, wrap_model, on_step, out)
-    finally:
-        torch.set_num_threads(old_threads)
 
 
 def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -> dict | None:
@@ -278,8 +259,7 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
     lr = cfg.lr if cfg.lr is not None else (1e-3 if cfg.model.startswith("builtin:") else 5e-5)
     eval_every = cfg.eval_every or max(1, steps // 10)
     settings = {**dataclasses.asdict(cfg), "seq_len": seq_len, "steps": steps, "lr": lr, "warmup": warmup}
-    history: dict[str, list] = {"train": [], "val": []}
-    start, train_seconds, tokens_seen = 0, 0.0, 0
+    run = Run()
     if cfg.resume:
         for name in DATA_ORDER:
             if name != "seq_len" and settings[name] != state["train_config"][name]:
@@ -287,96 +267,47 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
                                  f"({state['train_config'][name]!r}): a resumed run keeps its data order")  # fmt: skip
         if state.get("data") != fingerprint:
             raise ValueError(f"data {cfg.data!r} does not give the rows the checkpoint in {out} was trained on")
-        start, history = state["step"], state["history"]
-        train_seconds, tokens_seen = state["train_seconds"], state["tokens_seen"]
-        if start > steps:
-            raise ValueError(f"steps ({steps}): the checkpoint in {out} is at step {start} already: nothing to train "
-                             "(give a larger --steps to continue)")  # fmt: skip
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95),
-    )  # fmt: skip
+        run = Run.resumed(state)
+        if run.step > steps:
+            raise ValueError(f"steps ({steps}): the checkpoint in {out} is at step {run.step} already: nothing to "
+                             "train (give a larger --steps to continue)")  # fmt: skip
+    opt = adamw(model, lr, cfg.weight_decay, betas=(0.9, 0.95))
     if cfg.resume:
         load_optimizer(out, opt, state["param_groups"])  # and torch's RNG state
     net = wrap_model(LMLoss(model))
-    rng = torch.get_rng_state()  # the state at the start of step `step`: what a checkpoint saves
 
-    def checkpoint(step: int) -> None:
-        if main:
-            state = {"step": step, "history": history, "train_seconds": train_seconds, "tokens_seen": tokens_seen,
-                     "train_config": settings, "data": fingerprint}  # fmt: skip
-            with hold_signals():
-                model.save_pretrained(out)
-                save_training_state(out, opt, state, rng)
+    def one_step(step: int) -> tuple[float, int]:
+        batch = data.train[D.batch_index(cfg.seed, step, n_rows, cfg.batch_size)]
+        local = batch[rank::world_size]
+        loss = net(local.input_ids, **local.loss_kwargs())
+        # this rank's mean · its share of the targets · world_size: averaged over ranks = the global mean
+        (loss * (local.n_targets * world_size / batch.n_targets)).backward()
+        return float(loss.detach()), batch.n_tokens
+
+    def checkpoint() -> None:
+        with hold_signals():
+            model.save_pretrained(out)
+            save_training_state(out, opt, run.state(train_config=settings, data=fingerprint), run.rng)
 
     if main:
         out.mkdir(parents=True, exist_ok=True)
         if not cfg.resume:
             _write_tokenizer(tokenizer, source, out, seq_len)
         n_params = sum(p.numel() for p in model.parameters())
-        what = f"resuming at step {start} of" if cfg.resume else "training for"
+        what = f"resuming at step {run.step} of" if cfg.resume else "training for"
         echo(quiet, f"[bold]sublayer train[/]: {type(model).__name__} ({n_params / 1e6:.2f}M parameters), "
                     f"{data.n_train_docs} documents in {n_rows} rows of {seq_len} tokens ({data.n_val_docs} held "
                     f"out); {what} {steps} steps ({steps / per_epoch:.2f} epochs) of {cfg.batch_size} rows on "
                     f"{torch.get_num_threads()} thread(s) × {world_size} → {out}/")  # fmt: skip
 
-    step = start
-    model.train()
-    try:
-        with interrupts_raise(), Progress(not quiet, steps, start) as bar:
-            t_last = time.perf_counter()
-            while step < steps:
-                t0 = time.perf_counter()
-                batch = data.train[D.batch_index(cfg.seed, step, n_rows, cfg.batch_size)]
-                local = batch[rank::world_size]
-                lr_now = cfg.lr_at(step, steps, warmup, lr)
-                for g in opt.param_groups:
-                    g["lr"] = lr_now
-                n_local = local.n_targets
-                loss = net(local.input_ids, **local.loss_kwargs())
-                # this rank's mean · its share of the targets · world_size: averaged over ranks = the global mean
-                (loss * (n_local * world_size / batch.n_targets)).backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
-                loss = float(loss.detach())
-                val = None
-                with hold_signals():  # the step lands whole or not at all (see sublayer.demo.training)
-                    try:
-                        opt.step()
-                    finally:
-                        if optimizer_steps(opt) > step:
-                            opt.zero_grad(set_to_none=True)
-                            step += 1
-                            history["train"].append([step, loss])
-                            rng = torch.get_rng_state()
-                    if main and data.val is not None and (step % eval_every == 0 or step == steps):
-                        val = evaluate(model, data.val, cfg.batch_size)
-                        history["val"].append([step, val])
-                train_seconds += time.perf_counter() - t0
-                tokens_seen += batch.n_tokens
-                if on_step is not None:
-                    on_step(step, {"loss": loss, "lr": lr_now, "tokens": batch.n_tokens})
-                if main:
-                    fields = {"completed": step, "loss": loss}
-                    if val is not None:
-                        fields["val"] = f"{val:.3f} (ppl {math.exp(val):.1f})"
-                    if time.perf_counter() - t_last > 0.5 or step == steps:
-                        fields["tps"] = tokens_seen / max(train_seconds, 1e-9)
-                        t_last = time.perf_counter()
-                    bar.update(**fields)
-                    if step % eval_every == 0 and step < steps:
-                        checkpoint(step)
-    except KeyboardInterrupt as e:
-        if main:
-            checkpoint(step)
-            why = f" by {e}" if str(e).startswith("SIG") else ""
-            echo(False, f"interrupted{why} at step {step}: checkpoint saved in {out}/ — continue with --resume")
-        raise
+    run_steps(run, steps, model, opt, one_step, lr_at=lambda step: cfg.lr_at(step, steps, warmup, lr),
+              clip_norm=cfg.clip_norm, eval_every=eval_every,
+              validate=lambda: None if data.val is None else evaluate(model, data.val, cfg.batch_size),
+              val_text=lambda val: f"{val:.3f} (ppl {math.exp(val):.1f})", save_every=eval_every,
+              checkpoint=checkpoint, on_step=on_step, main=main, quiet=quiet, out=out)  # fmt: skip
     if not main:
         return None
-    checkpoint(step)
-    return _finish(cfg, model, data, history, step, train_seconds, tokens_seen, out, quiet)
+    return _finish(cfg, model, data, run.history, run.step, run.train_seconds, run.tokens_seen, out, quiet)
 
 
 def _write_tokenizer(tokenizer, source: Path | None, out: Path, seq_len: int) -> None:
@@ -425,12 +356,4 @@ def _finish(cfg, model, data: Data, history, step, train_seconds, tokens_seen, o
 
 def rank_main(rank: int, world_size: int, cfg: TrainConfig) -> None:
     """One rank of ``sublayer train`` (module level: it is pickled into the spawned processes)."""
-    from ..memory import set_memory_reuse
-
-    set_memory_reuse()  # a spawned rank is a fresh process
-    if world_size == 1:
-        train(cfg)
-        return
-    from torch.nn.parallel import DistributedDataParallel
-
-    train(cfg, rank=rank, world_size=world_size, wrap_model=DistributedDataParallel)
+    run_rank(train, rank, world_size, cfg)
