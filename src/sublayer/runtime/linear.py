@@ -96,10 +96,13 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return torch.round(x * inv).clamp_(-127, 127), torch.where(nz, amax / 127, 0)
 
 
-def int8_linear_reference(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+def int8_linear_reference(
+    x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None, *, inv_smooth: Tensor | None = None
+) -> Tensor:
     """``((x_q @ q^T) * s_x) * scale + bias`` in PyTorch, the sums exact (float64 holds them): x (M, K) float32,
-    q (N, K) int8, scale (N,) -> (M, N) float32; x quantized by :func:`quantize_rows`."""
-    xq, sx = quantize_rows(x)
+    q (N, K) int8, scale (N,) -> (M, N) float32; x (times ``inv_smooth`` (K,) when given) quantized by
+    :func:`quantize_rows`."""
+    xq, sx = quantize_rows(x if inv_smooth is None else x * inv_smooth)
     y = (xq.double() @ q.double().t()).float().mul_(sx).mul_(scale)
     return y if bias is None else y.add_(bias)
 
@@ -115,23 +118,34 @@ class Int8Linear:
             ``* s_x * scale + bias`` in float32 (:func:`int8_linear_reference` without the kernels); ``"float"``
             — weight-only: float32 x times the exactly widened weight (``skinny_linear`` on int8 panels). One row
             (batch-1 decoding) is memory-bound, where weight-only costs no more and is more accurate.
+        smooth: (K,) float32 or None, int8 activations only: SmoothQuant's per-input-channel divisor, x / smooth
+            is what is quantized (``q * scale`` then holds ``W * smooth``; the kernel multiplies by its inverse in
+            its quantization pass).
 
     Call: x (M, K) float32 with unit inner stride, ``activation`` an FFN activation name or None -> (M, N).
     The weight is packed at the first call with the kernels on.
 
     Raises:
-        ValueError: ``activations`` is neither "int8" nor "float". TypeError: ``q`` is not a 2-D int8 tensor.
+        ValueError: ``activations`` is neither "int8" nor "float", or ``smooth`` with float activations.
+        TypeError: ``q`` is not a 2-D int8 tensor.
     """
 
-    def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None, *, activations: str = "int8") -> None:
+    def __init__(
+        self, q: Tensor, scale: Tensor, bias: Tensor | None = None, *, activations: str = "int8",
+        smooth: Tensor | None = None,
+    ) -> None:  # fmt: skip
         if activations not in ("int8", "float"):
             raise ValueError(f"Int8Linear: activations must be 'int8' or 'float', got {activations!r}")
+        if smooth is not None and activations != "int8":
+            raise ValueError("Int8Linear: smooth applies to int8 activations only (activations='int8')")
         if q.dtype != torch.int8 or q.dim() != 2:
             raise TypeError(f"Int8Linear: q must be a 2-D int8 tensor, got {q.dtype} {tuple(q.shape)}")
         self.q, self.scale, self.activations = q.detach().contiguous(), scale.detach().float().contiguous(), activations
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_features, self.in_features = q.shape
         self.colsum = self.q.sum(dim=1, dtype=torch.int32)  # takes the unsigned activations' +128 back
+        self.smooth = None if smooth is None else smooth.detach().float().contiguous()
+        self.inv_smooth = None if smooth is None else (1.0 / self.smooth).contiguous()
         self._packed: Tensor | None = None
 
     def packed(self) -> Tensor:
@@ -145,12 +159,14 @@ class Int8Linear:
         if kernels_on():
             act, n = EPILOGUE.get(activation, 0), self.out_features
             if self.activations == "int8":
-                y = kernels.ops().int8_linear(x, self.packed(), self.colsum, self.scale, self.bias, n, act)
+                y = kernels.ops().int8_linear(
+                    x, self.packed(), self.colsum, self.scale, self.bias, n, act, self.inv_smooth
+                )
             else:
                 y = kernels.ops().skinny_linear(x, self.packed(), self.bias, n, act, self.scale)
             return y if activation is None or act else ffn_hidden(y, None, activation)
         if self.activations == "int8":
-            y = int8_linear_reference(x, self.q, self.scale, self.bias)
+            y = int8_linear_reference(x, self.q, self.scale, self.bias, inv_smooth=self.inv_smooth)
         else:
             y = F.linear(x, self.q.float()).mul_(self.scale)
             y = y if self.bias is None else y.add_(self.bias)
