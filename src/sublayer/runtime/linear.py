@@ -87,13 +87,17 @@ class PackedLinear:
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-row int8 quantization as the ``int8_linear`` kernel computes it: x (M, K) float32 ->
-    (q (M, K) float32 holding integers in [-127, 127], s (M, 1)) with ``x ≈ q * s``; ``s = max_k |x| / 127``,
-    ``q = round_half_even(x * (127 / max_k |x|))`` (an all-zero row: q = 0, s = 0)."""
-    amax = x.abs().amax(dim=1, keepdim=True)
-    nz = amax > 0
-    inv = torch.where(nz, 127 / torch.where(nz, amax, 1), 0)
-    return torch.round(x * inv).clamp_(-127, 127), torch.where(nz, amax / 127, 0)
+    """Asymmetric per-row uint8 quantization as the ``int8_linear`` kernel computes it: x (M, K) float32 ->
+    (q (M, K) float32 holding the integers ``u - zp``, s (M, 1)) with ``x ≈ q * s``: over the row's range
+    ``[lo, hi] = [min(min_k x, 0), max(max_k x, 0)]``, ``s = (hi - lo) / 255``, the zero point
+    ``zp = round(-lo * 255 / (hi - lo))`` and ``u = clamp(round_half_even(x * 255 / (hi - lo)) + zp, 0, 255)``:
+    256 levels over each row's own range (an all-zero row: q = 0, s = 0)."""
+    lo = x.amin(dim=1, keepdim=True).clamp(max=0)
+    rng = x.amax(dim=1, keepdim=True).clamp(min=0) - lo
+    nz = rng > 0
+    inv = torch.where(nz, 255 / torch.where(nz, rng, 1), 0)
+    zp = torch.round(-lo * inv)
+    return (torch.round(x * inv) + zp).clamp_(0, 255) - zp, rng / 255
 
 
 def int8_linear_reference(
@@ -112,9 +116,9 @@ class Int8Linear:
 
     Args:
         q: (N, K) int8. scale: (N,) float32 (the weight is ``q * scale[:, None]``). bias: (N,) or None.
-        activations: ``"int8"`` — each row of x quantized to int8 (:func:`quantize_rows`: symmetric, scale
-            ``max|x_r| / 127``), exact int32 sums of int8 x int8 (the ``int8_linear`` kernel: AVX512-VNNI
-            ``vpdpbusd`` on x + 128 minus 128 times the weight's column sums, a portable loop elsewhere), then
+        activations: ``"int8"`` — each row of x quantized to 8 bits (:func:`quantize_rows`: uint8 with the row's
+            own scale and zero point), exact int32 sums of uint8 x int8 (the ``int8_linear`` kernel: AVX512-VNNI
+            ``vpdpbusd``, minus the zero point times the weight's column sums; a portable loop elsewhere), then
             ``* s_x * scale + bias`` in float32 (:func:`int8_linear_reference` without the kernels); ``"float"``
             — weight-only: float32 x times the exactly widened weight (``skinny_linear`` on int8 panels). One row
             (batch-1 decoding) is memory-bound, where weight-only costs no more and is more accurate.
@@ -143,7 +147,7 @@ class Int8Linear:
         self.q, self.scale, self.activations = q.detach().contiguous(), scale.detach().float().contiguous(), activations
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_features, self.in_features = q.shape
-        self.colsum = self.q.sum(dim=1, dtype=torch.int32)  # takes the unsigned activations' +128 back
+        self.colsum = self.q.sum(dim=1, dtype=torch.int32)  # takes the activations' zero points back
         self.smooth = None if smooth is None else smooth.detach().float().contiguous()
         self.inv_smooth = None if smooth is None else (1.0 / self.smooth).contiguous()
         self._packed: Tensor | None = None

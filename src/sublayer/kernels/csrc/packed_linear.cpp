@@ -639,7 +639,7 @@ Tensor pack_int8_quads(const Tensor& q) {
 }
 
 // acc[r][p][0..15] (int32) = sum_k xu[r][k] * w_p[k][0..15] for R rows and NP quad panels (NP panels `pstride` bytes
-// apart), xu: the rows' unsigned activations (x_int8 + 128), K4 32-bit quads per row, rows `xstride` quads apart.
+// apart), xu: the rows' uint8 activations (quantize_row), K4 32-bit quads per row, rows `xstride` quads apart.
 // AVX512-VNNI: per quad, NP weight loads and R broadcasts feed R * NP vpdpbusd (up to 24 accumulators); the
 // portable loop elsewhere (same integer sums).
 template <int R, int NP>
@@ -714,42 +714,51 @@ inline void quad_kernel_8x3(const uint32_t* xu, int64_t xstride, int64_t K4, con
   quad_kernel<8, 3>(xu, xstride, K4, w, pstride, acc);
 }
 
-// Per-row symmetric quantization as int8_linear's reference computes it: v[k] = x[k] * inv_smooth[k] (or x[k]),
-// amax = max_k |v[k]|, inv = 127 / amax, q[k] = round-half-even(v[k] * inv) in [-127, 127], the row's scale
-// amax / 127 (an all-zero row: 0 and 0). Writes q + 128 as bytes (K4 quads, padded with 128: q = 0) and returns
-// the scale.
-float quantize_row(const float* x, const float* S, int64_t K, int64_t K4, uint8_t* out) {
-  float amax = 0.f;
+// Per-row asymmetric uint8 quantization as int8_linear's reference computes it: v[k] = x[k] * inv_smooth[k] (or
+// x[k]), lo = min(min_k v, 0), hi = max(max_k v, 0), inv = 255 / (hi - lo), zero point zp = round(-lo * inv),
+// u[k] = clamp(round-half-even(v[k] * inv) + zp, 0, 255) (v ~ (u - zp) * scale, scale = (hi - lo) / 255: the
+// row's 256 levels span its own range). Writes u (K4 quads, padded with zp: u - zp = 0), sets *zp and returns the
+// scale (an all-zero row: u = 0, zp = 0, scale 0).
+float quantize_row(const float* x, const float* S, int64_t K, int64_t K4, uint8_t* out, int32_t* zp_out) {
+  float lo = 0.f, hi = 0.f;
   int64_t k = 0;
 #if defined(__AVX512F__)
-  __m512 vm = _mm512_setzero_ps();
+  __m512 vlo = _mm512_setzero_ps(), vhi = _mm512_setzero_ps();
   for (; k + 16 <= K; k += 16) {
     __m512 v = _mm512_loadu_ps(x + k);
     if (S) v = _mm512_mul_ps(v, _mm512_loadu_ps(S + k));
-    vm = _mm512_max_ps(vm, _mm512_abs_ps(v));
+    vlo = _mm512_min_ps(vlo, v);
+    vhi = _mm512_max_ps(vhi, v);
   }
-  amax = _mm512_reduce_max_ps(vm);
+  lo = _mm512_reduce_min_ps(vlo);
+  hi = _mm512_reduce_max_ps(vhi);
 #endif
-  for (; k < K; ++k) amax = std::max(amax, std::fabs(S ? x[k] * S[k] : x[k]));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (; k < K; ++k) {
+    const float v = S ? x[k] * S[k] : x[k];
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+  }
+  const float range = hi - lo, inv = range > 0.f ? 255.f / range : 0.f;
+  const int32_t zp = int32_t(std::nearbyint(-lo * inv));
   k = 0;
 #if defined(__AVX512F__)
-  const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-  const __m512i off = _mm512_set1_epi32(128);
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m512i vzp = _mm512_set1_epi32(zp), z0 = _mm512_setzero_si512(), z255 = _mm512_set1_epi32(255);
   for (; k + 16 <= K; k += 16) {
     __m512 v = _mm512_loadu_ps(x + k);
     if (S) v = _mm512_mul_ps(v, _mm512_loadu_ps(S + k));
-    v = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_mul_ps(v, vinv)));  // rounds to even below, as nearbyint
-    const __m512i q = _mm512_add_epi32(_mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), off);
+    __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_epi32(z255, _mm512_max_epi32(z0, _mm512_add_epi32(q, vzp)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(q));
   }
 #endif
   for (; k < K; ++k) {
     const float v = S ? x[k] * S[k] : x[k];
-    out[k] = uint8_t(int32_t(std::nearbyint(std::min(127.f, std::max(-127.f, v * inv)))) + 128);
+    out[k] = uint8_t(std::min<int32_t>(255, std::max<int32_t>(0, int32_t(std::nearbyint(v * inv)) + zp)));
   }
-  for (k = K; k < 4 * K4; ++k) out[k] = 128;
-  return amax > 0.f ? amax / 127.f : 0.f;
+  for (k = K; k < 4 * K4; ++k) out[k] = uint8_t(zp);
+  *zp_out = zp;
+  return range / 255.f;
 }
 
 constexpr int64_t QROWS = 8;   // rows per quad_kernel call
@@ -758,7 +767,7 @@ constexpr int64_t QBLOCK = 64; // rows per tile: their quantized activations sta
 
 // One tile: rows [r0, r1) x panels [p0, p1) of int8_linear's output, ACT fused into the epilogue.
 template <int64_t ACT>
-void int8_tile(const uint32_t* xu, const float* sx, int64_t K4, const int8_t* wp, const int32_t* cp, const float* sp,
+void int8_tile(const uint32_t* xu, const float* sx, const int32_t* zp, int64_t K4, const int8_t* wp, const int32_t* cp, const float* sp,
                const float* bp, float* op, int64_t n, int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
   using QuadFn = void (*)(const uint32_t*, int64_t, int64_t, const int8_t*, int64_t, int32_t*);
   static constexpr QuadFn kQuad[QPAN + 1][QROWS + 1] = {
@@ -785,24 +794,25 @@ void int8_tile(const uint32_t* xu, const float* sx, int64_t K4, const int8_t* wp
       kQuad[np][R](xu + r * K4, K4, K4, wp + p * pstride, pstride, acc);
       for (int64_t i = 0; i < R; ++i) {
         const float s = sx[r + i];
+        const int32_t z = zp[r + i];
         const int32_t* a = acc + i * np * PANEL;
         float* o = op + (r + i) * n + c0;
         if (nc == np * PANEL) {
 #pragma omp simd
           for (int64_t j = 0; j < np * PANEL; ++j)
-            o[j] = act_f<ACT>(float(a[j] - 128 * cpanel[j]) * s * spanel[j] + bpanel[j]);
+            o[j] = act_f<ACT>(float(a[j] - z * cpanel[j]) * s * spanel[j] + bpanel[j]);
         } else {
-          for (int64_t j = 0; j < nc; ++j) o[j] = act_f<ACT>(float(a[j] - 128 * cpanel[j]) * s * spanel[j] + bpanel[j]);
+          for (int64_t j = 0; j < nc; ++j) o[j] = act_f<ACT>(float(a[j] - z * cpanel[j]) * s * spanel[j] + bpanel[j]);
         }
       }
     }
   }
 }
 
-// x (M, K) float32 -> (M, n) = act(((x_int8 @ W^T) * sx[row]) * scale[col] + bias): int8 activations quantized per
-// row (quantize_row; of x * inv_smooth when given: SmoothQuant's per-input-channel divisor), int8 weights in quad
-// panels (pack_int8_quads) with colsum[c] = sum_k W[c, k] (int32; the unsigned activations' +128 is taken back as
-// 128 * colsum), exact int32 sums. Blocked: x is quantized once (rows over the threads), then tiles of QBLOCK rows
+// x (M, K) float32 -> (M, n) = act((((u - zp) @ W^T) * sx[row]) * scale[col] + bias): uint8 activations u
+// quantized per row with their zero point zp (quantize_row; of x * inv_smooth when given: SmoothQuant's
+// per-input-channel divisor), int8 weights in quad panels (pack_int8_quads) with colsum[c] = sum_k W[c, k] (int32;
+// u @ W^T - zp * colsum), exact int32 sums. Blocked: x is quantized once (rows over the threads), then tiles of QBLOCK rows
 // x all panels (or, with fewer row blocks than twice the threads, x a share of the panels) go to the threads; in a
 // tile each group of QPAN panels stays in L1/L2 while the tile's rows stream past it.
 Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, const Tensor& scale,
@@ -832,15 +842,17 @@ Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, 
     TORCH_CHECK(inv_smooth->size(0) == K, "int8_linear: inv_smooth must have K=", K, " elements");
     smp = inv_smooth->data_ptr<float>();
   }
-  Tensor out = at::empty({M, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  Tensor out = sublayer_cache::empty({M, n}, at::kFloat);  // recycled: no fresh-page faults call after call
   if (M == 0 || n == 0) return out;
-  std::vector<uint32_t> xu(M * K4);
+  Tensor xu_t = sublayer_cache::empty({M * K4}, at::kInt);
+  uint32_t* xu = reinterpret_cast<uint32_t*>(xu_t.data_ptr<int32_t>());
   std::vector<float> sx(M);
+  std::vector<int32_t> zp(M);
   const float* xp = x.data_ptr<float>();
   const int64_t xs = x.stride(0);
   at::parallel_for(0, M, row_grain(K), [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r)
-      sx[r] = quantize_row(xp + r * xs, smp, K, K4, reinterpret_cast<uint8_t*>(xu.data() + r * K4));
+      sx[r] = quantize_row(xp + r * xs, smp, K, K4, reinterpret_cast<uint8_t*>(xu + r * K4), &zp[r]);
   });
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int32_t* cp = colsum.data_ptr<int32_t>();
@@ -857,7 +869,7 @@ Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, 
         const int64_t rb = t / n_cg, cg = t % n_cg;
         const int64_t p0 = cg * cg_pan, p1 = std::min(P, p0 + cg_pan);
         if (p0 < p1)
-          int8_tile<ACT>(xu.data(), sx.data(), K4, wp, cp, sp, bp, op, n, rb * QBLOCK, std::min(M, (rb + 1) * QBLOCK),
+          int8_tile<ACT>(xu, sx.data(), zp.data(), K4, wp, cp, sp, bp, op, n, rb * QBLOCK, std::min(M, (rb + 1) * QBLOCK),
                          p0, p1);
       }
     });
