@@ -11,11 +11,12 @@ What is quantized in BERT, and how:
   quantized once when the wrapper is built;
 * their inputs are quantized **dynamically, per token**. Where :func:`own_int8_gemm` (the kernels built, a CPU
   with AVX512-VNNI or AMX-INT8) the layers are :class:`sublayer.runtime.linear.Int8Linear` with int8 activations:
-  each token symmetric int8 with scale ``max|x| / 127`` (:func:`sublayer.runtime.linear.quantize_rows`), exact
-  int32 sums on sublayer's ``int8_linear`` kernel (``vpdpbusd``), the bias and GELU fused into the GEMM's output
-  pass (:func:`sublayer.runtime.linear.int8_linear_reference` is its reference). Elsewhere (AVX2 CPUs, where
-  that kernel has no fast int8 loop) each token is divided by its own ``max|x|`` and the
-  result goes through ``quantized::linear_dynamic`` (the op of the deprecated
+  each token uint8 with its own scale and zero point (256 levels over the token's range,
+  :func:`sublayer.runtime.linear.quantize_rows`), exact int32 sums on sublayer's ``int8_linear`` kernel
+  (``vpdpbusd``), the bias and GELU fused into the GEMM's output pass
+  (:func:`sublayer.runtime.linear.int8_linear_reference` is its reference). Elsewhere (AVX2 CPUs, where that
+  kernel has no fast int8 loop) each token is divided by its own ``max|x|`` and the result goes through
+  ``quantized::linear_dynamic`` (the op of the deprecated
   ``torch.ao.quantization.quantize_dynamic``: uint8 with one scale per call, which on rows of max 1 is a per-token
   grid of step <= 2/255; int32 accumulation); the output is multiplied back per token and the float bias added.
   Its engine (:func:`engine`): fbgemm on AVX2 CPUs, oneDNN where the
@@ -28,9 +29,10 @@ What is quantized in BERT, and how:
   outlier channels (an order of magnitude above the median in all-MiniLM-L6-v2) move into the weights, which
   per-channel int8 absorbs;
 * what stays float32: embeddings, LayerNorms, attention (SDPA), GELU, the pooler, and the dense layers matched by
-  ``keep_float`` (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}``; default :data:`DEFAULT_KEEP_FLOAT`,
-  chosen by measurement, see its comment). Without fbgemm (another CPU architecture)
-  :func:`int8_linear_reference` computes the same numbers in plain PyTorch (slowly).
+  ``keep_float`` (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}``; default :func:`default_keep_float`,
+  chosen by measurement, see the comments of :data:`DEFAULT_KEEP_FLOAT` and :data:`DEFAULT_KEEP_FLOAT_OWN_GEMM`).
+  Without fbgemm (another CPU architecture) on the linear_dynamic path :func:`int8_linear_reference` computes the
+  same numbers in plain PyTorch (slowly).
 
 The wrapper is independent of the float model once built (it holds only the tensors it uses):
 :meth:`QuantizedBert.save_pretrained` writes them to ``model.safetensors`` + ``config.json`` (the HF config with
@@ -78,6 +80,8 @@ from .quantized_gpt2 import DEFAULT_KEEP_FLOAT_GPT2, QuantizedCausalLM, Quantize
 __all__ = [
     "QUANTIZE_CHOICES",
     "DEFAULT_KEEP_FLOAT",
+    "DEFAULT_KEEP_FLOAT_OWN_GEMM",
+    "default_keep_float",
     "QUANT_METHOD",
     "quantize",
     "load_quantized",
@@ -97,6 +101,12 @@ __all__ = [
 # represent next to the other channels. Chosen on all-MiniLM-L6-v2 by the minimum token cosine to HF fp32 over
 # real texts and random ids: keeping these two layers float raised it most; keeping more float bought little.
 DEFAULT_KEEP_FLOAT: tuple[str, ...] = ("layers.[01].fc2",)
+# On sublayer's int8_linear (own_int8_gemm) every token has its own zero point as well as its own scale: 256 levels
+# over [min, max] of the row rather than a grid symmetric about 0, which the mostly-positive GELU outputs fill
+# twice as finely. There every dense layer is int8 by default: on all-MiniLM-L6-v2 the minimum token cosine to
+# fp32 is then 0.995 on random ids and 0.991 on real texts, above linear_dynamic's 0.991 / 0.991 with
+# DEFAULT_KEEP_FLOAT (and 0.997 / 0.994 when those two layers stay float).
+DEFAULT_KEEP_FLOAT_OWN_GEMM: tuple[str, ...] = ()
 SMOOTH_ALPHA = 0.5
 
 
@@ -123,6 +133,14 @@ def own_int8_gemm() -> bool:
     module docstring): the kernels on and a CPU with AVX512-VNNI or AMX-INT8. Elsewhere fbgemm's
     ``linear_dynamic`` multiplies faster than that kernel's portable loop. Decided when a model is built."""
     return kernels_on() and kernels.cpu.has("avx512_vnni", "amx_int8")
+
+
+def default_keep_float(own_gemm: bool | None = None) -> tuple[str, ...]:
+    """BERT's dense layers kept float32 when ``keep_float`` is None: :data:`DEFAULT_KEEP_FLOAT_OWN_GEMM` on
+    sublayer's ``int8_linear`` (``own_gemm``; None: :func:`own_int8_gemm`), :data:`DEFAULT_KEEP_FLOAT` on
+    ``linear_dynamic``."""
+    own = own_int8_gemm() if own_gemm is None else own_gemm
+    return DEFAULT_KEEP_FLOAT_OWN_GEMM if own else DEFAULT_KEEP_FLOAT
 
 
 # ----------------------------------------------------------------------------------------------- one linear
@@ -262,7 +280,7 @@ def _linear_tensors(name: str, w: Tensor, b: Tensor | None, keep: bool, x_amax: 
     return out
 
 
-def _make_linear(t: dict[str, Tensor], name: str, own: bool):
+def _make_linear(t: dict[str, Tensor], name: str, own: bool = False):
     b = t.get(f"{name}.bias")
     if f"{name}.qweight" in t:
         if own:
@@ -337,15 +355,17 @@ class QuantizedBert:
         self.training = False
         self.own_gemm = own_int8_gemm() if own_gemm is None else bool(own_gemm)
         self.layers = [
-            {k: _make_linear(tensors, f"layers.{i}.{k}", self.own_gemm) for k in LINEARS} for i in range(config.n_layers)
+            {k: _make_linear(tensors, f"layers.{i}.{k}", self.own_gemm) for k in LINEARS}
+            for i in range(config.n_layers)
         ]
 
     @classmethod
     def from_model(
-        cls, model: Bert, keep_float=DEFAULT_KEEP_FLOAT, calibration: Tensor | None | bool = None, *,
+        cls, model: Bert, keep_float=None, calibration: Tensor | None | bool = None, *,
         own_gemm: bool | None = None,
     ) -> QuantizedBert:
-        """See :func:`quantize`."""
+        """See :func:`quantize`; ``own_gemm`` as the constructor's."""
+        keep_float = default_keep_float(own_gemm) if keep_float is None else keep_float
         keep_float = check_keep_float(keep_float, dense_names(model.config.n_layers))
         check_float_cpu(model)
         e, t, dense = model.embeddings, {}, {}
@@ -521,7 +541,7 @@ def quantize(
     Args:
         model: a :class:`Bert` or a decoder-only LM (:class:`GPT2`, :class:`Llama`) with float32 CPU parameters.
         keep_float: ``fnmatch`` patterns of dense layers left in float32, over ``layers.{i}.{qkv,out,fc1,fc2}``
-            (the LMs also ``head``, the LM head); None: :data:`DEFAULT_KEEP_FLOAT` (BERT) /
+            (the LMs also ``head``, the LM head); None: :func:`default_keep_float` (BERT) /
             :data:`~sublayer.models.quantized_gpt2.DEFAULT_KEEP_FLOAT_GPT2` (the LMs).
         calibration: BERT only: (B, T) token ids the float layers run on to measure input ranges for the
             smoothing factors; None: 8 random sequences (fixed seed); False: no smoothing. The LMs' activations
@@ -532,7 +552,7 @@ def quantize(
         the CPU, bad calibration ids (as :meth:`Bert.forward`), ``calibration`` given for a causal LM.
     """
     if isinstance(model, Bert):
-        return QuantizedBert.from_model(model, DEFAULT_KEEP_FLOAT if keep_float is None else keep_float, calibration)
+        return QuantizedBert.from_model(model, keep_float, calibration)
     if isinstance(model, CausalLM):
         if calibration is not None:
             raise ValueError(
