@@ -16,12 +16,13 @@ def test_quick_jobs_time_each_row_against_its_peer_and_write_the_report(tmp_path
     rows = jobs.run_jobs(quick=True, reps=1, work=tmp_path / "work", report=tmp_path, notes="shared", log=lines.append)
     by_case = {r.case.split(" (")[0].split(",")[0]: r for r in rows}
     assert set(by_case) >= {"GPT-2 greedy decoding", "Transformer.translate demo d128 l2 pre-norm",
-                            "BERT training step", "GPT-2 training step", "BERT int8 inference", "sentence embedding",
+                            "BERT training step", "GPT-2 training step", "BERT int8 inference", "BERT int8 inference vs our bf16",
+                            "sentence embedding",
                             "HF BertForSequenceClassification fine-tuning step", "HF GPT2LMHeadModel fine-tuning step",
                             "sublayer demo training"}  # fmt: skip
     from sublayer import kernels
 
-    assert len(rows) == 6 + 2 + 2 + 1 + 1 + 2 * (2 if kernels.native_bf16_gemm() else 1) + 1 + 1
+    assert len(rows) == 6 + 2 + 2 + 2 + 1 + 2 * (2 if kernels.native_bf16_gemm() else 1) + 1 + 1  # int8: vs fp32, bf16
     for r in rows:
         assert r.times_ms["sublayer"] > 0
         if not r.case.startswith("GPT-2 greedy"):  # the decoding peer (CTranslate2) is optional

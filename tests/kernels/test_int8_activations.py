@@ -48,11 +48,13 @@ def test_pack_int8_quads_layout():
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 40])
 @pytest.mark.parametrize(("n", "k"), [(37, 13), (17, 29), (5, 3), (53, 101), (149, 773)])
 def test_int8_linear_integer_sums_are_exact(rows, n, k, isa):
-    # integer x whose rows reach +-127 and unit scales: the output is the integer sum itself
+    # integer x whose rows span [-128, 127] (row scale 1, zero point 128) and unit weight scales: the output is
+    # the integer sum itself
     g = torch.Generator().manual_seed(rows * 100 + n)
     q = _int8(n + k, n, k)
-    x = torch.randint(-127, 128, (rows, k), generator=g).float()
+    x = torch.randint(-128, 128, (rows, k), generator=g).float()
     x[:, 0] = 127.0
+    x[:, -1] = -128.0
     got = _linear(x, q, torch.ones(n), None)
     assert torch.equal(got, (x.long() @ q.long().t()).float())
 
@@ -86,11 +88,15 @@ def test_int8_linear_fused_activation(act, isa):
     assert_fast_close(_linear(x, q, s, b, ACT_IDS[act]), fn(int8_linear_reference(x, q, s, b)), ref64, what=act)
 
 
-def test_quantize_rows_is_symmetric_per_row_and_close():
+def test_quantize_rows_spans_each_row_and_is_close():
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    x[1] = x[1].abs() + 0.5  # all positive: the range starts at 0
     xq, sx = quantize_rows(x)
-    assert xq.abs().amax(1).eq(127).all() and torch.equal(xq, xq.round())
-    assert ((xq * sx - x).abs() <= sx / 2 * (1 + 1e-6)).all()
+    assert torch.equal(xq, xq.round()) and (xq.amax(1) - xq.amin(1)).le(255).all()
+    span = xq.amax(1).clamp(min=0) - xq.amin(1).clamp(max=0)  # 256 levels over [min(x, 0), max(x, 0)]
+    assert span.ge(254).all()  # (less one where both ends round inwards)
+    assert ((xq * sx - x).abs() <= sx / 2 * (1 + 1e-5)).all()
+    assert xq[1].amin() >= 0 and torch.equal(quantize_rows(torch.zeros(2, 3))[1], torch.zeros(2, 1))
 
 
 @pytest.mark.parametrize("activations", ["int8", "float"])

@@ -120,17 +120,19 @@ def test_int8_engine_matches_the_reference_linear():
 
 # ---------------------------------------------------------------------------------------------- whole model
 def test_outlier_model_accuracy_needs_the_smoothing():
+    # on linear_dynamic's grid (one scale per call over tokens of max 1); int8_linear's per-token zero points keep
+    # this model's plain int8 close too (test_own_gemm_model_close_to_float)
     m = _outlier_bert()
     ids, mask = _ids()
     with torch.no_grad():
         ref = m(ids, mask)
-    smooth = Q.quantize(m, keep_float=())(ids, mask)
-    plain = Q.QuantizedBert.from_model(m, (), calibration=False)(ids, mask)
+    smooth = Q.QuantizedBert.from_model(m, (), own_gemm=False)(ids, mask)
+    plain = Q.QuantizedBert.from_model(m, (), calibration=False, own_gemm=False)(ids, mask)
     c_smooth, c_plain = _min_cos(smooth, ref, mask), _min_cos(plain, ref, mask)
     assert c_smooth >= 0.99, c_smooth
     assert c_plain < 0.99  # the outlier channels do break plain per-token int8 on this model
     with torch.no_grad():
-        sent_q, sent_ref = Q.quantize(m, keep_float=()).embed(ids, mask), m.embed(ids, mask)
+        sent_q, sent_ref = Q.QuantizedBert.from_model(m, (), own_gemm=False).embed(ids, mask), m.embed(ids, mask)
     assert float((sent_q * sent_ref).sum(-1).min()) >= 0.995
 
 
@@ -150,14 +152,38 @@ def test_random_model_close_to_float_and_padding_zero():
     assert h.dtype == torch.float32 and not h.requires_grad
 
 
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no C++ kernels here")
+
+
+def _two_sided_ids():
+    """Padding on the right (rows 1, 3), on the left (row 2) and on both sides (row 4)."""
+    ids, mask = _ids()
+    mask[2, :6] = 0
+    mask[4, :3] = 0
+    mask[4, 19:] = 0
+    return ids * mask, mask
+
+
+@pytest.mark.parametrize("own_gemm", [True, False])
 @pytest.mark.parametrize("keep_float", [(), ("layers.[01].fc2",), ("*.fc1", "*.out"), ("*",)])
-def test_kernel_epilogues_match_reference(keep_float):
+def test_kernel_epilogues_match_reference(keep_float, own_gemm):
+    # own_gemm: Int8Linear (int8_linear kernel) == the same quantization in PyTorch (int8_linear_reference, kernels
+    # off), and the portable loop (AVX-512 off) == the VNNI one exactly (the same integer sums)
     if not kernels.available():
         pytest.skip("no C++ kernels here")
     m = _outlier_bert()
-    ids, mask = _ids()
-    q = Q.quantize(m, keep_float=keep_float)
+    ids, mask = _two_sided_ids()
+    q = Q.QuantizedBert.from_model(m, keep_float, own_gemm=own_gemm)
+    assert q.own_gemm == own_gemm and ("gemm=int8_linear" in repr(q)) == own_gemm
     fast = q(ids, mask)
+    if own_gemm and keep_float != ("*",):
+        assert q.layers[1]["qkv"].inv_smooth is not None
+        was = kernels.ops().decode_avx512(0)
+        try:
+            assert torch.equal(q(ids, mask), fast)
+        finally:
+            kernels.ops().decode_avx512(int(was))
+    assert (fast[~mask.bool()] == 0).all()
     kernels.set_enabled(False)
     try:
         ref = q(ids, mask)
@@ -167,6 +193,46 @@ def test_kernel_epilogues_match_reference(keep_float):
     if keep_float == ("*",):  # nothing quantized: the float model's numbers
         with torch.no_grad():
             assert_close(fast[mask.bool()], m(ids, mask)[mask.bool()], atol=1e-4, rtol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("calibration", [None, False])
+def test_own_gemm_model_close_to_float(calibration):
+    for m in (_outlier_bert(), Bert(BertConfig(**CFG)).eval()):
+        q = Q.QuantizedBert.from_model(m, calibration=calibration, own_gemm=True)
+        assert q.keep_float == Q.DEFAULT_KEEP_FLOAT_OWN_GEMM
+        ids, mask = _two_sided_ids()
+        with torch.no_grad():
+            ref = m(ids, mask)
+        assert _min_cos(q(ids, mask), ref, mask) >= 0.99
+
+
+@needs_kernels
+@pytest.mark.parametrize("own_gemm", [True, False])
+def test_all_padding_batch_is_finite_and_zero(own_gemm):
+    q = Q.QuantizedBert.from_model(_outlier_bert(), own_gemm=own_gemm)
+    ids, mask = _ids()
+    mask[:] = 0
+    h = q(ids * 0, mask)
+    assert h.shape == (*ids.shape, CFG["d_model"]) and torch.isfinite(h).all() and (h == 0).all()
+    with pytest.raises(ValueError, match="row with no token"):  # as Bert.embed
+        q.embed(ids * 0, mask)
+
+
+@needs_kernels
+def test_folder_saved_for_either_gemm_loads_for_the_other(tmp_path):
+    # the stored tensors do not depend on the GEMM: a folder keeps its keep_float, the loader picks the GEMM
+    m = _outlier_bert()
+    ids, mask = _two_sided_ids()
+    for own in (False, True):
+        q = Q.QuantizedBert.from_model(m, own_gemm=own)
+        q.save_pretrained(tmp_path / str(own))
+        back = Q.load_quantized(tmp_path / str(own))
+        assert back.keep_float == Q.default_keep_float(own) and back.own_gemm == Q.own_int8_gemm()
+        same = Q.QuantizedBert(back.config, back.tensors, back.keep_float, own_gemm=own)
+        other = Q.QuantizedBert(back.config, back.tensors, back.keep_float, own_gemm=not own)
+        assert torch.equal(same(ids, mask), q(ids, mask))
+        assert _min_cos(other(ids, mask), q(ids, mask), mask) >= 0.99
 
 
 def test_keep_float_patterns_select_layers():
@@ -180,11 +246,11 @@ def test_keep_float_patterns_select_layers():
 def test_save_load_round_trip(tmp_path):
     from safetensors import safe_open
 
-    q = Q.quantize(_outlier_bert())
+    q = Q.quantize(_outlier_bert(), keep_float=Q.DEFAULT_KEEP_FLOAT)
     q.save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert f.get_tensor("layers.0.qkv.qweight").dtype == torch.int8
-        assert "layers.0.fc2.weight" in f.keys()  # kept float by default
+        assert "layers.0.fc2.weight" in f.keys()  # kept float
     back = Q.load_quantized(tmp_path)
     assert Q.is_quantized_folder(tmp_path)
     assert back.keep_float == q.keep_float
@@ -197,11 +263,11 @@ def test_save_load_round_trip(tmp_path):
 def test_load_quantized_checks_shapes_dtypes_and_the_pooler(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    Q.quantize(_outlier_bert()).save_pretrained(tmp_path)
+    Q.quantize(_outlier_bert(), keep_float=Q.DEFAULT_KEEP_FLOAT).save_pretrained(tmp_path)
     t = load_file(str(tmp_path / "model.safetensors"))
     del t["pooler.dense.bias"], t["layers.1.norm2.weight"]
     t["embeddings.position"] = t["embeddings.position"][:-1].clone()
-    t["layers.0.fc2.weight"] = t["layers.0.fc2.weight"].double()  # kept float by default
+    t["layers.0.fc2.weight"] = t["layers.0.fc2.weight"].double()  # kept float
     save_file(t, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError) as e:
         Q.load_quantized(tmp_path)

@@ -15,7 +15,8 @@ inputs and weights; ratio = the peer's time / sublayer's (> 1: sublayer is faste
   real hidden states) and GPT-2 (6 layers, d 512, vocab 8192) on 8 x 128 (``GPT2.loss`` vs ``labels=``).
 * ``int8``: BERT inference of MiniLM's shape, 64 x 128 padded: ``fast_inference(quantize="int8")`` against the
   float32 fast path, with the int8 model's worst token and sentence cosine to float32 (and CTranslate2 int8 when
-  ``model`` is a folder with a tokenizer).
+  ``model`` is a folder with a tokenizer); a second row, the same int8 times against our bf16 fast path
+  (``fast_inference(dtype=torch.bfloat16)``, timed in the same rounds).
 * ``embed``: MiniLM sentence embeddings, 64 x 128 padded: ``fast_inference(bert).embed`` against HF ``BertModel``
   with sentence-transformers' mean pooling and L2 normalisation.
 * ``demo``: ``sublayer demo``'s training (40 steps of its default size), tokens/s at the threads the command
@@ -305,7 +306,9 @@ def int8_rows(quick: bool, reps: int, work: Path, model: Path | None = None) -> 
     ours, name = _bert(quick, model)
     ids, mask, shape = _bert_batch(quick, ours.config.vocab_size)
     fp32, int8 = fast_inference(ours, dtype=torch.float32), fast_inference(ours, quantize="int8")
-    fns = {"sublayer": lambda: int8(ids, mask), "sublayer fp32": lambda: fp32(ids, mask)}
+    bf16 = fast_inference(ours, dtype=torch.bfloat16)
+    fns = {"sublayer": lambda: int8(ids, mask), "sublayer fp32": lambda: fp32(ids, mask),
+           "sublayer bf16": lambda: bf16(ids, mask)}  # fmt: skip
     ct2 = None
     if model is not None:
         try:
@@ -319,6 +322,10 @@ def int8_rows(quick: bool, reps: int, work: Path, model: Path | None = None) -> 
         lists = [r[: int(n)].tolist() for r, n in zip(ids, mask.sum(1))]
         fns["CTranslate2 int8"] = lambda: ct2.forward_batch(lists)
     res = time_interleaved(fns, reps, 1)
+    vs_bf16 = Row(f"BERT int8 inference vs our bf16 ({name})", shape, "int8", "forward", base="sublayer bf16",
+                  work=float(ids.shape[0]), unit="seq").fill({k: res[k] for k in ("sublayer", "sublayer bf16")})
+    vs_bf16.extra["bf16 compute dtype"] = str(bf16.compute_dtype).replace("torch.", "")
+    res.pop("sublayer bf16")
     row = Row(f"BERT int8 inference ({name})", shape, "int8", "forward", base="sublayer fp32",
               work=float(ids.shape[0]), unit="seq").fill(res)  # fmt: skip
     h, ref = int8(ids, mask), fp32(ids, mask)
@@ -326,7 +333,9 @@ def int8_rows(quick: bool, reps: int, work: Path, model: Path | None = None) -> 
     row.extra["int8 min token cos vs fp32"] = round(float(F.cosine_similarity(h[real], ref[real], dim=-1).min()), 5)
     sentence = (_mean_pool(h, mask) * _mean_pool(ref, mask)).sum(-1).min()
     row.extra["int8 min sentence cos vs fp32"] = round(float(sentence), 5)
-    return [row]
+    row.extra["int8 GEMM"] = "int8_linear" if getattr(int8, "own_gemm", False) else "linear_dynamic"
+    vs_bf16.extra["int8 min token cos vs fp32"] = row.extra["int8 min token cos vs fp32"]
+    return [row, vs_bf16]
 
 
 def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None) -> list[Row]:

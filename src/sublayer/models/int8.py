@@ -97,7 +97,7 @@ def quant_config(keep_float: tuple[str, ...]) -> dict[str, Any]:
     return {
         "quant_method": QUANT_METHOD,
         "weights": "int8 symmetric per output channel",
-        "activations": "uint8 dynamic per call (fbgemm linear_dynamic)",
+        "activations": "int8 dynamic per token, chosen at run time (not stored)",
         "keep_float": list(keep_float),
     }
 

@@ -9,8 +9,14 @@ What is quantized in BERT, and how:
 * every dense layer of the blocks (fused q|k|v, attention output, FFN in and out) except those named by
   ``keep_float``: weights **int8, symmetric per output channel** (``w ≈ q · s[j]``, ``s[j] = max|w[j, :]| / 127``),
   quantized once when the wrapper is built;
-* their inputs are quantized **dynamically, per token**: each token (row) is divided by its own ``max|x|`` and the
-  result goes through ``quantized::linear_dynamic`` (the op of the deprecated
+* their inputs are quantized **dynamically, per token**. Where :func:`own_int8_gemm` (the kernels built, a CPU
+  with AVX512-VNNI or AMX-INT8) the layers are :class:`sublayer.runtime.linear.Int8Linear` with int8 activations:
+  each token uint8 with its own scale and zero point (256 levels over the token's range,
+  :func:`sublayer.runtime.linear.quantize_rows`), exact int32 sums on sublayer's ``int8_linear`` kernel
+  (``vpdpbusd``), the bias and GELU fused into the GEMM's output pass
+  (:func:`sublayer.runtime.linear.int8_linear_reference` is its reference). Elsewhere (AVX2 CPUs, where that
+  kernel has no fast int8 loop) each token is divided by its own ``max|x|`` and the result goes through
+  ``quantized::linear_dynamic`` (the op of the deprecated
   ``torch.ao.quantization.quantize_dynamic``: uint8 with one scale per call, which on rows of max 1 is a per-token
   grid of step <= 2/255; int32 accumulation); the output is multiplied back per token and the float bias added.
   Its engine (:func:`engine`): fbgemm on AVX2 CPUs, oneDNN where the
@@ -23,9 +29,10 @@ What is quantized in BERT, and how:
   outlier channels (an order of magnitude above the median in all-MiniLM-L6-v2) move into the weights, which
   per-channel int8 absorbs;
 * what stays float32: embeddings, LayerNorms, attention (SDPA), GELU, the pooler, and the dense layers matched by
-  ``keep_float`` (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}``; default :data:`DEFAULT_KEEP_FLOAT`,
-  chosen by measurement, see its comment). Without fbgemm (another CPU architecture)
-  :func:`int8_linear_reference` computes the same numbers in plain PyTorch (slowly).
+  ``keep_float`` (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}``; default :func:`default_keep_float`,
+  chosen by measurement, see the comments of :data:`DEFAULT_KEEP_FLOAT` and :data:`DEFAULT_KEEP_FLOAT_OWN_GEMM`).
+  Without fbgemm (another CPU architecture) on the linear_dynamic path :func:`int8_linear_reference` computes the
+  same numbers in plain PyTorch (slowly).
 
 The wrapper is independent of the float model once built (it holds only the tensors it uses):
 :meth:`QuantizedBert.save_pretrained` writes them to ``model.safetensors`` + ``config.json`` (the HF config with
@@ -48,6 +55,7 @@ from .. import checkpoints as ckpt
 from .. import kernels
 from ..functional import fused
 from .bert import Bert, BertConfig
+from ..runtime.linear import Int8Linear as ActInt8Linear
 from ..runtime.rows import add_norm, bias_act, inference, kernels_on, layer_norm
 from .causal_lm import CausalLM
 from .gpt2 import GPT2, GPT2Config
@@ -72,6 +80,8 @@ from .quantized_gpt2 import DEFAULT_KEEP_FLOAT_GPT2, QuantizedCausalLM, Quantize
 __all__ = [
     "QUANTIZE_CHOICES",
     "DEFAULT_KEEP_FLOAT",
+    "DEFAULT_KEEP_FLOAT_OWN_GEMM",
+    "default_keep_float",
     "QUANT_METHOD",
     "quantize",
     "load_quantized",
@@ -80,6 +90,7 @@ __all__ = [
     "quantize_weight",
     "int8_linear_reference",
     "Int8Linear",
+    "own_int8_gemm",
     "QuantizedBert",
     "QuantizedGPT2",
     "QuantizedCausalLM",
@@ -90,6 +101,12 @@ __all__ = [
 # represent next to the other channels. Chosen on all-MiniLM-L6-v2 by the minimum token cosine to HF fp32 over
 # real texts and random ids: keeping these two layers float raised it most; keeping more float bought little.
 DEFAULT_KEEP_FLOAT: tuple[str, ...] = ("layers.[01].fc2",)
+# On sublayer's int8_linear (own_int8_gemm) every token has its own zero point as well as its own scale: 256 levels
+# over [min, max] of the row rather than a grid symmetric about 0, which the mostly-positive GELU outputs fill
+# twice as finely. There every dense layer is int8 by default: on all-MiniLM-L6-v2 the minimum token cosine to
+# fp32 is then 0.995 on random ids and 0.991 on real texts, above linear_dynamic's 0.991 / 0.991 with
+# DEFAULT_KEEP_FLOAT (and 0.997 / 0.994 when those two layers stay float).
+DEFAULT_KEEP_FLOAT_OWN_GEMM: tuple[str, ...] = ()
 SMOOTH_ALPHA = 0.5
 
 
@@ -109,6 +126,21 @@ def engine() -> str:
     if _engine is None:
         _engine = kernels.cpu.int8_engine(torch.backends.quantized.supported_engines)
     return _engine
+
+
+def own_int8_gemm() -> bool:
+    """Whether BERT's int8 layers run on sublayer's ``int8_linear`` kernel (int8 activations per token, see the
+    module docstring): the kernels on and a CPU with AVX512-VNNI or AMX-INT8. Elsewhere fbgemm's
+    ``linear_dynamic`` multiplies faster than that kernel's portable loop. Decided when a model is built."""
+    return kernels_on() and kernels.cpu.has("avx512_vnni", "amx_int8")
+
+
+def default_keep_float(own_gemm: bool | None = None) -> tuple[str, ...]:
+    """BERT's dense layers kept float32 when ``keep_float`` is None: :data:`DEFAULT_KEEP_FLOAT_OWN_GEMM` on
+    sublayer's ``int8_linear`` (``own_gemm``; None: :func:`own_int8_gemm`), :data:`DEFAULT_KEEP_FLOAT` on
+    ``linear_dynamic``."""
+    own = own_int8_gemm() if own_gemm is None else own_gemm
+    return DEFAULT_KEEP_FLOAT_OWN_GEMM if own else DEFAULT_KEEP_FLOAT
 
 
 # ----------------------------------------------------------------------------------------------- one linear
@@ -217,8 +249,10 @@ class FloatLinear:
             torch.maximum(self.amax, x.abs().amax(dim=0), out=self.amax)
         return torch.mm(x, self._wt), None
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
         y, _ = self.raw(x)
+        if activation is not None:
+            return bias_act(y, self.bias, activation)
         return y if self.bias is None else y.add_(self.bias)
 
 
@@ -246,9 +280,11 @@ def _linear_tensors(name: str, w: Tensor, b: Tensor | None, keep: bool, x_amax: 
     return out
 
 
-def _make_linear(t: dict[str, Tensor], name: str):
+def _make_linear(t: dict[str, Tensor], name: str, own: bool = False):
     b = t.get(f"{name}.bias")
     if f"{name}.qweight" in t:
+        if own:
+            return ActInt8Linear(t[f"{name}.qweight"], t[f"{name}.scale"], b, smooth=t.get(f"{name}.smooth"))
         return Int8Linear(t[f"{name}.qweight"], t[f"{name}.scale"], b, t.get(f"{name}.smooth"))
     return FloatLinear(t[f"{name}.weight"], b)
 
@@ -301,24 +337,35 @@ class QuantizedBert:
     Forward: as :meth:`Bert.forward` (``input_ids``, ``attention_mask`` 1 = token, ``token_type_ids``) -> float32
     (B, T, d_model); hidden states at padded positions are zeros. ``embed`` and ``pooled`` as the model's.
     The dense layers see only real tokens (padding dropped before the GEMMs), as in :class:`~.fast.FastBert`.
+    ``own_gemm`` (None: :func:`own_int8_gemm`): the int8 layers on sublayer's ``int8_linear`` (True) or on
+    ``quantized::linear_dynamic`` (False); the same stored tensors serve both.
 
     Raises:
         TypeError/ValueError: as :meth:`Bert.forward`.
     """
 
-    def __init__(self, config: BertConfig, tensors: dict[str, Tensor], keep_float: tuple[str, ...]) -> None:
+    def __init__(
+        self, config: BertConfig, tensors: dict[str, Tensor], keep_float: tuple[str, ...], *,
+        own_gemm: bool | None = None,
+    ) -> None:  # fmt: skip
         self.config, self.tensors, self.keep_float = config, tensors, tuple(keep_float)
         self._prep = Bert(config, pooler="pooler.dense.weight" in tensors, device="meta")._prepare  # checks only
         self.pooler = "pooler.dense.weight" in tensors
         self.compute_dtype = torch.float32
         self.training = False
-        self.layers = [{k: _make_linear(tensors, f"layers.{i}.{k}") for k in LINEARS} for i in range(config.n_layers)]
+        self.own_gemm = own_int8_gemm() if own_gemm is None else bool(own_gemm)
+        self.layers = [
+            {k: _make_linear(tensors, f"layers.{i}.{k}", self.own_gemm) for k in LINEARS}
+            for i in range(config.n_layers)
+        ]
 
     @classmethod
     def from_model(
-        cls, model: Bert, keep_float=DEFAULT_KEEP_FLOAT, calibration: Tensor | None | bool = None
+        cls, model: Bert, keep_float=None, calibration: Tensor | None | bool = None, *,
+        own_gemm: bool | None = None,
     ) -> QuantizedBert:
-        """See :func:`quantize`."""
+        """See :func:`quantize`; ``own_gemm`` as the constructor's."""
+        keep_float = default_keep_float(own_gemm) if keep_float is None else keep_float
         keep_float = check_keep_float(keep_float, dense_names(model.config.n_layers))
         check_float_cpu(model)
         e, t, dense = model.embeddings, {}, {}
@@ -352,7 +399,7 @@ class QuantizedBert:
             keep = any(fnmatch.fnmatchcase(k, pat) for pat in keep_float)
             t |= _linear_tensors(k, w, b, keep, amax.get(k))
         t = {k: v.contiguous() for k, v in t.items()}
-        return cls(model.config, t, keep_float)
+        return cls(model.config, t, keep_float, own_gemm=own_gemm)
 
     @staticmethod
     def expected_tensors(config: BertConfig, keep_float: tuple[str, ...]) -> tuple[Spec, set[str]]:
@@ -400,11 +447,14 @@ class QuantizedBert:
         scale = 1.0 / math.sqrt(hd)
         full = None
         layers = self.layers
-        pre = _prepare(layers[0]["qkv"], x)
+        pre = None if self.own_gemm else _prepare(layers[0]["qkv"], x)
         for i, L in enumerate(layers):
             p = f"layers.{i}"
-            y, r = L["qkv"].raw(x, pre)
-            qkv = _epilogue(y, r, L["qkv"].bias)
+            if self.own_gemm:
+                qkv = L["qkv"](x)
+            else:
+                y, r = L["qkv"].raw(x, pre)
+                qkv = _epilogue(y, r, L["qkv"].bias)
             if keep is not None:
                 full = qkv.new_zeros(B * T, 3 * d) if full is None else full
                 qkv = full.index_copy_(0, keep, qkv)
@@ -413,6 +463,11 @@ class QuantizedBert:
             ctx = ctx.transpose(1, 2).reshape(B * T, d)
             if keep is not None:
                 ctx = ctx.index_select(0, keep)
+            if self.own_gemm:  # bias (and GELU) fused into the GEMMs' output pass
+                x, _ = add_norm(x, L["out"](ctx), t[f"{p}.norm1.weight"], t[f"{p}.norm1.bias"], eps, want_sum=False)
+                h = L["fc1"](x, cfg.activation)
+                x, _ = add_norm(x, L["fc2"](h), t[f"{p}.norm2.weight"], t[f"{p}.norm2.bias"], eps, want_sum=False)
+                continue
             y, r = L["out"].raw(ctx)
             x, pre = _epilogue_add_norm(y, r, L["out"].bias, x, t[f"{p}.norm1.weight"], t[f"{p}.norm1.bias"], eps, L["fc1"])
             y, r = L["fc1"].raw(x, pre)
@@ -463,8 +518,9 @@ class QuantizedBert:
         return self
 
     def __repr__(self) -> str:
-        n_q = sum(isinstance(lin, Int8Linear) for L in self.layers for lin in L.values())
-        return f"QuantizedBert(int8 layers={n_q}/{4 * len(self.layers)}, keep_float={self.keep_float})"
+        n_q = sum(isinstance(lin, (Int8Linear, ActInt8Linear)) for L in self.layers for lin in L.values())
+        gemm = "int8_linear" if self.own_gemm else "linear_dynamic"
+        return f"QuantizedBert(int8 layers={n_q}/{4 * len(self.layers)}, keep_float={self.keep_float}, gemm={gemm})"
 
 
 def _calibration_ids(config: BertConfig, calibration: Tensor | None | bool) -> Tensor:
@@ -485,7 +541,7 @@ def quantize(
     Args:
         model: a :class:`Bert` or a decoder-only LM (:class:`GPT2`, :class:`Llama`) with float32 CPU parameters.
         keep_float: ``fnmatch`` patterns of dense layers left in float32, over ``layers.{i}.{qkv,out,fc1,fc2}``
-            (the LMs also ``head``, the LM head); None: :data:`DEFAULT_KEEP_FLOAT` (BERT) /
+            (the LMs also ``head``, the LM head); None: :func:`default_keep_float` (BERT) /
             :data:`~sublayer.models.quantized_gpt2.DEFAULT_KEEP_FLOAT_GPT2` (the LMs).
         calibration: BERT only: (B, T) token ids the float layers run on to measure input ranges for the
             smoothing factors; None: 8 random sequences (fixed seed); False: no smoothing. The LMs' activations
@@ -496,7 +552,7 @@ def quantize(
         the CPU, bad calibration ids (as :meth:`Bert.forward`), ``calibration`` given for a causal LM.
     """
     if isinstance(model, Bert):
-        return QuantizedBert.from_model(model, DEFAULT_KEEP_FLOAT if keep_float is None else keep_float, calibration)
+        return QuantizedBert.from_model(model, keep_float, calibration)
     if isinstance(model, CausalLM):
         if calibration is not None:
             raise ValueError(

@@ -87,19 +87,26 @@ class PackedLinear:
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-row int8 quantization as the ``int8_linear`` kernel computes it: x (M, K) float32 ->
-    (q (M, K) float32 holding integers in [-127, 127], s (M, 1)) with ``x ≈ q * s``; ``s = max_k |x| / 127``,
-    ``q = round_half_even(x * (127 / max_k |x|))`` (an all-zero row: q = 0, s = 0)."""
-    amax = x.abs().amax(dim=1, keepdim=True)
-    nz = amax > 0
-    inv = torch.where(nz, 127 / torch.where(nz, amax, 1), 0)
-    return torch.round(x * inv).clamp_(-127, 127), torch.where(nz, amax / 127, 0)
+    """Asymmetric per-row uint8 quantization as the ``int8_linear`` kernel computes it: x (M, K) float32 ->
+    (q (M, K) float32 holding the integers ``u - zp``, s (M, 1)) with ``x ≈ q * s``: over the row's range
+    ``[lo, hi] = [min(min_k x, 0), max(max_k x, 0)]``, ``s = (hi - lo) / 255``, the zero point
+    ``zp = round(-lo * 255 / (hi - lo))`` and ``u = clamp(round_half_even(x * 255 / (hi - lo)) + zp, 0, 255)``:
+    256 levels over each row's own range (an all-zero row: q = 0, s = 0)."""
+    lo = x.amin(dim=1, keepdim=True).clamp(max=0)
+    rng = x.amax(dim=1, keepdim=True).clamp(min=0) - lo
+    nz = rng > 0
+    inv = torch.where(nz, 255 / torch.where(nz, rng, 1), 0)
+    zp = torch.round(-lo * inv)
+    return (torch.round(x * inv) + zp).clamp_(0, 255) - zp, rng / 255
 
 
-def int8_linear_reference(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+def int8_linear_reference(
+    x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None, *, inv_smooth: Tensor | None = None
+) -> Tensor:
     """``((x_q @ q^T) * s_x) * scale + bias`` in PyTorch, the sums exact (float64 holds them): x (M, K) float32,
-    q (N, K) int8, scale (N,) -> (M, N) float32; x quantized by :func:`quantize_rows`."""
-    xq, sx = quantize_rows(x)
+    q (N, K) int8, scale (N,) -> (M, N) float32; x (times ``inv_smooth`` (K,) when given) quantized by
+    :func:`quantize_rows`."""
+    xq, sx = quantize_rows(x if inv_smooth is None else x * inv_smooth)
     y = (xq.double() @ q.double().t()).float().mul_(sx).mul_(scale)
     return y if bias is None else y.add_(bias)
 
@@ -109,29 +116,40 @@ class Int8Linear:
 
     Args:
         q: (N, K) int8. scale: (N,) float32 (the weight is ``q * scale[:, None]``). bias: (N,) or None.
-        activations: ``"int8"`` — each row of x quantized to int8 (:func:`quantize_rows`: symmetric, scale
-            ``max|x_r| / 127``), exact int32 sums of int8 x int8 (the ``int8_linear`` kernel: AVX512-VNNI
-            ``vpdpbusd`` on x + 128 minus 128 times the weight's column sums, a portable loop elsewhere), then
+        activations: ``"int8"`` — each row of x quantized to 8 bits (:func:`quantize_rows`: uint8 with the row's
+            own scale and zero point), exact int32 sums of uint8 x int8 (the ``int8_linear`` kernel: AVX512-VNNI
+            ``vpdpbusd``, minus the zero point times the weight's column sums; a portable loop elsewhere), then
             ``* s_x * scale + bias`` in float32 (:func:`int8_linear_reference` without the kernels); ``"float"``
             — weight-only: float32 x times the exactly widened weight (``skinny_linear`` on int8 panels). One row
             (batch-1 decoding) is memory-bound, where weight-only costs no more and is more accurate.
+        smooth: (K,) float32 or None, int8 activations only: SmoothQuant's per-input-channel divisor, x / smooth
+            is what is quantized (``q * scale`` then holds ``W * smooth``; the kernel multiplies by its inverse in
+            its quantization pass).
 
     Call: x (M, K) float32 with unit inner stride, ``activation`` an FFN activation name or None -> (M, N).
     The weight is packed at the first call with the kernels on.
 
     Raises:
-        ValueError: ``activations`` is neither "int8" nor "float". TypeError: ``q`` is not a 2-D int8 tensor.
+        ValueError: ``activations`` is neither "int8" nor "float", or ``smooth`` with float activations.
+        TypeError: ``q`` is not a 2-D int8 tensor.
     """
 
-    def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None, *, activations: str = "int8") -> None:
+    def __init__(
+        self, q: Tensor, scale: Tensor, bias: Tensor | None = None, *, activations: str = "int8",
+        smooth: Tensor | None = None,
+    ) -> None:  # fmt: skip
         if activations not in ("int8", "float"):
             raise ValueError(f"Int8Linear: activations must be 'int8' or 'float', got {activations!r}")
+        if smooth is not None and activations != "int8":
+            raise ValueError("Int8Linear: smooth applies to int8 activations only (activations='int8')")
         if q.dtype != torch.int8 or q.dim() != 2:
             raise TypeError(f"Int8Linear: q must be a 2-D int8 tensor, got {q.dtype} {tuple(q.shape)}")
         self.q, self.scale, self.activations = q.detach().contiguous(), scale.detach().float().contiguous(), activations
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_features, self.in_features = q.shape
-        self.colsum = self.q.sum(dim=1, dtype=torch.int32)  # takes the unsigned activations' +128 back
+        self.colsum = self.q.sum(dim=1, dtype=torch.int32)  # takes the activations' zero points back
+        self.smooth = None if smooth is None else smooth.detach().float().contiguous()
+        self.inv_smooth = None if smooth is None else (1.0 / self.smooth).contiguous()
         self._packed: Tensor | None = None
 
     def packed(self) -> Tensor:
@@ -145,12 +163,14 @@ class Int8Linear:
         if kernels_on():
             act, n = EPILOGUE.get(activation, 0), self.out_features
             if self.activations == "int8":
-                y = kernels.ops().int8_linear(x, self.packed(), self.colsum, self.scale, self.bias, n, act)
+                y = kernels.ops().int8_linear(
+                    x, self.packed(), self.colsum, self.scale, self.bias, n, act, self.inv_smooth
+                )
             else:
                 y = kernels.ops().skinny_linear(x, self.packed(), self.bias, n, act, self.scale)
             return y if activation is None or act else ffn_hidden(y, None, activation)
         if self.activations == "int8":
-            y = int8_linear_reference(x, self.q, self.scale, self.bias)
+            y = int8_linear_reference(x, self.q, self.scale, self.bias, inv_smooth=self.inv_smooth)
         else:
             y = F.linear(x, self.q.float()).mul_(self.scale)
             y = y if self.bias is None else y.add_(self.bias)

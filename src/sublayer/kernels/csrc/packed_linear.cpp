@@ -638,57 +638,185 @@ Tensor pack_int8_quads(const Tensor& q) {
   return out;
 }
 
-// acc[r][0..15] (int32) = sum_k xu[r][k] * w[k][0..15] for R rows of one quad panel, xu: the rows' unsigned
-// activations (x_int8 + 128), K4 32-bit quads per row. AVX512-VNNI: one vpdpbusd per quad, row and panel; the
+// acc[r][p][0..15] (int32) = sum_k xu[r][k] * w_p[k][0..15] for R rows and NP quad panels (NP panels `pstride` bytes
+// apart), xu: the rows' uint8 activations (quantize_row), K4 32-bit quads per row, rows `xstride` quads apart.
+// AVX512-VNNI: per quad, NP weight loads and R broadcasts feed R * NP vpdpbusd (up to 24 accumulators); the
 // portable loop elsewhere (same integer sums).
-template <int R>
-inline void quad_kernel(const uint32_t* xu, int64_t K4, const int8_t* w, int32_t* acc) {
+template <int R, int NP>
+inline void quad_kernel(const uint32_t* xu, int64_t xstride, int64_t K4, const int8_t* w, int64_t pstride,
+                        int32_t* acc) {
 #if SUBLAYER_AVX2_FMA && defined(__AVX512VNNI__)
   if (g_avx512.load(std::memory_order_relaxed)) {
-    __m512i a[R];
-    for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_si512();
+    __m512i a[R][NP];
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < NP; ++p) a[r][p] = _mm512_setzero_si512();
     for (int64_t i = 0; i < K4; ++i) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + i * 64) + 2048, _MM_HINT_T0);
-      const __m512i wv = _mm512_loadu_si512(w + i * 64);
-      for (int r = 0; r < R; ++r) a[r] = _mm512_dpbusd_epi32(a[r], _mm512_set1_epi32(int(xu[r * K4 + i])), wv);
+      __m512i wv[NP];
+      for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_si512(w + p * pstride + i * 64);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xb = _mm512_set1_epi32(int(xu[r * xstride + i]));
+        for (int p = 0; p < NP; ++p) a[r][p] = _mm512_dpbusd_epi32(a[r][p], xb, wv[p]);
+      }
     }
-    for (int r = 0; r < R; ++r) _mm512_storeu_si512(acc + r * PANEL, a[r]);
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < NP; ++p) _mm512_storeu_si512(acc + (r * NP + p) * PANEL, a[r][p]);
     return;
   }
 #endif
-  for (int r = 0; r < R; ++r) {
-    int32_t s[PANEL] = {0};
-    const uint8_t* xr = reinterpret_cast<const uint8_t*>(xu + r * K4);
-    for (int64_t i = 0; i < K4; ++i)
-      for (int t = 0; t < 4; ++t) {
-        const int32_t xv = xr[4 * i + t];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < NP; ++p) {
+      int32_t s[PANEL] = {0};
+      const uint8_t* xr = reinterpret_cast<const uint8_t*>(xu + r * xstride);
+      const int8_t* wp = w + p * pstride;
+      for (int64_t i = 0; i < K4; ++i)
+        for (int t = 0; t < 4; ++t) {
+          const int32_t xv = xr[4 * i + t];
 #pragma omp simd
-        for (int j = 0; j < PANEL; ++j) s[j] += xv * int32_t(w[(i * PANEL + j) * 4 + t]);
+          for (int j = 0; j < PANEL; ++j) s[j] += xv * int32_t(wp[(i * PANEL + j) * 4 + t]);
+        }
+      std::copy(s, s + PANEL, acc + (r * NP + p) * PANEL);
+    }
+}
+
+// quad_kernel<8, 3> with the 24 accumulators named (GCC keeps a __m512i array of them on the stack): the main
+// tile of int8_linear.
+inline void quad_kernel_8x3(const uint32_t* xu, int64_t xstride, int64_t K4, const int8_t* w, int64_t pstride,
+                            int32_t* acc) {
+#if SUBLAYER_AVX2_FMA && defined(__AVX512VNNI__)
+  if (g_avx512.load(std::memory_order_relaxed)) {
+#define SUBLAYER_Q8X3(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
+#define SUBLAYER_QDECL(r) __m512i a##r##0 = _mm512_setzero_si512(), a##r##1 = a##r##0, a##r##2 = a##r##0;
+#define SUBLAYER_QROW(r)                                                      \
+  {                                                                           \
+    const __m512i xb = _mm512_set1_epi32(int(xu[r * xstride + i]));          \
+    a##r##0 = _mm512_dpbusd_epi32(a##r##0, xb, w0);                          \
+    a##r##1 = _mm512_dpbusd_epi32(a##r##1, xb, w1);                          \
+    a##r##2 = _mm512_dpbusd_epi32(a##r##2, xb, w2);                          \
+  }
+#define SUBLAYER_QSTORE(r)                                                    \
+  _mm512_storeu_si512(acc + (r * 3 + 0) * PANEL, a##r##0);                   \
+  _mm512_storeu_si512(acc + (r * 3 + 1) * PANEL, a##r##1);                   \
+  _mm512_storeu_si512(acc + (r * 3 + 2) * PANEL, a##r##2);
+    SUBLAYER_Q8X3(SUBLAYER_QDECL)
+    for (int64_t i = 0; i < K4; ++i) {
+      const __m512i w0 = _mm512_loadu_si512(w + i * 64), w1 = _mm512_loadu_si512(w + pstride + i * 64),
+                    w2 = _mm512_loadu_si512(w + 2 * pstride + i * 64);
+      SUBLAYER_Q8X3(SUBLAYER_QROW)
+    }
+    SUBLAYER_Q8X3(SUBLAYER_QSTORE)
+#undef SUBLAYER_Q8X3
+#undef SUBLAYER_QDECL
+#undef SUBLAYER_QROW
+#undef SUBLAYER_QSTORE
+    return;
+  }
+#endif
+  quad_kernel<8, 3>(xu, xstride, K4, w, pstride, acc);
+}
+
+// Per-row asymmetric uint8 quantization as int8_linear's reference computes it: v[k] = x[k] * inv_smooth[k] (or
+// x[k]), lo = min(min_k v, 0), hi = max(max_k v, 0), inv = 255 / (hi - lo), zero point zp = round(-lo * inv),
+// u[k] = clamp(round-half-even(v[k] * inv) + zp, 0, 255) (v ~ (u - zp) * scale, scale = (hi - lo) / 255: the
+// row's 256 levels span its own range). Writes u (K4 quads, padded with zp: u - zp = 0), sets *zp and returns the
+// scale (an all-zero row: u = 0, zp = 0, scale 0).
+float quantize_row(const float* x, const float* S, int64_t K, int64_t K4, uint8_t* out, int32_t* zp_out) {
+  float lo = 0.f, hi = 0.f;
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  __m512 vlo = _mm512_setzero_ps(), vhi = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) {
+    __m512 v = _mm512_loadu_ps(x + k);
+    if (S) v = _mm512_mul_ps(v, _mm512_loadu_ps(S + k));
+    vlo = _mm512_min_ps(vlo, v);
+    vhi = _mm512_max_ps(vhi, v);
+  }
+  lo = _mm512_reduce_min_ps(vlo);
+  hi = _mm512_reduce_max_ps(vhi);
+#endif
+  for (; k < K; ++k) {
+    const float v = S ? x[k] * S[k] : x[k];
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+  }
+  const float range = hi - lo, inv = range > 0.f ? 255.f / range : 0.f;
+  const int32_t zp = int32_t(std::nearbyint(-lo * inv));
+  k = 0;
+#if defined(__AVX512F__)
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m512i vzp = _mm512_set1_epi32(zp), z0 = _mm512_setzero_si512(), z255 = _mm512_set1_epi32(255);
+  for (; k + 16 <= K; k += 16) {
+    __m512 v = _mm512_loadu_ps(x + k);
+    if (S) v = _mm512_mul_ps(v, _mm512_loadu_ps(S + k));
+    __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_epi32(z255, _mm512_max_epi32(z0, _mm512_add_epi32(q, vzp)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(q));
+  }
+#endif
+  for (; k < K; ++k) {
+    const float v = S ? x[k] * S[k] : x[k];
+    out[k] = uint8_t(std::min<int32_t>(255, std::max<int32_t>(0, int32_t(std::nearbyint(v * inv)) + zp)));
+  }
+  for (k = K; k < 4 * K4; ++k) out[k] = uint8_t(zp);
+  *zp_out = zp;
+  return range / 255.f;
+}
+
+constexpr int64_t QROWS = 8;   // rows per quad_kernel call
+constexpr int64_t QPAN = 3;    // panels per quad_kernel call (8 x 3 = 24 accumulators)
+constexpr int64_t QBLOCK = 64; // rows per tile: their quantized activations stay in L1/L2 across the panels
+
+// One tile: rows [r0, r1) x panels [p0, p1) of int8_linear's output, ACT fused into the epilogue.
+template <int64_t ACT>
+void int8_tile(const uint32_t* xu, const float* sx, const int32_t* zp, int64_t K4, const int8_t* wp, const int32_t* cp, const float* sp,
+               const float* bp, float* op, int64_t n, int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
+  using QuadFn = void (*)(const uint32_t*, int64_t, int64_t, const int8_t*, int64_t, int32_t*);
+  static constexpr QuadFn kQuad[QPAN + 1][QROWS + 1] = {
+      {nullptr},
+      {nullptr, quad_kernel<1, 1>, quad_kernel<2, 1>, quad_kernel<3, 1>, quad_kernel<4, 1>, quad_kernel<5, 1>,
+       quad_kernel<6, 1>, quad_kernel<7, 1>, quad_kernel<8, 1>},
+      {nullptr, quad_kernel<1, 2>, quad_kernel<2, 2>, quad_kernel<3, 2>, quad_kernel<4, 2>, quad_kernel<5, 2>,
+       quad_kernel<6, 2>, quad_kernel<7, 2>, quad_kernel<8, 2>},
+      {nullptr, quad_kernel<1, 3>, quad_kernel<2, 3>, quad_kernel<3, 3>, quad_kernel<4, 3>, quad_kernel<5, 3>,
+       quad_kernel<6, 3>, quad_kernel<7, 3>, quad_kernel_8x3}};
+  (void)kQuad;
+  const int64_t pstride = K4 * PANEL * 4;
+  alignas(64) int32_t acc[QROWS * QPAN * PANEL];
+  for (int64_t p = p0; p < p1; p += QPAN) {
+    const int64_t np = std::min<int64_t>(QPAN, p1 - p);
+    const int64_t c0 = p * PANEL, nc = std::min<int64_t>(np * PANEL, n - c0);
+    alignas(64) float spanel[QPAN * PANEL] = {0}, bpanel[QPAN * PANEL] = {0};
+    alignas(64) int32_t cpanel[QPAN * PANEL] = {0};
+    std::copy(sp + c0, sp + c0 + nc, spanel);
+    std::copy(cp + c0, cp + c0 + nc, cpanel);
+    if (bp) std::copy(bp + c0, bp + c0 + nc, bpanel);
+    for (int64_t r = r0; r < r1; r += QROWS) {
+      const int64_t R = std::min<int64_t>(QROWS, r1 - r);
+      kQuad[np][R](xu + r * K4, K4, K4, wp + p * pstride, pstride, acc);
+      for (int64_t i = 0; i < R; ++i) {
+        const float s = sx[r + i];
+        const int32_t z = zp[r + i];
+        const int32_t* a = acc + i * np * PANEL;
+        float* o = op + (r + i) * n + c0;
+        if (nc == np * PANEL) {
+#pragma omp simd
+          for (int64_t j = 0; j < np * PANEL; ++j)
+            o[j] = act_f<ACT>(float(a[j] - z * cpanel[j]) * s * spanel[j] + bpanel[j]);
+        } else {
+          for (int64_t j = 0; j < nc; ++j) o[j] = act_f<ACT>(float(a[j] - z * cpanel[j]) * s * spanel[j] + bpanel[j]);
+        }
       }
-    std::copy(s, s + PANEL, acc + r * PANEL);
+    }
   }
 }
 
-// Per-row symmetric quantization as int8_linear's reference computes it: amax = max_k |x[k]|, inv = 127 / amax,
-// q[k] = round-half-even(x[k] * inv) in [-127, 127], the row's scale amax / 127 (an all-zero row: 0 and 0).
-// Writes q + 128 as bytes (K4 quads, padded with 128: q = 0) and returns the scale.
-float quantize_row(const float* x, int64_t K, int64_t K4, uint8_t* out) {
-  float amax = 0.f;
-  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  for (int64_t k = 0; k < K; ++k)
-    out[k] = uint8_t(int32_t(std::min(127.f, std::max(-127.f, std::nearbyint(x[k] * inv)))) + 128);
-  for (int64_t k = K; k < 4 * K4; ++k) out[k] = 128;
-  return amax > 0.f ? amax / 127.f : 0.f;
-}
-
-constexpr int64_t QROWS = 8;  // rows per quad_kernel call
-
-// x (M, K) float32 -> (M, n) = act(((x_int8 @ W^T) * sx[row]) * scale[col] + bias): int8 activations quantized per
-// row (quantize_row), int8 weights in quad panels (pack_int8_quads) with colsum[c] = sum_k W[c, k] (int32; the
-// unsigned activations' +128 is taken back as 128 * colsum), exact int32 sums.
+// x (M, K) float32 -> (M, n) = act((((u - zp) @ W^T) * sx[row]) * scale[col] + bias): uint8 activations u
+// quantized per row with their zero point zp (quantize_row; of x * inv_smooth when given: SmoothQuant's
+// per-input-channel divisor), int8 weights in quad panels (pack_int8_quads) with colsum[c] = sum_k W[c, k] (int32;
+// u @ W^T - zp * colsum), exact int32 sums. Blocked: x is quantized once (rows over the threads), then tiles of QBLOCK rows
+// x all panels (or, with fewer row blocks than twice the threads, x a share of the panels) go to the threads; in a
+// tile each group of QPAN panels stays in L1/L2 while the tile's rows stream past it.
 Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, const Tensor& scale,
-                   const c10::optional<Tensor>& bias, int64_t n, int64_t act) {
+                   const c10::optional<Tensor>& bias, int64_t n, int64_t act, const c10::optional<Tensor>& inv_smooth) {
   TORCH_CHECK(act >= IDENT && act <= RELU2, "int8_linear: act ", act, " unsupported");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "int8_linear: x must be a 2-D float32 CPU tensor with unit inner stride");
@@ -708,46 +836,43 @@ Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, 
     TORCH_CHECK(bias->size(0) == n, "int8_linear: bias must have ", n, " elements");
     bp = bias->data_ptr<float>();
   }
-  Tensor out = at::empty({M, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* smp = nullptr;
+  if (inv_smooth.has_value() && inv_smooth->defined()) {
+    check_float_contig(*inv_smooth, "int8_linear: inv_smooth", 1);
+    TORCH_CHECK(inv_smooth->size(0) == K, "int8_linear: inv_smooth must have K=", K, " elements");
+    smp = inv_smooth->data_ptr<float>();
+  }
+  Tensor out = sublayer_cache::empty({M, n}, at::kFloat);  // recycled: no fresh-page faults call after call
   if (M == 0 || n == 0) return out;
-  std::vector<uint32_t> xu(M * K4);
+  Tensor xu_t = sublayer_cache::empty({M * K4}, at::kInt);
+  uint32_t* xu = reinterpret_cast<uint32_t*>(xu_t.data_ptr<int32_t>());
   std::vector<float> sx(M);
+  std::vector<int32_t> zp(M);
   const float* xp = x.data_ptr<float>();
-  for (int64_t r = 0; r < M; ++r)
-    sx[r] = quantize_row(xp + r * x.stride(0), K, K4, reinterpret_cast<uint8_t*>(xu.data() + r * K4));
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, M, row_grain(K), [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r)
+      sx[r] = quantize_row(xp + r * xs, smp, K, K4, reinterpret_cast<uint8_t*>(xu + r * K4), &zp[r]);
+  });
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int32_t* cp = colsum.data_ptr<int32_t>();
   const float* sp = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  using QuadFn = void (*)(const uint32_t*, int64_t, const int8_t*, int32_t*);
-  static constexpr QuadFn kQuad[QROWS + 1] = {nullptr,         quad_kernel<1>, quad_kernel<2>, quad_kernel<3>,
-                                              quad_kernel<4>, quad_kernel<5>, quad_kernel<6>, quad_kernel<7>,
-                                              quad_kernel<8>};
-  const int64_t stride = K4 * PANEL * 4;
-  const int64_t chunk = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, stride));
-  const int64_t n_chunks = (P + chunk - 1) / chunk;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(n_chunks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    int32_t acc[QROWS * PANEL];
-    float v[PANEL];
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;)
-      for (int64_t p = c * chunk; p < std::min(P, (c + 1) * chunk); ++p) {
-        const int64_t c0 = p * PANEL, nc = std::min<int64_t>(PANEL, n - c0);
-        float spanel[PANEL] = {0}, bpanel[PANEL] = {0};
-        int32_t cpanel[PANEL] = {0};
-        std::copy(sp + c0, sp + c0 + nc, spanel);
-        std::copy(cp + c0, cp + c0 + nc, cpanel);
-        if (bp) std::copy(bp + c0, bp + c0 + nc, bpanel);
-        for (int64_t r0 = 0; r0 < M; r0 += QROWS) {
-          const int64_t R = std::min<int64_t>(QROWS, M - r0);
-          kQuad[R](xu.data() + r0 * K4, K4, wp + p * stride, acc);
-          for (int64_t r = 0; r < R; ++r) {
-            for (int j = 0; j < PANEL; ++j) v[j] = float(acc[r * PANEL + j] - 128 * cpanel[j]) * sx[r0 + r];
-            epilogue(v, spanel, bp ? bpanel : nullptr, act);
-            std::copy(v, v + nc, op + (r0 + r) * n + c0);
-          }
-        }
+  const int64_t n_rb = (M + QBLOCK - 1) / QBLOCK, threads = at::get_num_threads();
+  const int64_t n_cg = n_rb >= 2 * threads ? 1 : std::min<int64_t>((P + QPAN - 1) / QPAN, (2 * threads + n_rb - 1) / n_rb);
+  const int64_t cg_pan = ((P + n_cg - 1) / n_cg + QPAN - 1) / QPAN * QPAN;  // panels per column group
+  const int64_t tile_work = std::min<int64_t>(QBLOCK, M) * cg_pan * PANEL * K;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / std::max<int64_t>(1, tile_work));
+  SUBLAYER_DISPATCH_ACT(act, [&] {
+    at::parallel_for(0, n_rb * n_cg, grain, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t rb = t / n_cg, cg = t % n_cg;
+        const int64_t p0 = cg * cg_pan, p1 = std::min(P, p0 + cg_pan);
+        if (p0 < p1)
+          int8_tile<ACT>(xu, sx.data(), zp.data(), K4, wp, cp, sp, bp, op, n, rb * QBLOCK, std::min(M, (rb + 1) * QBLOCK),
+                         p0, p1);
       }
+    });
   });
   return out;
 }
@@ -852,7 +977,9 @@ TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
   m.def("screened_argmax(Tensor x, Tensor screened, Tensor weight, Tensor? bias, Tensor bound) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int n, int act=0, Tensor? scale=None) -> Tensor");
   m.def("pack_int8_quads(Tensor q) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor packed, Tensor colsum, Tensor scale, Tensor? bias, int n, int act=0) -> Tensor");
+  m.def(
+      "int8_linear(Tensor x, Tensor packed, Tensor colsum, Tensor scale, Tensor? bias, int n, int act=0, "
+      "Tensor? inv_smooth=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
