@@ -159,20 +159,27 @@ def test_loss_false_keeps_logits():
     assert model(**_batch("gpt2")).logits.shape == (B, T, V)
 
 
-def test_autocast_keeps_hf_loss_and_logits():
-    """Under bf16 autocast the patched LM runs HF's own head and loss (logits kept, HF's loss value); without
-    autocast the fused loss runs (logits None)."""
+@pytest.mark.parametrize("left", [False, True])
+def test_autocast_loss_is_hf_loss_on_target_rows(left):
+    """Under bf16 autocast the patched LM runs HF's bf16 head and float32 loss on the rows that have a target only
+    (logits None): HF's loss and every gradient, to bf16 rounding, right or left padding."""
     torch.manual_seed(3)
-    model = _gpt2().train()
-    batch = _batch("gpt2")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        want = model(**batch)
+    ref = _gpt2().train()
+    model = copy.deepcopy(ref)
     hf.patch(model)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = model(**batch)
-    assert got.logits is not None and got.logits.shape == (B, T, V)
-    torch.testing.assert_close(got.loss.float(), want.loss.float(), rtol=2e-2, atol=2e-2)
-    assert model(**batch).logits is None
+    batch = _batch("gpt2")
+    if left:
+        batch = {k: v.flip(1) for k, v in batch.items()}
+    outs, grads = [], []
+    for m in (ref, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append(m(**batch))
+        outs[-1].loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    assert outs[1].logits is None
+    torch.testing.assert_close(outs[1].loss, outs[0].loss, rtol=1e-5, atol=1e-5)
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=2e-2, atol=2e-2 * g.abs().max().item() + 1e-6, msg=n)
 
 
 def test_unpatch_restores_exactly_and_patch_is_idempotent():

@@ -59,6 +59,7 @@ from torch import Tensor, nn
 
 from .functional import fused
 from .functional.cross_entropy import linear_cross_entropy
+from .functional.packing import Packing
 
 __all__ = ["PatchReport", "patch", "unpatch", "patched"]
 
@@ -205,7 +206,6 @@ def _lm_forward(self, *args, **kwargs):
         or not isinstance(kwargs.get("logits_to_keep", 0), int)
         or kwargs.get("logits_to_keep", 0) != 0
         or _hooked(head)
-        or torch.is_autocast_enabled("cpu")  # bf16 autocast: HF's bf16 head GEMM + loss is the faster one
     ):
         return original(*args, **kwargs)
     ignore = kwargs.get("ignore_index", -100)
@@ -231,15 +231,16 @@ def _lm_forward(self, *args, **kwargs):
     finally:
         del head.__dict__["forward"]
     (h,) = seen
-    w, b = head.weight, head.bias
-    if torch.is_autocast_enabled("cpu"):  # HF's head runs under autocast: its operands are rounded to that dtype
-        dt = torch.get_autocast_dtype("cpu")
-        h, w, b = h.to(dt), w.to(dt), (b.to(dt) if b is not None else None)
-    with torch.autocast("cpu", enabled=False):
-        loss = linear_cross_entropy(
-            h.reshape(-1, h.shape[-1]), w, target.to(h.device), bias=b, ignore_index=ignore,
-            reduction="mean" if n_items is None else "sum", grad_in_forward=True,
-        )  # fmt: skip
+    h = h.reshape(-1, h.shape[-1])
+    target = target.to(h.device)
+    reduction = "mean" if n_items is None else "sum"
+    if torch.is_autocast_enabled("cpu"):  # HF's bf16 head and float32 loss, on the rows that have a target only
+        skip = target == ignore
+        logits = F.linear(Packing(skip[:, None]).pack(h[:, None]), head.weight, head.bias)
+        loss = F.cross_entropy(logits.float(), target[~skip], reduction=reduction)
+    else:
+        loss = linear_cross_entropy(h, head.weight, target, bias=head.bias, ignore_index=ignore, reduction=reduction,
+                                    grad_in_forward=True)  # fmt: skip
     if n_items is not None:
         loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
     out = dataclasses.replace(out, loss=loss, logits=None)
