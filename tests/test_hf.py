@@ -49,7 +49,7 @@ MODELS = {"bert_mlm": _bert, "bert_cls": lambda: _bert("cls"), "gpt2": _gpt2, "l
           "qwen2": lambda: _llama("qwen2")}  # fmt: skip
 EXPECTED = {  # (HF class, how many) every build above must have replaced
     "bert_mlm": {"BertLayer": 2, "BertSelfOutput": 2},
-    "bert_cls": {"BertLayer": 2, "BertSelfOutput": 2},
+    "bert_cls": {"BertLayer": 2, "BertSelfOutput": 2, "BertModel": 1},
     "gpt2": {"GPT2MLP": 2, "LayerNorm": 5, "GPT2LMHeadModel": 1},
     "llama": {"LlamaMLP": 2, "LlamaRMSNorm": 5, "LlamaForCausalLM": 1},
     "qwen2": {"Qwen2MLP": 2, "Qwen2RMSNorm": 5, "Qwen2ForCausalLM": 1},
@@ -202,7 +202,8 @@ def test_patching_a_submodule_first_is_noted():
     model = _bert("cls")
     hf.patch(model.bert)
     report = hf.patch(model)
-    assert not report.replaced and len(report.notes) == 4, str(report)  # 2 BertLayer + 2 BertSelfOutput
+    # 2 BertLayer + 2 BertSelfOutput already patched; the encoder under the head now runs padding-free
+    assert _counts(report) == {"BertModel": 1} and len(report.notes) == 4, str(report)
 
 
 def test_left_alone_and_reported():
@@ -296,7 +297,7 @@ def test_sentence_transformers_encode(tmp_path):
     texts = ["the cat sat on the mat", "a dog ran", "the dog ran fast on a mat", "slow"]
     want = model.encode(texts, convert_to_tensor=True)
     report = hf.patch(model)
-    assert _counts(report) == {"BertLayer": 2, "BertSelfOutput": 2}, str(report)
+    assert _counts(report) == {"BertLayer": 2, "BertSelfOutput": 2, "BertModel": 1}, str(report)
     torch.testing.assert_close(model.encode(texts, convert_to_tensor=True), want)
 
 

@@ -59,7 +59,8 @@ from torch import Tensor, nn
 
 from .functional import fused
 from .functional.cross_entropy import linear_cross_entropy
-from .functional.packing import Packing
+from .functional.packing import Packing, PackedBatch
+from .runtime.weights import prepared
 
 __all__ = ["PatchReport", "patch", "unpatch", "patched"]
 
@@ -247,6 +248,78 @@ def _lm_forward(self, *args, **kwargs):
     return out if return_dict else out.to_tuple()
 
 
+_BERT_ARGS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+_BERT_NONE = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values", "use_cache",
+              "output_attentions", "output_hidden_states")  # fmt: skip
+
+
+def _bert_model_forward(self, *args, **kwargs):
+    """``BertModel.forward`` with the encoder on the real tokens only (see the module doc), else HF's."""
+    original = type(self).forward.__get__(self)
+    if len(args) > len(_BERT_ARGS) or any(k in kwargs for k in _BERT_ARGS[: len(args)]):
+        return original(*args, **kwargs)
+    kw = dict(zip(_BERT_ARGS, args), **kwargs)
+    mask = kw.get("attention_mask")
+    if not _padding_free_applies(self, kw, mask):
+        return original(*args, **kwargs)
+    pad = mask == 0
+    rows = ~pad
+    if self.pooler is not None:  # the pooler reads position 0, padding or not (left padding)
+        rows[:, 0] = True
+    emb = self.embeddings(input_ids=kw.get("input_ids"), token_type_ids=kw.get("token_type_ids"),
+                          position_ids=kw.get("position_ids"), inputs_embeds=kw.get("inputs_embeds"))  # fmt: skip
+    pk = PackedBatch(pad, rows=rows)
+    x = pk.pack(emb)
+    qkv = _qkv_weights(self.encoder)
+    for layer, (w, b) in zip(self.encoder.layer, qkv):
+        sa = layer.attention.self
+        n, heads = x.shape[0], sa.num_attention_heads
+        q, k, v = F.linear(x, w, b).view(n, 3, heads, sa.attention_head_size).unbind(1)
+        ctx = pk.self_attention(q, k, v, causal=False, dropout=sa.dropout.p if sa.training else 0.0)
+        x = layer.attention.output(ctx.reshape(n, -1), x)
+        x = layer.feed_forward_chunk(x)
+    out = pk.unpack(x)
+    from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions as Output
+
+    res = Output(last_hidden_state=out, pooler_output=self.pooler(out) if self.pooler is not None else None)
+    return_dict = kw.get("return_dict")
+    return res if (self.config.return_dict if return_dict is None else return_dict) else res.to_tuple()
+
+
+def _padding_free_applies(model: nn.Module, kw: dict, mask: object) -> bool:
+    """The padding-free encoder computes exactly what HF's would on every position an output reads."""
+    cfg = model.config
+    if any(kw.get(k) for k in _BERT_NONE) or getattr(cfg, "output_attentions", False):
+        return False
+    if getattr(cfg, "output_hidden_states", False) or set(kw) - {*_BERT_ARGS, *_BERT_NONE, "return_dict"}:
+        return False
+    if not torch.is_tensor(mask) or mask.dim() != 2:
+        return False
+    ids = kw.get("input_ids") if kw.get("input_ids") is not None else kw.get("inputs_embeds")
+    if ids is None or tuple(ids.shape[:2]) != tuple(mask.shape) or (model.training and model.gradient_checkpointing):
+        return False
+    if cfg._attn_implementation not in ("sdpa", "eager") or _hooked(model.encoder):
+        return False
+    real = mask != 0
+    return bool(real.any(1).all()) and not bool(real.all())  # padding, and no row of padding only
+
+
+def _qkv_weights(encoder: nn.Module) -> list[tuple[Tensor, Tensor]]:
+    """Each layer's q|k|v weight and bias, concatenated (differentiable; cached while the weights stay the same
+    when no gradient is recorded)."""
+
+    def build(enc):
+        return [
+            (torch.cat([a.query.weight, a.key.weight, a.value.weight]),
+             torch.cat([a.query.bias, a.key.bias, a.value.bias]))
+            for a in (layer.attention.self for layer in enc.layer)
+        ]
+
+    if torch.is_grad_enabled():
+        return build(encoder)
+    return prepared(encoder, "hf.qkv", build)
+
+
 # ----------------------------------------------------------------------------------------------- the patch
 def _targets(loss: bool):
     """(HF class, check(module) -> why-not or None, replacement forward name, replacement, description) rows."""
@@ -323,6 +396,38 @@ def _targets(loss: bool):
     return rows, gpt2.GPT2Model
 
 
+_PADS_UNREAD = ("BertForSequenceClassification", "BertForMultipleChoice")  # heads that read position 0 only
+_ST_READERS = ("Pooling", "Normalize", "Dense")  # sentence-transformers modules that mask padding or follow pooling
+
+
+def _bert_padding_free(m: nn.Module, parent: nn.Module | None, root: nn.Module, option: bool | None) -> str | None:
+    """None if ``m`` (a BertModel) gets the padding-free encoder, else why not."""
+    from transformers.models.bert import modeling_bert as bert
+
+    if option is False:
+        return "padding_free=False"
+    if type(m.encoder) is not bert.BertEncoder or m.config.is_decoder or "forward" in m.__dict__:
+        return "a decoder, or its encoder is not HF's BertEncoder"
+    for i, layer in enumerate(m.encoder.layer):
+        sa = layer.attention.self
+        if not all(getattr(getattr(mod, a, None), _MARK, False) for mod, a in
+                   ((layer, "feed_forward_chunk"), (layer.attention.output, "forward"))):  # fmt: skip
+            return f"layer {i}'s feed-forward or attention output is not patched"
+        if type(layer) is not bert.BertLayer or type(sa) is not bert.BertSelfAttention or "forward" in layer.__dict__:
+            return f"layer {i} is not a plain BertLayer with BertSelfAttention"
+        if _why_not(sa, {"query": nn.Linear, "key": nn.Linear, "value": nn.Linear}) or sa.query.bias is None:
+            return f"layer {i}'s attention projections are not plain biased nn.Linear"
+    if option:
+        return None
+    if type(parent).__name__ in _PADS_UNREAD and type(parent).__module__ == bert.__name__:
+        return None
+    if type(root).__module__.startswith("sentence_transformers") and parent is not root:
+        if all(c is parent or type(c).__name__ in _ST_READERS for c in root.children()):
+            return None
+    return ("its hidden states at padded positions are an output here (pass padding_free=True to run the "
+            "encoder on the real tokens only, zeros at padding)")  # fmt: skip
+
+
 def _set_act(m: nn.Module, act: object) -> str | None:
     name = _activation(act)
     if name is None:
@@ -349,7 +454,7 @@ def _check_model(model: object) -> None:
         )
 
 
-def patch(model: nn.Module, *, loss: bool = True) -> PatchReport:
+def patch(model: nn.Module, *, loss: bool = True, padding_free: bool | None = None) -> PatchReport:
     """Replace, inside ``model``, the sub-layers sublayer runs faster with its fused CPU paths (see the module doc).
 
     Args:
@@ -358,6 +463,10 @@ def patch(model: nn.Module, *, loss: bool = True) -> PatchReport:
             ``SentenceTransformer``). Patched in place.
         loss: also replace the causal-LM loss (``labels=`` in training runs the fused linear + cross-entropy and
             returns ``logits=None``); False keeps HF's logits and loss.
+        padding_free: run BERT encoders on the real tokens only (their hidden states at padded positions are then
+            zeros). None (default): only where no output reads those positions (a ``BertModel`` inside
+            ``BertForSequenceClassification`` / ``BertForMultipleChoice`` or a sentence-transformers model that
+            pools it); True: every ``BertModel``; False: none.
 
     Returns:
         A :class:`PatchReport`: what was replaced, what was left alone and why. Patching a patched model changes
@@ -365,11 +474,13 @@ def patch(model: nn.Module, *, loss: bool = True) -> PatchReport:
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or holds no ``transformers.PreTrainedModel``; ``loss`` is not
-            a bool.
+            a bool; ``padding_free`` is not None or a bool.
     """
     _check_model(model)
     if not isinstance(loss, bool):
         raise TypeError(f"loss must be a bool, got {loss!r}")
+    if padding_free is not None and not isinstance(padding_free, bool):
+        raise TypeError(f"padding_free must be None or a bool, got {padding_free!r}")
     report = PatchReport()
     if _STATE in model.__dict__:
         report.notes.append("already patched: nothing changed (call unpatch first to patch with other options)")
@@ -380,8 +491,8 @@ def patch(model: nn.Module, *, loss: bool = True) -> PatchReport:
 
     def swap(m: nn.Module, attr: str, fn) -> None:
         records.append((m, attr, m.__dict__.get(attr, _MISSING)))
-        if fn is _lm_forward:  # keep HF's signature: Trainer reads it (dataset columns, loss kwargs)
-            fn = functools.update_wrapper(lambda self, *a, **k: _lm_forward(self, *a, **k), type(m).forward)
+        if fn in (_lm_forward, _bert_model_forward):  # keep HF's signature: Trainer and sentence-transformers read it
+            fn = functools.update_wrapper(lambda self, *a, _fn=fn, **k: _fn(self, *a, **k), type(m).forward)
             setattr(fn, _MARK, True)
         setattr(m, attr, types.MethodType(fn, m))
 
@@ -412,6 +523,15 @@ def patch(model: nn.Module, *, loss: bool = True) -> PatchReport:
                     covered.add(id(m.output))
                 report.replaced.append((name, f"{cls.__name__} -> " + what.format(act=getattr(m, "_sublayer_act", ""))))
             break
+    parents = {id(c): m for m in model.modules() for c in m.children()}
+    for name, m in model.named_modules():  # after the loop: the encoder's layers must be patched first
+        if type(m).__name__ == "BertModel" and type(m).__module__ == "transformers.models.bert.modeling_bert":
+            why = _bert_padding_free(m, parents.get(id(m)), model, padding_free)
+            if why:
+                report.notes.append(f"{name or '(root)'}: padding-free encoder not used: {why}")
+            else:
+                swap(m, "forward", _bert_model_forward)
+                report.replaced.append((name, "BertModel -> padding-free encoder (real tokens only, zeros at padding)"))
     setattr(model, _STATE, records)
     return report
 
@@ -439,10 +559,10 @@ def unpatch(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def patched(model: nn.Module, *, loss: bool = True) -> Iterator[PatchReport]:
+def patched(model: nn.Module, *, loss: bool = True, padding_free: bool | None = None) -> Iterator[PatchReport]:
     """``with patched(model) as report:`` — :func:`patch` for the block, :func:`unpatch` after it (a model that was
     already patched on entry stays patched)."""
-    report = patch(model, loss=loss)
+    report = patch(model, loss=loss, padding_free=padding_free)
     fresh = not report.notes or not report.notes[0].startswith("already patched")
     try:
         yield report
@@ -451,5 +571,5 @@ def patched(model: nn.Module, *, loss: bool = True) -> Iterator[PatchReport]:
             unpatch(model)
 
 
-for _fn in (_bert_self_output, _bert_ffn, _gpt2_mlp, _glu_mlp, _layer_norm, _rms_norm, _lm_forward):
+for _fn in (_bert_self_output, _bert_ffn, _gpt2_mlp, _glu_mlp, _layer_norm, _rms_norm, _lm_forward, _bert_model_forward):
     setattr(_fn, _MARK, True)
