@@ -25,19 +25,28 @@ HF module                                        replaced by
 ``GPT2LMHeadModel``, ``LlamaForCausalLM``,       with ``labels=`` in training mode: the fused linear + cross-entropy
 ``Qwen2ForCausalLM`` loss                        (:func:`sublayer.functional.linear_cross_entropy`; HF's shift,
                                                  ``ignore_index``, ``num_items_in_batch``, ``shift_labels``); no
-                                                 (B, T, vocab) logits are made, and ``logits`` is None
+                                                 (B, T, vocab) logits are made, and ``logits`` is None; under bf16
+                                                 autocast HF's bf16 head and loss on the rows with a target
+``BertModel`` where no output reads its padded   the padding-free encoder: HF's embeddings, then the layers on the
+positions (inside ``BertForSequenceClass...``,   packed real tokens (fused q|k|v, attention per sequence, the fused
+``BertForMultipleChoice``, a pooling             sub-layers above; position 0 too when a pooler reads it), zeros at
+sentence-transformers model; or                  padding; in eval mode without autograd a prepared inference path
+``padding_free=True``)                           (oneDNN GEMMs on weights packed once, the fused attention kernel)
 ===============================================  ======================================================================
 
 Task heads (``BertForSequenceClassification``, ...) and sentence-transformers models are covered through the
-encoder inside them. Attention is HF's own.
+encoder inside them. Attention is HF's own outside the padding-free encoder; that encoder steps aside (HF's runs)
+for a row of padding only, ``output_attentions`` / ``output_hidden_states``, hooks inside the encoder, decoders,
+gradient checkpointing.
 
 What changes and what does not:
 
 * Outputs and gradients equal HF's to float32 rounding (bfloat16 autocast: to bfloat16 rounding).
 * Dropout draws its masks from sublayer's counter-based stream (seeded from torch's generator, so
   ``torch.manual_seed`` reproduces a run): the same distribution as HF's dropout, not the same masks.
-* The loss path returns ``logits=None`` only when it runs: ``labels`` given, ``model.training``, grad mode on,
-  no autocast (under bf16 autocast HF's own bf16 head and loss run) and ``logits_to_keep`` left at 0 — what Liger-Kernel's patched models return in training. In ``eval()`` mode (HF's
+* Hidden states at padded positions are zeros where the padding-free encoder runs.
+* The loss path returns ``logits=None`` only when it runs: ``labels`` given, ``model.training``, grad mode on
+  and ``logits_to_keep`` left at 0 — what Liger-Kernel's patched models return in training. In ``eval()`` mode (HF's
   ``Trainer`` evaluation and ``generate`` included), without ``labels`` or with ``patch(model, loss=False)`` the
   logits are HF's. A batch whose targets are all ``ignore_index`` runs HF's loss (its NaN mean).
 * Modules with hooks, non-default activations (``gelu_python``, ``quick_gelu``, ...), float16 parameters, or
