@@ -418,6 +418,28 @@ def test_inference_path_sees_new_weights():
         torch.testing.assert_close(model.bert(**batch).pooler_output, ref.bert(**batch).pooler_output)
 
 
+@pytest.mark.parametrize("side", ["right", "left", "mixed"])
+@pytest.mark.parametrize("n_items", [None, 13])
+def test_gpt2_packed_body_equals_hf(side, n_items):
+    """GPT-2's body on the real tokens only (every target row real: labels -100 at padding, right padding) gives
+    HF's loss and every gradient; where a padded position has a target (left padding: the last pad predicts the
+    first token) HF's body runs, with the same result."""
+    ref = _gpt2().train()
+    model = copy.deepcopy(ref)
+    hf.patch(model)
+    ids, mask = torch.randint(0, V, (B, T)), _masks()[side]
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    if n_items is not None:
+        batch["num_items_in_batch"] = torch.tensor(n_items)
+    want, want_g = _run(ref, batch, labels=True)
+    got, got_g = _run(model, batch, labels=True)
+    torch.testing.assert_close(got.loss, want.loss)
+    assert got_g.keys() == want_g.keys()
+    for n in want_g:
+        torch.testing.assert_close(got_g[n], want_g[n], msg=lambda m, n=n: f"{n}: {m}")
+    assert (got.past_key_values is None) == (side == "right")  # the packed body returns no cache
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_keeps_hf_cast_order(dtype):
     """HF's RMSNorm rounds the normed input to its dtype before the weight multiplies it: in bfloat16 that is two

@@ -27,6 +27,8 @@ HF module                                        replaced by
                                                  ``ignore_index``, ``num_items_in_batch``, ``shift_labels``); no
                                                  (B, T, vocab) logits are made, and ``logits`` is None; under bf16
                                                  autocast HF's bf16 head and loss on the rows with a target
+                                                 (GPT-2 with every target row a real token: the blocks run on the
+                                                 real tokens only, ``past_key_values`` None)
 ``BertModel`` where no output reads its padded   the padding-free encoder: HF's embeddings, then the layers on the
 positions (inside ``BertForSequenceClass...``,   packed real tokens (fused q|k|v, attention per sequence, the fused
 ``BertForMultipleChoice``, a pooling             sub-layers above; position 0 too when a pooler reads it), zeros at
@@ -237,11 +239,17 @@ def _lm_forward(self, *args, **kwargs):
         seen.append(h)
         return h.new_empty(0)
 
-    head.forward = keep_hidden
-    try:
-        out = original(*args, return_dict=True, **kw)
-    finally:
-        del head.__dict__["forward"]
+    packed = None if args else _gpt2_packed_hidden(self, kwargs, target, ignore)
+    if packed is not None:  # the body on the real tokens only (every target row is one)
+        from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+
+        out, seen = CausalLMOutputWithCrossAttentions(), [packed]
+    else:
+        head.forward = keep_hidden
+        try:
+            out = original(*args, return_dict=True, **kw)
+        finally:
+            del head.__dict__["forward"]
     (h,) = seen
     h = h.reshape(-1, h.shape[-1])
     target = target.to(h.device)
@@ -257,6 +265,34 @@ def _lm_forward(self, *args, **kwargs):
         loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
     out = dataclasses.replace(out, loss=loss, logits=None)
     return out if return_dict else out.to_tuple()
+
+
+_GPT2_KWARGS = {"input_ids", "attention_mask", "labels", "num_items_in_batch", "ignore_index", "shift_labels",
+                "return_dict", "use_cache", "logits_to_keep"}  # fmt: skip
+
+
+def _gpt2_packed_hidden(model: nn.Module, kw: dict, target: Tensor, ignore: int) -> Tensor | None:
+    """GPT-2's final hidden states (B, T, d) computed on the real tokens only (zeros at padding), or None where HF's
+    body must run: no padding, a padded position with a target, other inputs, hooks, options that change attention."""
+    if set(kw) - _GPT2_KWARGS or not _gpt2_body_ok(model) or _hooked(model.transformer):
+        return None
+    tr, ids, mask = model.transformer, kw.get("input_ids"), kw.get("attention_mask")
+    if not torch.is_tensor(ids) or not torch.is_tensor(mask) or ids.dim() != 2 or mask.shape != ids.shape:
+        return None
+    real = mask != 0
+    if bool(real.all()) or bool((target.view(ids.shape) != ignore)[~real].any()) or tr.gradient_checkpointing:
+        return None
+    if model.config._attn_implementation not in ("sdpa", "eager"):
+        return None
+    pk = PackedBatch(~real)
+    x = pk.pack(tr.drop(tr.wte(ids) + tr.wpe(torch.arange(ids.shape[1], device=ids.device))[None]))
+    for block in tr.h:
+        a, n = block.attn, x.shape[0]
+        q, k, v = a.c_attn(block.ln_1(x)).view(n, 3, a.num_heads, a.head_dim).unbind(1)
+        ctx = pk.self_attention(q, k, v, causal=True, dropout=a.attn_dropout.p if a.training else 0.0)
+        x = x + a.resid_dropout(a.c_proj(ctx.reshape(n, -1)))
+        x = x + block.mlp(block.ln_2(x))
+    return pk.unpack(tr.ln_f(x))
 
 
 _BERT_ARGS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
@@ -505,6 +541,25 @@ def _bert_padding_free(m: nn.Module, parent: nn.Module | None, root: nn.Module, 
             return None
     return ("its hidden states at padded positions are an output here (pass padding_free=True to run the "
             "encoder on the real tokens only, zeros at padding)")  # fmt: skip
+
+
+def _gpt2_body_ok(model: nn.Module) -> bool:
+    """A GPT2LMHeadModel whose body is HF's plain blocks (self-attention scaled by 1/sqrt(head_dim), patched MLPs):
+    the packed body computes exactly what they do."""
+    from transformers.models.gpt2 import modeling_gpt2 as gpt2
+
+    if type(model) is not gpt2.GPT2LMHeadModel:
+        return False
+    tr, cfg = model.transformer, model.config
+    if type(tr) is not gpt2.GPT2Model or cfg.add_cross_attention or not cfg.scale_attn_weights:
+        return False
+    if cfg.scale_attn_by_inverse_layer_idx or cfg.reorder_and_upcast_attn:
+        return False
+    return all(
+        type(b) is gpt2.GPT2Block and type(b.attn) is gpt2.GPT2Attention and getattr(b.mlp.forward, _MARK, False)
+        and "forward" not in b.__dict__ and "forward" not in b.attn.__dict__
+        for b in tr.h
+    )  # fmt: skip
 
 
 def _set_act(m: nn.Module, act: object) -> str | None:
