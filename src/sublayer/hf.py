@@ -81,9 +81,6 @@ _STATE = "_sublayer_hf_patch"  # attribute of the patched root: the records unpa
 _MARK = "_sublayer_hf"  # attribute of every replacement forward
 _MISSING = object()
 _DTYPES = (torch.float32, torch.bfloat16)
-# logits per chunk of the fused loss: 64 MB in float32 (HF's loss holds all B x T x vocab); the head's GEMMs ran
-# about 20 % faster than with linear_cross_entropy's default (16 MB) at GPT-2's vocabulary
-_LOSS_CHUNK = 1 << 24
 
 
 @dataclasses.dataclass
@@ -263,7 +260,7 @@ def _lm_forward(self, *args, **kwargs):
         loss = F.cross_entropy(logits.float(), target[~skip], reduction=reduction)
     else:
         loss = linear_cross_entropy(h, head.weight, target, bias=head.bias, ignore_index=ignore, reduction=reduction,
-                                    chunk_size=_LOSS_CHUNK, grad_in_forward=True)  # fmt: skip
+                                    grad_in_forward=True)  # fmt: skip
     if n_items is not None:
         loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
     out = dataclasses.replace(out, loss=loss, logits=None)
