@@ -49,7 +49,7 @@ MODELS = {"bert_mlm": _bert, "bert_cls": lambda: _bert("cls"), "gpt2": _gpt2, "l
           "qwen2": lambda: _llama("qwen2")}  # fmt: skip
 EXPECTED = {  # (HF class, how many) every build above must have replaced
     "bert_mlm": {"BertLayer": 2, "BertSelfOutput": 2},
-    "bert_cls": {"BertLayer": 2, "BertSelfOutput": 2},
+    "bert_cls": {"BertLayer": 2, "BertSelfOutput": 2, "BertModel": 1},
     "gpt2": {"GPT2MLP": 2, "LayerNorm": 5, "GPT2LMHeadModel": 1},
     "llama": {"LlamaMLP": 2, "LlamaRMSNorm": 5, "LlamaForCausalLM": 1},
     "qwen2": {"Qwen2MLP": 2, "Qwen2RMSNorm": 5, "Qwen2ForCausalLM": 1},
@@ -159,20 +159,27 @@ def test_loss_false_keeps_logits():
     assert model(**_batch("gpt2")).logits.shape == (B, T, V)
 
 
-def test_autocast_keeps_hf_loss_and_logits():
-    """Under bf16 autocast the patched LM runs HF's own head and loss (logits kept, HF's loss value); without
-    autocast the fused loss runs (logits None)."""
+@pytest.mark.parametrize("left", [False, True])
+def test_autocast_loss_is_hf_loss_on_target_rows(left):
+    """Under bf16 autocast the patched LM runs HF's bf16 head and float32 loss on the rows that have a target only
+    (logits None): HF's loss and every gradient, to bf16 rounding, right or left padding."""
     torch.manual_seed(3)
-    model = _gpt2().train()
-    batch = _batch("gpt2")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        want = model(**batch)
+    ref = _gpt2().train()
+    model = copy.deepcopy(ref)
     hf.patch(model)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = model(**batch)
-    assert got.logits is not None and got.logits.shape == (B, T, V)
-    torch.testing.assert_close(got.loss.float(), want.loss.float(), rtol=2e-2, atol=2e-2)
-    assert model(**batch).logits is None
+    batch = _batch("gpt2")
+    if left:
+        batch = {k: v.flip(1) for k, v in batch.items()}
+    outs, grads = [], []
+    for m in (ref, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append(m(**batch))
+        outs[-1].loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    assert outs[1].logits is None
+    torch.testing.assert_close(outs[1].loss, outs[0].loss, rtol=1e-5, atol=1e-5)
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=2e-2, atol=2e-2 * g.abs().max().item() + 1e-6, msg=n)
 
 
 def test_unpatch_restores_exactly_and_patch_is_idempotent():
@@ -195,7 +202,8 @@ def test_patching_a_submodule_first_is_noted():
     model = _bert("cls")
     hf.patch(model.bert)
     report = hf.patch(model)
-    assert not report.replaced and len(report.notes) == 4, str(report)  # 2 BertLayer + 2 BertSelfOutput
+    # 2 BertLayer + 2 BertSelfOutput already patched; the encoder under the head now runs padding-free
+    assert _counts(report) == {"BertModel": 1} and len(report.notes) == 4, str(report)
 
 
 def test_left_alone_and_reported():
@@ -246,7 +254,9 @@ def test_trainer_gives_the_same_weights(name, tmp_path):
             for _ in range(8):
                 ids = torch.randint(0, V, (T,), generator=g)
                 label = torch.tensor(int(ids[0]) % 3) if name == "bert_cls" else ids
-                self.rows.append({"input_ids": ids, "attention_mask": torch.ones(T, dtype=torch.long), "labels": label})
+                mask = torch.ones(T, dtype=torch.long)
+                mask[T - len(self.rows) % 4 :] = 0  # padding in most batches (the padding-free encoder runs)
+                self.rows.append({"input_ids": ids, "attention_mask": mask, "labels": label})
 
         def __len__(self):
             return len(self.rows)
@@ -289,8 +299,145 @@ def test_sentence_transformers_encode(tmp_path):
     texts = ["the cat sat on the mat", "a dog ran", "the dog ran fast on a mat", "slow"]
     want = model.encode(texts, convert_to_tensor=True)
     report = hf.patch(model)
-    assert _counts(report) == {"BertLayer": 2, "BertSelfOutput": 2}, str(report)
+    assert _counts(report) == {"BertLayer": 2, "BertSelfOutput": 2, "BertModel": 1}, str(report)
     torch.testing.assert_close(model.encode(texts, convert_to_tensor=True), want)
+
+
+def _masks():
+    """Right, left and mixed padding, and no padding, for B rows of T."""
+    right = torch.ones(B, T, dtype=torch.long)
+    right[0, 7:] = 0
+    right[2, 5:] = 0
+    left = right.flip(1)
+    mixed = torch.stack([right[0], left[2], torch.ones(T, dtype=torch.long)])
+    return {"right": right, "left": left, "mixed": mixed, "none": torch.ones(B, T, dtype=torch.long)}
+
+
+@pytest.mark.parametrize("side", ["right", "left", "mixed", "none"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_padding_free_encoder_equals_hf(side, mode):
+    """The padding-free encoder under a classification head: HF's logits, loss and every gradient, with grad and
+    (eval) without; its hidden states at padded positions are zeros (the path ran)."""
+    ref = _bert("cls")
+    model = copy.deepcopy(ref)
+    assert ("bert", "BertModel -> padding-free encoder (real tokens only, zeros at padding)") in hf.patch(model).replaced
+    mask = _masks()[side]
+    batch = {"input_ids": torch.randint(0, V, (B, T)), "attention_mask": mask, "labels": torch.tensor([0, 2, 1])}
+    for m in (ref, model):
+        m.train(mode == "train")
+    want, want_g = _run(ref, batch, labels=True)
+    got, got_g = _run(model, batch, labels=True)
+    torch.testing.assert_close(got.loss, want.loss)
+    torch.testing.assert_close(got.logits, want.logits)
+    assert got_g.keys() == want_g.keys()
+    for n in want_g:
+        torch.testing.assert_close(got_g[n], want_g[n], msg=lambda m, n=n: f"{n}: {m}")
+    with torch.no_grad():
+        want_h, got_h = ref.bert(**batch_inputs(batch)), model.bert(**batch_inputs(batch))
+        torch.testing.assert_close(model(**batch).logits, ref(**batch).logits)
+    real = mask.bool()
+    torch.testing.assert_close(got_h.last_hidden_state[real], want_h.last_hidden_state[real])
+    torch.testing.assert_close(got_h.pooler_output, want_h.pooler_output)
+    pads = (~real).clone()
+    pads[:, 0] = False  # the pooler's position 0 runs, padding or not
+    assert bool((got_h.last_hidden_state[pads] == 0).all())
+
+
+def batch_inputs(batch):
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+def test_padding_free_option():
+    """A bare BertModel's hidden states at padding are an output: left HF's unless padding_free=True (then zeros
+    there, HF's values at the real tokens); padding_free=False keeps HF's encoder everywhere."""
+    ref = _bert("base").eval()
+    ids, mask = torch.randint(0, V, (B, T)), _masks()["mixed"]
+    want = ref(ids, attention_mask=mask).last_hidden_state
+    auto = copy.deepcopy(ref)
+    report = hf.patch(auto)
+    assert "BertModel" not in _counts(report) and "padding_free=True" in report.notes[0], str(report)
+    torch.testing.assert_close(auto(ids, attention_mask=mask).last_hidden_state, want)
+    on = copy.deepcopy(ref)
+    assert "BertModel" in _counts(hf.patch(on, padding_free=True))
+    got = on(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()])
+    pads = ~mask.bool()
+    torch.testing.assert_close(got[pads[:, 0], 0], want[pads[:, 0], 0])  # the pooler's position 0 runs
+    pads[:, 0] = False
+    assert pads.any() and bool((got[pads] == 0).all())
+    assert "BertModel" not in _counts(hf.patch(_bert("cls"), padding_free=False))
+    with pytest.raises(TypeError, match="padding_free must be None or a bool"):
+        hf.patch(_bert("cls"), padding_free="yes")
+
+
+def test_padding_free_steps_aside():
+    """A row of padding only, output_hidden_states / output_attentions and hooks inside the encoder run HF's
+    encoder: HF's values everywhere, padded positions included."""
+    ref = _bert("base").eval()
+    model = copy.deepcopy(ref)
+    hf.patch(model, padding_free=True)
+    ids, mask = torch.randint(0, V, (B, T)), _masks()["right"]
+    all_pad = mask.clone()
+    all_pad[1] = 0
+    for kw in ({"attention_mask": all_pad}, {"attention_mask": mask, "output_hidden_states": True},
+               {"attention_mask": mask, "output_attentions": True}):  # fmt: skip
+        want, got = ref(ids, **kw), model(ids, **kw)
+        torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state)
+        for name in ("hidden_states", "attentions"):
+            if getattr(want, name) is not None:
+                torch.testing.assert_close(getattr(got, name), getattr(want, name))
+    seen = []
+    model.encoder.layer[1].register_forward_hook(lambda mod, a, out: seen.append(out))
+    torch.testing.assert_close(model(ids, attention_mask=mask).last_hidden_state,
+                               ref(ids, attention_mask=mask).last_hidden_state)  # fmt: skip
+    assert len(seen) == 1 and seen[0].shape == (B, T, 14)
+
+
+def test_inference_path_sees_new_weights():
+    """Without autograd in eval mode the encoder runs weights prepared once; after an optimizer step and after an
+    in-place write they are HF's new ones."""
+    ref = _bert("cls")
+    model = copy.deepcopy(ref)
+    hf.patch(model)
+    batch = {"input_ids": torch.randint(0, V, (B, T)), "attention_mask": _masks()["right"]}
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
+    for step in range(3):
+        for m in (ref, model):
+            m.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model.bert(**batch).pooler_output, ref.bert(**batch).pooler_output)
+        for m, opt in zip((ref, model), opts):
+            m.train()
+            m(**batch, labels=torch.tensor([0, 2, 1])).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    with torch.no_grad():
+        for m in (ref, model):
+            m.bert.encoder.layer[0].intermediate.dense.weight.mul_(3.0)
+            m.eval()
+        torch.testing.assert_close(model.bert(**batch).pooler_output, ref.bert(**batch).pooler_output)
+
+
+@pytest.mark.parametrize("side", ["right", "left", "mixed"])
+@pytest.mark.parametrize("n_items", [None, 13])
+def test_gpt2_packed_body_equals_hf(side, n_items):
+    """GPT-2's body on the real tokens only (every target row real: labels -100 at padding, right padding) gives
+    HF's loss and every gradient; where a padded position has a target (left padding: the last pad predicts the
+    first token) HF's body runs, with the same result."""
+    ref = _gpt2().train()
+    model = copy.deepcopy(ref)
+    hf.patch(model)
+    ids, mask = torch.randint(0, V, (B, T)), _masks()[side]
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    if n_items is not None:
+        batch["num_items_in_batch"] = torch.tensor(n_items)
+    want, want_g = _run(ref, batch, labels=True)
+    got, got_g = _run(model, batch, labels=True)
+    torch.testing.assert_close(got.loss, want.loss)
+    assert got_g.keys() == want_g.keys()
+    for n in want_g:
+        torch.testing.assert_close(got_g[n], want_g[n], msg=lambda m, n=n: f"{n}: {m}")
+    assert (got.past_key_values is None) == (side == "right")  # the packed body returns no cache
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

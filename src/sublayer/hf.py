@@ -25,19 +25,30 @@ HF module                                        replaced by
 ``GPT2LMHeadModel``, ``LlamaForCausalLM``,       with ``labels=`` in training mode: the fused linear + cross-entropy
 ``Qwen2ForCausalLM`` loss                        (:func:`sublayer.functional.linear_cross_entropy`; HF's shift,
                                                  ``ignore_index``, ``num_items_in_batch``, ``shift_labels``); no
-                                                 (B, T, vocab) logits are made, and ``logits`` is None
+                                                 (B, T, vocab) logits are made, and ``logits`` is None; under bf16
+                                                 autocast HF's bf16 head and loss on the rows with a target
+                                                 (GPT-2 with every target row a real token: the blocks run on the
+                                                 real tokens only, ``past_key_values`` None)
+``BertModel`` where no output reads its padded   the padding-free encoder: HF's embeddings, then the layers on the
+positions (inside ``BertForSequenceClass...``,   packed real tokens (fused q|k|v, attention per sequence, the fused
+``BertForMultipleChoice``, a pooling             sub-layers above; position 0 too when a pooler reads it), zeros at
+sentence-transformers model; or                  padding; in eval mode without autograd a prepared inference path
+``padding_free=True``)                           (oneDNN GEMMs on weights packed once, the fused attention kernel)
 ===============================================  ======================================================================
 
 Task heads (``BertForSequenceClassification``, ...) and sentence-transformers models are covered through the
-encoder inside them. Attention is HF's own.
+encoder inside them. Attention is HF's own outside the padding-free encoder; that encoder steps aside (HF's runs)
+for a row of padding only, ``output_attentions`` / ``output_hidden_states``, hooks inside the encoder, decoders,
+gradient checkpointing.
 
 What changes and what does not:
 
 * Outputs and gradients equal HF's to float32 rounding (bfloat16 autocast: to bfloat16 rounding).
 * Dropout draws its masks from sublayer's counter-based stream (seeded from torch's generator, so
   ``torch.manual_seed`` reproduces a run): the same distribution as HF's dropout, not the same masks.
-* The loss path returns ``logits=None`` only when it runs: ``labels`` given, ``model.training``, grad mode on,
-  no autocast (under bf16 autocast HF's own bf16 head and loss run) and ``logits_to_keep`` left at 0 — what Liger-Kernel's patched models return in training. In ``eval()`` mode (HF's
+* Hidden states at padded positions are zeros where the padding-free encoder runs.
+* The loss path returns ``logits=None`` only when it runs: ``labels`` given, ``model.training``, grad mode on
+  and ``logits_to_keep`` left at 0 — what Liger-Kernel's patched models return in training. In ``eval()`` mode (HF's
   ``Trainer`` evaluation and ``generate`` included), without ``labels`` or with ``patch(model, loss=False)`` the
   logits are HF's. A batch whose targets are all ``ignore_index`` runs HF's loss (its NaN mean).
 * Modules with hooks, non-default activations (``gelu_python``, ``quick_gelu``, ...), float16 parameters, or
@@ -57,8 +68,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import kernels
 from .functional import fused
 from .functional.cross_entropy import linear_cross_entropy
+from .functional.packing import Packing, PackedBatch
+from .runtime.rows import add_norm, ffn_hidden
+from .runtime.weights import prepared
 
 __all__ = ["PatchReport", "patch", "unpatch", "patched"]
 
@@ -205,7 +220,6 @@ def _lm_forward(self, *args, **kwargs):
         or not isinstance(kwargs.get("logits_to_keep", 0), int)
         or kwargs.get("logits_to_keep", 0) != 0
         or _hooked(head)
-        or torch.is_autocast_enabled("cpu")  # bf16 autocast: HF's bf16 head GEMM + loss is the faster one
     ):
         return original(*args, **kwargs)
     ignore = kwargs.get("ignore_index", -100)
@@ -225,25 +239,200 @@ def _lm_forward(self, *args, **kwargs):
         seen.append(h)
         return h.new_empty(0)
 
-    head.forward = keep_hidden
-    try:
-        out = original(*args, return_dict=True, **kw)
-    finally:
-        del head.__dict__["forward"]
+    packed = None if args else _gpt2_packed_hidden(self, kwargs, target, ignore)
+    if packed is not None:  # the body on the real tokens only (every target row is one)
+        from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+
+        out, seen = CausalLMOutputWithCrossAttentions(), [packed]
+    else:
+        head.forward = keep_hidden
+        try:
+            out = original(*args, return_dict=True, **kw)
+        finally:
+            del head.__dict__["forward"]
     (h,) = seen
-    w, b = head.weight, head.bias
-    if torch.is_autocast_enabled("cpu"):  # HF's head runs under autocast: its operands are rounded to that dtype
-        dt = torch.get_autocast_dtype("cpu")
-        h, w, b = h.to(dt), w.to(dt), (b.to(dt) if b is not None else None)
-    with torch.autocast("cpu", enabled=False):
-        loss = linear_cross_entropy(
-            h.reshape(-1, h.shape[-1]), w, target.to(h.device), bias=b, ignore_index=ignore,
-            reduction="mean" if n_items is None else "sum", grad_in_forward=True,
-        )  # fmt: skip
+    h = h.reshape(-1, h.shape[-1])
+    target = target.to(h.device)
+    reduction = "mean" if n_items is None else "sum"
+    if torch.is_autocast_enabled("cpu"):  # HF's bf16 head and float32 loss, on the rows that have a target only
+        skip = target == ignore
+        logits = F.linear(Packing(skip[:, None]).pack(h[:, None]), head.weight, head.bias)
+        loss = F.cross_entropy(logits.float(), target[~skip], reduction=reduction)
+    else:
+        loss = linear_cross_entropy(h, head.weight, target, bias=head.bias, ignore_index=ignore, reduction=reduction,
+                                    grad_in_forward=True)  # fmt: skip
     if n_items is not None:
         loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
     out = dataclasses.replace(out, loss=loss, logits=None)
     return out if return_dict else out.to_tuple()
+
+
+_GPT2_KWARGS = {"input_ids", "attention_mask", "labels", "num_items_in_batch", "ignore_index", "shift_labels",
+                "return_dict", "use_cache", "logits_to_keep"}  # fmt: skip
+
+
+def _gpt2_packed_hidden(model: nn.Module, kw: dict, target: Tensor, ignore: int) -> Tensor | None:
+    """GPT-2's final hidden states (B, T, d) computed on the real tokens only (zeros at padding), or None where HF's
+    body must run: no padding, a padded position with a target, other inputs, hooks, options that change attention."""
+    if set(kw) - _GPT2_KWARGS or not _gpt2_body_ok(model) or _hooked(model.transformer):
+        return None
+    tr, ids, mask = model.transformer, kw.get("input_ids"), kw.get("attention_mask")
+    if not torch.is_tensor(ids) or not torch.is_tensor(mask) or ids.dim() != 2 or mask.shape != ids.shape:
+        return None
+    real = mask != 0
+    if bool(real.all()) or bool((target.view(ids.shape) != ignore)[~real].any()) or tr.gradient_checkpointing:
+        return None
+    if model.config._attn_implementation not in ("sdpa", "eager"):
+        return None
+    pk = PackedBatch(~real)
+    x = pk.pack(tr.drop(tr.wte(ids) + tr.wpe(torch.arange(ids.shape[1], device=ids.device))[None]))
+    for block in tr.h:
+        a, n = block.attn, x.shape[0]
+        q, k, v = a.c_attn(block.ln_1(x)).view(n, 3, a.num_heads, a.head_dim).unbind(1)
+        ctx = pk.self_attention(q, k, v, causal=True, dropout=a.attn_dropout.p if a.training else 0.0)
+        x = x + a.resid_dropout(a.c_proj(ctx.reshape(n, -1)))
+        x = x + block.mlp(block.ln_2(x))
+    return pk.unpack(tr.ln_f(x))
+
+
+_BERT_ARGS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+_BERT_NONE = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values", "use_cache",
+              "output_attentions", "output_hidden_states")  # fmt: skip
+
+
+def _bert_model_forward(self, *args, **kwargs):
+    """``BertModel.forward`` with the encoder on the real tokens only (see the module doc), else HF's."""
+    original = type(self).forward.__get__(self)
+    if len(args) > len(_BERT_ARGS) or any(k in kwargs for k in _BERT_ARGS[: len(args)]):
+        return original(*args, **kwargs)
+    kw = dict(zip(_BERT_ARGS, args), **kwargs)
+    mask = kw.get("attention_mask")
+    fast = _padding_free_applies(self, kw, mask)
+    if not fast:
+        return original(*args, **kwargs)
+    pad = None if mask is None else mask == 0
+    emb = self.embeddings(input_ids=kw.get("input_ids"), token_type_ids=kw.get("token_type_ids"),
+                          position_ids=kw.get("position_ids"), inputs_embeds=kw.get("inputs_embeds"))  # fmt: skip
+    if fast == "inference":
+        out = _bert_inference(self.encoder, emb, pad)
+    else:
+        out = _bert_packed(self, emb, pad)
+    from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions as Output
+
+    res = Output(last_hidden_state=out, pooler_output=self.pooler(out) if self.pooler is not None else None)
+    return_dict = kw.get("return_dict")
+    return res if (self.config.return_dict if return_dict is None else return_dict) else res.to_tuple()
+
+
+def _bert_packed(model: nn.Module, emb: Tensor, pad: Tensor) -> Tensor:
+    """HF's encoder layers on the rows that an output reads (real tokens; position 0 for the pooler), attention
+    per sequence; zeros at the other positions. Differentiable."""
+    rows = ~pad
+    if model.pooler is not None:  # the pooler reads position 0, padding or not (left padding)
+        rows[:, 0] = True
+    pk = PackedBatch(pad, rows=rows)
+    x = pk.pack(emb)
+    for layer, (w, b) in zip(model.encoder.layer, _qkv_weights(model.encoder)):
+        sa = layer.attention.self
+        n, heads = x.shape[0], sa.num_attention_heads
+        q, k, v = F.linear(x, w, b).view(n, 3, heads, sa.attention_head_size).unbind(1)
+        ctx = pk.self_attention(q, k, v, causal=False, dropout=sa.dropout.p if sa.training else 0.0)
+        x = layer.attention.output(ctx.reshape(n, -1), x)
+        x = layer.feed_forward_chunk(x)
+    return pk.unpack(x)
+
+
+def _bert_inference(encoder: nn.Module, emb: Tensor, pad: Tensor | None) -> Tensor:
+    """The encoder in eval mode without autograd: oneDNN GEMMs on weights packed once (GELU fused into fc1),
+    the fused attention kernel on the fused q|k|v rows, fused add & LayerNorm; real tokens only, zeros at padding."""
+    b, t, d = emb.shape
+    W = prepared(encoder, "hf.inference", _pack_bert_weights)
+    pk = Packing(pad, batch=b, seq_len=t)
+    x = pk.pack(emb)
+    ops = kernels.ops()
+    for L in W:
+        qkv = L["qkv"](x)
+        if pk.index is not None:  # the padded (B*T, 3d) layout the kernel reads
+            qkv = pk.unpack(qkv).view(b * t, -1)
+        ctx = ops.qkv_self_attention(qkv, pad, L["heads"], t, L["scale"])
+        if pk.index is not None:
+            ctx = pk.pack(ctx.view(b, t, d))
+        x, _ = add_norm(x, L["o"](ctx), *L["n1"], want_sum=False)
+        h = L["fc1"](x)
+        if not L["fc1"].fused:
+            h = ffn_hidden(h, None, L["act"])
+        x, _ = add_norm(x, L["fc2"](h), *L["n2"], want_sum=False)
+    return pk.unpack(x)
+
+
+class _Linear:
+    """``act(x @ w.T + b)`` on a weight packed once for oneDNN (``torch.ops.mkldnn._linear_pointwise``: about 10-20 %
+    faster than the float32 GEMM of ``F.linear`` at encoder sizes); ``F.linear`` where oneDNN is absent."""
+
+    def __init__(self, w: Tensor, b: Tensor, act: str | None = None) -> None:
+        self.w, self.b = w.detach().contiguous(), b.detach().contiguous()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w, None) if torch.backends.mkldnn.is_available() else None
+        self.fused = act == "gelu" and self.packed is not None  # oneDNN's erf GELU post-op
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.packed is None:
+            return F.linear(x, self.w, self.b)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.b,
+                                                  "gelu" if self.fused else "none", [], "none" if self.fused else "")
+
+
+def _pack_bert_weights(encoder: nn.Module) -> list[dict]:
+    out = []
+    for layer in encoder.layer:
+        a, so, inter, o = layer.attention.self, layer.attention.output, layer.intermediate, layer.output
+        norm = lambda ln: (ln.weight.detach(), ln.bias.detach(), ln.eps)  # noqa: E731
+        out.append({
+            "qkv": _Linear(torch.cat([a.query.weight, a.key.weight, a.value.weight]),
+                           torch.cat([a.query.bias, a.key.bias, a.value.bias])),
+            "heads": a.num_attention_heads, "scale": a.scaling, "o": _Linear(so.dense.weight, so.dense.bias),
+            "n1": norm(so.LayerNorm), "n2": norm(o.LayerNorm), "act": layer._sublayer_act,
+            "fc1": _Linear(inter.dense.weight, inter.dense.bias, layer._sublayer_act), "fc2": _Linear(o.dense.weight, o.dense.bias),
+        })  # fmt: skip
+    return out
+
+
+def _padding_free_applies(model: nn.Module, kw: dict, mask: object) -> bool:
+    """The padding-free encoder computes exactly what HF's would on every position an output reads."""
+    cfg = model.config
+    if any(kw.get(k) for k in _BERT_NONE) or getattr(cfg, "output_attentions", False):
+        return False
+    if getattr(cfg, "output_hidden_states", False) or set(kw) - {*_BERT_ARGS, *_BERT_NONE, "return_dict"}:
+        return False
+    if not torch.is_tensor(mask) or mask.dim() != 2:
+        return False
+    ids = kw.get("input_ids") if kw.get("input_ids") is not None else kw.get("inputs_embeds")
+    if ids is None or tuple(ids.shape[:2]) != tuple(mask.shape) or (model.training and model.gradient_checkpointing):
+        return False
+    if cfg._attn_implementation not in ("sdpa", "eager") or _hooked(model.encoder):
+        return False
+    real = mask != 0
+    if not bool(real.any(1).all()):  # a row of padding only: HF's path
+        return False
+    inference = not model.training and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+    if inference and kernels.enabled() and (model.pooler is None or bool(real[:, 0].all())):
+        return "inference"  # (the attention kernel zeroes padded query rows: the pooler's position 0 must be real)
+    return "train" if not bool(real.all()) else False
+
+
+def _qkv_weights(encoder: nn.Module) -> list[tuple[Tensor, Tensor]]:
+    """Each layer's q|k|v weight and bias, concatenated (differentiable; cached while the weights stay the same
+    when no gradient is recorded)."""
+
+    def build(enc):
+        return [
+            (torch.cat([a.query.weight, a.key.weight, a.value.weight]),
+             torch.cat([a.query.bias, a.key.bias, a.value.bias]))
+            for a in (layer.attention.self for layer in enc.layer)
+        ]
+
+    if torch.is_grad_enabled():
+        return build(encoder)
+    return prepared(encoder, "hf.qkv", build)
 
 
 # ----------------------------------------------------------------------------------------------- the patch
@@ -322,6 +511,57 @@ def _targets(loss: bool):
     return rows, gpt2.GPT2Model
 
 
+_PADS_UNREAD = ("BertForSequenceClassification", "BertForMultipleChoice")  # heads that read position 0 only
+_ST_READERS = ("Pooling", "Normalize", "Dense")  # sentence-transformers modules that mask padding or follow pooling
+
+
+def _bert_padding_free(m: nn.Module, parent: nn.Module | None, root: nn.Module, option: bool | None) -> str | None:
+    """None if ``m`` (a BertModel) gets the padding-free encoder, else why not."""
+    from transformers.models.bert import modeling_bert as bert
+
+    if option is False:
+        return "padding_free=False"
+    if type(m.encoder) is not bert.BertEncoder or m.config.is_decoder or "forward" in m.__dict__:
+        return "a decoder, or its encoder is not HF's BertEncoder"
+    for i, layer in enumerate(m.encoder.layer):
+        sa = layer.attention.self
+        if not all(getattr(getattr(mod, a, None), _MARK, False) for mod, a in
+                   ((layer, "feed_forward_chunk"), (layer.attention.output, "forward"))):  # fmt: skip
+            return f"layer {i}'s feed-forward or attention output is not patched"
+        if type(layer) is not bert.BertLayer or type(sa) is not bert.BertSelfAttention or "forward" in layer.__dict__:
+            return f"layer {i} is not a plain BertLayer with BertSelfAttention"
+        if _why_not(sa, {"query": nn.Linear, "key": nn.Linear, "value": nn.Linear}) or sa.query.bias is None:
+            return f"layer {i}'s attention projections are not plain biased nn.Linear"
+    if option:
+        return None
+    if type(parent).__name__ in _PADS_UNREAD and type(parent).__module__ == bert.__name__:
+        return None
+    if type(root).__module__.startswith("sentence_transformers") and parent is not root:
+        if all(c is parent or type(c).__name__ in _ST_READERS for c in root.children()):
+            return None
+    return ("its hidden states at padded positions are an output here (pass padding_free=True to run the "
+            "encoder on the real tokens only, zeros at padding)")  # fmt: skip
+
+
+def _gpt2_body_ok(model: nn.Module) -> bool:
+    """A GPT2LMHeadModel whose body is HF's plain blocks (self-attention scaled by 1/sqrt(head_dim), patched MLPs):
+    the packed body computes exactly what they do."""
+    from transformers.models.gpt2 import modeling_gpt2 as gpt2
+
+    if type(model) is not gpt2.GPT2LMHeadModel:
+        return False
+    tr, cfg = model.transformer, model.config
+    if type(tr) is not gpt2.GPT2Model or cfg.add_cross_attention or not cfg.scale_attn_weights:
+        return False
+    if cfg.scale_attn_by_inverse_layer_idx or cfg.reorder_and_upcast_attn:
+        return False
+    return all(
+        type(b) is gpt2.GPT2Block and type(b.attn) is gpt2.GPT2Attention and getattr(b.mlp.forward, _MARK, False)
+        and "forward" not in b.__dict__ and "forward" not in b.attn.__dict__
+        for b in tr.h
+    )  # fmt: skip
+
+
 def _set_act(m: nn.Module, act: object) -> str | None:
     name = _activation(act)
     if name is None:
@@ -348,7 +588,7 @@ def _check_model(model: object) -> None:
         )
 
 
-def patch(model: nn.Module, *, loss: bool = True) -> PatchReport:
+def patch(model: nn.Module, *, loss: bool = True, padding_free: bool | None = None) -> PatchReport:
     """Replace, inside ``model``, the sub-layers sublayer runs faster with its fused CPU paths (see the module doc).
 
     Args:
@@ -357,6 +597,10 @@ def patch(model: nn.Module, *, loss: bool = True) -> PatchReport:
             ``SentenceTransformer``). Patched in place.
         loss: also replace the causal-LM loss (``labels=`` in training runs the fused linear + cross-entropy and
             returns ``logits=None``); False keeps HF's logits and loss.
+        padding_free: run BERT encoders on the real tokens only (their hidden states at padded positions are then
+            zeros). None (default): only where no output reads those positions (a ``BertModel`` inside
+            ``BertForSequenceClassification`` / ``BertForMultipleChoice`` or a sentence-transformers model that
+            pools it); True: every ``BertModel``; False: none.
 
     Returns:
         A :class:`PatchReport`: what was replaced, what was left alone and why. Patching a patched model changes
@@ -364,11 +608,13 @@ def patch(model: nn.Module, *, loss: bool = True) -> PatchReport:
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or holds no ``transformers.PreTrainedModel``; ``loss`` is not
-            a bool.
+            a bool; ``padding_free`` is not None or a bool.
     """
     _check_model(model)
     if not isinstance(loss, bool):
         raise TypeError(f"loss must be a bool, got {loss!r}")
+    if padding_free is not None and not isinstance(padding_free, bool):
+        raise TypeError(f"padding_free must be None or a bool, got {padding_free!r}")
     report = PatchReport()
     if _STATE in model.__dict__:
         report.notes.append("already patched: nothing changed (call unpatch first to patch with other options)")
@@ -379,8 +625,8 @@ def patch(model: nn.Module, *, loss: bool = True) -> PatchReport:
 
     def swap(m: nn.Module, attr: str, fn) -> None:
         records.append((m, attr, m.__dict__.get(attr, _MISSING)))
-        if fn is _lm_forward:  # keep HF's signature: Trainer reads it (dataset columns, loss kwargs)
-            fn = functools.update_wrapper(lambda self, *a, **k: _lm_forward(self, *a, **k), type(m).forward)
+        if fn in (_lm_forward, _bert_model_forward):  # keep HF's signature: Trainer and sentence-transformers read it
+            fn = functools.update_wrapper(lambda self, *a, _fn=fn, **k: _fn(self, *a, **k), type(m).forward)
             setattr(fn, _MARK, True)
         setattr(m, attr, types.MethodType(fn, m))
 
@@ -411,6 +657,15 @@ def patch(model: nn.Module, *, loss: bool = True) -> PatchReport:
                     covered.add(id(m.output))
                 report.replaced.append((name, f"{cls.__name__} -> " + what.format(act=getattr(m, "_sublayer_act", ""))))
             break
+    parents = {id(c): m for m in model.modules() for c in m.children()}
+    for name, m in model.named_modules():  # after the loop: the encoder's layers must be patched first
+        if type(m).__name__ == "BertModel" and type(m).__module__ == "transformers.models.bert.modeling_bert":
+            why = _bert_padding_free(m, parents.get(id(m)), model, padding_free)
+            if why:
+                report.notes.append(f"{name or '(root)'}: padding-free encoder not used: {why}")
+            else:
+                swap(m, "forward", _bert_model_forward)
+                report.replaced.append((name, "BertModel -> padding-free encoder (real tokens only, zeros at padding)"))
     setattr(model, _STATE, records)
     return report
 
@@ -438,10 +693,10 @@ def unpatch(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def patched(model: nn.Module, *, loss: bool = True) -> Iterator[PatchReport]:
+def patched(model: nn.Module, *, loss: bool = True, padding_free: bool | None = None) -> Iterator[PatchReport]:
     """``with patched(model) as report:`` — :func:`patch` for the block, :func:`unpatch` after it (a model that was
     already patched on entry stays patched)."""
-    report = patch(model, loss=loss)
+    report = patch(model, loss=loss, padding_free=padding_free)
     fresh = not report.notes or not report.notes[0].startswith("already patched")
     try:
         yield report
@@ -450,5 +705,5 @@ def patched(model: nn.Module, *, loss: bool = True) -> Iterator[PatchReport]:
             unpatch(model)
 
 
-for _fn in (_bert_self_output, _bert_ffn, _gpt2_mlp, _glu_mlp, _layer_norm, _rms_norm, _lm_forward):
+for _fn in (_bert_self_output, _bert_ffn, _gpt2_mlp, _glu_mlp, _layer_norm, _rms_norm, _lm_forward, _bert_model_forward):
     setattr(_fn, _MARK, True)

@@ -100,6 +100,24 @@ def test_chunk_size_does_not_change_the_result(grad_in_forward):
             assert_close(a, c)
 
 
+@pytest.mark.parametrize("grad_in_forward", MODES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_many_rows_packed_weight_equal_eager(grad_in_forward, bias):
+    """From PACKED_MIN_ROWS rows the forward's logits GEMMs run on a weight packed for oneDNN: the same loss and
+    gradients as the eager expression, chunked or not."""
+    from sublayer.functional import cross_entropy
+
+    h, w, b, t = _inputs(cross_entropy.PACKED_MIN_ROWS + 5, 13, 29, bias=bias)
+    assert cross_entropy._packed_weight(w.detach(), h.shape[0]) is not None or not torch.backends.mkldnn.is_available()
+    want = _ref(h, w, b, t)
+    want_g = torch.autograd.grad(want, _params(h, w, b))
+    for chunk in (29 * 37, None):
+        got = linear_cross_entropy(h, w, t, bias=b, chunk_size=chunk, grad_in_forward=grad_in_forward)
+        assert_close(got, want)
+        for g, r in zip(torch.autograd.grad(got, _params(h, w, b)), want_g):
+            assert_close(g, r)
+
+
 def test_ignored_rows_get_zero_gradient_and_their_values_do_not_matter():
     h, w, b, t = _inputs()
     loss = linear_cross_entropy(h, w, t, bias=b)
