@@ -66,6 +66,21 @@ def test_native_bf16_gemm(fake_cpu, monkeypatch, flags, read, native):
     assert cpu.native_bf16_gemm() is not native
 
 
+@pytest.mark.parametrize(
+    ("vendor", "flags", "onednn"),
+    [("AuthenticAMD", ("avx2", "avx512f"), True), ("AuthenticAMD", ("avx2",), False),
+     ("GenuineIntel", ("avx2", "avx512f"), False)],
+)  # fmt: skip
+def test_onednn_fp32_gemm_on_amd_with_avx512_only(fake_cpu, monkeypatch, vendor, flags, onednn):
+    fake_cpu(*flags)
+    monkeypatch.setattr(cpu, "cpuinfo_text", lambda: f"vendor_id\t: {vendor}\n")
+    cpu.onednn_fp32_gemm.cache_clear()
+    try:
+        assert cpu.onednn_fp32_gemm() is (onednn and torch.backends.mkldnn.is_available())
+    finally:
+        cpu.onednn_fp32_gemm.cache_clear()
+
+
 def test_int8_engine(fake_cpu, monkeypatch):
     both = ["fbgemm", "onednn", "none"]
     fake_cpu("avx2")

@@ -194,6 +194,24 @@ def test_odd_shapes_and_layouts():
         assert_close(got, SF.feed_forward(x, w1, None, w2, None, activation=act))
 
 
+@pytest.mark.parametrize("onednn", [True, False])  # float32 GEMMs through oneDNN, or torch's BLAS
+@pytest.mark.parametrize("act", ["relu", "swiglu"])
+@pytest.mark.parametrize("rows", [0, 1, 257])  # 257 rows: products above oneDNN's minimum size
+def test_float32_gemms_through_onednn_or_blas_match_the_reference(act, onednn, rows, monkeypatch):
+    if onednn and not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setattr(kernels.cpu, "onednn_fp32_gemm", lambda: onednn)
+    for recompute in (False, True):
+        x = (2 * torch.randn(rows, 131)).requires_grad_()
+        ins = [x, *_params(131, 523, 137, torch.float32, act=act)]
+        assert rows < 257 or rows * 131 * 523 >= fused._ONEDNN_MIN_MACS
+
+        def f(impl, recompute=recompute):
+            return lambda *t: fused.feed_forward(*t, activation=act, impl=impl, recompute=recompute)
+
+        _compare(f("fused"), f("reference"), ins)
+
+
 def test_batch_zero_backward():
     ffn = sublayer.PositionWiseFFN(5, 7, dropout=0.1)
     x = torch.randn(0, 5, requires_grad=True)

@@ -174,8 +174,8 @@ def test_logits_equal_hf_with_padding_at_real_positions(case):
     assert_close(got[real], want[real])
 
 
-@pytest.mark.parametrize("case", ["mqa-untied", "qwen2-tied"])
-@pytest.mark.parametrize("padding", ["none", "right", "left"])
+@pytest.mark.parametrize("case", ["mqa-untied", "qwen2-tied", "gqa-2-groups-head_dim"])
+@pytest.mark.parametrize("padding", ["none", "right", "left", "one-row-all-padding"])
 def test_loss_and_every_gradient_equal_hf_labels_loss(case, padding):
     hf = make_hf(case)
     model = Llama.from_hf(hf)
@@ -187,6 +187,9 @@ def test_loss_and_every_gradient_equal_hf_labels_loss(case, padding):
     elif padding == "left":
         mask[1, :3] = 0
         mask[3, :1] = 0
+    elif padding == "one-row-all-padding":
+        mask[1] = 0
+        mask[3, 6:] = 0
     labels = x.masked_fill(mask == 0, -100)  # our default; HF needs them spelled out
     got = model.loss(x, attention_mask=mask)
     want = hf(x, attention_mask=mask, labels=labels).loss
@@ -307,6 +310,36 @@ def test_packed_documents_equal_each_document_alone_and_hf():
         assert_close(got, torch.cat([model(a), model(b)], dim=1))
         # HF reads the restart as a document boundary when it keeps no cache
         assert_close(got, hf(packed, position_ids=pos, use_cache=False).logits)
+
+
+@pytest.mark.parametrize("layout", ["varlen", "padded"])
+@pytest.mark.parametrize("case", ["mqa-untied", "gqa-2-groups-head_dim"])
+def test_packed_documents_with_padding_loss_and_gradients_equal_the_padded_path(case, layout, monkeypatch):
+    from sublayer.functional import packing
+    from sublayer.runtime import padding_free
+
+    monkeypatch.setattr(packing, "ATTENTION", layout)
+    model = Llama.from_hf(make_hf(case))
+    x = _ids(3, 11, seed=3)
+    mask = torch.ones_like(x)
+    mask[0, 7:] = 0
+    mask[2, 4:] = 0
+    # row 0: documents of 3 and 4 tokens; row 1: 5 + 6; row 2: one document of 4
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 0, 0, 0], [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5], list(range(11))])
+    labels = x.masked_fill((mask == 0) | (pos == 0), -100)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        loss = model.loss(x, attention_mask=mask, labels=labels, position_ids=pos)
+        loss.backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    got, got_grads = run()
+    with padding_free.disabled():
+        want, want_grads = run()
+    assert_close(got, want, rtol=1e-5, atol=0)
+    for k, g in want_grads.items():
+        assert_close(got_grads[k], g, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_record_attention_sees_every_layer():

@@ -318,7 +318,21 @@ def _gemm(dtype: torch.dtype):
     the product to bf16 once (what a bf16 GEMM with fp32 accumulation returns), faster on AVX2."""
     if dtype == torch.bfloat16 and not kernels.native_bf16_gemm():
         return (lambda t: t.float()), (lambda a, b: torch.mm(a, b).to(torch.bfloat16))
+    if dtype == torch.float32 and kernels.cpu.onednn_fp32_gemm():
+        return (lambda t: t), _onednn_mm
     return (lambda t: t), torch.mm
+
+
+_ONEDNN_MIN_MACS = 1 << 24  # smaller products stay on torch's BLAS (oneDNN's per-call cost is not repaid)
+
+
+def _onednn_mm(a: Tensor, b: Tensor) -> Tensor:
+    """``torch.mm(a, b)`` of float32 CPU matrices, through oneDNN when ``a`` is row-major (its linear: a @ (b.T).T)
+    and the product is large; the same product up to the summation order (:func:`sublayer.kernels.cpu.onednn_fp32_gemm`
+    says where)."""
+    if a.is_contiguous() and a.shape[0] * a.shape[1] * b.shape[1] >= _ONEDNN_MIN_MACS:
+        return torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [None], "")
+    return torch.mm(a, b)
 
 
 def feed_forward(

@@ -289,12 +289,13 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, queries: PackedBatch, mask, p: floa
             if lk == 0:  # no key to attend to: zeros, as the padded layout's dead rows
                 outs.append(qb.new_zeros(lq, qb.shape[1], vb.shape[-1]))
                 continue
-            qb, kb, vb = qb.transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1)
+            # (1, H, L, d): SDPA's CPU flash kernel takes 4-D inputs only (3-D ones run its slower math path)
+            qb, kb, vb = qb.transpose(0, 1)[None], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None]
             if p == 0 and mask.causal:
                 ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
             else:
                 ob = _core(qb, kb, vb, p, None if mask.blocked is None else mask.blocked[:lq, :lk])
-            outs.append(ob.transpose(0, 1))
+            outs.append(ob[0].transpose(0, 1))
         return torch.cat(outs, 0)
     keys = mask.keys
 

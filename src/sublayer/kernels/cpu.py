@@ -20,7 +20,8 @@ from pathlib import Path
 from .. import settings
 
 __all__ = [
-    "cpuinfo_text", "flags", "has", "model", "is_x86", "tag", "native_bf16_gemm", "int8_engine", "usable_cpus",
+    "cpuinfo_text", "flags", "has", "model", "is_x86", "tag", "native_bf16_gemm", "onednn_fp32_gemm", "int8_engine",
+    "usable_cpus",
     "busy_cpus", "default_threads", "choose_threads", "describe",
 ]  # fmt: skip
 
@@ -92,6 +93,19 @@ def native_bf16_gemm() -> bool:
         else:
             _native_bf16 = not is_x86() or not _cpuinfo()[2] or has("avx512_bf16", "amx_bf16")
     return _native_bf16
+
+
+@functools.cache
+def onednn_fp32_gemm() -> bool:
+    """Whether the fused FFN's float32 GEMMs with a row-major left operand go through oneDNN rather than torch's
+    default BLAS (MKL): on AMD CPUs with AVX-512, where MKL runs its generic code path and oneDNN's AVX-512 kernels
+    were faster at the FFN's shapes (a Zen 4 EPYC, 2 threads: 1.05-1.5x; transposed left operands, the weight
+    gradients, were not, and stay on MKL). Needs torch built with oneDNN."""
+    if not (is_x86() and has("avx512f") and "AuthenticAMD" in cpuinfo_text()):
+        return False
+    import torch
+
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def int8_engine(supported: Iterable[str]) -> str:
