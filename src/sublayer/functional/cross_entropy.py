@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._checks import check_choice, check_positive_int, check_tensor
+from ..kernels import onednn
 
 __all__ = ["linear_cross_entropy", "check_targets", "check_options", "REDUCTIONS"]
 
@@ -115,7 +116,7 @@ def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
 def _logits(hc: Tensor, w: Tensor, b: Tensor | None, out: Tensor, packed: Tensor | None = None) -> Tensor:
     """``out = hc @ w.T + b`` (c, V); with ``packed`` (:func:`_packed_weight` of ``w``) oneDNN's GEMM makes it."""
     if packed is not None:  # a new (c, V) tensor: oneDNN writes no out=
-        return torch.ops.mkldnn._linear_pointwise(hc, packed, b, "none", [], "")
+        return onednn.linear(hc, packed, b)
     if b is None:
         return torch.mm(hc, w.t(), out=out)
     return torch.addmm(b, hc, w.t(), out=out)
@@ -130,9 +131,9 @@ def _packed_weight(w: Tensor, n: int) -> Tensor | None:
     """``w`` (V, D) packed for oneDNN's float32 GEMM when ``n`` rows repay the packing, else None."""
     if n < PACKED_MIN_ROWS or w.dtype != torch.float32 or w.device.type != "cpu":
         return None
-    if not torch.backends.mkldnn.is_available():
+    if not onednn.available():
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
+    return onednn.pack(w)
 
 
 def _onehot_sub_(p: Tensor, tc: Tensor, v0: int, value: float) -> None:

@@ -41,6 +41,7 @@ import torch.utils.checkpoint
 from torch import Tensor
 
 from .. import kernels
+from ..kernels import onednn
 from .._checks import (
     check_choice,
     check_last_dims,
@@ -331,7 +332,7 @@ def _onednn_mm(a: Tensor, b: Tensor) -> Tensor:
     and the product is large; the same product up to the summation order (:func:`sublayer.kernels.cpu.onednn_fp32_gemm`
     says where)."""
     if a.is_contiguous() and a.shape[0] * a.shape[1] * b.shape[1] >= _ONEDNN_MIN_MACS:
-        return torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [None], "")
+        return onednn.linear(a, b.t())
     return torch.mm(a, b)
 
 

@@ -103,9 +103,9 @@ def onednn_fp32_gemm() -> bool:
     gradients, were not, and stay on MKL). Needs torch built with oneDNN."""
     if not (is_x86() and has("avx512f") and "AuthenticAMD" in cpuinfo_text()):
         return False
-    import torch
+    from . import onednn
 
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return onednn.available()
 
 
 def int8_engine(supported: Iterable[str]) -> str:
