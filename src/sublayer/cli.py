@@ -411,7 +411,8 @@ def bench(
     ),
     only: Optional[str] = typer.Option(
         None, "--only", help="With --jobs: comma-separated subset of decode,translate,train,int8,embed,hf,demo (the "
-        "default) and llama,llama-train (a SmolLM-135M-shaped Llama vs llama.cpp and HF)."
+        "default) and llama,llama-train (a SmolLM-135M-shaped Llama vs llama.cpp and HF), ov-embed,ov-decode (vs "
+        "OpenVINO and OpenVINO GenAI)."
     ),
     contention: bool = typer.Option(
         False, "--contention", help="With --jobs: run every job quiet, then beside a competing busy process (one "
@@ -420,6 +421,11 @@ def bench(
     peers_env: Optional[Path] = typer.Option(
         None, "--peers-env", help="With --only llama: the llama.cpp side environment (a venv with llama-cpp-python "
         "built from source), built there on first use by benchmarks/peers_env.sh (default: .peers-env, not built)."
+    ),
+    ov_env: Optional[Path] = typer.Option(
+        None, "--ov-env", help="With --only ov-embed,ov-decode: the OpenVINO side environment (a venv with openvino, "
+        "openvino-genai, optimum-intel), built there on first use by benchmarks/peers_env_openvino.sh (default: "
+        ".peers-env-ov, not built)."
     ),
     report: Optional[Path] = typer.Option(
         None, "--report", help="Also write a markdown report (machine, versions, date, command, every row): a .md "
@@ -440,7 +446,10 @@ def bench(
 
         from .bench.llama import use_peers_env
 
+        from .bench.openvino_peer import use_ov_env
+
         use_peers_env(peers_env)
+        use_ov_env(ov_env)
 
         run_jobs(quick=quick, reps=reps, only=only, model=model, work=out / "jobs", report=report, notes=notes,
                  contention=contention, log=typer.echo)  # fmt: skip

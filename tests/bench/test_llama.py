@@ -61,8 +61,8 @@ def test_bad_tokenizer_size_and_gguf_type(tmp_path):
 
 
 def test_only_the_named_jobs_run_the_llama_ones():
-    assert set(jobs.DEFAULT_JOBS) | {"llama", "llama-train"} == set(jobs.JOBS)
-    assert not any(n.startswith("llama") for n in jobs.DEFAULT_JOBS)
+    assert set(jobs.DEFAULT_JOBS) | {"llama", "llama-train", "ov-embed", "ov-decode"} == set(jobs.JOBS)
+    assert not any(n.startswith(("llama", "ov-")) for n in jobs.DEFAULT_JOBS)
 
 
 @pytest.mark.skipif(not llama._env_ready(llama.peers_env()), reason="no llama.cpp peers env (benchmarks/peers_env.sh)")

@@ -29,6 +29,9 @@ inputs and weights; ratio = the peer's time / sublayer's (> 1: sublayer is faste
   :func:`sublayer.hf.patch` against unpatched (:mod:`sublayer.bench.hfpatch`).
 * ``llama``, ``llama-train`` (run only when named in ``only``): a SmolLM-135M-shaped Llama, greedy decoding against
   llama.cpp and HF ``generate``, and an AdamW step against HF ``labels=`` (:mod:`sublayer.bench.llama`).
+* ``ov-embed``, ``ov-decode`` (run only when named in ``only``): MiniLM embeddings and GPT-2 greedy decoding against
+  OpenVINO and OpenVINO GenAI, f32 / bf16 / int8 weights, run from a side environment
+  (:mod:`sublayer.bench.openvino_peer`).
 
 ``model``: a BERT folder (e.g. all-MiniLM-L6-v2) whose weights the int8 and embed rows use (random weights of
 MiniLM's shape without it). ``quick``: tiny shapes, every row, for tests.
@@ -399,6 +402,20 @@ def demo_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     return [row]
 
 
+def ov_embed_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
+    """MiniLM embeddings against OpenVINO f32 / bf16 and HF (:func:`sublayer.bench.openvino_peer.embed_rows`)."""
+    from .openvino_peer import embed_rows as rows
+
+    return rows(quick, reps, work, model)
+
+
+def ov_decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
+    """GPT-2 decoding against OpenVINO GenAI (:func:`sublayer.bench.openvino_peer.decode_rows`)."""
+    from .openvino_peer import decode_rows as rows
+
+    return rows(quick, reps, work, model)
+
+
 def llama_train_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     """A Llama training step against HF (:func:`sublayer.bench.llama.train_rows`)."""
     from .llama import train_rows as rows
@@ -411,8 +428,9 @@ JOBS: dict[str, Callable[..., list[Row]]] = {
     "hf": hf_rows,
     "demo": demo_rows,
     "llama": llama_rows, "llama-train": llama_train_rows,
+    "ov-embed": ov_embed_rows, "ov-decode": ov_decode_rows,
 }  # fmt: skip
-# what runs without --only (the Llama jobs are asked for by name: their model is larger, their peer a side env)
+# what runs without --only (the Llama and OpenVINO jobs are asked for by name: their peers live in side envs)
 DEFAULT_JOBS = ("decode", "translate", "train", "int8", "embed", "hf", "demo")
 
 
@@ -457,12 +475,18 @@ def run_jobs(*, quick: bool = False, reps: int | None = None, only: str | None =
     if report is not None:
         llama = all(n.startswith("llama") for n in names)  # its own file: llama-<cpu kind>-<date>.md
         title = "sublayer Llama (SmolLM-135M shape) vs llama.cpp and HF" if llama else "sublayer whole jobs vs peers"
+        if all(n.startswith("ov-") for n in names):
+            title = "sublayer vs OpenVINO and OpenVINO GenAI (MiniLM embedding, GPT-2 decoding)"
         title += (", quiet and beside a busy process" if contention else "") + (" (quick: tiny shapes)" if quick else "")
         info = machine()
         if any(n.startswith("llama") for n in names):
             from .llama import peer_versions
 
             info["versions"].update(peer_versions())
+        if any(n.startswith("ov-") for n in names):
+            from .openvino_peer import ov_versions
+
+            info["versions"].update(ov_versions())
         appendix = contention_table(by["quiet"], by["busy"]) if contention else ""
         kind = "llama" if llama else "jobs"
         path = write_report(report, kind + ("-contention" if contention else ""), title, rows, command=command_line(),

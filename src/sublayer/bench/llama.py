@@ -166,10 +166,13 @@ def gguf_file(folder: Path, outtype: str, env: Path) -> Path:
 
 class LlamaCpp:
     """llama.cpp in a worker process (:mod:`sublayer.bench.llamacpp_worker`) run by the peers environment's
-    python: ``load`` GGUF files, ``generate`` greedy tokens."""
+    python: ``load`` GGUF files, ``generate`` greedy tokens. (``WORKER``, ``NAME``: the script beside this file
+    and the peer's name in errors, for other peers' workers that answer the same JSON lines.)"""
+
+    WORKER, NAME = "llamacpp_worker.py", "llama.cpp"
 
     def __init__(self, env: Path, log_file: Path):
-        worker = Path(__file__).with_name("llamacpp_worker.py")
+        worker = Path(__file__).with_name(self.WORKER)
         self._err = open(log_file, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen([str(env / "bin" / "python"), str(worker)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._err, text=True)  # fmt: skip
@@ -179,10 +182,10 @@ class LlamaCpp:
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the llama.cpp worker exited (see {self._err.name})")
+            raise RuntimeError(f"the {self.NAME} worker exited (see {self._err.name})")
         ans = json.loads(line)
         if "error" in ans:
-            raise RuntimeError(f"llama.cpp worker: {ans['error']}")
+            raise RuntimeError(f"{self.NAME} worker: {ans['error']}")
         return ans
 
     def load(self, key: str, path: Path, *, n_seq: int, n_ctx: int, threads: int) -> None:

@@ -1,0 +1,305 @@
+"""OpenVINO rows of ``sublayer bench --jobs`` (``--only ov-embed,ov-decode``; ``--ov-env DIR`` for the peer).
+
+OpenVINO runs in a process of its own (:mod:`sublayer.bench.openvino_worker`) with the python of a side
+environment (``benchmarks/peers_env_openvino.sh``: a venv with openvino, openvino-genai, openvino-tokenizers and
+optimum-intel), driven between the other implementations' calls in the same interleaved rounds; each call's wall
+time includes its round trip (a short JSON line each way; inputs are sent once, before the timed calls). Models
+are exported to OpenVINO IR by optimum-intel (``optimum-cli export openvino``) from the same HF folders our models
+load, once, beside them. Every OpenVINO model is compiled with ``INFERENCE_PRECISION_HINT`` f32 or bf16,
+``INFERENCE_NUM_THREADS`` = torch's threads and ``PERFORMANCE_HINT`` LATENCY; the other properties are OpenVINO's
+defaults, and the rows report the ones that change results (KV cache precision, dynamic quantization).
+
+* ``ov-embed``: MiniLM (``model``, e.g. all-MiniLM-L6-v2; random weights of its shape without it), 64 x 128 right
+  padded (lengths 32..128), sentence embeddings (hidden states, then mean pooling): ``fast_inference`` fp32 / bf16 /
+  int8 ``.embed``, HF ``BertModel`` fp32, bf16 weights and bf16 autocast, OpenVINO f32 and bf16 (IR exported with
+  fp32 weights). Every implementation's worst token cosine to HF fp32's hidden states (real tokens) is reported; the
+  last row sets the fastest of ours against the fastest peer, among those at min token cosine >= :data:`MIN_COS`.
+* ``ov-decode``: GPT-2 124M shape (random weights, the ``decode`` job's folder), prompt 32 + 32 greedy tokens,
+  batch 1 and 8: ``generate`` of our fp32 model and of ``fast_inference`` bf16 / int8 against
+  ``openvino_genai.LLMPipeline`` (token ids in through ``TokenizedInputs``, no tokenizer; end token ignored) on IR
+  with fp32 weights at f32 and bf16 precision and on IR with int8 weights (``--weight-format int8``: nncf's
+  per-channel asymmetric int8) at f32 and bf16 precision, and CTranslate2 int8. Each row's fraction of tokens equal
+  to our fp32 ones.
+
+Without the side environment the OpenVINO columns are left out and each row says how to build it. ``quick``: tiny
+shapes, the same rows (the test suite runs them).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .harness import Row, padded_batch, time_interleaved
+from .jobs import ct2_generator, gpt2_folder
+from .llama import LlamaCpp
+
+__all__ = ["MIN_COS", "OpenVino", "decode_rows", "embed_rows", "export_ir", "ov_env", "ov_versions", "use_ov_env"]
+
+MIN_COS = 0.999  # the accuracy bar of the embedding's "best" row: min token cosine to HF fp32
+WEIGHT_FORMATS = ("fp32", "int8")
+_ENV: dict[str, Path | None] = {"env": None}
+
+
+def use_ov_env(folder: str | os.PathLike | None) -> None:
+    """Use the OpenVINO peers environment in ``folder``, built there first (``benchmarks/peers_env_openvino.sh``)
+    when it is not built yet; None: ``.peers-env-ov`` if built, never built by the rows."""
+    _ENV["env"] = None if folder is None else Path(folder)
+
+
+def ov_env() -> Path:
+    """The OpenVINO peers environment's folder: the one named by :func:`use_ov_env`, else ``.peers-env-ov``."""
+    return _ENV["env"] or Path(".peers-env-ov")
+
+
+def _ready(env: Path) -> bool:
+    return (env / ".built").is_file() and (env / "bin" / "python").is_file()
+
+
+def ov_versions(env: Path | None = None) -> dict[str, str]:
+    """The OpenVINO environment's versions (its ``versions.txt``: openvino, openvino-genai, ...), prefixed
+    ``ov env``; empty without it."""
+    path = (env or ov_env()) / "versions.txt"
+    if not path.is_file():
+        return {}
+    pairs = (ln.split("==", 1) for ln in path.read_text().splitlines() if "==" in ln)
+    return {f"ov env {k}": v for k, v in pairs}
+
+
+def _build_env(env: Path, log: Callable[[str], None]) -> str | None:
+    """None when ``env`` is ready (built first where :func:`use_ov_env` named it), else the note the rows carry."""
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / "peers_env_openvino.sh"
+    if not _ready(env) and _ENV["env"] is not None and script.is_file():
+        log(f"building the OpenVINO peers environment in {env} ({script})")
+        done = subprocess.run(["bash", str(script), str(env)], capture_output=True, text=True)
+        if done.returncode != 0:
+            log(f"OpenVINO peers environment build failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    if _ready(env):
+        return None
+    return f"no OpenVINO peers environment at {env} (build it: benchmarks/peers_env_openvino.sh {env})"
+
+
+def export_ir(folder: Path, task: str, weight_format: str, env: Path) -> Path:
+    """optimum-intel's OpenVINO IR of the HF ``folder`` for ``task`` (``feature-extraction``,
+    ``text-generation-with-past``) with ``weight_format`` weights (fp32, int8), made once beside it with the
+    ``optimum-cli`` of the peers environment ``env``.
+
+    Raises:
+        ValueError: ``weight_format`` is not fp32 or int8. RuntimeError: the export failed (its output).
+    """
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be fp32 or int8, got {weight_format!r}")
+    out = folder.parent / f"{folder.name}-ov-{weight_format}"
+    if not (out / "openvino_model.xml").is_file():
+        cmd = [str(env / "bin" / "optimum-cli"), "export", "openvino", "--model", str(folder), "--task", task,
+               "--library", "transformers", "--weight-format", weight_format, str(out)]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0 or not (out / "openvino_model.xml").is_file():
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"optimum-cli export openvino --weight-format {weight_format} failed ({last}):\n"
+                               f"{done.stdout[-1500:]}{done.stderr[-3000:]}")  # fmt: skip
+    return out
+
+
+class OpenVino(LlamaCpp):
+    """OpenVINO in a worker process (:mod:`sublayer.bench.openvino_worker`) run by the peers environment's
+    python: encoders (``load_encoder``, ``set_input``, ``embed``, ``hidden``) and GenAI pipelines (``load_llm``,
+    ``generate``)."""
+
+    WORKER, NAME = "openvino_worker.py", "OpenVINO"
+
+    def load_encoder(self, key: str, path: Path, *, precision: str, threads: int) -> dict:
+        return self.ask(op="load_encoder", key=key, path=str(path), precision=precision, threads=threads)["properties"]
+
+    def load_llm(self, key: str, path: Path, *, precision: str, threads: int) -> dict:
+        return self.ask(op="load_llm", key=key, path=str(path), precision=precision, threads=threads)["properties"]
+
+    def hidden(self, key: str) -> torch.Tensor:
+        with tempfile.TemporaryDirectory() as tmp:
+            self.ask(op="hidden", key=key, out=f"{tmp}/h.npy")
+            return torch.from_numpy(np.load(f"{tmp}/h.npy"))
+
+
+def _start(log: Callable[[str], None], work: Path) -> tuple[OpenVino | None, str | None]:
+    env = ov_env()
+    note = _build_env(env, log)
+    return (None, note) if note else (OpenVino(env, Path(work) / "openvino-worker.log"), None)
+
+
+def _props_note(props: dict) -> str:
+    keep = ("KV_CACHE_PRECISION", "DYNAMIC_QUANTIZATION_GROUP_SIZE", "INFERENCE_PRECISION_HINT")
+    return ", ".join(f"{k} {v}" for k, v in props.items() if k in keep)
+
+
+def _bert_folder(quick: bool, model: Path | None, work: Path) -> tuple[Path, str]:
+    """(a HF BERT folder, its name): ``model``, or random weights of MiniLM's shape (tiny: quick) saved once."""
+    if model is not None:
+        return Path(model), Path(model).name
+    from sublayer.models import Bert, BertConfig
+
+    shape = dict(vocab_size=1000, d_model=96, n_layers=2, n_heads=12, d_ff=384) if quick else \
+        dict(vocab_size=30522, d_model=384, n_layers=6, n_heads=12, d_ff=1536)  # fmt: skip
+    folder = Path(work) / f"bert-random-l{shape['n_layers']}-d{shape['d_model']}"
+    if not (folder / "config.json").is_file():
+        torch.manual_seed(0)
+        Bert(BertConfig(**shape)).eval().to_hf().save_pretrained(folder)
+    return folder, "random tiny" if quick else "random, MiniLM's shape"
+
+
+def _pool(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    w = mask[..., None].to(h.dtype)
+    return F.normalize((h * w).sum(1) / w.sum(1), dim=-1)
+
+
+def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None, *,
+               log: Callable[[str], None] = print) -> list[Row]:  # fmt: skip
+    """MiniLM embeddings: ours fp32 / bf16 / int8 against HF and OpenVINO f32 / bf16 (see the module doc)."""
+    import transformers
+
+    from sublayer.models import Bert, fast_inference
+
+    folder, name = _bert_folder(quick, model, work)
+    ours = Bert.from_pretrained(folder).eval()
+    b, t, lo = (4, 32, 8) if quick else (64, 128, 32)
+    ids, mask = padded_batch(b, t, lo, ours.config.vocab_size)
+    shape = f"{b}x{t} (len {lo}..{t})"
+    mine = {"fp32": fast_inference(ours, dtype=torch.float32), "bf16": fast_inference(ours, dtype=torch.bfloat16),
+            "int8": fast_inference(ours, quantize="int8")}  # fmt: skip
+    hf = transformers.BertModel.from_pretrained(folder, add_pooling_layer=False).eval()
+    hf_bf16 = transformers.BertModel.from_pretrained(folder, add_pooling_layer=False, dtype=torch.bfloat16).eval()
+
+    def hf_hidden(m, autocast: bool = False) -> torch.Tensor:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return m(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    fns: dict[str, Callable[[], object]] = {f"sublayer {k}": (lambda m=m: m.embed(ids, mask)) for k, m in mine.items()}
+    fns |= {"HF fp32": lambda: _pool(hf_hidden(hf), mask), "HF bf16 weights": lambda: _pool(hf_hidden(hf_bf16), mask),
+            "HF bf16 autocast": lambda: _pool(hf_hidden(hf, True), mask)}  # fmt: skip
+    hidden: dict[str, Callable[[], torch.Tensor]] = {f"sublayer {k}": (lambda m=m: m(ids, mask)) for k, m in mine.items()}
+    hidden |= {"HF fp32": lambda: hf_hidden(hf), "HF bf16 weights": lambda: hf_hidden(hf_bf16),
+               "HF bf16 autocast": lambda: hf_hidden(hf, True)}  # fmt: skip
+    ov, note = _start(log, work)
+    props: dict[str, dict] = {}
+    try:
+        if ov is not None:
+            try:
+                ir = export_ir(folder, "feature-extraction", "fp32", ov_env())
+                for p in ("f32", "bf16"):
+                    props[p] = ov.load_encoder(p, ir, precision=p, threads=torch.get_num_threads())
+                    ov.ask(op="set_input", key=p, ids=ids.tolist(), mask=mask.tolist())
+                    fns[f"OpenVINO {p}"] = lambda p=p: ov.ask(op="embed", key=p)
+                    hidden[f"OpenVINO {p}"] = lambda p=p: ov.hidden(p)
+            except RuntimeError as e:
+                note = str(e).splitlines()[0]
+        real = mask.bool()
+        ref = hidden["HF fp32"]().float()[real]
+        cos = {k: float(F.cosine_similarity(h().float()[real], ref, dim=-1).min()) for k, h in hidden.items()}
+        res = time_interleaved(fns, reps, 1)
+    finally:
+        if ov is not None:
+            ov.close()
+    rows = []
+    for dt, peer, others in (("fp32", "OpenVINO f32", ("HF fp32",)),
+                             ("bf16", "OpenVINO bf16", ("HF bf16 weights", "HF bf16 autocast", "HF fp32")),
+                             ("int8", "OpenVINO bf16", ("HF fp32",))):  # fmt: skip
+        row = Row(f"MiniLM embedding vs OpenVINO ({name}): sublayer {dt}", shape, dt, "embed",
+                  base=peer if peer in res else "HF fp32", work=float(b), unit="seq")  # fmt: skip
+        names = {"sublayer": f"sublayer {dt}", **{k: k for k in (peer, *others)}}
+        row.fill({k: res[v] for k, v in names.items() if v in res})
+        row.extra |= {f"{v} min token cos vs HF fp32": round(cos[v], 5) for v in names.values() if v in cos}
+        if peer.split()[-1] in props:
+            row.extra[f"{peer} compiled"] = _props_note(props[peer.split()[-1]])
+        if note:
+            row.extra["OpenVINO"] = note
+        rows.append(row)
+    ok = {k: res[k].ms for k in res if cos[k] >= MIN_COS}
+    best_ours = min((k for k in ok if k.startswith("sublayer")), key=ok.get, default=None)
+    best_peer = min((k for k in ok if not k.startswith("sublayer")), key=ok.get, default=None)
+    row = Row(f"MiniLM embedding ({name}): best at min token cos >= {MIN_COS}", shape, "best", "embed",
+              base=best_peer or "none", work=float(b), unit="seq")  # fmt: skip
+    row.fill({**({"sublayer": res[best_ours]} if best_ours else {}), **({best_peer: res[best_peer]} if best_peer else {})})
+    row.extra |= {"sublayer setting": best_ours, "best peer": best_peer,
+                  "their min token cos": f"{cos.get(best_ours, float('nan')):.5f} / {cos.get(best_peer, float('nan')):.5f}"}
+    row.extra["below the bar"] = ", ".join(f"{k} {v:.5f}" for k, v in cos.items() if v < MIN_COS) or "none"
+    if note:
+        row.extra["OpenVINO"] = note
+    rows.append(row)
+    return rows
+
+
+_OV_DECODE = {"OpenVINO GenAI f32": ("fp32", "f32"), "OpenVINO GenAI bf16": ("fp32", "bf16"),
+              "OpenVINO GenAI int8": ("int8", "f32"), "OpenVINO GenAI int8 (bf16 precision)": ("int8", "bf16")}
+
+
+def decode_rows(quick: bool, reps: int, work: Path, model=None, *, log: Callable[[str], None] = print) -> list[Row]:
+    """Greedy GPT-2 decoding, batch 1 and 8: ours fp32 / bf16 / int8 against OpenVINO GenAI and CTranslate2 int8
+    (see the module doc)."""
+    from sublayer.models import GPT2, GPT2Config, fast_inference
+
+    if quick:
+        cfg = GPT2Config(vocab_size=512, d_model=64, n_layers=2, n_heads=4, max_positions=64, dropout=0.0,
+                         embd_dropout=0.0, attn_dropout=0.0, bos_token_id=511, eos_token_id=511)  # fmt: skip
+        prompt, new = 8, 8
+    else:
+        cfg = GPT2Config(dropout=0.0, embd_dropout=0.0, attn_dropout=0.0)
+        prompt, new = 32, 32
+    folder = gpt2_folder(cfg, work)
+    ours = GPT2.from_pretrained(folder).eval()
+    mine = {"fp32": ours, "bf16": fast_inference(ours, dtype=torch.bfloat16), "int8": fast_inference(ours, quantize="int8")}
+    ct2 = ct2_generator(folder, "int8")
+    threads = torch.get_num_threads()
+    ov, note = _start(log, work)
+    props: dict[str, dict] = {}
+    if ov is not None:
+        try:
+            irs = {w: export_ir(folder, "text-generation-with-past", w, ov_env()) for w in WEIGHT_FORMATS}
+            for k, (w, p) in _OV_DECODE.items():
+                props[k] = ov.load_llm(k, irs[w], precision=p, threads=threads)
+        except RuntimeError as e:
+            note = str(e).splitlines()[0]
+            ov.close()
+            ov = None
+    shape = f"{cfg.n_layers}L d{cfg.d_model} V{cfg.vocab_size}, prompt {prompt} + {new}"
+    rows = []
+    try:
+        for b in (1, 8):
+            ids = torch.randint(0, cfg.vocab_size - 1, (b, prompt), generator=torch.Generator().manual_seed(b))
+            fns: dict[str, Callable[[], object]] = {
+                f"sublayer {k}": (lambda m=m: m.generate(ids, new)[:, prompt:]) for k, m in mine.items()}
+            if ov is not None:
+                fns |= {k: (lambda k=k: ov.generate(k, ids.tolist(), new)) for k in _OV_DECODE}
+            if ct2 is not None:
+                toks = [[f"t{i}" for i in r] for r in ids.tolist()]
+                fns["CTranslate2 int8"] = lambda: torch.tensor([r.sequences_ids[0] for r in ct2.generate_batch(
+                    toks, max_length=new, min_length=new, include_prompt_in_result=False, sampling_topk=1)])
+            outs = {k: torch.as_tensor(f()) for k, f in fns.items()}  # the warm-up
+            res = time_interleaved(fns, reps, 0)
+            ref = outs["sublayer fp32"]
+            int8_peer = min((k for k in _OV_DECODE if "int8" in k and k in res), key=lambda k: res[k].ms, default=None)
+            for dt, peer, others in (("fp32", "OpenVINO GenAI f32", ()),
+                                     ("bf16", "OpenVINO GenAI bf16", ()),
+                                     ("int8", int8_peer, tuple(k for k in (*_OV_DECODE, "CTranslate2 int8")
+                                                               if "int8" in k and k != int8_peer))):  # fmt: skip
+                base = peer if peer in res else "CTranslate2 int8" if dt == "int8" and ct2 is not None else "none"
+                row = Row(f"GPT-2 greedy decoding vs OpenVINO GenAI, batch {b}", shape, dt, "generate", base=base,
+                          work=float(b * new), unit="tok")  # fmt: skip
+                names = {"sublayer": f"sublayer {dt}", **{k: k for k in (peer, *others) if k}}
+                row.fill({k: res[v] for k, v in names.items() if v in res})
+                row.extra |= {f"{v} same as our fp32": round(float((outs[v] == ref).float().mean()), 3)
+                              for v in names.values() if v in outs and v != "sublayer fp32"}  # fmt: skip
+                if peer in props:
+                    row.extra[f"{peer} compiled"] = _props_note(props[peer])
+                if note:
+                    row.extra["OpenVINO"] = note
+                rows.append(row)
+    finally:
+        if ov is not None:
+            ov.close()
+    return rows
