@@ -41,7 +41,7 @@ def test_quick_jobs_time_each_row_against_its_peer_and_write_the_report(tmp_path
 
 
 def test_bad_job_names_and_reps():
-    with pytest.raises(ValueError, match="jobs must be a comma-separated subset of decode,translate,train,int8,embed,hf,demo,llama,llama-train, got 'decode,nope'"):
+    with pytest.raises(ValueError, match="jobs must be a comma-separated subset of decode,translate,train,int8,embed,hf,demo,llama,llama-train,ov-embed,ov-decode, got 'decode,nope'"):
         jobs.run_jobs(only="decode,nope")
     with pytest.raises(ValueError, match="reps must be >= 1, got 0"):
         jobs.run_jobs(reps=0)
