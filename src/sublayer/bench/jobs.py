@@ -413,7 +413,7 @@ def ov_decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     """GPT-2 decoding against OpenVINO GenAI (:func:`sublayer.bench.openvino_peer.decode_rows`)."""
     from .openvino_peer import decode_rows as rows
 
-    return rows(quick, reps, work, model)
+    return rows(quick, reps, work, model, gpt2_folder=gpt2_folder, ct2_generator=ct2_generator)
 
 
 def llama_train_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:

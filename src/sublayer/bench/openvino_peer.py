@@ -38,7 +38,6 @@ import torch
 import torch.nn.functional as F
 
 from .harness import Row, padded_batch, time_interleaved
-from .jobs import ct2_generator, gpt2_folder
 from .llama import LlamaCpp
 
 __all__ = ["MIN_COS", "OpenVino", "decode_rows", "embed_rows", "export_ir", "ov_env", "ov_versions", "use_ov_env"]
@@ -238,9 +237,12 @@ _OV_DECODE = {"OpenVINO GenAI f32": ("fp32", "f32"), "OpenVINO GenAI bf16": ("fp
               "OpenVINO GenAI int8": ("int8", "f32"), "OpenVINO GenAI int8 (bf16 precision)": ("int8", "bf16")}
 
 
-def decode_rows(quick: bool, reps: int, work: Path, model=None, *, log: Callable[[str], None] = print) -> list[Row]:
+def decode_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_folder: Callable, ct2_generator: Callable,
+                log: Callable[[str], None] = print) -> list[Row]:  # fmt: skip
     """Greedy GPT-2 decoding, batch 1 and 8: ours fp32 / bf16 / int8 against OpenVINO GenAI and CTranslate2 int8
-    (see the module doc)."""
+    (see the module doc). ``gpt2_folder(cfg, work)``: the HF folder of a random GPT-2 of ``cfg``;
+    ``ct2_generator(folder, "int8")``: CTranslate2's int8 generator on it, or None (those of
+    :mod:`sublayer.bench.jobs`, passed in: that module runs these rows)."""
     from sublayer.models import GPT2, GPT2Config, fast_inference
 
     if quick:
