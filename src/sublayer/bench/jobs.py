@@ -58,7 +58,7 @@ from .harness import (Row, adamw_step, busy_neighbour, command_line, contention_
                       summarize, time_interleaved, write_report)  # fmt: skip
 
 __all__ = [
-    "DEFAULT_JOBS", "JOBS", "ct2_generator", "decoding_switch", "gpt2_folder", "llama_rows",
+    "DEFAULT_JOBS", "JOBS", "ct2_generator", "decoding_switch", "gpt2_decoding", "gpt2_folder", "llama_rows",
     "llama_train_rows", "padding_switch", "run_jobs", "switched",
 ]  # fmt: skip
 
@@ -136,10 +136,10 @@ def ct2_generator(folder: Path, compute_type: str = "float32"):
                                  intra_threads=torch.get_num_threads())  # fmt: skip
 
 
-def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
-    """Greedy GPT-2 decoding, batch 1 and 8, fp32 and int8 against CTranslate2, bf16 against our fp32 (see the
-    module doc)."""
-    from sublayer.models import GPT2, GPT2Config, fast_inference
+def gpt2_decoding(quick: bool, work: Path):
+    """The ``decode`` job's model and lengths: (config, prompt length, new tokens, HF folder, our GPT2 in eval
+    mode); GPT-2 124M shape with prompt 32 + 32, or (``quick``) a tiny one with 8 + 8."""
+    from sublayer.models import GPT2, GPT2Config
 
     if quick:
         cfg = GPT2Config(vocab_size=512, d_model=64, n_layers=2, n_heads=4, max_positions=64, dropout=0.0,
@@ -149,7 +149,15 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
         cfg = GPT2Config(dropout=0.0, embd_dropout=0.0, attn_dropout=0.0)
         prompt, new = 32, 32
     folder = gpt2_folder(cfg, work)
-    ours = GPT2.from_pretrained(folder).eval()
+    return cfg, prompt, new, folder, GPT2.from_pretrained(folder).eval()
+
+
+def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
+    """Greedy GPT-2 decoding, batch 1 and 8, fp32 and int8 against CTranslate2, bf16 against our fp32 (see the
+    module doc)."""
+    from sublayer.models import fast_inference
+
+    cfg, prompt, new, folder, ours = gpt2_decoding(quick, work)
     int8 = fast_inference(ours, quantize="int8")
     bf16 = fast_inference(ours, dtype=torch.bfloat16)  # bf16 panels where the CPU multiplies bf16 natively
     ct2 = {dt: ct2_generator(folder, dt) for dt in ("float32", "int8")}
@@ -413,7 +421,7 @@ def ov_decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     """GPT-2 decoding against OpenVINO GenAI (:func:`sublayer.bench.openvino_peer.decode_rows`)."""
     from .openvino_peer import decode_rows as rows
 
-    return rows(quick, reps, work, model, gpt2_folder=gpt2_folder, ct2_generator=ct2_generator)
+    return rows(quick, reps, work, model, gpt2_decoding=gpt2_decoding, ct2_generator=ct2_generator)
 
 
 def llama_train_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:

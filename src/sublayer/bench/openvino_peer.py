@@ -237,23 +237,15 @@ _OV_DECODE = {"OpenVINO GenAI f32": ("fp32", "f32"), "OpenVINO GenAI bf16": ("fp
               "OpenVINO GenAI int8": ("int8", "f32"), "OpenVINO GenAI int8 (bf16 precision)": ("int8", "bf16")}
 
 
-def decode_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_folder: Callable, ct2_generator: Callable,
-                log: Callable[[str], None] = print) -> list[Row]:  # fmt: skip
+def decode_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding: Callable,
+                ct2_generator: Callable, log: Callable[[str], None] = print) -> list[Row]:  # fmt: skip
     """Greedy GPT-2 decoding, batch 1 and 8: ours fp32 / bf16 / int8 against OpenVINO GenAI and CTranslate2 int8
-    (see the module doc). ``gpt2_folder(cfg, work)``: the HF folder of a random GPT-2 of ``cfg``;
-    ``ct2_generator(folder, "int8")``: CTranslate2's int8 generator on it, or None (those of
-    :mod:`sublayer.bench.jobs`, passed in: that module runs these rows)."""
-    from sublayer.models import GPT2, GPT2Config, fast_inference
+    (see the module doc). ``gpt2_decoding(quick, work)``: the ``decode`` job's (config, prompt length, new tokens,
+    HF folder, our GPT2); ``ct2_generator(folder, "int8")``: CTranslate2's int8 generator on it, or None (those
+    of :mod:`sublayer.bench.jobs`, passed in: that module runs these rows)."""
+    from sublayer.models import fast_inference
 
-    if quick:
-        cfg = GPT2Config(vocab_size=512, d_model=64, n_layers=2, n_heads=4, max_positions=64, dropout=0.0,
-                         embd_dropout=0.0, attn_dropout=0.0, bos_token_id=511, eos_token_id=511)  # fmt: skip
-        prompt, new = 8, 8
-    else:
-        cfg = GPT2Config(dropout=0.0, embd_dropout=0.0, attn_dropout=0.0)
-        prompt, new = 32, 32
-    folder = gpt2_folder(cfg, work)
-    ours = GPT2.from_pretrained(folder).eval()
+    cfg, prompt, new, folder, ours = gpt2_decoding(quick, work)
     mine = {"fp32": ours, "bf16": fast_inference(ours, dtype=torch.bfloat16), "int8": fast_inference(ours, quantize="int8")}
     ct2 = ct2_generator(folder, "int8")
     threads = torch.get_num_threads()
