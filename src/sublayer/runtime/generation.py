@@ -19,7 +19,6 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .. import functional as SF
 from .._checks import check_attention_mask, check_input_ids, check_positive_int
 
 __all__ = [
@@ -294,8 +293,3 @@ def beam_search(steps, b: int, max_len: int, bos: int, eos: int, pad: int, k: in
     ranked = scores / lengths.clamp(min=1.0) ** length_penalty
     best = ranked.argmax(-1) + torch.arange(b, device=device) * k
     return seqs.index_select(0, best)
-
-
-def new_kv_caches(n: int) -> list[SF.KVCache]:
-    """``n`` empty growing KV caches (one per layer)."""
-    return [SF.KVCache() for _ in range(n)]
