@@ -360,7 +360,7 @@ class CausalLM(nn.Module):
 
     def new_caches(self) -> list[SF.KVCache]:
         """One empty KV cache per block."""
-        return [SF.KVCache() for _ in self.blocks]
+        return [SF.KVCache() for _ in range(self.config.n_layers)]
 
 
 def generate_with_config(lm, input_ids: Tensor, max_new_tokens=FROM_CONFIG, *, max_length=None, **options) -> Tensor:
@@ -478,12 +478,9 @@ class PreparedCausalLM:
         """As :meth:`CausalLM.generate` (same arguments, defaults and checks) over the prepared weights."""
         return generate_with_config(self, input_ids, max_new_tokens, **kwargs)
 
-    # what sublayer.runtime.generation needs (its CausalLM protocol)
-    def hidden_states(self, input_ids, position_ids, key_padding_mask, caches):
-        return self._hidden(input_ids, position_ids, key_padding_mask, caches)
-
-    def new_caches(self) -> list:
-        return [SF.KVCache() for _ in range(self.config.n_layers)]
+    # what sublayer.runtime.generation needs (its CausalLM protocol), as the model's
+    hidden_states = CausalLM.hidden_states
+    new_caches = CausalLM.new_caches
 
     def fast_decoder(self):
         return None
