@@ -165,10 +165,7 @@ def demo(
     from .demo import DemoConfig
 
     kw = {"out": str(out), "seed": seed, "resume": resume, "overwrite": overwrite, "threads": threads, "quiet": quiet}
-    if steps is not None:
-        kw["steps"] = steps
-    if batch_size is not None:
-        kw["batch_size"] = batch_size
+    kw |= {k: v for k, v in (("steps", steps), ("batch_size", batch_size)) if v is not None}  # else DemoConfig's
     if nproc < 1:
         raise CLIError(f"--nproc must be >= 1, got {nproc}")
     cfg = DemoConfig(**kw)
@@ -340,11 +337,10 @@ class _Counter:
     """A streamer counting the new tokens (``generate(streamer=...)``)."""
 
     def __init__(self) -> None:
-        self.new, self.prompt = 0, True
+        self.new = -1  # the first put is the prompt
 
     def put(self, ids) -> None:
-        self.new += 0 if self.prompt else 1
-        self.prompt = False
+        self.new += 1
 
     def end(self) -> None:
         pass

@@ -77,9 +77,8 @@ def show_heatmaps(matrices, xlabel, ylabel, titles=None, figsize=(2.5, 2.5), cma
     fig = plot.attention(matrices, xlabel=xlabel, ylabel=ylabel, cmap=cmap)
     fig.set_size_inches(*figsize)
     if titles is not None:
-        n_cols = plot._as_grid(matrices).shape[1]
-        for i, ax in enumerate(fig.get_axes()[: -1]):  # the last axes is the colour bar
-            ax.set_title(titles[i % n_cols], fontsize=8)
+        for ax in fig.get_axes()[: -1]:  # the last axes is the colour bar
+            ax.set_title(titles[ax.get_subplotspec().colspan.start], fontsize=8)
     return fig
 
 

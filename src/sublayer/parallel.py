@@ -148,11 +148,7 @@ def _local(t: Tensor) -> Tensor:
 
 def _local_replicated(mesh: DeviceMesh) -> Callable[[Tensor], Tensor]:
     """A replicated parameter used on sequence-sharded activations: its local grad is partial -> all-reduce."""
-
-    def fn(t: Tensor) -> Tensor:
-        return _copy_to_region(_local(t), mesh)
-
-    return fn
+    return lambda t: _copy_to_region(_local(t), mesh)
 
 
 def _drop_bias(t: Tensor) -> None:
@@ -584,14 +580,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_entry(rank: int, fn: Callable, nproc: int, port: int, backend: str, timeout, args: tuple) -> None:
+def _launch_entry(rank: int, fn: Callable, nproc: int, port: int | None, backend: str, timeout, args: tuple) -> None:
+    """One rank: ``fn(rank, nproc, *args)`` in the default process group, initialised from the environment (a
+    spawned rank, ``port`` not None, first sets it for a rendezvous on 127.0.0.1:``port``)."""
     import os
 
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))  # fmt: skip
-    dist.init_process_group(backend, rank=rank, world_size=nproc, timeout=timeout)
+    if port is not None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
+                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))  # fmt: skip
+    dist.init_process_group(backend, timeout=timeout)
     try:
         fn(rank, nproc, *args)
     finally:
@@ -618,7 +617,6 @@ def launch(
     import os
     from datetime import timedelta
 
-    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
@@ -630,11 +628,7 @@ def launch(
             raise ValueError(
                 f"under torchrun the process count comes from torchrun (WORLD_SIZE={world}); got nproc={nproc}"
             )
-        dist.init_process_group(backend, timeout=timeout)
-        try:
-            fn(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
+        _launch_entry(rank, fn, world, None, backend, timeout, args)
         return
     if nproc == 1:
         fn(0, 1, *args)

@@ -63,8 +63,6 @@ def plot_losses(history: dict, path: str | Path, **kw) -> None:
 def plot_cross_attention(model: Transformer, vocab: Vocab, pair: tuple[list[str], list[str]], path: str | Path) -> None:
     """Cross-attention heatmaps of one pair, d2l style: a grid of layers × heads, keys (source tokens) on x,
     queries (the target token each position predicts) on y, one shared colour bar."""
-    from matplotlib.figure import Figure
-
     b = collate([pair], vocab)
     weights = model.cross_attention_weights(b.src, b.tgt_in, src_key_padding_mask=b.src_mask)
     fig = attention(

@@ -34,15 +34,13 @@ def evaluate(
 ) -> tuple[float, list[dict]]:
     """Greedy-decode every source; returns (exact-match accuracy, one record per pair)."""
     records = []
-    outs = translate_pairs(model, vocab, pairs, batch_size=batch_size)
-    for i, out in zip(range(0, len(pairs), batch_size), outs):
-        chunk = pairs[i : i + batch_size]
-        for (x, y), ids in zip(chunk, out.tolist()):
-            pred = vocab.decode(ids)
-            records.append({
-                "direction": x[0], "source": detokenize(x[1:]), "target": detokenize(y),
-                "prediction": detokenize(pred), "correct": pred == y,
-            })  # fmt: skip
+    rows = [ids for out in translate_pairs(model, vocab, pairs, batch_size=batch_size) for ids in out.tolist()]
+    for (x, y), ids in zip(pairs, rows):  # the batches' rows in the pairs' order
+        pred = vocab.decode(ids)
+        records.append({
+            "direction": x[0], "source": detokenize(x[1:]), "target": detokenize(y),
+            "prediction": detokenize(pred), "correct": pred == y,
+        })  # fmt: skip
     acc = sum(r["correct"] for r in records) / max(1, len(records))
     return acc, records
 

@@ -234,12 +234,10 @@ def multi_head_attention(
     """
     check_positive_int("n_heads", n_heads)
     check_probability("dropout", dropout)
-    check_tensor("query", query)
     key = query if key is None else key
     value = key if value is None else value
-    check_tensor("key", key)
-    check_tensor("value", value)
     for name, t in (("query", query), ("key", key), ("value", value)):
+        check_tensor(name, t)
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D (batch, seq, features), got shape {tuple(t.shape)}")
     check_same_dtype_device(query=query, key=key, value=value)

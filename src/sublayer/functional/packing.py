@@ -30,35 +30,23 @@ from .fused import dropout as fused_dropout
 __all__ = ["Packing", "PackedBatch", "document_mask"]
 
 
-class _Gather(torch.autograd.Function):
-    """``x.index_select(0, index)`` for unique indices: the backward writes rows back with ``index_copy``
-    (autograd's generic ``index_add`` backward is a slow scatter-add on the CPU)."""
+class _Move(torch.autograd.Function):
+    """``x.index_select(0, index)`` for unique indices (gather), or rows of x to ``index`` in a zero (rows, ...)
+    tensor (``scatter``, the inverse); the backward is the other direction (autograd's generic ``index_add``
+    backward of a gather is a slow scatter-add on the CPU)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, index: Tensor, rows: int) -> Tensor:
+    def forward(ctx, x: Tensor, index: Tensor, rows: int, scatter: bool) -> Tensor:
         ctx.save_for_backward(index)
-        ctx.rows = rows
+        ctx.rows, ctx.scatter = rows, scatter
+        if scatter:
+            return x.new_zeros(rows, *x.shape[1:]).index_copy_(0, index, x.contiguous())
         return x.index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         (index,) = ctx.saved_tensors
-        return _Scatter.apply(grad, index, ctx.rows), None, None
-
-
-class _Scatter(torch.autograd.Function):
-    """Rows of x to ``index`` in a zero (rows, ...) tensor; the inverse of :class:`_Gather`."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, index: Tensor, rows: int) -> Tensor:
-        ctx.save_for_backward(index)
-        ctx.rows = rows
-        return x.new_zeros(rows, *x.shape[1:]).index_copy_(0, index, x.contiguous())
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (index,) = ctx.saved_tensors
-        return _Gather.apply(grad, index, ctx.rows), None, None
+        return _Move.apply(grad, index, ctx.rows, not ctx.scatter), None, None, None
 
 
 class Packing:
@@ -98,13 +86,13 @@ class Packing:
         if x.shape[0] != self.batch:
             x = x.expand(self.batch, *x.shape[1:])
         flat = x.reshape(self.batch * self.seq_len, *x.shape[2:])
-        return flat if self.index is None else _Gather.apply(flat, self.index, flat.shape[0])
+        return flat if self.index is None else _Move.apply(flat, self.index, flat.shape[0], False)
 
     def unpack(self, x: Tensor) -> Tensor:
         """(N, *rest) -> (B, T, *rest), zeros at the padded positions."""
         rest = x.shape[1:]
         if self.index is not None:
-            x = _Scatter.apply(x, self.index, self.batch * self.seq_len)
+            x = _Move.apply(x, self.index, self.batch * self.seq_len, True)
         return x.view(self.batch, self.seq_len, *rest)
 
 

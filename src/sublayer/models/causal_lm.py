@@ -202,9 +202,6 @@ class CausalLM(nn.Module):
         pk = PackedBatch(kpm, rows=run, position_ids=position_ids, batch=b, seq_len=t)
         return self._hidden(pk.pack(input_ids), pk.pack(position_ids), None, None, packing=pk), pk
 
-    def _position_ids(self, position_ids: Tensor | None, b: int, t: int, device) -> Tensor:
-        return check_position_ids(self.config, position_ids, b, t, device)
-
     def forward(
         self,
         input_ids: Tensor,
@@ -236,7 +233,7 @@ class CausalLM(nn.Module):
         if kpm is None and position_ids is None:  # no padding, one document per row: nothing that reads the data
             pos = torch.arange(t, device=input_ids.device)[None]
             return self.lm_head(self._hidden(input_ids, pos, None, None, documents=False))
-        position_ids = self._position_ids(position_ids, b, t, input_ids.device)
+        position_ids = check_position_ids(self.config, position_ids, b, t, input_ids.device)
         packed = self._packed_hidden(input_ids, position_ids, kpm)  # real tokens only; packed documents
         if packed is not None:
             h, pk = packed
@@ -278,7 +275,7 @@ class CausalLM(nn.Module):
         b, t = input_ids.shape
         kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
         targets = shifted_targets(self.config, input_ids, labels, kpm, ignore_index)
-        position_ids = self._position_ids(position_ids, b, t, input_ids.device)
+        position_ids = check_position_ids(self.config, position_ids, b, t, input_ids.device)
         # every position with a target runs, padding or not (the last left pad predicts the first token)
         run = None if kpm is None else ~kpm | (targets != ignore_index)
         packed = self._packed_hidden(input_ids, position_ids, kpm, run)
@@ -363,7 +360,7 @@ class CausalLM(nn.Module):
 
     def new_caches(self) -> list[SF.KVCache]:
         """One empty KV cache per block."""
-        return [SF.KVCache() for _ in self.blocks]
+        return [SF.KVCache() for _ in range(self.config.n_layers)]
 
 
 def generate_with_config(lm, input_ids: Tensor, max_new_tokens=FROM_CONFIG, *, max_length=None, **options) -> Tensor:
@@ -481,12 +478,9 @@ class PreparedCausalLM:
         """As :meth:`CausalLM.generate` (same arguments, defaults and checks) over the prepared weights."""
         return generate_with_config(self, input_ids, max_new_tokens, **kwargs)
 
-    # what sublayer.runtime.generation needs (its CausalLM protocol)
-    def hidden_states(self, input_ids, position_ids, key_padding_mask, caches):
-        return self._hidden(input_ids, position_ids, key_padding_mask, caches)
-
-    def new_caches(self) -> list:
-        return [SF.KVCache() for _ in range(self.config.n_layers)]
+    # what sublayer.runtime.generation needs (its CausalLM protocol), as the model's
+    hidden_states = CausalLM.hidden_states
+    new_caches = CausalLM.new_caches
 
     def fast_decoder(self):
         return None

@@ -32,13 +32,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import kernels
-from ..runtime import weights as weights_cache
 from ..runtime.causal import enabled, set_enabled
 from ..runtime.kv_cache import StaticKVCache, decode_attention
 from ..runtime.linear import NO_SCALE, GreedyHead, PackedLinear, skinny_max_rows
 from ..runtime.rows import EPILOGUE, kernels_on, residual_out
 from ..runtime.rules import fast_path_allowed
-from ..runtime.weights import prepared
+from ..runtime.weights import clear_cache, prepared  # clear_cache: drop every model's prepared weights
 
 __all__ = [
     "set_enabled", "enabled", "clear_cache", "transformer_stepper", "PackedLinear", "StaticKVCache",
@@ -50,11 +49,6 @@ def prepared_weights(module: torch.nn.Module, build):
     """The packed weights of ``module`` (:func:`sublayer.runtime.weights.prepared`: built once, rebuilt when a
     parameter changes)."""
     return prepared(module, ("decoding", build.__name__, kernels_on()), build)
-
-
-def clear_cache() -> None:
-    """Drop every model's prepared weights."""
-    weights_cache.clear_cache()
 
 
 def float32_cpu(module: torch.nn.Module) -> bool:

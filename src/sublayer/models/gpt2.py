@@ -24,7 +24,6 @@ from .. import functional as SF
 from .._checks import (
     check_choice,
     check_eps,
-    check_input_ids,
     check_positive_int,
     check_probability,
 )
@@ -35,7 +34,7 @@ from ..runtime.causal import CausalParts
 from .causal_lm import CausalBlock, CausalLM
 from .config import ModelConfig
 
-__all__ = ["GPT2Config", "GPT2", "GPT2Block", "check_input_ids"]  # check_input_ids: re-exported from _checks
+__all__ = ["GPT2Config", "GPT2", "GPT2Block"]
 
 # HF config fields that change the math; only these values are implemented.
 _HF_FIXED = {

@@ -226,25 +226,22 @@ class Transformer(nn.Module):
         if caches is None:
             _check_padding_mask("tgt_key_padding_mask", tgt_key_padding_mask, tgt, "tgt")
         mkpm = memory_key_padding_mask
-        bool_memory_mask = mkpm is None or mkpm.dtype == torch.bool
-        if caches is None and bool_memory_mask:
+        if caches is None and (mkpm is None or mkpm.dtype == torch.bool):
             packed = self._packed_decode(tgt, memory, mkpm, tgt_key_padding_mask)
             if packed is not None:  # the same decoder on the real tokens of target and memory
                 h, pk = packed
                 return pk.unpack(self.out_proj(h))
-        x = self._embed(self.tgt_embed, tgt, start)
-        h = self.decoder(
-            x,
-            memory,
-            tgt_key_padding_mask=tgt_key_padding_mask,
-            memory_key_padding_mask=memory_key_padding_mask,
-            caches=caches,
-        )
-        logits = self.out_proj(h)
+        logits = self.out_proj(self._padded_decode(tgt, memory, tgt_key_padding_mask, mkpm, caches, start))
         tkpm = tgt_key_padding_mask
         if caches is None and tkpm is not None and tkpm.dtype == torch.bool:
             logits = logits.masked_fill(tkpm[..., None], 0.0)
         return logits
+
+    def _padded_decode(self, tgt: Tensor, memory: Tensor, tkpm: Tensor | None, mkpm: Tensor | None,
+                       caches: list | None = None, start: int = 0) -> Tensor:  # fmt: skip
+        """The decoder's hidden states (B, T, d_model) on the padded layout (``start``: positions already cached)."""
+        return self.decoder(self._embed(self.tgt_embed, tgt, start), memory, tgt_key_padding_mask=tkpm,
+                            memory_key_padding_mask=mkpm, caches=caches)  # fmt: skip
 
     def _packed_decode(
         self, tgt: Tensor, memory: Tensor, mkpm: Tensor | None, tkpm: Tensor | None
@@ -342,12 +339,7 @@ class Transformer(nn.Module):
             h, pk = packed
             targets = pk.pack(targets)
         else:
-            h = self.decoder(
-                self._embed(self.tgt_embed, tgt_in),
-                memory,
-                tgt_key_padding_mask=tgt_key_padding_mask,
-                memory_key_padding_mask=src_key_padding_mask,
-            )
+            h = self._padded_decode(tgt_in, memory, tgt_key_padding_mask, src_key_padding_mask)
         return SF.linear_cross_entropy(
             h.reshape(-1, h.shape[-1]), self.out_proj.weight, targets.reshape(-1), bias=self.out_proj.bias,
             ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction, grad_in_forward=True,

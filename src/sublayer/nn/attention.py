@@ -67,10 +67,8 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         check_positive_int("d_model", d_model)
         check_positive_int("n_heads", n_heads)
-        check_positive_int("kdim", kdim, allow_none=True)
-        check_positive_int("vdim", vdim, allow_none=True)
-        check_positive_int("n_kv_heads", n_kv_heads, allow_none=True)
-        check_positive_int("head_dim", head_dim, allow_none=True)
+        for name, v in (("kdim", kdim), ("vdim", vdim), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
+            check_positive_int(name, v, allow_none=True)
         check_probability("dropout", dropout)
         if head_dim is None and d_model % n_heads != 0:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")

@@ -17,14 +17,6 @@ from .residual import AddNorm, PreNormResidual
 __all__ = ["EncoderBlock", "DecoderBlock"]
 
 
-def _residual(norm_first: bool, d_model: int, dropout: float, norm: str, eps: float, bias: bool, kw: dict) -> nn.Module:
-    cls = PreNormResidual if norm_first else AddNorm
-    residual = cls(d_model, dropout, norm=norm, eps=eps, **kw)
-    if not bias and norm == "layer":  # as nn.TransformerEncoderLayer(bias=False): no LayerNorm bias either
-        residual.norm = LayerNorm(d_model, eps, bias=False, **kw)
-    return residual
-
-
 class _Block(nn.Module):
     """What encoder and decoder blocks share: arguments, the FFN and the residual wiring."""
 
@@ -42,8 +34,11 @@ class _Block(nn.Module):
         self.ffn = PositionWiseFFN(d_model, d_ff, activation=activation, dropout=dropout, bias=bias, **kw)
 
     def _make_residual(self) -> nn.Module:
-        b = self._build
-        return _residual(self.norm_first, self.d_model, b["dropout"], self.norm, b["eps"], b["bias"], b["kw"])
+        b, cls = self._build, (PreNormResidual if self.norm_first else AddNorm)
+        residual = cls(self.d_model, b["dropout"], norm=self.norm, eps=b["eps"], **b["kw"])
+        if not b["bias"] and self.norm == "layer":  # as nn.TransformerEncoderLayer(bias=False): no LayerNorm bias
+            residual.norm = LayerNorm(self.d_model, b["eps"], bias=False, **b["kw"])
+        return residual
 
     def _attn(self, **extra) -> MultiHeadAttention:
         b = self._build

@@ -54,9 +54,8 @@ class PositionWiseFFN(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        check_positive_int("d_model", d_model, allow_none=True)
-        check_positive_int("d_ff", d_ff, allow_none=True)
-        check_positive_int("d_out", d_out, allow_none=True)
+        for name, v in (("d_model", d_model), ("d_ff", d_ff), ("d_out", d_out)):
+            check_positive_int(name, v, allow_none=True)
         check_choice("activation", activation, SF.ACTIVATIONS)
         check_probability("dropout", dropout)
         check_probability("output_dropout", output_dropout)

@@ -34,7 +34,7 @@ from ..nn import RMSNorm
 from .generation import token_loop
 from .kv_cache import StaticKVCache, decode_attention
 from .linear import GreedyHead, PackedLinear, skinny_max_rows
-from .rows import kernels_on, layer_norm
+from .rows import add_norm, kernels_on, norm_rows
 from .rules import fast_path_allowed
 from .weights import prepared
 
@@ -212,22 +212,6 @@ def flat_weights(W: CausalWeights) -> list[Tensor] | None:
 
 
 # ----------------------------------------------------------------------------------------------- row operations
-def norm_rows(x: Tensor, n: Norm) -> Tensor:
-    """``n`` applied to rows x (N, d), fp32 statistics, in x's dtype."""
-    if n.rms:
-        return SF.rms_norm(x, x.shape[-1:], n.weight, n.eps)
-    return layer_norm(x, n.weight, n.bias, n.eps)
-
-
-def add_norm(x: Tensor, y: Tensor, n: Norm) -> tuple[Tensor, Tensor]:
-    """``(n(x + y), x + y)`` for (N, d) rows (the fused kernel where it runs)."""
-    if kernels_on():
-        out, s, _, _, _ = kernels.ops().add_norm_fwd(x, y, n.weight, n.bias, n.eps, 0.0, 0, n.rms, True)
-        return out, s
-    s = x + y
-    return norm_rows(s, n), s
-
-
 def _next_norm(W: CausalWeights, i: int) -> Norm:
     return W.layers[i + 1]["ln1"] if i + 1 < len(W.layers) else W.norm
 
@@ -268,7 +252,7 @@ def hidden(
             mask = mask & ~docs
         causal = False
     rot = None if W.rotary is None else W.rotary(position_ids, dtype=dtype)
-    h = norm_rows(x, W.layers[0]["ln1"])
+    h = norm_rows(x, *W.layers[0]["ln1"])
     for i, L in enumerate(W.layers):
         qkv = L["qkv"](h).view(B, T, dq + 2 * dkv)
         q = qkv[..., :dq].unflatten(-1, (H, hd)).transpose(1, 2)
@@ -281,9 +265,9 @@ def hidden(
         if Hkv != H:
             k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-        h, x = add_norm(x, L["out"](ctx.transpose(1, 2).reshape(B * T, dq)), L["ln2"])  # x += attn; h = ln_2(x)
+        h, x = add_norm(x, L["out"](ctx.transpose(1, 2).reshape(B * T, dq)), *L["ln2"])  # x += attn; h = ln_2(x)
         y = L["fc2"](L["fc1"](h, W.activation))
-        h, x = add_norm(x, y, _next_norm(W, i))
+        h, x = add_norm(x, y, *_next_norm(W, i))
     return h.view(B, T, d)
 
 
@@ -316,7 +300,7 @@ def step(W: CausalWeights, tokens: Tensor, positions: Tensor, caches: list, mask
         for c in caches:
             c.length = length
         return h
-    h = norm_rows(x, W.layers[0]["ln1"])
+    h = norm_rows(x, *W.layers[0]["ln1"])
     for i, L in enumerate(W.layers):
         qkv = L["qkv"](h)  # (B, dq + 2 dkv)
         q, k = qkv[:, :dq], qkv[:, dq : dq + dkv]
@@ -325,9 +309,9 @@ def step(W: CausalWeights, tokens: Tensor, positions: Tensor, caches: list, mask
         c = caches[i]
         ctx = decode_attention(q, c.k, c.v, length, mask=mask, new_k=k, new_v=qkv[:, dq + dkv :])
         c.length = length
-        h, x = add_norm(x, L["out"](ctx), L["ln2"])  # x += attn; h = ln_2(x)
+        h, x = add_norm(x, L["out"](ctx), *L["ln2"])  # x += attn; h = ln_2(x)
         y = L["fc2"](L["fc1"](h, W.activation))
-        h, x = add_norm(x, y, _next_norm(W, i))
+        h, x = add_norm(x, y, *_next_norm(W, i))
     return h
 
 

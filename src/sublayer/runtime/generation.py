@@ -19,7 +19,6 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .. import functional as SF
 from .._checks import check_attention_mask, check_input_ids, check_positive_int
 
 __all__ = [
@@ -212,21 +211,19 @@ def generate(
         if fast is not None:
             out = fast(input_ids, positions, kpm, max_new_tokens, prefill=lm.hidden_states, pick=pick,
                        eos_token_id=eos_token_id, pad=pad, greedy=not do_sample)  # fmt: skip
-            if streamer is not None:
-                streamer.end()
-            return out
-        caches = lm.new_caches()
-        h = lm.hidden_states(input_ids, positions, kpm, caches)
-        state = {"pos": positions[:, -1:], "kpm": kpm}
+        else:
+            caches = lm.new_caches()
+            h = lm.hidden_states(input_ids, positions, kpm, caches)
+            state = {"pos": positions[:, -1:], "kpm": kpm}
 
-        def step(nxt: Tensor, s: int) -> Tensor:
-            state["pos"] = state["pos"] + 1
-            if state["kpm"] is not None:
-                state["kpm"] = torch.cat([state["kpm"], state["kpm"].new_zeros(b, 1)], dim=1)
-            h = lm.hidden_states(nxt[:, None], state["pos"], state["kpm"], caches)
-            return pick(lm.lm_head(h[:, -1]).float())
+            def step(nxt: Tensor, s: int) -> Tensor:
+                state["pos"] = state["pos"] + 1
+                if state["kpm"] is not None:
+                    state["kpm"] = torch.cat([state["kpm"], state["kpm"].new_zeros(b, 1)], dim=1)
+                h = lm.hidden_states(nxt[:, None], state["pos"], state["kpm"], caches)
+                return pick(lm.lm_head(h[:, -1]).float())
 
-        out = token_loop(input_ids, max_new_tokens, pick(lm.lm_head(h[:, -1]).float()), step, eos_token_id, pad)
+            out = token_loop(input_ids, max_new_tokens, pick(lm.lm_head(h[:, -1]).float()), step, eos_token_id, pad)
         if streamer is not None:
             streamer.end()
         return out
@@ -294,8 +291,3 @@ def beam_search(steps, b: int, max_len: int, bos: int, eos: int, pad: int, k: in
     ranked = scores / lengths.clamp(min=1.0) ** length_penalty
     best = ranked.argmax(-1) + torch.arange(b, device=device) * k
     return seqs.index_select(0, best)
-
-
-def new_kv_caches(n: int) -> list[SF.KVCache]:
-    """``n`` empty growing KV caches (one per layer)."""
-    return [SF.KVCache() for _ in range(n)]

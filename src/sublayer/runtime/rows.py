@@ -15,7 +15,10 @@ from .. import functional as SF
 from .. import kernels
 from ..functional import fused
 
-__all__ = ["kernels_on", "inference", "layer_norm", "add_norm", "bias_act", "ffn_hidden", "residual_out", "EPILOGUE"]
+__all__ = [
+    "kernels_on", "inference", "layer_norm", "norm_rows", "add_norm", "bias_act", "ffn_hidden", "residual_out",
+    "EPILOGUE",
+]  # fmt: skip
 
 EPILOGUE = fused.ACT_IDS  # activations the kernels fuse into a GEMM epilogue or a bias pass
 
@@ -44,13 +47,21 @@ def layer_norm(x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
     return F.layer_norm(x.float(), w.shape, w, b, eps).to(x.dtype)
 
 
-def add_norm(x: Tensor, y: Tensor, w: Tensor, b: Tensor, eps: float, *, want_sum: bool = True) -> tuple[Tensor, Tensor | None]:
-    """``(LN(x + y), x + y if want_sum)`` for (N, d) rows; w, b float32; fp32 statistics."""
+def norm_rows(x: Tensor, w: Tensor, b: Tensor | None, eps: float, rms: bool = False) -> Tensor:
+    """LayerNorm, or RMSNorm when ``rms`` (``b`` unused), over the last dim; fp32 statistics, output in x's dtype."""
+    return SF.rms_norm(x, x.shape[-1:], w, eps) if rms else layer_norm(x, w, b, eps)
+
+
+def add_norm(
+    x: Tensor, y: Tensor, w: Tensor, b: Tensor | None, eps: float, rms: bool = False, *, want_sum: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """``(norm(x + y), x + y if want_sum)`` for (N, d) rows: LayerNorm, or RMSNorm when ``rms`` (``b`` unused);
+    w, b float32; fp32 statistics."""
     if kernels_on():
-        out, s, _, _, _ = kernels.ops().add_norm_fwd(x, y, w, b, eps, 0.0, 0, False, want_sum)
+        out, s, _, _, _ = kernels.ops().add_norm_fwd(x, y, w, b, eps, 0.0, 0, rms, want_sum)
         return out, (s if want_sum else None)
     s = x + y
-    return layer_norm(s, w, b, eps), s
+    return norm_rows(s, w, b, eps, rms), s
 
 
 def bias_act(a: Tensor, bias: Tensor | None, act: str) -> Tensor:

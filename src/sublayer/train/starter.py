@@ -24,14 +24,8 @@ _SIZES = {"vocab_size": 257, "max_positions": 256, "d_model": 64, "n_layers": 2,
 def _byte_chars() -> list[str]:
     """GPT-2's printable character of each byte 0-255 (byte-level BPE's alphabet)."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
+    moved = [b for b in range(256) if b not in keep]  # the others, in order, become chr(256), chr(257), ...
+    return [chr(b) if b in keep else chr(256 + moved.index(b)) for b in range(256)]
 
 
 def byte_tokenizer():
