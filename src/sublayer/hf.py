@@ -347,7 +347,7 @@ def _bert_inference(encoder: nn.Module, emb: Tensor, pad: Tensor | None) -> Tens
     """The encoder in eval mode without autograd: the prepared encoder of :mod:`sublayer.runtime.encoder` on float32
     weights packed once for oneDNN (GELU fused into fc1), the fused attention kernel; real tokens only, zeros at
     padding."""
-    b, t, d = emb.shape
+    b, t, _ = emb.shape
     W = prepared(encoder, "hf.inference", _pack_bert_weights)
     pk = Packing(pad if pad is not None and bool(pad.any()) else None, batch=b, seq_len=t)
     a = encoder.layer[0].attention.self

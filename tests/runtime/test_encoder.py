@@ -100,7 +100,7 @@ def test_int8_on_either_gemm_follows_the_float_model(padding, own_gemm):
 @pytest.mark.parametrize("padding", ["right", "left", "none"])
 def test_attention_kernel_equals_sdpa(padding):
     g = torch.Generator().manual_seed(0)
-    ids, mask = _batch(padding)
+    _, mask = _batch(padding)
     pad = mask == 0
     B, T = pad.shape
     index = None if padding == "none" else (~pad).reshape(-1).nonzero().squeeze(1)

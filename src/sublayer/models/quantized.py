@@ -43,21 +43,19 @@ a ``quantization_config`` entry), :func:`load_quantized` reads them back without
 from __future__ import annotations
 
 import fnmatch
-import math
 import os
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import checkpoints as ckpt
 from .. import kernels
 from ..functional import fused
 from .bert import Bert, BertConfig
-from .fast import PreparedBert, bert_layers, bert_tensors
+from .prepared_bert import PreparedBert, bert_layers, bert_tensors
 from ..runtime.linear import Int8Linear as ActInt8Linear
-from ..runtime.rows import add_norm, bias_act, inference, kernels_on, layer_norm
+from ..runtime.rows import add_norm, bias_act, kernels_on
 from .causal_lm import CausalLM
 from .gpt2 import GPT2, GPT2Config
 from .llama import MODEL_TYPES as LLAMA_TYPES
