@@ -351,7 +351,7 @@ def _bert_inference(encoder: nn.Module, emb: Tensor, pad: Tensor | None) -> Tens
     W = prepared(encoder, "hf.inference", _pack_bert_weights)
     pk = Packing(pad if pad is not None and bool(pad.any()) else None, batch=b, seq_len=t)
     a = encoder.layer[0].attention.self
-    x = run_layers(pk.pack(emb), W, index=pk.index, shape=(b, t), pad=pk.key_padding_mask,
+    x = run_layers(pk.pack(emb), W, pad=pk.key_padding_mask, shape=(b, t),
                    heads=a.num_attention_heads, scale=a.scaling, activation=encoder.layer[0]._sublayer_act)  # fmt: skip
     return pk.unpack(x)
 

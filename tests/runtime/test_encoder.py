@@ -97,23 +97,25 @@ def test_int8_on_either_gemm_follows_the_float_model(padding, own_gemm):
         assert _cos(q(ids, mask)[real], out[real]) >= 0.999
 
 
-@pytest.mark.parametrize("padding", ["right", "left", "none"])
-def test_attention_kernel_equals_sdpa(padding):
-    g = torch.Generator().manual_seed(0)
+@pytest.mark.parametrize("padding", PADDINGS)
+def test_packed_attention_equals_masked_sdpa(padding):
+    # per run of equal-length sequences on the packed rows == SDPA on the padded layout with the padding mask
     _, mask = _batch(padding)
+    mask[0] = mask[1] = mask[4]  # a run of three sequences of one length (with "left": at the other end)
     pad = mask == 0
-    B, T = pad.shape
-    index = None if padding == "none" else (~pad).reshape(-1).nonzero().squeeze(1)
-    n = B * T if index is None else index.numel()
-    qkv = torch.randn(n, 3 * 15, generator=g)
-    pad = pad if bool(pad.any()) else None
-    with kernels_switched(True):
-        fast, _ = encoder.attention(qkv, index, (B, T), pad, 3, 0.3)
-    with kernels_switched(False):
-        ref, _ = encoder.attention(qkv, index, (B, T), pad, 3, 0.3)
-        half, _ = encoder.attention(qkv, index, (B, T), pad, 3, 0.3, dtype=torch.bfloat16)
-    assert_close(fast, ref)
-    assert half.dtype == torch.float32 and _cos(half, ref) >= 0.999
+    (B, T), H, hd = pad.shape, 3, 5
+    full = torch.randn(B * T, 3 * H * hd, generator=torch.Generator().manual_seed(0))
+    index = (~pad).reshape(-1).nonzero().squeeze(1)
+    q, k, v = full.view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=(~pad)[:, None, None, :], scale=0.3)
+    want = want.transpose(1, 2).reshape(B * T, H * hd)[index]
+    segments = encoder.runs(pad if bool(pad.any()) else None, (B, T))
+    assert sum(c * n for _, c, n in segments) == index.numel() and len(segments) < B
+    for on in (True, False):
+        with kernels_switched(on):
+            assert_close(encoder.attention(full[index], segments, H, 0.3), want)
+    half = encoder.attention(full[index], segments, H, 0.3, dtype=torch.bfloat16)
+    assert half.dtype == torch.float32 and _cos(half, want) >= 0.999
 
 
 def test_linear_formats_share_the_call():

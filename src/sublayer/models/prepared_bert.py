@@ -92,7 +92,7 @@ class PreparedBert:
             pos = torch.arange(T).repeat(B)
         x = t["embeddings.word"][ids] + t["embeddings.position"][pos] + t["embeddings.token_type"][types]
         x = layer_norm(x, t["embeddings.norm.weight"], t["embeddings.norm.bias"], cfg.eps).to(self.compute_dtype)
-        x = run_layers(x, layers, index=index, shape=(B, T), pad=pad, heads=cfg.n_heads,
+        x = run_layers(x, layers, pad=pad, shape=(B, T), heads=cfg.n_heads,
                        scale=1.0 / math.sqrt(d // cfg.n_heads), activation=cfg.activation,
                        attention_dtype=self.attention_dtype).float()  # fmt: skip
         if index is not None:

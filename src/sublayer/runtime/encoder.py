@@ -12,9 +12,10 @@ linear's input preparation (the int8 ``linear_dynamic`` format does): it then ha
 pre, nxt) -> (x, pre')`` and ``act(h, activation, *, pre, nxt) -> (y, pre')``, takes ``pre=`` in its call, and the
 loop hands each ``pre'`` to the next linear (``None``: the linear prepares its input itself).
 
-Attention: the fused ``qkv_self_attention`` kernel on float32 q|k|v (each sequence and head in L1, no (B, H, T, T)
-scores; padded keys skipped, padded query rows zero), ``F.scaled_dot_product_attention`` otherwise (bf16, or the
-kernels off). No autograd, no dropout: callers run it under :func:`sublayer.runtime.rows.inference`.
+Attention runs on the packed rows, one call per run of consecutive sequences of one length (:func:`runs`; no
+padding multiplied, nothing scattered into a padded layout): the fused ``qkv_self_attention`` kernel on float32
+q|k|v (each sequence and head in L1, no (B, H, T, T) scores), ``F.scaled_dot_product_attention`` otherwise (bf16,
+or the kernels off). No autograd, no dropout: callers run it under :func:`sublayer.runtime.rows.inference`.
 """
 
 from __future__ import annotations
@@ -26,48 +27,58 @@ from torch import Tensor
 from .. import kernels
 from .rows import add_norm, kernels_on
 
-__all__ = ["run_layers", "attention"]
+__all__ = ["run_layers", "attention", "runs"]
 
 
-def attention(
-    qkv: Tensor, index: Tensor | None, shape: tuple[int, int], pad: Tensor | None, heads: int, scale: float, *,
-    buffer: Tensor | None = None, dtype: torch.dtype | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """Self-attention of packed q|k|v rows: ``qkv`` (N, 3d), N = the real tokens, rows ``index`` of the padded
-    (B·T) layout of ``shape`` (B, T); ``index`` None: every position (N = B·T, no padding). ``pad`` (B, T) bool
-    True = padding, or None. ``dtype``: the attention's dtype (None: qkv's). ``buffer``: the zeroed (B·T, 3d)
-    tensor of that dtype an earlier call returned (its padded rows stay zero), reused. Returns
-    ``(ctx (N, d) in qkv's dtype, buffer)``."""
-    (B, T), d = shape, qkv.shape[1] // 3
+def runs(pad: Tensor | None, shape: tuple[int, int]) -> list[tuple[int, int, int]]:
+    """The packed rows as runs of consecutive sequences of one length: ``(first row, sequences, length)`` each, in
+    order (rows of padding only hold no row and start no run). ``pad`` (B, T) bool True = padding, or None."""
+    B, T = shape
+    out: list[list[int]] = []
+    row = 0
+    for n in [T] * B if pad is None else (~pad).sum(1).tolist():
+        if n and out and out[-1][2] == n:
+            out[-1][1] += 1
+        elif n:
+            out.append([row, 1, n])
+        row += n
+    return [tuple(r) for r in out]
+
+
+def attention(qkv: Tensor, segments: list[tuple[int, int, int]], heads: int, scale: float, *,
+              dtype: torch.dtype | None = None) -> Tensor:  # fmt: skip
+    """Self-attention of packed q|k|v rows, each sequence on its own rows: ``qkv`` (N, 3d), ``segments`` from
+    :func:`runs` (each run of equal-length sequences one call: no padding multiplied, nothing scattered).
+    ``dtype``: the attention's dtype (None: qkv's). Returns ctx (N, d) in qkv's dtype."""
+    d = qkv.shape[1] // 3
     dtype = qkv.dtype if dtype is None else dtype
-    if index is None:
-        full = qkv.to(dtype)
-    else:  # padded rows stay zero: masked keys multiply zero weights and must hold no garbage
-        buffer = qkv.new_zeros(B * T, 3 * d, dtype=dtype) if buffer is None else buffer
-        full = buffer.index_copy_(0, index, qkv.to(dtype))
-    if kernels_on() and dtype == torch.float32:
-        ctx = kernels.ops().qkv_self_attention(full, pad, heads, T, scale)
-    else:
-        q, k, v = full.view(B, T, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
-        mask = None if pad is None else (~pad)[:, None, None, :]
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(1, 2).reshape(B * T, d)
-    if index is not None:
-        ctx = ctx.index_select(0, index)
-    return ctx.to(qkv.dtype), buffer
+    x = qkv.to(dtype)
+    kernel = kernels_on() and dtype == torch.float32
+    out = None if len(segments) == 1 else qkv.new_empty(qkv.shape[0], d, dtype=dtype)
+    for row, count, n in segments:
+        part = x[row : row + count * n]
+        if kernel:
+            ctx = kernels.ops().qkv_self_attention(part, None, heads, n, scale)
+        else:
+            q, k, v = part.view(count, n, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+            ctx = F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(1, 2).reshape(count * n, d)
+        if out is None:
+            return ctx.to(qkv.dtype)
+        out[row : row + count * n] = ctx
+    return out.to(qkv.dtype)
 
 
 def run_layers(
-    x: Tensor, layers: list[dict], *, index: Tensor | None, shape: tuple[int, int], pad: Tensor | None, heads: int,
-    scale: float, activation: str, attention_dtype: torch.dtype | None = None,
+    x: Tensor, layers: list[dict], *, pad: Tensor | None, shape: tuple[int, int], heads: int, scale: float,
+    activation: str, attention_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """The encoder layers on packed rows: ``x`` (N, d), the embeddings' output at the real tokens (rows ``index``
-    of the padded (B·T) layout of ``shape`` (B, T); every position when ``index`` is None), ``pad`` (B, T) bool
-    True = padding (None: none). Returns (N, d) in the dtype of the linears' outputs. ``attention_dtype``: the
-    attention's dtype (None: q|k|v's)."""
-    buffer, pre = None, None
+    """The encoder layers on packed rows: ``x`` (N, d), the embeddings' output at the real tokens of a padded
+    batch of ``shape`` (B, T) in row-major order, ``pad`` (B, T) bool True = padding (None: none). Returns (N, d)
+    in the dtype of the linears' outputs. ``attention_dtype``: the attention's dtype (None: q|k|v's)."""
+    segments, pre = runs(pad, shape), None
     for i, L in enumerate(layers):
         qkv = L["qkv"](x) if pre is None else L["qkv"](x, pre=pre)
-        ctx, buffer = attention(qkv, index, shape, pad, heads, scale, buffer=buffer, dtype=attention_dtype)
+        ctx = attention(qkv, segments, heads, scale, dtype=attention_dtype)
         x, pre = _add_norm(L["out"], ctx, x, L["norm1"], None, L["fc1"])
         h, pre = _act(L["fc1"], x, activation, pre, L["fc2"])
         nxt = layers[i + 1]["qkv"] if i + 1 < len(layers) else None
