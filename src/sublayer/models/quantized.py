@@ -28,7 +28,8 @@ What is quantized in BERT, and how:
   ``s[k] = sqrt(max|x[:, k]| / max|W[:, k]|)``, multiplying the weight's column by it: the LayerNorm outputs'
   outlier channels (an order of magnitude above the median in all-MiniLM-L6-v2) move into the weights, which
   per-channel int8 absorbs;
-* what stays float32: embeddings, LayerNorms, attention (SDPA), GELU, the pooler, and the dense layers matched by
+* what stays float32: embeddings, LayerNorms, attention (the prepared encoder's, :mod:`sublayer.runtime.encoder`), GELU,
+  the pooler, and the dense layers matched by
   ``keep_float`` (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}``; default :func:`default_keep_float`,
   chosen by measurement, see the comments of :data:`DEFAULT_KEEP_FLOAT` and :data:`DEFAULT_KEEP_FLOAT_OWN_GEMM`).
   Without fbgemm (another CPU architecture) on the linear_dynamic path :func:`int8_linear_reference` computes the
