@@ -69,11 +69,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import kernels
-from .kernels import onednn
 from .functional import fused
 from .functional.cross_entropy import linear_cross_entropy
 from .functional.packing import Packing, PackedBatch
-from .runtime.rows import add_norm, ffn_hidden
+from .runtime.encoder import run_layers
+from .runtime.linear import OneDNNLinear
 from .runtime.weights import prepared
 
 __all__ = ["PatchReport", "patch", "unpatch", "patched"]
@@ -344,54 +344,29 @@ def _bert_packed(model: nn.Module, emb: Tensor, pad: Tensor) -> Tensor:
 
 
 def _bert_inference(encoder: nn.Module, emb: Tensor, pad: Tensor | None) -> Tensor:
-    """The encoder in eval mode without autograd: oneDNN GEMMs on weights packed once (GELU fused into fc1),
-    the fused attention kernel on the fused q|k|v rows, fused add & LayerNorm; real tokens only, zeros at padding."""
-    b, t, d = emb.shape
+    """The encoder in eval mode without autograd: the prepared encoder of :mod:`sublayer.runtime.encoder` on float32
+    weights packed once for oneDNN (GELU fused into fc1), the fused attention kernel; real tokens only, zeros at
+    padding."""
+    b, t, _ = emb.shape
     W = prepared(encoder, "hf.inference", _pack_bert_weights)
-    pk = Packing(pad, batch=b, seq_len=t)
-    x = pk.pack(emb)
-    ops = kernels.ops()
-    for L in W:
-        qkv = L["qkv"](x)
-        if pk.index is not None:  # the padded (B*T, 3d) layout the kernel reads
-            qkv = pk.unpack(qkv).view(b * t, -1)
-        ctx = ops.qkv_self_attention(qkv, pad, L["heads"], t, L["scale"])
-        if pk.index is not None:
-            ctx = pk.pack(ctx.view(b, t, d))
-        x, _ = add_norm(x, L["o"](ctx), *L["n1"], want_sum=False)
-        h = L["fc1"](x)
-        if not L["fc1"].fused:
-            h = ffn_hidden(h, None, L["act"])
-        x, _ = add_norm(x, L["fc2"](h), *L["n2"], want_sum=False)
+    pk = Packing(pad if pad is not None and bool(pad.any()) else None, batch=b, seq_len=t)
+    a = encoder.layer[0].attention.self
+    x = run_layers(pk.pack(emb), W, pad=pk.key_padding_mask, shape=(b, t),
+                   heads=a.num_attention_heads, scale=a.scaling, activation=encoder.layer[0]._sublayer_act)  # fmt: skip
     return pk.unpack(x)
 
 
-class _Linear:
-    """``act(x @ w.T + b)`` on a weight packed once for oneDNN (:mod:`sublayer.kernels.onednn`: about 10-20 %
-    faster than the float32 GEMM of ``F.linear`` at encoder sizes); ``F.linear`` where oneDNN is absent."""
-
-    def __init__(self, w: Tensor, b: Tensor, act: str | None = None) -> None:
-        self.w, self.b = w.detach().contiguous(), b.detach().contiguous()
-        self.packed = onednn.pack(self.w) if onednn.available() else None
-        self.fused = act == "gelu" and self.packed is not None  # oneDNN's erf GELU post-op
-
-    def __call__(self, x: Tensor) -> Tensor:
-        if self.packed is None:
-            return F.linear(x, self.w, self.b)
-        return onednn.linear(x.contiguous(), self.packed, self.b, gelu=self.fused)
-
-
 def _pack_bert_weights(encoder: nn.Module) -> list[dict]:
+    norm = lambda ln: (ln.weight.detach(), ln.bias.detach(), ln.eps)  # noqa: E731
     out = []
     for layer in encoder.layer:
         a, so, inter, o = layer.attention.self, layer.attention.output, layer.intermediate, layer.output
-        norm = lambda ln: (ln.weight.detach(), ln.bias.detach(), ln.eps)  # noqa: E731
         out.append({
-            "qkv": _Linear(torch.cat([a.query.weight, a.key.weight, a.value.weight]),
-                           torch.cat([a.query.bias, a.key.bias, a.value.bias])),
-            "heads": a.num_attention_heads, "scale": a.scaling, "o": _Linear(so.dense.weight, so.dense.bias),
-            "n1": norm(so.LayerNorm), "n2": norm(o.LayerNorm), "act": layer._sublayer_act,
-            "fc1": _Linear(inter.dense.weight, inter.dense.bias, layer._sublayer_act), "fc2": _Linear(o.dense.weight, o.dense.bias),
+            "qkv": OneDNNLinear(torch.cat([a.query.weight, a.key.weight, a.value.weight]),
+                                torch.cat([a.query.bias, a.key.bias, a.value.bias])),
+            "out": OneDNNLinear(so.dense.weight, so.dense.bias), "norm1": norm(so.LayerNorm),
+            "fc1": OneDNNLinear(inter.dense.weight, inter.dense.bias), "fc2": OneDNNLinear(o.dense.weight, o.dense.bias),
+            "norm2": norm(o.LayerNorm),
         })  # fmt: skip
     return out
 

@@ -64,6 +64,20 @@ def load_tokenizer(folder: str | os.PathLike, *, why: str = "the text"):
         raise ValueError(f"cannot read tokenizer file {path if as_written else folder}: {e}") from None
 
 
+def _saved_int8(folder: str | os.PathLike, cls: type, kind: str, job: str):
+    """The model of a saved int8 folder (:func:`sublayer.models.quantized.load_quantized`), None for a float folder.
+
+    Raises:
+        ValueError: the folder holds another quantized model than ``cls`` (``kind``, what ``job`` needs).
+    """
+    if not q.is_quantized_folder(folder):
+        return None
+    net = q.load_quantized(folder)
+    if not isinstance(net, cls):
+        raise ValueError(f"{folder} holds a quantized {type(net).__name__}, not a {kind}: {job} needs a {kind}")
+    return net
+
+
 def load_causal_lm(folder: str | os.PathLike, *, quantize: str | None = None):
     """The causal LM of ``folder`` in eval mode: :class:`GPT2` or :class:`Llama` from ``config.json``'s
     ``model_type`` (a saved int8 folder: its :class:`QuantizedGPT2`); ``quantize="int8"``: weight-int8 GPT-2.
@@ -74,10 +88,8 @@ def load_causal_lm(folder: str | os.PathLike, *, quantize: str | None = None):
     """
     if quantize is not None:
         q.check_quantize(quantize)
-    if q.is_quantized_folder(folder):
-        net = q.load_quantized(folder)
-        if not isinstance(net, q.QuantizedGPT2):
-            raise ValueError(f"{folder} holds a quantized {type(net).__name__}, not a GPT-2: generate needs a GPT-2")
+    net = _saved_int8(folder, q.QuantizedGPT2, "GPT-2", "generate")
+    if net is not None:
         return net
     kind = read_config(folder).get("model_type")
     if kind not in GENERATE_TYPES:
@@ -145,11 +157,8 @@ class Encoder:
         folder = resolve_folder(folder)
         if quantize is not None:
             q.check_quantize(quantize)
-        if q.is_quantized_folder(folder):
-            net = q.load_quantized(folder)
-            if not isinstance(net, q.QuantizedBert):
-                raise ValueError(f"{folder} holds a quantized {type(net).__name__}, not a BERT: embed needs a BERT")
-        else:
+        net = _saved_int8(folder, q.QuantizedBert, "BERT", "embed")
+        if net is None:
             bert = Bert.from_pretrained(folder)
             net = q.quantize(bert) if quantize is not None else fast_inference(bert, dtype=dtype)
         st = folder / "sentence_bert_config.json"

@@ -28,7 +28,8 @@ What is quantized in BERT, and how:
   ``s[k] = sqrt(max|x[:, k]| / max|W[:, k]|)``, multiplying the weight's column by it: the LayerNorm outputs'
   outlier channels (an order of magnitude above the median in all-MiniLM-L6-v2) move into the weights, which
   per-channel int8 absorbs;
-* what stays float32: embeddings, LayerNorms, attention (SDPA), GELU, the pooler, and the dense layers matched by
+* what stays float32: embeddings, LayerNorms, attention (the prepared encoder's, :mod:`sublayer.runtime.encoder`), GELU,
+  the pooler, and the dense layers matched by
   ``keep_float`` (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}``; default :func:`default_keep_float`,
   chosen by measurement, see the comments of :data:`DEFAULT_KEEP_FLOAT` and :data:`DEFAULT_KEEP_FLOAT_OWN_GEMM`).
   Without fbgemm (another CPU architecture) on the linear_dynamic path :func:`int8_linear_reference` computes the
@@ -43,20 +44,19 @@ a ``quantization_config`` entry), :func:`load_quantized` reads them back without
 from __future__ import annotations
 
 import fnmatch
-import math
 import os
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import checkpoints as ckpt
 from .. import kernels
 from ..functional import fused
 from .bert import Bert, BertConfig
+from .prepared_bert import PreparedBert, bert_layers, bert_tensors
 from ..runtime.linear import Int8Linear as ActInt8Linear
-from ..runtime.rows import add_norm, bias_act, inference, kernels_on, layer_norm
+from ..runtime.rows import add_norm, bias_act, kernels_on
 from .causal_lm import CausalLM
 from .gpt2 import GPT2, GPT2Config
 from .llama import MODEL_TYPES as LLAMA_TYPES
@@ -179,7 +179,27 @@ def int8_linear_reference(
     return y.float()
 
 
-class Int8Linear:
+class _Epilogues:
+    """The call and fused epilogues of the ``linear_dynamic`` path's layers (:class:`Int8Linear`, :class:`FloatLinear`)
+    over their ``raw`` GEMM: rescale + bias (+ activation, or + residual + LayerNorm) in one pass that also prepares
+    the next int8 layer's input (the protocol of :mod:`sublayer.runtime.encoder`)."""
+
+    def __call__(self, x: Tensor, activation: str | None = None, *, pre=None) -> Tensor:
+        y, r = self.raw(x, pre)
+        return _epilogue(y, r, self.bias) if activation is None else _epilogue_act(y, r, self.bias, activation, None)[0]
+
+    def act(self, x: Tensor, activation: str, *, pre=None, nxt=None):
+        """``(act(x W^T + b), nxt's prepared input or None)``."""
+        y, r = self.raw(x, pre)
+        return _epilogue_act(y, r, self.bias, activation, nxt)
+
+    def add_norm(self, x: Tensor, resid: Tensor, norm: tuple, *, pre=None, nxt=None):
+        """``(LN(resid + x W^T + b), nxt's prepared input or None)``; ``norm`` is ``(weight, bias, eps)``."""
+        y, r = self.raw(x, pre)
+        return _epilogue_add_norm(y, r, self.bias, resid, *norm, nxt)
+
+
+class Int8Linear(_Epilogues):
     """``y = x @ dequant(q).T + bias`` with ``x`` quantized dynamically (see the module docstring).
 
     Args:
@@ -187,7 +207,8 @@ class Int8Linear:
         smooth: (K,) float32 or None: per-input-channel divisor of ``x`` whose inverse ``q`` carries
             (``q * scale ≈ W * smooth``), SmoothQuant's migration of activation outliers into the weights.
 
-    Call: ``x`` (N, K) float32 -> (N, M) float32.
+    Call: ``x`` (N, K) float32, ``activation`` or None, ``pre`` (its :meth:`prepare` d input, or None) -> (N, M)
+    float32; ``act`` / ``add_norm``: fused epilogues (:class:`_Epilogues`).
     """
 
     def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None, smooth: Tensor | None = None) -> None:
@@ -224,15 +245,8 @@ class Int8Linear:
             return int8_linear_reference(xs, self.q, self.scale, None), r
         return torch.ops.quantized.linear_dynamic(xs, self._packed, False), r
 
-    def __call__(self, x: Tensor) -> Tensor:
-        y, r = self.raw(x)
-        if kernels_on():
-            return kernels.ops().int8_rescale_rows_(y, r, self.bias)
-        y.mul_(r)
-        return y if self.bias is None else y.add_(self.bias)
 
-
-class FloatLinear:
+class FloatLinear(_Epilogues):
     """``addmm(b, x, w.T)`` with ``w`` transposed once: the layers kept in float. ``amax``: when not None, each
     call folds its input's per-channel ``max|x|`` into it (calibration)."""
 
@@ -248,12 +262,6 @@ class FloatLinear:
         if self.amax is not None:
             torch.maximum(self.amax, x.abs().amax(dim=0), out=self.amax)
         return torch.mm(x, self._wt), None
-
-    def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
-        y, _ = self.raw(x)
-        if activation is not None:
-            return bias_act(y, self.bias, activation)
-        return y if self.bias is None else y.add_(self.bias)
 
 
 def smooth_factors(x_amax: Tensor, w: Tensor, alpha: float = SMOOTH_ALPHA) -> Tensor:
@@ -331,12 +339,12 @@ def _epilogue_add_norm(y, r, b, resid, w, beta, eps: float, nxt):
 
 
 # ----------------------------------------------------------------------------------------------- BERT
-class QuantizedBert:
-    """int8 inference wrapper of a :class:`Bert` (build with :func:`quantize` / ``fast_inference(quantize="int8")``).
+class QuantizedBert(PreparedBert):
+    """int8 inference wrapper of a :class:`Bert` (build with :func:`quantize` / ``fast_inference(quantize="int8")``):
+    :class:`~.fast.PreparedBert` on int8 layers, from its own tensors (independent of the float model).
 
     Forward: as :meth:`Bert.forward` (``input_ids``, ``attention_mask`` 1 = token, ``token_type_ids``) -> float32
     (B, T, d_model); hidden states at padded positions are zeros. ``embed`` and ``pooled`` as the model's.
-    The dense layers see only real tokens (padding dropped before the GEMMs), as in :class:`~.fast.FastBert`.
     ``own_gemm`` (None: :func:`own_int8_gemm`): the int8 layers on sublayer's ``int8_linear`` (True) or on
     ``quantized::linear_dynamic`` (False); the same stored tensors serve both.
 
@@ -349,15 +357,15 @@ class QuantizedBert:
         own_gemm: bool | None = None,
     ) -> None:  # fmt: skip
         self.config, self.tensors, self.keep_float = config, tensors, tuple(keep_float)
-        self._prep = Bert(config, pooler="pooler.dense.weight" in tensors, device="meta")._prepare  # checks only
+        self._check = Bert(config, pooler="pooler.dense.weight" in tensors, device="meta")._prepare  # checks only
         self.pooler = "pooler.dense.weight" in tensors
         self.compute_dtype = torch.float32
         self.training = False
         self.own_gemm = own_int8_gemm() if own_gemm is None else bool(own_gemm)
-        self.layers = [
-            {k: _make_linear(tensors, f"layers.{i}.{k}", self.own_gemm) for k in LINEARS}
-            for i in range(config.n_layers)
-        ]
+        self.layers = bert_layers(tensors, config, lambda t, name: _make_linear(t, name, self.own_gemm))
+
+    def _parts(self) -> tuple[dict[str, Tensor], list[dict]]:
+        return self.tensors, self.layers
 
     @classmethod
     def from_model(
@@ -368,36 +376,18 @@ class QuantizedBert:
         keep_float = default_keep_float(own_gemm) if keep_float is None else keep_float
         keep_float = check_keep_float(keep_float, dense_names(model.config.n_layers))
         check_float_cpu(model)
-        e, t, dense = model.embeddings, {}, {}
-        for n in ("word", "position", "token_type"):
-            t[f"embeddings.{n}"] = getattr(e, f"{n}_embeddings").weight.detach().float().contiguous()
-        t["embeddings.norm.weight"], t["embeddings.norm.bias"] = e.norm.weight.detach(), e.norm.bias.detach()
-        for i, blk in enumerate(model.encoder.layers):
-            a, f = blk.self_attn, blk.ffn
-            p = f"layers.{i}"
-            dense[f"{p}.qkv"] = (
-                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).detach(),
-                torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0).detach(),
-            )
-            dense[f"{p}.out"] = (a.out_proj.weight.detach(), a.out_proj.bias.detach())
-            dense[f"{p}.fc1"] = (f.fc1.weight.detach(), f.fc1.bias.detach())
-            dense[f"{p}.fc2"] = (f.fc2.weight.detach(), f.fc2.bias.detach())
-            for j, norm in ((1, blk.attn_residual.norm), (2, blk.ffn_residual.norm)):
-                t[f"{p}.norm{j}.weight"], t[f"{p}.norm{j}.bias"] = norm.weight.detach(), norm.bias.detach()
-        if model.pooler is not None:
-            t["pooler.dense.weight"] = model.pooler.dense.weight.detach()
-            t["pooler.dense.bias"] = model.pooler.dense.bias.detach()
+        t = {k: v.float() for k, v in bert_tensors(model).items()}
+        dense = dense_names(model.config.n_layers)
         amax = {}
         if calibration is not False:
-            ref = cls(model.config, t | {f"{k}.weight": w for k, (w, _) in dense.items()}
-                      | {f"{k}.bias": b for k, (_, b) in dense.items()}, ("*",))
+            ref = cls(model.config, t, ("*",))
             for i, L in enumerate(ref.layers):
-                for k, lin in L.items():
-                    lin.amax = amax[f"layers.{i}.{k}"] = torch.zeros(lin.w.shape[1])
+                for k in LINEARS:
+                    L[k].amax = amax[f"layers.{i}.{k}"] = torch.zeros(L[k].w.shape[1])
             ref(_calibration_ids(model.config, calibration))
-        for k, (w, b) in dense.items():
+        for k in dense:
             keep = any(fnmatch.fnmatchcase(k, pat) for pat in keep_float)
-            t |= _linear_tensors(k, w, b, keep, amax.get(k))
+            t |= _linear_tensors(k, t.pop(f"{k}.weight"), t.pop(f"{k}.bias"), keep, amax.get(k))
         t = {k: v.contiguous() for k, v in t.items()}
         return cls(model.config, t, keep_float, own_gemm=own_gemm)
 
@@ -424,83 +414,6 @@ class QuantizedBert:
                 spec[f"{p}.norm{j}.weight"] = spec[f"{p}.norm{j}.bias"] = ((d,), f32)
         return spec, optional
 
-    # -- forward
-    @inference
-    def forward(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
-    ) -> Tensor:
-        kpm, token_type_ids = self._prep(input_ids, attention_mask, token_type_ids)
-        t, cfg = self.tensors, self.config
-        B, T = input_ids.shape
-        d, H, eps = cfg.d_model, cfg.n_heads, cfg.eps
-        hd = d // H
-        x = t["embeddings.word"][input_ids] + t["embeddings.position"][:T][None] + t["embeddings.token_type"][token_type_ids]
-        keep = None
-        if kpm is not None and bool(kpm.any()):
-            keep = (~kpm).reshape(-1).nonzero().squeeze(1)
-            x = x.reshape(B * T, d).index_select(0, keep)
-            mask = (~kpm)[:, None, None, :]
-        else:
-            x = x.reshape(B * T, d)
-            mask = None
-        x = layer_norm(x, t["embeddings.norm.weight"], t["embeddings.norm.bias"], eps)
-        scale = 1.0 / math.sqrt(hd)
-        full = None
-        layers = self.layers
-        pre = None if self.own_gemm else _prepare(layers[0]["qkv"], x)
-        for i, L in enumerate(layers):
-            p = f"layers.{i}"
-            if self.own_gemm:
-                qkv = L["qkv"](x)
-            else:
-                y, r = L["qkv"].raw(x, pre)
-                qkv = _epilogue(y, r, L["qkv"].bias)
-            if keep is not None:
-                full = qkv.new_zeros(B * T, 3 * d) if full is None else full
-                qkv = full.index_copy_(0, keep, qkv)
-            q, k, v = qkv.view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-            ctx = ctx.transpose(1, 2).reshape(B * T, d)
-            if keep is not None:
-                ctx = ctx.index_select(0, keep)
-            if self.own_gemm:  # bias (and GELU) fused into the GEMMs' output pass
-                x, _ = add_norm(x, L["out"](ctx), t[f"{p}.norm1.weight"], t[f"{p}.norm1.bias"], eps, want_sum=False)
-                h = L["fc1"](x, cfg.activation)
-                x, _ = add_norm(x, L["fc2"](h), t[f"{p}.norm2.weight"], t[f"{p}.norm2.bias"], eps, want_sum=False)
-                continue
-            y, r = L["out"].raw(ctx)
-            x, pre = _epilogue_add_norm(y, r, L["out"].bias, x, t[f"{p}.norm1.weight"], t[f"{p}.norm1.bias"], eps, L["fc1"])
-            y, r = L["fc1"].raw(x, pre)
-            h, pre = _epilogue_act(y, r, L["fc1"].bias, cfg.activation, L["fc2"])
-            y, r = L["fc2"].raw(h, pre)
-            nxt = layers[i + 1]["qkv"] if i + 1 < len(layers) else None
-            x, pre = _epilogue_add_norm(y, r, L["fc2"].bias, x, t[f"{p}.norm2.weight"], t[f"{p}.norm2.bias"], eps, nxt)
-        if keep is not None:
-            out = x.new_zeros(B * T, d)
-            out.index_copy_(0, keep, x)
-            x = out
-        return x.view(B, T, d)
-
-    __call__ = forward
-
-    @inference
-    def pooled(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
-    ) -> Tensor:
-        """As :meth:`Bert.pooled` (the pooler in float32). Raises ValueError: no pooler."""
-        if not self.pooler:
-            raise ValueError("this Bert has no pooler (built with pooler=False or loaded from a file without one)")
-        h = self(input_ids, attention_mask, token_type_ids)
-        t = self.tensors
-        return torch.tanh(F.linear(h[:, 0], t["pooler.dense.weight"], t["pooler.dense.bias"]))
-
-    @inference
-    def embed(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
-    ) -> Tensor:
-        """As :meth:`Bert.embed`: mean over real tokens, L2-normalised, (B, d_model) float32."""
-        return Bert.embed(self, input_ids, attention_mask, token_type_ids)  # type: ignore[arg-type]
-
     # -- save / load
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         """``model.safetensors`` (the int8 and float tensors) + ``config.json`` (HF BERT config with
@@ -518,7 +431,7 @@ class QuantizedBert:
         return self
 
     def __repr__(self) -> str:
-        n_q = sum(isinstance(lin, (Int8Linear, ActInt8Linear)) for L in self.layers for lin in L.values())
+        n_q = sum(isinstance(L[k], (Int8Linear, ActInt8Linear)) for L in self.layers for k in LINEARS)
         gemm = "int8_linear" if self.own_gemm else "linear_dynamic"
         return f"QuantizedBert(int8 layers={n_q}/{4 * len(self.layers)}, keep_float={self.keep_float}, gemm={gemm})"
 

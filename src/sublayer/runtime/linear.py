@@ -5,6 +5,7 @@
 * :class:`Int8Linear` — an int8 weight (symmetric per output channel) times int8 activations quantized per row
   (``int8_linear``: AVX512-VNNI where present), or float32 activations (weight-only, ``skinny_linear``);
 * :class:`DenseLinear` — the weight cast once to another compute dtype (bf16 on CPUs that multiply it natively);
+* :class:`OneDNNLinear` — float32 on a weight packed once for oneDNN (many rows: encoders), GELU fused;
 * :class:`GreedyHead` — the argmax of an LM head read in float16, exact to the float32 argmax.
 
 Each is called as ``linear(x (M, K), activation=None) -> (M, N)`` (an FFN activation fused after the bias), so a
@@ -18,10 +19,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import kernels
+from ..kernels import onednn
 from .rows import EPILOGUE, ffn_hidden, kernels_on
 
 __all__ = [
-    "PackedLinear", "Int8Linear", "DenseLinear", "GreedyHead", "SKINNY_MAX_ROWS", "skinny_max_rows", "NO_SCALE",
+    "PackedLinear", "Int8Linear", "DenseLinear", "OneDNNLinear", "GreedyHead", "SKINNY_MAX_ROWS", "skinny_max_rows", "NO_SCALE",
     "quantize_rows", "int8_linear_reference",
 ]  # fmt: skip
 
@@ -259,3 +261,28 @@ class DenseLinear:
         if activation is not None:
             return ffn_hidden(torch.mm(x, self.weight_t), self.bias32, activation)
         return torch.mm(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+
+
+class OneDNNLinear:
+    """``y = act(x @ weight.T + bias)`` in float32 on a weight packed once for oneDNN
+    (:mod:`sublayer.kernels.onednn`: about 10-20 % faster than the float32 GEMM of ``F.linear`` at encoder sizes;
+    erf GELU fused as its post-op); ``F.linear`` where oneDNN is absent. The call of :class:`PackedLinear`.
+
+    Args:
+        weight: (N, K). bias: (N,) or None.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        self.weight = weight.detach().float().contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.out_features = weight.shape[0]
+        self.packed = onednn.pack(self.weight) if onednn.available() else None
+
+    def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
+        if self.packed is None:
+            y = F.linear(x, self.weight, self.bias)
+        elif activation == "gelu":
+            return onednn.linear(x.contiguous(), self.packed, self.bias, gelu=True)
+        else:
+            y = onednn.linear(x.contiguous(), self.packed, self.bias)
+        return y if activation is None else ffn_hidden(y, None, activation)

@@ -1,0 +1,102 @@
+"""The prepared BERT-style encoder: one inference loop over post-norm encoder layers, whatever the weights' format.
+
+Per layer: fused q|k|v linear, self-attention over the padded layout (the real tokens' rows scattered into it),
+output projection, add & LayerNorm, fc1 with its activation, fc2, add & LayerNorm. The dense layers see the real
+tokens only (packed rows), so a batch of mixed lengths costs the FLOPs of its real tokens.
+
+A layer is a dict: ``qkv``, ``out``, ``fc1``, ``fc2`` — prepared linears of :mod:`sublayer.runtime.linear`'s call
+protocol, ``lin(x (N, K), activation=None) -> (N, M)`` (float32 oneDNN panels :class:`~.linear.OneDNNLinear`, a
+compute-dtype copy :class:`~.linear.DenseLinear`, int8 :class:`~.linear.Int8Linear`, or any object with that
+call) — and ``norm1``, ``norm2``: ``(weight, bias, eps)`` float32. A linear may also fuse its epilogue with the next
+linear's input preparation (the int8 ``linear_dynamic`` format does): it then has ``add_norm(h, resid, norm, *,
+pre, nxt) -> (x, pre')`` and ``act(h, activation, *, pre, nxt) -> (y, pre')``, takes ``pre=`` in its call, and the
+loop hands each ``pre'`` to the next linear (``None``: the linear prepares its input itself).
+
+Attention runs on the packed rows, one call per run of consecutive sequences of one length (:func:`runs`; no
+padding multiplied, nothing scattered into a padded layout): the fused ``qkv_self_attention`` kernel on float32
+q|k|v (each sequence and head in L1, no (B, H, T, T) scores), ``F.scaled_dot_product_attention`` otherwise (bf16,
+or the kernels off). No autograd, no dropout: callers run it under :func:`sublayer.runtime.rows.inference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import kernels
+from .rows import add_norm, kernels_on
+
+__all__ = ["run_layers", "attention", "runs"]
+
+
+def runs(pad: Tensor | None, shape: tuple[int, int]) -> list[tuple[int, int, int]]:
+    """The packed rows as runs of consecutive sequences of one length: ``(first row, sequences, length)`` each, in
+    order (rows of padding only hold no row and start no run). ``pad`` (B, T) bool True = padding, or None."""
+    B, T = shape
+    out: list[list[int]] = []
+    row = 0
+    for n in [T] * B if pad is None else (~pad).sum(1).tolist():
+        if n and out and out[-1][2] == n:
+            out[-1][1] += 1
+        elif n:
+            out.append([row, 1, n])
+        row += n
+    return [tuple(r) for r in out]
+
+
+def attention(qkv: Tensor, segments: list[tuple[int, int, int]], heads: int, scale: float, *,
+              dtype: torch.dtype | None = None) -> Tensor:  # fmt: skip
+    """Self-attention of packed q|k|v rows, each sequence on its own rows: ``qkv`` (N, 3d), ``segments`` from
+    :func:`runs` (each run of equal-length sequences one call: no padding multiplied, nothing scattered).
+    ``dtype``: the attention's dtype (None: qkv's). Returns ctx (N, d) in qkv's dtype."""
+    d = qkv.shape[1] // 3
+    dtype = qkv.dtype if dtype is None else dtype
+    x = qkv.to(dtype)
+    kernel = kernels_on() and dtype == torch.float32
+    out = None if len(segments) == 1 else qkv.new_empty(qkv.shape[0], d, dtype=dtype)
+    for row, count, n in segments:
+        part = x[row : row + count * n]
+        if kernel:
+            ctx = kernels.ops().qkv_self_attention(part, None, heads, n, scale)
+        else:
+            q, k, v = part.view(count, n, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+            ctx = F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(1, 2).reshape(count * n, d)
+        if out is None:
+            return ctx.to(qkv.dtype)
+        out[row : row + count * n] = ctx
+    return out.to(qkv.dtype)
+
+
+def run_layers(
+    x: Tensor, layers: list[dict], *, pad: Tensor | None, shape: tuple[int, int], heads: int, scale: float,
+    activation: str, attention_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """The encoder layers on packed rows: ``x`` (N, d), the embeddings' output at the real tokens of a padded
+    batch of ``shape`` (B, T) in row-major order, ``pad`` (B, T) bool True = padding (None: none). Returns (N, d)
+    in the dtype of the linears' outputs. ``attention_dtype``: the attention's dtype (None: q|k|v's)."""
+    segments, pre = runs(pad, shape), None
+    for i, L in enumerate(layers):
+        qkv = L["qkv"](x) if pre is None else L["qkv"](x, pre=pre)
+        ctx = attention(qkv, segments, heads, scale, dtype=attention_dtype)
+        x, pre = _add_norm(L["out"], ctx, x, L["norm1"], None, L["fc1"])
+        h, pre = _act(L["fc1"], x, activation, pre, L["fc2"])
+        nxt = layers[i + 1]["qkv"] if i + 1 < len(layers) else None
+        x, pre = _add_norm(L["fc2"], h, x, L["norm2"], pre, nxt)
+    return x
+
+
+def _add_norm(lin, h: Tensor, resid: Tensor, norm: tuple, pre, nxt) -> tuple[Tensor, object]:
+    """``LN(resid + lin(h))`` and the next linear's prepared input (None: it prepares its own)."""
+    fused = getattr(lin, "add_norm", None)
+    if fused is not None:
+        return fused(h, resid, norm, pre=pre, nxt=nxt)
+    x, _ = add_norm(resid, lin(h), *norm, want_sum=False)
+    return x, None
+
+
+def _act(lin, h: Tensor, activation: str, pre, nxt) -> tuple[Tensor, object]:
+    fused = getattr(lin, "act", None)
+    if fused is not None:
+        return fused(h, activation, pre=pre, nxt=nxt)
+    return lin(h, activation), None
