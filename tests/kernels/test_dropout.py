@@ -15,7 +15,27 @@ from sublayer.functional import fused
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="C++ kernels failed to build (see test_loader)")
 
 
-def test_philox_known_answer_and_vector_path_equals_scalar():
+@pytest.fixture(params=["avx512", "avx2"])
+def philox_isa(request):
+    """The Philox rounds on AVX-512VL (skipped where not compiled in) or on AVX2 (the switch turned off)."""
+    ops = kernels.ops()
+    if request.param == "avx512" and not ops.philox_avx512(-1):
+        pytest.skip("no AVX-512VL Philox rounds compiled in")
+    was = ops.philox_avx512(int(request.param == "avx512"))
+    yield request.param
+    ops.philox_avx512(int(was))
+
+
+def _scalar_draws(n: int, seed: int) -> torch.Tensor:
+    """The 16-bit dropout draws of elements 0..n-1 from the scalar Philox words: element e takes word
+    (e // 64) * 32 + (e % 64) % 32, its low half for e % 64 < 32, else its high half."""
+    words = kernels.ops().philox_words(0, (n + 63) // 64 * 32, seed, True)
+    e = torch.arange(n)
+    w = words[(e // 64) * 32 + (e % 64) % 32]
+    return torch.where(e % 64 < 32, w & 0xFFFF, w >> 16)
+
+
+def test_philox_known_answer_and_vector_path_equals_scalar(philox_isa):
     ops = kernels.ops()
     # Random123's published known answer for philox4x32-10, counter 0, key 0: words 0..3 of counter 0 land at
     # elements 0, 8, 16, 24 (a block of 32 elements takes word k of counter l at 8k + l).
@@ -23,6 +43,15 @@ def test_philox_known_answer_and_vector_path_equals_scalar():
     assert [int(w[i]) for i in (0, 8, 16, 24)] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
     for start, n, seed in ((0, 100, 7), (13, 77, 2**40 + 5), (2**33 - 5, 70, 1)):  # unaligned, 64-bit counters
         assert torch.equal(ops.philox_words(start, n, seed, False), ops.philox_words(start, n, seed, True))
+
+
+@pytest.mark.parametrize("shape", [(7, 128), (5, 193), (3, 61)])  # whole block pairs, unaligned rows, short rows
+def test_dropout_mask_is_the_scalar_stream(philox_isa, shape):
+    # the vector rounds (two blocks at a time, then single blocks, then a partial one) draw exactly the scalar words
+    p, seed = 0.3, fused.dropout_seed(torch.Generator().manual_seed(11))
+    out = fused.dropout(torch.ones(shape), p, generator=torch.Generator().manual_seed(11), impl="fused")
+    keep = _scalar_draws(out.numel(), seed) >= round(p * 65536)
+    assert torch.equal(out.reshape(-1) != 0, keep)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
