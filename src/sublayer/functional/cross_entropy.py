@@ -265,20 +265,20 @@ class _Bf16LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, weight, bias, target, smoothing, scale):
         bf = torch.bfloat16
         hb, wb = h.to(bf), weight.to(bf)
-        z = torch.mm(hb, wb.t()) if bias is None else torch.addmm(bias.to(bf), hb, wb.t())
+        z = F.linear(hb, wb, None if bias is None else bias.to(bf))  # autocast's own GEMM
         n, vocab = z.shape
         row_loss = torch.empty(n, dtype=torch.float32, device=h.device)
         rows = max(1, _BF16_ROW_ELEMENTS // max(vocab, 1))
         for s in range(0, n, rows):
             zc = z[s : s + rows]
             tc = target[s : s + rows]
-            zf = zc.float()
-            p = torch.softmax(zf, 1)  # one exp per logit; log p_t from it, or log_softmax where it underflows
+            f32 = torch.float32
+            p = torch.softmax(zc, 1, dtype=f32)  # one exp per logit; log p_t from it, or log_softmax where it underflows
             pt = p.gather(1, tc[:, None]).squeeze(1)
             lpt = pt.log()
             tiny = pt < _TINY
             if smoothing or bool(tiny.any()):
-                logp = torch.log_softmax(zf, 1)
+                logp = torch.log_softmax(zc, 1, dtype=f32)
                 lpt = torch.where(tiny, logp.gather(1, tc[:, None]).squeeze(1), lpt)
             loss_c = row_loss[s : s + zc.shape[0]]
             torch.mul(lpt, smoothing - 1.0, out=loss_c)
@@ -288,14 +288,16 @@ class _Bf16LinearCrossEntropy(torch.autograd.Function):
             _onehot_sub_(p, tc, 0, 1.0 - smoothing)
             if smoothing:
                 p.sub_(smoothing / vocab)
-            zc.copy_(p.mul_(scale))
+            torch.mul(p, scale, out=zc)
         ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.save_for_backward(hb, wb, z)
         return row_loss.sum() * scale
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g):
+        if torch.is_grad_enabled():
+            raise RuntimeError("linear_cross_entropy under bf16 autocast has no double backward (create_graph=True): "
+                               "run it with autocast off, or use the eager F.linear + F.cross_entropy")
         hb, wb, dz = ctx.saved_tensors
         h_dt, w_dt, b_dt = ctx.dtypes
         step = float(g)
