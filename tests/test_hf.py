@@ -159,17 +159,24 @@ def test_loss_false_keeps_logits():
     assert model(**_batch("gpt2")).logits.shape == (B, T, V)
 
 
-@pytest.mark.parametrize("left", [False, True])
-def test_autocast_loss_is_hf_loss_on_target_rows(left):
-    """Under bf16 autocast the patched LM runs HF's bf16 head and float32 loss on the rows that have a target only
-    (logits None): HF's loss and every gradient, to bf16 rounding, right or left padding."""
+@pytest.mark.parametrize("side", ["right", "left", "mixed"])
+@pytest.mark.parametrize("n_items", [None, 13])
+@pytest.mark.parametrize("holes", [False, True])
+def test_autocast_loss_is_hf_loss_on_target_rows(side, n_items, holes):
+    """Under bf16 autocast the patched LM's loss (bf16 head GEMMs, float32 loss on the rows that have a target, no
+    logits) gives HF's loss and every gradient, to bf16 rounding: any padding side, ``num_items_in_batch``, and
+    ``ignore_index`` labels at real tokens too."""
     torch.manual_seed(3)
     ref = _gpt2().train()
     model = copy.deepcopy(ref)
     hf.patch(model)
-    batch = _batch("gpt2")
-    if left:
-        batch = {k: v.flip(1) for k, v in batch.items()}
+    ids, mask = torch.randint(0, V, (B, T)), _masks()[side]
+    labels = ids.masked_fill(mask == 0, -100)
+    if holes:
+        labels[1, 2:5] = -100
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if n_items is not None:
+        batch["num_items_in_batch"] = torch.tensor(n_items)
     outs, grads = [], []
     for m in (ref, model):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -177,9 +184,29 @@ def test_autocast_loss_is_hf_loss_on_target_rows(left):
         outs[-1].loss.backward()
         grads.append({n: p.grad for n, p in m.named_parameters()})
     assert outs[1].logits is None
-    torch.testing.assert_close(outs[1].loss, outs[0].loss, rtol=1e-5, atol=1e-5)
+    # left padding: HF's body attends in the padded layout, the patched one on real tokens (bf16 rounding apart)
+    torch.testing.assert_close(outs[1].loss, outs[0].loss, rtol=1e-4, atol=1e-4)
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, rtol=2e-2, atol=2e-2 * g.abs().max().item() + 1e-6, msg=n)
+
+
+def test_gpt2_packed_body_steps_aside_for_other_dropout():
+    """The packed body draws its residual and embedding dropout from the fused kernel: where a dropout module is
+    not ``nn.Dropout`` HF's body runs (it returns a cache), with HF's loss."""
+
+    class MyDropout(torch.nn.Dropout):
+        pass
+
+    ref = _gpt2().train()
+    for m in (ref.transformer.h[1].attn, ref.transformer):
+        setattr(m, "resid_dropout" if m is not ref.transformer else "drop", MyDropout(0.0))
+    model = copy.deepcopy(ref)
+    hf.patch(model)
+    ids, mask = torch.randint(0, V, (B, T)), _masks()["right"]
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    got, want = model(**batch), ref(**batch)
+    assert got.past_key_values is not None and got.logits is None
+    torch.testing.assert_close(got.loss, want.loss)
 
 
 def test_unpatch_restores_exactly_and_patch_is_idempotent():

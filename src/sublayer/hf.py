@@ -255,13 +255,9 @@ def _lm_forward(self, *args, **kwargs):
     h = h.reshape(-1, h.shape[-1])
     target = target.to(h.device)
     reduction = "mean" if n_items is None else "sum"
-    if torch.is_autocast_enabled("cpu"):  # HF's bf16 head and float32 loss, on the rows that have a target only
-        skip = target == ignore
-        logits = F.linear(Packing(skip[:, None]).pack(h[:, None]), head.weight, head.bias)
-        loss = F.cross_entropy(logits.float(), target[~skip], reduction=reduction)
-    else:
-        loss = linear_cross_entropy(h, head.weight, target, bias=head.bias, ignore_index=ignore, reduction=reduction,
-                                    grad_in_forward=True)  # fmt: skip
+    # (under bf16 autocast: autocast's bf16 head GEMMs, the loss in float32; see linear_cross_entropy)
+    loss = linear_cross_entropy(h, head.weight, target, bias=head.bias, ignore_index=ignore, reduction=reduction,
+                                grad_in_forward=True)  # fmt: skip
     if n_items is not None:
         loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
     out = dataclasses.replace(out, loss=loss, logits=None)
@@ -286,12 +282,13 @@ def _gpt2_packed_hidden(model: nn.Module, kw: dict, target: Tensor, ignore: int)
     if model.config._attn_implementation not in ("sdpa", "eager"):
         return None
     pk = PackedBatch(~real)
-    x = pk.pack(tr.drop(tr.wte(ids) + tr.wpe(torch.arange(ids.shape[1], device=ids.device))[None]))
+    x = pk.pack(tr.wte(ids) + tr.wpe(torch.arange(ids.shape[1], device=ids.device))[None])
+    x = fused.dropout(x, tr.drop.p, tr.drop.training)  # (sublayer's stream, on the real tokens only)
     for block in tr.h:
         a, n = block.attn, x.shape[0]
         q, k, v = a.c_attn(block.ln_1(x)).view(n, 3, a.num_heads, a.head_dim).unbind(1)
         ctx = pk.self_attention(q, k, v, causal=True, dropout=a.attn_dropout.p if a.training else 0.0)
-        x = x + a.resid_dropout(a.c_proj(ctx.reshape(n, -1)))
+        x = x + fused.dropout(a.c_proj(ctx.reshape(n, -1)), a.resid_dropout.p, a.resid_dropout.training)
         x = x + block.mlp(block.ln_2(x))
     return pk.unpack(tr.ln_f(x))
 
@@ -527,6 +524,8 @@ def _gpt2_body_ok(model: nn.Module) -> bool:
         return False
     tr, cfg = model.transformer, model.config
     if type(tr) is not gpt2.GPT2Model or cfg.add_cross_attention or not cfg.scale_attn_weights:
+        return False
+    if type(tr.drop) is not nn.Dropout or any(type(b.attn.resid_dropout) is not nn.Dropout for b in tr.h):
         return False
     if cfg.scale_attn_by_inverse_layer_idx or cfg.reorder_and_upcast_attn:
         return False

@@ -176,6 +176,64 @@ def test_bfloat16_rows_with_float32_weight_as_under_autocast():
     assert_close(gw, rw)
 
 
+def _autocast_ref(h, w, b, t, **kw):
+    """Autocast's eager composition: bf16 logits, float32 loss."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return F.cross_entropy(F.linear(h, w, b).float(), t, **kw)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("kw", [{}, {"label_smoothing": 0.2}, {"reduction": "sum"}, {"ignore_index": 5}])
+@pytest.mark.parametrize("upstream", [1.0, 0.37])
+def test_bf16_autocast_equals_autocast_eager(bias, kw, upstream):
+    """Under bf16 autocast: autocast's bf16 GEMMs and float32 loss, to bf16 rounding; float32 gradients for float32
+    inputs, bf16 for bf16 rows; an upstream gradient other than 1 (num_items_in_batch) scales every gradient."""
+    h, w, b, t = _inputs(n=29, d=17, v=53, bias=bias, ignore=(1, 4, 23))
+    ignore = kw.get("ignore_index", -100)
+    if ignore != -100:
+        t[t == -100] = ignore
+    hb = h.detach().bfloat16().requires_grad_()
+    for rows in (h, hb):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = linear_cross_entropy(rows, w, t, bias=b, **kw)
+        want = _autocast_ref(rows, w, b, t, **kw)
+        assert got.dtype == torch.float32
+        assert_close(got, want, rtol=1e-5, atol=1e-5)
+        params = _params(rows, w, b)
+        for g, r in zip(torch.autograd.grad(got * upstream, params), torch.autograd.grad(want * upstream, params)):
+            assert g.dtype == r.dtype
+            assert_close(g, r, rtol=2e-2, atol=2e-2 * r.abs().max().item())
+
+
+def test_bf16_autocast_target_far_below_the_max():
+    """A target whose probability underflows float32 still gets its finite loss (log-sum-exp minus its logit)."""
+    h, w, _, t = _inputs(n=5, d=3, v=7, bias=False, ignore=())
+    w = torch.zeros(7, 3)
+    w[0, 0], w[1, 0] = 40.0, -40.0
+    h = torch.zeros(5, 3)
+    h[:, 0] = 3.0  # logit 120 for class 0, -120 for class 1: p(class 1) = e^-240
+    t = torch.tensor([1, 0, 1, 2, 1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_cross_entropy(h, w, t, reduction="sum")
+    want = _autocast_ref(h, w, None, t, reduction="sum")
+    assert torch.isfinite(got) and got > 600
+    assert_close(got, want)
+
+
+def test_bf16_autocast_edge_cases():
+    h, w, b, t = _inputs(n=7, d=5, v=11)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        none = linear_cross_entropy(h, w, torch.full((7,), -100), bias=b, reduction="sum")
+        loss = linear_cross_entropy(h, w, t, bias=b)
+    assert none.item() == 0.0
+    grads = torch.autograd.grad(none, (h, w, b))
+    assert all(not bool(g.any()) for g in grads)
+    with pytest.raises(RuntimeError, match="no double backward"):
+        torch.autograd.grad(loss, h, create_graph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():  # no grad: nothing saved, same loss
+        assert_close(linear_cross_entropy(h, w, t, bias=b), loss.detach())
+
+
 @pytest.mark.parametrize("grad_in_forward", MODES)
 def test_frozen_weight_and_bias(grad_in_forward):
     h, w, b, t = _inputs()

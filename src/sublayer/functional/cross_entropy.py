@@ -30,6 +30,14 @@ Double backward (``torch.autograd.grad(loss, ..., create_graph=True)``, e.g. a g
 makes the gradients with the eager composition, differentiable again; it materializes the ``(n, vocab)`` logits, as
 eager does.
 
+Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (float32 or bfloat16 inputs) it is autocast's computation
+instead: the logits GEMM in bfloat16 (as autocast's ``F.linear``), the loss in float32 from those bfloat16 logits
+(as ``F.cross_entropy(logits.float(), ...)``), the gradient of the logits rounded to bfloat16 and the backward GEMMs
+in bfloat16; ``chunk_size`` and ``grad_in_forward`` do not apply. The logits are made at once in bfloat16 and turned
+in place, a few rows at a time in float32, into the log-softmax and then the gradient of the logits, which is all
+that is kept for backward (``n·V`` bfloat16 values, where autocast's eager composition keeps ``n·V`` float32
+log-probabilities); the double backward is not supported there.
+
 All targets ignored: with ``reduction="mean"`` torch and HF return NaN (a mean over zero terms); here it is a
 ``ValueError``. With ``reduction="sum"`` the loss is 0 with zero gradients, as torch.
 """
@@ -245,6 +253,72 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return dh, dw, db, None, None, None, None, None, None
 
 
+# rows of float32 logits turned into the gradient at once in the bfloat16 path: about 1M values (4 MB, in cache)
+_BF16_ROW_ELEMENTS = 1 << 20
+_TINY = 1e-30  # a target probability below this takes its log from log_softmax (float32 loses digits near 1e-38)
+
+
+class _Bf16LinearCrossEntropy(torch.autograd.Function):
+    """Autocast's bfloat16 head and float32 loss over rows that all have a target: ``scale * sum(cross-entropy)``."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, target, smoothing, scale):
+        bf = torch.bfloat16
+        hb, wb = h.to(bf), weight.to(bf)
+        z = F.linear(hb, wb, None if bias is None else bias.to(bf))  # autocast's own GEMM
+        n, vocab = z.shape
+        row_loss = torch.empty(n, dtype=torch.float32, device=h.device)
+        rows = max(1, _BF16_ROW_ELEMENTS // max(vocab, 1))
+        for s in range(0, n, rows):
+            zc = z[s : s + rows]
+            tc = target[s : s + rows]
+            f32 = torch.float32
+            p = torch.softmax(zc, 1, dtype=f32)  # one exp per logit; log p_t from it, or log_softmax where it underflows
+            pt = p.gather(1, tc[:, None]).squeeze(1)
+            lpt = pt.log()
+            tiny = pt < _TINY
+            if smoothing or bool(tiny.any()):
+                logp = torch.log_softmax(zc, 1, dtype=f32)
+                lpt = torch.where(tiny, logp.gather(1, tc[:, None]).squeeze(1), lpt)
+            loss_c = row_loss[s : s + zc.shape[0]]
+            torch.mul(lpt, smoothing - 1.0, out=loss_c)
+            if smoothing:
+                loss_c.sub_(logp.sum(1), alpha=smoothing / vocab)
+            # d loss / d z = scale * (softmax - (1-eps) onehot - eps/V), rounded to bfloat16
+            _onehot_sub_(p, tc, 0, 1.0 - smoothing)
+            if smoothing:
+                p.sub_(smoothing / vocab)
+            torch.mul(p, scale, out=zc)
+        ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(hb, wb, z)
+        return row_loss.sum() * scale
+
+    @staticmethod
+    def backward(ctx, g):
+        if torch.is_grad_enabled():
+            raise RuntimeError("linear_cross_entropy under bf16 autocast has no double backward (create_graph=True): "
+                               "run it with autocast off, or use the eager F.linear + F.cross_entropy")
+        hb, wb, dz = ctx.saved_tensors
+        h_dt, w_dt, b_dt = ctx.dtypes
+        step = float(g)
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+
+        def mm(a, b):  # a @ b * step in one bfloat16 GEMM (float32 accumulation, one rounding)
+            return torch.mm(a, b) if step == 1.0 else torch.addmm(a.new_empty(()), a, b, beta=0.0, alpha=step)
+
+        dh = mm(dz, wb).to(h_dt) if want_h else None
+        dw = mm(dz.t(), hb).to(w_dt) if want_w else None
+        db = dz.sum(0, dtype=torch.float32).mul_(step).to(b_dt) if want_b else None
+        return dh, dw, db, None, None, None
+
+
+def _bf16_autocast(*ts: Tensor | None) -> bool:
+    """Whether bfloat16 CPU autocast is on and computes the head: every input float32 or bfloat16, on the CPU."""
+    if not torch.is_autocast_enabled("cpu") or torch.get_autocast_dtype("cpu") != torch.bfloat16:
+        return False
+    return all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) for t in ts if t is not None)
+
+
 def _reference_grads(ctx, g: Tensor) -> list[Tensor | None]:
     """Gradients of h, weight, bias made by the eager composition, differentiable again (for ``create_graph``).
 
@@ -317,6 +391,9 @@ def linear_cross_entropy(
         idx = keep.nonzero().squeeze(1)
         h, target = h.index_select(0, idx), target.index_select(0, idx)
     scale = 1.0 / n if reduction == "mean" else 1.0
+    if _bf16_autocast(h, weight, bias):
+        with torch.autocast("cpu", enabled=False):
+            return _Bf16LinearCrossEntropy.apply(h, weight, bias, target.long(), float(label_smoothing), scale)
     return _LinearCrossEntropy.apply(
         h, weight, bias, target.long(), float(label_smoothing), scale, chunk_size, grad_in_forward, need_grad
     )
