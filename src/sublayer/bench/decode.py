@@ -82,6 +82,21 @@ def _fast_vs_reference(run: Callable[[], object], reps: int) -> tuple[dict, floa
     return outs, res["fast"].ms * 1e-3, res["reference"].ms * 1e-3
 
 
+def _translate_row(case: str, batch: int, run: Callable[[], object], tokens_of, reps: int, label: str,
+                   log: Callable[[str], None], *, beam: int = 1) -> dict:
+    """One translate row: ``run()`` fast vs reference (:func:`_fast_vs_reference`), tokens/s of each (the tokens
+    counted by ``tokens_of(fast outputs)``) and whether the outputs are the same; logged as ``label``."""
+    outs, fast, ref = _fast_vs_reference(run, reps)
+    tokens = tokens_of(outs[True])
+    row = {
+        "case": case, "batch": batch, "beam": beam, "fast tok/s": tokens / fast, "reference tok/s": tokens / ref,
+        "x": ref / fast, "same output": [o.tolist() for o in outs[True]] == [o.tolist() for o in outs[False]],
+    }  # fmt: skip
+    log(f"translate {label}  fast {row['fast tok/s']:8.1f} tok/s  reference {row['reference tok/s']:8.1f} tok/s  "
+        f"x{row['x']:.2f}  same output: {row['same output']}")
+    return row
+
+
 def _translate_rows(quick: bool, reps: int, log: Callable[[str], None]) -> list[dict]:
     """``Transformer.translate`` on the fast path vs the reference steps (same weights, same outputs checked):
     the demo's model (d 128, 2 pre-norm layers; batch 1, 8 and 500 as its evaluation) and a 6-layer d 512 one."""
@@ -98,18 +113,10 @@ def _translate_rows(quick: bool, reps: int, log: Callable[[str], None]) -> list[
         m = Transformer(vocab, vocab, dropout=0.0, max_len=64, **kw).eval()
         for b, beam in runs:
             src = torch.randint(3, vocab, (b, src_len), generator=torch.Generator().manual_seed(b))
-            outs, fast, ref = _fast_vs_reference(
-                lambda: m.translate(src, max_len, bos=1, eos=2, beam_size=beam), reps
-            )
-            tokens = outs[True].numel()
-            row = {
-                "case": f"Transformer.translate {name}", "batch": b, "beam": beam, "fast tok/s": tokens / fast,
-                "reference tok/s": tokens / ref, "x": ref / fast,
-                "same output": outs[True].tolist() == outs[False].tolist(),
-            }  # fmt: skip
-            rows.append(row)
-            log(f"translate {name:22s} batch {b:3d} beam {beam}  fast {row['fast tok/s']:8.1f} tok/s  reference "
-                f"{row['reference tok/s']:8.1f} tok/s  x{row['x']:.2f}  same output: {row['same output']}")
+            rows.append(_translate_row(
+                f"Transformer.translate {name}", b, lambda: m.translate(src, max_len, bos=1, eos=2, beam_size=beam),
+                lambda out: out.numel(), reps, f"{name:22s} batch {b:3d} beam {beam}", log, beam=beam,
+            ))  # fmt: skip
     return rows
 
 
@@ -126,16 +133,11 @@ def _demo_eval_row(folder: str | Path, reps: int, log: Callable[[str], None]) ->
     model, vocab, _ = load_checkpoint(folder)
     meta = json.loads((folder / "metrics.json").read_text()) if (folder / "metrics.json").is_file() else {}
     pairs = held_out_pairs(meta.get("seed", 0), meta.get("n_test", 1000), salt=2)
-    outs, fast, ref = _fast_vs_reference(lambda: translate_pairs(model, vocab, pairs), reps)
-    tokens = sum(int((o != vocab.pad).sum()) for o in outs[True])  # generated up to each row's eos
-    row = {
-        "case": f"Transformer.translate demo checkpoint ({folder}): its evaluation, {len(pairs)} pairs, padded",
-        "batch": 500, "beam": 1, "fast tok/s": tokens / fast, "reference tok/s": tokens / ref, "x": ref / fast,
-        "same output": [o.tolist() for o in outs[True]] == [o.tolist() for o in outs[False]],
-    }  # fmt: skip
-    log(f"translate demo checkpoint evaluation ({len(pairs)} pairs)  fast {row['fast tok/s']:8.1f} tok/s  reference "
-        f"{row['reference tok/s']:8.1f} tok/s  x{row['x']:.2f}  same output: {row['same output']}")
-    return row
+    return _translate_row(
+        f"Transformer.translate demo checkpoint ({folder}): its evaluation, {len(pairs)} pairs, padded", 500,
+        lambda: translate_pairs(model, vocab, pairs), lambda outs: sum(int((o != vocab.pad).sum()) for o in outs),
+        reps, f"demo checkpoint evaluation ({len(pairs)} pairs)", log,
+    )  # fmt: skip  (tokens: generated up to each row's eos)
 
 
 def run_decode_bench(
@@ -276,30 +278,22 @@ def run_decode_bench(
         rows += [demo] if demo is not None else []
     meta = {"threads": threads, "copy GB/s": copy, "step bytes": step_bytes, "kernels": kernels.status(), "reps": reps}
     (out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [
-        f"# Decoding ({case}; {threads} threads; copy bandwidth {copy:.1f} GB/s)", "",
-        "| batch | engine | tok/s | GB/s | same tokens as HF | same as fp32 | next-token agreement |",
-        "|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
-    for r in rows:
-        if "engine" in r and "batch" in r:
-            nta = "" if r["next-token agreement"] is None else f"{r['next-token agreement']:.3f}"
-            lines.append(
-                f"| {r['batch']} | {r['engine']} | {r['tok/s']:.1f} | {r['GB/s']:.1f} | {r['same tokens as HF']} | "
-                f"{r['same as fp32']:.3f} | {nta} |"
-            )
-    lines += ["", "| GEMV | rows | engine | ms | GB/s |", "|---|---|---|---|---|"]
-    for r in rows:
-        if "ms" in r:
-            lines.append(f"| {r['case']} | {r['rows']} | {r['engine']} | {r['ms']:.2f} | {r['GB/s']:.1f} |")
-    lines += ["", "| translate | batch | beam | fast tok/s | reference tok/s | x | same output |"]
-    lines += ["|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "beam" in r:
-            lines.append(
-                f"| {r['case']} | {r['batch']} | {r['beam']} | {r['fast tok/s']:.1f} | {r['reference tok/s']:.1f} | "
-                f"{r['x']:.2f} | {r['same output']} |"
-            )
+    tables = [
+        ("batch | engine | tok/s | GB/s | same tokens as HF | same as fp32 | next-token agreement", "tok/s", lambda r: [
+            r["batch"], r["engine"], f"{r['tok/s']:.1f}", f"{r['GB/s']:.1f}", r["same tokens as HF"],
+            f"{r['same as fp32']:.3f}", "" if r["next-token agreement"] is None else f"{r['next-token agreement']:.3f}",
+        ]),
+        ("GEMV | rows | engine | ms | GB/s", "ms", lambda r: [r["case"], r["rows"], r["engine"], f"{r['ms']:.2f}",
+                                                            f"{r['GB/s']:.1f}"]),
+        ("translate | batch | beam | fast tok/s | reference tok/s | x | same output", "beam", lambda r: [
+            r["case"], r["batch"], r["beam"], f"{r['fast tok/s']:.1f}", f"{r['reference tok/s']:.1f}", f"{r['x']:.2f}",
+            r["same output"],
+        ]),
+    ]  # fmt: skip  (a row belongs to the table whose key it has)
+    lines = [f"# Decoding ({case}; {threads} threads; copy bandwidth {copy:.1f} GB/s)"]
+    for head, key, cells in tables:
+        lines += ["", f"| {head} |", "|" + "---|" * len(head.split(" | "))]
+        lines += ["| " + " | ".join(map(str, cells(r))) + " |" for r in rows if key in r]
     (out / "decode.md").write_text("\n".join(lines) + "\n")
     log(f"wrote {out / 'decode.json'}, {out / 'decode.md'}")
     return rows
