@@ -38,6 +38,15 @@ from .outputs import BaseModelOutput
 
 __all__ = ["BertConfig", "Bert", "BertEmbeddings", "BertPooler", "mean_pooled"]
 
+# our field -> the HF config.json key, in HF's order
+_HF_NAMES = (
+    ("vocab_size", "vocab_size"), ("d_model", "hidden_size"), ("n_layers", "num_hidden_layers"),
+    ("n_heads", "num_attention_heads"), ("d_ff", "intermediate_size"), ("activation", "hidden_act"),
+    ("eps", "layer_norm_eps"), ("dropout", "hidden_dropout_prob"), ("attn_dropout", "attention_probs_dropout_prob"),
+    ("max_positions", "max_position_embeddings"), ("type_vocab_size", "type_vocab_size"),
+    ("pad_token_id", "pad_token_id"),
+)  # fmt: skip
+
 
 @dataclasses.dataclass
 class BertConfig(ModelConfig):
@@ -107,43 +116,21 @@ class BertConfig(ModelConfig):
         for key in ("is_decoder", "add_cross_attention"):
             if d.get(key, False):
                 raise ValueError(f"unsupported BERT option {key}={d[key]!r} (an encoder only is implemented)")
-        ref = cls()
-        return cls(
-            vocab_size=d.get("vocab_size", ref.vocab_size),
-            d_model=d.get("hidden_size", ref.d_model),
-            n_layers=d.get("num_hidden_layers", ref.n_layers),
-            n_heads=d.get("num_attention_heads", ref.n_heads),
-            d_ff=d.get("intermediate_size", ref.d_ff),
-            activation=ckpt.hf_activation("hidden_act", d.get("hidden_act", "gelu")),
-            eps=d.get("layer_norm_eps", ref.eps),
-            dropout=d.get("hidden_dropout_prob", ref.dropout),
-            attn_dropout=d.get("attention_probs_dropout_prob", ref.attn_dropout),
-            max_positions=d.get("max_position_embeddings", ref.max_positions),
-            type_vocab_size=d.get("type_vocab_size", ref.type_vocab_size),
-            pad_token_id=d.get("pad_token_id", ref.pad_token_id),
-        )
+        ref = cls()  # an absent key: the default
+        hf_act = ckpt.hf_activation("hidden_act", d.get("hidden_act", "gelu"))
+        return cls(**{ours: hf_act if ours == "activation" else d.get(hf, getattr(ref, ours))
+                      for ours, hf in _HF_NAMES})  # fmt: skip
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` dict (``BertModel``) for this config."""
         if self.activation not in ckpt.io.TO_HF_ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} has no Hugging Face BERT equivalent")
         return {
-            "model_type": "bert",
-            "architectures": ["BertModel"],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.d_model,
-            "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads,
-            "intermediate_size": self.d_ff,
-            "hidden_act": ckpt.io.TO_HF_ACTIVATIONS[self.activation],
-            "layer_norm_eps": self.eps,
-            "hidden_dropout_prob": self.dropout,
-            "attention_probs_dropout_prob": self.attn_dropout,
-            "max_position_embeddings": self.max_positions,
-            "type_vocab_size": self.type_vocab_size,
-            "pad_token_id": self.pad_token_id,
+            "model_type": "bert", "architectures": ["BertModel"],
+            **{hf: ckpt.io.TO_HF_ACTIVATIONS[self.activation] if ours == "activation" else getattr(self, ours)
+               for ours, hf in _HF_NAMES},
             "position_embedding_type": "absolute",
-        }
+        }  # fmt: skip
 
 
 def mean_pooled(h: Tensor, attention_mask: Tensor | None, *, normalize: bool = True) -> Tensor:
@@ -344,13 +331,7 @@ class Bert(nn.Module):
             unsupported config, unreadable file, or one message listing every missing/unexpected/wrong-shape key.
         """
         config, tensors, source = ckpt.read_hf_folder(folder, BertConfig.from_hf_dict)
-        pooler = any((keymap.canonical(k) or "").startswith("pooler.") for k in tensors)
-        model = cls(config, pooler=pooler, device="meta", dtype=dtype)  # no random init: all is loaded below
-        n = config.n_layers
-        return ckpt.live.load_checked(
-            model, tensors, source, canonical=keymap.canonical, device=device,
-            to_hf=lambda sd: keymap.to_hf(sd, n, pooler=pooler), from_hf=lambda sd: keymap.from_hf(sd, n, pooler=pooler),
-        ).eval()  # fmt: skip  (as HF's from_pretrained: dropout off until .train())
+        return cls._loaded(config, tensors, source, device, dtype).eval()  # as HF's: dropout off until .train()
 
     @classmethod
     def from_hf(cls, model: nn.Module, *, device=None, dtype=None) -> Bert:
@@ -365,14 +346,19 @@ class Bert(nn.Module):
             every missing/unexpected/wrong-shape key.
         """
         config, tensors, source = ckpt.live.read_hf_model(model, BertConfig.from_hf_dict)
-        pooler = any((keymap.canonical(k) or "").startswith("pooler.") for k in tensors)
         where, dtype0 = ckpt.live.placement(model)
-        ours = cls(config, pooler=pooler, device="meta", dtype=dtype or dtype0)
-        n = config.n_layers
+        return cls._loaded(config, tensors, source, device or where, dtype or dtype0).train(model.training)
+
+    @classmethod
+    def _loaded(cls, config: BertConfig, tensors: dict[str, Tensor], source, device, dtype) -> Bert:
+        """A model with ``tensors`` (HF names) loaded strictly, built on the meta device (no random init); it has a
+        pooler iff they hold one."""
+        pooler = any((keymap.canonical(k) or "").startswith("pooler.") for k in tensors)
+        model, n = cls(config, pooler=pooler, device="meta", dtype=dtype), config.n_layers
         return ckpt.live.load_checked(
-            ours, tensors, source, canonical=keymap.canonical, device=device or where,
+            model, tensors, source, canonical=keymap.canonical, device=device,
             to_hf=lambda sd: keymap.to_hf(sd, n, pooler=pooler), from_hf=lambda sd: keymap.from_hf(sd, n, pooler=pooler),
-        ).train(model.training)  # fmt: skip
+        )  # fmt: skip
 
     def to_hf(self) -> nn.Module:
         """This model as a Hugging Face ``transformers.BertModel`` (weights copied; same device, dtype, train/eval
