@@ -226,8 +226,11 @@ def entry_problem(lib: Path) -> str | None:
     return None
 
 
-def _try_load(lib: Path) -> str | None:
-    """Load a checked library; the loader's error if it does not load (None: loaded)."""
+def _load_cached(lib: Path) -> str | None:
+    """Load the cached library ``lib`` once its manifest vouches for it (:func:`entry_problem`); None when it is
+    loaded, else why not (the manifest's problem, or the loader's error: "it does not load: ...")."""
+    if (problem := entry_problem(lib)) is not None:
+        return problem
     try:
         _load_library(lib)
         return None
@@ -243,22 +246,14 @@ def build() -> None:
     d = cache_dir()
     lib = d / f"{_pkg()._NAME}.so"
     problem = None
-    if lib.exists():
-        problem = entry_problem(lib)
-        if problem is None:
-            problem = _try_load(lib)
-            if problem is None:
-                return
+    if lib.exists() and (problem := _load_cached(lib)) is None:
+        return
     d.mkdir(parents=True, exist_ok=True)
     with _build_lock(d / "build.lock", settings.kernels_lock_timeout()) as exclusive:
         if lib.exists() and not (problem or "").startswith("it does not load"):
-            now = entry_problem(lib)  # another process may have built (or rebuilt) it while we waited
-            if now is None:
-                problem = _try_load(lib)
-                if problem is None:
-                    return
-            else:
-                problem = now
+            problem = _load_cached(lib)  # another process may have built (or rebuilt) it while we waited
+            if problem is None:
+                return
         if problem is not None:
             for p in (lib, d / MANIFEST):
                 p.unlink(missing_ok=True)
