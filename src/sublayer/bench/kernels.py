@@ -114,11 +114,6 @@ def _step_fns(mods: dict[str, nn.Module], inputs: Callable[[], tuple], bf16: boo
     return fns
 
 
-class _EagerFFN(nn.Sequential):
-    def __init__(self, d, f, p):
-        super().__init__(nn.Linear(d, f), nn.ReLU(), nn.Dropout(p), nn.Linear(f, d))
-
-
 class _EagerAddNorm(nn.Module):
     def __init__(self, d, p, dtype=None):
         super().__init__()
@@ -161,7 +156,7 @@ def _saved_extra(row: Row, mods: dict[str, nn.Module], forward: Callable[[nn.Mod
 
 def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compile: bool) -> Row:
     torch.manual_seed(0)
-    eager = _EagerFFN(s.d, s.f, DROPOUT)
+    eager = nn.Sequential(nn.Linear(s.d, s.f), nn.ReLU(), nn.Dropout(DROPOUT), nn.Linear(s.f, s.d))
     ours = layers.PositionWiseFFN(s.d, s.f, dropout=DROPOUT)
     ours.fc1.load_state_dict(eager[0].state_dict())
     ours.fc2.load_state_dict(eager[3].state_dict())
@@ -471,11 +466,6 @@ def _figure(rows: list[Row]):
     return fig
 
 
-def _plot(rows: list[Row], path: Path) -> None:
-    # bbox_inches="tight": the figure grows to hold the longest label instead of cutting it
-    _figure(rows).savefig(path, dpi=120, bbox_inches="tight")
-
-
 def _log_row(r: Row, log: Callable[[str], None]) -> None:
     f = r.faults
     flt = f"  faults {f[r.base]:.0f}/{f['sublayer']:.0f}" if {r.base, "sublayer"} <= f.keys() else ""
@@ -540,13 +530,6 @@ def _has_transformers() -> bool:
     except Exception:  # noqa: BLE001 - transformers is optional here
         return False
     return True
-
-
-def _runs_here(setting: str) -> bool:
-    """Whether this process has (or can take, without losing another) the allocator ``setting``."""
-    if setting == "reuse":
-        return memory.memory_reuse_active()
-    return not memory.memory_reuse_active() and memory.env_allocator() is None
 
 
 def _measure_in_child(spec: dict, log: Callable[[str], None]) -> tuple[list[Row], str]:
@@ -687,7 +670,9 @@ def run_bench(
     for i, setting in enumerate(settings):
         extras = i == 0  # torch.compile and BERT inference: under the first setting only
         log(f"--- malloc: {MALLOC_SETTINGS[setting]} ---")
-        if _runs_here(setting):
+        reuse = memory.memory_reuse_active()  # does this process have (or can it take, losing none) the setting?
+        here = reuse if setting == "reuse" else not reuse and memory.env_allocator() is None
+        if here:
             rows += _measure(all_shapes, quick=quick, use_compile=use_compile, reps=reps, dts=dts,
                              cases=picked_cases, extras=extras, malloc=setting, log=log)  # fmt: skip
             meta["allocator"][setting] = memory.allocator_setting()
@@ -711,7 +696,8 @@ def run_bench(
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     (out / "bench.md").write_text(to_markdown(rows, meta))
     try:
-        _plot(rows, out / "bench.png")
+        # bbox_inches="tight": the figure grows to hold the longest label instead of cutting it
+        _figure(rows).savefig(out / "bench.png", dpi=120, bbox_inches="tight")
     except ImportError:
         log("matplotlib missing: no bench.png")
     if report is not None:
