@@ -121,21 +121,17 @@ def _reduce_scatter_seq(x: Tensor, mesh: DeviceMesh) -> Tensor:
 
 def _split_seq(x: Tensor, mesh: DeviceMesh) -> Tensor:
     """Replicated -> this rank's sequence slice: forward slice, backward all-gather."""
-    _check_seq_divisible(x, mesh)
+    if x.dim() < 2 or x.shape[1] % mesh.size() != 0:
+        raise ValueError(
+            f"sequence parallelism splits dim 1 of the input between the {mesh.size()} tensor-parallel ranks: "
+            f"its length must be divisible by {mesh.size()}, got shape {tuple(x.shape)}"
+        )
     return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
 
 
 def _unsplit_seq(x: Tensor, mesh: DeviceMesh) -> Tensor:
     """This rank's sequence slice -> replicated: forward all-gather, backward slice (the grad is replicated)."""
     return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
-
-
-def _check_seq_divisible(x: Tensor, mesh: DeviceMesh) -> None:
-    if x.dim() < 2 or x.shape[1] % mesh.size() != 0:
-        raise ValueError(
-            f"sequence parallelism splits dim 1 of the input between the {mesh.size()} tensor-parallel ranks: "
-            f"its length must be divisible by {mesh.size()}, got shape {tuple(x.shape)}"
-        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -235,11 +231,6 @@ def _check_divisible(what: str, n: int, tp: int, where: str) -> None:
             f"{where}: {what} ({n}) must be divisible by the tensor-parallel mesh size ({tp}) "
             f"to shard it between the ranks"
         )
-
-
-def _check_materialised(ffn: PositionWiseFFN, where: str) -> None:
-    if isinstance(ffn.fc1, nn.LazyLinear) or isinstance(ffn.fc1.weight, nn.parameter.UninitializedParameter):
-        raise ValueError(f"{where}: fc1 is a LazyLinear not yet materialised; run one forward before sharding")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -435,11 +426,6 @@ def _outermost(module: nn.Module, pick: Callable[[nn.Module, nn.Module | None], 
     return found
 
 
-def _sp_regions(module: nn.Module) -> list[str]:
-    """Outermost stacks/blocks (by name): each becomes one sequence-parallel region."""
-    return [n for n, _ in _outermost(module, lambda m, parent: isinstance(m, _STACKS) or _is_layer(m, parent))]
-
-
 def tensor_parallel_plan(
     module: nn.Module, tp_size: int, *, sequence_parallel: bool = False
 ) -> dict[str, ParallelStyle]:
@@ -457,7 +443,8 @@ def tensor_parallel_plan(
     """
     plan: dict[str, ParallelStyle] = {}
     sp = sequence_parallel
-    regions = _sp_regions(module) if sp else []
+    # the outermost stacks/blocks (by name): each becomes one sequence-parallel region
+    regions = [n for n, _ in _outermost(module, lambda m, p: isinstance(m, _STACKS) or _is_layer(m, p))] if sp else []
     if sp and not regions:
         raise ValueError(
             "sequence_parallel=True needs an EncoderBlock/DecoderBlock or a stack of them to split the sequence in; "
@@ -469,7 +456,8 @@ def tensor_parallel_plan(
 
     for name, ffn in _named(module, PositionWiseFFN):
         where = f"{type(ffn).__name__} {name or '<root>'}"
-        _check_materialised(ffn, where)
+        if isinstance(ffn.fc1, nn.LazyLinear) or isinstance(ffn.fc1.weight, nn.parameter.UninitializedParameter):
+            raise ValueError(f"{where}: fc1 is a LazyLinear not yet materialised; run one forward before sharding")
         _check_divisible("d_ff", ffn.d_ff, tp_size, where)
         plan[_join(name, "fc1")] = GatedColwiseParallel() if ffn.gated else ColwiseParallel()
         plan[_join(name, "fc2")] = RowwiseParallel()
@@ -531,11 +519,6 @@ def tensor_parallel(module: nn.Module, mesh: DeviceMesh, *, sequence_parallel: b
 # FSDP2.
 
 
-def _fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The outermost blocks (see :func:`_is_layer`), not counting the model itself."""
-    return [m for _, m in _outermost(model, lambda m, parent: parent is not None and _is_layer(m, parent))]
-
-
 def fully_shard(model: nn.Module, mesh: DeviceMesh | None = None, **kwargs: Any) -> nn.Module:
     """FSDP2 (``torch.distributed.fsdp.fully_shard``) on every block, then on the root; returns ``model``.
 
@@ -559,7 +542,8 @@ def fully_shard(model: nn.Module, mesh: DeviceMesh | None = None, **kwargs: Any)
 
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
-    for unit in _fsdp_units(model):
+    # the outermost blocks (see _is_layer), not counting the model itself
+    for _, unit in _outermost(model, lambda m, parent: parent is not None and _is_layer(m, parent)):
         _fully_shard(unit, mesh=mesh, **kwargs)
     _fully_shard(model, mesh=mesh, **kwargs)
     for method in ("loss", "generate"):
