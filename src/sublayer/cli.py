@@ -253,14 +253,6 @@ def train_command(
 # --- generate / embed: Hugging Face-format GPT-2, Llama/Qwen2 and BERT folders ----------------------------------
 
 
-def _parse_ids(prompt: str) -> list[int] | None:
-    """``"1 2 3"`` or ``"1,2,3"`` -> ids; None when the prompt is text."""
-    parts = prompt.replace(",", " ").split()
-    if parts and all(p.isascii() and p.isdigit() for p in parts):
-        return [int(p) for p in parts]
-    return None
-
-
 @app.command()
 @_flag_errors
 def generate(
@@ -302,7 +294,8 @@ def generate(
     model = _model_folder(model)
     if not prompt.strip():
         raise CLIError("the prompt is empty: give token ids like \"1 2 3\" or text")
-    ids = _parse_ids(prompt)
+    parts = prompt.replace(",", " ").split()  # "1 2 3" or "1,2,3": ids; else text (ids None)
+    ids = [int(p) for p in parts] if parts and all(p.isascii() and p.isdigit() for p in parts) else None
     tokenizer = None if ids is not None else load_tokenizer(model, why=f"the text prompt {prompt[:40]!r}")
     gen = TextGenerator.from_pretrained(model, quantize=quantize, tokenizer=tokenizer)
     sampling = sample or temperature is not None or top_k is not None or top_p is not None

@@ -59,10 +59,6 @@ def words_to_number(text: str) -> int:
     return total + cur
 
 
-def _word_tokens(text: str) -> list[str]:
-    return text.replace("-", " - ").split()
-
-
 def detokenize(tokens: Sequence[str]) -> str:
     if all(len(t) == 1 and t.isdigit() for t in tokens):
         return "".join(tokens)
@@ -71,7 +67,7 @@ def detokenize(tokens: Sequence[str]) -> str:
 
 def make_pair(n: int, direction: str) -> tuple[list[str], list[str]]:
     """(source tokens with the direction tag first, target tokens) for number ``n``."""
-    words, digits = _word_tokens(number_to_words(n)), list(str(n))
+    words, digits = number_to_words(n).replace("-", " - ").split(), list(str(n))  # "-" a token: see detokenize
     if direction == TO_DIGITS:
         return [TO_DIGITS, *words], digits
     if direction == TO_WORDS:

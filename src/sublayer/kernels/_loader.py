@@ -274,8 +274,12 @@ def _compile_into(d: Path, lib: Path, exclusive: bool) -> None:
         shutil.rmtree(p, ignore_errors=True)
     _check_toolchain()
     note = " (an interrupted earlier build was discarded)" if stale else ""
+    try:  # the seconds the last build took on this machine (the default estimate before any)
+        estimate = max(1, round(float((d.parent / "last_build_seconds").read_text())))
+    except (OSError, ValueError):
+        estimate = _BUILD_SECONDS_ESTIMATE
     print(
-        f"sublayer: compiling sublayer's fused CPU kernels (once, ~{_build_estimate(d.parent)} s){note}…",
+        f"sublayer: compiling sublayer's fused CPU kernels (once, ~{estimate} s){note}…",
         file=sys.stderr,
         flush=True,
     )
@@ -294,14 +298,6 @@ def _compile_into(d: Path, lib: Path, exclusive: bool) -> None:
     with contextlib.suppress(OSError):
         _write_atomic(d.parent / "last_build_seconds", f"{seconds:.0f}\n")
     print(f"sublayer: compiled in {seconds:.0f} s, cached in {d}", file=sys.stderr, flush=True)
-
-
-def _build_estimate(root: Path) -> int:
-    """Seconds the last build under ``root`` took on this machine (the default estimate before any)."""
-    try:
-        return max(1, round(float((root / "last_build_seconds").read_text())))
-    except (OSError, ValueError):
-        return _BUILD_SECONDS_ESTIMATE
 
 
 def cause(e: BaseException) -> str:
