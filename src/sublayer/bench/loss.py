@@ -22,12 +22,6 @@ from ..functional import linear_cross_entropy
 __all__ = ["bench_loss", "bench_lm_head", "bench_gpt2_loss_step"]
 
 
-def _held_bytes(loss: torch.Tensor) -> int:
-    """Gradients a ``grad_in_forward`` loss holds for its backward (not seen by saved-tensor hooks)."""
-    grads = getattr(loss.grad_fn, "grads", ()) or ()
-    return sum(t.untyped_storage().nbytes() for t in grads if t is not None)
-
-
 def bench_lm_head(quick: bool, reps: int, warmup: int) -> Row:
     n, d, v = (48, 32, 512) if quick else (8 * 127, 512, 8192)
     g = torch.Generator().manual_seed(0)
@@ -50,7 +44,9 @@ def bench_lm_head(quick: bool, reps: int, warmup: int) -> Row:
     res = time_interleaved({k: step(f) for k, f in impls.items()}, reps, warmup)
     row = Row("LM head: fused linear + cross-entropy", f"{n}x{d} vocab {v}", "fp32", "training").fill(res)
     saved = {k: saved_bytes(f, [w]) for k, f in impls.items()}
-    saved["sublayer grad_in_forward"] += _held_bytes(impls["sublayer grad_in_forward"]())
+    # and the gradients a grad_in_forward loss holds for its backward (not seen by saved-tensor hooks)
+    held = getattr(impls["sublayer grad_in_forward"]().grad_fn, "grads", ()) or ()
+    saved["sublayer grad_in_forward"] += sum(t.untyped_storage().nbytes() for t in held if t is not None)
     for k, b in saved.items():
         row.extra[f"saved MiB {k}"] = round(b / 2**20, 2)
     row.extra["saved ratio"] = round(saved["sublayer"] / saved["eager"], 3)

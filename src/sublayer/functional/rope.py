@@ -68,12 +68,6 @@ def check_rope_scaling(scaling: object) -> dict[str, Any] | None:
     return out
 
 
-def _check_head_dim(head_dim: object) -> None:
-    check_positive_int("head_dim", head_dim)
-    if head_dim % 2:
-        raise ValueError(f"head_dim must be even for rotary embeddings (pairs of dims are rotated), got {head_dim}")
-
-
 def rotary_inv_freq(
     head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None, *, device: torch.device | str | None = None
 ) -> Tensor:
@@ -85,7 +79,9 @@ def rotary_inv_freq(
     Raises:
         ValueError: odd or non-positive head_dim, theta <= 0, bad scaling.
     """
-    _check_head_dim(head_dim)
+    check_positive_int("head_dim", head_dim)
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for rotary embeddings (pairs of dims are rotated), got {head_dim}")
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
         raise ValueError(f"theta must be a number > 0, got {theta!r}")
     scaling = check_rope_scaling(scaling)

@@ -64,23 +64,15 @@ def norm_params(n) -> tuple[Tensor, Tensor, float]:
 
 
 # ----------------------------------------------------------------------------------------------- Transformer
-def _layer_norms(model) -> list:
-    norms = []
-    for layer in model.decoder.layers:
-        norms += [layer.self_attn_residual.norm, layer.cross_attn_residual.norm, layer.ffn_residual.norm]
-    return norms + ([model.decoder.norm] if model.decoder.norm is not None else [])
-
-
 def transformer_supports(model) -> bool:
     """Whether :func:`transformer_stepper` runs ``model``: float32 CPU, LayerNorms with bias, the fast-path rule
     (no hooks, not sharded); any FFN activation, gated ones included."""
     from ..nn import LayerNorm
 
-    return (
-        enabled()
-        and float32_cpu(model)
-        and all(isinstance(n, LayerNorm) and n.bias is not None for n in _layer_norms(model))
-    )
+    dec = model.decoder
+    norms = [r.norm for L in dec.layers for r in (L.self_attn_residual, L.cross_attn_residual, L.ffn_residual)]
+    norms += [dec.norm] if dec.norm is not None else []
+    return enabled() and float32_cpu(model) and all(isinstance(n, LayerNorm) and n.bias is not None for n in norms)
 
 
 def _build_transformer(model) -> dict:
