@@ -214,17 +214,6 @@ def _install(
     module.register_forward_hook(post, with_kwargs=True, always_call=True)
 
 
-def _check_mesh(mesh: object) -> DeviceMesh:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"mesh must be 1-D (the tensor-parallel dimension; pass mesh['tp'] of a 2-D mesh), got "
-            f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}"
-        )
-    return mesh
-
-
 def _check_divisible(what: str, n: int, tp: int, where: str) -> None:
     if n % tp != 0:
         raise ValueError(
@@ -506,7 +495,13 @@ def tensor_parallel(module: nn.Module, mesh: DeviceMesh, *, sequence_parallel: b
         TypeError: ``mesh`` not a DeviceMesh. ValueError: see :func:`tensor_parallel_plan`; a 2-D mesh; a module
         already sharded.
     """
-    mesh = _check_mesh(mesh)
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"mesh must be 1-D (the tensor-parallel dimension; pass mesh['tp'] of a 2-D mesh), got "
+            f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}"
+        )
     if getattr(module, _TP_MARK, False):
         raise ValueError(f"{type(module).__name__} is already tensor-parallel; shard it once")
     plan = tensor_parallel_plan(module, mesh.size(), sequence_parallel=sequence_parallel)

@@ -211,12 +211,6 @@ def read_hf_folder(
     return config, tensors, source
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)  # the only portable way to read it is to set it
-    os.umask(mask)
-    return mask
-
-
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     """Write a file through ``write(tmp_path)`` to a temporary name in the same folder, then rename it over
     ``path`` (``os.replace`` is atomic): an interrupted write (Ctrl-C, a full disk) never leaves a half file.
@@ -227,7 +221,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     try:
         mode = path.stat().st_mode & 0o7777
     except FileNotFoundError:
-        mode = 0o666 & ~_umask()
+        umask = os.umask(0o022)  # the only portable way to read it is to set it
+        os.umask(umask)
+        mode = 0o666 & ~umask
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:

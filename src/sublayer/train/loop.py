@@ -291,8 +291,12 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
 
     if main:
         out.mkdir(parents=True, exist_ok=True)
-        if not cfg.resume:
-            _write_tokenizer(tokenizer, source, out, seq_len)
+        if not cfg.resume:  # the tokenizer beside the weights: the starter's, or the --model folder's files
+            with hold_signals():
+                if source is None:
+                    save_tokenizer(tokenizer, out, seq_len)
+                for name in [n for n in TOKENIZER_FILES if source is not None and (source / n).is_file()]:
+                    shutil.copyfile(source / name, out / name)
         n_params = sum(p.numel() for p in model.parameters())
         what = f"resuming at step {run.step} of" if cfg.resume else "training for"
         echo(quiet, f"[bold]sublayer train[/]: {type(model).__name__} ({n_params / 1e6:.2f}M parameters), "
@@ -308,16 +312,6 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
     if not main:
         return None
     return _finish(cfg, model, data, run.history, run.step, run.train_seconds, run.tokens_seen, out, quiet)
-
-
-def _write_tokenizer(tokenizer, source: Path | None, out: Path, seq_len: int) -> None:
-    with hold_signals():
-        if source is None:
-            save_tokenizer(tokenizer, out, seq_len)
-            return
-        for name in TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copyfile(source / name, out / name)
 
 
 def _finish(cfg, model, data: Data, history, step, train_seconds, tokens_seen, out: Path, quiet: bool) -> dict:
