@@ -64,11 +64,19 @@ def test_packed_attention_equals_sdpa_per_sequence(path, lengths, heads, hd):
     scale = 1 / math.sqrt(hd)
     want = _reference(qkv, segments, heads, scale, torch.float64)
     low = _reference(qkv, segments, heads, scale, torch.float32)
-    out = _ops().packed_self_attention(qkv, table, heads, scale, torch.float32)
-    assert_fast_close(out, low, want, what="float32 out")
-    half = _ops().packed_self_attention(qkv, table, heads, scale, torch.bfloat16)
-    assert half.dtype == torch.bfloat16
-    assert_fast_close(half, low.bfloat16(), want, what="bf16 out")
+    # float32 q|k|v are rounded to bf16 inside: off-grid values give what their rounding gives
+    nudge = torch.rand(qkv.shape, generator=torch.Generator().manual_seed(9)) * 2.0**-10
+    off_grid = qkv.float() * (1 + nudge)
+    for x in (qkv, qkv.float(), off_grid):
+        out = _ops().packed_self_attention(x, table, heads, scale, torch.float32)
+        assert_fast_close(out, low, want, what=f"float32 out from {x.dtype}")
+        half = _ops().packed_self_attention(x, table, heads, scale, torch.bfloat16)
+        assert half.dtype == torch.bfloat16
+        assert_fast_close(half, low.bfloat16(), want, what=f"bf16 out from {x.dtype}")
+    # the probabilities as one bf16 part: bf16's error on them, as SDPA's bf16 kernel
+    one = _ops().packed_self_attention(qkv, table, heads, scale, torch.float32, False)
+    assert_fast_close(one, _reference(qkv, segments, heads, scale, torch.bfloat16).float(), want, what="one part")
+    assert (one - want).abs().max() > (out - want).abs().max()
 
 
 def test_packed_attention_kernel_and_loop_agree():
@@ -97,8 +105,10 @@ def test_packed_attention_rejects_bad_inputs():
     qkv, segments = _case([5, 3], 2, 7)
     table = torch.tensor(segments, dtype=torch.int64).reshape(-1, 3)
     op = _ops().packed_self_attention
-    with pytest.raises(RuntimeError, match="qkv must be a contiguous bfloat16"):
-        op(qkv.float(), table, 2, 0.4, torch.float32)
+    with pytest.raises(RuntimeError, match="qkv must be a contiguous bfloat16 or float32"):
+        op(qkv.half(), table, 2, 0.4, torch.float32)
+    with pytest.raises(RuntimeError, match="qkv must be a contiguous bfloat16 or float32"):
+        op(qkv.t().contiguous().t(), table, 2, 0.4, torch.float32)
     with pytest.raises(RuntimeError, match="columns are not 3 \\* n_heads"):
         op(qkv, table, 4, 0.4, torch.float32)
     with pytest.raises(RuntimeError, match="out_dtype must be float32 or bfloat16"):

@@ -367,6 +367,8 @@ class QuantizedBert(PreparedBert):
     def _parts(self) -> tuple[dict[str, Tensor], list[dict]]:
         return self.tensors, self.layers
 
+    split_probs = False  # bf16 probabilities: their error is small next to int8 activations'
+
     @property
     def attention_dtype(self) -> torch.dtype | None:
         """bf16 attention (the ``packed_self_attention`` kernel: bf16 q, k, v and probabilities, float32 sums and

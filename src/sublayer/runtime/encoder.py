@@ -48,15 +48,17 @@ def runs(pad: Tensor | None, shape: tuple[int, int]) -> list[tuple[int, int, int
 
 
 def attention(qkv: Tensor, segments: list[tuple[int, int, int]], heads: int, scale: float, *,
-              dtype: torch.dtype | None = None) -> Tensor:  # fmt: skip
+              dtype: torch.dtype | None = None, split_probs: bool = True) -> Tensor:  # fmt: skip
     """Self-attention of packed q|k|v rows, each sequence on its own rows: ``qkv`` (N, 3d), ``segments`` from
     :func:`runs` (no padding multiplied, nothing scattered). ``dtype``: the attention's dtype (None: qkv's; bf16
-    with the kernels on: ``packed_self_attention``, one call for all runs). Returns ctx (N, d) in qkv's dtype."""
+    with the kernels on: ``packed_self_attention``, one call for all runs, float32 or bf16 q|k|v).
+    ``split_probs``: that kernel's probabilities as two bf16 parts (about float32's accuracy) rather than one
+    (bf16's; the P v products cost half). Returns ctx (N, d) in qkv's dtype."""
     d = qkv.shape[1] // 3
     dtype = qkv.dtype if dtype is None else dtype
     if kernels_on() and dtype == torch.bfloat16 and qkv.dtype in (torch.float32, torch.bfloat16):
         table = torch.tensor(segments, dtype=torch.int64).reshape(-1, 3)
-        return kernels.ops().packed_self_attention(qkv.to(dtype).contiguous(), table, heads, scale, qkv.dtype)
+        return kernels.ops().packed_self_attention(qkv.contiguous(), table, heads, scale, qkv.dtype, split_probs)
     x = qkv.to(dtype)
     kernel = kernels_on() and dtype == torch.float32
     out = None if len(segments) == 1 else qkv.new_empty(qkv.shape[0], d, dtype=dtype)
@@ -75,15 +77,16 @@ def attention(qkv: Tensor, segments: list[tuple[int, int, int]], heads: int, sca
 
 def run_layers(
     x: Tensor, layers: list[dict], *, pad: Tensor | None, shape: tuple[int, int], heads: int, scale: float,
-    activation: str, attention_dtype: torch.dtype | None = None,
+    activation: str, attention_dtype: torch.dtype | None = None, split_probs: bool = True,
 ) -> Tensor:
     """The encoder layers on packed rows: ``x`` (N, d), the embeddings' output at the real tokens of a padded
     batch of ``shape`` (B, T) in row-major order, ``pad`` (B, T) bool True = padding (None: none). Returns (N, d)
-    in the dtype of the linears' outputs. ``attention_dtype``: the attention's dtype (None: q|k|v's)."""
+    in the dtype of the linears' outputs. ``attention_dtype``: the attention's dtype (None: q|k|v's);
+    ``split_probs`` as :func:`attention`'s."""
     segments, pre = runs(pad, shape), None
     for i, L in enumerate(layers):
         qkv = L["qkv"](x) if pre is None else L["qkv"](x, pre=pre)
-        ctx = attention(qkv, segments, heads, scale, dtype=attention_dtype)
+        ctx = attention(qkv, segments, heads, scale, dtype=attention_dtype, split_probs=split_probs)
         x, pre = _add_norm(L["out"], ctx, x, L["norm1"], None, L["fc1"])
         h, pre = _act(L["fc1"], x, activation, pre, L["fc2"])
         nxt = layers[i + 1]["qkv"] if i + 1 < len(layers) else None

@@ -1,15 +1,17 @@
 // packed_self_attention (torch.ops.sublayer_kernels.packed_self_attention): an encoder's self-attention on packed
 // rows in bfloat16, read straight from the fused q|k|v projection.
 //
-// qkv (N, 3*d) bf16 holds the real tokens of a batch only, each sequence on consecutive rows; `runs` (R, 3) int64
-// lists runs of `count` sequences of one `length` starting at `row` (sublayer.runtime.encoder.runs). Every
-// (sequence, head) is one task: its q, k and v are packed into bf16 pairs (q: head-dim pairs per query; k: 16-key
-// blocks of head-dim pairs; v: key pairs per head-dim column), the scores S = scale * q k^T come from vdpbf16ps
-// (exact bf16 products, float32 sums), the softmax is float32 (max subtracted, exp, summed), P v again from
-// vdpbf16ps with P as the sum of two bf16 parts (high and low: P to ~2^-17, not bf16's 2^-9), and the output row
-// divided by the sum in float32, then stored as `out_dtype` (float32 or bf16). Queries go 16 at a time, so memory is O(16 * length) per
-// thread whatever the length. Tasks run longest first over OpenMP's dynamic schedule (lengths differ).
-// Without AVX512_BF16 (or with packed_attention_avx512(0)) a portable loop computes the same products and roundings.
+// qkv (N, 3*d) bf16 (or float32, rounded to bf16 per task) holds the real tokens of a batch only, each sequence on
+// consecutive rows; `runs` (R, 3) int64 lists runs of `count` sequences of one `length` starting at `row`
+// (sublayer.runtime.encoder.runs). Every (sequence, head) is one task: its q, k and v are packed into bf16 pairs
+// (q: head-dim pairs per query; k: 16-key blocks of head-dim pairs; v: key pairs per head-dim column), the scores
+// S = scale * q k^T come from vdpbf16ps (exact bf16 products, float32 sums), the softmax is float32 (max
+// subtracted, exp, summed), P v again from vdpbf16ps with P as the sum of two bf16 parts (split_probs: high and
+// low, P to ~2^-17, twice the P v work) or as one (bf16's 2^-9; the sum then of the rounded P), and the output row
+// is divided by the sum in float32, then stored as `out_dtype` (float32 or bf16). Queries go 16 at a time, so
+// memory is O(16 * length) per thread whatever the length. Tasks run longest first over OpenMP's dynamic schedule
+// (lengths differ). Without AVX512_BF16 (or with packed_attention_avx512(0)) a portable loop computes the same
+// products and roundings.
 
 #include "common.h"
 
@@ -32,7 +34,7 @@ struct Task {
 
 struct Scratch {
   std::vector<uint32_t> q, k;  // q: n x dp pairs; k: nb x dp x 16 pairs
-  std::vector<uint16_t> v, p, pl;  // v: ceil(n/2) x hv x 2; p, pl: QB x nk (probabilities' high, low bf16 parts)
+  std::vector<uint16_t> v, p, pl, x;  // x: a float32 task's q|k|v rounded to bf16  // v: ceil(n/2) x hv x 2; p, pl: QB x nk (probabilities' high, low bf16 parts)
   std::vector<float> s;        // QB x nk
 };
 
@@ -96,8 +98,9 @@ void pack(const uint16_t* base, int64_t ld, int64_t d, const Task& t, int64_t hd
 }
 
 // Softmax of row s[0, n): the unnormalised probabilities e as two bf16 parts, p = bf16(e) and pl = bf16(e - p)
-// (zeros to nk; p + pl holds e to ~2^-17), returns the sum of e.
-inline float softmax_row(const float* s, int64_t n, int64_t nk, uint16_t* p, uint16_t* pl) {
+// (zeros to nk; p + pl holds e to ~2^-17), returns the sum of e; without `split`, p only (pl zeros) and the sum
+// of the rounded p.
+inline float softmax_row(const float* s, int64_t n, int64_t nk, uint16_t* p, uint16_t* pl, bool split) {
   float mx = s[0];
 #pragma omp simd reduction(max : mx)
   for (int64_t j = 1; j < n; ++j) mx = std::max(mx, s[j]);
@@ -107,16 +110,16 @@ inline float softmax_row(const float* s, int64_t n, int64_t nk, uint16_t* p, uin
     const float e = exp_f(s[j] - mx);
     const uint16_t hi = f_to_bf16(e);
     p[j] = hi;
-    pl[j] = f_to_bf16(e - bf16_to_f(hi));
-    sum += e;
+    pl[j] = split ? f_to_bf16(e - bf16_to_f(hi)) : 0;
+    sum += split ? e : bf16_to_f(hi);
   }
   for (int64_t j = n; j < nk; ++j) p[j] = pl[j] = 0;
   return sum;
 }
 
 // The portable task: the same bf16 operands, float32 products and sums.
-void task_portable(const Scratch& w, const Task& t, int64_t hd, int64_t dp, int64_t hv, float sc, float* inv,
-                   Scratch& m, std::vector<float>& o, int64_t q0, int64_t qn) {
+void task_portable(const Scratch& w, const Task& t, int64_t hd, int64_t dp, int64_t hv, float sc, bool split,
+                   float* inv, Scratch& m, std::vector<float>& o, int64_t q0, int64_t qn) {
   const int64_t n = t.n, nk = (n + 15) / 16 * 16;
   for (int64_t i = 0; i < qn; ++i) {
     float* s = m.s.data() + i * nk;
@@ -130,7 +133,7 @@ void task_portable(const Scratch& w, const Task& t, int64_t hd, int64_t dp, int6
       }
       s[j] = a * sc;
     }
-    inv[i] = 1.0f / softmax_row(s, n, nk, m.p.data() + i * nk, m.pl.data() + i * nk);
+    inv[i] = 1.0f / softmax_row(s, n, nk, m.p.data() + i * nk, m.pl.data() + i * nk, split);
     const uint16_t* p = m.p.data() + i * nk;
     const uint16_t* pl = m.pl.data() + i * nk;
     float* oi = o.data() + i * hv;
@@ -177,7 +180,7 @@ inline void qk_rows(const uint32_t* q, int64_t dp, const uint32_t* k, int64_t nb
 
 // o[r][16 c + l] = sum over key pairs j2 of (p + pl)_r[2 j2, 2 j2 + 1] . v[j2][16 c + l][0, 1]: R rows x CB
 // column blocks.
-template <int R, int CB>
+template <int R, int CB, bool SPLIT>
 inline void pv_tile(const uint16_t* p, const uint16_t* pl, int64_t np, const uint16_t* v, int64_t hv, int64_t nh,
                     float* o) {
   __m512 a[R][CB];
@@ -187,23 +190,28 @@ inline void pv_tile(const uint16_t* p, const uint16_t* pl, int64_t np, const uin
     __m512bh vv[CB];
     for (int b = 0; b < CB; ++b) vv[b] = (__m512bh)_mm512_loadu_si512(v + (j2 * hv + 16 * b) * 2);
     for (int r = 0; r < R; ++r) {
-      uint32_t ph, pw;
+      uint32_t ph;
       std::memcpy(&ph, p + r * np + 2 * j2, 4);
-      std::memcpy(&pw, pl + r * np + 2 * j2, 4);
-      const __m512bh hv_ = (__m512bh)_mm512_set1_epi32(int(ph)), lv = (__m512bh)_mm512_set1_epi32(int(pw));
-      for (int b = 0; b < CB; ++b) a[r][b] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[r][b], hv_, vv[b]), lv, vv[b]);
+      const __m512bh hv_ = (__m512bh)_mm512_set1_epi32(int(ph));
+      for (int b = 0; b < CB; ++b) a[r][b] = _mm512_dpbf16_ps(a[r][b], hv_, vv[b]);
+      if (SPLIT) {
+        uint32_t pw;
+        std::memcpy(&pw, pl + r * np + 2 * j2, 4);
+        const __m512bh lv = (__m512bh)_mm512_set1_epi32(int(pw));
+        for (int b = 0; b < CB; ++b) a[r][b] = _mm512_dpbf16_ps(a[r][b], lv, vv[b]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < CB; ++b) _mm512_storeu_ps(o + r * hv + 16 * b, a[r][b]);
 }
 
-template <int R>
+template <int R, bool SPLIT>
 inline void pv_rows(const uint16_t* p, const uint16_t* pl, int64_t np, const uint16_t* v, int64_t hv, int64_t nh,
                     float* o) {
   int64_t c = 0;
-  for (; c + 32 <= hv; c += 32) pv_tile<R, 2>(p, pl, np, v + 2 * c, hv, nh, o + c);
-  if (c < hv) pv_tile<R, 1>(p, pl, np, v + 2 * c, hv, nh, o + c);
+  for (; c + 32 <= hv; c += 32) pv_tile<R, 2, SPLIT>(p, pl, np, v + 2 * c, hv, nh, o + c);
+  if (c < hv) pv_tile<R, 1, SPLIT>(p, pl, np, v + 2 * c, hv, nh, o + c);
 }
 
 // Cephes expf on 16 lanes (exp256 of act_norm.h, widened), inputs clamped to [-87.3, 88.3].
@@ -225,6 +233,7 @@ inline __m512 exp512(__m512 x) {
 }
 
 // softmax_row on 16 lanes (keys n..nk masked off).
+template <bool SPLIT>
 inline float softmax_row16(const float* s, int64_t n, int64_t nk, uint16_t* p, uint16_t* pl) {
   const __mmask16 tail = __mmask16((1u << (n % 16 ? n % 16 : 16)) - 1u);
   const int64_t last = nk - 16;
@@ -237,10 +246,14 @@ inline float softmax_row16(const float* s, int64_t n, int64_t nk, uint16_t* p, u
     const __mmask16 k = j == last ? tail : __mmask16(0xffff);
     const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx)));
     const __m256i b = (__m256i)_mm512_cvtneps_pbh(e);
-    const __m512 r = _mm512_sub_ps(e, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), b);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pl + j), (__m256i)_mm512_cvtneps_pbh(r));
-    sum = _mm512_add_ps(sum, e);
+    if (SPLIT) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pl + j), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, hi)));
+      sum = _mm512_add_ps(sum, e);
+    } else {
+      sum = _mm512_add_ps(sum, hi);
+    }
   }
   return _mm512_reduce_add_ps(sum);
 }
@@ -258,6 +271,7 @@ inline void store_row16(const float* o, float inv, int64_t hd, float* of, uint16
   }
 }
 
+template <bool SPLIT>
 void task_avx512(const Scratch& w, const Task& t, int64_t dp, int64_t hv, float sc, float* inv, Scratch& m,
                  std::vector<float>& o, int64_t q0, int64_t qn) {
   const int64_t n = t.n, nb = (n + 15) / 16, nk = nb * 16, nh = (n + 1) / 2;
@@ -270,19 +284,19 @@ void task_avx512(const Scratch& w, const Task& t, int64_t dp, int64_t hv, float 
     case 1: qk_rows<1>(q + i * dp, dp, w.k.data(), nb, sc, m.s.data() + i * nk, nk); break;
     default: break;
   }
-  for (i = 0; i < qn; ++i) inv[i] = 1.0f / softmax_row16(m.s.data() + i * nk, n, nk, m.p.data() + i * nk,
+  for (i = 0; i < qn; ++i) inv[i] = 1.0f / softmax_row16<SPLIT>(m.s.data() + i * nk, n, nk, m.p.data() + i * nk,
                                                  m.pl.data() + i * nk);
   const uint16_t* p = m.p.data();
   const uint16_t* pl = m.pl.data();
-  for (i = 0; i + 8 <= qn; i += 8) pv_rows<8>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv);
+  for (i = 0; i + 8 <= qn; i += 8) pv_rows<8, SPLIT>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv);
   switch (qn - i) {
-    case 7: pv_rows<7>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
-    case 6: pv_rows<6>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
-    case 5: pv_rows<5>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
-    case 4: pv_rows<4>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
-    case 3: pv_rows<3>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
-    case 2: pv_rows<2>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
-    case 1: pv_rows<1>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
+    case 7: pv_rows<7, SPLIT>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
+    case 6: pv_rows<6, SPLIT>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
+    case 5: pv_rows<5, SPLIT>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
+    case 4: pv_rows<4, SPLIT>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
+    case 3: pv_rows<3, SPLIT>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
+    case 2: pv_rows<2, SPLIT>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
+    case 1: pv_rows<1, SPLIT>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
     default: break;
   }
 }
@@ -291,9 +305,11 @@ void task_avx512(const Scratch& w, const Task& t, int64_t dp, int64_t hv, float 
 }  // namespace
 
 Tensor packed_self_attention(const Tensor& qkv, const Tensor& runs, int64_t n_heads, double scale,
-                             at::ScalarType out_dtype) {
-  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kBFloat16 && qkv.dim() == 2 && qkv.is_contiguous(),
-              "packed_self_attention: qkv must be a contiguous bfloat16 (N, 3*d) CPU tensor, got ", qkv.scalar_type(),
+                             at::ScalarType out_dtype, bool split_probs) {
+  TORCH_CHECK(qkv.device().is_cpu() && (qkv.scalar_type() == at::kBFloat16 || qkv.scalar_type() == at::kFloat) &&
+                  qkv.dim() == 2 && qkv.is_contiguous(),
+              "packed_self_attention: qkv must be a contiguous bfloat16 or float32 (N, 3*d) CPU tensor, got ",
+              qkv.scalar_type(),
               " ", qkv.sizes());
   TORCH_CHECK(n_heads >= 1 && qkv.size(1) % (3 * n_heads) == 0 && qkv.size(1) > 0,
               "packed_self_attention: qkv's ", qkv.size(1), " columns are not 3 * n_heads (", n_heads,
@@ -320,7 +336,9 @@ Tensor packed_self_attention(const Tensor& qkv, const Tensor& runs, int64_t n_he
                             : at::zeros({N, d}, qkv.options().dtype(out_dtype));
   if (tasks.empty()) return out;
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.n > b.n; });
-  const uint16_t* base = reinterpret_cast<const uint16_t*>(qkv.data_ptr());
+  const bool f32 = qkv.scalar_type() == at::kFloat;
+  const uint16_t* base = f32 ? nullptr : reinterpret_cast<const uint16_t*>(qkv.data_ptr());
+  const float* base32 = f32 ? qkv.data_ptr<float>() : nullptr;
   const float sc = float(scale);
   bool fast = false;
 #if defined(__AVX512BF16__)
@@ -337,15 +355,30 @@ Tensor packed_self_attention(const Tensor& qkv, const Tensor& runs, int64_t n_he
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ti = 0; ti < T; ++ti) {
       const Task& t = tasks[ti];
-      pack(base, 3 * d, d, t, hd, dp, hv, fast, w);
+      if (f32) {  // the task's q|k|v rounded to bf16 ([n][3][hd]), packed from there
+        w.x.resize(t.n * 3 * hd);
+        for (int64_t j = 0; j < t.n; ++j) {
+          for (int64_t part = 0; part < 3; ++part) {
+            const float* from = base32 + (t.row + j) * 3 * d + part * d + t.h * hd;
+            uint16_t* to = w.x.data() + (j * 3 + part) * hd;
+#pragma omp simd
+            for (int64_t c = 0; c < hd; ++c) to[c] = f_to_bf16(from[c]);
+          }
+        }
+        pack(w.x.data(), 3 * hd, hd, Task{0, t.n, 0}, hd, dp, hv, fast, w);
+      } else {
+        pack(base, 3 * d, d, t, hd, dp, hv, fast, w);
+      }
       for (int64_t q0 = 0; q0 < t.n; q0 += QB) {
         const int64_t qn = std::min(QB, t.n - q0);
 #if defined(__AVX512BF16__)
-        if (fast)
-          task_avx512(w, t, dp, hv, sc, inv.data(), w, o, q0, qn);
+        if (fast && split_probs)
+          task_avx512<true>(w, t, dp, hv, sc, inv.data(), w, o, q0, qn);
+        else if (fast)
+          task_avx512<false>(w, t, dp, hv, sc, inv.data(), w, o, q0, qn);
         else
 #endif
-          task_portable(w, t, hd, dp, hv, sc, inv.data(), w, o, q0, qn);
+          task_portable(w, t, hd, dp, hv, sc, split_probs, inv.data(), w, o, q0, qn);
 #if defined(__AVX512BF16__)
         if (fast) {
           for (int64_t i = 0; i < qn; ++i) {
@@ -387,7 +420,7 @@ bool packed_attention_avx512(int64_t flag) {
 }  // namespace sublayer
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
-  m.def("packed_self_attention(Tensor qkv, Tensor runs, int n_heads, float scale, ScalarType out_dtype) -> Tensor");
+  m.def("packed_self_attention(Tensor qkv, Tensor runs, int n_heads, float scale, ScalarType out_dtype, bool split_probs=True) -> Tensor");
   m.def("packed_attention_avx512(int flag) -> bool", &sublayer::packed_attention_avx512);
 }
 
