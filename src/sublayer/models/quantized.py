@@ -367,7 +367,7 @@ class QuantizedBert(PreparedBert):
     def _parts(self) -> tuple[dict[str, Tensor], list[dict]]:
         return self.tensors, self.layers
 
-    split_probs = False  # bf16 probabilities: their error is small next to int8 activations'
+    split_probs = False  # bf16 probabilities: their error is small next to int8 activations
 
     @property
     def attention_dtype(self) -> torch.dtype | None:
