@@ -125,6 +125,46 @@ def test_linear_formats_share_the_call():
         assert_close(lin(x), F.linear(x, w, b))
         assert_close(lin(x, "gelu"), F.gelu(F.linear(x, w, b)))
         assert_close(lin(x, "relu"), F.relu(F.linear(x, w, b)))
+    # bf16 panels: bf16 weight, bias and x, float32 sums, bf16 out (GELU fused before the rounding)
+    lin, (xb, wb, bb) = OneDNNLinear(w, b, dtype=torch.bfloat16), (t.bfloat16().double() for t in (x, w, b))
+    want = xb @ wb.t() + bb
+    for act, fn in ((None, lambda t: t), ("gelu", F.gelu), ("relu", F.relu)):
+        got = lin(x, act)
+        assert got.dtype == torch.bfloat16
+        assert_close(got.double(), fn(want), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="dtype must be torch.float32 or torch.bfloat16"):
+        OneDNNLinear(w, b, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("padding", PADDINGS + ["all"])
+def test_bf16_attention_kernel_on_either_path_follows_bert(padding, monkeypatch):
+    # FastBert bf16 and QuantizedBert run packed_self_attention (vdpbf16ps kernel, then its portable loop)
+    m = _bert()
+    ids, mask = _batch(padding)
+    if padding == "all":
+        mask = torch.zeros_like(mask)
+    real = mask.bool()
+    monkeypatch.setattr(kernels.cpu, "_native_bf16", True)  # bf16 compute, as on an AVX512_BF16 CPU
+    fast, q = fast_inference(m, dtype=torch.bfloat16), Q.QuantizedBert.from_model(m, ())
+    assert q.attention_dtype == torch.bfloat16
+    with torch.no_grad():
+        ref = m(ids, mask)
+    was = kernels.ops().packed_attention_avx512(-1)
+    outs = []
+    try:
+        for on in (1, 0):
+            kernels.ops().packed_attention_avx512(on)
+            out, out8 = fast(ids, mask), q(ids, mask)
+            for o in (out, out8):
+                assert o.dtype == torch.float32 and bool(torch.isfinite(o).all()) and bool((o[~real] == 0).all())
+            if padding != "all":
+                assert _cos(out[real], ref[real]) >= 0.999 and _cos(out8[real], ref[real]) >= 0.99
+            outs.append(out)
+    finally:
+        kernels.ops().packed_attention_avx512(int(was))
+    assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+    with kernels_switched(False):
+        assert Q.QuantizedBert.from_model(m, ()).attention_dtype is None
 
 
 def test_prepared_weights_follow_training():

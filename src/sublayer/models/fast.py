@@ -7,14 +7,15 @@
 * caches the weights once in the *compute dtype*: bf16 when the CPU multiplies bf16 natively (AVX512_BF16 / AMX,
   :func:`sublayer.kernels.native_bf16_gemm`), otherwise float32 — on an AVX2 CPU oneDNN's bf16 GEMMs are
   several times slower than fp32, so asking for bf16 there gives the fp32 path (``fast.compute_dtype`` tells
-  which one runs); float32 weights are packed once for oneDNN (:class:`sublayer.runtime.linear.OneDNNLinear`);
+  which one runs); BERT's weights are packed once for oneDNN in the compute dtype
+  (:class:`sublayer.runtime.linear.OneDNNLinear`: bias and erf GELU fused into the GEMM);
 * BERT runs the one prepared encoder of :mod:`sublayer.runtime.encoder` (shared with the int8 wrapper and
   ``sublayer.hf``'s patched ``BertModel``): q, k, v fused into one GEMM, bias + activation and residual add +
   LayerNorm in the fused kernels of :mod:`sublayer.kernels` (fp32 statistics; the reference ops when the kernels
-  are off), attention in the fused ``qkv_self_attention`` kernel (float32) or ``F.scaled_dot_product_attention``
-  (bf16) with the padding mask;
-* BERT with padding: the dense layers only see real tokens (padding rows are dropped before the GEMMs and put back
-  for attention only), so a batch of mixed lengths costs the FLOPs of its real tokens. The hidden states at padded
+  are off), attention on the packed rows of each run of equal-length sequences (the fused ``qkv_self_attention``
+  kernel in float32, ``packed_self_attention`` in bf16);
+* BERT with padding: padding rows are dropped before the first layer, the dense layers and the attention only see
+  real tokens, so a batch of mixed lengths costs the FLOPs of its real tokens. The hidden states at padded
   positions are returned as zeros (the reference model computes values there that nothing should read);
 * runs without autograd (outputs never require grad), without dropout (eval semantics, whatever ``model.training``
   says) and with autocast switched off inside (the compute dtype above decides; calling it under
@@ -143,10 +144,8 @@ class _FastBase:
 # ----------------------------------------------------------------------------------------------- BERT
 def float_linear(dtype: torch.dtype):
     """The prepared format of a float BERT's dense layers (``linear`` of :func:`bert_layers`) for a compute dtype:
-    float32 oneDNN panels (:class:`OneDNNLinear`), else the weight cast once (:class:`DenseLinear`)."""
-    if dtype == torch.float32:
-        return lambda t, name: OneDNNLinear(t[f"{name}.weight"], t[f"{name}.bias"])
-    return lambda t, name: DenseLinear(t[f"{name}.weight"], t[f"{name}.bias"], dtype)
+    float32 or bf16 (the weight rounded once) packed for oneDNN (:class:`OneDNNLinear`)."""
+    return lambda t, name: OneDNNLinear(t[f"{name}.weight"], t[f"{name}.bias"], dtype=dtype)
 
 
 class FastBert(_FastBase, PreparedBert):

@@ -59,7 +59,8 @@ class PreparedBert:
 
     Subclasses give ``config``, ``compute_dtype``, ``_check`` (:meth:`Bert._prepare`'s checks) and ``_parts()``:
     ``(tensors, layers)``, the :func:`bert_tensors` names (embeddings, norms, pooler) and the layers of
-    :func:`sublayer.runtime.encoder.run_layers`. ``attention_dtype``: the attention's (None: the compute dtype).
+    :func:`sublayer.runtime.encoder.run_layers`. ``attention_dtype``: the attention's (None: the compute dtype);
+    ``split_probs``: bf16 attention's probabilities in two bf16 parts (see :func:`sublayer.runtime.encoder.attention`).
 
     Forward: as :meth:`Bert.forward` (``input_ids``, ``attention_mask`` 1 = token, ``token_type_ids``,
     ``return_dict``) -> float32 (B, T, d_model); hidden states at padded positions are zeros. ``embed`` and
@@ -67,6 +68,7 @@ class PreparedBert:
     """
 
     attention_dtype: torch.dtype | None = None
+    split_probs: bool = True
 
     @inference
     def forward(
@@ -94,7 +96,7 @@ class PreparedBert:
         x = layer_norm(x, t["embeddings.norm.weight"], t["embeddings.norm.bias"], cfg.eps).to(self.compute_dtype)
         x = run_layers(x, layers, pad=pad, shape=(B, T), heads=cfg.n_heads,
                        scale=1.0 / math.sqrt(d // cfg.n_heads), activation=cfg.activation,
-                       attention_dtype=self.attention_dtype).float()  # fmt: skip
+                       attention_dtype=self.attention_dtype, split_probs=self.split_probs).float()  # fmt: skip
         if index is not None:
             x = x.new_zeros(B * T, d).index_copy_(0, index, x)
         h = x.view(B, T, d)

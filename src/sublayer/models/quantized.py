@@ -367,6 +367,14 @@ class QuantizedBert(PreparedBert):
     def _parts(self) -> tuple[dict[str, Tensor], list[dict]]:
         return self.tensors, self.layers
 
+    split_probs = False  # bf16 probabilities: their error is small next to int8 activations
+
+    @property
+    def attention_dtype(self) -> torch.dtype | None:
+        """bf16 attention (the ``packed_self_attention`` kernel: bf16 q, k, v and probabilities, float32 sums and
+        softmax) where the kernels run and the CPU multiplies bf16 natively; float32 elsewhere."""
+        return torch.bfloat16 if kernels_on() and kernels.native_bf16_gemm() else None
+
     @classmethod
     def from_model(
         cls, model: Bert, keep_float=None, calibration: Tensor | None | bool = None, *,

@@ -5,17 +5,19 @@ output projection, add & LayerNorm, fc1 with its activation, fc2, add & LayerNor
 tokens only (packed rows), so a batch of mixed lengths costs the FLOPs of its real tokens.
 
 A layer is a dict: ``qkv``, ``out``, ``fc1``, ``fc2`` — prepared linears of :mod:`sublayer.runtime.linear`'s call
-protocol, ``lin(x (N, K), activation=None) -> (N, M)`` (float32 oneDNN panels :class:`~.linear.OneDNNLinear`, a
-compute-dtype copy :class:`~.linear.DenseLinear`, int8 :class:`~.linear.Int8Linear`, or any object with that
+protocol, ``lin(x (N, K), activation=None) -> (N, M)`` (float32 / bf16 oneDNN panels :class:`~.linear.OneDNNLinear`,
+a compute-dtype copy :class:`~.linear.DenseLinear`, int8 :class:`~.linear.Int8Linear`, or any object with that
 call) — and ``norm1``, ``norm2``: ``(weight, bias, eps)`` float32. A linear may also fuse its epilogue with the next
 linear's input preparation (the int8 ``linear_dynamic`` format does): it then has ``add_norm(h, resid, norm, *,
 pre, nxt) -> (x, pre')`` and ``act(h, activation, *, pre, nxt) -> (y, pre')``, takes ``pre=`` in its call, and the
 loop hands each ``pre'`` to the next linear (``None``: the linear prepares its input itself).
 
 Attention runs on the packed rows, one call per run of consecutive sequences of one length (:func:`runs`; no
-padding multiplied, nothing scattered into a padded layout): the fused ``qkv_self_attention`` kernel on float32
-q|k|v (each sequence and head in L1, no (B, H, T, T) scores), ``F.scaled_dot_product_attention`` otherwise (bf16,
-or the kernels off). No autograd, no dropout: callers run it under :func:`sublayer.runtime.rows.inference`.
+padding multiplied, nothing scattered into a padded layout): in bf16 the ``packed_self_attention`` kernel, one call
+for all runs (bf16 q|k|v and probabilities, float32 scores, softmax and sums; vdpbf16ps where the CPU has
+AVX512_BF16), in float32 the fused ``qkv_self_attention`` kernel (each sequence and head in L1, no (B, H, T, T)
+scores), ``F.scaled_dot_product_attention`` with the kernels off. No autograd, no dropout: callers run it under
+:func:`sublayer.runtime.rows.inference`.
 """
 
 from __future__ import annotations
@@ -46,12 +48,17 @@ def runs(pad: Tensor | None, shape: tuple[int, int]) -> list[tuple[int, int, int
 
 
 def attention(qkv: Tensor, segments: list[tuple[int, int, int]], heads: int, scale: float, *,
-              dtype: torch.dtype | None = None) -> Tensor:  # fmt: skip
+              dtype: torch.dtype | None = None, split_probs: bool = True) -> Tensor:  # fmt: skip
     """Self-attention of packed q|k|v rows, each sequence on its own rows: ``qkv`` (N, 3d), ``segments`` from
-    :func:`runs` (each run of equal-length sequences one call: no padding multiplied, nothing scattered).
-    ``dtype``: the attention's dtype (None: qkv's). Returns ctx (N, d) in qkv's dtype."""
+    :func:`runs` (no padding multiplied, nothing scattered). ``dtype``: the attention's dtype (None: qkv's; bf16
+    with the kernels on: ``packed_self_attention``, one call for all runs, float32 or bf16 q|k|v).
+    ``split_probs``: that kernel's probabilities as two bf16 parts (about float32's accuracy) rather than one
+    (bf16's; the P v products cost half). Returns ctx (N, d) in qkv's dtype."""
     d = qkv.shape[1] // 3
     dtype = qkv.dtype if dtype is None else dtype
+    if kernels_on() and dtype == torch.bfloat16 and qkv.dtype in (torch.float32, torch.bfloat16):
+        table = torch.tensor(segments, dtype=torch.int64).reshape(-1, 3)
+        return kernels.ops().packed_self_attention(qkv.contiguous(), table, heads, scale, qkv.dtype, split_probs)
     x = qkv.to(dtype)
     kernel = kernels_on() and dtype == torch.float32
     out = None if len(segments) == 1 else qkv.new_empty(qkv.shape[0], d, dtype=dtype)
@@ -70,15 +77,16 @@ def attention(qkv: Tensor, segments: list[tuple[int, int, int]], heads: int, sca
 
 def run_layers(
     x: Tensor, layers: list[dict], *, pad: Tensor | None, shape: tuple[int, int], heads: int, scale: float,
-    activation: str, attention_dtype: torch.dtype | None = None,
+    activation: str, attention_dtype: torch.dtype | None = None, split_probs: bool = True,
 ) -> Tensor:
     """The encoder layers on packed rows: ``x`` (N, d), the embeddings' output at the real tokens of a padded
     batch of ``shape`` (B, T) in row-major order, ``pad`` (B, T) bool True = padding (None: none). Returns (N, d)
-    in the dtype of the linears' outputs. ``attention_dtype``: the attention's dtype (None: q|k|v's)."""
+    in the dtype of the linears' outputs. ``attention_dtype``: the attention's dtype (None: q|k|v's);
+    ``split_probs`` as :func:`attention`'s."""
     segments, pre = runs(pad, shape), None
     for i, L in enumerate(layers):
         qkv = L["qkv"](x) if pre is None else L["qkv"](x, pre=pre)
-        ctx = attention(qkv, segments, heads, scale, dtype=attention_dtype)
+        ctx = attention(qkv, segments, heads, scale, dtype=attention_dtype, split_probs=split_probs)
         x, pre = _add_norm(L["out"], ctx, x, L["norm1"], None, L["fc1"])
         h, pre = _act(L["fc1"], x, activation, pre, L["fc2"])
         nxt = layers[i + 1]["qkv"] if i + 1 < len(layers) else None

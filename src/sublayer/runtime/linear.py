@@ -264,21 +264,29 @@ class DenseLinear:
 
 
 class OneDNNLinear:
-    """``y = act(x @ weight.T + bias)`` in float32 on a weight packed once for oneDNN
-    (:mod:`sublayer.kernels.onednn`: about 10-20 % faster than the float32 GEMM of ``F.linear`` at encoder sizes;
-    erf GELU fused as its post-op); ``F.linear`` where oneDNN is absent. The call of :class:`PackedLinear`.
+    """``y = act(x @ weight.T + bias)`` on a weight packed once for oneDNN (:mod:`sublayer.kernels.onednn`: about
+    10-20 % faster than ``F.linear`` / ``torch.addmm`` at encoder sizes, float32 and bf16 alike; erf GELU fused as
+    its post-op); ``F.linear`` where oneDNN is absent. The call of :class:`PackedLinear`.
 
     Args:
         weight: (N, K). bias: (N,) or None.
+        dtype: the GEMM's dtype, ``torch.float32`` (default) or ``torch.bfloat16`` (weight and bias rounded to
+            bf16 once, x cast to it, float32 sums, bf16 output, as :class:`DenseLinear` in bf16).
+
+    Raises:
+        ValueError: ``dtype`` is neither float32 nor bfloat16.
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
-        self.weight = weight.detach().float().contiguous()
-        self.bias = None if bias is None else bias.detach().float().contiguous()
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, *, dtype: torch.dtype = torch.float32) -> None:
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"OneDNNLinear: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+        self.weight = weight.detach().to(dtype).contiguous()
+        self.bias = None if bias is None else bias.detach().to(dtype).contiguous()
         self.out_features = weight.shape[0]
         self.packed = onednn.pack(self.weight) if onednn.available() else None
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
+        x = x.to(self.weight.dtype)
         if self.packed is None:
             y = F.linear(x, self.weight, self.bias)
         elif activation == "gelu":
