@@ -809,6 +809,8 @@ void int8_tile(const uint32_t* xu, const float* sx, const int32_t* zp, int64_t K
   }
 }
 
+}  // namespace
+
 // x (M, K) float32 -> (M, n) = act((((u - zp) @ W^T) * sx[row]) * scale[col] + bias): uint8 activations u
 // quantized per row with their zero point zp (quantize_row; of x * inv_smooth when given: SmoothQuant's
 // per-input-channel divisor), int8 weights in quad panels (pack_int8_quads) with colsum[c] = sum_k W[c, k] (int32;
@@ -876,6 +878,8 @@ Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, 
   });
   return out;
 }
+
+namespace {
 
 // max_j (a[j] - e[j]) with e[j] = xn * bound[j] + rel * |a[j]| (the lower end of row j's interval); sets nan if
 // any a[j] is NaN.
