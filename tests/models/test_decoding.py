@@ -38,7 +38,7 @@ def steps_taken(monkeypatch):
 def _per_op(W):
     """``W`` without the one-call step's tensors: :func:`causal.step` runs its per-op loop."""
     W = copy.copy(W)
-    W.flat = None
+    W.flat = W.flat_rows = None
     return W
 
 

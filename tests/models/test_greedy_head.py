@@ -1,5 +1,5 @@
-"""GreedyHead (models/decoding.py): the float32 argmax of an LM head found by screening with a float16 copy of the
-weight and recomputing only the rows that could win, against ``F.linear(...).argmax``."""
+"""GreedyHead (models/decoding.py): the float32 argmax of an LM head found by screening with a float16 or bfloat16
+copy of the weight and recomputing only the rows that could win, against ``F.linear(...).argmax``."""
 
 from __future__ import annotations
 
@@ -17,22 +17,57 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+SCREENS = [torch.float16, torch.bfloat16]
+
+
 @pytest.mark.parametrize("rows", [1, 2, 7])
 @pytest.mark.parametrize("bias", [False, True])
-def test_equals_float32_argmax_on_random_heads(rows, bias):
+@pytest.mark.parametrize("screen", SCREENS)
+@pytest.mark.parametrize("avx512", [True, False])
+def test_equals_float32_argmax_on_random_heads(rows, bias, screen, avx512):
+    """Either screen, AVX-512 micro-kernels on and off (bfloat16 several rows: vdpbf16ps on x rounded to bf16)."""
     g = _gen(rows)
     w = torch.randn(1013, 37, generator=g) * 0.3
     b = torch.randn(1013, generator=g) if bias else None
-    head = GreedyHead(w, b)
-    for seed in range(20):
-        x = torch.randn(rows, 37, generator=_gen(100 + seed)) * 4
-        want = F.linear(x, w, b).argmax(-1)
-        assert head(x).tolist() == want.tolist()
-        ref, n_cand = head.reference(x)
-        assert ref.tolist() == want.tolist() and bool((n_cand >= 1).all())
+    head = GreedyHead(w, b, screen=screen)
+    assert head.screen == screen and head.usable
+    was = kernels.ops().decode_avx512(int(avx512))
+    try:
+        for seed in range(20):
+            x = torch.randn(rows, 37, generator=_gen(100 + seed)) * 4
+            want = F.linear(x, w, b).argmax(-1)
+            assert head(x).tolist() == want.tolist()
+            ref, n_cand = head.reference(x)
+            assert ref.tolist() == want.tolist() and bool((n_cand >= 1).all())
+    finally:
+        kernels.ops().decode_avx512(int(was))
 
 
-def test_near_ties_below_float16_resolution_are_decided_in_float32():
+def test_bfloat16_screen_bound_covers_rounded_rows_and_tiny_rows_go_float32():
+    """Several rows multiply x rounded to bf16 against the bfloat16 screen: logits that differ only below x's
+    bf16 rounding tie on the screen (its own argmax would take row 0) and are decided in float32; rows of norm
+    below 2^-60 (where underflow could exceed the bound) are multiplied in float32."""
+    w = torch.cat([torch.eye(2, 11), torch.randn(97, 11, generator=_gen(7)) * 0.01])
+    head = GreedyHead(w, screen=torch.bfloat16)
+    x = torch.zeros(3, 11)
+    x[:, 0], x[:, 1] = 1 + 2.0**-13, 1 + 2.0**-12  # both round to 1 in bfloat16
+    screened_only = F.linear(x.bfloat16().float(), w.bfloat16().float()).argmax(-1)
+    assert screened_only.tolist() == [0, 0, 0] and F.linear(x, w).argmax(-1).tolist() == [1, 1, 1]
+    assert head(x).tolist() == [1, 1, 1]
+    ref, n_cand = head.reference(x)
+    assert ref.tolist() == [1, 1, 1] and bool((n_cand >= 2).all())
+    tiny = torch.randn(3, 11, generator=_gen(8)) * 2.0**-80
+    assert not head._large(tiny) and head._large(tiny * 2.0**70)
+    assert head(tiny).tolist() == F.linear(tiny, w).argmax(-1).tolist()
+
+
+def test_screen_must_be_a_16_bit_float():
+    with pytest.raises(ValueError, match="screen must be torch.float16 or torch.bfloat16, got torch.float32"):
+        GreedyHead(torch.randn(5, 3), screen=torch.float32)
+
+
+@pytest.mark.parametrize("screen", SCREENS)
+def test_near_ties_below_float16_resolution_are_decided_in_float32(screen):
     # rows 0..9 differ from row 10 by less than float16 can see: the float16 logits tie, float32 ones do not
     g = _gen(5)
     base = torch.randn(1, 41, generator=g)
@@ -42,7 +77,7 @@ def test_near_ties_below_float16_resolution_are_decided_in_float32():
         w2 = w.clone()
         # nudge column 0 of row `winner` towards the sign of x[:, 0] by a tenth of a float16 ulp
         w2[winner, 0] += 1e-5 * torch.sign(x[0, 0])
-        head = GreedyHead(w2)
+        head = GreedyHead(w2, screen=screen)
         want = F.linear(x, w2).argmax(-1)
         assert int(want[0]) == winner
         assert head(x).tolist() == want.tolist()
@@ -66,8 +101,8 @@ def test_non_finite_inputs_fall_back_to_every_row():
 
 def test_weights_beyond_float16_range_skip_the_screening():
     w = torch.randn(13, 5, generator=_gen(3))
-    w[2, 1] = 1e6  # float16 overflows to inf
-    head = GreedyHead(w)
-    assert not head.usable
+    w[2, 1] = 1e6  # float16 overflows to inf; bfloat16 has float32's range
+    head, head_bf16 = GreedyHead(w, screen=torch.float16), GreedyHead(w, screen=torch.bfloat16)
+    assert not head.usable and head_bf16.usable
     x = torch.randn(4, 5, generator=_gen(4))
-    assert head(x).tolist() == F.linear(x, w).argmax(-1).tolist()
+    assert head(x).tolist() == head_bf16(x).tolist() == F.linear(x, w).argmax(-1).tolist()

@@ -1,8 +1,11 @@
-"""Weight-only int8 GPT-2 (sublayer.models.quantized_gpt2): per-layer error bounds from the quantization steps,
-logits and greedy tokens close to the float model, the fast decoding loop equal to the wrapper's reference loop
-(kernels on and off), save/load, and refusals."""
+"""int8 GPT-2 (sublayer.models.quantized_gpt2): per-layer error bounds from the quantization steps (weight-only),
+int8 activations for several rows against their reference, logits and greedy tokens close to the float model, the
+fast decoding loop (one-call step with either format) equal to the wrapper's reference loop (kernels on and off),
+save/load, and refusals."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -13,8 +16,12 @@ from sublayer.checkpoints import CheckpointError
 from sublayer.models import GPT2, GPT2Config, decoding
 from sublayer.models import quantized as Q
 from sublayer.models.fast import fast_inference
+from sublayer.models import quantized_gpt2
 from sublayer.models.quantized_gpt2 import QuantizedGPT2, WeightInt8Linear
 from sublayer.runtime import causal
+from sublayer.runtime.kv_cache import StaticKVCache
+from sublayer.runtime.linear import int8_linear_reference
+from sublayer.runtime.rows import kernels_on
 
 pytest.importorskip("safetensors")
 
@@ -58,6 +65,79 @@ def test_weight_int8_linear_within_derived_bound(activation, kernels_mode):
         bound += 1e-5 * (1 + ref.abs())
         assert ((y.double() - ref).abs() <= bound).all()
         assert (y.double() - ref).abs().max() > 1e-4  # the weights are rounded (a float path would pass anyway)
+
+
+@pytest.mark.parametrize("activation", [None, "gelu_tanh"])
+def test_int8_rows_several_rows_quantize_activations_one_row_stays_weight_only(activation, kernels_mode):
+    """int8_rows: more than one row equals int8_linear_reference (per-row uint8 activations), one row the
+    weight-only layer; flat_quads gives int8_linear's operands only then (and with the kernels)."""
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(29, 41, generator=g), torch.randn(29, generator=g)
+    q, s = Q.quantize_weight(w)
+    lin, plain = WeightInt8Linear(q, s, b, int8_rows=True), WeightInt8Linear(q, s, b)
+    assert plain.flat_quads() is None
+    for rows in (2, 7, 13):
+        x = torch.randn(rows, 41, generator=g)
+        ref = int8_linear_reference(x, q, s, b)
+        ref = ref if activation is None else F.gelu(ref, approximate="tanh")
+        torch.testing.assert_close(lin(x, activation), ref, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(lin(x, activation), plain(x, activation), rtol=1e-4, atol=1e-4)
+    x1 = torch.randn(1, 41, generator=g)
+    assert torch.equal(lin(x1, activation), plain(x1, activation))
+    quads = lin.flat_quads()
+    if kernels_on():
+        assert quads[0].dim() == 4 and quads[3].dtype == torch.int32 and torch.equal(quads[3], q.sum(1, dtype=torch.int32))
+    else:
+        assert quads is None
+
+
+@pytest.mark.skipif(not kernels.enabled(), reason="C++ kernels unavailable")
+@pytest.mark.parametrize("avx512", [True, False])
+def test_one_call_step_with_int8_rows_equals_the_per_op_step(avx512, monkeypatch):
+    """causal_decode_layers over int8_linear's quads (several rows) and over the weight-only panels (one row)
+    against causal.step's per-op loop on the same int8 weights, with a padding mask."""
+    monkeypatch.setattr(quantized_gpt2, "own_int8_gemm", lambda: True)  # int8_linear's portable loop without VNNI
+    W = causal.build(_gpt2(), lambda name, t: quantized_gpt2.int8_linear(name, _quantized(t)), greedy=False)
+    assert W.flat_rows is not None and W.flat_rows[2].dim() == 4 and W.flat[2].dim() == 3
+    per_op = copy.copy(W)
+    per_op.flat = per_op.flat_rows = None
+    t, hd = 7, CFG["d_model"] // CFG["n_heads"]
+
+    def caches(b):
+        cs = [StaticKVCache(b, CFG["n_heads"], t + 1, hd) for _ in range(CFG["n_layers"])]
+        for i, c in enumerate(cs):
+            c.k.copy_(torch.randn(c.k.shape, generator=torch.Generator().manual_seed(i)))
+            c.v.copy_(torch.randn(c.v.shape, generator=torch.Generator().manual_seed(i + 7)))
+            c.length = t
+        return cs
+
+    was = kernels.ops().decode_avx512(int(avx512))
+    try:
+        for b in (1, 3):
+            mask = torch.zeros(b, t + 1, dtype=torch.bool)
+            mask[-1, :2] = True
+            tok = torch.randint(0, CFG["vocab_size"], (b,), generator=torch.Generator().manual_seed(b))
+            pos = torch.tensor([t, t - 2, t + 20][:b])
+            c1, c2 = caches(b), caches(b)
+            got = causal.step(W, tok, pos, c1, mask)
+            want = causal.step(per_op, tok, pos, c2, mask)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            for a, r in zip(c1, c2):
+                torch.testing.assert_close(a.k[:, :, : t + 1], r.k[:, :, : t + 1], rtol=1e-4, atol=1e-4)
+    finally:
+        kernels.ops().decode_avx512(int(was))
+
+
+def _quantized(t: dict) -> dict:
+    """The engine tensors with every dense weight as qweight + scale (what QuantizedCausalLM holds)."""
+    out = {}
+    for name, v in t.items():
+        if name.endswith(".weight") and v.dim() == 2 and name != "wte" and name != "wpe":
+            layer = name.rsplit(".", 1)[0]
+            out[f"{layer}.qweight"], out[f"{layer}.scale"] = Q.quantize_weight(v)
+        else:
+            out[name] = v
+    return out
 
 
 def test_every_linear_is_int8_and_within_its_bound():

@@ -10,16 +10,25 @@ import torch
 from torch import Tensor
 
 from .. import checkpoints as ckpt
+from .. import kernels
+from ..runtime.rows import kernels_on
 
 __all__ = [
     "QUANTIZE_CHOICES", "QUANT_METHOD", "LINEARS", "Spec", "check_quantize", "quantize_weight", "check_float_cpu",
-    "dense_names", "check_keep_float", "dense_spec", "check_tensors", "quant_config",
+    "dense_names", "check_keep_float", "dense_spec", "check_tensors", "quant_config", "own_int8_gemm",
 ]  # fmt: skip
 
 LINEARS = ("qkv", "out", "fc1", "fc2")  # the dense layers of a block, as keep_float patterns name them
 
 QUANTIZE_CHOICES = ("int8",)
 QUANT_METHOD = "sublayer-int8"
+
+def own_int8_gemm() -> bool:
+    """Whether int8 layers with int8 activations run on sublayer's ``int8_linear`` kernel: the kernels on and a
+    CPU with AVX512-VNNI or AMX-INT8. Elsewhere fbgemm's ``linear_dynamic`` multiplies faster than that kernel's
+    portable loop (BERT), and several rows of a causal LM stay weight-only. Decided when a model is built."""
+    return kernels_on() and kernels.cpu.has("avx512_vnni", "amx_int8")
+
 
 def check_quantize(quantize: object) -> None:
     """Raises ValueError unless ``quantize`` is None or one of :data:`QUANTIZE_CHOICES`."""

@@ -72,6 +72,7 @@ from .int8 import (
     check_tensors,
     dense_names,
     dense_spec,
+    own_int8_gemm,
     quant_config,
     quantize_weight,
 )
@@ -126,13 +127,6 @@ def engine() -> str:
     if _engine is None:
         _engine = kernels.cpu.int8_engine(torch.backends.quantized.supported_engines)
     return _engine
-
-
-def own_int8_gemm() -> bool:
-    """Whether BERT's int8 layers run on sublayer's ``int8_linear`` kernel (int8 activations per token, see the
-    module docstring): the kernels on and a CPU with AVX512-VNNI or AMX-INT8. Elsewhere fbgemm's
-    ``linear_dynamic`` multiplies faster than that kernel's portable loop. Decided when a model is built."""
-    return kernels_on() and kernels.cpu.has("avx512_vnni", "amx_int8")
 
 
 def default_keep_float(own_gemm: bool | None = None) -> tuple[str, ...]:

@@ -2,18 +2,22 @@
 ``fast_inference(model, quantize="int8")`` or :func:`sublayer.models.quantized.quantize` return a
 :class:`QuantizedCausalLM` (``QuantizedGPT2`` is the same class).
 
-Decoding multiplies a few rows per step, so its time is the time to stream the weights from memory: this path is
-**weight-only int8** (unlike BERT's, whose activations are quantized too, see :mod:`.quantized`):
+Decoding one sequence multiplies one row per step, so its time is the time to stream the weights from memory;
+several rows (a batch, the prompt) make the product compute-bound. So:
 
 * the dense layers of the blocks (fused q|k|v, attention output, fc1, fc2) and the LM head are stored int8,
   symmetric per output channel (:func:`~.int8.quantize_weight`: ``w ≈ q · s[j]``, error <= ``s[j] / 2``),
   except those ``keep_float`` names (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}`` and ``head``);
-* activations stay float32: ``y = act((x @ q^T) · s + b)`` with exact products and fp32 sums, by the
-  ``skinny_linear`` kernel of the float decoding path (``kernels/csrc/packed_linear.cpp``) on int8 panels: the float
-  panels at a quarter of the bytes, widened to fp32 in registers, the scale applied in the epilogue. The same
-  kernel for every row count, so the prompt (prefill) and the decoding steps share one numerics. Without the C++
-  kernels :func:`weight_int8_linear_reference` computes them in plain PyTorch (``F.linear`` on the widened
-  weight; slower, same results up to the summation order);
+* one row (batch-1 decoding steps) is **weight-only**: float32 activations, ``y = act((x @ q^T) · s + b)`` with
+  exact products and fp32 sums, by the ``skinny_linear`` kernel of the float decoding path
+  (``kernels/csrc/packed_linear.cpp``) on int8 panels: the float panels at a quarter of the bytes, widened to fp32
+  in registers, the scale applied in the epilogue. Without the C++ kernels :func:`weight_int8_linear_reference`
+  computes them in plain PyTorch (``F.linear`` on the widened weight; slower, same results up to the summation
+  order);
+* several rows (the prompt, batched decoding steps), where :func:`~.int8.own_int8_gemm` (AVX512-VNNI or
+  AMX-INT8), quantize each row's activations too, as BERT's int8 path does (:class:`~sublayer.runtime.linear.Int8Linear`:
+  uint8 per token with its own scale and zero point, exact int32 sums by ``vpdpbusd``): four products per
+  instruction lane where widening int8 to float32 gives one. Elsewhere several rows stay weight-only;
 * embeddings, norms, rotary positions, attention (SDPA for the prompt, ``decode_attention`` over the static cache)
   and the activations stay float32;
 * the forward and the decoding loop are the engine's (:mod:`sublayer.runtime.causal`, with the int8 linears as its
@@ -44,10 +48,12 @@ from .. import checkpoints as ckpt
 from .. import kernels
 from ..functional import fused
 from ..runtime import causal
-from ..runtime.linear import PackedLinear
+from ..runtime.linear import Int8Linear, PackedLinear
 from ..runtime.rows import ffn_hidden, inference, kernels_on
 from .causal_lm import CausalLM, PreparedCausalLM
-from .int8 import LINEARS, check_float_cpu, check_keep_float, dense_names, dense_spec, quant_config, quantize_weight
+from .int8 import (
+    LINEARS, check_float_cpu, check_keep_float, dense_names, dense_spec, own_int8_gemm, quant_config, quantize_weight,
+)  # fmt: skip
 
 __all__ = [
     "DEFAULT_KEEP_FLOAT_GPT2", "WeightInt8Linear", "weight_int8_linear_reference", "int8_linear",
@@ -64,22 +70,29 @@ def weight_int8_linear_reference(x: Tensor, q: Tensor, scale: Tensor, bias: Tens
 
 
 class WeightInt8Linear:
-    """``y = act((x @ q^T) * scale + bias)``: int8 weight (symmetric per output channel), float32 activations.
+    """``y = act((x @ q^T) * scale + bias)``: int8 weight (symmetric per output channel), float32 activations
+    (weight-only), or with ``int8_rows`` int8 activations for several rows.
 
     Args:
         q: (N, K) int8. scale: (N,) float32. bias: (N,) float32 or None.
+        int8_rows: more than one row goes through :class:`~sublayer.runtime.linear.Int8Linear` (each row quantized
+            to uint8 with its own scale and zero point, exact int32 sums; ``int8_linear`` on the kernels, its
+            reference without them); one row stays weight-only.
 
     Call: ``x`` (M, K) float32 with unit inner stride, ``activation`` an FFN activation name or None -> (M, N).
     The weight is packed once (``pack_linear_weight``: int8 panels) at the first call with the kernels on.
     """
 
-    def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
+    def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None, *, int8_rows: bool = False) -> None:
         self.q, self.scale = q.contiguous(), scale.float().contiguous()
         self.bias = None if bias is None else bias.float().contiguous()
         self.out_features, self.in_features = q.shape
         self._packed: Tensor | None = None
+        self.rows = Int8Linear(self.q, self.scale, self.bias) if int8_rows else None
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
+        if self.rows is not None and x.shape[0] > 1:
+            return self.rows(x, activation)
         if kernels_on() and (activation is None or activation in fused.ACT_IDS):
             act = 0 if activation is None else fused.ACT_IDS[activation]
             return kernels.ops().skinny_linear(x, self.packed(), self.bias, self.out_features, act, self.scale)
@@ -99,14 +112,22 @@ class WeightInt8Linear:
             return None
         return self.packed(), self.scale, torch.empty(0) if self.bias is None else self.bias
 
+    def flat_quads(self) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """``(quads, scale, bias, colsum)``: the one-call decoding step's int8-activation form for several rows
+        (``int8_linear``'s operands; no bias: an empty tensor), or None (weight-only, or no kernels)."""
+        if self.rows is None or not kernels_on():
+            return None
+        return self.rows.packed(), self.scale, torch.empty(0) if self.bias is None else self.bias, self.rows.colsum
+
 
 def int8_linear(name: str, t: dict[str, Tensor]):
     """One dense layer of a saved or quantized tensor dict (``linear`` of :func:`sublayer.runtime.causal.build`):
-    :class:`WeightInt8Linear` where ``{name}.qweight`` is present, else float32 :class:`PackedLinear` (a tied
-    float head is the embedding ``wte``)."""
+    :class:`WeightInt8Linear` where ``{name}.qweight`` is present (int8 activations for several rows where
+    :func:`~.int8.own_int8_gemm`), else float32 :class:`PackedLinear` (a tied float head is the embedding
+    ``wte``)."""
     b = t.get(f"{name}.bias")
     if f"{name}.qweight" in t:
-        return WeightInt8Linear(t[f"{name}.qweight"], t[f"{name}.scale"], b)
+        return WeightInt8Linear(t[f"{name}.qweight"], t[f"{name}.scale"], b, int8_rows=own_int8_gemm())
     return PackedLinear(t.get(f"{name}.weight", t["wte"]), b)
 
 
@@ -194,7 +215,7 @@ class QuantizedCausalLM(PreparedCausalLM):
         :func:`sublayer.models.quantized.load_quantized`."""
         cfg = self.config.to_hf_dict()
         qc = quant_config(self.keep_float)
-        qc["activations"] = "float32 (weight-only int8)"
+        qc["activations"] = "float32 for one row, int8 per token for several where the CPU has VNNI (chosen at run time)"
         cfg["quantization_config"] = qc
         ckpt.write_folder(folder, self.tensors, cfg)
         ckpt.write_generation_config(folder, self.generation_config)

@@ -33,7 +33,7 @@ from ..functional.packing import document_mask
 from ..nn import RMSNorm
 from .generation import token_loop
 from .kv_cache import StaticKVCache, decode_attention
-from .linear import GreedyHead, PackedLinear, skinny_max_rows
+from .linear import NO_SCALE, GreedyHead, PackedLinear, skinny_max_rows
 from .rows import add_norm, kernels_on, norm_rows
 from .rules import fast_path_allowed
 from .weights import prepared
@@ -118,8 +118,9 @@ class CausalWeights:
     """Prepared weights of a decoder-only LM (:func:`build`): ``layers`` (per block ``ln1``, ``ln2``
     (:class:`Norm`) and ``qkv``, ``out``, ``fc1``, ``fc2`` linears called ``(x, activation=None)``), ``norm``
     (final), ``head`` (a linear), ``greedy`` (a :class:`GreedyHead` or None), ``embed``, ``positions``,
-    ``rotary``, the head layout (``n_heads``, ``n_kv_heads``, ``head_dim``), ``activation``, and ``flat``: the
-    tensors of the one-call C++ step, or None where it does not apply."""
+    ``rotary``, the head layout (``n_heads``, ``n_kv_heads``, ``head_dim``), ``activation``, and ``flat`` /
+    ``flat_rows``: the tensors of the one-call C++ step for one row / several rows, or None where it does not
+    apply."""
 
     def __init__(self, **kw) -> None:
         self.__dict__.update(kw)
@@ -163,7 +164,7 @@ def build(
         layers=layers, norm=norm("ln_f", norms[-1]), head=linear("head", t), embed=t["wte"], positions=t.get("wpe"),
         greedy=GreedyHead(head_w, t.get("head.bias")) if greedy and kernels_on() else None, **s,
     )  # fmt: skip
-    W.flat = flat_weights(W)
+    W.flat, W.flat_rows = flat_weights(W), flat_weights(W, rows=2)
     return W
 
 
@@ -189,10 +190,22 @@ def packed_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Causal
     )  # fmt: skip
 
 
-def flat_weights(W: CausalWeights) -> list[Tensor] | None:
-    """The tensors of ``causal_decode_layers`` (every block of a step in one C++ call), or None where it does not
-    apply: no kernels, a linear without panels (``flat()``), an activation it does not fuse, norms of mixed kinds
-    or eps, LayerNorms without bias."""
+def _flat_linear(lin, rows: int) -> tuple[Tensor, ...] | None:
+    """``(packed, scale, bias, colsum)`` of one linear for steps of ``rows`` rows: its ``flat_quads()`` (int8
+    activations: quads and column sums) for several rows where it has them, else its ``flat()`` panels with an
+    empty colsum; None where it has neither."""
+    quads = getattr(lin, "flat_quads", lambda: None)() if rows > 1 else None
+    if quads is not None:
+        return quads
+    p = getattr(lin, "flat", lambda: None)()
+    return None if p is None else (*p, NO_SCALE)
+
+
+def flat_weights(W: CausalWeights, *, rows: int = 1) -> list[Tensor] | None:
+    """The tensors of ``causal_decode_layers`` (every block of a step in one C++ call) for steps of ``rows`` rows
+    (1, or any count above: the linears' formats may differ), or None where it does not apply: no kernels, a
+    linear without panels (``flat()``), an activation it does not fuse, norms of mixed kinds or eps, LayerNorms
+    without bias."""
     norms = [n for L in W.layers for n in (L["ln1"], L["ln2"])] + [W.norm]
     act_ok = W.activation in fused.ACT_IDS or W.activation in fused.GLU_IDS
     if not kernels_on() or not act_ok or len({(n.eps, n.rms) for n in norms}) != 1:
@@ -202,7 +215,7 @@ def flat_weights(W: CausalWeights) -> list[Tensor] | None:
     empty = torch.empty(0)
     flat = []
     for L in W.layers:
-        parts = [getattr(L[k], "flat", lambda: None)() for k in LINEARS]
+        parts = [_flat_linear(L[k], rows) for k in LINEARS]
         if any(p is None for p in parts):
             return None
         for n, (a, b) in ((L["ln1"], parts[:2]), (L["ln2"], parts[2:])):
@@ -289,12 +302,13 @@ def step(W: CausalWeights, tokens: Tensor, positions: Tensor, caches: list, mask
     cos = sin = None
     if W.rotary is not None:
         cos, sin = (c[:, 0].contiguous() for c in W.rotary(positions[:, None]))  # (B, hd)
-    if W.flat is not None and x.shape[0] <= skinny_max_rows():  # every block in one C++ call
+    flat = W.flat if x.shape[0] == 1 else W.flat_rows
+    if flat is not None and x.shape[0] <= skinny_max_rows():  # every block in one C++ call
         gated = W.activation in fused.GLU_IDS
         act = fused.GLU_IDS[W.activation] if gated else fused.ACT_IDS[W.activation]
         d_ff = W.layers[0]["fc1"].out_features
         h = kernels.ops().causal_decode_layers(
-            x, W.flat, [c.k for c in caches], [c.v for c in caches], mask, cos, sin, length, H, d_ff, W.norm.eps,
+            x, flat, [c.k for c in caches], [c.v for c in caches], mask, cos, sin, length, H, d_ff, W.norm.eps,
             W.norm.rms, act, gated,
         )  # fmt: skip
         for c in caches:

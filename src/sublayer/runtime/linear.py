@@ -6,7 +6,7 @@
   (``int8_linear``: AVX512-VNNI where present), or float32 activations (weight-only, ``skinny_linear``);
 * :class:`DenseLinear` — the weight cast once to another compute dtype (bf16 on CPUs that multiply it natively);
 * :class:`OneDNNLinear` — float32 on a weight packed once for oneDNN (many rows: encoders), GELU fused;
-* :class:`GreedyHead` — the argmax of an LM head read in float16, exact to the float32 argmax.
+* :class:`GreedyHead` — the argmax of an LM head read in 16 bits, exact to the float32 argmax.
 
 Each is called as ``linear(x (M, K), activation=None) -> (M, N)`` (an FFN activation fused after the bias), so a
 model's prepared forward does not depend on the format. :mod:`sublayer.runtime.weights` builds and caches them.
@@ -193,47 +193,76 @@ NO_SCALE = torch.empty(0)  # the scale argument of a float linear in the kernels
 
 
 class GreedyHead:
-    """``argmax(x @ weight.T + bias)`` per row, equal to the float32 argmax, reading the weight in float16.
+    """``argmax(x @ weight.T + bias)`` per row, equal to the float32 argmax, reading the weight in 16 bits.
 
     The LM head is a third of GPT-2 small's bytes per token. A greedy step needs only the argmax, so this screens
-    every vocabulary row with a float16 copy of the weight (half the bytes) and recomputes in float32 only the
-    rows that could still be the maximum: with ``w16`` the float16 weight and ``x`` the float32 input,
+    every vocabulary row with a 16-bit copy ``w16`` of the weight (half the bytes) and recomputes in float32 only
+    the rows that could still be the maximum. With ``x`` the float32 input and ``x16`` what the kernel multiplies
+    (``x`` itself, or ``x`` rounded to bfloat16 where several rows take ``vdpbf16ps``, ``||x - x16|| <= 2^-8 ||x||``),
 
-        |x·w16_j - x·w_j| <= ||x||_2 ||w_j - w16_j||_2            (Cauchy-Schwarz; w_j - w16_j is known exactly)
+        |x·w_j - x16·w16_j| <= ||x||_2 (||w_j - w16_j||_2 + c ||w16_j||_2)   (Cauchy-Schwarz; c = 2^-8 for a
+                                                                                bfloat16 screen, else 0)
 
-    plus the float32 rounding of either sum (<= 2 (K+2) u ||x||_2 ||w_j||_2, any summation order, u = 2^-24) and
-    of the bias addition. A row j whose screened logit plus its bound is below the best screened logit minus that
-    row's bound cannot be the float32 maximum, so the argmax over the candidates' float32 logits (typically one to
-    a few rows; ``screened_argmax`` in C++) is the argmax over all rows (ties: the first index, as
-    ``torch.argmax``). When the best lower end is not finite, every row is recomputed.
+    plus the float32 rounding of either sum (<= 2 (K+2) u ||x||_2 ||w_j||_2, any summation order, u = 2^-24), a
+    bfloat16 screen's flushed denormals and underflows (<= 2K (1 + ||w16_j||) 2^-126, covered for rows with
+    ``||x||_2 >= 2^-60``; smaller rows are multiplied in float32) and the bias addition. A row j whose screened
+    logit plus its bound is below the best screened logit minus that row's bound cannot be the float32 maximum,
+    so the argmax over the candidates' float32 logits (typically one to a few rows; ``screened_argmax`` in C++)
+    is the argmax over all rows (ties: the first index, as ``torch.argmax``). When the best lower end is not
+    finite, every row is recomputed.
 
     Args:
         weight: (V, K) float32. bias: (V,) or None.
+        screen: the copy's dtype, ``torch.float16`` or ``torch.bfloat16`` (None: bfloat16 where the CPU has
+            AVX512_BF16 (its dot product does twice the work per instruction of widening float16 for several
+            rows; the bound is wider), else float16).
 
-    Call: x (M, K) float32 -> (M,) int64 ids. Needs the kernels (``skinny_linear`` on float16 panels).
+    Call: x (M, K) float32 -> (M,) int64 ids. Needs the kernels (``skinny_linear`` on 16-bit panels).
+
+    Raises:
+        ValueError: ``screen`` is neither float16 nor bfloat16.
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, *, screen: torch.dtype | None = None) -> None:
+        if screen is None:
+            screen = torch.bfloat16 if kernels.cpu.has("avx512_bf16") else torch.float16
+        if screen not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"GreedyHead: screen must be torch.float16 or torch.bfloat16, got {screen}")
         w = weight.detach().float().contiguous()
         self.weight, self.bias = w, None if bias is None else bias.detach().float().contiguous()
         self.out_features, k = w.shape
-        w16 = w.half()
+        self.screen = screen
+        w16 = w.to(screen)
         self.usable = bool(torch.isfinite(w16).all())  # |w| beyond float16's range: no screening
-        diff = (w.double() - w16.double()).norm(dim=1)
-        rounding = 2 * (k + 2) * 2.0**-24 * torch.maximum(w.double().norm(dim=1), w16.double().norm(dim=1))
+        w16d = w16.double()
+        if screen == torch.bfloat16:  # denormals are read as zero by vdpbf16ps
+            w16d = torch.where(w16d.abs() < 2.0**-126, 0.0, w16d)
+        diff = (w.double() - w16d).norm(dim=1)
+        n16 = w16d.norm(dim=1)
+        rounding = 2 * (k + 2) * 2.0**-24 * torch.maximum(w.double().norm(dim=1), n16)
+        if screen == torch.bfloat16:
+            diff = diff + 2.0**-8 * n16 + 2 * k * (1 + n16) * 2.0**-66  # x rounded to bf16; underflow at |x| >= 2^-60
         self.bound = ((diff + rounding) * (1 + 2.0**-10)).float()  # (V,) per unit of ||x||_2, rounded up
         self.packed = kernels.ops().pack_linear_weight(w16) if self.usable else None
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.packed is None:
+        if self.packed is None or (self.screen == torch.bfloat16 and not self._large(x)):
             return F.linear(x, self.weight, self.bias).argmax(-1)
         ops = kernels.ops()
         screened = ops.skinny_linear(x, self.packed, self.bias, self.out_features, 0)  # (M, V)
         return ops.screened_argmax(x, screened, self.weight, self.bias, self.bound)
 
+    @staticmethod
+    def _large(x: Tensor) -> bool:
+        """Whether every row has ``||x||_2 >= 2^-60`` (or a NaN: every row is recomputed then anyway)."""
+        n = torch.linalg.vector_norm(x, dim=1)
+        return bool(((n >= 2.0**-60) | n.isnan()).all())
+
     def reference(self, x: Tensor) -> Tensor:
-        """The same selection in PyTorch ops (what ``screened_argmax`` computes), for tests."""
-        screened = F.linear(x, self.weight.half().float(), self.bias)
+        """The same selection in PyTorch ops (what ``screened_argmax`` computes over the float16 screen, or a
+        bfloat16 one with x rounded to bfloat16 as several rows multiply on AVX512_BF16), for tests."""
+        xs = x.bfloat16().float() if self.screen == torch.bfloat16 and x.shape[0] > 1 else x
+        screened = F.linear(xs, self.weight.to(self.screen).float(), self.bias)
         xnorm = x.double().norm(dim=1, keepdim=True).float() * (1 + 2.0**-10)
         err = torch.addcmul(screened.abs() * 2.0**-21, xnorm, self.bound[None])  # (M, V)
         best_low = (screened - err).amax(dim=1, keepdim=True)

@@ -123,6 +123,9 @@ void philox_fill(uint64_t start, int64_t n, uint64_t seed, uint32_t* out);
 // packed_linear.cpp: y = act(x @ W^T * scale + bias) on packed panels.
 Tensor skinny_linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias, int64_t n,
                      int64_t act, const c10::optional<Tensor>& scale);
+// packed_linear.cpp: y = act((u - zp) @ Q^T * sx * scale + bias), x quantized per row to uint8 (int8 activations).
+Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, const Tensor& scale,
+                   const c10::optional<Tensor>& bias, int64_t n, int64_t act, const c10::optional<Tensor>& inv_smooth);
 // attention.cpp: one query per row against a static key/value cache.
 Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, const c10::optional<Tensor>& mask,
                         int64_t length, double scale, const c10::optional<Tensor>& new_k,

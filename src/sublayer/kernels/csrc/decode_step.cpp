@@ -13,24 +13,29 @@ namespace {
 // The steps take their weights as one flat list (runtime/causal.py's flat_weights, models/decoding.py's
 // flat_transformer build them);
 // these views name its entries, so the layout is written here once.
-struct Linear {  // as skinny_linear takes it (scale: empty for float panels); weight: unpacked, for torch's GEMM
+struct Linear {  // as skinny_linear takes it (scale: empty for float panels); weight: unpacked, for torch's GEMM;
+  // colsum: int8_linear's (non-empty: packed holds int8 quads, the rows' activations are quantized to uint8)
   const Tensor &packed, &scale, &bias, *weight;
+  const Tensor* colsum = nullptr;
 };
 struct Norm {
   const Tensor &weight, &bias;
 };
 
-// One decoder-only block (16 tensors): the attention residual's norm, q|k|v and out, the FFN residual's norm, fc1,
-// fc2. A LayerNorm has weight and bias, an RMSNorm an empty bias; a linear without bias has an empty one.
+// One decoder-only block (20 tensors): the attention residual's norm, q|k|v and out, the FFN residual's norm, fc1,
+// fc2. A LayerNorm has weight and bias, an RMSNorm an empty bias; a linear is (packed, scale, bias, colsum), a
+// linear without bias has an empty one, float or weight-only int8 panels an empty colsum (skinny_linear), int8
+// quads their column sums (int8_linear).
 struct CausalBlock {
-  static constexpr int64_t SIZE = 16;
+  static constexpr int64_t SIZE = 20;
   Norm norm_1;
   Linear qkv, out;
   Norm norm_2;
   Linear fc1, fc2;
+  static Linear linear(const Tensor* P) { return {P[0], P[1], P[2], nullptr, &P[3]}; }
   explicit CausalBlock(const Tensor* P)
-      : norm_1{P[0], P[1]}, qkv{P[2], P[3], P[4], nullptr}, out{P[5], P[6], P[7], nullptr}, norm_2{P[8], P[9]},
-        fc1{P[10], P[11], P[12], nullptr}, fc2{P[13], P[14], P[15], nullptr} {}
+      : norm_1{P[0], P[1]}, qkv(linear(P + 2)), out(linear(P + 6)), norm_2{P[10], P[11]}, fc1(linear(P + 12)),
+        fc2(linear(P + 16)) {}
 };
 
 // 30 tensors: q|k|v, out, q_cross, out_cross, fc1, fc2 (packed, scale, bias, weight each); then the
@@ -139,7 +144,7 @@ Tensor causal_decode_layers(const Tensor& x, at::TensorList params, at::TensorLi
   constexpr int64_t PER = CausalBlock::SIZE;
   const int64_t n_layers = int64_t(k_caches.size());
   TORCH_CHECK(n_layers > 0 && int64_t(params.size()) == PER * n_layers + 2 && int64_t(v_caches.size()) == n_layers,
-              "causal_decode_layers: expected 16 tensors per block + 2 and one k/v cache per block");
+              "causal_decode_layers: expected 20 tensors per block + 2 and one k/v cache per block");
   TORCH_CHECK(act >= IDENT && act <= RELU2, "causal_decode_layers: act ", act, " is not a fused activation");
   check_float_contig(x, "causal_decode_layers: x", 2);
   const int64_t B = x.size(0), d = x.size(1), H_kv = k_caches[0].size(1), hd = k_caches[0].size(3);
@@ -167,6 +172,7 @@ Tensor causal_decode_layers(const Tensor& x, at::TensorList params, at::TensorLi
   const double scale = 1.0 / std::sqrt(double(hd));
   const int64_t dq = n_heads * hd, dkv = H_kv * hd;
   auto linear = [&](const Tensor& in, const Linear& l, int64_t n, int64_t a) {
+    if (l.colsum->numel()) return int8_linear(in, l.packed, *l.colsum, l.scale, maybe(l.bias), n, a, c10::nullopt);
     return skinny_linear(in, l.packed, maybe(l.bias), n, a, maybe(l.scale));
   };
   for (int64_t i = 0; i < n_layers; ++i) {

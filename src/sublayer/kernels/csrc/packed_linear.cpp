@@ -400,7 +400,7 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
   }
 #endif
   at::parallel_for(0, std::min<int64_t>(n_chunks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    float acc[2 * 8 * PANEL];  // up to two panels of max(ROWS, STREAMS, ROWS512) rows
+    float acc[3 * 8 * PANEL];  // up to three panels of max(ROWS, STREAMS, ROWS512) rows
     auto store = [&](int64_t p, int64_t r0, int64_t R, float* a) {  // epilogue + copy out: R rows of panel p
       const int64_t c0 = p * PANEL, nc = std::min<int64_t>(PANEL, n - c0);
       float spanel[PANEL] = {0}, bpanel[PANEL] = {0};  // this panel's scale and bias, zero-padded past n
@@ -426,7 +426,7 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
         }
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
       if constexpr (std::is_same<T, at::BFloat16>::value)
-        if (!xb.empty()) {  // several rows by vdpbf16ps: two panels at a time, then the odd one
+        if (!xb.empty()) {  // several rows by vdpbf16ps: three panels at a time, then the rest
           using DpFn = void (*)(const uint32_t*, int64_t, const at::BFloat16*, int64_t, float*);
           static constexpr DpFn kDp2[ROWS512 + 1] = {
               nullptr, panels_kernel_dp<1, 2>, panels_kernel_dp<2, 2>, panels_kernel_dp<3, 2>,
@@ -436,11 +436,16 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
               nullptr, panels_kernel_dp<1, 1>, panels_kernel_dp<2, 1>, panels_kernel_dp<3, 1>,
               panels_kernel_dp<4, 1>, panels_kernel_dp<5, 1>, panels_kernel_dp<6, 1>, panels_kernel_dp<7, 1>,
               panels_kernel_dp<8, 1>};
-          for (; p < pe; p += 2) {
-            const int64_t np = std::min<int64_t>(2, pe - p);
+          static constexpr DpFn kDp3[ROWS512 + 1] = {
+              nullptr, panels_kernel_dp<1, 3>, panels_kernel_dp<2, 3>, panels_kernel_dp<3, 3>,
+              panels_kernel_dp<4, 3>, panels_kernel_dp<5, 3>, panels_kernel_dp<6, 3>, panels_kernel_dp<7, 3>,
+              panels_kernel_dp<8, 3>};
+          const DpFn* kDp[4] = {nullptr, kDp1, kDp2, kDp3};
+          for (; p < pe; p += 3) {
+            const int64_t np = std::min<int64_t>(3, pe - p);
             for (int64_t r0 = 0; r0 < M; r0 += ROWS512) {
               const int64_t R = std::min<int64_t>(ROWS512, M - r0);
-              (np == 2 ? kDp2 : kDp1)[R](xb.data() + r0 * K2, K2, wp + p * stride, stride, acc);
+              kDp[np][R](xb.data() + r0 * K2, K2, wp + p * stride, stride, acc);
               for (int64_t q = 0; q < np; ++q) store(p + q, r0, R, acc + q * R * PANEL);
             }
           }
@@ -809,6 +814,8 @@ void int8_tile(const uint32_t* xu, const float* sx, const int32_t* zp, int64_t K
   }
 }
 
+}  // namespace
+
 // x (M, K) float32 -> (M, n) = act((((u - zp) @ W^T) * sx[row]) * scale[col] + bias): uint8 activations u
 // quantized per row with their zero point zp (quantize_row; of x * inv_smooth when given: SmoothQuant's
 // per-input-channel divisor), int8 weights in quad panels (pack_int8_quads) with colsum[c] = sum_k W[c, k] (int32;
@@ -876,6 +883,8 @@ Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, 
   });
   return out;
 }
+
+namespace {
 
 // max_j (a[j] - e[j]) with e[j] = xn * bound[j] + rel * |a[j]| (the lower end of row j's interval); sets nan if
 // any a[j] is NaN.
