@@ -30,7 +30,7 @@ HF module                                        replaced by
                                                  (GPT-2 with every target row a real token: the blocks run on the
                                                  real tokens only, ``past_key_values`` None)
 ``BertModel`` where no output reads its padded   the padding-free encoder: HF's embeddings, then the layers on the
-positions (inside ``BertForSequenceClass...``,   packed real tokens (fused q|k|v, attention per sequence, the fused
+positions (inside ``BertForSequenceClass...``,   packed real tokens (fused q|k|v, masked batch attention, the fused
 ``BertForMultipleChoice``, a pooling             sub-layers above; position 0 too when a pooler reads it), zeros at
 sentence-transformers model; or                  padding; in eval mode without autograd a prepared inference path
 ``padding_free=True``)                           (oneDNN GEMMs on weights packed once, the fused attention kernel)
@@ -327,8 +327,8 @@ def _bert_model_forward(self, *args, **kwargs):
 
 
 def _bert_packed(model: nn.Module, emb: Tensor, pad: Tensor) -> Tensor:
-    """HF's encoder layers on the rows that an output reads (real tokens; position 0 for the pooler), attention
-    per sequence; zeros at the other positions. Differentiable."""
+    """HF's encoder layers on the rows that an output reads (real tokens; position 0 for the pooler), one
+    attention per layer over the padded batch with padding masked; zeros at the other positions. Differentiable."""
     rows = ~pad
     if model.pooler is not None:  # the pooler reads position 0, padding or not (left padding)
         rows[:, 0] = True
