@@ -329,6 +329,30 @@ def test_auto_layout_picks_per_sequence_attention_for_few_rows_only(monkeypatch)
     assert_close(auto, varlen)
 
 
+
+def test_packed_batch_attention_option_overrides_the_module_layout(monkeypatch):
+    """``PackedBatch(attention=...)`` picks the layout for that batch whatever ATTENTION says; both layouts give
+    the same attention, causal and not, forward and backward; a bad name is a ValueError naming the argument."""
+    monkeypatch.setattr(packing, "ATTENTION", "varlen")
+    pad = _mask([5, 2, 3], 5) == 0
+    assert packing.PackedBatch(pad).varlen() and not packing.PackedBatch(pad, attention="padded").varlen()
+    monkeypatch.setattr(packing, "ATTENTION", "padded")
+    assert packing.PackedBatch(pad, attention="varlen").varlen() and packing.PackedBatch(pad, attention="auto").varlen()
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(10, 2, 7, generator=g, requires_grad=True) for _ in range(3))
+    for causal in (False, True):
+        outs, grads = [], []
+        for layout in ("varlen", "padded"):
+            out = packing.PackedBatch(pad, attention=layout).self_attention(q, k, v, causal=causal)
+            outs.append(out)
+            grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
+        assert_close(outs[0], outs[1])
+        for a, b in zip(*grads):
+            assert_close(a, b)
+    with pytest.raises(ValueError, match="attention"):
+        packing.PackedBatch(pad, attention="flash")
+
+
 # ------------------------------------------------------------------------------------------------ the path is speed only
 @pytest.mark.parametrize("labels_kind", ["input_ids", "masked"])
 def test_gpt2_loss_with_left_padding_equals_hf_in_both_paths(gpt2_folder, attention_layout, labels_kind):

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._checks import check_choice
 from .attention import causal_mask
 from .fused import dropout as fused_dropout
 
@@ -138,6 +139,8 @@ class PackedBatch:
         position_ids: (B | 1, T) positions; a restart at 0 inside a row starts a new document (packed documents,
             HF's ``DataCollatorWithFlattening``): attention is then block-diagonal, each document sees only itself.
         batch, seq_len: (B, T), needed when neither mask is given.
+        attention: the layout attention takes (see :data:`ATTENTION`): ``"auto"``, ``"varlen"`` or ``"padded"``;
+            None: :data:`ATTENTION`'s value at each call.
 
     Attributes:
         packing: the :class:`Packing` of the rows (``pack`` / ``unpack``). n_rows: N. key_padding_mask.
@@ -152,7 +155,11 @@ class PackedBatch:
         position_ids: Tensor | None = None,
         batch: int | None = None,
         seq_len: int | None = None,
+        attention: str | None = None,
     ) -> None:
+        if attention is not None:
+            check_choice("attention", attention, ("auto", "varlen", "padded"))
+        self.attention = attention
         if key_padding_mask is not None and not bool(key_padding_mask.any()):
             key_padding_mask = None  # an all-False mask is no mask
         self.key_padding_mask = key_padding_mask
@@ -184,7 +191,8 @@ class PackedBatch:
         """Whether attention runs per sequence on the packed rows (else: scattered into the padded layout)."""
         if not self._rows_are_keys:
             return False
-        return ATTENTION == "varlen" or (ATTENTION == "auto" and self.batch <= VARLEN_MAX_ROWS)
+        layout = ATTENTION if self.attention is None else self.attention
+        return layout == "varlen" or (layout == "auto" and self.batch <= VARLEN_MAX_ROWS)
 
     def _segments(self) -> list[int]:
         """Rows of each (sequence, document) run of the packed rows, in order."""
