@@ -180,6 +180,7 @@ def test_decode_attention_reads_keys_through_a_row_table(masked):
     [
         (4, [2, 2, 0, 1]),  # reordered beams: every row carries another row's history
         (5, [4, 1, 3]),  # a compacted batch (3 of 5 rows still running) that kept their histories
+        (211, list(range(210, -1, -1))),  # heads enough for both threads, each writing the heads it reads
     ],
 )
 def test_decode_attention_writes_in_the_own_row_and_reads_through_the_table(b, histories):

@@ -184,16 +184,21 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
       TORCH_CHECK(rp[n * T + length - 1] == n, "decode_attention: rows[", n, ", ", length - 1, "] must be ", n,
                   " (the new key is written in the row's own cache row)");
     }
-    const float *nk = new_k->data_ptr<float>(), *nv = new_v->data_ptr<float>();
-    const int64_t nks = new_k->stride(0), nvs = new_v->stride(0);
-    for (int64_t n = 0; n < N; ++n) {
-      for (int64_t h = 0; h < Hkv; ++h) {
-        const int64_t off = ((n * Hkv + h) * T + length - 1) * hd;
-        std::copy(nk + n * nks + h * hd, nk + n * nks + (h + 1) * hd, kp + off);
-        std::copy(nv + n * nvs + h * hd, nv + n * nvs + (h + 1) * hd, vp + off);
-      }
-    }
   }
+  const bool write = new_k.has_value() && new_k->defined();
+  const float* nk = write ? new_k->data_ptr<float>() : nullptr;
+  const float* nv = write ? new_v->data_ptr<float>() : nullptr;
+  const int64_t nks = write ? new_k->stride(0) : 0, nvs = write ? new_v->stride(0) : 0;
+  // this step's key/value of cache row n, head h, at position length-1
+  auto write_head = [&](int64_t n, int64_t h) {
+    const int64_t off = ((n * Hkv + h) * T + length - 1) * hd;
+    std::copy(nk + n * nks + h * hd, nk + n * nks + (h + 1) * hd, kp + off);
+    std::copy(nv + n * nvs + h * hd, nv + n * nvs + (h + 1) * hd, vp + off);
+  };
+  // Grouped-query heads share a key/value head that several threads may read: every new key is written first.
+  // Otherwise each head writes its own just before reading it (the lines its prefetch brought in, on its thread).
+  for (int64_t n = 0; write && group > 1 && n < N; ++n)
+    for (int64_t h = 0; h < Hkv; ++h) write_head(n, h);
   Tensor out = at::empty({N, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -228,6 +233,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
         r = rp[n * T];
         for (int64_t j = 1; j < length && one_row; ++j) one_row = rp[n * T + j] == r;
       }
+      if (write && group == 1) write_head(n, h);
       const float* K = kp + (r * Hkv + h) * T * hd;
       const float* V = vp + (r * Hkv + h) * T * hd;
       if (!one_row) {
