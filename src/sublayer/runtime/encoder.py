@@ -1,6 +1,6 @@
 """The prepared BERT-style encoder: one inference loop over post-norm encoder layers, whatever the weights' format.
 
-Per layer: fused q|k|v linear, self-attention over the padded layout (the real tokens' rows scattered into it),
+Per layer: fused q|k|v linear, self-attention on the packed rows (below),
 output projection, add & LayerNorm, fc1 with its activation, fc2, add & LayerNorm. The dense layers see the real
 tokens only (packed rows), so a batch of mixed lengths costs the FLOPs of its real tokens.
 
