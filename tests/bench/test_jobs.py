@@ -22,7 +22,8 @@ def test_quick_jobs_time_each_row_against_its_peer_and_write_the_report(tmp_path
                             "sublayer demo training"}  # fmt: skip
     from sublayer import kernels
 
-    assert len(rows) == 6 + 2 + 2 + 2 + 1 + 2 * (2 if kernels.native_bf16_gemm() else 1) + 1 + 1  # int8: vs fp32, bf16
+    n_train = 2 * (2 if jobs.native_bf16() else 1)  # fp32, and bf16 autocast where the CPU multiplies bf16
+    assert len(rows) == 6 + 2 + n_train + 2 + 1 + 2 * (2 if kernels.native_bf16_gemm() else 1) + 1 + 1  # int8: vs fp32, bf16
     for r in rows:
         assert r.times_ms["sublayer"] > 0
         if not r.case.startswith("GPT-2 greedy"):  # the decoding peer (CTranslate2) is optional
@@ -60,11 +61,13 @@ def test_contention_runs_each_job_quiet_then_beside_a_busy_process(tmp_path, mon
     rows = jobs.run_jobs(quick=True, reps=1, only="train,demo", work=tmp_path / "work", report=tmp_path,
                          contention=True, log=lambda line: None)  # fmt: skip
     assert len(started) == 2  # one neighbour per job
-    assert [r.mode.rsplit(" ", 1)[1] for r in rows] == ["[quiet]"] * 2 + ["[busy]"] * 2 + ["[quiet]", "[busy]"]
+    n = 4 if jobs.native_bf16() else 2  # the training rows: fp32 (and bf16 autocast)
+    assert [r.mode.rsplit(" ", 1)[1] for r in rows] == ["[quiet]"] * n + ["[busy]"] * n + ["[quiet]", "[busy]"]
+    assert [r.dtype for r in rows[:n]] == (["fp32", "bf16 autocast"] * 2 if n == 4 else ["fp32"] * 2)
     demo = rows[-1]
     assert demo.base == "1 thread" and demo.times_ms["1 thread"] > 0 and demo.extra["threads"]
     (path,) = tmp_path.glob("jobs-contention-*.md")
     table = path.read_text().split("## Under a competing busy process")[1]
-    assert table.count("\n| ") == 1 + 3  # the header, then one line a quiet/busy pair
-    for q, b in zip(rows[:2], rows[2:4]):
+    assert table.count("\n| ") == 1 + n + 1  # the header, then one line a quiet/busy pair
+    for q, b in zip(rows[:n], rows[n : 2 * n]):
         assert f"x{q.ratio():.2f} | x{b.ratio():.2f} | {b.ratio() / q.ratio():.2f} |" in table

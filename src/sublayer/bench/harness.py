@@ -304,7 +304,7 @@ def contention_table(quiet: list[Row], busy: list[Row]) -> str:
         rq, rb = q.ratio(), b.ratio()
         held = f"{rb / rq:.2f}" if rq and rb else "—"
         ms = f"{q.times_ms['sublayer']:,.2f} → {b.times_ms['sublayer']:,.2f} ms"
-        cells = [q.case, q.shape, q.base, "—" if rq is None else f"x{rq:.2f}", "—" if rb is None else f"x{rb:.2f}",
+        cells = [f"{q.case}, {q.dtype}", q.shape, q.base, "—" if rq is None else f"x{rq:.2f}", "—" if rb is None else f"x{rb:.2f}",
                  held, ms]  # fmt: skip
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)

@@ -10,9 +10,10 @@ inputs and weights; ratio = the peer's time / sublayer's (> 1: sublayer is faste
   (bf16 panels where the CPU multiplies bf16 natively) against our fp32. Rate: generated tokens/s.
 * ``translate``: ``Transformer.translate``, the fast path against the reference steps: the demo's shape (d 128,
   2 pre-norm layers, 500 sources of 12 tokens, greedy) and d 512 (6 post-norm layers, vocab 8000, batch 8, beam 4).
-* ``train``: one AdamW training step (forward, loss over real tokens, backward, step; fp32, dropout 0.1) against
+* ``train``: one AdamW training step (forward, loss over real tokens, backward, step; dropout 0.1) against
   HF: BERT of MiniLM's shape (6 layers, d 384) on 16 x 128 right-padded (lengths 32..128; loss: mean square of the
-  real hidden states) and GPT-2 (6 layers, d 512, vocab 8192) on 8 x 128 (``GPT2.loss`` vs ``labels=``).
+  real hidden states) and GPT-2 (6 layers, d 512, vocab 8192) on 8 x 128 (``GPT2.loss`` vs ``labels=``); fp32, and
+  where the CPU multiplies bf16 natively also both sides under bf16 autocast.
 * ``int8``: BERT inference of MiniLM's shape, 64 x 128 padded: ``fast_inference(quantize="int8")`` against the
   float32 fast path, with the int8 model's worst token and sentence cosine to float32 (and CTranslate2 int8 when
   ``model`` is a folder with a tokenizer); a second row, the same int8 times against our bf16 fast path
@@ -54,7 +55,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .harness import (Row, adamw_step, busy_neighbour, command_line, contention_table, machine, padded_batch,
+from .harness import (Row, adamw_step, busy_neighbour, command_line, contention_table, cpu_info, machine, padded_batch,
                       summarize, time_interleaved, write_report)  # fmt: skip
 
 __all__ = [
@@ -278,12 +279,23 @@ def train_rows(quick: bool, reps: int, work: Path, model=None, *, padded: bool =
                     return f(m)
 
             losses["sublayer padded"], models["sublayer padded"] = padded_loss, twin
-        res = time_interleaved({k: adamw_step(models[k], f) for k, f in losses.items()}, reps, 1)
-        row = Row(f"{kind} training step (AdamW) vs HF", f"{cfg.n_layers}L d{cfg.d_model} {b}x{t} (len {lo}..{t})",
-                  "fp32", "training", base="HF", work=float(mask.sum()), unit="real tok").fill(res)  # fmt: skip
-        row.extra["HF attn"] = str(hf.config._attn_implementation)
-        rows.append(row)
+        for bf16 in (False, True) if native_bf16() else (False,):  # bf16: every side under the same autocast
+            def under(f, on=bf16):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
+                    return f()
+
+            steps = {k: adamw_step(models[k], lambda f=f: under(f)) for k, f in losses.items()}
+            row = Row(f"{kind} training step (AdamW) vs HF", f"{cfg.n_layers}L d{cfg.d_model} {b}x{t} (len {lo}..{t})",
+                      "bf16 autocast" if bf16 else "fp32", "training", base="HF", work=float(mask.sum()),
+                      unit="real tok").fill(time_interleaved(steps, reps, 1))  # fmt: skip
+            row.extra["HF attn"] = str(hf.config._attn_implementation)
+            rows.append(row)
     return rows
+
+
+def native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 natively (AVX512_BF16 or AMX-BF16): the bf16 autocast training rows run."""
+    return any(v for k, v in cpu_info()["features"].items() if k in ("AVX512_BF16", "AMX_BF16"))
 
 
 def _bert(quick: bool, model: Path | None):
