@@ -318,6 +318,11 @@ def test_auto_layout_picks_per_sequence_attention_for_few_rows_only(monkeypatch)
     monkeypatch.setattr(packing, "VARLEN_MAX_ROWS", 2)
     few, many = (packing.PackedBatch(_mask([3] * b, 4) == 0) for b in (2, 3))
     assert few.varlen() and not many.varlen()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 attention: the padded layout at any batch
+        assert not few.varlen()
+    with torch.autocast("cpu", dtype=torch.bfloat16), monkeypatch.context() as m:
+        m.setattr(packing, "ATTENTION", "varlen")  # an explicit layout is kept
+        assert few.varlen()
     torch.manual_seed(0)
     m = Transformer(11, 13, d_model=14, n_heads=2, d_ff=22, n_layers=1, dropout=0.0, max_len=23).eval()
     src, tgt = _ids(3, 5) % 11, _ids(3, 6, seed=4) % 13

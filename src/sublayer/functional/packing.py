@@ -119,7 +119,8 @@ def document_mask(position_ids: Tensor) -> Tensor | None:
 # Attention on packed rows takes one of two layouts: "varlen" (one attention per sequence, or per packed document,
 # on the packed rows themselves) or "padded" (q/k/v scattered into (B, H, T, d_head) and masked as the padded path
 # does); "auto" picks varlen for batches of at most VARLEN_MAX_ROWS rows: each per-sequence attention costs a few
-# dispatches forward and backward, which a batch of many short rows does not repay.
+# dispatches forward and backward, which a batch of many short rows does not repay; under CPU autocast (bf16
+# attention, where each per-sequence call adds its casts) "auto" picks padded.
 ATTENTION = "auto"
 VARLEN_MAX_ROWS = 32
 
@@ -192,7 +193,9 @@ class PackedBatch:
         if not self._rows_are_keys:
             return False
         layout = ATTENTION if self.attention is None else self.attention
-        return layout == "varlen" or (layout == "auto" and self.batch <= VARLEN_MAX_ROWS)
+        if layout == "auto":
+            return self.batch <= VARLEN_MAX_ROWS and not torch.is_autocast_enabled("cpu")
+        return layout == "varlen"
 
     def _segments(self) -> list[int]:
         """Rows of each (sequence, document) run of the packed rows, in order."""
