@@ -65,7 +65,7 @@ def test_only_the_named_jobs_run_the_llama_ones():
     assert not any(n.startswith(("llama", "ov-")) for n in jobs.DEFAULT_JOBS)
 
 
-@pytest.mark.skipif(not llama._env_ready(llama.peers_env()), reason="no llama.cpp peers env (benchmarks/peers_env.sh)")
+@pytest.mark.skipif(not llama.PEERS.ready(llama.peers_env()), reason="no llama.cpp peers env (benchmarks/peers_env.sh)")
 @pytest.mark.filterwarnings("ignore")
 def test_llama_cpp_decodes_the_converted_ggufs_with_hf_fp32_tokens(tmp_path):
     rows = jobs.run_jobs(quick=True, reps=1, only="llama", work=tmp_path / "work")

@@ -54,7 +54,7 @@ def test_bad_weight_format(tmp_path):
         openvino_peer.export_ir(tmp_path, "feature-extraction", "int4", tmp_path)
 
 
-@pytest.mark.skipif(not openvino_peer._ready(openvino_peer.ov_env()),
+@pytest.mark.skipif(not openvino_peer.OV_ENV.ready(openvino_peer.ov_env()),
                     reason="no OpenVINO peers env (benchmarks/peers_env_openvino.sh)")  # fmt: skip
 @pytest.mark.filterwarnings("ignore")
 def test_openvino_runs_the_exported_models_with_our_fp32_results(tmp_path):

@@ -8,6 +8,7 @@ functions: the whole-job driver of ``benchmarks/compare_revisions.py`` runs this
 from __future__ import annotations
 
 import datetime
+import os
 import importlib.metadata
 import platform
 import re
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "CLOCKS", "Row", "Timing", "adamw_step", "busy_neighbour", "command_line", "contention_table", "copy_gbps",
+    "CLOCKS", "Row", "SideEnv", "Timing", "adamw_step", "busy_neighbour", "command_line", "contention_table", "copy_gbps",
     "cpu_info", "cpu_kind", "machine", "padded_batch", "report_markdown", "report_path", "saved_bytes", "set_clock",
     "summarize", "time_interleaved", "write_report",
 ]  # fmt: skip
@@ -182,6 +183,54 @@ def adamw_step(model: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> Call
         opt.zero_grad(set_to_none=True)
 
     return step
+
+
+class SideEnv:
+    """A peers' side environment: a folder that ``benchmarks/<script>`` builds (``bin/python``, ``.built``,
+    ``versions.txt``), where peers that are not sublayer's dependencies run in worker processes. ``default`` is used
+    unless :meth:`use` names another folder, which :meth:`build` then builds on first use.
+
+    Args:
+        default: the folder used when none is named. script: the build script's name under ``benchmarks/``.
+        prefix: the versions' prefix in reports. what: the environment's name in log lines. hint: appended to the
+            build's log line.
+    """
+
+    def __init__(self, default: str, script: str, prefix: str, what: str, hint: str = "") -> None:
+        self.default, self.script, self.prefix, self.what, self.hint = Path(default), script, prefix, what, hint
+        self.named: Path | None = None
+
+    def use(self, folder: str | os.PathLike | None) -> None:
+        """Use ``folder`` (built there first when not built yet); None: the default, if built, never built."""
+        self.named = None if folder is None else Path(folder)
+
+    def path(self) -> Path:
+        """The folder named by :meth:`use`, else the default."""
+        return self.named or self.default
+
+    @staticmethod
+    def ready(env: Path) -> bool:
+        """Whether ``env`` is a built environment."""
+        return (env / ".built").is_file() and (env / "bin" / "python").is_file()
+
+    def versions(self, env: Path | None = None) -> dict[str, str]:
+        """The environment's ``versions.txt`` (package==version lines), each name prefixed; empty without it."""
+        path = (env or self.path()) / "versions.txt"
+        if not path.is_file():
+            return {}
+        pairs = (ln.split("==", 1) for ln in path.read_text().splitlines() if "==" in ln)
+        return {f"{self.prefix} {k}": v for k, v in pairs}
+
+    def build(self, env: Path, log: Callable[[str], None]) -> bool:
+        """Whether ``env`` is ready, built first by the script (in a checkout that has it) where :meth:`use` named a
+        folder; a failed build is logged with the end of its output."""
+        script = Path(__file__).resolve().parents[3] / "benchmarks" / self.script
+        if not self.ready(env) and self.named is not None and script.is_file():
+            log(f"building the {self.what} in {env} ({script}{self.hint})")
+            done = subprocess.run(["bash", str(script), str(env)], capture_output=True, text=True)
+            if done.returncode != 0:
+                log(f"{self.what} build failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        return self.ready(env)
 
 
 # --- the report ------------------------------------------------------------------------------------------------

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from .harness import Row, adamw_step, padded_batch, time_interleaved
+from .harness import Row, SideEnv, adamw_step, padded_batch, time_interleaved
 
 __all__ = [
-    "EMBED_SCALE", "GGUF_TYPES", "QUICK", "SMOLLM_135M", "LlamaCpp", "decode_rows", "gguf_file",
+    "EMBED_SCALE", "GGUF_TYPES", "PEERS", "QUICK", "SMOLLM_135M", "LlamaCpp", "decode_rows", "gguf_file",
     "llama_folder", "peer_versions", "peers_env", "train_rows", "use_peers_env", "write_tokenizer",
 ]  # fmt: skip
 
@@ -47,33 +47,10 @@ QUICK = dict(vocab_size=521, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_
              rope_theta=10000.0, eps=1e-5, max_positions=128)  # fmt: skip
 EMBED_SCALE = 8.0  # the token embedding (and tied head) times this: peaked next-token distributions
 GGUF_TYPES = ("f32", "q8_0", "bf16", "f16")
-_PEERS: dict[str, Path | None] = {"env": None}  # the folder named by use_peers_env (sublayer bench --peers-env)
+# the llama.cpp side environment (benchmarks/peers_env.sh; ``sublayer bench --peers-env DIR`` names the folder)
+PEERS = SideEnv(".peers-env", "peers_env.sh", "peers env", "peers environment", "; minutes: llama.cpp compiles")
+use_peers_env, peers_env, peer_versions = PEERS.use, PEERS.path, PEERS.versions
 _SPECIALS = ("<unk>", "<s>", "</s>")
-
-
-def use_peers_env(folder: str | os.PathLike | None) -> None:
-    """Use the peers environment in ``folder`` (None: ``.peers-env`` if built); the rows build it there first
-    (``benchmarks/peers_env.sh``) when it is not built yet."""
-    _PEERS["env"] = None if folder is None else Path(folder)
-
-
-def peers_env() -> Path:
-    """The peers environment's folder: the one named by :func:`use_peers_env`, else ``.peers-env``."""
-    return _PEERS["env"] or Path(".peers-env")
-
-
-def _env_ready(env: Path) -> bool:
-    return (env / ".built").is_file() and (env / "bin" / "python").is_file()
-
-
-def peer_versions(env: Path | None = None) -> dict[str, str]:
-    """The peers environment's versions (its ``versions.txt``: llama-cpp-python, gguf, ...), prefixed ``peers
-    env``; empty without it."""
-    path = (env or peers_env()) / "versions.txt"
-    if not path.is_file():
-        return {}
-    pairs = (ln.split("==", 1) for ln in path.read_text().splitlines() if "==" in ln)
-    return {f"peers env {k}": v for k, v in pairs}
 
 
 def write_tokenizer(folder: str | os.PathLike, vocab_size: int) -> None:
@@ -129,19 +106,6 @@ def llama_folder(quick: bool, work: str | os.PathLike) -> Path:
         model.save_pretrained(folder)
         write_tokenizer(folder, shape["vocab_size"])
     return folder
-
-
-def _build_env(env: Path, log: Callable[[str], None]) -> bool:
-    """True when the peers environment ``env`` is ready; built first by ``benchmarks/peers_env.sh`` (when this is a
-    checkout that has it) where :func:`use_peers_env` named it (``sublayer bench --peers-env DIR``)."""
-    script = Path(__file__).resolve().parents[3] / "benchmarks" / "peers_env.sh"
-    if _env_ready(env) or not script.is_file() or _PEERS["env"] is None:
-        return _env_ready(env)
-    log(f"building the peers environment in {env} ({script}; minutes: llama.cpp compiles)")
-    done = subprocess.run(["bash", str(script), str(env)], capture_output=True, text=True)
-    if done.returncode != 0:
-        log(f"peers environment build failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    return _env_ready(env)
 
 
 def gguf_file(folder: Path, outtype: str, env: Path) -> Path:
@@ -232,7 +196,7 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
         m.generation_config.eos_token_id = None
     env = peers_env()
     cpp, ggufs = None, {}
-    if _build_env(env, print):
+    if PEERS.build(env, print):
         try:
             ggufs = {t: gguf_file(folder, t, env) for t in GGUF_TYPES}
             cpp = LlamaCpp(env, Path(work) / "llamacpp-worker.log")

@@ -27,7 +27,6 @@ shapes, the same rows (the test suite runs them).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -37,52 +36,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .harness import Row, padded_batch, time_interleaved
+from .harness import Row, SideEnv, padded_batch, time_interleaved
 from .llama import LlamaCpp
 
-__all__ = ["MIN_COS", "OpenVino", "decode_rows", "embed_rows", "export_ir", "ov_env", "ov_versions", "use_ov_env"]
+__all__ = ["MIN_COS", "OV_ENV", "OpenVino", "decode_rows", "embed_rows", "export_ir", "ov_env", "ov_versions", "use_ov_env"]
 
 MIN_COS = 0.999  # the accuracy bar of the embedding's "best" row: min token cosine to HF fp32
 WEIGHT_FORMATS = ("fp32", "int8")
-_ENV: dict[str, Path | None] = {"env": None}
-
-
-def use_ov_env(folder: str | os.PathLike | None) -> None:
-    """Use the OpenVINO peers environment in ``folder``, built there first (``benchmarks/peers_env_openvino.sh``)
-    when it is not built yet; None: ``.peers-env-ov`` if built, never built by the rows."""
-    _ENV["env"] = None if folder is None else Path(folder)
-
-
-def ov_env() -> Path:
-    """The OpenVINO peers environment's folder: the one named by :func:`use_ov_env`, else ``.peers-env-ov``."""
-    return _ENV["env"] or Path(".peers-env-ov")
-
-
-def _ready(env: Path) -> bool:
-    return (env / ".built").is_file() and (env / "bin" / "python").is_file()
-
-
-def ov_versions(env: Path | None = None) -> dict[str, str]:
-    """The OpenVINO environment's versions (its ``versions.txt``: openvino, openvino-genai, ...), prefixed
-    ``ov env``; empty without it."""
-    path = (env or ov_env()) / "versions.txt"
-    if not path.is_file():
-        return {}
-    pairs = (ln.split("==", 1) for ln in path.read_text().splitlines() if "==" in ln)
-    return {f"ov env {k}": v for k, v in pairs}
-
-
-def _build_env(env: Path, log: Callable[[str], None]) -> str | None:
-    """None when ``env`` is ready (built first where :func:`use_ov_env` named it), else the note the rows carry."""
-    script = Path(__file__).resolve().parents[3] / "benchmarks" / "peers_env_openvino.sh"
-    if not _ready(env) and _ENV["env"] is not None and script.is_file():
-        log(f"building the OpenVINO peers environment in {env} ({script})")
-        done = subprocess.run(["bash", str(script), str(env)], capture_output=True, text=True)
-        if done.returncode != 0:
-            log(f"OpenVINO peers environment build failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    if _ready(env):
-        return None
-    return f"no OpenVINO peers environment at {env} (build it: benchmarks/peers_env_openvino.sh {env})"
+# the OpenVINO side environment (benchmarks/peers_env_openvino.sh; ``sublayer bench --ov-env DIR`` names the folder)
+OV_ENV = SideEnv(".peers-env-ov", "peers_env_openvino.sh", "ov env", "OpenVINO peers environment")
+use_ov_env, ov_env, ov_versions = OV_ENV.use, OV_ENV.path, OV_ENV.versions
 
 
 def export_ir(folder: Path, task: str, weight_format: str, env: Path) -> Path:
@@ -128,8 +91,9 @@ class OpenVino(LlamaCpp):
 
 def _start(log: Callable[[str], None], work: Path) -> tuple[OpenVino | None, str | None]:
     env = ov_env()
-    note = _build_env(env, log)
-    return (None, note) if note else (OpenVino(env, Path(work) / "openvino-worker.log"), None)
+    if not OV_ENV.build(env, log):
+        return None, f"no OpenVINO peers environment at {env} (build it: benchmarks/peers_env_openvino.sh {env})"
+    return OpenVino(env, Path(work) / "openvino-worker.log"), None
 
 
 def _props_note(props: dict) -> str:
