@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -22,6 +23,14 @@
 #include "act_norm.h"
 
 namespace sublayer {
+
+// A kernel-path switch (tests turn a fast path off to check the other on the same machine): sets `on` unless
+// flag < 0 and returns its previous value.
+inline bool set_switch(std::atomic<bool>& on, int64_t flag) {
+  const bool was = on.load();
+  if (flag >= 0) on.store(flag != 0);
+  return was;
+}
 
 using at::Tensor;
 

@@ -182,9 +182,7 @@ void philox_fill(uint64_t start, int64_t n, uint64_t seed, uint32_t* out) {
 // same machine): philox_avx512(flag) sets it and returns the previous value; -1 reads it. False where not compiled in.
 bool philox_avx512(int64_t flag) {
 #if defined(__AVX2__) && defined(__AVX512VL__)
-  const bool was = g_philox_vl.load();
-  if (flag >= 0) g_philox_vl.store(flag != 0);
-  return was;
+  return set_switch(g_philox_vl, flag);
 #else
   (void)flag;
   return false;

@@ -408,9 +408,7 @@ Tensor packed_self_attention(const Tensor& qkv, const Tensor& runs, int64_t n_he
 // portable loop on the same machine): sets it unless flag < 0, returns the previous value (false: not compiled in).
 bool packed_attention_avx512(int64_t flag) {
 #if defined(__AVX512BF16__)
-  const bool was = g_avx512.load();
-  if (flag >= 0) g_avx512.store(flag != 0);
-  return was;
+  return set_switch(g_avx512, flag);
 #else
   (void)flag;
   return false;

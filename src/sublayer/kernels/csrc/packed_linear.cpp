@@ -477,9 +477,7 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
 // and returns the previous value; -1 reads it.
 bool decode_bf16_dot(int64_t flag) {
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
-  const bool was = g_bf16dot.load();
-  if (flag >= 0) g_bf16dot.store(flag != 0);
-  return was;
+  return set_switch(g_bf16dot, flag);
 #else
   (void)flag;
   return false;
@@ -490,9 +488,7 @@ bool decode_bf16_dot(int64_t flag) {
 // check the AVX2 one on the same machine): decode_avx512(flag) sets it and returns the previous value; -1 reads it.
 bool decode_avx512(int64_t flag) {
 #if SUBLAYER_AVX2_FMA && defined(__AVX512F__)
-  const bool was = g_avx512.load();
-  if (flag >= 0) g_avx512.store(flag != 0);
-  return was;
+  return set_switch(g_avx512, flag);
 #else
   (void)flag;
   return false;
