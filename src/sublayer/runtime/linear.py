@@ -293,9 +293,8 @@ class DenseLinear:
 
 
 class OneDNNLinear:
-    """``y = act(x @ weight.T + bias)`` on a weight packed once for oneDNN (:mod:`sublayer.kernels.onednn`: about
-    10-20 % faster than ``F.linear`` / ``torch.addmm`` at encoder sizes, float32 and bf16 alike; erf GELU fused as
-    its post-op); ``F.linear`` where oneDNN is absent. The call of :class:`PackedLinear`.
+    """``y = act(x @ weight.T + bias)`` on a weight packed once for oneDNN (:mod:`sublayer.kernels.onednn`; erf GELU
+    fused as its post-op); ``F.linear`` where oneDNN is absent. The call of :class:`PackedLinear`.
 
     Args:
         weight: (N, K). bias: (N,) or None.
