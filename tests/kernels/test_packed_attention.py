@@ -1,6 +1,7 @@
 """packed_self_attention (csrc/packed_attention.cpp): bf16 self-attention on packed rows, one call for all runs of
-equal-length sequences, against SDPA per sequence in float64 on the same bf16 q, k, v; on the AVX512_BF16 kernel
-(where compiled in) and on the portable loop."""
+equal-length sequences, against SDPA per sequence in float64 on the same bf16 q, k, v; its float32-products mode
+against SDPA in float32 and float64 on float32 q, k, v; on the AVX-512 kernels (where compiled in) and on the
+portable loops."""
 
 from __future__ import annotations
 
@@ -79,18 +80,42 @@ def test_packed_attention_equals_sdpa_per_sequence(path, lengths, heads, hd):
     assert (one - want).abs().max() > (out - want).abs().max()
 
 
+@pytest.mark.parametrize(
+    "lengths,heads,hd",
+    [([7, 7, 3, 1, 19], 3, 5), ([13, 37, 37], 2, 32), ([41, 2, 2, 2], 1, 17), ([23], 5, 3), ([53, 11], 2, 64)],
+    ids=["odd-head-dim", "two-query-blocks", "head-dim-17", "one-run", "head-dim-64"],
+)
+def test_packed_attention_float32_products_equal_sdpa(path, lengths, heads, hd):
+    qkv, segments = _case(lengths, heads, hd, seed=5)
+    qkv = qkv.float() + torch.randn(qkv.shape, generator=torch.Generator().manual_seed(2)) * 0.01  # off bf16's grid
+    table = torch.tensor(segments, dtype=torch.int64).reshape(-1, 3)
+    scale = 1 / math.sqrt(hd)
+    want = _reference(qkv, segments, heads, scale, torch.float64)
+    out = _ops().packed_self_attention(qkv, table, heads, scale, torch.float32, True, True)
+    assert_fast_close(out, _reference(qkv, segments, heads, scale, torch.float32), want, what="float32 products")
+    assert (out - want).abs().max() < 1e-5  # float32's accuracy, not bf16's
+    half = _ops().packed_self_attention(qkv, table, heads, scale, torch.bfloat16, True, True)
+    torch.testing.assert_close(half, out.bfloat16(), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="float32_products needs float32 qkv"):
+        _ops().packed_self_attention(qkv.bfloat16(), table, heads, scale, torch.float32, True, True)
+
+
 def test_packed_attention_kernel_and_loop_agree():
     if not _ops().packed_attention_avx512(-1):
         pytest.skip("no AVX512_BF16 kernel compiled in")
     qkv, segments = _case([29, 29, 11, 4], 3, 13, seed=3)
     table = torch.tensor(segments, dtype=torch.int64).reshape(-1, 3)
+    wide = qkv.float() * 1.01
     fast = _ops().packed_self_attention(qkv, table, 3, 0.3, torch.float32)
+    fast32 = _ops().packed_self_attention(wide, table, 3, 0.3, torch.float32, True, True)
     _ops().packed_attention_avx512(0)
     try:
         loop = _ops().packed_self_attention(qkv, table, 3, 0.3, torch.float32)
+        loop32 = _ops().packed_self_attention(wide, table, 3, 0.3, torch.float32, True, True)
     finally:
         _ops().packed_attention_avx512(1)
     torch.testing.assert_close(fast, loop, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast32, loop32, rtol=1e-5, atol=1e-6)
 
 
 def test_packed_attention_rows_outside_the_runs_are_zeros(path):

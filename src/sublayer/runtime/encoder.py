@@ -15,8 +15,9 @@ loop hands each ``pre'`` to the next linear (``None``: the linear prepares its i
 Attention runs on the packed rows, one call per run of consecutive sequences of one length (:func:`runs`; no
 padding multiplied, nothing scattered into a padded layout): in bf16 the ``packed_self_attention`` kernel, one call
 for all runs (bf16 q|k|v and probabilities, float32 scores, softmax and sums; vdpbf16ps where the CPU has
-AVX512_BF16), in float32 the fused ``qkv_self_attention`` kernel (each sequence and head in L1, no (B, H, T, T)
-scores), ``F.scaled_dot_product_attention`` with the kernels off. No autograd, no dropout: callers run it under
+AVX512_BF16), in float32 the same kernel in float32 products where the CPU has AVX-512 (else the fused
+``qkv_self_attention`` kernel per run: each sequence and head in L1, no (B, H, T, T) scores),
+``F.scaled_dot_product_attention`` with the kernels off. No autograd, no dropout: callers run it under
 :func:`sublayer.runtime.rows.inference`.
 """
 
@@ -51,14 +52,18 @@ def attention(qkv: Tensor, segments: list[tuple[int, int, int]], heads: int, sca
               dtype: torch.dtype | None = None, split_probs: bool = True) -> Tensor:  # fmt: skip
     """Self-attention of packed q|k|v rows, each sequence on its own rows: ``qkv`` (N, 3d), ``segments`` from
     :func:`runs` (no padding multiplied, nothing scattered). ``dtype``: the attention's dtype (None: qkv's; bf16
-    with the kernels on: ``packed_self_attention``, one call for all runs, float32 or bf16 q|k|v).
+    with the kernels on: ``packed_self_attention``, one call for all runs, float32 or bf16 q|k|v; float32 with its
+    AVX-512 kernels on: the same call in float32 products).
     ``split_probs``: that kernel's probabilities as two bf16 parts (about float32's accuracy) rather than one
     (bf16's; the P v products cost half). Returns ctx (N, d) in qkv's dtype."""
     d = qkv.shape[1] // 3
     dtype = qkv.dtype if dtype is None else dtype
-    if kernels_on() and dtype == torch.bfloat16 and qkv.dtype in (torch.float32, torch.bfloat16):
+    if kernels_on() and qkv.dtype in (torch.float32, torch.bfloat16) and (
+        dtype == torch.bfloat16 or (dtype == qkv.dtype == torch.float32 and kernels.ops().packed_attention_avx512(-1))
+    ):
         table = torch.tensor(segments, dtype=torch.int64).reshape(-1, 3)
-        return kernels.ops().packed_self_attention(qkv.contiguous(), table, heads, scale, qkv.dtype, split_probs)
+        return kernels.ops().packed_self_attention(qkv.contiguous(), table, heads, scale, qkv.dtype, split_probs,
+                                                   dtype == torch.float32)  # fmt: skip
     x = qkv.to(dtype)
     kernel = kernels_on() and dtype == torch.float32
     out = None if len(segments) == 1 else qkv.new_empty(qkv.shape[0], d, dtype=dtype)

@@ -12,6 +12,10 @@
 // memory is O(16 * length) per thread whatever the length. Tasks run longest first over OpenMP's dynamic schedule
 // (lengths differ). Without AVX512_BF16 (or with packed_attention_avx512(0)) a portable loop computes the same
 // products and roundings.
+//
+// float32_products (float32 q|k|v only): the same tasks in float32 throughout — k packed in 16-key blocks, v rows
+// padded to whole vectors, S = scale * q k^T and P v by float32 FMAs (AVX-512F tiles, or the portable loop), the
+// probabilities unrounded: the attention of a float32 model, to float32's rounding.
 
 #include "common.h"
 
@@ -36,6 +40,7 @@ struct Scratch {
   std::vector<uint32_t> q, k;  // q: n x dp pairs; k: nb x dp x 16 pairs
   std::vector<uint16_t> v, p, pl, x;  // x: a float32 task's q|k|v rounded to bf16  // v: ceil(n/2) x hv x 2; p, pl: QB x nk (probabilities' high, low bf16 parts)
   std::vector<float> s;        // QB x nk
+  std::vector<float> kf, vf, pf;  // float32 tasks: k (nb x hd x 16), v (n x hv), probabilities (QB x nk)
 };
 
 inline uint32_t pair_bits(const uint16_t* x, int64_t c, int64_t hd) {
@@ -146,6 +151,169 @@ void task_portable(const Scratch& w, const Task& t, int64_t hd, int64_t dp, int6
   }
 }
 
+// A float32 task's k as 16-key blocks (key j at [j / 16][c][j % 16]) and v rows padded to hv, zeros beyond n and hd.
+// q0: the task's first q row, ld floats between rows, k and v at +d and +2d.
+void pack_f32(const float* q0, int64_t ld, int64_t d, int64_t n, int64_t hd, int64_t hv, Scratch& w) {
+  const int64_t nb = (n + 15) / 16;
+  w.kf.assign(nb * hd * 16, 0.0f);
+  w.vf.assign(n * hv, 0.0f);
+  w.s.resize(QB * nb * 16);
+  w.pf.resize(QB * nb * 16);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kj = q0 + j * ld + d;
+    float* kt = w.kf.data() + (j / 16) * hd * 16 + (j % 16);
+    for (int64_t c = 0; c < hd; ++c) kt[c * 16] = kj[c];
+    std::memcpy(w.vf.data() + j * hv, kj + d, sizeof(float) * hd);
+  }
+}
+
+// The portable float32 task: queries qs..qs+qn of q0 (ld apart) into o (qn x hv, unnormalised) and inv.
+void task_f32_portable(const float* q0, int64_t ld, Scratch& w, int64_t n, int64_t hd, int64_t hv, float sc,
+                       float* inv, std::vector<float>& o, int64_t qs, int64_t qn) {
+  const int64_t nk = (n + 15) / 16 * 16;
+  for (int64_t i = 0; i < qn; ++i) {
+    float* s = w.s.data() + i * nk;
+    const float* qi = q0 + (qs + i) * ld;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kt = w.kf.data() + (j / 16) * hd * 16 + (j % 16);
+      float a = 0.0f;
+      for (int64_t c = 0; c < hd; ++c) a += qi[c] * kt[c * 16];
+      s[j] = a * sc;
+      mx = std::max(mx, s[j]);
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) sum += s[j] = exp_f(s[j] - mx);
+    inv[i] = 1.0f / sum;
+    float* oi = o.data() + i * hv;
+    std::fill(oi, oi + hv, 0.0f);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t c = 0; c < hd; ++c) oi[c] += s[j] * w.vf[j * hv + c];
+  }
+}
+
+#if defined(__AVX512F__)
+// Cephes expf on 16 lanes (exp256 of act_norm.h, widened), inputs clamped to [-87.3, 88.3].
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// S[r][16 b + l] = sc * q_r . k_{16 b + l} in float32: R queries (ld floats apart) x KB key blocks in registers.
+template <int R, int KB>
+inline void qk_tile_f32(const float* q, int64_t ld, int64_t hd, const float* k, float sc, float* s, int64_t ns) {
+  __m512 a[R][KB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < KB; ++b) a[r][b] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < hd; ++c) {
+    __m512 kv[KB];
+    for (int b = 0; b < KB; ++b) kv[b] = _mm512_loadu_ps(k + (b * hd + c) * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 qv = _mm512_set1_ps(q[r * ld + c]);
+      for (int b = 0; b < KB; ++b) a[r][b] = _mm512_fmadd_ps(qv, kv[b], a[r][b]);
+    }
+  }
+  const __m512 vs = _mm512_set1_ps(sc);
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < KB; ++b) _mm512_storeu_ps(s + r * ns + b * 16, _mm512_mul_ps(a[r][b], vs));
+}
+
+template <int R>
+inline void qk_rows_f32(const float* q, int64_t ld, int64_t hd, const float* k, int64_t nb, float sc, float* s,
+                        int64_t ns) {
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) qk_tile_f32<R, 4>(q, ld, hd, k + b * hd * 16, sc, s + b * 16, ns);
+  switch (nb - b) {
+    case 3: qk_tile_f32<R, 3>(q, ld, hd, k + b * hd * 16, sc, s + b * 16, ns); break;
+    case 2: qk_tile_f32<R, 2>(q, ld, hd, k + b * hd * 16, sc, s + b * 16, ns); break;
+    case 1: qk_tile_f32<R, 1>(q, ld, hd, k + b * hd * 16, sc, s + b * 16, ns); break;
+    default: break;
+  }
+}
+
+// o[r][16 c + l] = sum_j p_r[j] v[j][16 c + l] in float32: R rows x CB column blocks (v rows hv floats apart).
+template <int R, int CB>
+inline void pv_tile_f32(const float* p, int64_t np, const float* v, int64_t hv, int64_t n, float* o) {
+  __m512 a[R][CB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < CB; ++b) a[r][b] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 vv[CB];
+    for (int b = 0; b < CB; ++b) vv[b] = _mm512_loadu_ps(v + j * hv + 16 * b);
+    for (int r = 0; r < R; ++r) {
+      const __m512 pv = _mm512_set1_ps(p[r * np + j]);
+      for (int b = 0; b < CB; ++b) a[r][b] = _mm512_fmadd_ps(pv, vv[b], a[r][b]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < CB; ++b) _mm512_storeu_ps(o + r * hv + 16 * b, a[r][b]);
+}
+
+template <int R>
+inline void pv_rows_f32(const float* p, int64_t np, const float* v, int64_t hv, int64_t n, float* o) {
+  int64_t c = 0;
+  for (; c + 32 <= hv; c += 32) pv_tile_f32<R, 2>(p, np, v + c, hv, n, o + c);
+  if (c < hv) pv_tile_f32<R, 1>(p, np, v + c, hv, n, o + c);
+}
+
+// task_f32_portable on AVX-512F tiles: the scores, a float32 softmax (keys n..nk masked off), P v.
+void task_f32_avx512(const float* q0, int64_t ld, Scratch& w, int64_t n, int64_t hd, int64_t hv, float sc,
+                     float* inv, std::vector<float>& o, int64_t qs, int64_t qn) {
+  const int64_t nb = (n + 15) / 16, nk = nb * 16, last = nk - 16;
+  const float* q = q0 + qs * ld;
+  float* s = w.s.data();
+  int64_t i = 0;
+  for (; i + 4 <= qn; i += 4) qk_rows_f32<4>(q + i * ld, ld, hd, w.kf.data(), nb, sc, s + i * nk, nk);
+  switch (qn - i) {
+    case 3: qk_rows_f32<3>(q + i * ld, ld, hd, w.kf.data(), nb, sc, s + i * nk, nk); break;
+    case 2: qk_rows_f32<2>(q + i * ld, ld, hd, w.kf.data(), nb, sc, s + i * nk, nk); break;
+    case 1: qk_rows_f32<1>(q + i * ld, ld, hd, w.kf.data(), nb, sc, s + i * nk, nk); break;
+    default: break;
+  }
+  const __mmask16 tail = __mmask16((1u << (n % 16 ? n % 16 : 16)) - 1u);
+  for (i = 0; i < qn; ++i) {
+    const float* si = s + i * nk;
+    float* p = w.pf.data() + i * nk;
+    __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < last; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(si + j));
+    vm = _mm512_mask_max_ps(vm, tail, vm, _mm512_loadu_ps(si + last));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nk; j += 16) {
+      const __m512 e = _mm512_maskz_mov_ps(j == last ? tail : __mmask16(0xffff),
+                                           exp512(_mm512_sub_ps(_mm512_loadu_ps(si + j), mx)));
+      _mm512_storeu_ps(p + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv[i] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+  const float* p = w.pf.data();
+  for (i = 0; i + 8 <= qn; i += 8) pv_rows_f32<8>(p + i * nk, nk, w.vf.data(), hv, n, o.data() + i * hv);
+  switch (qn - i) {
+    case 7: pv_rows_f32<7>(p + i * nk, nk, w.vf.data(), hv, n, o.data() + i * hv); break;
+    case 6: pv_rows_f32<6>(p + i * nk, nk, w.vf.data(), hv, n, o.data() + i * hv); break;
+    case 5: pv_rows_f32<5>(p + i * nk, nk, w.vf.data(), hv, n, o.data() + i * hv); break;
+    case 4: pv_rows_f32<4>(p + i * nk, nk, w.vf.data(), hv, n, o.data() + i * hv); break;
+    case 3: pv_rows_f32<3>(p + i * nk, nk, w.vf.data(), hv, n, o.data() + i * hv); break;
+    case 2: pv_rows_f32<2>(p + i * nk, nk, w.vf.data(), hv, n, o.data() + i * hv); break;
+    case 1: pv_rows_f32<1>(p + i * nk, nk, w.vf.data(), hv, n, o.data() + i * hv); break;
+    default: break;
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // S[r][16 b + l] = sc * sum_c q_r . k_{16 b + l} over head-dim pairs c: R queries x KB key blocks in registers.
 template <int R, int KB>
@@ -212,24 +380,6 @@ inline void pv_rows(const uint16_t* p, const uint16_t* pl, int64_t np, const uin
   int64_t c = 0;
   for (; c + 32 <= hv; c += 32) pv_tile<R, 2, SPLIT>(p, pl, np, v + 2 * c, hv, nh, o + c);
   if (c < hv) pv_tile<R, 1, SPLIT>(p, pl, np, v + 2 * c, hv, nh, o + c);
-}
-
-// Cephes expf on 16 lanes (exp256 of act_norm.h, widened), inputs clamped to [-87.3, 88.3].
-inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
 // softmax_row on 16 lanes (keys n..nk masked off).
@@ -305,7 +455,7 @@ void task_avx512(const Scratch& w, const Task& t, int64_t dp, int64_t hv, float 
 }  // namespace
 
 Tensor packed_self_attention(const Tensor& qkv, const Tensor& runs, int64_t n_heads, double scale,
-                             at::ScalarType out_dtype, bool split_probs) {
+                             at::ScalarType out_dtype, bool split_probs, bool float32_products) {
   TORCH_CHECK(qkv.device().is_cpu() && (qkv.scalar_type() == at::kBFloat16 || qkv.scalar_type() == at::kFloat) &&
                   qkv.dim() == 2 && qkv.is_contiguous(),
               "packed_self_attention: qkv must be a contiguous bfloat16 or float32 (N, 3*d) CPU tensor, got ",
@@ -316,6 +466,8 @@ Tensor packed_self_attention(const Tensor& qkv, const Tensor& runs, int64_t n_he
               ") * head_dim");
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
               "packed_self_attention: out_dtype must be float32 or bfloat16, got ", out_dtype);
+  TORCH_CHECK(!float32_products || qkv.scalar_type() == at::kFloat,
+              "packed_self_attention: float32_products needs float32 qkv, got ", qkv.scalar_type());
   TORCH_CHECK(runs.scalar_type() == at::kLong && runs.dim() == 2 && runs.size(1) == 3 && runs.is_contiguous(),
               "packed_self_attention: runs must be a contiguous int64 (R, 3) tensor (row, count, length)");
   const int64_t N = qkv.size(0), d = qkv.size(1) / 3, hd = d / n_heads, dp = (hd + 1) / 2, hv = (hd + 15) / 16 * 16;
@@ -340,9 +492,12 @@ Tensor packed_self_attention(const Tensor& qkv, const Tensor& runs, int64_t n_he
   const uint16_t* base = f32 ? nullptr : reinterpret_cast<const uint16_t*>(qkv.data_ptr());
   const float* base32 = f32 ? qkv.data_ptr<float>() : nullptr;
   const float sc = float(scale);
-  bool fast = false;
+  bool fast = false, fast32 = false;
 #if defined(__AVX512BF16__)
   fast = g_avx512.load(std::memory_order_relaxed);
+#endif
+#if defined(__AVX512F__)
+  fast32 = g_avx512.load(std::memory_order_relaxed);
 #endif
   const int64_t T = int64_t(tasks.size());
   const bool par = work * d > kGrainElems * 16 && at::get_num_threads() > 1;
@@ -355,6 +510,30 @@ Tensor packed_self_attention(const Tensor& qkv, const Tensor& runs, int64_t n_he
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ti = 0; ti < T; ++ti) {
       const Task& t = tasks[ti];
+      if (float32_products) {
+        const float* q0 = base32 + t.row * 3 * d + t.h * hd;
+        pack_f32(q0, 3 * d, d, t.n, hd, hv, w);
+        for (int64_t qs = 0; qs < t.n; qs += QB) {
+          const int64_t qn = std::min(QB, t.n - qs);
+#if defined(__AVX512F__)
+          if (fast32)
+            task_f32_avx512(q0, 3 * d, w, t.n, hd, hv, sc, inv.data(), o, qs, qn);
+          else
+#endif
+            task_f32_portable(q0, 3 * d, w, t.n, hd, hv, sc, inv.data(), o, qs, qn);
+          for (int64_t i = 0; i < qn; ++i) {
+            const int64_t at_ = (t.row + qs + i) * d + t.h * hd;
+            const float* oi = o.data() + i * hv;
+            if (of) {
+#pragma omp simd
+              for (int64_t c = 0; c < hd; ++c) of[at_ + c] = oi[c] * inv[i];
+            } else {
+              for (int64_t c = 0; c < hd; ++c) ob[at_ + c] = f_to_bf16(oi[c] * inv[i]);
+            }
+          }
+        }
+        continue;
+      }
       if (f32) {  // the task's q|k|v rounded to bf16 ([n][3][hd]), packed from there
         w.x.resize(t.n * 3 * hd);
         for (int64_t j = 0; j < t.n; ++j) {
@@ -404,10 +583,11 @@ Tensor packed_self_attention(const Tensor& qkv, const Tensor& runs, int64_t n_he
   return out;
 }
 
-// Whether packed_self_attention uses its AVX512_BF16 kernel where compiled in (tests switch it off to check the
-// portable loop on the same machine): sets it unless flag < 0, returns the previous value (false: not compiled in).
+// Whether packed_self_attention uses its AVX-512 kernels where compiled in (AVX512_BF16 tiles; float32 products:
+// AVX-512F tiles; tests switch it off to check the portable loops on the same machine): sets it unless flag < 0,
+// returns the previous value (false: not compiled in).
 bool packed_attention_avx512(int64_t flag) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
   return set_switch(g_avx512, flag);
 #else
   (void)flag;
@@ -418,7 +598,7 @@ bool packed_attention_avx512(int64_t flag) {
 }  // namespace sublayer
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
-  m.def("packed_self_attention(Tensor qkv, Tensor runs, int n_heads, float scale, ScalarType out_dtype, bool split_probs=True) -> Tensor");
+  m.def("packed_self_attention(Tensor qkv, Tensor runs, int n_heads, float scale, ScalarType out_dtype, bool split_probs=True, bool float32_products=False) -> Tensor");
   m.def("packed_attention_avx512(int flag) -> bool", &sublayer::packed_attention_avx512);
 }
 
