@@ -364,20 +364,6 @@ def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None) ->
     return [row]
 
 
-def hf_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
-    """The ``hf`` job: :func:`sublayer.bench.hfpatch.hf_rows` (imported here: this file also runs standalone)."""
-    from sublayer.bench.hfpatch import hf_rows as rows
-
-    return rows(quick, reps, work, model)
-
-
-def llama_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
-    """Llama decoding against llama.cpp and HF (:func:`sublayer.bench.llama.decode_rows`)."""
-    from .llama import decode_rows as rows
-
-    return rows(quick, reps, work, model)
-
-
 def demo_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     """``sublayer demo``'s training at the threads it chooses against 1 thread (see the module doc); the
     threads are chosen when the row starts, as the command chooses them when it starts."""
@@ -405,26 +391,27 @@ def demo_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     return [row]
 
 
-def ov_embed_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
-    """MiniLM embeddings against OpenVINO f32 / bf16 and HF (:func:`sublayer.bench.openvino_peer.embed_rows`)."""
-    from .openvino_peer import embed_rows as rows
+def _job(module: str, name: str, doc: str, **kw) -> Callable[..., list[Row]]:
+    """A job running ``module``'s ``name`` (imported when the job runs, ``kw`` passed on), documented by ``doc``."""
 
-    return rows(quick, reps, work, model)
+    def rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
+        return getattr(importlib.import_module(module, __package__), name)(quick, reps, work, model, **kw)
 
-
-def ov_decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
-    """GPT-2 decoding against OpenVINO GenAI (:func:`sublayer.bench.openvino_peer.decode_rows`)."""
-    from .openvino_peer import decode_rows as rows
-
-    return rows(quick, reps, work, model, gpt2_decoding=gpt2_decoding, ct2_generator=ct2_generator)
+    rows.__doc__ = doc
+    return rows
 
 
-def llama_train_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
-    """A Llama training step against HF (:func:`sublayer.bench.llama.train_rows`)."""
-    from .llama import train_rows as rows
-
-    return rows(quick, reps, work, model)
-
+# (hf: imported by its full name, as this file also runs standalone)
+hf_rows = _job("sublayer.bench.hfpatch", "hf_rows", "The ``hf`` job: :func:`sublayer.bench.hfpatch.hf_rows`.")
+llama_rows = _job(".llama", "decode_rows", "Llama decoding against llama.cpp and HF "
+                  "(:func:`sublayer.bench.llama.decode_rows`).")  # fmt: skip
+llama_train_rows = _job(".llama", "train_rows", "A Llama training step against HF "
+                        "(:func:`sublayer.bench.llama.train_rows`).")  # fmt: skip
+ov_embed_rows = _job(".openvino_peer", "embed_rows", "MiniLM embeddings against OpenVINO f32 / bf16 and HF "
+                     "(:func:`sublayer.bench.openvino_peer.embed_rows`).")  # fmt: skip
+ov_decode_rows = _job(".openvino_peer", "decode_rows", "GPT-2 decoding against OpenVINO GenAI "
+                      "(:func:`sublayer.bench.openvino_peer.decode_rows`).", gpt2_decoding=gpt2_decoding,
+                      ct2_generator=ct2_generator)  # fmt: skip
 
 JOBS: dict[str, Callable[..., list[Row]]] = {
     "decode": decode_rows, "translate": translate_rows, "train": train_rows, "int8": int8_rows, "embed": embed_rows,
