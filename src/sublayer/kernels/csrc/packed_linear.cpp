@@ -542,30 +542,19 @@ void advise_huge_pages(void* p, size_t bytes) {
 #endif
 }
 
-// W (N, K) -> (ceil(N/16), K, 16), zero-padded columns; float32, float16 or int8, kept.
-template <typename T>
-void pack_panels(const T* src, T* dst, int64_t N, int64_t K, int64_t P) {
+// W (N, K) -> (ceil(N/16), ceil(K/G), 16, G), [p, i, j, t] = W[16p + j, G i + t], zero-padded columns and k: each
+// column's G consecutive k are one lane. G = 1: float32, float16 or int8 panels (K x 16); G = 2: bfloat16 k pairs,
+// one 32-bit lane (wload8/wload16 widen it without a shuffle); G = 4: int8 quads (pack_int8_quads).
+template <int G, typename T>
+void pack_groups(const T* src, T* dst, int64_t N, int64_t K, int64_t P) {
+  const int64_t KG = (K + G - 1) / G;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t j = 0; j < PANEL; ++j) {
-          const int64_t c = p * PANEL + j;
-          dst[(p * K + k) * PANEL + j] = c < N ? src[c * K + k] : T(0);
-        }
-  });
-}
-
-// bfloat16: W (N, K) -> (ceil(N/16), ceil(K/2), 16, 2), [p, i, j, t] = W[16p + j, 2i + t], zero-padded columns
-// and (odd K) a zero k: each k pair of a column is one 32-bit lane (wload8/wload16 widen it without a shuffle).
-void pack_bf16_panels(const at::BFloat16* src, at::BFloat16* dst, int64_t N, int64_t K, int64_t P) {
-  const int64_t K2 = (K + 1) / 2;
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t i = 0; i < K2; ++i)
+      for (int64_t i = 0; i < KG; ++i)
         for (int64_t j = 0; j < PANEL; ++j)
-          for (int64_t t = 0; t < 2; ++t) {
-            const int64_t c = p * PANEL + j, k = 2 * i + t;
-            dst[((p * K2 + i) * PANEL + j) * 2 + t] = c < N && k < K ? src[c * K + k] : at::BFloat16(0.0f);
+          for (int64_t t = 0; t < G; ++t) {
+            const int64_t c = p * PANEL + j, k = G * i + t;
+            dst[((p * KG + i) * PANEL + j) * G + t] = c < N && k < K ? src[c * K + k] : T(0.0f);
           }
   });
 }
@@ -581,36 +570,26 @@ Tensor pack_linear_weight(const Tensor& w) {
   Tensor out = bf16 ? at::empty({P, (K + 1) / 2, PANEL, 2}, w.options()) : at::empty({P, K, PANEL}, w.options());
   advise_huge_pages(out.data_ptr(), size_t(out.numel()) * out.element_size());
   if (bf16)
-    pack_bf16_panels(w.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), N, K, P);
+    pack_groups<2>(w.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), N, K, P);
   else if (w.scalar_type() == at::kHalf)
-    pack_panels(w.data_ptr<at::Half>(), out.data_ptr<at::Half>(), N, K, P);
+    pack_groups<1>(w.data_ptr<at::Half>(), out.data_ptr<at::Half>(), N, K, P);
   else if (w.scalar_type() == at::kChar)
-    pack_panels(w.data_ptr<int8_t>(), out.data_ptr<int8_t>(), N, K, P);
+    pack_groups<1>(w.data_ptr<int8_t>(), out.data_ptr<int8_t>(), N, K, P);
   else
-    pack_panels(w.data_ptr<float>(), out.data_ptr<float>(), N, K, P);
+    pack_groups<1>(w.data_ptr<float>(), out.data_ptr<float>(), N, K, P);
   return out;
 }
 
 // ------------------------------------------------------------------ int8 x int8 (int8 activations)
-// W (N, K) int8 -> (ceil(N/16), ceil(K/4), 16, 4), [p, i, j, t] = W[16p + j, 4i + t], zero-padded: each column's 4
-// consecutive k are one 32-bit lane, the operand layout of vpdpbusd.
+// W (N, K) int8 -> (ceil(N/16), ceil(K/4), 16, 4) (pack_groups<4>): each column's 4 consecutive k are one 32-bit
+// lane, the operand layout of vpdpbusd.
 Tensor pack_int8_quads(const Tensor& q) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
               "pack_int8_quads: q must be a contiguous 2-D int8 CPU tensor, got ", q.scalar_type(), " ", q.sizes());
   const int64_t N = q.size(0), K = q.size(1), P = (N + PANEL - 1) / PANEL, K4 = (K + 3) / 4;
   Tensor out = at::empty({P, K4, PANEL, 4}, q.options());
   advise_huge_pages(out.data_ptr(), size_t(out.numel()));
-  const int8_t* src = q.data_ptr<int8_t>();
-  int8_t* dst = out.data_ptr<int8_t>();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t i = 0; i < K4; ++i)
-        for (int64_t j = 0; j < PANEL; ++j)
-          for (int64_t t = 0; t < 4; ++t) {
-            const int64_t c = p * PANEL + j, k = 4 * i + t;
-            dst[((p * K4 + i) * PANEL + j) * 4 + t] = c < N && k < K ? src[c * K + k] : int8_t(0);
-          }
-  });
+  pack_groups<4>(q.data_ptr<int8_t>(), out.data_ptr<int8_t>(), N, K, P);
   return out;
 }
 
