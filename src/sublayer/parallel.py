@@ -196,7 +196,7 @@ def _install(
     view: _LocalView,
     prepare_args: Callable[[tuple, dict], tuple[tuple, dict]],
     finish_output: Callable[[Any], Any],
-) -> None:
+) -> nn.Module:
     def pre(mod, args, kwargs):
         args, kwargs = prepare_args(args, kwargs)
         view.enter()
@@ -212,6 +212,7 @@ def _install(
     module.register_forward_pre_hook(pre, with_kwargs=True)
     # always_call: the shadow must go even when the forward raises
     module.register_forward_hook(post, with_kwargs=True, always_call=True)
+    return module
 
 
 def _check_divisible(what: str, n: int, tp: int, where: str) -> None:
@@ -244,7 +245,21 @@ class GatedColwiseParallel(ColwiseParallel):
             module.register_parameter(pname, dist_param)
 
 
-class FFNParallel(ParallelStyle):
+class _MegatronStyle(ParallelStyle):
+    """What the FFN and attention styles share: the ``sequence_parallel`` option and the row-sharded projection's
+    output reduction (all-reduce, or reduce-scatter along the sequence) plus its bias, added once."""
+
+    def __init__(self, *, sequence_parallel: bool = False) -> None:
+        self.sequence_parallel = sequence_parallel
+
+    def _reduce(self, out: Tensor, proj: nn.Module, mesh: DeviceMesh) -> Tensor:
+        out = _reduce_scatter_seq(out, mesh) if self.sequence_parallel else _reduce_from_region(out, mesh)
+        # with sequence parallelism the bias meets only this rank's positions: its grad is partial
+        bias_view = _local_replicated(mesh) if self.sequence_parallel else _local
+        return out if proj.bias is None else out + bias_view(proj.bias)
+
+
+class FFNParallel(_MegatronStyle):
     """Style for a :class:`~sublayer.nn.PositionWiseFFN` whose ``fc1``/``fc2`` are (or will be) column/row
     sharded: runs the functional on the local shards between the Megatron collectives.
 
@@ -252,15 +267,10 @@ class FFNParallel(ParallelStyle):
         sequence_parallel: the input arrives sequence-sharded (dim 1) and the output leaves so.
     """
 
-    def __init__(self, *, sequence_parallel: bool = False) -> None:
-        self.sequence_parallel = sequence_parallel
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, PositionWiseFFN):
             raise TypeError(f"FFNParallel applies to a PositionWiseFFN, got {type(module).__name__}")
         mesh, sp = device_mesh, self.sequence_parallel
-        # with sequence parallelism the bias meets only this rank's positions: its grad is partial
-        bias_view = _local_replicated(mesh) if sp else _local
         view = _LocalView(
             params=[
                 (module.fc1, "weight", _local),
@@ -277,16 +287,12 @@ class FFNParallel(ParallelStyle):
             return (x, *args[1:]), kwargs
 
         def finish(out):
-            out = _reduce_scatter_seq(out, mesh) if sp else _reduce_from_region(out, mesh)
-            if module.fc2.bias is not None:
-                out = out + bias_view(module.fc2.bias)
-            return F.dropout(out, module.output_dropout, module.training)
+            return F.dropout(self._reduce(out, module.fc2, mesh), module.output_dropout, module.training)
 
-        _install(module, view, prepare, finish)
-        return module
+        return _install(module, view, prepare, finish)
 
 
-class AttentionParallel(ParallelStyle):
+class AttentionParallel(_MegatronStyle):
     """Style for a :class:`~sublayer.nn.MultiHeadAttention` whose q/k/v are column- and ``out_proj`` row-sharded:
     the functional sees the local shards and ``n_heads / tp`` heads.
 
@@ -295,14 +301,10 @@ class AttentionParallel(ParallelStyle):
             given explicitly (cross-attention memory) are taken as replicated.
     """
 
-    def __init__(self, *, sequence_parallel: bool = False) -> None:
-        self.sequence_parallel = sequence_parallel
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, MultiHeadAttention):
             raise TypeError(f"AttentionParallel applies to a MultiHeadAttention, got {type(module).__name__}")
         mesh, sp, tp = device_mesh, self.sequence_parallel, device_mesh.size()
-        bias_view = _local_replicated(mesh) if sp else _local
         params = [(getattr(module, f"{p}_proj"), n, _local) for p in "qkv" for n in ("weight", "bias")]
         params += [(module.out_proj, "weight", _local), (module.out_proj, "bias", _drop_bias)]
         view = _LocalView(params=params, attrs=[(module, "n_heads", module.n_heads // tp)])
@@ -320,9 +322,7 @@ class AttentionParallel(ParallelStyle):
 
         def finish(output):
             out, weights = output
-            out = _reduce_scatter_seq(out, mesh) if sp else _reduce_from_region(out, mesh)
-            if module.out_proj.bias is not None:
-                out = out + bias_view(module.out_proj.bias)
+            out = self._reduce(out, module.out_proj, mesh)
             if weights is not None:
                 if weights.dim() == 3:  # averaged over the local heads: the mean of equal-size groups
                     weights = DTensor.from_local(weights, mesh, [Partial("avg")], run_check=False)
@@ -331,8 +331,7 @@ class AttentionParallel(ParallelStyle):
                 weights = weights.redistribute(mesh, [Replicate()]).to_local()
             return out, weights
 
-        _install(module, view, prepare, finish)
-        return module
+        return _install(module, view, prepare, finish)
 
 
 class SequenceParallelNorm(ParallelStyle):
@@ -355,8 +354,7 @@ class SequenceParallelNorm(ParallelStyle):
             replicated = distribute_tensor(p.detach(), device_mesh, [Replicate()])
             norm.register_parameter(name, nn.Parameter(replicated, requires_grad=p.requires_grad))
             params.append((norm, name, _local_replicated(device_mesh)))
-        _install(module, _LocalView(params, []), lambda a, k: (a, k), lambda o: o)
-        return module
+        return _install(module, _LocalView(params, []), lambda a, k: (a, k), lambda o: o)
 
 
 class _SequenceRegion(ParallelStyle):
@@ -372,8 +370,7 @@ class _SequenceRegion(ParallelStyle):
             kwargs["x"] = _split_seq(kwargs["x"], mesh)
             return args, kwargs
 
-        _install(module, _LocalView([], []), prepare, lambda out: _unsplit_seq(out, mesh))
-        return module
+        return _install(module, _LocalView([], []), prepare, lambda out: _unsplit_seq(out, mesh))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .harness import copy_gbps, time_interleaved
+from .harness import copy_gbps, ct2_greedy, time_interleaved
 from .jobs import ct2_generator, decoding_switch, gpt2_folder, switched
 
 __all__ = ["run_decode_bench"]
@@ -237,10 +237,7 @@ def run_decode_bench(
             toks = [[f"t{i}" for i in row] for row in ids.tolist()]
 
             def ct2_run(gen=ct2):
-                res = gen.generate_batch(
-                    toks, max_length=new, min_length=new, include_prompt_in_result=False, sampling_topk=1
-                )
-                return torch.tensor([r.sequences_ids[0] for r in res])
+                return torch.tensor(ct2_greedy(gen, toks, new))
 
             fns["CTranslate2 float32"] = ct2_run
             if ct2_int8 is not None:

@@ -1,5 +1,5 @@
-"""The benchmarks' shared harness: interleaved timing, result rows, padded batches, the AdamW training step, and the
-markdown report with the machine, the versions, the date and the command that produced it.
+"""The benchmarks' shared harness: interleaved timing, result rows, padded batches and their mean pooling, the AdamW
+training step, CTranslate2's greedy call, and the markdown report with the machine, the versions, the date and the command that produced it.
 
 At module level this imports the standard library and torch only, and sublayer only through its public API inside
 functions: the whole-job driver of ``benchmarks/compare_revisions.py`` runs this file against other revisions.
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "CLOCKS", "Row", "SideEnv", "Timing", "adamw_step", "busy_neighbour", "command_line", "contention_table", "copy_gbps",
-    "cpu_info", "cpu_kind", "machine", "padded_batch", "report_markdown", "report_path", "saved_bytes", "set_clock",
+    "CLOCKS", "Row", "SideEnv", "Timing", "adamw_step", "bert_batch", "busy_neighbour", "command_line", "contention_table",
+    "copy_gbps", "cpu_info", "cpu_kind", "ct2_greedy", "machine", "mean_pool", "padded_batch", "report_markdown", "report_path", "saved_bytes", "set_clock",
     "summarize", "time_interleaved", "write_report",
 ]  # fmt: skip
 
@@ -171,6 +171,25 @@ def padded_batch(b: int, t: int, lo: int, vocab: int, seed: int = 0) -> tuple[to
     lens = torch.randint(lo, t + 1, (b,), generator=g)
     mask = (torch.arange(t)[None] < lens[:, None]).long()
     return torch.randint(1, vocab, (b, t), generator=g) * mask, mask
+
+
+def bert_batch(quick: bool, vocab: int) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """The embedding rows' :func:`padded_batch` (64 x 128, lengths 32..128; ``quick``: 4 x 32, 8..32) and its shape
+    label."""
+    b, t, lo = (4, 32, 8) if quick else (64, 128, 32)
+    return *padded_batch(b, t, lo, vocab), f"{b}x{t} (len {lo}..{t})"
+
+
+def mean_pool(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sentence-transformers' pooling: the mean over real tokens, L2-normalised. (B, T, D), (B, T) -> (B, D)."""
+    w = mask[..., None].to(h.dtype)
+    return torch.nn.functional.normalize((h * w).sum(1) / w.sum(1), dim=-1)
+
+
+def ct2_greedy(gen, toks: list[list[str]], new: int) -> list[list[int]]:
+    """CTranslate2 ``Generator`` ``gen``'s greedy decoding of the prompts ``toks``: exactly ``new`` token ids a row."""
+    res = gen.generate_batch(toks, max_length=new, min_length=new, include_prompt_in_result=False, sampling_topk=1)
+    return [r.sequences_ids[0] for r in res]
 
 
 def adamw_step(model: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> Callable[[], None]:

@@ -55,8 +55,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .harness import (Row, adamw_step, busy_neighbour, command_line, contention_table, cpu_info, machine, padded_batch,
-                      summarize, time_interleaved, write_report)  # fmt: skip
+from .harness import (Row, adamw_step, bert_batch, busy_neighbour, command_line, contention_table, cpu_info, ct2_greedy,
+                      machine, mean_pool, padded_batch, summarize, time_interleaved, write_report)  # fmt: skip
 
 __all__ = [
     "DEFAULT_JOBS", "JOBS", "ct2_generator", "decoding_switch", "gpt2_decoding", "gpt2_folder", "llama_rows",
@@ -167,15 +167,9 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     for b in (1, 8):
         ids = torch.randint(0, cfg.vocab_size - 1, (b, prompt), generator=torch.Generator().manual_seed(b))
         toks = [[f"t{i}" for i in r] for r in ids.tolist()]
-
-        def peer(gen):
-            res = gen.generate_batch(toks, max_length=new, min_length=new, include_prompt_in_result=False,
-                                     sampling_topk=1)  # fmt: skip
-            return [r.sequences_ids[0] for r in res]
-
         fns = {"sublayer fp32": lambda: ours.generate(ids, new), "sublayer int8": lambda: int8.generate(ids, new),
                "sublayer bf16": lambda: bf16.generate(ids, new)}  # fmt: skip
-        fns |= {f"CTranslate2 {dt}": (lambda g=g: peer(g)) for dt, g in ct2.items() if g is not None}
+        fns |= {f"CTranslate2 {dt}": (lambda g=g: ct2_greedy(g, toks, new)) for dt, g in ct2.items() if g is not None}
         outs = {k: f() for k, f in fns.items()}  # the warm-up
         res = time_interleaved(fns, reps, 0)
         for dt in ("fp32", "int8"):
@@ -311,23 +305,12 @@ def _bert(quick: bool, model: Path | None):
     return Bert(cfg).eval(), "random, MiniLM's shape"
 
 
-def _mean_pool(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """sentence-transformers' pooling: the mean over real tokens, L2-normalised. (B, T, D), (B, T) -> (B, D)."""
-    w = mask[..., None].to(h.dtype)
-    return F.normalize((h * w).sum(1) / w.sum(1), dim=-1)
-
-
-def _bert_batch(quick: bool, vocab: int) -> tuple[torch.Tensor, torch.Tensor, str]:
-    b, t, lo = (4, 32, 8) if quick else (64, 128, 32)
-    return *padded_batch(b, t, lo, vocab), f"{b}x{t} (len {lo}..{t})"
-
-
 def int8_rows(quick: bool, reps: int, work: Path, model: Path | None = None) -> list[Row]:
     """int8 BERT inference against the float32 fast path (see the module doc)."""
     from sublayer.models import fast_inference
 
     ours, name = _bert(quick, model)
-    ids, mask, shape = _bert_batch(quick, ours.config.vocab_size)
+    ids, mask, shape = bert_batch(quick, ours.config.vocab_size)
     fp32, int8 = fast_inference(ours, dtype=torch.float32), fast_inference(ours, quantize="int8")
     bf16 = fast_inference(ours, dtype=torch.bfloat16)
     fns = {"sublayer": lambda: int8(ids, mask), "sublayer fp32": lambda: fp32(ids, mask),
@@ -354,7 +337,7 @@ def int8_rows(quick: bool, reps: int, work: Path, model: Path | None = None) -> 
     h, ref = int8(ids, mask), fp32(ids, mask)
     real = mask.bool()
     row.extra["int8 min token cos vs fp32"] = round(float(F.cosine_similarity(h[real], ref[real], dim=-1).min()), 5)
-    sentence = (_mean_pool(h, mask) * _mean_pool(ref, mask)).sum(-1).min()
+    sentence = (mean_pool(h, mask) * mean_pool(ref, mask)).sum(-1).min()
     row.extra["int8 min sentence cos vs fp32"] = round(float(sentence), 5)
     row.extra["int8 GEMM"] = "int8_linear" if getattr(int8, "own_gemm", False) else "linear_dynamic"
     vs_bf16.extra["int8 min token cos vs fp32"] = row.extra["int8 min token cos vs fp32"]
@@ -368,31 +351,17 @@ def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None) ->
     ours, name = _bert(quick, model)
     hf = ours.to_hf().eval()
     fast = fast_inference(ours)
-    ids, mask, shape = _bert_batch(quick, ours.config.vocab_size)
+    ids, mask, shape = bert_batch(quick, ours.config.vocab_size)
 
     def hf_embed():
         with torch.no_grad():
-            return _mean_pool(hf(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
+            return mean_pool(hf(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
 
     res = time_interleaved({"sublayer": lambda: fast.embed(ids, mask), "HF": hf_embed}, reps, 1)
     row = Row(f"sentence embedding ({name})", shape, str(fast.compute_dtype).replace("torch.", ""), "embed",
               base="HF", work=float(ids.shape[0]), unit="seq").fill(res)  # fmt: skip
     row.extra["min cos vs HF"] = round(float((fast.embed(ids, mask).float() * hf_embed()).sum(-1).min()), 5)
     return [row]
-
-
-def hf_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
-    """The ``hf`` job: :func:`sublayer.bench.hfpatch.hf_rows` (imported here: this file also runs standalone)."""
-    from sublayer.bench.hfpatch import hf_rows as rows
-
-    return rows(quick, reps, work, model)
-
-
-def llama_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
-    """Llama decoding against llama.cpp and HF (:func:`sublayer.bench.llama.decode_rows`)."""
-    from .llama import decode_rows as rows
-
-    return rows(quick, reps, work, model)
 
 
 def demo_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
@@ -422,26 +391,27 @@ def demo_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     return [row]
 
 
-def ov_embed_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
-    """MiniLM embeddings against OpenVINO f32 / bf16 and HF (:func:`sublayer.bench.openvino_peer.embed_rows`)."""
-    from .openvino_peer import embed_rows as rows
+def _job(module: str, name: str, doc: str, **kw) -> Callable[..., list[Row]]:
+    """A job running ``module``'s ``name`` (imported when the job runs, ``kw`` passed on), documented by ``doc``."""
 
-    return rows(quick, reps, work, model)
+    def rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
+        return getattr(importlib.import_module(module, __package__), name)(quick, reps, work, model, **kw)
 
-
-def ov_decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
-    """GPT-2 decoding against OpenVINO GenAI (:func:`sublayer.bench.openvino_peer.decode_rows`)."""
-    from .openvino_peer import decode_rows as rows
-
-    return rows(quick, reps, work, model, gpt2_decoding=gpt2_decoding, ct2_generator=ct2_generator)
+    rows.__doc__ = doc
+    return rows
 
 
-def llama_train_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
-    """A Llama training step against HF (:func:`sublayer.bench.llama.train_rows`)."""
-    from .llama import train_rows as rows
-
-    return rows(quick, reps, work, model)
-
+# (hf: imported by its full name, as this file also runs standalone)
+hf_rows = _job("sublayer.bench.hfpatch", "hf_rows", "The ``hf`` job: :func:`sublayer.bench.hfpatch.hf_rows`.")
+llama_rows = _job(".llama", "decode_rows", "Llama decoding against llama.cpp and HF "
+                  "(:func:`sublayer.bench.llama.decode_rows`).")  # fmt: skip
+llama_train_rows = _job(".llama", "train_rows", "A Llama training step against HF "
+                        "(:func:`sublayer.bench.llama.train_rows`).")  # fmt: skip
+ov_embed_rows = _job(".openvino_peer", "embed_rows", "MiniLM embeddings against OpenVINO f32 / bf16 and HF "
+                     "(:func:`sublayer.bench.openvino_peer.embed_rows`).")  # fmt: skip
+ov_decode_rows = _job(".openvino_peer", "decode_rows", "GPT-2 decoding against OpenVINO GenAI "
+                      "(:func:`sublayer.bench.openvino_peer.decode_rows`).", gpt2_decoding=gpt2_decoding,
+                      ct2_generator=ct2_generator)  # fmt: skip
 
 JOBS: dict[str, Callable[..., list[Row]]] = {
     "decode": decode_rows, "translate": translate_rows, "train": train_rows, "int8": int8_rows, "embed": embed_rows,

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .harness import Row, SideEnv, padded_batch, time_interleaved
+from .harness import Row, SideEnv, bert_batch, ct2_greedy, mean_pool, time_interleaved
 from .llama import LlamaCpp
 
 __all__ = ["MIN_COS", "OV_ENV", "OpenVino", "decode_rows", "embed_rows", "export_ir", "ov_env", "ov_versions", "use_ov_env"]
@@ -116,11 +116,6 @@ def _bert_folder(quick: bool, model: Path | None, work: Path) -> tuple[Path, str
     return folder, "random tiny" if quick else "random, MiniLM's shape"
 
 
-def _pool(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    w = mask[..., None].to(h.dtype)
-    return F.normalize((h * w).sum(1) / w.sum(1), dim=-1)
-
-
 def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None, *,
                log: Callable[[str], None] = print) -> list[Row]:  # fmt: skip
     """MiniLM embeddings: ours fp32 / bf16 / int8 against HF and OpenVINO f32 / bf16 (see the module doc)."""
@@ -130,9 +125,8 @@ def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None, *,
 
     folder, name = _bert_folder(quick, model, work)
     ours = Bert.from_pretrained(folder).eval()
-    b, t, lo = (4, 32, 8) if quick else (64, 128, 32)
-    ids, mask = padded_batch(b, t, lo, ours.config.vocab_size)
-    shape = f"{b}x{t} (len {lo}..{t})"
+    ids, mask, shape = bert_batch(quick, ours.config.vocab_size)
+    b = ids.shape[0]
     mine = {"fp32": fast_inference(ours, dtype=torch.float32), "bf16": fast_inference(ours, dtype=torch.bfloat16),
             "int8": fast_inference(ours, quantize="int8")}  # fmt: skip
     hf = transformers.BertModel.from_pretrained(folder, add_pooling_layer=False).eval()
@@ -143,8 +137,8 @@ def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None, *,
             return m(input_ids=ids, attention_mask=mask).last_hidden_state
 
     fns: dict[str, Callable[[], object]] = {f"sublayer {k}": (lambda m=m: m.embed(ids, mask)) for k, m in mine.items()}
-    fns |= {"HF fp32": lambda: _pool(hf_hidden(hf), mask), "HF bf16 weights": lambda: _pool(hf_hidden(hf_bf16), mask),
-            "HF bf16 autocast": lambda: _pool(hf_hidden(hf, True), mask)}  # fmt: skip
+    fns |= {"HF fp32": lambda: mean_pool(hf_hidden(hf), mask), "HF bf16 weights": lambda: mean_pool(hf_hidden(hf_bf16), mask),
+            "HF bf16 autocast": lambda: mean_pool(hf_hidden(hf, True), mask)}  # fmt: skip
     hidden: dict[str, Callable[[], torch.Tensor]] = {f"sublayer {k}": (lambda m=m: m(ids, mask)) for k, m in mine.items()}
     hidden |= {"HF fp32": lambda: hf_hidden(hf), "HF bf16 weights": lambda: hf_hidden(hf_bf16),
                "HF bf16 autocast": lambda: hf_hidden(hf, True)}  # fmt: skip
@@ -235,8 +229,7 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding
                 fns |= {k: (lambda k=k: ov.generate(k, ids.tolist(), new)) for k in _OV_DECODE}
             if ct2 is not None:
                 toks = [[f"t{i}" for i in r] for r in ids.tolist()]
-                fns["CTranslate2 int8"] = lambda: torch.tensor([r.sequences_ids[0] for r in ct2.generate_batch(
-                    toks, max_length=new, min_length=new, include_prompt_in_result=False, sampling_topk=1)])
+                fns["CTranslate2 int8"] = lambda: torch.tensor(ct2_greedy(ct2, toks, new))
             outs = {k: torch.as_tensor(f()) for k, f in fns.items()}  # the warm-up
             res = time_interleaved(fns, reps, 0)
             ref = outs["sublayer fp32"]

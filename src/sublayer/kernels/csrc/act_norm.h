@@ -98,22 +98,26 @@ template <int64_t act, typename A> inline A act_df(A z) {
 }
 
 #if SUBLAYER_AVX2_FMA
-// Cephes expf on 8 lanes (range reduction + degree-5 polynomial, ~1 ulp), inputs clamped to [-87.3, 88.3].
-inline __m256 exp256(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+// Cephes expf on the float32 lanes of a vector (range reduction + degree-5 polynomial, ~1 ulp), inputs clamped to
+// [-87.3, 88.3], at any width: P the intrinsics' prefix (_mm256), W its bits, FLOOR rounds down. exp256 (8 lanes)
+// here; packed_attention.cpp makes exp512.
+#define SUBLAYER_VEXP(NAME, V, P, W, FLOOR)                                                                   \
+  inline V NAME(V x) {                                                                                        \
+    x = P##_min_ps(P##_max_ps(x, P##_set1_ps(-87.3f)), P##_set1_ps(88.3f));                                   \
+    const V n = FLOOR(P##_fmadd_ps(x, P##_set1_ps(1.44269504088896341f), P##_set1_ps(0.5f)));                 \
+    V r = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x);                                                     \
+    r = P##_fnmadd_ps(n, P##_set1_ps(-2.12194440e-4f), r);                                                    \
+    V p = P##_set1_ps(1.9875691500E-4f);                                                                      \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.3981999507E-3f));                                                    \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(8.3334519073E-3f));                                                    \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(4.1665795894E-2f));                                                    \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.6666665459E-1f));                                                    \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(5.0000001201E-1f));                                                    \
+    const V y = P##_add_ps(P##_fmadd_ps(P##_mul_ps(p, r), r, r), P##_set1_ps(1.0f));                          \
+    const auto e = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);                \
+    return P##_mul_ps(y, P##_castsi##W##_ps(e));                                                              \
+  }
+SUBLAYER_VEXP(exp256, __m256, _mm256, 256, _mm256_floor_ps)
 #endif
 
 // ------------------------------------------------------------------ row norms

@@ -24,8 +24,10 @@
 #include <sys/mman.h>
 #endif
 
+#include <array>
 #include <atomic>
 #include <limits>
+#include <utility>
 
 namespace sublayer {
 namespace {
@@ -34,6 +36,16 @@ constexpr int64_t PANEL = 16;  // output columns per packed panel (two AVX2 vect
 constexpr int64_t ROWS = 6;    // rows of x per AVX2 micro-kernel call: 12 accumulators + 2 weights + 1 broadcast
 constexpr int STREAMS = 4;     // panels read at once for a single row (panels_kernel)
 std::atomic<bool> g_avx512{true};  // decode_avx512
+
+// A kernel's table by row count: {nullptr, make(1), ..., make(N)}, make taking std::integral_constant<int, R>.
+template <typename Make, int... R>
+constexpr auto rows_table(Make make, std::integer_sequence<int, R...>) {
+  return std::array<decltype(make(std::integral_constant<int, 1>())), sizeof...(R) + 1>{
+      nullptr, make(std::integral_constant<int, R + 1>())...};
+}
+template <int N, typename Make> constexpr auto rows_table(Make make) {
+  return rows_table(make, std::make_integer_sequence<int, N>());
+}
 
 // 8 consecutive weights of a panel as float32: float32 as is, float16 widened exactly (F16C), int8 converted
 // (its per-column scale is applied in the epilogue).
@@ -216,53 +228,33 @@ inline __m512 wload16(const at::BFloat16* wk) {
   return _mm512_castsi512_ps(ODD ? _mm512_and_si512(v, _mm512_set1_epi32(int(0xffff0000u))) : _mm512_slli_epi32(v, 16));
 }
 
-template <typename T, int R>
+// R rows against NPAN neighbouring panels (acc: R rows of each panel in turn). Two panels: each broadcast of x
+// feeds two FMAs, so the loads (the limit of one panel at 8 rows) drop from 9 to 10 per 16 FMAs.
+template <typename T, int R, int NPAN = 1>
 inline void panel_kernel512(const float* x, int64_t ldx, const T* w, int64_t K, float* acc) {
-  __m512 a[R];
-  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
-  auto step = [&](auto odd, const T* wk, int64_t k) {
-    constexpr int ODD = decltype(odd)::value;
-    const __m512 wv = wload16<ODD>(wk);
-    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + ODD]), wv, a[r]);
-  };
-  int64_t k = 0;
-  for (; k + 2 <= K; k += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048, _MM_HINT_T0);
-    step(std::integral_constant<int, 0>(), w + k * PANEL, k);
-    step(std::integral_constant<int, 1>(), w + k * PANEL, k);
-  }
-  if (k < K) step(std::integral_constant<int, 0>(), w + k * PANEL, k);
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * PANEL, a[r]);
-}
-
-// Two neighbouring panels at once (acc: R rows of the first panel, then R rows of the second): each broadcast of
-// x feeds two FMAs, so the loads (the limit of panel_kernel512 at 8 rows) drop from 9 to 10 per 16 FMAs.
-template <typename T, int R>
-inline void panel_pair_kernel512(const float* x, int64_t ldx, const T* w, int64_t K, float* acc) {
-  __m512 a[R], b[R];
-  for (int r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_ps();
-  const T* w1 = w + panel_elems<T>(K);
+  __m512 a[NPAN][R];
+  for (int q = 0; q < NPAN; ++q)
+    for (int r = 0; r < R; ++r) a[q][r] = _mm512_setzero_ps();
+  const int64_t stride = panel_elems<T>(K);
   auto step = [&](auto odd, int64_t k) {
     constexpr int ODD = decltype(odd)::value;
-    const __m512 wa = wload16<ODD>(w + k * PANEL), wb = wload16<ODD>(w1 + k * PANEL);
+    __m512 wv[NPAN];
+    for (int q = 0; q < NPAN; ++q) wv[q] = wload16<ODD>(w + q * stride + k * PANEL);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * ldx + k + ODD]);
-      a[r] = _mm512_fmadd_ps(xv, wa, a[r]);
-      b[r] = _mm512_fmadd_ps(xv, wb, b[r]);
+      for (int q = 0; q < NPAN; ++q) a[q][r] = _mm512_fmadd_ps(xv, wv[q], a[q][r]);
     }
   };
   int64_t k = 0;
   for (; k + 2 <= K; k += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + k * PANEL) + 2048, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + k * PANEL) + 2048, _MM_HINT_T0);
+    for (int q = 0; q < NPAN; ++q)
+      _mm_prefetch(reinterpret_cast<const char*>(w + q * stride + k * PANEL) + 2048, _MM_HINT_T0);
     step(std::integral_constant<int, 0>(), k);
     step(std::integral_constant<int, 1>(), k);
   }
   if (k < K) step(std::integral_constant<int, 0>(), k);
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(acc + r * PANEL, a[r]);
-    _mm512_storeu_ps(acc + (R + r) * PANEL, b[r]);
-  }
+  for (int q = 0; q < NPAN; ++q)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (q * R + r) * PANEL, a[q][r]);
 }
 #endif
 
@@ -362,24 +354,16 @@ inline void epilogue(float* v, const float* scale, const float* bias, int64_t ac
 template <typename T>
 void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* wp, int64_t P, const float* sp,
                    const float* bp, int64_t n, int64_t act, float* op) {
-  using PanelFn = void (*)(const float*, int64_t, const T*, int64_t, float*);
-  static constexpr PanelFn kPanel[ROWS + 1] = {nullptr,           panel_kernel<T, 1>, panel_kernel<T, 2>,
-                                               panel_kernel<T, 3>, panel_kernel<T, 4>, panel_kernel<T, 5>,
-                                               panel_kernel<T, 6>};
-  const PanelFn* panel = kPanel;
+  static constexpr auto kPanel = rows_table<ROWS>([](auto r) { return &panel_kernel<T, decltype(r)::value>; });
+  auto panel = kPanel.data();
   int64_t rows = ROWS;
 #if SUBLAYER_AVX2_FMA && defined(__AVX512F__)
-  static constexpr PanelFn kPanel512[ROWS512 + 1] = {
-      nullptr, panel_kernel512<T, 1>, panel_kernel512<T, 2>, panel_kernel512<T, 3>, panel_kernel512<T, 4>,
-      panel_kernel512<T, 5>, panel_kernel512<T, 6>, panel_kernel512<T, 7>, panel_kernel512<T, 8>};
-  static constexpr PanelFn kPair512[ROWS512 + 1] = {
-      nullptr, panel_pair_kernel512<T, 1>, panel_pair_kernel512<T, 2>, panel_pair_kernel512<T, 3>,
-      panel_pair_kernel512<T, 4>, panel_pair_kernel512<T, 5>, panel_pair_kernel512<T, 6>,
-      panel_pair_kernel512<T, 7>, panel_pair_kernel512<T, 8>};
-  const PanelFn* pair = nullptr;
+  decltype(panel) pair = nullptr;
+  static constexpr auto kPanel512 = rows_table<ROWS512>([](auto r) { return &panel_kernel512<T, decltype(r)::value>; });
+  static constexpr auto kPair512 = rows_table<ROWS512>([](auto r) { return &panel_kernel512<T, decltype(r)::value, 2>; });
   if (M > 1 && g_avx512.load(std::memory_order_relaxed)) {
-    panel = kPanel512;
-    pair = kPair512;
+    panel = kPanel512.data();
+    pair = kPair512.data();
     rows = ROWS512;
   }
 #endif
@@ -428,19 +412,10 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
       if constexpr (std::is_same<T, at::BFloat16>::value)
         if (!xb.empty()) {  // several rows by vdpbf16ps: three panels at a time, then the rest
           using DpFn = void (*)(const uint32_t*, int64_t, const at::BFloat16*, int64_t, float*);
-          static constexpr DpFn kDp2[ROWS512 + 1] = {
-              nullptr, panels_kernel_dp<1, 2>, panels_kernel_dp<2, 2>, panels_kernel_dp<3, 2>,
-              panels_kernel_dp<4, 2>, panels_kernel_dp<5, 2>, panels_kernel_dp<6, 2>, panels_kernel_dp<7, 2>,
-              panels_kernel_dp<8, 2>};
-          static constexpr DpFn kDp1[ROWS512 + 1] = {
-              nullptr, panels_kernel_dp<1, 1>, panels_kernel_dp<2, 1>, panels_kernel_dp<3, 1>,
-              panels_kernel_dp<4, 1>, panels_kernel_dp<5, 1>, panels_kernel_dp<6, 1>, panels_kernel_dp<7, 1>,
-              panels_kernel_dp<8, 1>};
-          static constexpr DpFn kDp3[ROWS512 + 1] = {
-              nullptr, panels_kernel_dp<1, 3>, panels_kernel_dp<2, 3>, panels_kernel_dp<3, 3>,
-              panels_kernel_dp<4, 3>, panels_kernel_dp<5, 3>, panels_kernel_dp<6, 3>, panels_kernel_dp<7, 3>,
-              panels_kernel_dp<8, 3>};
-          const DpFn* kDp[4] = {nullptr, kDp1, kDp2, kDp3};
+          static constexpr auto kDp1 = rows_table<ROWS512>([](auto r) { return &panels_kernel_dp<decltype(r)::value, 1>; });
+          static constexpr auto kDp2 = rows_table<ROWS512>([](auto r) { return &panels_kernel_dp<decltype(r)::value, 2>; });
+          static constexpr auto kDp3 = rows_table<ROWS512>([](auto r) { return &panels_kernel_dp<decltype(r)::value, 3>; });
+          const DpFn* kDp[4] = {nullptr, kDp1.data(), kDp2.data(), kDp3.data()};
           for (; p < pe; p += 3) {
             const int64_t np = std::min<int64_t>(3, pe - p);
             for (int64_t r0 = 0; r0 < M; r0 += ROWS512) {
@@ -567,30 +542,19 @@ void advise_huge_pages(void* p, size_t bytes) {
 #endif
 }
 
-// W (N, K) -> (ceil(N/16), K, 16), zero-padded columns; float32, float16 or int8, kept.
-template <typename T>
-void pack_panels(const T* src, T* dst, int64_t N, int64_t K, int64_t P) {
+// W (N, K) -> (ceil(N/16), ceil(K/G), 16, G), [p, i, j, t] = W[16p + j, G i + t], zero-padded columns and k: each
+// column's G consecutive k are one lane. G = 1: float32, float16 or int8 panels (K x 16); G = 2: bfloat16 k pairs,
+// one 32-bit lane (wload8/wload16 widen it without a shuffle); G = 4: int8 quads (pack_int8_quads).
+template <int G, typename T>
+void pack_groups(const T* src, T* dst, int64_t N, int64_t K, int64_t P) {
+  const int64_t KG = (K + G - 1) / G;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t j = 0; j < PANEL; ++j) {
-          const int64_t c = p * PANEL + j;
-          dst[(p * K + k) * PANEL + j] = c < N ? src[c * K + k] : T(0);
-        }
-  });
-}
-
-// bfloat16: W (N, K) -> (ceil(N/16), ceil(K/2), 16, 2), [p, i, j, t] = W[16p + j, 2i + t], zero-padded columns
-// and (odd K) a zero k: each k pair of a column is one 32-bit lane (wload8/wload16 widen it without a shuffle).
-void pack_bf16_panels(const at::BFloat16* src, at::BFloat16* dst, int64_t N, int64_t K, int64_t P) {
-  const int64_t K2 = (K + 1) / 2;
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t i = 0; i < K2; ++i)
+      for (int64_t i = 0; i < KG; ++i)
         for (int64_t j = 0; j < PANEL; ++j)
-          for (int64_t t = 0; t < 2; ++t) {
-            const int64_t c = p * PANEL + j, k = 2 * i + t;
-            dst[((p * K2 + i) * PANEL + j) * 2 + t] = c < N && k < K ? src[c * K + k] : at::BFloat16(0.0f);
+          for (int64_t t = 0; t < G; ++t) {
+            const int64_t c = p * PANEL + j, k = G * i + t;
+            dst[((p * KG + i) * PANEL + j) * G + t] = c < N && k < K ? src[c * K + k] : T(0.0f);
           }
   });
 }
@@ -606,48 +570,66 @@ Tensor pack_linear_weight(const Tensor& w) {
   Tensor out = bf16 ? at::empty({P, (K + 1) / 2, PANEL, 2}, w.options()) : at::empty({P, K, PANEL}, w.options());
   advise_huge_pages(out.data_ptr(), size_t(out.numel()) * out.element_size());
   if (bf16)
-    pack_bf16_panels(w.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), N, K, P);
+    pack_groups<2>(w.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), N, K, P);
   else if (w.scalar_type() == at::kHalf)
-    pack_panels(w.data_ptr<at::Half>(), out.data_ptr<at::Half>(), N, K, P);
+    pack_groups<1>(w.data_ptr<at::Half>(), out.data_ptr<at::Half>(), N, K, P);
   else if (w.scalar_type() == at::kChar)
-    pack_panels(w.data_ptr<int8_t>(), out.data_ptr<int8_t>(), N, K, P);
+    pack_groups<1>(w.data_ptr<int8_t>(), out.data_ptr<int8_t>(), N, K, P);
   else
-    pack_panels(w.data_ptr<float>(), out.data_ptr<float>(), N, K, P);
+    pack_groups<1>(w.data_ptr<float>(), out.data_ptr<float>(), N, K, P);
   return out;
 }
 
 // ------------------------------------------------------------------ int8 x int8 (int8 activations)
-// W (N, K) int8 -> (ceil(N/16), ceil(K/4), 16, 4), [p, i, j, t] = W[16p + j, 4i + t], zero-padded: each column's 4
-// consecutive k are one 32-bit lane, the operand layout of vpdpbusd.
+// W (N, K) int8 -> (ceil(N/16), ceil(K/4), 16, 4) (pack_groups<4>): each column's 4 consecutive k are one 32-bit
+// lane, the operand layout of vpdpbusd.
 Tensor pack_int8_quads(const Tensor& q) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
               "pack_int8_quads: q must be a contiguous 2-D int8 CPU tensor, got ", q.scalar_type(), " ", q.sizes());
   const int64_t N = q.size(0), K = q.size(1), P = (N + PANEL - 1) / PANEL, K4 = (K + 3) / 4;
   Tensor out = at::empty({P, K4, PANEL, 4}, q.options());
   advise_huge_pages(out.data_ptr(), size_t(out.numel()));
-  const int8_t* src = q.data_ptr<int8_t>();
-  int8_t* dst = out.data_ptr<int8_t>();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t i = 0; i < K4; ++i)
-        for (int64_t j = 0; j < PANEL; ++j)
-          for (int64_t t = 0; t < 4; ++t) {
-            const int64_t c = p * PANEL + j, k = 4 * i + t;
-            dst[((p * K4 + i) * PANEL + j) * 4 + t] = c < N && k < K ? src[c * K + k] : int8_t(0);
-          }
-  });
+  pack_groups<4>(q.data_ptr<int8_t>(), out.data_ptr<int8_t>(), N, K, P);
   return out;
 }
 
 // acc[r][p][0..15] (int32) = sum_k xu[r][k] * w_p[k][0..15] for R rows and NP quad panels (NP panels `pstride` bytes
 // apart), xu: the rows' uint8 activations (quantize_row), K4 32-bit quads per row, rows `xstride` quads apart.
 // AVX512-VNNI: per quad, NP weight loads and R broadcasts feed R * NP vpdpbusd (up to 24 accumulators); the
-// portable loop elsewhere (same integer sums).
+// portable loop elsewhere (same integer sums). At 8 x 3, int8_linear's main tile, the 24 accumulators are named
+// (GCC keeps a __m512i array of them on the stack).
 template <int R, int NP>
 inline void quad_kernel(const uint32_t* xu, int64_t xstride, int64_t K4, const int8_t* w, int64_t pstride,
                         int32_t* acc) {
 #if SUBLAYER_AVX2_FMA && defined(__AVX512VNNI__)
   if (g_avx512.load(std::memory_order_relaxed)) {
+    if constexpr (R == 8 && NP == 3) {
+#define SUBLAYER_Q8X3(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
+#define SUBLAYER_QDECL(r) __m512i a##r##0 = _mm512_setzero_si512(), a##r##1 = a##r##0, a##r##2 = a##r##0;
+#define SUBLAYER_QROW(r)                                                      \
+  {                                                                           \
+    const __m512i xb = _mm512_set1_epi32(int(xu[r * xstride + i]));          \
+    a##r##0 = _mm512_dpbusd_epi32(a##r##0, xb, w0);                          \
+    a##r##1 = _mm512_dpbusd_epi32(a##r##1, xb, w1);                          \
+    a##r##2 = _mm512_dpbusd_epi32(a##r##2, xb, w2);                          \
+  }
+#define SUBLAYER_QSTORE(r)                                                    \
+  _mm512_storeu_si512(acc + (r * 3 + 0) * PANEL, a##r##0);                   \
+  _mm512_storeu_si512(acc + (r * 3 + 1) * PANEL, a##r##1);                   \
+  _mm512_storeu_si512(acc + (r * 3 + 2) * PANEL, a##r##2);
+      SUBLAYER_Q8X3(SUBLAYER_QDECL)
+      for (int64_t i = 0; i < K4; ++i) {
+        const __m512i w0 = _mm512_loadu_si512(w + i * 64), w1 = _mm512_loadu_si512(w + pstride + i * 64),
+                      w2 = _mm512_loadu_si512(w + 2 * pstride + i * 64);
+        SUBLAYER_Q8X3(SUBLAYER_QROW)
+      }
+      SUBLAYER_Q8X3(SUBLAYER_QSTORE)
+#undef SUBLAYER_Q8X3
+#undef SUBLAYER_QDECL
+#undef SUBLAYER_QROW
+#undef SUBLAYER_QSTORE
+      return;
+    }
     __m512i a[R][NP];
     for (int r = 0; r < R; ++r)
       for (int p = 0; p < NP; ++p) a[r][p] = _mm512_setzero_si512();
@@ -677,42 +659,6 @@ inline void quad_kernel(const uint32_t* xu, int64_t xstride, int64_t K4, const i
         }
       std::copy(s, s + PANEL, acc + (r * NP + p) * PANEL);
     }
-}
-
-// quad_kernel<8, 3> with the 24 accumulators named (GCC keeps a __m512i array of them on the stack): the main
-// tile of int8_linear.
-inline void quad_kernel_8x3(const uint32_t* xu, int64_t xstride, int64_t K4, const int8_t* w, int64_t pstride,
-                            int32_t* acc) {
-#if SUBLAYER_AVX2_FMA && defined(__AVX512VNNI__)
-  if (g_avx512.load(std::memory_order_relaxed)) {
-#define SUBLAYER_Q8X3(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
-#define SUBLAYER_QDECL(r) __m512i a##r##0 = _mm512_setzero_si512(), a##r##1 = a##r##0, a##r##2 = a##r##0;
-#define SUBLAYER_QROW(r)                                                      \
-  {                                                                           \
-    const __m512i xb = _mm512_set1_epi32(int(xu[r * xstride + i]));          \
-    a##r##0 = _mm512_dpbusd_epi32(a##r##0, xb, w0);                          \
-    a##r##1 = _mm512_dpbusd_epi32(a##r##1, xb, w1);                          \
-    a##r##2 = _mm512_dpbusd_epi32(a##r##2, xb, w2);                          \
-  }
-#define SUBLAYER_QSTORE(r)                                                    \
-  _mm512_storeu_si512(acc + (r * 3 + 0) * PANEL, a##r##0);                   \
-  _mm512_storeu_si512(acc + (r * 3 + 1) * PANEL, a##r##1);                   \
-  _mm512_storeu_si512(acc + (r * 3 + 2) * PANEL, a##r##2);
-    SUBLAYER_Q8X3(SUBLAYER_QDECL)
-    for (int64_t i = 0; i < K4; ++i) {
-      const __m512i w0 = _mm512_loadu_si512(w + i * 64), w1 = _mm512_loadu_si512(w + pstride + i * 64),
-                    w2 = _mm512_loadu_si512(w + 2 * pstride + i * 64);
-      SUBLAYER_Q8X3(SUBLAYER_QROW)
-    }
-    SUBLAYER_Q8X3(SUBLAYER_QSTORE)
-#undef SUBLAYER_Q8X3
-#undef SUBLAYER_QDECL
-#undef SUBLAYER_QROW
-#undef SUBLAYER_QSTORE
-    return;
-  }
-#endif
-  quad_kernel<8, 3>(xu, xstride, K4, w, pstride, acc);
 }
 
 // Per-row asymmetric uint8 quantization as int8_linear's reference computes it: v[k] = x[k] * inv_smooth[k] (or
@@ -771,15 +717,10 @@ template <int64_t ACT>
 void int8_tile(const uint32_t* xu, const float* sx, const int32_t* zp, int64_t K4, const int8_t* wp, const int32_t* cp, const float* sp,
                const float* bp, float* op, int64_t n, int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
   using QuadFn = void (*)(const uint32_t*, int64_t, int64_t, const int8_t*, int64_t, int32_t*);
-  static constexpr QuadFn kQuad[QPAN + 1][QROWS + 1] = {
-      {nullptr},
-      {nullptr, quad_kernel<1, 1>, quad_kernel<2, 1>, quad_kernel<3, 1>, quad_kernel<4, 1>, quad_kernel<5, 1>,
-       quad_kernel<6, 1>, quad_kernel<7, 1>, quad_kernel<8, 1>},
-      {nullptr, quad_kernel<1, 2>, quad_kernel<2, 2>, quad_kernel<3, 2>, quad_kernel<4, 2>, quad_kernel<5, 2>,
-       quad_kernel<6, 2>, quad_kernel<7, 2>, quad_kernel<8, 2>},
-      {nullptr, quad_kernel<1, 3>, quad_kernel<2, 3>, quad_kernel<3, 3>, quad_kernel<4, 3>, quad_kernel<5, 3>,
-       quad_kernel<6, 3>, quad_kernel<7, 3>, quad_kernel_8x3}};
-  (void)kQuad;
+  static constexpr auto kQuad1 = rows_table<QROWS>([](auto r) { return &quad_kernel<decltype(r)::value, 1>; });
+  static constexpr auto kQuad2 = rows_table<QROWS>([](auto r) { return &quad_kernel<decltype(r)::value, 2>; });
+  static constexpr auto kQuad3 = rows_table<QROWS>([](auto r) { return &quad_kernel<decltype(r)::value, 3>; });
+  const QuadFn* kQuad[QPAN + 1] = {nullptr, kQuad1.data(), kQuad2.data(), kQuad3.data()};
   const int64_t pstride = K4 * PANEL * 4;
   alignas(64) int32_t acc[QROWS * QPAN * PANEL];
   for (int64_t p = p0; p < p1; p += QPAN) {
