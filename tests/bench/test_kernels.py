@@ -33,6 +33,9 @@ def test_quick_bench_writes_json_markdown_and_png(tmp_path, monkeypatch):
         assert r["times_ms"][r["base"]] > 0 and r["times_ms"]["sublayer"] > 0
     ffn = next(r for r in data["rows"] if r["case"].startswith("FFN") and r["mode"] == "training")
     assert ffn["extra"]["saved ratio"] <= 0.6  # the input and one hidden tensor, no mask
+    bert = [r for r in data["rows"] if r["case"].startswith("BERT inference")]
+    assert bert and bert[0]["times_ms"]["sublayer autocast"] > 0  # our plain Bert under HF's autocast
+    assert bert[0]["extra"]["plain Bert autocast x vs HF autocast"] > 0
     md = (tmp_path / "bench.md").read_text()
     assert "| case | shape | dtype | mode | eager ms | sublayer ms | ratio | faults |" in md
     assert f"All columns: {bench.MALLOC_SETTINGS[here]}." in md  # the report states the allocator setting

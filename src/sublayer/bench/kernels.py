@@ -259,7 +259,8 @@ def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Ro
 def bench_bert_inference(quick: bool, reps: int, warmup: int) -> list[Row]:
     """BERT inference at MiniLM size (hidden 384, 6 layers, 12 heads, d_ff 1536; batch 64 x 128 tokens, real
     lengths uniform in 32..128): ``sublayer.models.fast.fast_inference(Bert)`` vs HF ``BertModel`` under bf16
-    autocast ("eager" column), HF fp32 and our plain fp32 ``Bert``, all with the same weights and padding mask.
+    autocast ("eager" column), HF fp32, our plain ``Bert`` in fp32 and under the same bf16 autocast as HF, all
+    with the same weights and padding mask.
     ``--quick``: a tiny model (2 layers, d 96) on 4 x 32 tokens."""
     if not _has_transformers():
         return []
@@ -284,13 +285,16 @@ def bench_bert_inference(quick: bool, reps: int, warmup: int) -> list[Row]:
 
         return f
 
-    def ours_fp32():
-        with torch.no_grad():
-            return ours(ids, mask)
+    def ours_call(bf16: bool):
+        def f():
+            with torch.no_grad(), _autocast(bf16):
+                return ours(ids, mask)
+
+        return f
 
     fns = {
         "eager": hf_call(True), "sublayer": lambda: fast(ids, mask), "HF fp32": hf_call(False),
-        "sublayer fp32": ours_fp32,
+        "sublayer fp32": ours_call(False), "sublayer autocast": ours_call(True),
     }  # fmt: skip
     # HF under bf16 autocast takes seconds per call on CPUs without native bf16 GEMMs: few rounds
     res = time_interleaved(fns, min(reps, 3), min(warmup, 1))
@@ -303,6 +307,7 @@ def bench_bert_inference(quick: bool, reps: int, warmup: int) -> list[Row]:
     row.extra["real tokens"] = f"{int(real.sum())}/{b * t}"
     row.extra["x vs HF fp32"] = round(row.ratio("sublayer", "HF fp32"), 2)
     row.extra["x vs sublayer fp32"] = round(row.ratio("sublayer", "sublayer fp32"), 2)
+    row.extra["plain Bert autocast x vs HF autocast"] = round(row.ratio("sublayer autocast", "eager"), 2)
     row.extra["min cos vs HF fp32"] = round(float(cos), 5)
     return [row]
 
