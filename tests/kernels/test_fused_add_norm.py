@@ -304,3 +304,19 @@ def test_vector_rows_and_avx2_loops_agree():
     for i, name in enumerate(["out", "sum", "mean", "rstd", None, "dx", "dy", "dw", "db"]):
         if name:
             assert_close(got[0][i], got[1][i], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_default_generator_seed_is_the_one_dropout_seed_draws():
+    # Without generator= the kernel draws the seed from torch's default generator itself: the same draw as
+    # dropout_seed(), so manual_seed reproduces the mask and the generator advances as it would.
+    x, y = torch.randn(5, 64), torch.randn(5, 64)
+    torch.manual_seed(21)
+    got = fused.add_norm(x, y, 64, dropout=0.5, impl="fused")
+    after = torch.rand(3)
+    torch.manual_seed(21)
+    want = fused.add_norm(x, y, 64, dropout=0.5, impl="fused", generator=torch.Generator().manual_seed(21))
+    torch.manual_seed(21)
+    fused.dropout_seed()
+    assert torch.equal(got, want)
+    assert torch.equal(after, torch.rand(3))
+    assert not torch.equal(got, fused.add_norm(x, y, 64, dropout=0.5, impl="fused"))  # the next draw: a new mask

@@ -13,6 +13,10 @@
 //
 // This file holds TORCH_LIBRARY(sublayer_kernels); every other .cpp adds its ops with TORCH_LIBRARY_FRAGMENT.
 
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <mutex>
+
 #include "common.h"
 
 namespace sublayer {
@@ -485,6 +489,14 @@ void add_norm_bwd_impl(const Tensor& g, const Tensor& sum, const Tensor& mean, c
     TORCH_CHECK(false, NAME ": unsupported dtypes ", XT, " and ", YT);                               \
   }()
 
+// The default CPU generator's next int64 random_() draw (random64() mod 2^63, under its lock): the seed
+// sublayer.functional.fused.dropout_seed() would give, without making a tensor for it.
+int64_t default_generator_seed() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return int64_t(gen.get<at::CPUGeneratorImpl>()->random64() % (uint64_t(1) << 63));
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> add_norm_fwd(const Tensor& x, const Tensor& y,
                                                         const std::optional<Tensor>& weight,
                                                         const std::optional<Tensor>& bias, double eps, double p,
@@ -517,7 +529,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> add_norm_fwd(const Tensor& x,
   Tensor b = bias.has_value() ? bias->contiguous() : Tensor();
   TORCH_CHECK(!w.defined() || (w.scalar_type() == at_ && w.numel() == d), "add_norm_fwd: weight must be (d,) acc");
   TORCH_CHECK(!b.defined() || (b.scalar_type() == at_ && b.numel() == d), "add_norm_fwd: bias must be (d,) acc");
-  const Drop dr(p, seed);
+  const Drop dr(p, p > 0 && seed < 0 ? default_generator_seed() : seed);  // seed < 0: draw it here
   SUBLAYER_DISPATCH_XY(x.scalar_type(), y.scalar_type(), "add_norm_fwd",
                        [&] { add_norm_fwd_impl<TX, TY, TO>(x, y, w, b, out, sum, mean, rstd, mask, eps, dr, rms); });
   return {out, sum, mean, rstd, mask};
