@@ -4,7 +4,10 @@
 //    backward, statistics in float32 (float64 for float64), two-pass variance; dx and dy from the same pass;
 //    forward saves the sum, mean, rstd and the dropout mask as bits for backward.
 //  * Dropout is ffn.cpp's Philox stream (philox_fill); Add & Norm saves the mask as 1 bit per element
-//    (pack_keep), which costs d/8 bytes a row and spares its backward the draws.
+//    (pack_keep), which costs d/8 bytes a row and spares its backward the draws. A seed < 0 is drawn here from
+//    torch's default generator (default_generator_seed).
+//  * AVX-512 rows (add_norm_fwd_512 / add_norm_bwd_512) where one storage type and d allow; the loops below them
+//    are the AVX2 (and portable) path, which the add_norm_avx512 switch selects on any machine.
 //
 // Tensors come in contiguous and 2-D from Python (sublayer/functional/fused.py does the checks). Storage types:
 // float, double and bfloat16 (as raw uint16 with round-to-nearest-even, written so the compiler vectorises it).
