@@ -70,6 +70,25 @@ def test_limit_bounds_what_is_kept(cache_limit):
     assert st["blocks"] <= 1 and st["cached_mb"] <= 0.3
 
 
+def test_blocks_of_a_new_shape_push_out_the_longest_idle(cache_limit):
+    # 1.5 MiB: the four 320 KiB blocks of a 64-row step, then those of a 128-row step (576 KiB each) take their
+    # place, so that repeating the 128-row step reuses blocks instead of going to malloc every time.
+    def step(rows):
+        an = sublayer.AddNorm(D, 0.1)
+        x, y = torch.randn(rows, D, requires_grad=True), torch.randn(rows, D, requires_grad=True)
+        an(x, y).backward(torch.randn(rows, D))
+
+    cache_limit(0)
+    cache_limit(1.5)
+    step(N)
+    assert memory.buffer_cache()["blocks"] == 4
+    step(2 * N)
+    before = memory.buffer_cache()
+    assert before["cached_mb"] <= 1.5
+    step(2 * N)
+    assert memory.buffer_cache()["hits"] - before["hits"] >= 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("p", [0.0, 0.1])
 def test_big_buffers_streamed_out_give_the_same_rows(p, dtype):

@@ -216,3 +216,107 @@ def test_bad_input_errors():
         fused.add_norm(torch.randn(2, 3), torch.randn(2, 3), 4)
     with pytest.raises(RuntimeError, match="impl='fused' cannot run"):
         fused.add_norm(torch.randn(2, 3, dtype=torch.float16), torch.randn(2, 3, dtype=torch.float16), 3, impl="fused")
+
+
+# ----------------------------------------------------------------- the AVX-512 rows and the AVX2 loops
+# The AVX-512 rows take one storage type with d a multiple of 64 (forward) or 16 (backward); the switch
+# add_norm_avx512 turns them off so that the AVX2 loops run the same shapes on the same machine.
+@pytest.fixture(params=["avx512", "avx2"])
+def add_norm_isa(request):
+    ops = kernels.ops()
+    if request.param == "avx512" and not ops.add_norm_avx512(-1):
+        pytest.skip("the AVX-512 rows are not compiled in on this CPU")
+    was = ops.add_norm_avx512(int(request.param == "avx512"))
+    yield request.param
+    ops.add_norm_avx512(int(was))
+
+
+def _same_mask_check(rows, d, dtype, norm, p, affine, seed=9):
+    """The fused result against the reference applied to y * (the Philox mask of fused.dropout, same seed)."""
+    ins = _inputs((rows,), d, dtype, affine=affine)
+    mask = fused.dropout(torch.ones(rows, d, dtype=dtype), p, generator=torch.Generator().manual_seed(seed), impl="fused")
+
+    def fast(x, y, w, b):
+        g = torch.Generator().manual_seed(seed)
+        return fused.add_norm(x, y, d, w, b, dropout=p, norm=norm, impl="fused", generator=g)
+
+    def ref(x, y, w, b):
+        return SF.add_norm(x, y * mask.to(y.dtype), d, w, b, norm=norm)
+
+    fo, fg = run(fast, ins)
+    ro, rg = run(ref, ins)
+    wo, wg = run(ref, as64(ins))
+    assert_fast_close(fo, ro, wo, what="out")
+    for n, a, r, w in zip(["dx", "dy", "dw", "db"], fg, rg, wg):
+        if n == "db" and norm == "rms" or not affine and n in ("dw", "db"):
+            continue
+        assert_fast_close(a, r, w, what=n)
+    if p > 0:
+        assert 0 < (mask == 0).sum() < mask.numel()
+        assert (fg[1][mask == 0] == 0).all() and (fg[1][mask != 0] != 0).all()
+    return fo, fg
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("d,p", [(64, 0.3), (128, 0.0), (192, 0.1), (48, 0.3)])  # 48: AVX-512 backward only
+def test_vector_rows_match_reference_with_the_same_mask(add_norm_isa, dtype, norm, d, p):
+    _same_mask_check(13, d, dtype, norm, p, affine=True)  # 13 rows: groups of 4 rows and a remainder of 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vector_rows_without_weight_or_bias(add_norm_isa, dtype):
+    x, y = torch.randn(7, 64).to(dtype), torch.randn(7, 64).to(dtype)
+    w = torch.randn(64)
+    for norm in ("layer", "rms"):
+        for wt, bt in ((None, None), (w, None)):
+            got = fused.add_norm(x, y, 64, wt, bt, norm=norm, impl="fused")
+            lowp = SF.add_norm(x, y, 64, wt, bt, norm=norm)
+            want = SF.add_norm(x.double(), y.double(), 64, wt, bt, norm=norm)
+            assert_fast_close(got, lowp, want, what=f"{norm} weight={wt is not None}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streamed_rows_match_reference(add_norm_isa, dtype):
+    # >= 1 MiB per tensor: the saved sum and the input gradients go out through streaming stores
+    rows = 4099 if dtype == torch.bfloat16 else 2053
+    _same_mask_check(rows, 128, dtype, "layer", 0.1, affine=True)
+
+
+def test_vector_rows_and_avx2_loops_agree():
+    # The same mask bit for bit and the same values to rounding, whichever loops run.
+    ops = kernels.ops()
+    if not ops.add_norm_avx512(-1):
+        pytest.skip("the AVX-512 rows are not compiled in on this CPU")
+    x, y, g = torch.randn(11, 128), torch.randn(11, 128), torch.randn(11, 128)
+    w, b = torch.randn(128), torch.randn(128)
+    got = []
+    try:
+        for on in (1, 0):
+            ops.add_norm_avx512(on)
+            out, s, mean, rstd, keep = ops.add_norm_fwd(x, y, w, b, 1e-5, 0.25, 77, False, True)
+            got.append((out, s, mean, rstd, keep, *ops.add_norm_bwd(g, s, mean, rstd, w, keep, x.dtype, y.dtype, 0.25,
+                                                                   False, True, True, True)))  # fmt: skip
+    finally:
+        ops.add_norm_avx512(1)
+    keep = got[0][4]
+    assert torch.equal(keep, got[1][4]) and 0 < keep.sum() and (keep != 255).any()
+    for i, name in enumerate(["out", "sum", "mean", "rstd", None, "dx", "dy", "dw", "db"]):
+        if name:
+            assert_close(got[0][i], got[1][i], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_default_generator_seed_is_the_one_dropout_seed_draws():
+    # Without generator= the kernel draws the seed from torch's default generator itself: the same draw as
+    # dropout_seed(), so manual_seed reproduces the mask and the generator advances as it would.
+    x, y = torch.randn(5, 64), torch.randn(5, 64)
+    torch.manual_seed(21)
+    got = fused.add_norm(x, y, 64, dropout=0.5, impl="fused")
+    after = torch.rand(3)
+    torch.manual_seed(21)
+    want = fused.add_norm(x, y, 64, dropout=0.5, impl="fused", generator=torch.Generator().manual_seed(21))
+    torch.manual_seed(21)
+    fused.dropout_seed()
+    assert torch.equal(got, want)
+    assert torch.equal(after, torch.rand(3))
+    assert not torch.equal(got, fused.add_norm(x, y, 64, dropout=0.5, impl="fused"))  # the next draw: a new mask

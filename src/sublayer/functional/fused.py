@@ -234,7 +234,8 @@ def add_norm(
         return _norm.add_norm(x, y, shape, weight, bias, eps, dropout=dropout, training=training, norm=norm)
     d = math.prod(shape)
     p = float(dropout) if training else 0.0
-    seed = dropout_seed(generator) if p > 0 else 0
+    # seed -1: the kernel draws it from torch's default generator itself (what dropout_seed() would draw)
+    seed = (dropout_seed(generator) if generator is not None else -1) if p > 0 else 0
     x2, y2 = x.reshape(-1, d).contiguous(), y.reshape(-1, d).contiguous()
     w2 = weight.reshape(d) if weight is not None else None
     b2 = b.reshape(d) if b is not None else None

@@ -4,7 +4,10 @@
 //    backward, statistics in float32 (float64 for float64), two-pass variance; dx and dy from the same pass;
 //    forward saves the sum, mean, rstd and the dropout mask as bits for backward.
 //  * Dropout is ffn.cpp's Philox stream (philox_fill); Add & Norm saves the mask as 1 bit per element
-//    (pack_keep), which costs d/8 bytes a row and spares its backward the draws.
+//    (pack_keep), which costs d/8 bytes a row and spares its backward the draws. A seed < 0 is drawn here from
+//    torch's default generator (default_generator_seed).
+//  * AVX-512 rows (add_norm_fwd_512 / add_norm_bwd_512) where one storage type and d allow; the loops below them
+//    are the AVX2 (and portable) path, which the add_norm_avx512 switch selects on any machine.
 //
 // Tensors come in contiguous and 2-D from Python (sublayer/functional/fused.py does the checks). Storage types:
 // float, double and bfloat16 (as raw uint16 with round-to-nearest-even, written so the compiler vectorises it).
@@ -12,6 +15,10 @@
 // are bitwise reproducible whatever the thread count.
 //
 // This file holds TORCH_LIBRARY(sublayer_kernels); every other .cpp adds its ops with TORCH_LIBRARY_FRAGMENT.
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <mutex>
 
 #include "common.h"
 
@@ -74,6 +81,216 @@ inline void stream_fence() {
 #endif
 }
 
+// ------------------------------------------------------------------ AVX-512 rows
+// One storage type for x, y and the output (float32 or bfloat16), d a multiple of 64 (forward: every row starts a
+// Philox block) or of 16 (backward), 16 lanes at a time with explicit FMAs: the forward makes the row's keep bits
+// straight from the Philox words (philox_keep_bits, into the saved mask) and masks y with them, with no draws
+// stored; the backward handles up to 4 rows at once, so the weight/bias gradients are loaded and stored once per 4
+// rows. Same statistics (float32, two-pass variance), the same mask; add_norm_avx512(0) switches it off (tests
+// check the AVX2 loops on the same machine).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SUBLAYER_AN512 1
+std::atomic<bool> g_an512{true};
+
+template <typename T> struct V16;  // 16 elements of storage type T as float32 lanes
+template <> struct V16<float> {
+  static __m512 ld(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 round(__m512 v) { return v; }  // the value the storage keeps
+  static void st(float* p, __m512 v, bool nt) { nt ? _mm512_stream_ps(p, v) : _mm512_storeu_ps(p, v); }
+};
+template <> struct V16<BF16> {
+  static __m512 ld(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+  static __m512 round(__m512 v) {  // f_to_bf16's rounding (nearest even, NaN -> 0x7fc0), widened back
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb),
+                                 _mm512_set1_epi32(int32_t(0xffff0000u)));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000)));
+  }
+  static __m256i pack(__m512 rounded) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)); }
+  static void st(uint16_t* p, __m512 v, bool nt) {  // v: any float32 lanes (rounded here)
+    auto* q = reinterpret_cast<__m256i*>(p);
+    const __m256i h = pack(round(v));
+    nt ? _mm256_stream_si256(q, h) : _mm256_storeu_si256(q, h);
+  }
+  static void st_rounded(uint16_t* p, __m512 rv, bool nt) {
+    auto* q = reinterpret_cast<__m256i*>(p);
+    nt ? _mm256_stream_si256(q, pack(rv)) : _mm256_storeu_si256(q, pack(rv));
+  }
+};
+template <typename T> inline void st_rounded(typename Elt<T>::store* p, __m512 rv, bool nt) {
+  if constexpr (std::is_same_v<T, float>) V16<float>::st(p, rv, nt); else V16<BF16>::st_rounded(p, rv, nt);
+}
+inline bool aligned64(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 63) == 0; }
+// y's factor: scale where the keep bit is set, else 0 (y * 0, as the generic loops: NaN stays NaN)
+inline __m512 keep_scale(const uint8_t* bits, int64_t v, __m512 sc) {
+  uint16_t k;
+  std::memcpy(&k, bits + 2 * v, 2);
+  return _mm512_maskz_mov_ps(__mmask16(k), sc);
+}
+
+template <typename T>
+void add_norm_fwd_512(const typename Elt<T>::store* xp, const typename Elt<T>::store* yp, const float* wp, const float* bp,
+                      typename Elt<T>::store* op, typename Elt<T>::store* sp, float* mp, float* rp, uint8_t* kp,
+                      int64_t N, int64_t d, float eps, const Drop& dr, bool rms) {
+  const int64_t nb = d / 8, nv = d / 16;
+  const bool nt = sp && N * d * int64_t(sizeof(typename Elt<T>::store)) >= kStreamBytes && aligned64(sp);
+  at::parallel_for(0, N, row_grain(d), [&](int64_t r0, int64_t r1) {
+    std::vector<float> s(d), one(wp ? 0 : d, 1.0f), zero(bp ? 0 : d, 0.0f);
+    std::vector<uint64_t> scratch_bits(dr.on && !kp ? d / 64 : 0);
+    const float* w = wp ? wp : one.data();
+    const float* b = bp ? bp : zero.data();
+    const __m512 sc = _mm512_set1_ps(float(dr.scale));
+    const float inv_d = 1.0f / float(d);
+    float* sv = s.data();
+    for (int64_t r = r0; r < r1; ++r) {
+      const auto* xr = xp + r * d;
+      const auto* yr = yp + r * d;
+      auto* sr = sp ? sp + r * d : nullptr;
+      uint8_t* kb = kp ? kp + r * nb : reinterpret_cast<uint8_t*>(scratch_bits.data());
+      // (the saved mask's rows are d / 8 bytes into a 64-byte aligned block: 8-byte aligned)
+      if (dr.on) philox_keep_bits(uint64_t(r) * uint64_t(d) / 64, d / 64, dr.seed, dr.thr, reinterpret_cast<uint64_t*>(kb));
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      auto one_vec = [&](int64_t v, __m512& acc) {
+        const int64_t j = 16 * v;
+        const __m512 xv = V16<T>::ld(xr + j), yv = V16<T>::ld(yr + j);
+        const __m512 t = V16<T>::round(dr.on ? _mm512_fmadd_ps(yv, keep_scale(kb, v, sc), xv) : _mm512_add_ps(xv, yv));
+        _mm512_storeu_ps(sv + j, t);
+        if (sr) st_rounded<T>(sr + j, t, nt);
+        acc = _mm512_add_ps(acc, t);
+      };
+      int64_t v = 0;
+      for (; v + 4 <= nv; v += 4) {
+        one_vec(v, a0);
+        one_vec(v + 1, a1);
+        one_vec(v + 2, a2);
+        one_vec(v + 3, a3);
+      }
+      for (; v < nv; ++v) one_vec(v, a0);
+      const float m = rms ? 0.0f : _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3))) * inv_d;
+      const __m512 mv = _mm512_set1_ps(m);
+      __m512 q0 = _mm512_setzero_ps(), q1 = q0;
+      v = 0;
+      for (; v + 2 <= nv; v += 2) {
+        const __m512 e0 = _mm512_sub_ps(_mm512_loadu_ps(sv + 16 * v), mv), e1 = _mm512_sub_ps(_mm512_loadu_ps(sv + 16 * v + 16), mv);
+        q0 = _mm512_fmadd_ps(e0, e0, q0);
+        q1 = _mm512_fmadd_ps(e1, e1, q1);
+      }
+      for (; v < nv; ++v) {
+        const __m512 e0 = _mm512_sub_ps(_mm512_loadu_ps(sv + 16 * v), mv);
+        q0 = _mm512_fmadd_ps(e0, e0, q0);
+      }
+      const float rs = 1.0f / std::sqrt(_mm512_reduce_add_ps(_mm512_add_ps(q0, q1)) * inv_d + eps);
+      mp[r] = m;
+      rp[r] = rs;
+      const __m512 rv = _mm512_set1_ps(rs);
+      auto* orow = op + r * d;
+      for (v = 0; v < nv; ++v) {
+        const int64_t j = 16 * v;
+        const __m512 xh = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(sv + j), mv), rv);
+        V16<T>::st(orow + j, _mm512_fmadd_ps(xh, _mm512_loadu_ps(w + j), _mm512_loadu_ps(b + j)), false);
+      }
+    }
+    if (nt) stream_fence();
+  });
+}
+
+template <typename T>
+void add_norm_bwd_512(const typename Elt<T>::store* gp, const typename Elt<T>::store* sp, const float* mp, const float* rp,
+                      const float* wp, const uint8_t* kp, typename Elt<T>::store* dxp, typename Elt<T>::store* dyp,
+                      float* dw, float* db, int64_t N, int64_t d, const Drop& dr, bool rms) {
+  constexpr int R = 4;  // rows at once
+  const int64_t nb = d / 8, nv = d / 16;
+  const bool want_dw = dw != nullptr, want_db = db != nullptr;
+  const int64_t nch = n_chunks(N), rows_per = (N + nch - 1) / nch;
+  std::vector<float> pw(want_dw ? nch * d : 0), pb(want_db ? nch * d : 0);
+  const bool big = N * d * int64_t(sizeof(typename Elt<T>::store)) >= kStreamBytes;
+  const bool ntx = big && aligned64(dxp), nty = big && dyp && aligned64(dyp);
+  const bool drop = dr.on && dyp;
+  at::parallel_for(0, nch, row_grain(rows_per * d), [&](int64_t c0, int64_t c1) {
+    std::vector<float> one(wp ? 0 : d, 1.0f);
+    const float* w = wp ? wp : one.data();
+    const __m512 sc = _mm512_set1_ps(float(dr.scale));
+    const float inv_d = 1.0f / float(d);
+    for (int64_t c = c0; c < c1; ++c) {
+      float* cw = want_dw ? pw.data() + c * d : nullptr;
+      float* cb = want_db ? pb.data() + c * d : nullptr;
+      if (cw) std::fill(cw, cw + d, 0.0f);
+      if (cb) std::fill(cb, cb + d, 0.0f);
+      const int64_t rend = std::min(N, (c + 1) * rows_per);
+      for (int64_t r = c * rows_per; r < rend; r += R) {
+        const int nr = int(std::min<int64_t>(R, rend - r));
+        float m[R], rs[R], a[R], bb[R];
+        for (int i = 0; i < nr; ++i) {  // the row's sums of g*w and g*w*x^
+          const auto* gr = gp + (r + i) * d;
+          const auto* sr = sp + (r + i) * d;
+          m[i] = mp[r + i];
+          rs[i] = rp[r + i];
+          const __m512 mv = _mm512_set1_ps(m[i]), rv = _mm512_set1_ps(rs[i]);
+          __m512 s1a = _mm512_setzero_ps(), s1b = s1a, s2a = s1a, s2b = s1a;
+          int64_t v = 0;
+          for (; v + 2 <= nv; v += 2) {
+            const int64_t j = 16 * v;
+            const __m512 gw0 = _mm512_mul_ps(V16<T>::ld(gr + j), _mm512_loadu_ps(w + j));
+            const __m512 gw1 = _mm512_mul_ps(V16<T>::ld(gr + j + 16), _mm512_loadu_ps(w + j + 16));
+            s1a = _mm512_add_ps(s1a, gw0);
+            s1b = _mm512_add_ps(s1b, gw1);
+            s2a = _mm512_fmadd_ps(gw0, _mm512_mul_ps(_mm512_sub_ps(V16<T>::ld(sr + j), mv), rv), s2a);
+            s2b = _mm512_fmadd_ps(gw1, _mm512_mul_ps(_mm512_sub_ps(V16<T>::ld(sr + j + 16), mv), rv), s2b);
+          }
+          for (; v < nv; ++v) {
+            const int64_t j = 16 * v;
+            const __m512 gw0 = _mm512_mul_ps(V16<T>::ld(gr + j), _mm512_loadu_ps(w + j));
+            s1a = _mm512_add_ps(s1a, gw0);
+            s2a = _mm512_fmadd_ps(gw0, _mm512_mul_ps(_mm512_sub_ps(V16<T>::ld(sr + j), mv), rv), s2a);
+          }
+          a[i] = rms ? 0.0f : _mm512_reduce_add_ps(_mm512_add_ps(s1a, s1b)) * inv_d;
+          bb[i] = _mm512_reduce_add_ps(_mm512_add_ps(s2a, s2b)) * inv_d;
+        }
+        for (int64_t v = 0; v < nv; ++v) {  // dx = ds, dy = ds * keep * scale; weight/bias gradients of the nr rows
+          const int64_t j = 16 * v;
+          const __m512 wv = _mm512_loadu_ps(w + j);
+          __m512 dwv = _mm512_setzero_ps(), dbv = dwv;
+          for (int i = 0; i < nr; ++i) {
+            const int64_t o = (r + i) * d + j;
+            const __m512 gv = V16<T>::ld(gp + o);
+            const __m512 xh = _mm512_mul_ps(_mm512_sub_ps(V16<T>::ld(sp + o), _mm512_set1_ps(m[i])), _mm512_set1_ps(rs[i]));
+            const __m512 in = _mm512_sub_ps(_mm512_mul_ps(gv, wv), _mm512_set1_ps(a[i]));
+            const __m512 ds = _mm512_mul_ps(_mm512_set1_ps(rs[i]), _mm512_fnmadd_ps(xh, _mm512_set1_ps(bb[i]), in));
+            V16<T>::st(dxp + o, ds, ntx);
+            if (dyp) V16<T>::st(dyp + o, drop ? _mm512_mul_ps(ds, keep_scale(kp + (r + i) * nb, v, sc)) : ds, nty);
+            dwv = _mm512_fmadd_ps(gv, xh, dwv);
+            dbv = _mm512_add_ps(dbv, gv);
+          }
+          if (cw) _mm512_storeu_ps(cw + j, _mm512_add_ps(_mm512_loadu_ps(cw + j), dwv));
+          if (cb) _mm512_storeu_ps(cb + j, _mm512_add_ps(_mm512_loadu_ps(cb + j), dbv));
+        }
+      }
+    }
+    if (ntx || nty) stream_fence();
+  });
+  if (want_dw) reduce_chunks(pw, nch, d, dw);
+  if (want_db) reduce_chunks(pb, nch, d, db);
+}
+#endif
+
+// The AVX-512 rows apply: compiled in, switched on, one storage type (float32 or bfloat16: the if constexpr around
+// the call), d a positive multiple of `mult`.
+inline bool use_512(int64_t d, int64_t mult) {
+#if SUBLAYER_AN512
+  return g_an512.load(std::memory_order_relaxed) && d > 0 && d % mult == 0;
+#else
+  (void)d;
+  (void)mult;
+  return false;
+#endif
+}
+template <typename TX, typename TY, typename TO>
+constexpr bool kOneType512 = std::is_same_v<TX, TO> && std::is_same_v<TY, TO> && !std::is_same_v<TO, double>;
+
 template <typename TX, typename TY, typename TO>
 void add_norm_fwd_impl(const Tensor& x, const Tensor& y, const Tensor& w, const Tensor& b, Tensor& out, Tensor& sum,
                        Tensor& mean, Tensor& rstd, Tensor& mask, double eps, const Drop& dr, bool rms) {
@@ -91,6 +308,11 @@ void add_norm_fwd_impl(const Tensor& x, const Tensor& y, const Tensor& w, const 
   const int64_t nb = (d + 7) / 8;  // mask bytes per row
   const A scale = A(dr.scale), aeps = A(eps), inv_d = A(1) / A(d);
   const int32_t thr = int32_t(dr.thr);  // draws are 16-bit: a signed compare vectorises
+#if SUBLAYER_AN512
+  if constexpr (kOneType512<TX, TY, TO>) {
+    if (use_512(d, 64)) return add_norm_fwd_512<TO>(xp, yp, wp, bp, op, sp, mp, rp, kp, N, d, float(eps), dr, rms);
+  }
+#endif
   at::parallel_for(0, N, row_grain(d), [&](int64_t r0, int64_t r1) {
     const A sc = scale;  // locals, not captured references: keeps the inner loops vectorised
     const int32_t th = thr;
@@ -161,6 +383,13 @@ void add_norm_bwd_impl(const Tensor& g, const Tensor& sum, const Tensor& mean, c
   const A scale = A(dr.scale), inv_d = A(1) / A(d);
   const uint8_t* kp = mask.defined() && mask.numel() ? mask.data_ptr<uint8_t>() : nullptr;  // saved keep bits
   const int64_t nb = (d + 7) / 8;
+#if SUBLAYER_AN512
+  if constexpr (kOneType512<TX, TY, TO>) {
+    if (use_512(d, 16))
+      return add_norm_bwd_512<TO>(gp, sp, mp, rp, wp, kp, dxp, dyp, want_dw ? static_cast<A*>(dw.data_ptr()) : nullptr,
+                                  want_db ? static_cast<A*>(db.data_ptr()) : nullptr, N, d, dr, rms);
+  }
+#endif
   at::parallel_for(0, nch, row_grain(rows_per * d), [&](int64_t c0, int64_t c1) {
     const A sc = scale;  // a local, not a captured reference: keeps the inner loops vectorised
     std::vector<A> keep(dr.on && dyp ? d : 0), gws(d);
@@ -263,6 +492,14 @@ void add_norm_bwd_impl(const Tensor& g, const Tensor& sum, const Tensor& mean, c
     TORCH_CHECK(false, NAME ": unsupported dtypes ", XT, " and ", YT);                               \
   }()
 
+// The default CPU generator's next int64 random_() draw (random64() mod 2^63, under its lock): the seed
+// sublayer.functional.fused.dropout_seed() would give, without making a tensor for it.
+int64_t default_generator_seed() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return int64_t(gen.get<at::CPUGeneratorImpl>()->random64() % (uint64_t(1) << 63));
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> add_norm_fwd(const Tensor& x, const Tensor& y,
                                                         const std::optional<Tensor>& weight,
                                                         const std::optional<Tensor>& bias, double eps, double p,
@@ -295,7 +532,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> add_norm_fwd(const Tensor& x,
   Tensor b = bias.has_value() ? bias->contiguous() : Tensor();
   TORCH_CHECK(!w.defined() || (w.scalar_type() == at_ && w.numel() == d), "add_norm_fwd: weight must be (d,) acc");
   TORCH_CHECK(!b.defined() || (b.scalar_type() == at_ && b.numel() == d), "add_norm_fwd: bias must be (d,) acc");
-  const Drop dr(p, seed);
+  const Drop dr(p, p > 0 && seed < 0 ? default_generator_seed() : seed);  // seed < 0: draw it here
   SUBLAYER_DISPATCH_XY(x.scalar_type(), y.scalar_type(), "add_norm_fwd",
                        [&] { add_norm_fwd_impl<TX, TY, TO>(x, y, w, b, out, sum, mean, rstd, mask, eps, dr, rms); });
   return {out, sum, mean, rstd, mask};
@@ -326,6 +563,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> add_norm_bwd(const Tensor& g, const T
   return {dx, dy, dw, db};
 }
 
+// Whether Add & Norm's AVX-512 rows run where they apply (tests switch them off to check the AVX2 loops on the same
+// machine): add_norm_avx512(flag) sets it and returns the previous value; -1 reads it. False where not compiled in.
+bool add_norm_avx512(int64_t flag) {
+#if SUBLAYER_AN512
+  return set_switch(g_an512, flag);
+#else
+  (void)flag;
+  return false;
+#endif
+}
+
 }  // namespace
 }  // namespace sublayer
 
@@ -334,6 +582,7 @@ TORCH_LIBRARY(sublayer_kernels, m) {
         "bool save_sum) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("add_norm_bwd(Tensor g, Tensor sum, Tensor mean, Tensor rstd, Tensor? weight, Tensor? mask, ScalarType x_dtype, ScalarType y_dtype, "
         "float p, bool rms, bool need_dy, bool need_dw, bool need_db) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("add_norm_avx512(int flag) -> bool", &sublayer::add_norm_avx512);
 }
 
 TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {

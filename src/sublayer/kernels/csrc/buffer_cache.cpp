@@ -3,8 +3,9 @@
 // Why: under glibc's default malloc a multi-MB tensor that is freed at the end of a training step is often handed
 // back to the kernel (heap trimming, or munmap above the mmap threshold), so the next step's buffer of the same size
 // page-faults on every 4 KiB page it touches (a fault can cost more than the kernel's own work on the page). Blocks
-// freed here are kept for the next request of the same size instead, up to a byte limit; a block that does not fit
-// under the limit goes back to malloc. Tensors made here are ordinary resizable CPU tensors: only where their memory
+// freed here are kept for the next request of the same size instead, up to a byte limit: the longest-idle blocks
+// make room for a newly freed one (a block larger than the limit goes back to malloc), and a request takes the most
+// recently freed block of its size. Tensors made here are ordinary resizable CPU tensors: only where their memory
 // comes from (and goes to) differs.
 //
 // Limit: 256 MiB, or buffer_cache(limit_bytes) at any time (0 empties the cache and turns it off; sublayer.kernels
@@ -35,7 +36,7 @@ struct Block {
 
 struct Cache {
   std::mutex mu;
-  std::vector<Block> free;  // blocks ready for reuse
+  std::vector<Block> free;  // blocks ready for reuse, longest idle first
   size_t cached = 0;        // bytes in `free`
   size_t limit = size_t(256) << 20;
   int64_t hits = 0, misses = 0;
@@ -59,7 +60,14 @@ void release(void* ctx) {
   Cache& c = cache();
   {
     std::lock_guard<std::mutex> g(c.mu);
-    if (c.cached + b->bytes <= c.limit) {
+    if (b->bytes <= c.limit) {
+      // room first: the longest-idle blocks go back to malloc, so the cache follows the sizes in use (blocks of
+      // shapes no longer used would otherwise fill it and send every new size to malloc)
+      size_t drop = 0, freed = 0;
+      while (c.cached - freed + b->bytes > c.limit) freed += c.free[drop++].bytes;
+      for (size_t i = 0; i < drop; ++i) std::free(c.free[i].ptr);
+      c.free.erase(c.free.begin(), c.free.begin() + drop);
+      c.cached -= freed;
       c.free.push_back(*b);
       c.cached += b->bytes;
       delete b;
@@ -78,11 +86,10 @@ struct CacheAllocator final : c10::Allocator {
     void* p = nullptr;
     {
       std::lock_guard<std::mutex> g(c.mu);
-      for (size_t i = 0; i < c.free.size(); ++i) {
+      for (size_t i = c.free.size(); i-- > 0;) {  // the most recently freed block of that size: likely still cached
         if (c.free[i].bytes == bytes) {
           p = c.free[i].ptr;
-          c.free[i] = c.free.back();
-          c.free.pop_back();
+          c.free.erase(c.free.begin() + std::ptrdiff_t(i));
           c.cached -= bytes;
           ++c.hits;
           break;

@@ -129,6 +129,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // ------------------------------------------------------------------ defined in one file, called from another
 // ffn.cpp: dropout draws (16 bits per element) of elements [start, start + n) of the Philox stream `seed`.
 void philox_fill(uint64_t start, int64_t n, uint64_t seed, uint32_t* out);
+// ffn.cpp: keep bits (draw >= thr) of the 64-element blocks [blk, blk + nblk) of that stream, one uint64 a block.
+void philox_keep_bits(uint64_t blk, int64_t nblk, uint64_t seed, uint32_t thr, uint64_t* bits);
 // packed_linear.cpp: y = act(x @ W^T * scale + bias) on packed panels.
 Tensor skinny_linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias, int64_t n,
                      int64_t act, const c10::optional<Tensor>& scale);

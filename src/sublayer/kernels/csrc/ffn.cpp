@@ -178,6 +178,40 @@ void philox_fill(uint64_t start, int64_t n, uint64_t seed, uint32_t* out) {
   }
 }
 
+// Keep bits of whole 64-element blocks: bit e of bits[i] is set iff element 64 * (blk + i) + e keeps (its draw, as
+// philox_fill gives it, is >= thr); as little-endian bytes, the layout of Add & Norm's saved mask. No draws are
+// stored: each pair of blocks goes from its 64 words straight to two 64-bit masks.
+void philox_keep_bits(uint64_t blk, int64_t nblk, uint64_t seed, uint32_t thr, uint64_t* bits) {
+  const bool vl = philox_vl();
+  alignas(32) uint32_t w[64];
+  for (int64_t i = 0; i < nblk; i += 2) {
+    const int G = nblk - i >= 2 ? 2 : 1;
+    if (G == 2)
+      philox_block_n<2>(blk + uint64_t(i), seed, w, vl);
+    else
+      philox_block_n<1>(blk + uint64_t(i), seed, w, vl);
+    for (int g = 0; g < G; ++g) {
+      const uint32_t* wg = w + 32 * g;
+      uint64_t b = 0;
+#if defined(__AVX2__)
+      const __m256i t = _mm256_set1_epi32(int32_t(thr) - 1), lo16 = _mm256_set1_epi32(0xffff);
+      for (int q = 0; q < 4; ++q) {
+        const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(wg + 8 * q));
+        const uint64_t lo = uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_and_si256(v, lo16), t))));
+        const uint64_t hi = uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_srli_epi32(v, 16), t))));
+        b |= lo << (8 * q) | hi << (32 + 8 * q);
+      }
+#else
+      for (int e = 0; e < 32; ++e) {
+        b |= uint64_t((wg[e] & 0xffffu) >= thr) << e;
+        b |= uint64_t((wg[e] >> 16) >= thr) << (32 + e);
+      }
+#endif
+      bits[i + g] = b;
+    }
+  }
+}
+
 // Whether the Philox rounds use AVX-512VL where compiled in (tests switch it off to check the AVX2 rounds on the
 // same machine): philox_avx512(flag) sets it and returns the previous value; -1 reads it. False where not compiled in.
 bool philox_avx512(int64_t flag) {
