@@ -48,7 +48,7 @@ def test_ct2_generator_in_its_own_process_decodes_as_in_process(tmp_path):
     _, prompt, new, folder, _ = jobs.gpt2_decoding(True, tmp_path)
     gen = jobs.ct2_generator(folder, "int8")
     toks = [[f"t{i}" for i in row] for row in torch.randint(0, 500, (3, prompt)).tolist()]
-    kw = dict(max_length=new, min_length=new, include_prompt_in_result=False, sampling_topk=1)
+    kw = {"max_length": new, "min_length": new, "include_prompt_in_result": False, "sampling_topk": 1}
     inline = ctranslate2.Generator(str(tmp_path / (folder.name + "-ct2-float32")), device="cpu", compute_type="int8")
     assert [r.sequences_ids for r in gen.generate_batch(toks, **kw)] == [
         r.sequences_ids for r in inline.generate_batch(toks, **kw)]  # fmt: skip
