@@ -41,6 +41,23 @@ def test_quick_jobs_time_each_row_against_its_peer_and_write_the_report(tmp_path
     assert any(ln.startswith("wrote ") for ln in lines)
 
 
+def test_ct2_generator_in_its_own_process_decodes_as_in_process(tmp_path):
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    import torch
+
+    _, prompt, new, folder, _ = jobs.gpt2_decoding(True, tmp_path)
+    gen = jobs.ct2_generator(folder, "int8")
+    toks = [[f"t{i}" for i in row] for row in torch.randint(0, 500, (3, prompt)).tolist()]
+    kw = {"max_length": new, "min_length": new, "include_prompt_in_result": False, "sampling_topk": 1}
+    inline = ctranslate2.Generator(str(tmp_path / (folder.name + "-ct2-float32")), device="cpu", compute_type="int8")
+    assert [r.sequences_ids for r in gen.generate_batch(toks, **kw)] == [
+        r.sequences_ids for r in inline.generate_batch(toks, **kw)]  # fmt: skip
+    with pytest.raises(RuntimeError, match="CTranslate2 worker"):
+        gen.generate_batch(toks, no_such_option=1)
+    with pytest.raises(RuntimeError, match="CTranslate2 worker"):
+        jobs.Ct2Generator(tmp_path / "missing", "int8", 1)
+
+
 def test_bad_job_names_and_reps():
     with pytest.raises(ValueError, match="jobs must be a comma-separated subset of decode,translate,train,int8,embed,hf,demo,llama,llama-train,ov-embed,ov-decode, got 'decode,nope'"):
         jobs.run_jobs(only="decode,nope")

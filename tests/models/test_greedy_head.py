@@ -24,13 +24,15 @@ SCREENS = [torch.float16, torch.bfloat16]
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("screen", SCREENS)
 @pytest.mark.parametrize("avx512", [True, False])
-def test_equals_float32_argmax_on_random_heads(rows, bias, screen, avx512):
-    """Either screen, AVX-512 micro-kernels on and off (bfloat16 several rows: vdpbf16ps on x rounded to bf16)."""
+@pytest.mark.parametrize("int8", [True, False])
+def test_equals_float32_argmax_on_random_heads(rows, bias, screen, avx512, int8):
+    """Either screen, AVX-512 micro-kernels on and off (bfloat16 several rows: vdpbf16ps on x rounded to bf16),
+    a single row on the int8 screen or the 16-bit one."""
     g = _gen(rows)
     w = torch.randn(1013, 37, generator=g) * 0.3
     b = torch.randn(1013, generator=g) if bias else None
-    head = GreedyHead(w, b, screen=screen)
-    assert head.screen == screen and head.usable
+    head = GreedyHead(w, b, screen=screen, int8_single_row=int8)
+    assert head.screen == screen and head.usable and (head.packed1 is not None) == int8
     was = kernels.ops().decode_avx512(int(avx512))
     try:
         for seed in range(20):
@@ -106,3 +108,36 @@ def test_weights_beyond_float16_range_skip_the_screening():
     assert not head.usable and head_bf16.usable
     x = torch.randn(4, 5, generator=_gen(4))
     assert head(x).tolist() == head_bf16(x).tolist() == F.linear(x, w).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_screen_of_a_single_row_recomputes_near_ties_in_float32(bias):
+    """Rows 0..10 differ by less than the int8 copy resolves: they tie on the screen, float32 decides; an all-zero
+    weight row (scale 1, q 0) is screened exactly."""
+    g = _gen(11)
+    base = torch.randn(1, 43, generator=g)
+    w = torch.cat([base.repeat(11, 1), torch.randn(300, 43, generator=g) * 0.1, torch.zeros(1, 43)])
+    b = torch.randn(312, generator=g) * 0.01 if bias else None
+    if b is not None:
+        b[:11] = b[0]  # the tied rows tie on their bias too
+    x = base + 0.1 * torch.randn(1, 43, generator=g)  # rows 0..10 lead the random ones by far
+    for winner in (0, 5, 10):
+        w2 = w.clone()
+        w2[winner, 0] += 1e-4 * torch.sign(x[0, 0])
+        head = GreedyHead(w2, b)
+        want = F.linear(x, w2, b).argmax(-1)
+        assert int(want[0]) == winner and head.packed1 is not None
+        q_only = (F.linear(x, head.q.float()) * head.scale + (0 if b is None else b)).argmax(-1)
+        assert head(x).tolist() == want.tolist()
+        ref, n_cand = head.reference(x)
+        assert ref.tolist() == want.tolist() and int(n_cand[0]) >= 11
+    assert int(q_only[0]) in range(11) and float(head.scale[-1]) == 1.0 and not head.q[-1].any()
+
+
+def test_non_finite_weights_have_no_int8_screen():
+    w = torch.randn(13, 5, generator=_gen(6))
+    w[4, 2] = float("inf")
+    head = GreedyHead(w, screen=torch.bfloat16)
+    assert head.packed1 is None
+    x = torch.randn(1, 5, generator=_gen(7))
+    assert head(x).tolist() == F.linear(x, w).argmax(-1).tolist()

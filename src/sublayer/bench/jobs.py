@@ -49,6 +49,9 @@ import dataclasses
 import importlib
 import io
 import json
+import subprocess
+import sys
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -126,15 +129,45 @@ def _ct2_model(folder: Path, out: Path) -> Path | None:
 
 def ct2_generator(folder: Path, compute_type: str = "float32"):
     """CTranslate2's generator on the float32 conversion of the GPT-2 ``folder`` (converted beside it), its
-    weights cast to ``compute_type`` on load (``"int8"``: CTranslate2's int8 quantization); None without
-    ctranslate2."""
+    weights cast to ``compute_type`` on load (``"int8"``: CTranslate2's int8 quantization), in a process of its own
+    (:class:`Ct2Generator`); None without ctranslate2."""
     ct2 = _ct2_model(folder, Path(folder).parent)
     if ct2 is None:
         return None
-    import ctranslate2
+    return Ct2Generator(ct2, compute_type, torch.get_num_threads())
 
-    return ctranslate2.Generator(str(ct2), device="cpu", compute_type=compute_type,
-                                 intra_threads=torch.get_num_threads())  # fmt: skip
+
+class Ct2Generator:
+    """CTranslate2's ``Generator`` on the converted folder ``path``, run in a process of its own (``ct2_worker.py``; its
+    ``generate_batch`` answers as the Generator's: one result a row with ``sequences_ids``).
+
+    In the same process, a Generator that has run slows torch's parallel regions until it is deleted (torch's
+    OpenMP threads no longer spin between regions: ``OMP_WAIT_POLICY=ACTIVE`` takes the slow-down away), and every
+    torch and sublayer row timed beside it ran up to a third slower. Out of process, each engine runs as alone.
+    """
+
+    def __init__(self, path: Path, compute_type: str, threads: int) -> None:
+        worker = Path(__file__).with_name("ct2_worker.py")
+        self._proc = subprocess.Popen([sys.executable, str(worker), str(path), compute_type, str(threads)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        self._answer()  # loaded
+
+    def _answer(self) -> dict:
+        line = self._proc.stdout.readline()
+        out = json.loads(line) if line else {"error": f"exited with {self._proc.wait()}"}
+        if "error" in out:
+            raise RuntimeError(f"CTranslate2 worker: {out['error']}")
+        return out
+
+    def generate_batch(self, tokens: list[list[str]], **kw) -> list:
+        self._proc.stdin.write(json.dumps({"tokens": tokens, "kw": kw}) + "\n")
+        self._proc.stdin.flush()
+        return [types.SimpleNamespace(sequences_ids=ids) for ids in self._answer()["ids"]]
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self._proc.stdin.close()
+            self._proc.wait(5)
 
 
 def gpt2_decoding(quick: bool, work: Path):

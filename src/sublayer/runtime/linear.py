@@ -211,11 +211,18 @@ class GreedyHead:
     is the argmax over all rows (ties: the first index, as ``torch.argmax``). When the best lower end is not
     finite, every row is recomputed.
 
+    A single row (batch-1 decoding: bound by the bytes it reads) is screened with an int8 copy instead, ``q * s``
+    with a float32 scale per vocabulary row (a quarter of float32's bytes; the weight-only ``skinny_linear`` on
+    int8 panels: float32 x times the exactly widened q, float32 sums, then ``* s``), under the same bound with
+    ``q * s`` for ``w16_j`` and c = 0: a wider bound (int8 keeps about 8 bits of a row, bfloat16 about 9 of each
+    weight), so a few more rows are recomputed, but half the bytes of the 16-bit screen.
+
     Args:
         weight: (V, K) float32. bias: (V,) or None.
         screen: the copy's dtype, ``torch.float16`` or ``torch.bfloat16`` (None: bfloat16 where the CPU has
             AVX512_BF16 (its dot product does twice the work per instruction of widening float16 for several
             rows; the bound is wider), else float16).
+        int8_single_row: screen a single row with the int8 copy (False: with the 16-bit one, as several rows).
 
     Call: x (M, K) float32 -> (M,) int64 ids. Needs the kernels (``skinny_linear`` on 16-bit panels).
 
@@ -223,32 +230,40 @@ class GreedyHead:
         ValueError: ``screen`` is neither float16 nor bfloat16.
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None, *, screen: torch.dtype | None = None) -> None:
+    def __init__(
+        self, weight: Tensor, bias: Tensor | None = None, *, screen: torch.dtype | None = None,
+        int8_single_row: bool = True,
+    ) -> None:  # fmt: skip
         if screen is None:
             screen = torch.bfloat16 if kernels.cpu.has("avx512_bf16") else torch.float16
         if screen not in (torch.float16, torch.bfloat16):
             raise ValueError(f"GreedyHead: screen must be torch.float16 or torch.bfloat16, got {screen}")
         w = weight.detach().float().contiguous()
         self.weight, self.bias = w, None if bias is None else bias.detach().float().contiguous()
-        self.out_features, k = w.shape
+        self.out_features = w.shape[0]
         self.screen = screen
         w16 = w.to(screen)
         self.usable = bool(torch.isfinite(w16).all())  # |w| beyond float16's range: no screening
         w16d = w16.double()
         if screen == torch.bfloat16:  # denormals are read as zero by vdpbf16ps
             w16d = torch.where(w16d.abs() < 2.0**-126, 0.0, w16d)
-        diff = (w.double() - w16d).norm(dim=1)
-        n16 = w16d.norm(dim=1)
-        rounding = 2 * (k + 2) * 2.0**-24 * torch.maximum(w.double().norm(dim=1), n16)
-        if screen == torch.bfloat16:
-            diff = diff + 2.0**-8 * n16 + 2 * k * (1 + n16) * 2.0**-66  # x rounded to bf16; underflow at |x| >= 2^-60
-        self.bound = ((diff + rounding) * (1 + 2.0**-10)).float()  # (V,) per unit of ||x||_2, rounded up
+        self.bound = _screen_bound(w, w16d, rounded_x=screen == torch.bfloat16)
         self.packed = kernels.ops().pack_linear_weight(w16) if self.usable else None
+        self.q = self.scale = self.bound1 = self.packed1 = None  # the int8 screen of a single row
+        if int8_single_row and bool(torch.isfinite(w).all()):
+            amax = w.abs().amax(dim=1)
+            self.scale = torch.where(amax > 0, amax / 127, 1.0).contiguous()
+            self.q = torch.round(w / self.scale[:, None]).clamp_(-127, 127).to(torch.int8)
+            self.bound1 = _screen_bound(w, self.q.double() * self.scale.double()[:, None], rounded_x=False)
+            self.packed1 = kernels.ops().pack_linear_weight(self.q)
 
     def __call__(self, x: Tensor) -> Tensor:
+        ops = kernels.ops()
+        if x.shape[0] == 1 and self.packed1 is not None:
+            screened = ops.skinny_linear(x, self.packed1, self.bias, self.out_features, 0, self.scale)  # (1, V)
+            return ops.screened_argmax(x, screened, self.weight, self.bias, self.bound1)
         if self.packed is None or (self.screen == torch.bfloat16 and not self._large(x)):
             return F.linear(x, self.weight, self.bias).argmax(-1)
-        ops = kernels.ops()
         screened = ops.skinny_linear(x, self.packed, self.bias, self.out_features, 0)  # (M, V)
         return ops.screened_argmax(x, screened, self.weight, self.bias, self.bound)
 
@@ -260,15 +275,34 @@ class GreedyHead:
 
     def reference(self, x: Tensor) -> Tensor:
         """The same selection in PyTorch ops (what ``screened_argmax`` computes over the float16 screen, or a
-        bfloat16 one with x rounded to bfloat16 as several rows multiply on AVX512_BF16), for tests."""
-        xs = x.bfloat16().float() if self.screen == torch.bfloat16 and x.shape[0] > 1 else x
-        screened = F.linear(xs, self.weight.to(self.screen).float(), self.bias)
+        bfloat16 one with x rounded to bfloat16 as several rows multiply on AVX512_BF16, or the int8 one of a
+        single row), for tests."""
+        bound = self.bound
+        if x.shape[0] == 1 and self.packed1 is not None:
+            screened, bound = F.linear(x, self.q.float(), None).mul_(self.scale), self.bound1
+            screened = screened if self.bias is None else screened + self.bias
+        else:
+            xs = x.bfloat16().float() if self.screen == torch.bfloat16 and x.shape[0] > 1 else x
+            screened = F.linear(xs, self.weight.to(self.screen).float(), self.bias)
         xnorm = x.double().norm(dim=1, keepdim=True).float() * (1 + 2.0**-10)
-        err = torch.addcmul(screened.abs() * 2.0**-21, xnorm, self.bound[None])  # (M, V)
+        err = torch.addcmul(screened.abs() * 2.0**-21, xnorm, bound[None])  # (M, V)
         best_low = (screened - err).amax(dim=1, keepdim=True)
         cand = ((screened + err) >= best_low) | ~torch.isfinite(best_low) | screened.isnan().any(1, keepdim=True)
         logits = torch.where(cand, F.linear(x, self.weight, self.bias), float("-inf"))
         return logits.argmax(dim=-1), cand.sum(dim=1)
+
+
+def _screen_bound(w: Tensor, ws: Tensor, *, rounded_x: bool) -> Tensor:
+    """:class:`GreedyHead`'s bound per unit of ``||x||_2`` for each row of the float32 weight ``w`` (V, K) screened
+    with ``ws`` (float64, the screen's values; bfloat16 denormals as zero): ``||w_j - ws_j||``, the float32
+    rounding of either sum, and with ``rounded_x`` (x rounded to bfloat16, vdpbf16ps) ``2^-8 ||ws_j||`` and the
+    flushed underflows; rounded up."""
+    k = w.shape[1]
+    diff, ns = (w.double() - ws).norm(dim=1), ws.norm(dim=1)
+    rounding = 2 * (k + 2) * 2.0**-24 * torch.maximum(w.double().norm(dim=1), ns)
+    if rounded_x:
+        diff = diff + 2.0**-8 * ns + 2 * k * (1 + ns) * 2.0**-66  # x rounded to bf16; underflow at |x| >= 2^-60
+    return ((diff + rounding) * (1 + 2.0**-10)).float()  # (V,)
 
 
 class DenseLinear:
