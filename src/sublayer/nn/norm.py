@@ -86,11 +86,9 @@ class LayerNorm(_Norm):
 
 def _native_layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
     """Whether ``F.layer_norm`` gives :func:`sublayer.functional.layer_norm`'s numbers and dtype: float32 or float64
-    input with parameters of its dtype (under autocast, float32 only: autocast runs layer_norm in float32)."""
+    input with parameters of its dtype (autocast leaves both dtypes as they are)."""
     dt = x.dtype
-    if dt not in (torch.float32, torch.float64) or any(t is not None and t.dtype != dt for t in (weight, bias)):
-        return False
-    return dt == torch.float32 or not torch.is_autocast_enabled(x.device.type)
+    return dt in (torch.float32, torch.float64) and all(t is None or t.dtype == dt for t in (weight, bias))
 
 
 class RMSNorm(_Norm):
