@@ -52,3 +52,31 @@ def test_pack_and_unpack_gradcheck_in_float64():
     y = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: pk.unpack(t), (y,))
     assert torch.autograd.gradgradcheck(lambda t: pk.unpack(pk.pack(t) * 2), (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("left", [False, True])
+def test_padded_layout_additive_mask_equals_masked_fill(dtype, left):
+    # The padded layout adds its mask (-inf / 0, built once per dtype) to the scores in place instead of
+    # masked_fill: the same scores, hence bit-equal outputs and gradients (dropout on, same Philox seed); dead rows
+    # (a fully padded row, left padding) included.
+    from sublayer.functional import packing
+
+    lengths = [7, 3, 0]
+    pad = torch.arange(7)[None] >= torch.tensor(lengths)[:, None]
+    pad = pad.flip(1) if left else pad
+    pk = packing.PackedBatch(pad, attention="padded")
+    mask = pk._self_mask(True, torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    q, k, v, gy = (torch.randn(3, 2, 7, 5, generator=g).to(dtype) for _ in range(4))
+    runs = []
+    for m in (mask, None):
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        torch.manual_seed(11)
+        out = packing._core(qq, kk, vv, 0.3, mask.blocked, m)
+        out.backward(gy)
+        runs.append((out, qq.grad, kk.grad, vv.grad))
+    assert mask.bias(dtype).dtype == dtype and mask.bias(dtype) is mask.bias(dtype)
+    for a, b in zip(*runs):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b)

@@ -109,12 +109,33 @@ def test_layer_norm_defaults_and_init():
     assert list(ln.parameters()) == []
 
 
-def test_layer_norm_uses_functional_reference(monkeypatch):
+@pytest.mark.parametrize(
+    "dtype, autocast, reference",
+    [(torch.float32, False, False), (torch.float64, False, False), (torch.float32, True, False),
+     (torch.float64, True, False), (torch.bfloat16, False, True), (torch.bfloat16, True, True)],
+)  # fmt: skip
+def test_layer_norm_paths_match_functional_reference(monkeypatch, dtype, autocast, reference):
+    # float32/float64 run torch's F.layer_norm (autocast keeps both); half inputs the functional reference.
+    # Either way: the reference's numbers and dtype, forward and backward (copied parameters).
     calls = []
     real = sublayer.functional.layer_norm
     monkeypatch.setattr(sublayer.functional, "layer_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    LayerNorm(5)(torch.randn(2, 5))
-    assert calls == [1]
+    ln = LayerNorm(13, dtype=dtype)
+    with torch.no_grad():
+        ln.weight.copy_(torch.randn(13)), ln.bias.copy_(torch.randn(13))
+    x0 = (3.0 + torch.randn(5, 7, 13, dtype=torch.float64)).to(dtype)
+    gy = torch.randn(5, 7, 13, dtype=torch.float64).to(dtype)
+    xo, x, w, b = (t.detach().clone().requires_grad_(True) for t in (x0, x0, ln.weight, ln.bias))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        got = ln(xo)
+        assert calls == ([1] if reference else [])
+        want = real(x, 13, w, b, 1e-5)
+    assert got.dtype == want.dtype == dtype
+    got.backward(gy)
+    want.backward(gy)
+    check = (lambda u, v: torch.equal(u, v)) if reference else (lambda u, v: assert_close(u, v) or True)
+    for ours, ref in ((got, want), (xo.grad, x.grad), (ln.weight.grad, w.grad), (ln.bias.grad, b.grad)):
+        assert check(ours, ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

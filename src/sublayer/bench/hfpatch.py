@@ -3,9 +3,9 @@
 Every row times the same HF model twice (two copies of one set of weights, each with its own optimizer),
 interleaved; ratio = unpatched time / patched time (> 1: the patch is faster).
 
-* ``Trainer``-style fine-tuning step (``model(**batch).loss``, backward, AdamW step, ``zero_grad``; HF's default
-  dropout 0.1), fp32 and, where the CPU has native bf16 GEMMs (:func:`sublayer.kernels.native_bf16_gemm`),
-  ``torch.autocast("cpu", dtype=torch.bfloat16)``:
+* ``Trainer``-style fine-tuning step (``model(**batch).loss``, backward, a fused AdamW step as ``Trainer``'s
+  default ``optim="adamw_torch_fused"``, ``zero_grad``; HF's default dropout 0.1), fp32 and, where the CPU has
+  native bf16 GEMMs (:func:`sublayer.kernels.native_bf16_gemm`), ``torch.autocast("cpu", dtype=torch.bfloat16)``:
   ``BertForSequenceClassification`` of MiniLM's shape (6 layers, d 384, vocab 30522) on 16 x 128 right-padded
   (lengths 51..128: about 70 % real tokens), and ``GPT2LMHeadModel`` of 6 layers, d 512 (vocab 50257) on 8 x 128
   (the same padding, ``labels`` -100 at the padding).
@@ -31,7 +31,7 @@ __all__ = ["hf_rows"]
 
 
 def _step(model: torch.nn.Module, batch: dict, bf16: bool) -> Callable[[], None]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)  # Trainer's default optim, adamw_torch_fused
 
     def step() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):

@@ -10,9 +10,10 @@ inputs and weights; ratio = the peer's time / sublayer's (> 1: sublayer is faste
   (bf16 panels where the CPU multiplies bf16 natively) against our fp32. Rate: generated tokens/s.
 * ``translate``: ``Transformer.translate``, the fast path against the reference steps: the demo's shape (d 128,
   2 pre-norm layers, 500 sources of 12 tokens, greedy) and d 512 (6 post-norm layers, vocab 8000, batch 8, beam 4).
-* ``train``: one AdamW training step (forward, loss over real tokens, backward, step; dropout 0.1) against
-  HF: BERT of MiniLM's shape (6 layers, d 384) on 16 x 128 right-padded (lengths 32..128; loss: mean square of the
-  real hidden states) and GPT-2 (6 layers, d 512, vocab 8192) on 8 x 128 (``GPT2.loss`` vs ``labels=``); fp32, and
+* ``train``: one AdamW training step (forward, loss over real tokens, backward, step; dropout 0.1; the fused
+  ``torch.optim.AdamW(fused=True)`` of HF ``Trainer``'s default ``optim`` on every side) against HF: BERT of
+  MiniLM's shape (6 layers, d 384) on 16 x 128 right-padded (lengths 32..128; loss: mean square of the real hidden
+  states) and GPT-2 (6 layers, d 512, vocab 8192) on 8 x 128 (``GPT2.loss`` vs ``labels=``); fp32, and
   where the CPU multiplies bf16 natively also both sides under bf16 autocast.
 * ``int8``: BERT inference of MiniLM's shape, 64 x 128 padded: ``fast_inference(quantize="int8")`` against the
   float32 fast path, with the int8 model's worst token and sentence cosine to float32 (and CTranslate2 int8 when

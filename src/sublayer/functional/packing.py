@@ -253,6 +253,15 @@ class _AttentionMask:
             if bool(dead.any()):
                 self.dead, allowed = dead, allowed | dead
         self.blocked = None if allowed is None else ~allowed
+        self._bias: dict = {}
+
+    def bias(self, dtype: torch.dtype) -> Tensor:
+        """``blocked`` as an additive mask of ``dtype``: -inf where blocked, 0 elsewhere (built once per dtype; adding
+        it gives masked_fill's scores exactly, in place, with a pass-through backward)."""
+        if dtype not in self._bias:
+            zeros = torch.zeros(self.blocked.shape, dtype=dtype, device=self.blocked.device)
+            self._bias[dtype] = zeros.masked_fill_(self.blocked, float("-inf"))
+        return self._bias[dtype]
 
 
 class _Segments:
@@ -266,11 +275,16 @@ class _Segments:
         self.blocked = ~causal_mask(t, t, device=device) if causal else None
 
 
-def _core(q: Tensor, k: Tensor, v: Tensor, p: float, blocked: Tensor | None) -> Tensor:
-    """softmax(q k^T / sqrt(d) masked) v over the last two dims; Philox dropout p on the weights."""
+def _core(
+    q: Tensor, k: Tensor, v: Tensor, p: float, blocked: Tensor | None, mask: _AttentionMask | None = None
+) -> Tensor:
+    """softmax(q k^T / sqrt(d) masked) v over the last two dims; Philox dropout p on the weights. ``mask``: the
+    :class:`_AttentionMask` whose ``blocked`` this is (its additive form replaces masked_fill)."""
     if p > 0:  # explicit: eager SDPA with dropout takes its math path and bernoulli_, several times slower here
         s = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-2, -1))
-        if blocked is not None:
+        if mask is not None and blocked is not None:
+            s = s.add_(mask.bias(s.dtype))  # in place on the fresh scores: the values of masked_fill(-inf)
+        elif blocked is not None:
             s = s.masked_fill(blocked, float("-inf"))
         return torch.matmul(fused_dropout(s.softmax(dim=-1), p, True), v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=None if blocked is None else ~blocked)
@@ -301,7 +315,7 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, queries: PackedBatch, mask, p: floa
     def heads(x: Tensor, pk: PackedBatch) -> Tensor:  # (N, H, d) -> (B, H, T, d)
         return pk.unpack(x).transpose(1, 2)
 
-    out = _core(heads(q, queries), heads(k, keys), heads(v, keys), p, mask.blocked)
+    out = _core(heads(q, queries), heads(k, keys), heads(v, keys), p, mask.blocked, mask)
     if mask.dead is not None:
         out = out.masked_fill(mask.dead, 0.0)
     return queries.pack(out.transpose(1, 2))  # (B, T, H, d) -> (N, H, d)

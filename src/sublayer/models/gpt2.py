@@ -16,7 +16,6 @@ import dataclasses
 import math
 from typing import Any
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import checkpoints as ckpt
@@ -28,6 +27,7 @@ from .._checks import (
     check_probability,
 )
 from ..checkpoints import gpt2 as keymap
+from ..functional import fused
 from ..nn import LayerNorm, MultiHeadAttention, PositionWiseFFN, PreNormResidual
 from ..runtime.generation import check_token_id
 from ..runtime.causal import CausalParts
@@ -223,8 +223,9 @@ class GPT2(CausalLM):
                 nn.init.normal_(lin.weight, 0.0, 0.02 / math.sqrt(2 * self.config.n_layers))
 
     def _embed(self, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, None]:
-        """Token + learned position embeddings, dropout; no rotary."""
-        return F.dropout(self.wte(input_ids) + self.wpe(position_ids), self.config.embd_dropout, self.training), None
+        """Token + learned position embeddings, dropout (the Philox dropout of the blocks); no rotary."""
+        x = self.wte(input_ids) + self.wpe(position_ids)
+        return fused.dropout(x, self.config.embd_dropout, self.training), None
 
     def causal_parts(self) -> CausalParts:
         return CausalParts(embed=self.wte.weight, positions=self.wpe.weight, rotary=None, norm=self.ln_f,

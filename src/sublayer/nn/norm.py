@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import functional as SF
-from .._checks import check_choice, check_eps, normalize_shape
+from .._checks import check_choice, check_eps, check_last_dims, normalize_shape
 
 __all__ = ["LayerNorm", "RMSNorm", "make_norm"]
 
@@ -47,7 +48,9 @@ class _Norm(nn.Module):
 class LayerNorm(_Norm):
     """Layer normalisation over the trailing ``normalized_shape`` dims; same numbers as ``nn.LayerNorm``.
 
-    Statistics in float32 for half inputs, two-pass variance.
+    Statistics in float32 for half inputs. A float32 or float64 input with parameters of its dtype runs torch's own
+    ``F.layer_norm`` (one kernel forward and backward, stable statistics); other dtypes run
+    :func:`sublayer.functional.layer_norm` (two-pass variance).
 
     Args:
         normalized_shape: int or tuple — the trailing dims of the input.
@@ -75,7 +78,17 @@ class LayerNorm(_Norm):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        if _native_layer_norm(x, self.weight, self.bias):  # torch's one-kernel LayerNorm, forward and backward
+            check_last_dims("x", x, self.normalized_shape)
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         return SF.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+def _native_layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
+    """Whether ``F.layer_norm`` gives :func:`sublayer.functional.layer_norm`'s numbers and dtype: float32 or float64
+    input with parameters of its dtype (autocast leaves both dtypes as they are)."""
+    dt = x.dtype
+    return dt in (torch.float32, torch.float64) and all(t is None or t.dtype == dt for t in (weight, bias))
 
 
 class RMSNorm(_Norm):
