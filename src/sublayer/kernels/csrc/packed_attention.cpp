@@ -152,18 +152,20 @@ void task_portable(const Scratch& w, const Task& t, int64_t hd, int64_t dp, int6
 }
 
 // A float32 task's k as 16-key blocks (key j at [j / 16][c][j % 16]) and v rows padded to hv, zeros beyond n and hd.
-// q0: the task's first q row, ld floats between rows, k and v at +d and +2d.
-void pack_f32(const float* q0, int64_t ld, int64_t d, int64_t n, int64_t hd, int64_t hv, Scratch& w) {
+// q0: the task's first q row, ld floats between rows, k and v at +d and +2d. With `direct` (the AVX-512 tiles and
+// hd a multiple of 16) v is not copied: the tiles read it in place.
+void pack_f32(const float* q0, int64_t ld, int64_t d, int64_t n, int64_t hd, int64_t hv, bool direct, Scratch& w) {
   const int64_t nb = (n + 15) / 16;
-  w.kf.assign(nb * hd * 16, 0.0f);
-  w.vf.assign(n * hv, 0.0f);
   w.s.resize(QB * nb * 16);
   w.pf.resize(QB * nb * 16);
+  w.kf.resize(nb * hd * 16);
+  std::fill(w.kf.begin() + (n / 16) * hd * 16, w.kf.end(), 0.0f);  // the last block's missing keys
+  if (!direct) w.vf.assign(n * hv, 0.0f);
   for (int64_t j = 0; j < n; ++j) {
     const float* kj = q0 + j * ld + d;
     float* kt = w.kf.data() + (j / 16) * hd * 16 + (j % 16);
     for (int64_t c = 0; c < hd; ++c) kt[c * 16] = kj[c];
-    std::memcpy(w.vf.data() + j * hv, kj + d, sizeof(float) * hd);
+    if (!direct) std::memcpy(w.vf.data() + j * hv, kj + d, sizeof(float) * hd);
   }
 }
 
@@ -229,15 +231,16 @@ inline void qk_rows_f32(const float* q, int64_t ld, int64_t hd, const float* k, 
   }
 }
 
-// o[r][16 c + l] = sum_j p_r[j] v[j][16 c + l] in float32: R rows x CB column blocks (v rows hv floats apart).
+// o[r][16 c + l] = sum_j p_r[j] v[j][16 c + l] in float32: R rows x CB column blocks (v rows vs floats apart, o
+// rows hv).
 template <int R, int CB>
-inline void pv_tile_f32(const float* p, int64_t np, const float* v, int64_t hv, int64_t n, float* o) {
+inline void pv_tile_f32(const float* p, int64_t np, const float* v, int64_t vs, int64_t hv, int64_t n, float* o) {
   __m512 a[R][CB];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < CB; ++b) a[r][b] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     __m512 vv[CB];
-    for (int b = 0; b < CB; ++b) vv[b] = _mm512_loadu_ps(v + j * hv + 16 * b);
+    for (int b = 0; b < CB; ++b) vv[b] = _mm512_loadu_ps(v + j * vs + 16 * b);
     for (int r = 0; r < R; ++r) {
       const __m512 pv = _mm512_set1_ps(p[r * np + j]);
       for (int b = 0; b < CB; ++b) a[r][b] = _mm512_fmadd_ps(pv, vv[b], a[r][b]);
@@ -248,15 +251,16 @@ inline void pv_tile_f32(const float* p, int64_t np, const float* v, int64_t hv, 
 }
 
 template <int R>
-inline void pv_rows_f32(const float* p, int64_t np, const float* v, int64_t hv, int64_t n, float* o) {
+inline void pv_rows_f32(const float* p, int64_t np, const float* v, int64_t vs, int64_t hv, int64_t n, float* o) {
   int64_t c = 0;
-  for (; c + 32 <= hv; c += 32) pv_tile_f32<R, 2>(p, np, v + c, hv, n, o + c);
-  if (c < hv) pv_tile_f32<R, 1>(p, np, v + c, hv, n, o + c);
+  for (; c + 32 <= hv; c += 32) pv_tile_f32<R, 2>(p, np, v + c, vs, hv, n, o + c);
+  if (c < hv) pv_tile_f32<R, 1>(p, np, v + c, vs, hv, n, o + c);
 }
 
-// task_f32_portable on AVX-512F tiles: the scores, a float32 softmax (keys n..nk masked off), P v.
-void task_f32_avx512(const float* q0, int64_t ld, Scratch& w, int64_t n, int64_t hd, int64_t hv, float sc,
-                     float* inv, std::vector<float>& o, int64_t qs, int64_t qn) {
+// task_f32_portable on AVX-512F tiles: the scores, a float32 softmax (keys n..nk masked off), P v (v rows vs floats
+// apart: the packed copy, or q|k|v itself).
+void task_f32_avx512(const float* q0, int64_t ld, Scratch& w, const float* v, int64_t vs, int64_t n, int64_t hd,
+                     int64_t hv, float sc, float* inv, std::vector<float>& o, int64_t qs, int64_t qn) {
   const int64_t nb = (n + 15) / 16, nk = nb * 16, last = nk - 16;
   const float* q = q0 + qs * ld;
   float* s = w.s.data();
@@ -286,15 +290,15 @@ void task_f32_avx512(const float* q0, int64_t ld, Scratch& w, int64_t n, int64_t
     inv[i] = 1.0f / _mm512_reduce_add_ps(sum);
   }
   const float* p = w.pf.data();
-  for (i = 0; i + 8 <= qn; i += 8) pv_rows_f32<8>(p + i * nk, nk, w.vf.data(), hv, n, o.data() + i * hv);
+  for (i = 0; i + 8 <= qn; i += 8) pv_rows_f32<8>(p + i * nk, nk, v, vs, hv, n, o.data() + i * hv);
   switch (qn - i) {
-    case 7: pv_rows_f32<7>(p + i * nk, nk, w.vf.data(), hv, n, o.data() + i * hv); break;
-    case 6: pv_rows_f32<6>(p + i * nk, nk, w.vf.data(), hv, n, o.data() + i * hv); break;
-    case 5: pv_rows_f32<5>(p + i * nk, nk, w.vf.data(), hv, n, o.data() + i * hv); break;
-    case 4: pv_rows_f32<4>(p + i * nk, nk, w.vf.data(), hv, n, o.data() + i * hv); break;
-    case 3: pv_rows_f32<3>(p + i * nk, nk, w.vf.data(), hv, n, o.data() + i * hv); break;
-    case 2: pv_rows_f32<2>(p + i * nk, nk, w.vf.data(), hv, n, o.data() + i * hv); break;
-    case 1: pv_rows_f32<1>(p + i * nk, nk, w.vf.data(), hv, n, o.data() + i * hv); break;
+    case 7: pv_rows_f32<7>(p + i * nk, nk, v, vs, hv, n, o.data() + i * hv); break;
+    case 6: pv_rows_f32<6>(p + i * nk, nk, v, vs, hv, n, o.data() + i * hv); break;
+    case 5: pv_rows_f32<5>(p + i * nk, nk, v, vs, hv, n, o.data() + i * hv); break;
+    case 4: pv_rows_f32<4>(p + i * nk, nk, v, vs, hv, n, o.data() + i * hv); break;
+    case 3: pv_rows_f32<3>(p + i * nk, nk, v, vs, hv, n, o.data() + i * hv); break;
+    case 2: pv_rows_f32<2>(p + i * nk, nk, v, vs, hv, n, o.data() + i * hv); break;
+    case 1: pv_rows_f32<1>(p + i * nk, nk, v, vs, hv, n, o.data() + i * hv); break;
     default: break;
   }
 }
@@ -498,12 +502,14 @@ Tensor packed_self_attention(const Tensor& qkv, const Tensor& runs, int64_t n_he
       const Task& t = tasks[ti];
       if (float32_products) {
         const float* q0 = base32 + t.row * 3 * d + t.h * hd;
-        pack_f32(q0, 3 * d, d, t.n, hd, hv, w);
+        const bool direct = fast32 && hd % 16 == 0;
+        pack_f32(q0, 3 * d, d, t.n, hd, hv, direct, w);
         for (int64_t qs = 0; qs < t.n; qs += QB) {
           const int64_t qn = std::min(QB, t.n - qs);
 #if defined(__AVX512F__)
           if (fast32)
-            task_f32_avx512(q0, 3 * d, w, t.n, hd, hv, sc, inv.data(), o, qs, qn);
+            task_f32_avx512(q0, 3 * d, w, direct ? q0 + 2 * d : w.vf.data(), direct ? 3 * d : hv, t.n, hd, hv, sc,
+                            inv.data(), o, qs, qn);
           else
 #endif
             task_f32_portable(q0, 3 * d, w, t.n, hd, hv, sc, inv.data(), o, qs, qn);
