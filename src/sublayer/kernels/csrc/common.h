@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -96,6 +97,35 @@ struct Drop {
 // thread that a busy neighbour process may keep off its core.
 constexpr int64_t kGrainElems = 32768;
 inline int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems)); }
+
+// Runs chunk(c) for each c in [0, n) on the threads of one parallel region, the chunks handed out from a shared
+// counter: a thread that wakes late or is slowed down takes fewer. Under passive OpenMP waits a thread that
+// reaches the region's end first sleeps there, and waking it costs tens of microseconds; so the calling thread,
+// out of chunks, waits by spinning (at most kJoinSpin) for the chunks another thread is running, never for a
+// thread that has taken none. Which thread runs a chunk changes no result.
+constexpr std::chrono::microseconds kJoinSpin{50};
+template <typename F>
+void parallel_chunks(int64_t n, const F& chunk) {
+  const int64_t team = std::min<int64_t>(n, at::get_num_threads());
+  if (team <= 1 || at::in_parallel_region()) {
+    for (int64_t c = 0; c < n; ++c) chunk(c);
+    return;
+  }
+  std::atomic<int64_t> next{0}, done{0};
+  at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      chunk(c);
+      done.fetch_add(1, std::memory_order_release);
+    }
+    if (at::get_thread_num() != 0) return;
+    const auto until = std::chrono::steady_clock::now() + kJoinSpin;
+    while (done.load(std::memory_order_acquire) < n && std::chrono::steady_clock::now() < until) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    }
+  });
+}
 
 // Fixed row chunking for deterministic reductions: depends on the row count only (the chunks' partial sums are
 // added in chunk order, whichever thread computed them).
