@@ -278,6 +278,53 @@ def test_other_activations_equal_the_reference(activation, kernels_mode, steps_t
 
 
 @pytest.mark.skipif(not kernels_on(), reason="C++ kernels unavailable")
+@pytest.mark.parametrize("panels", [torch.float32, torch.bfloat16])
+def test_one_call_step_on_two_threads_equals_one_thread(panels):
+    """causal_decode_layers with its linears and attentions split into several chunks each (d 256, 67 cached
+    positions), shared by a team of two threads: the same hidden states and caches, bit for bit, as on one thread;
+    and close to the per-op step's."""
+    from torch.testing import assert_close
+
+    from sublayer.models import GPT2Config
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=31, max_positions=97, d_model=256, n_layers=2, n_heads=4, dropout=0.0,
+                     embd_dropout=0.0, attn_dropout=0.0)  # fmt: skip
+    W = causal.packed_weights(GPT2(cfg).eval(), panels)
+    assert W.flat is not None
+    b, t, hd = 3, 67, 64
+
+    def caches():
+        cs = [decoding.StaticKVCache(b, cfg.n_heads, t + 1, hd) for _ in range(cfg.n_layers)]
+        for c in cs:
+            c.k.copy_(torch.randn(c.k.shape, generator=torch.Generator().manual_seed(1)))
+            c.v.copy_(torch.randn(c.v.shape, generator=torch.Generator().manual_seed(2)))
+            c.length = t
+        return cs
+
+    mask = torch.zeros(b, t + 1, dtype=torch.bool)
+    mask[1, :5] = True
+    tok = torch.randint(0, 31, (b,), generator=torch.Generator().manual_seed(4))
+    pos = torch.tensor([t, t - 5, t + 20])
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n, w in ((2, W), (1, W), (2, _per_op(W))):
+            torch.set_num_threads(n)
+            cs = caches()
+            runs.append((causal.step(w, tok, pos, cs, mask), cs))
+    finally:
+        torch.set_num_threads(threads)
+    (two, c2), (one, c1), (per_op, c3) = runs
+    assert torch.equal(two, one)
+    assert all(torch.equal(a.k, r.k) and torch.equal(a.v, r.v) for a, r in zip(c2, c1))
+    assert_close(two, per_op)
+    for a, r in zip(c2, c3):
+        assert_close(a.k[:, :, : t + 1], r.k[:, :, : t + 1])
+        assert_close(a.v[:, :, : t + 1], r.v[:, :, : t + 1])
+
+
+@pytest.mark.skipif(not kernels_on(), reason="C++ kernels unavailable")
 def test_one_call_step_equals_the_per_op_step(ours):
     """causal_decode_layers (every block in C++) against causal.step's per-op path over the same packed weights, with
     a padding mask; both append the same keys/values to their caches."""

@@ -210,7 +210,9 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
   // run for the hardware prefetcher: the next head's (two ahead for heads under 8 lines) are fetched explicitly,
   // so its misses overlap this head's arithmetic.
   const int64_t lines = (length * hd * int64_t(sizeof(float)) + 63) / 64, ahead = lines < 8 ? 2 : 1;
-  at::parallel_for(0, N * H, grain, [&](int64_t i0, int64_t i1) {
+  const int64_t NH = N * H;
+  parallel_chunks((NH + grain - 1) / grain, [&](int64_t c) {
+    const int64_t i0 = c * grain, i1 = std::min(NH, i0 + grain);
     std::vector<float> s(length);
     std::vector<float> gk, gv;  // a head's keys and values gathered from several cache rows
     for (int64_t i = i0; i < i1; ++i) {

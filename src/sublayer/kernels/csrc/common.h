@@ -12,6 +12,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -96,6 +101,158 @@ struct Drop {
 // thread that a busy neighbour process may keep off its core.
 constexpr int64_t kGrainElems = 32768;
 inline int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems)); }
+
+// How long a thread waiting for another's chunk spins before it yields its CPU.
+constexpr std::chrono::microseconds kJoinSpin{50};
+inline void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// The threads of one parallel region kept for a sequence of parallel loops (a decoding step's linears and
+// attentions): the calling thread runs the sequence and posts each loop's chunks (run); the others help with
+// them and, between loops, wait by spinning for at most kIdleSpin, then sleep until the next loop. Under passive
+// OpenMP waits, a parallel region per loop would wake a sleeping thread each time (tens of microseconds).
+class StepTeam {
+ public:
+  static constexpr std::chrono::microseconds kIdleSpin{100};
+  // Chunks [0, n) handed out from a shared counter, the caller taking its share; returns when all are done.
+  void run(int64_t n, const std::function<void(int64_t)>& chunk) {
+    Job job{chunk, n, ++ids_};
+    cur_.store(&job);
+    posted_.store(job.id);
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      cv_.notify_all();
+    }
+    job.work();
+    wait_for([&] { return job.done.load(std::memory_order_acquire) == n; });  // a helper's chunk in flight
+    cur_.store(nullptr);
+    wait_for([&] { return busy_.load() == 0; });  // no helper still holds the job
+  }
+  // A helper's loop, until stop: it reads posted_ while it waits (no write to a line the caller reads).
+  void help() {
+    uint64_t last = 0;  // the newest job this helper has seen: taken part in, or found done
+    auto idle_since = std::chrono::steady_clock::now();
+    for (int64_t spins = 0;; ++spins) {
+      if (stop_.load(std::memory_order_acquire)) return;
+      if (posted_.load() != last) {
+        busy_.fetch_add(1);
+        Job* job = cur_.load();
+        if (job && job->id != last) {
+          last = job->id;
+          job->work();
+        } else {
+          last = posted_.load();  // done before this helper came
+        }
+        busy_.fetch_sub(1);
+        idle_since = std::chrono::steady_clock::now();
+        spins = 0;
+        continue;
+      }
+      if ((spins & 63) || std::chrono::steady_clock::now() - idle_since < kIdleSpin) {
+        spin_pause();
+        continue;
+      }
+      std::unique_lock<std::mutex> lock(mu_);
+      sleepers_.fetch_add(1);
+      cv_.wait(lock, [&] { return stop_.load() || posted_.load() != last; });
+      sleepers_.fetch_sub(1);
+    }
+  }
+  void stop() {
+    stop_.store(true);
+    std::lock_guard<std::mutex> lock(mu_);
+    cv_.notify_all();
+  }
+
+ private:
+  // Spins until pred(), yielding the CPU after kJoinSpin (a thread the OS took off its core).
+  template <typename P>
+  static void wait_for(const P& pred) {
+    const auto until = std::chrono::steady_clock::now() + kJoinSpin;
+    for (int64_t i = 0; !pred(); ++i) {
+      if ((i & 63) == 63 && std::chrono::steady_clock::now() > until)
+        std::this_thread::yield();
+      else
+        spin_pause();
+    }
+  }
+  struct Job {
+    const std::function<void(int64_t)>& chunk;
+    const int64_t n;
+    const uint64_t id;
+    std::atomic<int64_t> next{0}, done{0};
+    void work() {
+      for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+        chunk(c);
+        done.fetch_add(1, std::memory_order_release);
+      }
+    }
+  };
+  std::atomic<Job*> cur_{nullptr};
+  std::atomic<int> busy_{0}, sleepers_{0};
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> posted_{0};
+  uint64_t ids_ = 0;
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
+// The team whose loops this thread posts (set by with_step_team), or null.
+inline StepTeam*& current_team() {
+  static thread_local StepTeam* team = nullptr;
+  return team;
+}
+
+// Runs f() on the calling thread with the other threads of one parallel region as its StepTeam's helpers: the
+// parallel_chunks loops inside it fork no region of their own. Other parallel loops inside f run on the calling
+// thread alone (for loops too small to split). One thread, or inside a parallel region: f() alone.
+template <typename F>
+void with_step_team(const F& f) {
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1 || at::in_parallel_region()) return f();
+  StepTeam team;
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t) {
+    if (b != 0) return team.help();
+    struct Reset {  // the helpers go on an error too
+      StepTeam& t;
+      ~Reset() {
+        current_team() = nullptr;
+        t.stop();
+      }
+    } reset{team};
+    current_team() = &team;
+    f();
+  });
+}
+
+// Runs chunk(c) for each c in [0, n) on the threads of one parallel region (or of the current StepTeam), the
+// chunks handed out from a shared counter: a thread that wakes late or is slowed down takes fewer. Under passive
+// OpenMP waits a thread that reaches the region's end first sleeps there, and waking it costs tens of
+// microseconds; so the calling thread, out of chunks, waits by spinning (at most kJoinSpin) for the chunks
+// another thread is running, never for a thread that has taken none. Which thread runs a chunk changes no result.
+template <typename F>
+void parallel_chunks(int64_t n, const F& chunk) {
+  if (StepTeam* team = current_team(); team && n > 1)
+    return team->run(n, std::function<void(int64_t)>(std::cref(chunk)));
+  const int64_t team = std::min<int64_t>(n, at::get_num_threads());
+  if (team <= 1 || at::in_parallel_region()) {
+    for (int64_t c = 0; c < n; ++c) chunk(c);
+    return;
+  }
+  std::atomic<int64_t> next{0}, done{0};
+  at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      chunk(c);
+      done.fetch_add(1, std::memory_order_release);
+    }
+    if (at::get_thread_num() != 0) return;
+    const auto until = std::chrono::steady_clock::now() + kJoinSpin;
+    while (done.load(std::memory_order_acquire) < n && std::chrono::steady_clock::now() < until) spin_pause();
+  });
+}
 
 // Fixed row chunking for deterministic reductions: depends on the row count only (the chunks' partial sums are
 // added in chunk order, whichever thread computed them).

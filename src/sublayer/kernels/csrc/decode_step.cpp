@@ -168,29 +168,32 @@ Tensor causal_decode_layers(const Tensor& x, at::TensorList params, at::TensorLi
     check_norm(L.norm_2, d, kNormWhat, rms);
   }
   check_norm(final_norm, d, kNormWhat, rms);
-  add_layer_norm(rp, nullptr, CausalBlock(params.data()).norm_1, eps, hp, B, d, rms);
   const double scale = 1.0 / std::sqrt(double(hd));
   const int64_t dq = n_heads * hd, dkv = H_kv * hd;
   auto linear = [&](const Tensor& in, const Linear& l, int64_t n, int64_t a) {
     if (l.colsum->numel()) return int8_linear(in, l.packed, *l.colsum, l.scale, maybe(l.bias), n, a, c10::nullopt);
     return skinny_linear(in, l.packed, maybe(l.bias), n, a, maybe(l.scale));
   };
-  for (int64_t i = 0; i < n_layers; ++i) {
-    const CausalBlock L(params.data() + PER * i);
-    Tensor qkv = linear(h, L.qkv, dq + 2 * dkv, IDENT);
-    if (rotary) {
-      rotate_heads(qkv, 0, n_heads, hd, *cos, *sin);
-      rotate_heads(qkv, dq, H_kv, hd, *cos, *sin);
+  // one parallel region for the whole step: its linears' and attentions' loops run on the step's team
+  with_step_team([&] {
+    add_layer_norm(rp, nullptr, CausalBlock(params.data()).norm_1, eps, hp, B, d, rms);
+    for (int64_t i = 0; i < n_layers; ++i) {
+      const CausalBlock L(params.data() + PER * i);
+      Tensor qkv = linear(h, L.qkv, dq + 2 * dkv, IDENT);
+      if (rotary) {
+        rotate_heads(qkv, 0, n_heads, hd, *cos, *sin);
+        rotate_heads(qkv, dq, H_kv, hd, *cos, *sin);
+      }
+      const Tensor ctx = decode_attention(qkv.narrow(1, 0, dq), k_caches[i], v_caches[i], mask, length, scale,
+                                          qkv.narrow(1, dq, dkv), qkv.narrow(1, dq + dkv, dkv), c10::nullopt);
+      const Tensor o = linear(ctx, L.out, d, IDENT);
+      add_layer_norm(rp, o.data_ptr<float>(), L.norm_2, eps, hp, B, d, rms);
+      const Tensor f = gated ? glu_rows(linear(h, L.fc1, d_ff, IDENT), act) : linear(h, L.fc1, d_ff, act);
+      const Tensor y = linear(f, L.fc2, d, IDENT);
+      const Norm next = i + 1 < n_layers ? CausalBlock(params.data() + PER * (i + 1)).norm_1 : final_norm;
+      add_layer_norm(rp, y.data_ptr<float>(), next, eps, hp, B, d, rms);
     }
-    const Tensor ctx = decode_attention(qkv.narrow(1, 0, dq), k_caches[i], v_caches[i], mask, length, scale,
-                                        qkv.narrow(1, dq, dkv), qkv.narrow(1, dq + dkv, dkv), c10::nullopt);
-    const Tensor o = linear(ctx, L.out, d, IDENT);
-    add_layer_norm(rp, o.data_ptr<float>(), L.norm_2, eps, hp, B, d, rms);
-    const Tensor f = gated ? glu_rows(linear(h, L.fc1, d_ff, IDENT), act) : linear(h, L.fc1, d_ff, act);
-    const Tensor y = linear(f, L.fc2, d, IDENT);
-    const Norm next = i + 1 < n_layers ? CausalBlock(params.data() + PER * (i + 1)).norm_1 : final_norm;
-    add_layer_norm(rp, y.data_ptr<float>(), next, eps, hp, B, d, rms);
-  }
+  });
   return h;
 }
 

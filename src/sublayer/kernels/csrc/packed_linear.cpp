@@ -373,7 +373,6 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
   const int64_t stride = panel_elems<T>(K), bytes = std::max<int64_t>(1, stride * int64_t(sizeof(T)));
   const int64_t chunk = ((std::max<int64_t>(1, (int64_t(1) << 18) / bytes) + STREAMS - 1) / STREAMS) * STREAMS;
   const int64_t n_chunks = (P + chunk - 1) / chunk;
-  std::atomic<int64_t> next{0};
   const int64_t K2 = (K + 1) / 2;
   std::vector<uint32_t> xb;
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
@@ -383,7 +382,7 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
       for (int64_t k = 0; k < K; ++k) xb[r * K2 + k / 2] |= uint32_t(f_to_bf16(xp[r * ldx + k])) << (16 * (k & 1));
   }
 #endif
-  at::parallel_for(0, std::min<int64_t>(n_chunks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+  parallel_chunks(n_chunks, [&](int64_t c) {
     float acc[3 * 8 * PANEL];  // up to three panels of max(ROWS, STREAMS, ROWS512) rows
     auto store = [&](int64_t p, int64_t r0, int64_t R, float* a) {  // epilogue + copy out: R rows of panel p
       const int64_t c0 = p * PANEL, nc = std::min<int64_t>(PANEL, n - c0);
@@ -395,7 +394,7 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
         std::copy(a + r * PANEL, a + r * PANEL + nc, op + (r0 + r) * n + c0);
       }
     };
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;) {
+    {
       const int64_t pe = std::min(P, (c + 1) * chunk);
       int64_t p = c * chunk;
       if (M == 1)  // one row (batch-1 decoding): STREAMS panels at a time
@@ -424,7 +423,7 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
               for (int64_t q = 0; q < np; ++q) store(p + q, r0, R, acc + q * R * PANEL);
             }
           }
-          continue;
+          return;
         }
 #endif
 #if SUBLAYER_AVX2_FMA && defined(__AVX512F__)
@@ -808,7 +807,9 @@ Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, 
   const int64_t tile_work = std::min<int64_t>(QBLOCK, M) * cg_pan * PANEL * K;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / std::max<int64_t>(1, tile_work));
   SUBLAYER_DISPATCH_ACT(act, [&] {
-    at::parallel_for(0, n_rb * n_cg, grain, [&](int64_t t0, int64_t t1) {
+    const int64_t n_t = n_rb * n_cg;
+    parallel_chunks((n_t + grain - 1) / grain, [&](int64_t c) {
+      const int64_t t0 = c * grain, t1 = std::min(n_t, t0 + grain);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t rb = t / n_cg, cg = t % n_cg;
         const int64_t p0 = cg * cg_pan, p1 = std::min(P, p0 + cg_pan);
