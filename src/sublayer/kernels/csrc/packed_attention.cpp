@@ -195,6 +195,14 @@ void task_f32_portable(const float* q0, int64_t ld, Scratch& w, int64_t n, int64
 }
 
 #if defined(__AVX512F__)
+// The maximum of row s (nk a multiple of 16; keys past the last block's `tail` mask off) on 16 lanes, broadcast.
+inline __m512 row_max16(const float* s, int64_t nk, __mmask16 tail) {
+  __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < nk - 16; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + j));
+  vm = _mm512_mask_max_ps(vm, tail, vm, _mm512_loadu_ps(s + nk - 16));
+  return _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+}
+
 // exp256 of act_norm.h on 16 lanes.
 #define SUBLAYER_FLOOR512(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
 SUBLAYER_VEXP(exp512, __m512, _mm512, 512, SUBLAYER_FLOOR512)
@@ -276,10 +284,7 @@ void task_f32_avx512(const float* q0, int64_t ld, Scratch& w, const float* v, in
   for (i = 0; i < qn; ++i) {
     const float* si = s + i * nk;
     float* p = w.pf.data() + i * nk;
-    __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < last; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(si + j));
-    vm = _mm512_mask_max_ps(vm, tail, vm, _mm512_loadu_ps(si + last));
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+    const __m512 mx = row_max16(si, nk, tail);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < nk; j += 16) {
       const __m512 e = _mm512_maskz_mov_ps(j == last ? tail : __mmask16(0xffff),
@@ -377,10 +382,7 @@ template <bool SPLIT>
 inline float softmax_row16(const float* s, int64_t n, int64_t nk, uint16_t* p, uint16_t* pl) {
   const __mmask16 tail = __mmask16((1u << (n % 16 ? n % 16 : 16)) - 1u);
   const int64_t last = nk - 16;
-  __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < last; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + j));
-  vm = _mm512_mask_max_ps(vm, tail, vm, _mm512_loadu_ps(s + last));
-  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+  const __m512 mx = row_max16(s, nk, tail);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < nk; j += 16) {
     const __mmask16 k = j == last ? tail : __mmask16(0xffff);
