@@ -277,6 +277,16 @@ def test_other_activations_equal_the_reference(activation, kernels_mode, steps_t
     assert steps_taken and got.tolist() == reference_decoding(lambda: model.generate(x, 9)).tolist()
 
 
+def _filled_caches(cfg, b: int, t: int, hd: int) -> list:
+    """One static KV cache per layer of room t + 1, its first t positions filled with fixed random keys/values."""
+    cs = [decoding.StaticKVCache(b, cfg.n_heads, t + 1, hd) for _ in range(cfg.n_layers)]
+    for c in cs:
+        c.k.copy_(torch.randn(c.k.shape, generator=torch.Generator().manual_seed(1)))
+        c.v.copy_(torch.randn(c.v.shape, generator=torch.Generator().manual_seed(2)))
+        c.length = t
+    return cs
+
+
 @pytest.mark.skipif(not kernels_on(), reason="C++ kernels unavailable")
 @pytest.mark.parametrize("panels", [torch.float32, torch.bfloat16])
 def test_one_call_step_on_two_threads_equals_one_thread(panels):
@@ -294,14 +304,6 @@ def test_one_call_step_on_two_threads_equals_one_thread(panels):
     assert W.flat is not None
     b, t, hd = 3, 67, 64
 
-    def caches():
-        cs = [decoding.StaticKVCache(b, cfg.n_heads, t + 1, hd) for _ in range(cfg.n_layers)]
-        for c in cs:
-            c.k.copy_(torch.randn(c.k.shape, generator=torch.Generator().manual_seed(1)))
-            c.v.copy_(torch.randn(c.v.shape, generator=torch.Generator().manual_seed(2)))
-            c.length = t
-        return cs
-
     mask = torch.zeros(b, t + 1, dtype=torch.bool)
     mask[1, :5] = True
     tok = torch.randint(0, 31, (b,), generator=torch.Generator().manual_seed(4))
@@ -311,7 +313,7 @@ def test_one_call_step_on_two_threads_equals_one_thread(panels):
     try:
         for n, w in ((2, W), (1, W), (2, _per_op(W))):
             torch.set_num_threads(n)
-            cs = caches()
+            cs = _filled_caches(cfg, b, t, hd)
             runs.append((causal.step(w, tok, pos, cs, mask), cs))
     finally:
         torch.set_num_threads(threads)
@@ -337,19 +339,11 @@ def test_one_call_step_equals_the_per_op_step(ours):
     g = torch.Generator().manual_seed(4)
     hd = cfg.d_model // cfg.n_heads
 
-    def caches():
-        cs = [decoding.StaticKVCache(b, cfg.n_heads, t + 1, hd) for _ in range(cfg.n_layers)]
-        for c in cs:
-            c.k.copy_(torch.randn(c.k.shape, generator=torch.Generator().manual_seed(1)))
-            c.v.copy_(torch.randn(c.v.shape, generator=torch.Generator().manual_seed(2)))
-            c.length = t
-        return cs
-
     mask = torch.zeros(b, t + 1, dtype=torch.bool)
     mask[1, :2] = True
     tok = torch.randint(3, VOCAB, (b,), generator=g)
     pos = torch.tensor([t, t - 2, t])
-    c1, c2 = caches(), caches()
+    c1, c2 = _filled_caches(cfg, b, t, hd), _filled_caches(cfg, b, t, hd)
     got = causal.step(W, tok, pos, c1, mask)
     want = causal.step(_per_op(W), tok, pos, c2, mask)
     assert_close(got, want)
