@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-avx2 install bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# The kernels and engines as an AVX2 + FMA CPU runs them (built for x86-64-v3), on any x86 CPU.
+test-avx2: $(STAMP)
+	SUBLAYER_ISA=avx2 $(BIN)/python -m pytest tests/kernels tests/runtime tests/models
 
 demo: $(STAMP)
 	$(BIN)/sublayer demo

@@ -45,6 +45,7 @@ def test_defaults_when_unset_or_empty():
         assert settings.bf16_gemm(env) is None and settings.int8_engine(env) is None
         assert settings.buffer_cache_mb(env) is None
         assert settings.threads(env) is None and settings.wait_policy(env) == "passive"
+        assert settings.isa(env) == "native" and settings.apply_isa(dict(env)) == {}
 
 
 @pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("ON", True), ("yes", True), ("0", False),
@@ -64,6 +65,7 @@ def test_values(tmp_path):
     assert settings.buffer_cache_mb({"SUBLAYER_BUFFER_CACHE_MB": "64.5"}) == 64.5
     assert settings.threads({"SUBLAYER_THREADS": "3"}) == 3 and settings.threads({"SUBLAYER_THREADS": "AUTO"}) is None
     assert settings.wait_policy({"SUBLAYER_WAIT_POLICY": "OpenMP"}) == "openmp"
+    assert settings.isa({"SUBLAYER_ISA": "AVX2"}) == "avx2"
 
 
 @pytest.mark.parametrize(
@@ -81,6 +83,8 @@ def test_values(tmp_path):
         (settings.threads, "SUBLAYER_THREADS", "2.5", r"SUBLAYER_THREADS='2.5' must be auto or an integer >= 1"),
         (settings.threads, "SUBLAYER_THREADS", "-1", r"SUBLAYER_THREADS='-1' must be auto"),
         (settings.wait_policy, "SUBLAYER_WAIT_POLICY", "spin", r"SUBLAYER_WAIT_POLICY='spin' is not one of passive, openmp"),
+        (settings.isa, "SUBLAYER_ISA", "avx512", r"SUBLAYER_ISA='avx512' is not one of native, avx2"),
+        (settings.apply_isa, "SUBLAYER_ISA", "sse", r"SUBLAYER_ISA='sse' is not one of native, avx2"),
     ],
 )  # fmt: skip
 def test_bad_values_name_the_variable_and_the_rule(read, name, value, match):
@@ -109,6 +113,14 @@ def test_apply_wait_policy_only_where_unset_and_in_time(env, loaded, after, says
     env = dict(env)
     assert says in settings.apply_wait_policy(env, torch_loaded=loaded)
     assert env.get("OMP_WAIT_POLICY") == after
+
+
+def test_apply_isa_caps_the_libraries_where_the_user_has_not():
+    env = {"SUBLAYER_ISA": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX512"}
+    set_now = settings.apply_isa(env)
+    assert set_now == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "CT2_FORCE_CPU_ISA": "AVX2"}
+    assert env["MKL_ENABLE_INSTRUCTIONS"] == "AVX512"  # the user's own cap stays
+    assert {k: env[k] for k in set_now} == set_now
 
 
 def test_apply_wait_policy_rejects_a_bad_policy():

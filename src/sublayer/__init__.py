@@ -12,6 +12,10 @@ if settings.command_line_process():  # before torch's import, which starts OpenM
         settings.apply_wait_policy()
     except ValueError:  # a bad SUBLAYER_WAIT_POLICY: the command reports it in one line
         pass
+try:  # before torch's import: torch, oneDNN and MKL read their instruction-set caps when they start
+    settings.apply_isa()
+except ValueError:  # a bad SUBLAYER_ISA is reported where the kernels read it
+    pass
 
 with warnings.catch_warnings():  # torch's import warns when NumPy is absent; sublayer does not need NumPy
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)

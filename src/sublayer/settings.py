@@ -27,6 +27,9 @@ __all__ = [
     "wait_policy",
     "apply_wait_policy",
     "wait_policy_effect",
+    "isa",
+    "ISA_CAPS",
+    "apply_isa",
     "command_line_process",
 ]
 
@@ -49,6 +52,10 @@ VARIABLES: dict[str, str] = {
     "they sleep at once, so a busy neighbour process cannot stall every parallel region; openmp: OpenMP's own "
     "spin-then-sleep); applied only before torch is imported and only when neither OMP_WAIT_POLICY nor "
     "GOMP_SPINCOUNT is set",
+    "SUBLAYER_ISA": "native/avx2: the vector instructions sublayer uses (default native: what the CPU has; avx2: "
+    "behave as on an AVX2 + FMA CPU — the kernels compile for x86-64-v3 and take their AVX2 paths, the CPU-feature "
+    "reader reports no AVX-512, AMX or AVX-VNNI, and torch's, oneDNN's, MKL's and CTranslate2's own kernels are "
+    "capped to AVX2 when sublayer is imported before torch); x86 only",
 }
 
 _TRUE = ("1", "true", "on", "yes")
@@ -192,6 +199,39 @@ def wait_policy_effect() -> str:
         if os.environ.get(name, "").strip():
             return f"{name}={os.environ[name].strip()} (set by the user)"
     return "OpenMP's default (spin, then sleep)"
+
+
+def isa(environ: Mapping[str, str] | None = None) -> str:
+    """``SUBLAYER_ISA``: ``"native"`` (default) or ``"avx2"``."""
+    return _choice("SUBLAYER_ISA", ("native", "avx2"), environ) or "native"
+
+
+#: what ``SUBLAYER_ISA=avx2`` sets for the libraries below sublayer (each read once, when the library starts)
+ISA_CAPS: dict[str, str] = {
+    "ATEN_CPU_CAPABILITY": "avx2",  # torch's own vectorized kernels
+    "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN's GEMMs and convolutions
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",  # MKL's BLAS
+    "CT2_FORCE_CPU_ISA": "AVX2",  # CTranslate2 (a benchmark peer)
+}
+
+
+def apply_isa(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Under ``SUBLAYER_ISA=avx2``, set :data:`ISA_CAPS` in ``environ`` (default ``os.environ``) where the user has
+    not set them; they take effect in libraries not yet started (import sublayer before torch, or set them before
+    Python starts). Under ``native`` nothing changes.
+
+    Returns:
+        The variables it set.
+
+    Raises:
+        ValueError: ``SUBLAYER_ISA`` is not native or avx2.
+    """
+    env = os.environ if environ is None else environ
+    if isa(env) != "avx2":
+        return {}
+    set_now = {k: v for k, v in ISA_CAPS.items() if not env.get(k, "").strip()}
+    env.update(set_now)
+    return set_now
 
 
 def command_line_process(argv: list[str] | None = None) -> bool:

@@ -57,6 +57,17 @@ def test_cpu_info_reads_model_features_and_cores():
     assert harness.cpu_kind(info) == "intel-xeon-amx"
     epyc = harness.cpu_info(EPYC)
     assert not epyc["features"]["AVX-512"] and harness.cpu_kind(epyc) == "amd-epyc-avx2"
+    assert info["hidden"] == epyc["hidden"] == []  # a given text: every flag it lists is used
+
+
+def test_cpu_info_names_the_features_sublayer_is_told_not_to_use(monkeypatch):
+    monkeypatch.setattr(harness, "_used_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(harness.Path, "read_text", lambda self: XEON)
+    info = harness.cpu_info()
+    assert not info["features"]["AVX-512"] and info["features"]["AVX2"] and harness.cpu_kind(info) == "intel-xeon-avx2"
+    assert "AVX-512" in info["hidden"] and "AMX_INT8" in info["hidden"] and "AVX2" not in info["hidden"]
+    md = harness.report_markdown("t", [], command="c", info={"cpu": info, "threads": 2, "versions": {}})
+    assert "| not used | AVX-512, AVX512_BF16" in md and "SUBLAYER_ISA=avx2" in md
 
 
 def test_report_path_names_a_file_in_a_folder_by_subject_cpu_and_date(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import sublayer
+from sublayer import settings
 from sublayer.kernels import cpu
 
 SRC = Path(sublayer.__file__).parent
@@ -19,6 +20,7 @@ def fake_cpu(monkeypatch):
     """Pretend to run on a CPU with the given flags (x86_64, /proc/cpuinfo read)."""
 
     def use(*flags, read=True):
+        monkeypatch.delenv("SUBLAYER_ISA", raising=False)
         monkeypatch.setattr(cpu, "_cpuinfo", lambda: (frozenset(flags), "Some CPU", read))
         monkeypatch.setattr(cpu.platform, "machine", lambda: "x86_64")
         monkeypatch.setattr(cpu, "_native_bf16", None)
@@ -27,7 +29,8 @@ def fake_cpu(monkeypatch):
 
 
 def test_only_cpu_reads_cpuinfo():
-    # bench/harness.py imports nothing from sublayer: benchmarks/compare_revisions.py runs it against other revisions
+    # bench/harness.py reads the model name and core count itself: benchmarks/compare_revisions.py runs it against
+    # other revisions
     reads = re.compile(r"""["']/proc/cpuinfo["']""")
     readers = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if reads.search(p.read_text())]
     assert sorted(readers) == ["bench/harness.py", "kernels/cpu.py"]
@@ -39,10 +42,42 @@ def test_flags_of_this_machine():
     if Path("/proc/cpuinfo").is_file():
         text = Path("/proc/cpuinfo").read_text()
         line = next(ln for ln in text.splitlines() if re.match(r"(flags|Features)\s*:", ln))
-        assert f == frozenset(line.split(":", 1)[1].split())
+        listed = frozenset(line.split(":", 1)[1].split())
+        if settings.isa() == "avx2":
+            listed = frozenset(x for x in listed if not x.startswith(cpu._BEYOND_AVX2))
+        assert f == listed
         assert cpu.has(next(iter(f))) and not cpu.has("no_such_flag")
         assert cpu.describe()["avx512"] == ("yes" if "avx512f" in f else "no")
     assert re.fullmatch(r"[0-9a-f]{10}", cpu.tag())
+
+
+def test_isa_avx2_hides_what_an_avx2_cpu_lacks(monkeypatch):
+    text = "processor : 0\nmodel name : Some CPU\nflags : fpu avx2 fma f16c avx512f avx512_bf16 amx_int8 avx_vnni\n"
+    monkeypatch.setattr(cpu, "cpuinfo_text", lambda: text)
+    monkeypatch.delenv("SUBLAYER_ISA", raising=False)
+    cpu._cpuinfo.cache_clear()
+    try:
+        assert cpu.has("avx512f", "amx_int8")
+        monkeypatch.setenv("SUBLAYER_ISA", "avx2")
+        cpu._cpuinfo.cache_clear()
+        assert cpu.flags() == {"fpu", "avx2", "fma", "f16c"}
+        assert cpu.describe()["isa"].startswith("avx2") and cpu.describe()["avx512"] == "no"
+    finally:
+        cpu._cpuinfo.cache_clear()
+
+
+@pytest.mark.skipif(not (cpu.is_x86() and cpu.has("avx2")), reason="SUBLAYER_ISA=avx2 needs an x86 CPU with AVX2")
+def test_isa_avx2_process_builds_for_x86_64_v3_and_caps_torch():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
+    env.update(SUBLAYER_ISA="avx2", SUBLAYER_KERNELS="0")
+    code = ("import sublayer, torch; from sublayer import kernels; "
+            "print(kernels.CFLAGS[1], torch.backends.cpu.get_cpu_capability(), kernels.cpu.has('avx512f'))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.stdout.split() == ["-march=x86-64-v3", "AVX2", "False"], out.stderr
 
 
 def test_tag_follows_the_flags(fake_cpu):

@@ -24,6 +24,11 @@ from pathlib import Path
 
 import torch
 
+try:  # the features sublayer uses (SUBLAYER_ISA=avx2 hides AVX-512); compare_revisions.py runs this file with
+    from sublayer.kernels.cpu import flags as _used_flags  # older revisions, which may lack the reader
+except ImportError:
+    _used_flags = None
+
 __all__ = [
     "CLOCKS", "Row", "SideEnv", "Timing", "adamw_step", "bert_batch", "busy_neighbour", "command_line", "contention_table",
     "copy_gbps", "cpu_info", "cpu_kind", "ct2_greedy", "machine", "mean_pool", "padded_batch", "report_markdown", "report_path", "saved_bytes", "set_clock",
@@ -264,9 +269,11 @@ _FEATURES = {  # what the report names -> /proc/cpuinfo flag
 
 
 def cpu_info(text: str | None = None) -> dict:
-    """The CPU: ``model`` (``model name``), ``features`` (name -> present, of :data:`_FEATURES`), ``cores``
-    (logical CPUs), read from ``/proc/cpuinfo`` (or ``text``); the platform's processor name where there is none."""
-    if text is None:
+    """The CPU: ``model`` (``model name``), ``features`` (name -> used, of :data:`_FEATURES`), ``hidden`` (features
+    the CPU has that sublayer is told not to use: ``SUBLAYER_ISA=avx2``), ``cores`` (logical CPUs), read from
+    ``/proc/cpuinfo`` (or ``text``); the platform's processor name where there is none."""
+    default = text is None
+    if default:
         try:
             text = Path("/proc/cpuinfo").read_text()
         except OSError:
@@ -274,9 +281,11 @@ def cpu_info(text: str | None = None) -> dict:
     model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
     flags = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
     have = set(flags.group(1).split()) if flags else set()
+    used = set(_used_flags()) if default and _used_flags is not None and have else have
     return {
         "model": model.group(1).strip() if model else (platform.processor() or platform.machine()),
-        "features": {name: flag in have for name, flag in _FEATURES.items()},
+        "features": {name: flag in used for name, flag in _FEATURES.items()},
+        "hidden": [name for name, flag in _FEATURES.items() if flag in have - used],
         "cores": len(re.findall(r"^processor\s*:", text, re.M)) or None,
     }
 
@@ -337,6 +346,9 @@ def report_markdown(title: str, rows: list[Row], *, command: str, notes: str = "
         f"| cores, torch threads | {cpu['cores']} logical CPUs, {info['threads']} threads |",
         f"| versions | {', '.join(f'{k} {v}' for k, v in info['versions'].items())} |",
     ]  # fmt: skip
+    if cpu.get("hidden"):
+        lines.append(f"| not used | {', '.join(cpu['hidden'])}: the CPU has them, the run was told to behave as an "
+                     "AVX2 + FMA CPU (`SUBLAYER_ISA=avx2`) |")  # fmt: skip
     if notes:
         lines.append(f"| notes | {notes} |")
     lines += [

@@ -1,5 +1,6 @@
 """The CPU's features, read once per process: ``/proc/cpuinfo``'s flags on Linux (``flags`` on x86, ``Features`` on
-Arm); elsewhere none are known and the decisions below take their portable default.
+Arm), less AVX-512, AMX and AVX-VNNI under ``SUBLAYER_ISA=avx2``; elsewhere none are known and the decisions below
+take their portable default.
 
 Every choice that depends on the CPU is made here: the kernels' cache key (:func:`tag`), whether bf16 GEMMs run
 natively (:func:`native_bf16_gemm`), which engine the int8 GEMMs use (:func:`int8_engine`), how many threads the
@@ -47,7 +48,14 @@ def _cpuinfo() -> tuple[frozenset[str], str, bool]:
         key = key.strip()
         if sep and key in ("flags", "Features", "model name") and key not in found:
             found[key] = value.strip()
-    return frozenset((found.get("flags") or found.get("Features", "")).split()), found.get("model name", ""), True
+    names = frozenset((found.get("flags") or found.get("Features", "")).split())
+    if settings.isa() == "avx2":  # behave as an AVX2 + FMA CPU: what x86-64-v3 code may not use is not there
+        names = frozenset(f for f in names if not f.startswith(_BEYOND_AVX2))
+    return names, found.get("model name", ""), True
+
+
+#: the flags ``SUBLAYER_ISA=avx2`` hides (AVX-512 and its extensions, AMX, the 256-bit VNNI of newer cores)
+_BEYOND_AVX2 = ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert", "avx_vnni_int")
 
 
 def flags() -> frozenset[str]:
@@ -198,4 +206,5 @@ def describe() -> dict[str, str]:
     if not _cpuinfo()[2]:
         return {}
     yes = {True: "yes", False: "no"}
-    return {"avx512": yes[has("avx512f")], "amx-bf16": yes[has("amx_bf16")], "avx512-bf16": yes[has("avx512_bf16")]}
+    isa = {"isa": "avx2 (SUBLAYER_ISA: AVX-512 and AMX not used)"} if settings.isa() == "avx2" else {}
+    return isa | {"avx512": yes[has("avx512f")], "amx-bf16": yes[has("amx_bf16")], "avx512-bf16": yes[has("avx512_bf16")]}

@@ -14,13 +14,18 @@ __all__ = ["available", "pack", "linear"]
 
 
 @functools.cache
-def available() -> bool:
-    """Whether torch is built with oneDNN and has the linear ops this module calls."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether torch is built with oneDNN and has the linear ops this module calls, for weights of ``dtype``
+    (``torch.bfloat16``: only where torch runs oneDNN's bf16 path, AVX512BW/VL/DQ, AVX-NE-CONVERT or AMX; it
+    refuses to pack a bf16 weight on an AVX2 CPU)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def pack(w: Tensor) -> Tensor:
-    """``w`` (N, K) float32 reordered into oneDNN's blocked layout, for :func:`linear` (call :func:`available` first)."""
+    """``w`` (N, K) float32 or bfloat16 reordered into oneDNN's blocked layout, for :func:`linear` (call
+    :func:`available` with its dtype first)."""
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
 
 

@@ -328,7 +328,8 @@ class DenseLinear:
 
 class OneDNNLinear:
     """``y = act(x @ weight.T + bias)`` on a weight packed once for oneDNN (:mod:`sublayer.kernels.onednn`; erf GELU
-    fused as its post-op); ``F.linear`` where oneDNN is absent. The call of :class:`PackedLinear`.
+    fused as its post-op); ``F.linear`` where oneDNN is absent or cannot run ``dtype`` (bf16 on an AVX2 CPU). The call
+    of :class:`PackedLinear`.
 
     Args:
         weight: (N, K). bias: (N,) or None.
@@ -345,7 +346,7 @@ class OneDNNLinear:
         self.weight = weight.detach().to(dtype).contiguous()
         self.bias = None if bias is None else bias.detach().to(dtype).contiguous()
         self.out_features = weight.shape[0]
-        self.packed = onednn.pack(self.weight) if onednn.available() else None
+        self.packed = onednn.pack(self.weight) if onednn.available(dtype) else None
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
         x = x.to(self.weight.dtype)
