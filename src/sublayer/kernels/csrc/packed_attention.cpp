@@ -32,6 +32,15 @@ std::atomic<bool> g_avx512{true};  // packed_attention_avx512
 
 constexpr int64_t QB = 16;  // queries per block
 
+// The rest after whole register tiles: f(std::integral_constant<int, r>()) for the remaining count r (0 < r <= R),
+// nothing for r = 0 (row and block counts are template arguments of the tiles).
+template <int R, typename F> inline void tile_rest(int64_t r, F&& f) {
+  if constexpr (R > 0) {
+    if (r == R) f(std::integral_constant<int, R>());
+    else tile_rest<R - 1>(r, f);
+  }
+}
+
 struct Task {
   int64_t row, n, h;
 };
@@ -231,12 +240,7 @@ inline void qk_rows_f32(const float* q, int64_t ld, int64_t hd, const float* k, 
                         int64_t ns) {
   int64_t b = 0;
   for (; b + 4 <= nb; b += 4) qk_tile_f32<R, 4>(q, ld, hd, k + b * hd * 16, sc, s + b * 16, ns);
-  switch (nb - b) {
-    case 3: qk_tile_f32<R, 3>(q, ld, hd, k + b * hd * 16, sc, s + b * 16, ns); break;
-    case 2: qk_tile_f32<R, 2>(q, ld, hd, k + b * hd * 16, sc, s + b * 16, ns); break;
-    case 1: qk_tile_f32<R, 1>(q, ld, hd, k + b * hd * 16, sc, s + b * 16, ns); break;
-    default: break;
-  }
+  tile_rest<3>(nb - b, [&](auto KB) { qk_tile_f32<R, KB>(q, ld, hd, k + b * hd * 16, sc, s + b * 16, ns); });
 }
 
 // o[r][16 c + l] = sum_j p_r[j] v[j][16 c + l] in float32: R rows x CB column blocks (v rows vs floats apart, o
@@ -274,12 +278,7 @@ void task_f32_avx512(const float* q0, int64_t ld, Scratch& w, const float* v, in
   float* s = w.s.data();
   int64_t i = 0;
   for (; i + 4 <= qn; i += 4) qk_rows_f32<4>(q + i * ld, ld, hd, w.kf.data(), nb, sc, s + i * nk, nk);
-  switch (qn - i) {
-    case 3: qk_rows_f32<3>(q + i * ld, ld, hd, w.kf.data(), nb, sc, s + i * nk, nk); break;
-    case 2: qk_rows_f32<2>(q + i * ld, ld, hd, w.kf.data(), nb, sc, s + i * nk, nk); break;
-    case 1: qk_rows_f32<1>(q + i * ld, ld, hd, w.kf.data(), nb, sc, s + i * nk, nk); break;
-    default: break;
-  }
+  tile_rest<3>(qn - i, [&](auto R) { qk_rows_f32<R>(q + i * ld, ld, hd, w.kf.data(), nb, sc, s + i * nk, nk); });
   const __mmask16 tail = __mmask16((1u << (n % 16 ? n % 16 : 16)) - 1u);
   for (i = 0; i < qn; ++i) {
     const float* si = s + i * nk;
@@ -296,16 +295,7 @@ void task_f32_avx512(const float* q0, int64_t ld, Scratch& w, const float* v, in
   }
   const float* p = w.pf.data();
   for (i = 0; i + 8 <= qn; i += 8) pv_rows_f32<8>(p + i * nk, nk, v, vs, hv, n, o.data() + i * hv);
-  switch (qn - i) {
-    case 7: pv_rows_f32<7>(p + i * nk, nk, v, vs, hv, n, o.data() + i * hv); break;
-    case 6: pv_rows_f32<6>(p + i * nk, nk, v, vs, hv, n, o.data() + i * hv); break;
-    case 5: pv_rows_f32<5>(p + i * nk, nk, v, vs, hv, n, o.data() + i * hv); break;
-    case 4: pv_rows_f32<4>(p + i * nk, nk, v, vs, hv, n, o.data() + i * hv); break;
-    case 3: pv_rows_f32<3>(p + i * nk, nk, v, vs, hv, n, o.data() + i * hv); break;
-    case 2: pv_rows_f32<2>(p + i * nk, nk, v, vs, hv, n, o.data() + i * hv); break;
-    case 1: pv_rows_f32<1>(p + i * nk, nk, v, vs, hv, n, o.data() + i * hv); break;
-    default: break;
-  }
+  tile_rest<7>(qn - i, [&](auto R) { pv_rows_f32<R>(p + i * nk, nk, v, vs, hv, n, o.data() + i * hv); });
 }
 #endif
 
@@ -333,12 +323,7 @@ template <int R>
 inline void qk_rows(const uint32_t* q, int64_t dp, const uint32_t* k, int64_t nb, float sc, float* s, int64_t ns) {
   int64_t b = 0;
   for (; b + 4 <= nb; b += 4) qk_tile<R, 4>(q, dp, k + b * dp * 16, sc, s + b * 16, ns);
-  switch (nb - b) {
-    case 3: qk_tile<R, 3>(q, dp, k + b * dp * 16, sc, s + b * 16, ns); break;
-    case 2: qk_tile<R, 2>(q, dp, k + b * dp * 16, sc, s + b * 16, ns); break;
-    case 1: qk_tile<R, 1>(q, dp, k + b * dp * 16, sc, s + b * 16, ns); break;
-    default: break;
-  }
+  tile_rest<3>(nb - b, [&](auto KB) { qk_tile<R, KB>(q, dp, k + b * dp * 16, sc, s + b * 16, ns); });
 }
 
 // o[r][16 c + l] = sum over key pairs j2 of (p + pl)_r[2 j2, 2 j2 + 1] . v[j2][16 c + l][0, 1]: R rows x CB
@@ -420,27 +405,14 @@ void task_avx512(const Scratch& w, const Task& t, int64_t dp, int64_t hv, float 
   const uint32_t* q = w.q.data() + q0 * dp;
   int64_t i = 0;
   for (; i + 4 <= qn; i += 4) qk_rows<4>(q + i * dp, dp, w.k.data(), nb, sc, m.s.data() + i * nk, nk);
-  switch (qn - i) {
-    case 3: qk_rows<3>(q + i * dp, dp, w.k.data(), nb, sc, m.s.data() + i * nk, nk); break;
-    case 2: qk_rows<2>(q + i * dp, dp, w.k.data(), nb, sc, m.s.data() + i * nk, nk); break;
-    case 1: qk_rows<1>(q + i * dp, dp, w.k.data(), nb, sc, m.s.data() + i * nk, nk); break;
-    default: break;
-  }
-  for (i = 0; i < qn; ++i) inv[i] = 1.0f / softmax_row16<SPLIT>(m.s.data() + i * nk, n, nk, m.p.data() + i * nk,
-                                                 m.pl.data() + i * nk);
+  tile_rest<3>(qn - i, [&](auto R) { qk_rows<R>(q + i * dp, dp, w.k.data(), nb, sc, m.s.data() + i * nk, nk); });
+  for (i = 0; i < qn; ++i)
+    inv[i] = 1.0f / softmax_row16<SPLIT>(m.s.data() + i * nk, n, nk, m.p.data() + i * nk, m.pl.data() + i * nk);
   const uint16_t* p = m.p.data();
   const uint16_t* pl = m.pl.data();
   for (i = 0; i + 8 <= qn; i += 8) pv_rows<8, SPLIT>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv);
-  switch (qn - i) {
-    case 7: pv_rows<7, SPLIT>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
-    case 6: pv_rows<6, SPLIT>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
-    case 5: pv_rows<5, SPLIT>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
-    case 4: pv_rows<4, SPLIT>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
-    case 3: pv_rows<3, SPLIT>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
-    case 2: pv_rows<2, SPLIT>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
-    case 1: pv_rows<1, SPLIT>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); break;
-    default: break;
-  }
+  tile_rest<7>(qn - i,
+               [&](auto R) { pv_rows<R, SPLIT>(p + i * nk, pl + i * nk, nk, w.v.data(), hv, nh, o.data() + i * hv); });
 }
 #endif
 
