@@ -278,29 +278,22 @@ def bench_bert_inference(quick: bool, reps: int, warmup: int) -> list[Row]:
     fast = fast_inference(ours, dtype=torch.bfloat16)
     ids, mask = padded_batch(b, t, lo, cfg.vocab_size)
 
-    def hf_call(bf16: bool):
+    def call(bf16: bool, m=None):  # HF's BertModel (m None) or ``m``, under bf16 autocast or not
         def f():
             with torch.no_grad(), _autocast(bf16):
-                return hf(input_ids=ids, attention_mask=mask).last_hidden_state
-
-        return f
-
-    def ours_call(bf16: bool):
-        def f():
-            with torch.no_grad(), _autocast(bf16):
-                return ours(ids, mask)
+                return m(ids, mask) if m else hf(input_ids=ids, attention_mask=mask).last_hidden_state
 
         return f
 
     fns = {
-        "eager": hf_call(True), "sublayer": lambda: fast(ids, mask), "HF fp32": hf_call(False),
-        "sublayer fp32": ours_call(False), "sublayer autocast": ours_call(True),
+        "eager": call(True), "sublayer": lambda: fast(ids, mask), "HF fp32": call(False),
+        "sublayer fp32": call(False, ours), "sublayer autocast": call(True, ours),
     }  # fmt: skip
     # HF under bf16 autocast takes seconds per call on CPUs without native bf16 GEMMs: few rounds
     res = time_interleaved(fns, min(reps, 3), min(warmup, 1))
     row = Row("BERT inference: fast path vs HF BertModel bf16 autocast", name, "bf16", "forward").fill(res)
     real = mask.bool()
-    ref = hf_call(False)()
+    ref = call(False)()
     cos = torch.nn.functional.cosine_similarity(fast(ids, mask)[real], ref[real], dim=-1).min()
     row.extra["fast compute dtype"] = str(fast.compute_dtype).replace("torch.", "")
     row.extra["HF attn"] = str(hf.config._attn_implementation)
@@ -568,18 +561,15 @@ def _measure_in_child(spec: dict, log: Callable[[str], None]) -> tuple[list[Row]
 def _child(spec_path: str) -> None:
     """``python -m sublayer.bench --child SPEC``: one allocator setting's rows, written to spec["rows_out"]."""
     spec = json.loads(Path(spec_path).read_text())
+    threads, clock, rows_out = spec.pop("threads"), spec.pop("clock"), spec.pop("rows_out")
     if spec["malloc"] == "reuse" and not memory.set_memory_reuse():
         raise SystemExit("memory reuse is unavailable here (not glibc)")
-    if spec["threads"]:
-        torch.set_num_threads(spec["threads"])
-    set_clock(spec["clock"])
-    shapes = [Shape(**s) for s in spec["shapes"]]
-    rows = _measure(
-        shapes, quick=spec["quick"], use_compile=spec["use_compile"], reps=spec["reps"], dts=spec["dts"],
-        cases=spec["cases"], extras=spec["extras"], malloc=spec["malloc"], log=lambda line: print(line, flush=True),
-    )  # fmt: skip
+    if threads:
+        torch.set_num_threads(threads)
+    set_clock(clock)
+    rows = _measure([Shape(**s) for s in spec.pop("shapes")], **spec, log=lambda line: print(line, flush=True))
     out = {"rows": [asdict(r) for r in rows], "allocator": memory.allocator_setting()}
-    Path(spec["rows_out"]).write_text(json.dumps(out))
+    Path(rows_out).write_text(json.dumps(out))
 
 
 def run_bench(
@@ -655,21 +645,12 @@ def run_bench(
     settings = list(MALLOC_SETTINGS) if malloc == "both" else [malloc]
     kernels.available()
     meta = {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu": f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}",
-        "kernels": kernels.status(),
-        "quick": quick,
-        "reps": reps,
-        "dropout": DROPOUT,
-        "dtypes": dts,
-        "cases": picked_cases,
-        "clock": clock,
-        "native bf16 GEMM": kernels.native_bf16_gemm(),
-        "malloc settings": settings,
-        "malloc": " and ".join(MALLOC_SETTINGS[m] for m in settings),
-        "allocator": {},
-    }
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "cpu": f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}", "kernels": kernels.status(),
+        "quick": quick, "reps": reps, "dropout": DROPOUT, "dtypes": dts, "cases": picked_cases, "clock": clock,
+        "native bf16 GEMM": kernels.native_bf16_gemm(), "malloc settings": settings,
+        "malloc": " and ".join(MALLOC_SETTINGS[m] for m in settings), "allocator": {},
+    }  # fmt: skip
     rows: list[Row] = []
     t_start = time.perf_counter()
     for i, setting in enumerate(settings):
@@ -677,17 +658,14 @@ def run_bench(
         log(f"--- malloc: {MALLOC_SETTINGS[setting]} ---")
         reuse = memory.memory_reuse_active()  # does this process have (or can it take, losing none) the setting?
         here = reuse if setting == "reuse" else not reuse and memory.env_allocator() is None
+        opts = dict(quick=quick, use_compile=use_compile, reps=reps, dts=dts, cases=picked_cases, extras=extras,
+                    malloc=setting)  # fmt: skip
         if here:
-            rows += _measure(all_shapes, quick=quick, use_compile=use_compile, reps=reps, dts=dts,
-                             cases=picked_cases, extras=extras, malloc=setting, log=log)  # fmt: skip
+            rows += _measure(all_shapes, **opts, log=log)
             meta["allocator"][setting] = memory.allocator_setting()
         else:
-            spec = {
-                "malloc": setting, "shapes": [asdict(s) for s in all_shapes], "quick": quick,
-                "use_compile": use_compile, "reps": reps, "dts": dts, "cases": picked_cases, "extras": extras,
-                "clock": clock,
-                "threads": torch.get_num_threads(),
-            }  # fmt: skip
+            spec = {**opts, "shapes": [asdict(s) for s in all_shapes], "clock": clock,
+                    "threads": torch.get_num_threads()}  # fmt: skip
             child_rows, meta["allocator"][setting] = _measure_in_child(spec, log)
             rows += child_rows
     if "int8" in dts:  # int8 BERT inference vs fp32 and CTranslate2 (sublayer.bench.int8), in this process
@@ -736,23 +714,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", default=None, help="with --jobs: comma-separated subset of its jobs")
     ap.add_argument("--report", default=None, help="a markdown report: a .md file or a folder")
     ap.add_argument("--notes", default="", help="a line for the report's header")
-    a = ap.parse_args(argv)
-    if a.child:
-        _child(a.child)
-        return
-    if a.jobs:
+    kw = vars(ap.parse_args(argv))
+    child, jobs, only = kw.pop("child"), kw.pop("jobs"), kw.pop("only")
+    if child:
+        _child(child)
+    elif jobs:
         from .jobs import run_jobs
 
-        if a.threads:
-            torch.set_num_threads(a.threads)
-        run_jobs(quick=a.quick, reps=a.reps, only=a.only, model=a.model, work=Path(a.out) / "jobs", report=a.report,
-                 notes=a.notes)  # fmt: skip
-        return
-    run_bench(
-        a.out, quick=a.quick, use_compile=a.use_compile, reps=a.reps, threads=a.threads, shapes=a.shapes,
-        dtypes=a.dtypes, cases=a.cases, malloc=a.malloc, clock=a.clock, reuse_memory=a.reuse_memory, model=a.model,
-        report=a.report, notes=a.notes,
-    )
+        if kw["threads"]:
+            torch.set_num_threads(kw["threads"])
+        run_jobs(quick=kw["quick"], reps=kw["reps"], only=only, model=kw["model"], work=Path(kw["out"]) / "jobs",
+                 report=kw["report"], notes=kw["notes"])  # fmt: skip
+    else:
+        run_bench(**kw)
 
 
 if __name__ == "__main__":
