@@ -30,7 +30,7 @@ from ..checkpoints import FROM_CONFIG
 from ..functional.packing import document_mask
 from ..nn import LayerNorm, RMSNorm
 from ..runtime import causal, generation, padding_free
-from ..runtime.rows import inference
+from ..runtime.rows import InferenceOnly, inference
 from .outputs import CausalLMOutput
 
 __all__ = [
@@ -427,24 +427,10 @@ def check_position_ids(config, position_ids: Tensor | None, b: int, t: int, devi
     return position_ids
 
 
-class PreparedCausalLM:
+class PreparedCausalLM(InferenceOnly):
     """The inference-only prepared form of a causal LM (``fast_inference``, int8): forward and generate, with the
     model's checks, over the subclass's ``_hidden(input_ids, position_ids, key_padding_mask, caches)`` and
     ``lm_head(h)``; ``config`` and ``generation_config`` as the model's. No autograd, no dropout."""
-
-    training = False
-
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
-
-    def eval(self):
-        return self
-
-    def train(self, mode: bool = True):
-        """Inference only: ``train(True)`` raises (train the float model, then prepare it again)."""
-        if mode:
-            raise RuntimeError(f"{type(self).__name__} is inference-only; train the model itself and prepare it again")
-        return self
 
     @inference
     def forward(

@@ -102,7 +102,11 @@ def _check_model_params(model: torch.nn.Module) -> None:
 
 
 class _FastBase:
-    """Shared: compute dtype, weight cache, inference-only mode switches."""
+    """Shared: compute dtype, weight cache, what ``train(True)`` says (the mode switches:
+    :class:`sublayer.runtime.rows.InferenceOnly`)."""
+
+    _train_error = ("is an inference-only wrapper; train the model itself (fast.model): the wrapper re-caches its "
+                    "weights on the next call")  # fmt: skip
 
     def __init__(self, model, dtype: torch.dtype) -> None:
         _check_model_params(model)
@@ -110,7 +114,6 @@ class _FastBase:
         self.config = model.config
         self.dtype = dtype
         self.compute_dtype = compute_dtype(dtype)
-        self.training = False
 
     def _weights(self):
         """The cast weights (:func:`sublayer.runtime.weights.prepared`: rebuilt whenever a parameter changes)."""
@@ -121,21 +124,6 @@ class _FastBase:
         """Re-cast the weights on the next call (needed only after a write through ``param.data`` to a few
         elements, see :mod:`sublayer.runtime.weights`)."""
         clear_cache(self.model)
-
-    def eval(self):
-        return self
-
-    def train(self, mode: bool = True):
-        """Inference only: ``train(True)`` raises; train the wrapped model instead (``fast.model``)."""
-        if mode:
-            raise RuntimeError(
-                f"{type(self).__name__} is an inference-only wrapper; train the model itself (fast.model): "
-                "the wrapper re-caches its weights on the next call"
-            )
-        return self
-
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.model).__name__}, compute_dtype={self.compute_dtype})"

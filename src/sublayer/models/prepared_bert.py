@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..runtime.encoder import run_layers
-from ..runtime.rows import inference, layer_norm
+from ..runtime.rows import InferenceOnly, inference, layer_norm
 from .bert import Bert, BertConfig, mean_pooled
 from .outputs import BaseModelOutput
 
@@ -53,7 +53,7 @@ def bert_layers(t: dict[str, Tensor], config: BertConfig, linear) -> list[dict]:
     ]  # fmt: skip
 
 
-class PreparedBert:
+class PreparedBert(InferenceOnly):
     """A :class:`Bert` on prepared layers: the one inference forward of BERT whatever its layers' format
     (:class:`FastBert`: float32 / bf16; :class:`~sublayer.models.quantized.QuantizedBert`: int8).
 
@@ -106,9 +106,6 @@ class PreparedBert:
         if "pooler.dense.weight" in t:
             pool = torch.tanh(F.linear(h[:, 0], t["pooler.dense.weight"], t["pooler.dense.bias"]))
         return BaseModelOutput(last_hidden_state=h, pooler_output=pool)
-
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
 
     @inference
     def pooled(

@@ -354,13 +354,13 @@ class QuantizedBert(PreparedBert):
         self._check = Bert(config, pooler="pooler.dense.weight" in tensors, device="meta")._prepare  # checks only
         self.pooler = "pooler.dense.weight" in tensors
         self.compute_dtype = torch.float32
-        self.training = False
         self.own_gemm = own_int8_gemm() if own_gemm is None else bool(own_gemm)
         self.layers = bert_layers(tensors, config, lambda t, name: _make_linear(t, name, self.own_gemm))
 
     def _parts(self) -> tuple[dict[str, Tensor], list[dict]]:
         return self.tensors, self.layers
 
+    _train_error = "is inference-only; train the float model and quantize it again"
     split_probs = False  # bf16 probabilities: their error is small next to int8 activations
 
     @property
@@ -423,14 +423,6 @@ class QuantizedBert(PreparedBert):
         cfg = self.config.to_hf_dict()
         cfg["quantization_config"] = quant_config(self.keep_float)
         ckpt.write_folder(folder, self.tensors, cfg)
-
-    def eval(self):
-        return self
-
-    def train(self, mode: bool = True):
-        if mode:
-            raise RuntimeError("QuantizedBert is inference-only; train the float model and quantize it again")
-        return self
 
     def __repr__(self) -> str:
         n_q = sum(isinstance(L[k], (Int8Linear, ActInt8Linear)) for L in self.layers for k in LINEARS)

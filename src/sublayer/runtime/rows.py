@@ -16,8 +16,8 @@ from .. import kernels
 from ..functional import fused
 
 __all__ = [
-    "kernels_on", "inference", "layer_norm", "norm_rows", "add_norm", "bias_act", "ffn_hidden", "residual_out",
-    "EPILOGUE",
+    "kernels_on", "inference", "InferenceOnly", "layer_norm", "norm_rows", "add_norm", "bias_act", "ffn_hidden",
+    "residual_out", "EPILOGUE",
 ]  # fmt: skip
 
 EPILOGUE = fused.ACT_IDS  # activations the kernels fuse into a GEMM epilogue or a bias pass
@@ -38,6 +38,25 @@ def inference(fn):
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+class InferenceOnly:
+    """What the prepared (inference-only) forms share: ``training`` False, ``eval()`` returns the object,
+    ``train(True)`` raises RuntimeError ``"<class name> " + _train_error``, and calling one calls ``forward``."""
+
+    training = False
+    _train_error = "is inference-only; train the model itself and prepare it again"
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def eval(self):
+        return self
+
+    def train(self, mode: bool = True):
+        if mode:
+            raise RuntimeError(f"{type(self).__name__} {self._train_error}")
+        return self
 
 
 def layer_norm(x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
