@@ -217,12 +217,30 @@ class GreedyHead:
     ``q * s`` for ``w16_j`` and c = 0: a wider bound (int8 keeps about 8 bits of a row, bfloat16 about 9 of each
     weight), so a few more rows are recomputed, but half the bytes of the 16-bit screen.
 
+    Several rows on a CPU with AVX512-VNNI (or AMX-INT8) are screened with the same int8 copy and int8
+    activations (``int8_linear``: each row of x quantized to uint8 as :func:`quantize_rows`, ``x̂ = (u - zp) s_x``,
+    exact int32 sums ``(u - zp)·q_j``, then ``* s_x * s_j + b_j`` in float32): half the 16-bit screen's bytes and
+    four multiply-adds an instruction. The bound gains the activations' rounding, by Cauchy-Schwarz again,
+
+        |x·w_j - x̂·ŵ_j| <= ||x||_2 ||w_j - ŵ_j||_2 + ||x - x̂||_2 ||ŵ_j||_2          (ŵ_j = q_j s_j)
+
+    where ``||x - x̂||_2`` is measured on the row as the kernel quantizes it (``screened_argmax`` repeats the
+    kernel's quantization in C++, double sums, rounded up; a priori each ``|x_k - x̂_k| <= s_x / 2``, so it is at
+    most ``sqrt(K) s_x / 2``, ``s_x = range / 255``), the integer sums are exact, and the three float32 roundings
+    of the dequantization add ``<= 4u ||x̂||_2 ||ŵ_j||_2`` (u = 2^-24) plus an underflow ``<= 2^-149`` (covered by
+    a floor of ``2^-80 * 2^-40`` on the term; rows with ``||x||_2 < 2^-60`` are multiplied in float32, which
+    also keeps the quantization's ``255 / range`` finite); the float32 summation term of the recomputation
+    remains. Elsewhere (no VNNI, ``K > 2^16`` where int32 sums could overflow, or ``int8_rows=False``) several
+    rows take the 16-bit screen.
+
     Args:
         weight: (V, K) float32. bias: (V,) or None.
         screen: the copy's dtype, ``torch.float16`` or ``torch.bfloat16`` (None: bfloat16 where the CPU has
             AVX512_BF16 (its dot product does twice the work per instruction of widening float16 for several
             rows; the bound is wider), else float16).
         int8_single_row: screen a single row with the int8 copy (False: with the 16-bit one, as several rows).
+        int8_rows: screen several rows with the int8 copy and int8 activations (None: where the CPU has
+            AVX512-VNNI or AMX-INT8; True where it lacks them runs the kernel's portable loop, for tests).
 
     Call: x (M, K) float32 -> (M,) int64 ids. Needs the kernels (``skinny_linear`` on 16-bit panels).
 
@@ -232,7 +250,7 @@ class GreedyHead:
 
     def __init__(
         self, weight: Tensor, bias: Tensor | None = None, *, screen: torch.dtype | None = None,
-        int8_single_row: bool = True,
+        int8_single_row: bool = True, int8_rows: bool | None = None,
     ) -> None:  # fmt: skip
         if screen is None:
             screen = torch.bfloat16 if kernels.cpu.has("avx512_bf16") else torch.float16
@@ -249,19 +267,31 @@ class GreedyHead:
             w16d = torch.where(w16d.abs() < 2.0**-126, 0.0, w16d)
         self.bound = _screen_bound(w, w16d, rounded_x=screen == torch.bfloat16)
         self.packed = kernels.ops().pack_linear_weight(w16) if self.usable else None
+        if int8_rows is None:
+            int8_rows = kernels.cpu.has("avx512_vnni", "amx_int8")
+        int8_rows = int8_rows and w.shape[1] <= 2**16
         self.q = self.scale = self.bound1 = self.packed1 = None  # the int8 screen of a single row
-        if int8_single_row and bool(torch.isfinite(w).all()):
+        self.quads = self.colsum = self.bound_q = None  # and of several rows with int8 activations
+        if (int8_single_row or int8_rows) and bool(torch.isfinite(w).all()):
             amax = w.abs().amax(dim=1)
             self.scale = torch.where(amax > 0, amax / 127, 1.0).contiguous()
             self.q = torch.round(w / self.scale[:, None]).clamp_(-127, 127).to(torch.int8)
-            self.bound1 = _screen_bound(w, self.q.double() * self.scale.double()[:, None], rounded_x=False)
-            self.packed1 = kernels.ops().pack_linear_weight(self.q)
+            wq = self.q.double() * self.scale.double()[:, None]
+            self.bound1 = _screen_bound(w, wq, rounded_x=False)
+            if int8_single_row:
+                self.packed1 = kernels.ops().pack_linear_weight(self.q)
+            if int8_rows:
+                self.quads, self.colsum = kernels.ops().pack_int8_quads(self.q), self.q.sum(dim=1, dtype=torch.int32)
+                self.bound_q = (wq.norm(dim=1) * (1 + 2.0**-10) + 2.0**-40).float()  # ||ŵ_j||, rounded up
 
     def __call__(self, x: Tensor) -> Tensor:
         ops = kernels.ops()
         if x.shape[0] == 1 and self.packed1 is not None:
             screened = ops.skinny_linear(x, self.packed1, self.bias, self.out_features, 0, self.scale)  # (1, V)
             return ops.screened_argmax(x, screened, self.weight, self.bias, self.bound1)
+        if self.quads is not None and x.shape[0] > 1 and self._large(x):
+            screened = ops.int8_linear(x, self.quads, self.colsum, self.scale, self.bias, self.out_features, 0, None)
+            return ops.screened_argmax(x, screened, self.weight, self.bias, self.bound1, self.bound_q)
         if self.packed is None or (self.screen == torch.bfloat16 and not self._large(x)):
             return F.linear(x, self.weight, self.bias).argmax(-1)
         screened = ops.skinny_linear(x, self.packed, self.bias, self.out_features, 0)  # (M, V)
@@ -276,16 +306,22 @@ class GreedyHead:
     def reference(self, x: Tensor) -> Tensor:
         """The same selection in PyTorch ops (what ``screened_argmax`` computes over the float16 screen, or a
         bfloat16 one with x rounded to bfloat16 as several rows multiply on AVX512_BF16, or the int8 one of a
-        single row), for tests."""
-        bound = self.bound
+        single row, or of several rows with int8 activations) -> (ids, candidates per row), for tests."""
+        bound, extra = self.bound, 0.0
         if x.shape[0] == 1 and self.packed1 is not None:
             screened, bound = F.linear(x, self.q.float(), None).mul_(self.scale), self.bound1
             screened = screened if self.bias is None else screened + self.bias
+        elif self.quads is not None and x.shape[0] > 1 and self._large(x):
+            screened, bound = int8_linear_reference(x, self.q, self.scale, self.bias), self.bound1
+            xq, sx = quantize_rows(x)
+            xq = xq.double() * sx.double()
+            e = ((x.double() - xq).norm(dim=1) + xq.norm(dim=1) * 2.0**-22) * (1 + 2.0**-9)
+            extra = e.clamp(min=2.0**-80).float()[:, None] * self.bound_q[None]  # (M, V)
         else:
             xs = x.bfloat16().float() if self.screen == torch.bfloat16 and x.shape[0] > 1 else x
             screened = F.linear(xs, self.weight.to(self.screen).float(), self.bias)
         xnorm = x.double().norm(dim=1, keepdim=True).float() * (1 + 2.0**-10)
-        err = torch.addcmul(screened.abs() * 2.0**-21, xnorm, bound[None])  # (M, V)
+        err = torch.addcmul(screened.abs() * 2.0**-21 + extra, xnorm, bound[None])  # (M, V)
         best_low = (screened - err).amax(dim=1, keepdim=True)
         cand = ((screened + err) >= best_low) | ~torch.isfinite(best_low) | screened.isnan().any(1, keepdim=True)
         logits = torch.where(cand, F.linear(x, self.weight, self.bias), float("-inf"))

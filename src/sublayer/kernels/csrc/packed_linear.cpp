@@ -824,17 +824,19 @@ Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, 
 
 namespace {
 
-// max_j (a[j] - e[j]) with e[j] = xn * bound[j] + rel * |a[j]| (the lower end of row j's interval); sets nan if
-// any a[j] is NaN.
-inline float lower_max(const float* a, const float* bound, int64_t V, float xn, float rel, bool& nan) {
+// max_j (a[j] - e[j]) with e[j] = xn * bound[j] + xq * bq[j] + rel * |a[j]| (the lower end of row j's interval);
+// sets nan if any a[j] is NaN.
+inline float lower_max(const float* a, const float* bound, const float* bq, int64_t V, float xn, float xq, float rel,
+                       bool& nan) {
   float lo = -std::numeric_limits<float>::infinity();
   int64_t j = 0;
 #if SUBLAYER_AVX2_FMA
-  const __m256 vxn = _mm256_set1_ps(xn), vrel = _mm256_set1_ps(rel), sign = _mm256_set1_ps(-0.0f);
+  const __m256 vxn = _mm256_set1_ps(xn), vxq = _mm256_set1_ps(xq), vrel = _mm256_set1_ps(rel), sign = _mm256_set1_ps(-0.0f);
   __m256 vlo = _mm256_set1_ps(lo), vnan = _mm256_setzero_ps();
   for (; j + 8 <= V; j += 8) {
     const __m256 v = _mm256_loadu_ps(a + j);
-    const __m256 e = _mm256_fmadd_ps(vxn, _mm256_loadu_ps(bound + j), _mm256_mul_ps(vrel, _mm256_andnot_ps(sign, v)));
+    const __m256 e = _mm256_fmadd_ps(vxn, _mm256_loadu_ps(bound + j),
+                                     _mm256_fmadd_ps(vxq, _mm256_loadu_ps(bq + j), _mm256_mul_ps(vrel, _mm256_andnot_ps(sign, v))));
     vlo = _mm256_max_ps(vlo, _mm256_sub_ps(v, e));
     vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   }
@@ -844,19 +846,40 @@ inline float lower_max(const float* a, const float* bound, int64_t V, float xn, 
   nan |= _mm256_movemask_ps(vnan) != 0;
 #endif
   for (; j < V; ++j) {
-    lo = std::max(lo, a[j] - (xn * bound[j] + rel * std::fabs(a[j])));
+    lo = std::max(lo, a[j] - (xn * bound[j] + xq * bq[j] + rel * std::fabs(a[j])));
     nan |= std::isnan(a[j]);
   }
   return lo;
 }
 
+// With int8_linear's quantized activations: the bound on ||x - xq||_2 + 2^-22 ||xq||_2 for the row x (K floats),
+// xq = (u - zp) * sx its uint8 quantization exactly as int8_linear forms it (quantize_row, no smoothing),
+// computed in double and rounded up; at least 2^-80 (with bq >= 2^-40: covers an underflow of the dequantizing
+// product, <= 2^-149).
+float quantized_error(const float* x, int64_t K) {
+  const int64_t K4 = (K + 3) / 4;
+  std::vector<uint8_t> u(size_t(4 * K4));
+  int32_t zp = 0;
+  const double sx = quantize_row(x, nullptr, K, K4, u.data(), &zp);
+  double dd = 0.0, qq = 0.0;
+  for (int64_t k = 0; k < K; ++k) {
+    const double xq = double(int32_t(u[k]) - zp) * sx, d = double(x[k]) - xq;
+    dd += d * d;
+    qq += xq * xq;
+  }
+  const double e = (std::sqrt(dd) + std::ldexp(std::sqrt(qq), -22)) * (1.0 + std::ldexp(1.0, -10));
+  return float(std::max(e, std::ldexp(1.0, -80)) * (1.0 + std::ldexp(1.0, -20)));
+}
+
 // The float32 argmax of x @ W^T + bias per row, given screened logits (the same product over an approximate
 // weight) and per-row error bounds: |screened[j] - exact[j]| <= ||x_r||_2 * bound[j] + 2^-21 |screened[j]|.
-// Only rows whose interval reaches the best lower end are recomputed in float32 (models/decoding.py, GreedyHead,
-// has the argument). A NaN or a non-finite best lower end makes every row a candidate; NaN wins as in
-// torch.argmax, and ties go to the first index.
+// With bound_q (V,): the screen multiplied x quantized per row as int8_linear does (uint8, no smoothing), and
+// the bound adds e_x * bound_q[j], e_x = ||x_r - xq_r||_2 + 2^-22 ||xq_r||_2 (quantized_error).
+// Only rows whose interval reaches the best lower end are recomputed in float32 (runtime/linear.py, GreedyHead,
+// has the argument). A NaN, a non-finite best lower end or a non-finite ||x_r|| makes every row a candidate; NaN
+// wins as in torch.argmax, and ties go to the first index.
 Tensor screened_argmax(const Tensor& x, const Tensor& screened, const Tensor& weight, const c10::optional<Tensor>& bias,
-                       const Tensor& bound) {
+                       const Tensor& bound, const c10::optional<Tensor>& bound_q) {
   check_float_contig(screened, "screened_argmax: screened", 2);
   check_float_contig(weight, "screened_argmax: weight", 2);
   check_float_contig(bound, "screened_argmax: bound", 1);
@@ -871,8 +894,15 @@ Tensor screened_argmax(const Tensor& x, const Tensor& screened, const Tensor& we
     TORCH_CHECK(bias->size(0) == V, "screened_argmax: bias must have ", V, " elements");
     bp = bias->data_ptr<float>();
   }
+  const float* bq = nullptr;
+  if (bound_q.has_value() && bound_q->defined()) {
+    check_float_contig(*bound_q, "screened_argmax: bound_q", 1);
+    TORCH_CHECK(bound_q->size(0) == V, "screened_argmax: bound_q must have ", V, " elements");
+    bq = bound_q->data_ptr<float>();
+  }
   Tensor out = at::empty({M}, screened.options().dtype(at::kLong));
   const float *sp = screened.data_ptr<float>(), *wp = weight.data_ptr<float>(), *eb = bound.data_ptr<float>();
+  const float* ebq = bq ? bq : eb;  // read times xq = 0 without bound_q
   int64_t* op = out.data_ptr<int64_t>();
   const float rel = std::ldexp(1.0f, -21);
   for (int64_t r = 0; r < M; ++r) {
@@ -881,13 +911,14 @@ Tensor screened_argmax(const Tensor& x, const Tensor& screened, const Tensor& we
     double ss = 0.0;
     for (int64_t k = 0; k < K; ++k) ss += double(xr[k]) * double(xr[k]);
     const float xn = float(std::sqrt(ss)) * (1.0f + std::ldexp(1.0f, -10));  // ||x_r||_2, rounded up
+    const float xq = bq ? quantized_error(xr, K) : 0.0f;
     bool nan = false;
-    const float lo = lower_max(a, eb, V, xn, rel, nan);
-    const bool all = nan || !std::isfinite(lo);
+    const float lo = lower_max(a, eb, ebq, V, xn, xq, rel, nan);
+    const bool all = nan || !std::isfinite(lo) || !std::isfinite(xn) || !std::isfinite(xq);
     int64_t best = -1;
     float bv = 0.0f;
     auto consider = [&](int64_t j) {
-      if (!all && !(a[j] + (xn * eb[j] + rel * std::fabs(a[j])) >= lo)) return;
+      if (!all && !(a[j] + (xn * eb[j] + xq * ebq[j] + rel * std::fabs(a[j])) >= lo)) return;
       const float v = dot(xr, wp + j * K, K) + (bp ? bp[j] : 0.0f);
       if (best < 0 || v > bv || (std::isnan(v) && !std::isnan(bv))) {
         best = j;
@@ -897,12 +928,13 @@ Tensor screened_argmax(const Tensor& x, const Tensor& screened, const Tensor& we
     int64_t j = 0;
 #if SUBLAYER_AVX2_FMA
     if (!all) {  // skip blocks of 8 with no candidate (the test above, 8 lanes at a time)
-      const __m256 vxn = _mm256_set1_ps(xn), vrel = _mm256_set1_ps(rel), sign = _mm256_set1_ps(-0.0f);
-      const __m256 vlo = _mm256_set1_ps(lo);
+      const __m256 vxn = _mm256_set1_ps(xn), vxq = _mm256_set1_ps(xq), vrel = _mm256_set1_ps(rel);
+      const __m256 sign = _mm256_set1_ps(-0.0f), vlo = _mm256_set1_ps(lo);
       for (; j + 8 <= V; j += 8) {
         const __m256 v = _mm256_loadu_ps(a + j);
-        const __m256 e =
-            _mm256_fmadd_ps(vxn, _mm256_loadu_ps(eb + j), _mm256_mul_ps(vrel, _mm256_andnot_ps(sign, v)));
+        const __m256 e = _mm256_fmadd_ps(
+            vxn, _mm256_loadu_ps(eb + j),
+            _mm256_fmadd_ps(vxq, _mm256_loadu_ps(ebq + j), _mm256_mul_ps(vrel, _mm256_andnot_ps(sign, v))));
         if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(v, e), vlo, _CMP_GE_OQ)) == 0) continue;
         for (int64_t i = j; i < j + 8; ++i) consider(i);
       }
@@ -921,7 +953,7 @@ TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("decode_avx512(int flag) -> bool", &sublayer::decode_avx512);
   m.def("decode_bf16_dot(int flag) -> bool", &sublayer::decode_bf16_dot);
-  m.def("screened_argmax(Tensor x, Tensor screened, Tensor weight, Tensor? bias, Tensor bound) -> Tensor");
+  m.def("screened_argmax(Tensor x, Tensor screened, Tensor weight, Tensor? bias, Tensor bound, Tensor? bound_q=None) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int n, int act=0, Tensor? scale=None) -> Tensor");
   m.def("pack_int8_quads(Tensor q) -> Tensor");
   m.def(
