@@ -33,7 +33,8 @@ HF module                                        replaced by
 positions (inside ``BertForSequenceClass...``,   packed real tokens (fused q|k|v, masked batch attention, the fused
 ``BertForMultipleChoice``, a pooling             sub-layers above; position 0 too when a pooler reads it), zeros at
 sentence-transformers model; or                  padding; in eval mode without autograd a prepared inference path
-``padding_free=True``)                           (oneDNN GEMMs on weights packed once, the fused attention kernel)
+``padding_free=True``)                           (the embeddings on the real tokens too, oneDNN GEMMs on weights
+                                                 packed once, the fused attention kernel)
 ===============================================  ======================================================================
 
 Task heads (``BertForSequenceClassification``, ...) and sentence-transformers models are covered through the
