@@ -420,6 +420,45 @@ def test_padding_free_steps_aside():
     assert len(seen) == 1 and seen[0].shape == (B, T, 14)
 
 
+@pytest.mark.parametrize("side", ["right", "left", "mixed", "none"])
+@pytest.mark.parametrize("ids_kw", ["default", "types", "positions", "batch-positions"])
+def test_packed_embeddings_equal_hf(side, ids_kw):
+    """In eval mode without autograd the embeddings run on the real tokens only (HF's embeddings forward is not
+    called): HF's hidden states there, token types and positions given or left to HF's buffers; hooks on the
+    embeddings and inputs_embeds run HF's embeddings (the hook fires), same values."""
+    from unittest import mock
+
+    ref = _bert("base", type_vocab_size=3).eval()
+    model = copy.deepcopy(ref)
+    hf.patch(model, padding_free=True)
+    g = torch.Generator().manual_seed(7)
+    mask = _masks()[side]
+    kw = {"input_ids": torch.randint(0, V, (B, T), generator=g), "attention_mask": mask}
+    if ids_kw == "types":
+        kw["token_type_ids"] = torch.randint(0, 3, (B, T), generator=g)
+    elif ids_kw == "positions":
+        kw["position_ids"] = torch.arange(3, 3 + T)[None]
+    elif ids_kw == "batch-positions":
+        kw["position_ids"] = torch.randint(0, 31, (B, T), generator=g)
+    real = mask.bool()
+    with torch.no_grad():
+        want = ref(**kw).last_hidden_state
+        if bool(real[:, 0].all()):  # (else the pooler reads a padded position 0: the differentiable path runs)
+            with mock.patch.object(type(model.embeddings), "forward", side_effect=AssertionError("HF's ran")):
+                got = model(**kw).last_hidden_state
+        else:
+            got = model(**kw).last_hidden_state
+        torch.testing.assert_close(got[real], want[real])
+        seen = []
+        hook = model.embeddings.register_forward_hook(lambda mod, a, out: seen.append(out.shape))
+        torch.testing.assert_close(model(**kw).last_hidden_state[real], want[real])
+        hook.remove()
+        assert seen == [(B, T, 14)]
+        embeds = ref.embeddings.word_embeddings(kw["input_ids"])
+        other = {k: v for k, v in kw.items() if k != "input_ids"}
+        torch.testing.assert_close(model(inputs_embeds=embeds, **other).last_hidden_state[real], want[real])
+
+
 def test_inference_path_sees_new_weights():
     """Without autograd in eval mode the encoder runs weights prepared once; after an optimizer step and after an
     in-place write they are HF's new ones."""

@@ -33,7 +33,8 @@ HF module                                        replaced by
 positions (inside ``BertForSequenceClass...``,   packed real tokens (fused q|k|v, masked batch attention, the fused
 ``BertForMultipleChoice``, a pooling             sub-layers above; position 0 too when a pooler reads it), zeros at
 sentence-transformers model; or                  padding; in eval mode without autograd a prepared inference path
-``padding_free=True``)                           (oneDNN GEMMs on weights packed once, the fused attention kernel)
+``padding_free=True``)                           (the embeddings on the real tokens too, oneDNN GEMMs on weights
+                                                 packed once, the fused attention kernel)
 ===============================================  ======================================================================
 
 Task heads (``BertForSequenceClassification``, ...) and sentence-transformers models are covered through the
@@ -74,6 +75,7 @@ from .functional.cross_entropy import linear_cross_entropy
 from .functional.packing import Packing, PackedBatch
 from .runtime.encoder import run_layers
 from .runtime.linear import OneDNNLinear
+from .runtime.rows import add_norm
 from .runtime.weights import prepared
 
 __all__ = ["PatchReport", "patch", "unpatch", "patched"]
@@ -313,12 +315,10 @@ def _bert_model_forward(self, *args, **kwargs):
     if not fast:
         return original(*args, **kwargs)
     pad = None if mask is None else mask == 0
-    emb = self.embeddings(input_ids=kw.get("input_ids"), token_type_ids=kw.get("token_type_ids"),
-                          position_ids=kw.get("position_ids"), inputs_embeds=kw.get("inputs_embeds"))  # fmt: skip
     if fast == "inference":
-        out = _bert_inference(self.encoder, emb, pad)
+        out = _bert_inference(self, kw, pad)
     else:
-        out = _bert_packed(self, emb, pad)
+        out = _bert_packed(self, _embeddings(self, kw), pad)
     from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions as Output
 
     res = Output(last_hidden_state=out, pooler_output=self.pooler(out) if self.pooler is not None else None)
@@ -344,17 +344,60 @@ def _bert_packed(model: nn.Module, emb: Tensor, pad: Tensor) -> Tensor:
     return pk.unpack(x)
 
 
-def _bert_inference(encoder: nn.Module, emb: Tensor, pad: Tensor | None) -> Tensor:
-    """The encoder in eval mode without autograd: the prepared encoder of :mod:`sublayer.runtime.encoder` on float32
-    weights packed once for oneDNN (GELU fused into fc1), the fused attention kernel; real tokens only, zeros at
-    padding."""
-    b, t, _ = emb.shape
+def _embeddings(model: nn.Module, kw: dict) -> Tensor:
+    return model.embeddings(input_ids=kw.get("input_ids"), token_type_ids=kw.get("token_type_ids"),
+                            position_ids=kw.get("position_ids"), inputs_embeds=kw.get("inputs_embeds"))  # fmt: skip
+
+
+def _bert_inference(model: nn.Module, kw: dict, pad: Tensor) -> Tensor:
+    """The encoder in eval mode without autograd: the embeddings on the real tokens (:func:`_packed_embeddings`),
+    the prepared encoder of :mod:`sublayer.runtime.encoder` on float32 weights packed once for oneDNN (GELU fused
+    into fc1), the fused attention kernel; real tokens only, zeros at padding."""
+    encoder = model.encoder
+    b, t = pad.shape
     W = prepared(encoder, "hf.inference", _pack_bert_weights)
-    pk = Packing(pad if pad is not None and bool(pad.any()) else None, batch=b, seq_len=t)
+    pk = Packing(pad if bool(pad.any()) else None, batch=b, seq_len=t)
+    x = _packed_embeddings(model.embeddings, kw, pk)
     a = encoder.layer[0].attention.self
-    x = run_layers(pk.pack(emb), W, pad=pk.key_padding_mask, shape=(b, t),
+    x = run_layers(pk.pack(_embeddings(model, kw)) if x is None else x, W, pad=pk.key_padding_mask, shape=(b, t),
                    heads=a.num_attention_heads, scale=a.scaling, activation=encoder.layer[0]._sublayer_act)  # fmt: skip
     return pk.unpack(x)
+
+
+_EMBEDDING_PARTS = {"word_embeddings": nn.Embedding, "position_embeddings": nn.Embedding,
+                    "token_type_embeddings": nn.Embedding, "LayerNorm": nn.LayerNorm,
+                    "dropout": nn.Dropout}  # fmt: skip
+
+
+def _packed_embeddings(emb: nn.Module, kw: dict, pk: Packing) -> Tensor | None:
+    """HF's ``BertEmbeddings`` in eval mode on the real tokens only (the rows ``pk`` packs): the same gathers and
+    adds in HF's order, the last add fused with the LayerNorm. None for anything but a plain float32
+    ``BertEmbeddings`` on ``input_ids`` without hooks (HF's embeddings then run and are packed)."""
+    from transformers.models.bert import modeling_bert as bert
+
+    ids, pos, types = kw.get("input_ids"), kw.get("position_ids"), kw.get("token_type_ids")
+    if type(emb) is not bert.BertEmbeddings or emb.training or ids is None or kw.get("inputs_embeds") is not None:
+        return None
+    if _why_not(emb, _EMBEDDING_PARTS) or _hooked(emb) or any("forward" in m.__dict__ for m in emb.children()):
+        return None
+    tables = (emb.word_embeddings, emb.token_type_embeddings, emb.position_embeddings)
+    if any(e.max_norm is not None for e in tables) or any(p.dtype != torch.float32 for p in emb.parameters()):
+        return None
+    b, t = ids.shape
+    if pos is None:
+        pos = emb.position_ids[:, :t]
+    if types is None:
+        types = torch.gather(emb.token_type_ids.expand(pos.shape[0], -1), 1, pos) if hasattr(emb, "token_type_ids") \
+            else torch.zeros_like(ids)  # fmt: skip
+    if any(not torch.is_tensor(x) or x.dim() != 2 or x.shape[1] != t or x.shape[0] not in (1, b) for x in (pos, types)):
+        return None
+    ln = emb.LayerNorm
+    if _affine(ln):
+        return None
+    x = F.embedding(pk.pack(ids), emb.word_embeddings.weight)
+    x += F.embedding(pk.pack(types), emb.token_type_embeddings.weight)
+    return add_norm(x, F.embedding(pk.pack(pos), emb.position_embeddings.weight), ln.weight, ln.bias, ln.eps,
+                    want_sum=False)[0]  # fmt: skip
 
 
 def _pack_bert_weights(encoder: nn.Module) -> list[dict]:

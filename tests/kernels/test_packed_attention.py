@@ -82,9 +82,11 @@ def test_packed_attention_equals_sdpa_per_sequence(path, lengths, heads, hd):
 
 @pytest.mark.parametrize(
     "lengths,heads,hd",
-    [([7, 7, 3, 1, 19], 3, 5), ([13, 37, 37], 2, 32), ([41, 2, 2, 2], 1, 17), ([23], 5, 3), ([53, 11], 2, 64)],
-    ids=["odd-head-dim", "two-query-blocks", "head-dim-17", "one-run", "head-dim-64"],
-)
+    [([7, 7, 3, 1, 19], 3, 5), ([13, 37, 37], 2, 32), ([41, 2, 2, 2], 1, 17), ([23], 5, 3), ([53, 11], 2, 64),
+     ([64, 49, 33, 17, 16, 16, 2, 1], 3, 32), ([71, 67, 5], 2, 16), ([29], 7, 48)],
+    ids=["odd-head-dim", "two-query-blocks", "head-dim-17", "one-run", "head-dim-64", "key-blocks-1-to-4",
+         "over-64-keys", "one-sequence-many-heads"],
+)  # fmt: skip
 def test_packed_attention_float32_products_equal_sdpa(path, lengths, heads, hd):
     qkv, segments = _case(lengths, heads, hd, seed=5)
     qkv = qkv.float() + torch.randn(qkv.shape, generator=torch.Generator().manual_seed(2)) * 0.01  # off bf16's grid

@@ -125,3 +125,22 @@ def test_a_prepared_form_is_built_once_and_rebuilt_after_a_change():
     model.weight.data.mul_(2)  # through .data: the samples
     assert_close(weights.prepared(model, "k", build), model.weight.detach())
     assert len(built) == 3
+
+
+def test_kept_samples_follow_the_storage_and_layout():
+    """The sample views kept between calls read the storage as it is now; a ``.data`` swapped for the same storage
+    transposed or for a new one, and a non-contiguous parameter written through ``.data``, are noticed too."""
+    model = torch.nn.Linear(5, 5)
+
+    def build(m):
+        return m.weight.detach().clone()
+
+    weights.prepared(model, "k", build)
+    model.weight.data = model.weight.data.t()  # same storage and shape, other strides
+    assert_close(weights.prepared(model, "k", build), model.weight.detach())
+    model.weight.data = torch.randn(5, 5)  # a new storage
+    assert_close(weights.prepared(model, "k", build), model.weight.detach())
+    model.weight.data = torch.randn(5, 5).t()  # not contiguous: sampled anew each call
+    weights.prepared(model, "k", build)
+    model.weight.data.mul_(3)
+    assert_close(weights.prepared(model, "k", build), model.weight.detach())

@@ -41,6 +41,7 @@ def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_after_step)
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {key: (stamp, value)}
+_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (meta, each parameter's sample view)
 
 
 def _sample(p: Tensor) -> Tensor:
@@ -51,14 +52,24 @@ def _sample(p: Tensor) -> Tensor:
 
 def stamp(module: nn.Module) -> tuple:
     """What the prepared form of ``module`` depends on: per parameter its version counter (-1 for inference
-    tensors), storage, dtype, device, shape and optimizer steps, and the sampled values of every parameter."""
+    tensors), storage, strides, dtype, device, shape and optimizer steps, and the sampled values of every parameter.
+
+    The sample views of contiguous parameters are kept while their storage and layout stay the same (a view reads
+    what is in the storage now, writes through ``.data`` included); the others are sampled anew each time."""
     params = list(module.parameters())
     meta = tuple(
-        (-1 if p.is_inference() else p._version, p.data_ptr(), p.dtype, p.device, tuple(p.shape), _steps.get(id(p), 0))
+        (-1 if p.is_inference() else p._version, p.data_ptr(), p.stride(), p.dtype, p.device, tuple(p.shape),
+         _steps.get(id(p), 0))
         for p in params
-    )
+    )  # fmt: skip
+    if not params:
+        return meta, ()
+    kept = _VIEWS.get(module)
+    if kept is None or kept[0] != meta:
+        kept = (meta, [_sample(p) if p.is_contiguous() else None for p in params])
+        _VIEWS[module] = kept
     with torch.no_grad():
-        samples = torch.cat([_sample(p).float() for p in params]).tolist() if params else []
+        samples = torch.cat([_sample(p) if v is None else v for p, v in zip(params, kept[1])]).tolist()
     return meta, tuple(samples)
 
 

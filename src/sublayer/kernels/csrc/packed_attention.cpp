@@ -15,7 +15,10 @@
 //
 // float32_products (float32 q|k|v only): the same tasks in float32 throughout — k packed in 16-key blocks, v rows
 // padded to whole vectors, S = scale * q k^T and P v by float32 FMAs (AVX-512F tiles, or the portable loop), the
-// probabilities unrounded: the attention of a float32 model, to float32's rounding.
+// probabilities unrounded: the attention of a float32 model, to float32's rounding. Its tasks are a sequence's
+// heads (in groups when there are fewer sequences than 4 per thread): one thread reads a sequence's rows, k is
+// packed by 16 x 16 register transposes, the next head's rows are prefetched into L2, and up to 64 keys the scores
+// and their softmax stay in registers (the same roundings as the separate pass).
 
 #include "common.h"
 
@@ -42,7 +45,7 @@ template <int R, typename F> inline void tile_rest(int64_t r, F&& f) {
 }
 
 struct Task {
-  int64_t row, n, h;
+  int64_t row, n, h, nh = 1;  // heads h..h+nh-1 of the sequence at rows row..row+n-1
 };
 
 struct Scratch {
@@ -160,6 +163,10 @@ void task_portable(const Scratch& w, const Task& t, int64_t hd, int64_t dp, int6
   }
 }
 
+#if defined(__AVX512F__)
+inline void pack_k16(const float* k0, int64_t ld, int64_t n, int64_t hd, float* kf);
+#endif
+
 // A float32 task's k as 16-key blocks (key j at [j / 16][c][j % 16]) and v rows padded to hv, zeros beyond n and hd.
 // q0: the task's first q row, ld floats between rows, k and v at +d and +2d. With `direct` (the AVX-512 tiles and
 // hd a multiple of 16) v is not copied: the tiles read it in place.
@@ -168,6 +175,9 @@ void pack_f32(const float* q0, int64_t ld, int64_t d, int64_t n, int64_t hd, int
   w.s.resize(QB * nb * 16);
   w.pf.resize(QB * nb * 16);
   w.kf.resize(nb * hd * 16);
+#if defined(__AVX512F__)
+  if (direct) return pack_k16(q0 + d, ld, n, hd, w.kf.data());
+#endif
   std::fill(w.kf.begin() + (n / 16) * hd * 16, w.kf.end(), 0.0f);  // the last block's missing keys
   if (!direct) w.vf.assign(n * hv, 0.0f);
   for (int64_t j = 0; j < n; ++j) {
@@ -215,6 +225,106 @@ inline __m512 row_max16(const float* s, int64_t nk, __mmask16 tail) {
 // exp256 of act_norm.h on 16 lanes.
 #define SUBLAYER_FLOOR512(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
 SUBLAYER_VEXP(exp512, __m512, _mm512, 512, SUBLAYER_FLOOR512)
+
+// r[i][l] <- r[l][i]: a 16 x 16 float32 transpose in registers.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// pack_f32's k blocks (key j at [j / 16][c][j % 16], zeros past n) by 16 x 16 register transposes; hd % 16 == 0.
+inline void pack_k16(const float* k0, int64_t ld, int64_t n, int64_t hd, float* kf) {
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j0);
+    for (int64_t c0 = 0; c0 < hd; c0 += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = i < m ? _mm512_loadu_ps(k0 + (j0 + i) * ld + c0) : _mm512_setzero_ps();
+      transpose16(r);
+      float* to = kf + ((j0 / 16) * hd + c0) * 16;
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(to + i * 16, r[i]);
+    }
+  }
+}
+
+// Ask for the q, k and v rows of one head (q0: its first q row, ld floats between rows, k and v at +d and +2d) to
+// be brought into L2 (the packed rows of a batch are larger than L2: each head reads scattered 4 * hd bytes a row).
+inline void prefetch_head(const float* q0, int64_t ld, int64_t d, int64_t n, int64_t hd) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t part = 0; part < 3; ++part)
+      for (int64_t c = 0; c < hd; c += 16) _mm_prefetch(reinterpret_cast<const char*>(q0 + j * ld + part * d + c),
+                                                        _MM_HINT_T1);
+}
+
+// The scores of R queries (ld floats apart) against all KB key blocks (KB * 16 >= n keys, the last block's keys
+// past `tail` masked off) in registers, then their float32 softmax as task_f32_avx512's separate pass computes it:
+// p[r] (np floats apart) the unnormalised probabilities, inv[r] 1 / their sum.
+template <int R, int KB>
+inline void qk_softmax_f32(const float* q, int64_t ld, int64_t hd, const float* k, float sc, __mmask16 tail,
+                           float* p, int64_t np, float* inv) {
+  __m512 a[R][KB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < KB; ++b) a[r][b] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < hd; ++c) {
+    __m512 kv[KB];
+    for (int b = 0; b < KB; ++b) {
+      kv[b] = _mm512_loadu_ps(k + (b * hd + c) * 16);
+      asm("" : "+v"(kv[b]));  // in a register: one load per key block, not one per query
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 qv = _mm512_set1_ps(q[r * ld + c]);
+      for (int b = 0; b < KB; ++b) a[r][b] = _mm512_fmadd_ps(qv, kv[b], a[r][b]);
+    }
+  }
+  const __m512 vs = _mm512_set1_ps(sc);
+  for (int r = 0; r < R; ++r) {
+    __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int b = 0; b < KB; ++b) {
+      a[r][b] = _mm512_mul_ps(a[r][b], vs);
+      asm("" : "+v"(a[r][b]));  // rounded here, as the separate pass stores it (no multiply-subtract contraction)
+      vm = b + 1 < KB ? _mm512_max_ps(vm, a[r][b]) : _mm512_mask_max_ps(vm, tail, vm, a[r][b]);
+    }
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+    __m512 sum = _mm512_setzero_ps();
+    for (int b = 0; b < KB; ++b) {
+      const __m512 e = _mm512_maskz_mov_ps(b + 1 < KB ? __mmask16(0xffff) : tail, exp512(_mm512_sub_ps(a[r][b], mx)));
+      _mm512_storeu_ps(p + r * np + b * 16, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+}
+
+template <int KB>
+inline void qk_softmax_rows_f32(const float* q, int64_t ld, int64_t hd, const float* k, float sc, __mmask16 tail,
+                                float* p, int64_t qn, float* inv) {
+  constexpr int64_t np = KB * 16;
+  int64_t i = 0;
+  for (; i + 4 <= qn; i += 4) qk_softmax_f32<4, KB>(q + i * ld, ld, hd, k, sc, tail, p + i * np, np, inv + i);
+  switch (qn - i) {
+    case 3: qk_softmax_f32<3, KB>(q + i * ld, ld, hd, k, sc, tail, p + i * np, np, inv + i); break;
+    case 2: qk_softmax_f32<2, KB>(q + i * ld, ld, hd, k, sc, tail, p + i * np, np, inv + i); break;
+    case 1: qk_softmax_f32<1, KB>(q + i * ld, ld, hd, k, sc, tail, p + i * np, np, inv + i); break;
+    default: break;
+  }
+}
 
 // S[r][16 b + l] = sc * q_r . k_{16 b + l} in float32: R queries (ld floats apart) x KB key blocks in registers.
 template <int R, int KB>
@@ -276,11 +386,20 @@ void task_f32_avx512(const float* q0, int64_t ld, Scratch& w, const float* v, in
   const int64_t nb = (n + 15) / 16, nk = nb * 16, last = nk - 16;
   const float* q = q0 + qs * ld;
   float* s = w.s.data();
+  const __mmask16 tail = __mmask16((1u << (n % 16 ? n % 16 : 16)) - 1u);
   int64_t i = 0;
+  if (nb <= 4) {  // up to 64 keys: scores and softmax in registers, one pass
+    switch (nb) {
+      case 1: qk_softmax_rows_f32<1>(q, ld, hd, w.kf.data(), sc, tail, w.pf.data(), qn, inv); break;
+      case 2: qk_softmax_rows_f32<2>(q, ld, hd, w.kf.data(), sc, tail, w.pf.data(), qn, inv); break;
+      case 3: qk_softmax_rows_f32<3>(q, ld, hd, w.kf.data(), sc, tail, w.pf.data(), qn, inv); break;
+      default: qk_softmax_rows_f32<4>(q, ld, hd, w.kf.data(), sc, tail, w.pf.data(), qn, inv); break;
+    }
+    i = qn;
+  }
   for (; i + 4 <= qn; i += 4) qk_rows_f32<4>(q + i * ld, ld, hd, w.kf.data(), nb, sc, s + i * nk, nk);
   tile_rest<3>(qn - i, [&](auto R) { qk_rows_f32<R>(q + i * ld, ld, hd, w.kf.data(), nb, sc, s + i * nk, nk); });
-  const __mmask16 tail = __mmask16((1u << (n % 16 ? n % 16 : 16)) - 1u);
-  for (i = 0; i < qn; ++i) {
+  for (i = nb <= 4 ? qn : 0; i < qn; ++i) {
     const float* si = s + i * nk;
     float* p = w.pf.data() + i * nk;
     const __m512 mx = row_max16(si, nk, tail);
@@ -437,13 +556,22 @@ Tensor packed_self_attention(const Tensor& qkv, const Tensor& runs, int64_t n_he
   const int64_t N = qkv.size(0), d = qkv.size(1) / 3, hd = d / n_heads, dp = (hd + 1) / 2, hv = (hd + 15) / 16 * 16;
   const int64_t* rp = runs.data_ptr<int64_t>();
   std::vector<Task> tasks;
-  int64_t covered = 0, work = 0;
+  int64_t covered = 0, work = 0, seqs = 0;
   for (int64_t r = 0; r < runs.size(0); ++r) {
     const int64_t row = rp[3 * r], count = rp[3 * r + 1], n = rp[3 * r + 2];
     TORCH_CHECK(row >= 0 && count >= 1 && n >= 1 && row + count * n <= N, "packed_self_attention: run ", r, " (",
                 row, ", ", count, ", ", n, ") is outside qkv's ", N, " rows");
+    seqs += count;
+  }
+  // float32 products: a task is a sequence's heads in groups (one group when there are sequences enough for the
+  // threads), so one thread reads a sequence's rows and prefetches its next head; bf16: one head a task
+  const int64_t groups = float32_products ? std::min<int64_t>(n_heads, (4 * at::get_num_threads() + seqs - 1) /
+                                                                          std::max<int64_t>(seqs, 1)) : n_heads;
+  const int64_t per = (n_heads + groups - 1) / groups;
+  for (int64_t r = 0; r < runs.size(0); ++r) {
+    const int64_t row = rp[3 * r], count = rp[3 * r + 1], n = rp[3 * r + 2];
     for (int64_t c = 0; c < count; ++c)
-      for (int64_t h = 0; h < n_heads; ++h) tasks.push_back({row + c * n, n, h});
+      for (int64_t h = 0; h < n_heads; h += per) tasks.push_back({row + c * n, n, h, std::min(per, n_heads - h)});
     covered += count * n;
     work += count * n * n;
   }
@@ -474,9 +602,13 @@ Tensor packed_self_attention(const Tensor& qkv, const Tensor& runs, int64_t n_he
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ti = 0; ti < T; ++ti) {
       const Task& t = tasks[ti];
-      if (float32_products) {
-        const float* q0 = base32 + t.row * 3 * d + t.h * hd;
+      for (int64_t h = t.h; float32_products && h < t.h + t.nh; ++h) {
+        const float* q0 = base32 + t.row * 3 * d + h * hd;
         const bool direct = fast32 && hd % 16 == 0;
+#if defined(__AVX512F__)
+        if (direct && h == t.h) prefetch_head(q0, 3 * d, d, t.n, hd);
+        if (direct && h + 1 < t.h + t.nh) prefetch_head(q0 + hd, 3 * d, d, t.n, hd);
+#endif
         pack_f32(q0, 3 * d, d, t.n, hd, hv, direct, w);
         for (int64_t qs = 0; qs < t.n; qs += QB) {
           const int64_t qn = std::min(QB, t.n - qs);
@@ -488,7 +620,7 @@ Tensor packed_self_attention(const Tensor& qkv, const Tensor& runs, int64_t n_he
 #endif
             task_f32_portable(q0, 3 * d, w, t.n, hd, hv, sc, inv.data(), o, qs, qn);
           for (int64_t i = 0; i < qn; ++i) {
-            const int64_t at_ = (t.row + qs + i) * d + t.h * hd;
+            const int64_t at_ = (t.row + qs + i) * d + h * hd;
             const float* oi = o.data() + i * hv;
             if (of) {
 #pragma omp simd
@@ -498,8 +630,8 @@ Tensor packed_self_attention(const Tensor& qkv, const Tensor& runs, int64_t n_he
             }
           }
         }
-        continue;
       }
+      if (float32_products) continue;
       if (f32) {  // the task's q|k|v rounded to bf16 ([n][3][hd]), packed from there
         w.x.resize(t.n * 3 * hd);
         for (int64_t j = 0; j < t.n; ++j) {
