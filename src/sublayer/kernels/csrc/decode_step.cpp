@@ -142,8 +142,9 @@ void act_rows(float* p, int64_t n) {
 
 // y = act(x @ W^T + b) (n outputs) for a decoder step's rows: skinny_linear on the packed panels (int8_linear on
 // int8 quads) for up to max_rows rows, else torch's GEMM (models/decoding.py, PackedLinear) on the unpacked weight,
-// on blocks of kGemmRows rows shared by the step's threads (inside the step's parallel region one GEMM would run
-// on one thread; the blocks depend on the row count only, so the threads change no result).
+// on blocks of up to 256 rows, at least two, shared by the step's threads (inside the step's parallel region one
+// GEMM would run on one thread; each call costs microseconds, so few big blocks; the blocks depend on the row
+// count only, so the threads change no result).
 Tensor step_linear(const Tensor& x, const Linear& l, int64_t n, int64_t act, int64_t max_rows) {
   const int64_t M = x.size(0);
   if (M <= max_rows) {
@@ -151,10 +152,10 @@ Tensor step_linear(const Tensor& x, const Linear& l, int64_t n, int64_t act, int
       return int8_linear(x, l.packed, *l.colsum, l.scale, maybe(l.bias), n, act, c10::nullopt);
     return skinny_linear(x, l.packed, maybe(l.bias), n, act, maybe(l.scale));
   }
-  constexpr int64_t kGemmRows = 64;
+  const int64_t blocks = std::max<int64_t>(2, (M + 255) / 256), rows = (M + blocks - 1) / blocks;
   Tensor y = at::empty({M, n}, x.options());
-  parallel_chunks((M + kGemmRows - 1) / kGemmRows, [&](int64_t c) {
-    const int64_t r0 = c * kGemmRows, rn = std::min(kGemmRows, M - r0);
+  parallel_chunks((M + rows - 1) / rows, [&](int64_t c) {
+    const int64_t r0 = c * rows, rn = std::min(rows, M - r0);
     Tensor yc = y.narrow(0, r0, rn);
     at::cpu::addmm_out(yc, l.bias, x.narrow(0, r0, rn), l.weight->t());  // the CPU kernel, no dispatch
     if (act != IDENT) SUBLAYER_DISPATCH_ACT(act, [&] { act_rows<ACT>(yc.data_ptr<float>(), rn * n); });
