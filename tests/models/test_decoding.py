@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from sublayer import kernels
 from sublayer.runtime.rows import kernels_on
 from sublayer.models import GPT2, Transformer, decoding
 from sublayer.runtime import causal
@@ -220,17 +221,24 @@ def test_reorder_moves_the_row_table_not_the_caches(kernels_mode):
     torch.testing.assert_close(out[0], out[1])
 
 
+def _step_inputs(m: Transformer, sentences: int, s: int, *, seed: int):
+    """``(memory, mask, W, g)``: a random memory (sentences, s, d_model), the second sentence's second half
+    padding, m's prepared weights (with the one-call step's tensors) and the generator, for more draws."""
+    g = torch.Generator().manual_seed(seed)
+    memory = torch.randn(sentences, s, m.config.d_model, generator=g)
+    mask = torch.zeros(sentences, s, dtype=torch.bool)
+    mask[1, s // 2 :] = True
+    W = decoding.prepared_weights(m, decoding._build_transformer)
+    assert W["flat"] is not None
+    return memory, mask, W, g
+
+
 @pytest.mark.skipif(not kernels_on(), reason="C++ kernels unavailable")
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("sentences,beams", [(3, 1), (2, 3), (41, 1)])  # 41 rows: torch's GEMM inside the call
 def test_one_call_translate_step_equals_the_per_op_step(norm_first, sentences, beams, monkeypatch):
     m = _tiny_transformer(norm_first)
-    g = torch.Generator().manual_seed(8)
-    memory = torch.randn(sentences, 5, 14, generator=g)
-    mask = torch.zeros(sentences, 5, dtype=torch.bool)
-    mask[1, 2:] = True
-    W = decoding.prepared_weights(m, decoding._build_transformer)
-    assert W["flat"] is not None
+    memory, mask, W, g = _step_inputs(m, sentences, 5, seed=8)
     fast = decoding.transformer_stepper(m, memory, mask, 6, beams=beams)
     monkeypatch.setitem(W, "flat", None)
     per_op = decoding.transformer_stepper(m, memory, mask, 6, beams=beams)
@@ -244,6 +252,49 @@ def test_one_call_translate_step_equals_the_per_op_step(norm_first, sentences, b
             parents = torch.arange(n).view(sentences, beams).flip(1).reshape(-1) if t % 2 else torch.arange(n)
             fast[1](parents)
             per_op[1](parents)
+
+
+@pytest.mark.skipif(not kernels_on(), reason="C++ kernels unavailable")
+@pytest.mark.parametrize("avx512", [True, False])
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("sentences,beams", [(2, 3), (67, 2)])  # 134 rows: torch's GEMM in blocks of rows
+def test_one_call_translate_step_on_two_threads_equals_one_thread(sentences, beams, norm_first, avx512, monkeypatch):
+    """transformer_decode_layers with its linears, attentions and norms split into several chunks each (d 256,
+    71 source positions), shared by a team of two threads: the same hidden states, bit for bit, as on one thread,
+    step after step with the beams reordered; and close to the per-op step's."""
+    torch.manual_seed(6)
+    m = Transformer(11, 13, d_model=256, n_heads=4, d_ff=263, n_layers=2, dropout=0.0, max_len=7,
+                    norm_first=norm_first).eval()  # fmt: skip
+    memory, mask, W, g = _step_inputs(m, sentences, 71, seed=9)
+
+    class Hidden:  # in place of the head: the steps return the decoder's hidden states
+        max_rows = W["head"].max_rows
+
+        def __call__(self, h):
+            return h
+
+    monkeypatch.setitem(W, "head", Hidden())
+    n = sentences * beams
+    toks = torch.randint(0, 13, (4, n, 1), generator=g)
+    parents = torch.arange(n).view(sentences, beams).flip(1).reshape(-1)
+    threads, was = torch.get_num_threads(), kernels.ops().decode_avx512(int(avx512))
+    runs = []
+    try:
+        for threads_here, flat in ((2, W["flat"]), (1, W["flat"]), (2, None)):
+            torch.set_num_threads(threads_here)
+            monkeypatch.setitem(W, "flat", flat)
+            step, reorder = decoding.transformer_stepper(m, memory, mask, 6, beams=beams)[:2]
+            hs = []
+            for tok in toks:
+                hs.append(step(tok))
+                reorder(parents)
+            runs.append(torch.stack(hs))
+    finally:
+        torch.set_num_threads(threads)
+        kernels.ops().decode_avx512(int(was))
+    two, one, per_op = runs
+    assert torch.equal(two, one)
+    torch.testing.assert_close(two, per_op)
 
 
 @pytest.mark.skipif(not kernels_on(), reason="C++ kernels unavailable")

@@ -11,7 +11,8 @@ and which it is tested against) therefore:
   that ``decode_attention`` writes and reads in place;
 * runs the decoder step in one C++ call (``transformer_decode_layers``: self-attention, cross-attention and FFN
   of every layer, pre- or post-norm; ``transformer_stepper``'s per-op loop is its reference, and runs for gated
-  FFNs); above :func:`~sublayer.runtime.linear.skinny_max_rows` rows torch's GEMM runs on the unpacked weight;
+  FFNs; one parallel region for the whole step); above :func:`~sublayer.runtime.linear.skinny_max_rows` rows
+  torch's GEMM runs on the unpacked weight, in blocks of rows shared by the threads;
 * beam search reorders no cache: each layer's cache carries a (rows, positions) table of the cache row that holds
   each key, and ``decode_attention`` reads through it; the beams of a sentence share its memory's cross-attention
   keys/values (projected once per sentence, not per beam); greedy rows that emitted eos leave the batch through

@@ -5,7 +5,9 @@
 
 #include "common.h"
 
-#include <ATen/ops/addmm.h>
+#include <ATen/ops/addmm_cpu_dispatch.h>
+
+#include <limits>
 
 namespace sublayer {
 namespace {
@@ -69,22 +71,24 @@ inline void rms_norm_row(const float* x, const float* w, float eps, float* out, 
   for (int64_t j = 0; j < d; ++j) out[j] = x[j] * rs * w[j];
 }
 
-// h = LayerNorm(x) (two-pass variance) or RMSNorm(x) per row, and first x += y when y is given: a pre-norm
-// residual followed by the next norm.
-void add_layer_norm(float* x, const float* y, const Norm& n, double eps, float* h, int64_t B, int64_t d,
+// h = LayerNorm(x) (two-pass variance) or RMSNorm(x) per row, or h = x without a norm, and first x += y when y is
+// given: a pre-norm residual followed by the next norm. Rows in chunks (on the step's team inside one).
+void add_layer_norm(float* x, const float* y, const Norm* n, double eps, float* h, int64_t B, int64_t d,
                     bool rms = false) {
-  const float *wp = n.weight.data_ptr<float>(), *bp = rms ? nullptr : n.bias.data_ptr<float>();
-  // rows on both threads only for big batches (a translate step's hundreds of rows): a parallel region costs more
-  // than a few rows' work
+  const float *wp = n ? n->weight.data_ptr<float>() : nullptr, *bp = n && !rms ? n->bias.data_ptr<float>() : nullptr;
+  // rows on both threads only for big batches (a translate step's hundreds of rows): a chunk costs more than a
+  // few rows' work
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, d));
-  at::parallel_for(0, B, grain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
+  parallel_chunks((B + grain - 1) / grain, [&](int64_t c) {
+    for (int64_t r = c * grain; r < std::min(B, (c + 1) * grain); ++r) {
       float* xr = x + r * d;
       if (y) {
 #pragma omp simd
         for (int64_t j = 0; j < d; ++j) xr[j] += y[r * d + j];
       }
-      if (rms)
+      if (!n)
+        std::copy(xr, xr + d, h + r * d);
+      else if (rms)
         rms_norm_row(xr, wp, float(eps), h + r * d, d);
       else
         layer_norm_row(xr, wp, bp, float(eps), h + r * d, d);
@@ -130,6 +134,49 @@ Tensor glu_rows(const Tensor& a, int64_t act) {
 
 c10::optional<Tensor> maybe(const Tensor& t) { return t.numel() ? c10::optional<Tensor>(t) : c10::nullopt; }
 
+template <int64_t A>
+void act_rows(float* p, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) p[i] = act_f<A>(p[i]);
+}
+
+// y = act(x @ W^T + b) (n outputs) for a decoder step's rows: skinny_linear on the packed panels (int8_linear on
+// int8 quads) for up to max_rows rows, else torch's GEMM (models/decoding.py, PackedLinear) on the unpacked weight,
+// on blocks of up to 256 rows, at least two, shared by the step's threads (inside the step's parallel region one
+// GEMM would run on one thread; each call costs microseconds, so few big blocks; the blocks depend on the row
+// count only, so the threads change no result).
+Tensor step_linear(const Tensor& x, const Linear& l, int64_t n, int64_t act, int64_t max_rows) {
+  const int64_t M = x.size(0);
+  if (M <= max_rows) {
+    if (l.colsum && l.colsum->numel())
+      return int8_linear(x, l.packed, *l.colsum, l.scale, maybe(l.bias), n, act, c10::nullopt);
+    return skinny_linear(x, l.packed, maybe(l.bias), n, act, maybe(l.scale));
+  }
+  const int64_t blocks = std::max<int64_t>(2, (M + 255) / 256), rows = (M + blocks - 1) / blocks;
+  Tensor y = at::empty({M, n}, x.options());
+  parallel_chunks((M + rows - 1) / rows, [&](int64_t c) {
+    const int64_t r0 = c * rows, rn = std::min(rows, M - r0);
+    Tensor yc = y.narrow(0, r0, rn);
+    at::cpu::addmm_out(yc, l.bias, x.narrow(0, r0, rn), l.weight->t());  // the CPU kernel, no dispatch
+    if (act != IDENT) SUBLAYER_DISPATCH_ACT(act, [&] { act_rows<ACT>(yc.data_ptr<float>(), rn * n); });
+  });
+  return y;
+}
+
+// A decoding step's layers in one parallel region (with_step_team: the parallel_chunks loops of their kernels run
+// on a team kept for the step, not a region each): first(layer 0), then body(i, layer i, layer i+1 or null).
+template <typename Layer, typename First, typename Body>
+void step_layers(at::TensorList params, int64_t n_layers, const First& first, const Body& body) {
+  with_step_team([&] {
+    first(Layer(params.data()));
+    for (int64_t i = 0; i < n_layers; ++i) {
+      const std::optional<Layer> next =
+          i + 1 < n_layers ? std::optional<Layer>(params.data() + Layer::SIZE * (i + 1)) : std::nullopt;
+      body(i, Layer(params.data() + Layer::SIZE * i), next ? &*next : nullptr);
+    }
+  });
+}
+
 // One decoding step of a decoder-only language model through every block (sublayer.runtime.causal's step, in one
 // call): x (B, d) the embeddings of this step's tokens (plus learned positions); `params`: each block's
 // CausalBlock, then the final norm's weight and bias. Norms are LayerNorms or (rms) RMSNorms; q|k|v has n_heads
@@ -169,49 +216,26 @@ Tensor causal_decode_layers(const Tensor& x, at::TensorList params, at::TensorLi
   }
   check_norm(final_norm, d, kNormWhat, rms);
   const double scale = 1.0 / std::sqrt(double(hd));
-  const int64_t dq = n_heads * hd, dkv = H_kv * hd;
-  auto linear = [&](const Tensor& in, const Linear& l, int64_t n, int64_t a) {
-    if (l.colsum->numel()) return int8_linear(in, l.packed, *l.colsum, l.scale, maybe(l.bias), n, a, c10::nullopt);
-    return skinny_linear(in, l.packed, maybe(l.bias), n, a, maybe(l.scale));
-  };
-  // one parallel region for the whole step: its linears' and attentions' loops run on the step's team
-  with_step_team([&] {
-    add_layer_norm(rp, nullptr, CausalBlock(params.data()).norm_1, eps, hp, B, d, rms);
-    for (int64_t i = 0; i < n_layers; ++i) {
-      const CausalBlock L(params.data() + PER * i);
-      Tensor qkv = linear(h, L.qkv, dq + 2 * dkv, IDENT);
-      if (rotary) {
-        rotate_heads(qkv, 0, n_heads, hd, *cos, *sin);
-        rotate_heads(qkv, dq, H_kv, hd, *cos, *sin);
-      }
-      const Tensor ctx = decode_attention(qkv.narrow(1, 0, dq), k_caches[i], v_caches[i], mask, length, scale,
-                                          qkv.narrow(1, dq, dkv), qkv.narrow(1, dq + dkv, dkv), c10::nullopt);
-      const Tensor o = linear(ctx, L.out, d, IDENT);
-      add_layer_norm(rp, o.data_ptr<float>(), L.norm_2, eps, hp, B, d, rms);
-      const Tensor f = gated ? glu_rows(linear(h, L.fc1, d_ff, IDENT), act) : linear(h, L.fc1, d_ff, act);
-      const Tensor y = linear(f, L.fc2, d, IDENT);
-      const Norm next = i + 1 < n_layers ? CausalBlock(params.data() + PER * (i + 1)).norm_1 : final_norm;
-      add_layer_norm(rp, y.data_ptr<float>(), next, eps, hp, B, d, rms);
-    }
-  });
+  const int64_t dq = n_heads * hd, dkv = H_kv * hd, all = std::numeric_limits<int64_t>::max();
+  step_layers<CausalBlock>(
+      params, n_layers,
+      [&](const CausalBlock& L0) { add_layer_norm(rp, nullptr, &L0.norm_1, eps, hp, B, d, rms); },
+      [&](int64_t i, const CausalBlock& L, const CausalBlock* next) {
+        Tensor qkv = step_linear(h, L.qkv, dq + 2 * dkv, IDENT, all);
+        if (rotary) {
+          rotate_heads(qkv, 0, n_heads, hd, *cos, *sin);
+          rotate_heads(qkv, dq, H_kv, hd, *cos, *sin);
+        }
+        const Tensor ctx = decode_attention(qkv.narrow(1, 0, dq), k_caches[i], v_caches[i], mask, length, scale,
+                                            qkv.narrow(1, dq, dkv), qkv.narrow(1, dq + dkv, dkv), c10::nullopt);
+        const Tensor o = step_linear(ctx, L.out, d, IDENT, all);
+        add_layer_norm(rp, o.data_ptr<float>(), &L.norm_2, eps, hp, B, d, rms);
+        const Tensor f = gated ? glu_rows(step_linear(h, L.fc1, d_ff, IDENT, all), act)
+                               : step_linear(h, L.fc1, d_ff, act, all);
+        const Tensor y = step_linear(f, L.fc2, d, IDENT, all);
+        add_layer_norm(rp, y.data_ptr<float>(), next ? &next->norm_1 : &final_norm, eps, hp, B, d, rms);
+      });
   return h;
-}
-
-template <int64_t A>
-void act_rows(float* p, int64_t n) {
-  at::parallel_for(0, n, 1 << 14, [&](int64_t i0, int64_t i1) {
-#pragma omp simd
-    for (int64_t i = i0; i < i1; ++i) p[i] = act_f<A>(p[i]);
-  });
-}
-
-// y = act(x @ W^T + b) for a decoder step's rows: skinny_linear on the packed panels for up to max_rows rows,
-// else torch's GEMM (addmm) on the unpacked weight and the activation in place (models/decoding.py, PackedLinear).
-Tensor step_linear(const Tensor& x, const Linear& l, int64_t act, int64_t max_rows) {
-  if (x.size(0) <= max_rows) return skinny_linear(x, l.packed, l.bias, l.bias.size(0), act, l.scale);
-  Tensor y = at::addmm(l.bias, x, l.weight->t());
-  if (act != IDENT) SUBLAYER_DISPATCH_ACT(act, [&] { act_rows<ACT>(y.data_ptr<float>(), y.numel()); });
-  return y;
 }
 
 // One Transformer decoder step through every layer (models/decoding.py's transformer_stepper step, in one call):
@@ -243,44 +267,40 @@ Tensor transformer_decode_layers(const Tensor& x, at::TensorList params, at::Ten
   }
   if (has_final) check_norm(final_norm, d, kNormWhat);
   Tensor resid = x.clone();
-  Tensor h = norm_first ? at::empty_like(resid) : resid;  // post-norm: the sublayers read the residual stream
+  // post-norm: the sublayers read the residual stream, and the final norm (if any) writes h
+  Tensor h = norm_first || has_final ? at::empty_like(resid) : resid;
   float *rp = resid.data_ptr<float>(), *hp = h.data_ptr<float>();
   const double scale = 1.0 / std::sqrt(double(d / k_caches[0].size(1)));
   // a residual: pre-norm x += y, then h = LN(x) with the norm that follows (the next sublayer's; none: h = x);
-  // post-norm x = LN(x + y) in place (h is x)
+  // post-norm x = LN(x + y) in place
   auto residual = [&](const Tensor& y, const Norm& norm_here, const Norm* norm_next) {
-    if (!norm_first) {
-      add_layer_norm(rp, y.data_ptr<float>(), norm_here, eps, rp, N, d);
-    } else if (norm_next) {
-      add_layer_norm(rp, y.data_ptr<float>(), *norm_next, eps, hp, N, d);
-    } else {
-      const float* yp = y.data_ptr<float>();
-      for (int64_t j = 0; j < N * d; ++j) hp[j] = rp[j] += yp[j];
-    }
+    if (norm_first)
+      add_layer_norm(rp, y.data_ptr<float>(), norm_next, eps, hp, N, d);
+    else
+      add_layer_norm(rp, y.data_ptr<float>(), &norm_here, eps, rp, N, d);
   };
-  if (norm_first) add_layer_norm(rp, nullptr, TransformerLayer(params.data()).self_norm, eps, hp, N, d);
-  for (int64_t i = 0; i < n_layers; ++i) {
-    const TransformerLayer L(params.data() + PER * i);
-    // pre-norm: the norm after the FFN is the next layer's first (or the final one)
-    const std::optional<TransformerLayer> next =
-        i + 1 < n_layers ? std::optional<TransformerLayer>(params.data() + PER * (i + 1)) : std::nullopt;
-    const Norm* after = next ? &next->self_norm : (has_final ? &final_norm : nullptr);
-    const Tensor qkv = step_linear(h, L.qkv, IDENT, max_rows);
-    const Tensor ctx = decode_attention(qkv.narrow(1, 0, d), k_caches[i], v_caches[i], c10::nullopt, length, scale,
-                                        qkv.narrow(1, d, d), qkv.narrow(1, 2 * d, d), rows);
-    residual(step_linear(ctx, L.out, IDENT, max_rows), L.self_norm, &L.cross_norm);
-    const Tensor q = step_linear(h, L.q_cross, IDENT, max_rows);
-    const Tensor cctx = decode_attention(q, cross_k[i], cross_v[i], cross_mask, S, scale, c10::nullopt, c10::nullopt,
-                                         cross_rows);
-    residual(step_linear(cctx, L.out_cross, IDENT, max_rows), L.cross_norm, &L.ffn_norm);
-    const Tensor f = step_linear(h, L.fc1, act, max_rows);
-    residual(step_linear(f, L.fc2, IDENT, max_rows), L.ffn_norm, after);
-  }
-  if (!norm_first && has_final) {
-    Tensor out = at::empty_like(resid);
-    add_layer_norm(rp, nullptr, final_norm, eps, out.data_ptr<float>(), N, d);
-    return out;
-  }
+  auto linear = [&](const Tensor& in, const Linear& l, int64_t a) {
+    return step_linear(in, l, l.bias.size(0), a, max_rows);
+  };
+  step_layers<TransformerLayer>(
+      params, n_layers,
+      [&](const TransformerLayer& L0) {
+        if (norm_first) add_layer_norm(rp, nullptr, &L0.self_norm, eps, hp, N, d);
+      },
+      [&](int64_t i, const TransformerLayer& L, const TransformerLayer* next) {
+        const Tensor& in = norm_first ? h : resid;
+        const Tensor qkv = linear(in, L.qkv, IDENT);
+        const Tensor ctx = decode_attention(qkv.narrow(1, 0, d), k_caches[i], v_caches[i], c10::nullopt, length,
+                                            scale, qkv.narrow(1, d, d), qkv.narrow(1, 2 * d, d), rows);
+        residual(linear(ctx, L.out, IDENT), L.self_norm, &L.cross_norm);
+        const Tensor cctx = decode_attention(linear(in, L.q_cross, IDENT), cross_k[i], cross_v[i], cross_mask, S,
+                                             scale, c10::nullopt, c10::nullopt, cross_rows);
+        residual(linear(cctx, L.out_cross, IDENT), L.cross_norm, &L.ffn_norm);
+        // pre-norm: the norm after the FFN is the next layer's first (or the final one)
+        residual(linear(linear(in, L.fc1, act), L.fc2, IDENT), L.ffn_norm,
+                 next ? &next->self_norm : (has_final ? &final_norm : nullptr));
+        if (!norm_first && has_final && !next) add_layer_norm(rp, nullptr, &final_norm, eps, hp, N, d);
+      });
   return h;
 }
 
