@@ -17,14 +17,18 @@ def _case(seed: int, rows: int, n: int = 37, k: int = 29):
     return torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
 
 
-def _bf16_reference(x, w, b, activation=None):
-    """What PackedLinear(dtype=bf16) computes: the bf16 weight; above skinny_max_rows() on a native-bf16 CPU (or
-    on the vdpbf16ps kernel's several rows) x rounded to bf16 too."""
+def _bf16_reference(x, w, b, activation=None, *, given_bf16=False):
+    """What PackedLinear(dtype=bf16) computes: the bf16 weight in the kernel (x rounded to bf16 too for several rows
+    on the vdpbf16ps kernel); above skinny_max_rows() torch's GEMM, in bf16 on a native-bf16 CPU, elsewhere on the
+    float32 weight as given (``given_bf16``: the bf16 one widened)."""
     wb = w.bfloat16()
-    if x.shape[0] > skinny_max_rows() and kernels.native_bf16_gemm():
-        y = torch.mm(x.bfloat16(), wb.t()).float() + b
+    if x.shape[0] > skinny_max_rows() or not kernels.available():
+        if kernels.native_bf16_gemm():
+            y = torch.mm(x.bfloat16(), wb.t()).float() + b
+        else:
+            y = F.linear(x, wb.float() if given_bf16 else w, b)
     else:
-        if x.shape[0] > 1 and kernels.available() and kernels.ops().decode_bf16_dot(-1):
+        if x.shape[0] > 1 and kernels.ops().decode_bf16_dot(-1):
             x = x.bfloat16().float()
         y = F.linear(x, wb.float(), b)
     return y if activation is None else F.gelu(y, approximate="tanh")
@@ -51,7 +55,7 @@ def test_float32_packed_linear_matches_f_linear():
 def test_bf16_packed_linear_takes_bf16_weights_and_flat_gives_its_panels():
     x, w, b = _case(3, 4)
     lin = PackedLinear(w.bfloat16(), b, dtype=torch.bfloat16)
-    assert_close(lin(x), _bf16_reference(x, w, b), rtol=1e-5, atol=1e-5)
+    assert_close(lin(x), _bf16_reference(x, w, b, given_bf16=True), rtol=1e-5, atol=1e-5)
     if kernels.available():
         packed, scale, bias = lin.flat()
         assert packed.dtype == torch.bfloat16 and scale.numel() == 0 and bias is lin.bias
