@@ -14,7 +14,9 @@ def test_bytes_read_per_engine():
     step, head = 1000, 400  # 600 bytes of layers
     assert bench_decode._bytes_read("HF generate", step, head) == 1000
     assert bench_decode._bytes_read("sublayer reference loop", step, head) == 1000
-    assert bench_decode._bytes_read("sublayer GPT2.generate", step, head) == 800  # float16 screening head
+    assert bench_decode._bytes_read("sublayer GPT2.generate", step, head) == 700  # one row: int8 screening head
+    assert bench_decode._bytes_read("sublayer GPT2.generate", step, head, rows=8) == 800  # 16-bit screen
+    assert bench_decode._bytes_read("sublayer GPT2.generate", step, head, rows=8, int8_rows=True) == 700  # VNNI
     assert bench_decode._bytes_read("sublayer int8", step, head) == 250
     assert bench_decode._bytes_read("sublayer int8, head float", step, head) == 550
     assert bench_decode._bytes_read("CTranslate2 int8", step, head) == 250

@@ -56,15 +56,16 @@ def _gemv_rows(n: int, k: int, reps: int) -> list[dict]:
     return rows
 
 
-def _bytes_read(engine: str, step_bytes: int, head_bytes: int) -> float:
-    """Weight bytes an engine reads per greedy step: float32 everywhere, except sublayer's fast path (the LM head
-    screened in float16, :class:`~sublayer.runtime.linear.GreedyHead`) and int8 (a byte per weight; "head float"
-    keeps the head in float32)."""
+def _bytes_read(engine: str, step_bytes: int, head_bytes: int, *, rows: int = 1, int8_rows: bool = False) -> float:
+    """Weight bytes an engine reads per greedy step of ``rows`` rows: float32 everywhere, except sublayer's fast path
+    (the LM head screened by :class:`~sublayer.runtime.linear.GreedyHead` with an int8 copy for one row and, where
+    ``int8_rows`` (a VNNI or AMX-INT8 CPU), for several; else a 16-bit copy) and int8 (a byte per weight; "head
+    float" keeps the head in float32)."""
     layers = step_bytes - head_bytes
     if "int8" in engine:
         return layers / 4 + (head_bytes if "head float" in engine else head_bytes / 4)
     if engine in ("sublayer GPT2.generate", "sublayer fast_inference fp32"):
-        return layers + head_bytes / 2
+        return layers + head_bytes / (4 if rows == 1 or int8_rows else 2)
     return step_bytes
 
 
@@ -181,6 +182,7 @@ def run_decode_bench(
         prompt, new = 32, 64
     d, f, v = cfg.d_model, cfg.hidden_size, cfg.vocab_size
     step_bytes = 4 * (cfg.n_layers * (4 * d * d + 2 * d * f) + v * d)  # every matrix once per step
+    int8_screen = kernels.cpu.has("avx512_vnni", "amx_int8")  # GreedyHead's screen of several rows
     folder = gpt2_folder(cfg, out)
     model = GPT2.from_pretrained(folder).eval()
     fast = fast_inference(model, dtype=torch.float32)
@@ -255,7 +257,7 @@ def run_decode_bench(
         for name in fns:
             sec = times[name]
             tps = b * new / sec
-            nbytes = _bytes_read(name, step_bytes, 4 * v * d)
+            nbytes = _bytes_read(name, step_bytes, 4 * v * d, rows=b, int8_rows=int8_screen)
             row = {
                 "case": case, "batch": b, "engine": name, "tok/s": tps, "GB/s": nbytes * new / sec / 1e9,
                 "same tokens as HF": None if hf_out is None else outs[name].tolist() == hf_out.tolist(),
