@@ -166,6 +166,7 @@ def run_decode_bench(
     """
     from .. import kernels
     from ..models import GPT2, GPT2Config, fast_inference
+    from ..runtime.linear import int8_screens_rows
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -182,7 +183,7 @@ def run_decode_bench(
         prompt, new = 32, 64
     d, f, v = cfg.d_model, cfg.hidden_size, cfg.vocab_size
     step_bytes = 4 * (cfg.n_layers * (4 * d * d + 2 * d * f) + v * d)  # every matrix once per step
-    int8_screen = kernels.cpu.has("avx512_vnni", "amx_int8")  # GreedyHead's screen of several rows
+    int8_screen = int8_screens_rows()  # GreedyHead's screen of several rows
     folder = gpt2_folder(cfg, out)
     model = GPT2.from_pretrained(folder).eval()
     fast = fast_inference(model, dtype=torch.float32)

@@ -24,7 +24,7 @@ from .rows import EPILOGUE, ffn_hidden, kernels_on
 
 __all__ = [
     "PackedLinear", "Int8Linear", "DenseLinear", "OneDNNLinear", "GreedyHead", "SKINNY_MAX_ROWS", "skinny_max_rows", "NO_SCALE",
-    "quantize_rows", "int8_linear_reference",
+    "quantize_rows", "int8_linear_reference", "int8_screens_rows",
 ]  # fmt: skip
 
 
@@ -192,6 +192,12 @@ def skinny_max_rows() -> int:
 NO_SCALE = torch.empty(0)  # the scale argument of a float linear in the kernels' calls
 
 
+def int8_screens_rows() -> bool:
+    """Whether :class:`GreedyHead` screens several rows with int8 activations by default: CPUs with AVX512_VNNI or
+    AMX-INT8 (``int8_linear``'s ``vpdpbusd``)."""
+    return kernels.cpu.has("avx512_vnni", "amx_int8")
+
+
 class GreedyHead:
     """``argmax(x @ weight.T + bias)`` per row, equal to the float32 argmax, reading the weight in 16 bits.
 
@@ -268,7 +274,7 @@ class GreedyHead:
         self.bound = _screen_bound(w, w16d, rounded_x=screen == torch.bfloat16)
         self.packed = kernels.ops().pack_linear_weight(w16) if self.usable else None
         if int8_rows is None:
-            int8_rows = kernels.cpu.has("avx512_vnni", "amx_int8")
+            int8_rows = int8_screens_rows()
         int8_rows = int8_rows and w.shape[1] <= 2**16
         self.q = self.scale = self.bound1 = self.packed1 = None  # the int8 screen of a single row
         self.quads = self.colsum = self.bound_q = None  # and of several rows with int8 activations
