@@ -303,7 +303,8 @@ def gpt2_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding: 
     against llama.cpp f32 / bf16 / f16 on the ``decode`` job's model and lengths (``gpt2_decoding(quick, work)``:
     :func:`sublayer.bench.jobs.gpt2_decoding`), all interleaved in one run per batch size. Rows: ours fp32 vs
     llama.cpp f32, ours bf16 vs llama.cpp f16 and vs bf16, each saying whether its tokens equal our fp32 ones (and
-    the fraction that does where some differ).
+    the fraction that does where some differ: the random weights leave near-ties, top-2 logit margins down to
+    1e-4, where another summation order picks the runner-up and the rest of that row follows it).
 
     Raises:
         ValueError: the peers environment is not built (``--peers-env DIR``): llama.cpp is this job's only peer.
