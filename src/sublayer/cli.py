@@ -408,8 +408,9 @@ def bench(
         "it starts), and report each ratio's busy / quiet."
     ),
     peers_env: Optional[Path] = typer.Option(
-        None, "--peers-env", help="With --only llama: the llama.cpp side environment (a venv with llama-cpp-python "
-        "built from source), built there on first use by benchmarks/peers_env.sh (default: .peers-env, not built)."
+        None, "--peers-env", help="With --only llama or gpt2-llamacpp: the llama.cpp side environment (a venv "
+        "with llama-cpp-python built from source), built there on first use by benchmarks/peers_env.sh "
+        "(default: .peers-env, not built)."
     ),
     ov_env: Optional[Path] = typer.Option(
         None, "--ov-env", help="With --only ov-embed,ov-decode: the OpenVINO side environment (a venv with openvino, "

@@ -61,8 +61,16 @@ def test_bad_tokenizer_size_and_gguf_type(tmp_path):
 
 
 def test_only_the_named_jobs_run_the_llama_ones():
-    assert set(jobs.DEFAULT_JOBS) | {"llama", "llama-train", "ov-embed", "ov-decode"} == set(jobs.JOBS)
-    assert not any(n.startswith(("llama", "ov-")) for n in jobs.DEFAULT_JOBS)
+    assert set(jobs.DEFAULT_JOBS) | {"llama", "llama-train", "gpt2-llamacpp", "ov-embed", "ov-decode"} == set(jobs.JOBS)
+    assert not any(n.startswith(("llama", "ov-", "gpt2-")) for n in jobs.DEFAULT_JOBS)
+
+
+def test_the_gpt2_llama_cpp_job_without_the_peers_env_says_how_to_build_it(tmp_path, monkeypatch):
+    llama.use_peers_env(None)
+    monkeypatch.chdir(tmp_path)  # no .peers-env here: llama.cpp, the job's only peer, is missing
+    with pytest.raises(ValueError, match=r"gpt2-llamacpp needs llama.cpp \(--peers-env DIR\): no peers environment at "
+                       r"\.peers-env \(build it: benchmarks/peers_env.sh \.peers-env\)"):  # fmt: skip
+        jobs.run_jobs(quick=True, reps=1, only="gpt2-llamacpp", work=tmp_path / "work")
 
 
 @pytest.mark.skipif(not llama.PEERS.ready(llama.peers_env()), reason="no llama.cpp peers env (benchmarks/peers_env.sh)")
@@ -76,3 +84,18 @@ def test_llama_cpp_decodes_the_converted_ggufs_with_hf_fp32_tokens(tmp_path):
     fp32 = [r for r in rows if r.case.endswith("Llama.generate")]
     assert all(r.extra["llama.cpp f32 fraction equal to HF fp32"] == 1.0 for r in fp32)
     assert {r.base for r in rows} == {"llama.cpp f32", "llama.cpp bf16", "llama.cpp q8_0"}
+
+
+@pytest.mark.skipif(not llama.PEERS.ready(llama.peers_env()), reason="no llama.cpp peers env (benchmarks/peers_env.sh)")
+@pytest.mark.filterwarnings("ignore")
+def test_llama_cpp_decodes_the_gpt2_folder_converted_with_our_fp32_tokens(tmp_path):
+    rows = jobs.run_jobs(quick=True, reps=1, only="gpt2-llamacpp", work=tmp_path / "work")
+    assert [(r.case, r.dtype) for r in rows] == [
+        (f"GPT-2 greedy decoding, batch {b} vs llama.cpp {t}", dt)
+        for b in (1, 8) for dt, t in (("fp32", "f32"), ("bf16", "f16"), ("bf16", "bf16"))]  # fmt: skip
+    for r in rows:
+        assert r.times_ms[r.base] > 0 and r.times_ms["sublayer"] > 0 and r.ratio() is not None
+    fp32 = [r for r in rows if r.dtype == "fp32"]
+    assert all(r.extra["llama.cpp f32 same tokens as our fp32"] for r in fp32)
+    assert not any("fp32 same tokens as our fp32" in r.extra for r in fp32)
+    assert all(isinstance(r.extra[f"{r.base} same tokens as our fp32"], bool) for r in rows)

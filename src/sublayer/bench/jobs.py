@@ -31,6 +31,9 @@ inputs and weights; ratio = the peer's time / sublayer's (> 1: sublayer is faste
   :func:`sublayer.hf.patch` against unpatched (:mod:`sublayer.bench.hfpatch`).
 * ``llama``, ``llama-train`` (run only when named in ``only``): a SmolLM-135M-shaped Llama, greedy decoding against
   llama.cpp and HF ``generate``, and an AdamW step against HF ``labels=`` (:mod:`sublayer.bench.llama`).
+* ``gpt2-llamacpp`` (run only when named in ``only``; needs llama.cpp's peers environment): the ``decode`` job's
+  GPT-2, ``GPT2.generate`` fp32 and ``fast_inference(model, dtype=torch.bfloat16)`` against llama.cpp f32, f16 and
+  bf16 (GGUFs converted from the same folder), batch 1 and 8 (:func:`sublayer.bench.llama.gpt2_rows`).
 * ``ov-embed``, ``ov-decode`` (run only when named in ``only``): MiniLM embeddings and GPT-2 greedy decoding against
   OpenVINO and OpenVINO GenAI, f32 / bf16 / int8 weights, run from a side environment
   (:mod:`sublayer.bench.openvino_peer`).
@@ -63,8 +66,8 @@ from .harness import (Row, adamw_step, bert_batch, busy_neighbour, command_line,
                       machine, mean_pool, padded_batch, summarize, time_interleaved, write_report)  # fmt: skip
 
 __all__ = [
-    "DEFAULT_JOBS", "JOBS", "ct2_generator", "decoding_switch", "gpt2_decoding", "gpt2_folder", "llama_rows",
-    "llama_train_rows", "padding_switch", "run_jobs", "switched",
+    "DEFAULT_JOBS", "JOBS", "ct2_generator", "decoding_switch", "gpt2_decoding", "gpt2_folder", "gpt2_llamacpp_rows",
+    "llama_rows", "llama_train_rows", "padding_switch", "run_jobs", "switched",
 ]  # fmt: skip
 
 DROPOUT = 0.1
@@ -441,6 +444,8 @@ llama_rows = _job(".llama", "decode_rows", "Llama decoding against llama.cpp and
                   "(:func:`sublayer.bench.llama.decode_rows`).")  # fmt: skip
 llama_train_rows = _job(".llama", "train_rows", "A Llama training step against HF "
                         "(:func:`sublayer.bench.llama.train_rows`).")  # fmt: skip
+gpt2_llamacpp_rows = _job(".llama", "gpt2_rows", "GPT-2 decoding, fp32 and bf16, against llama.cpp f32 / bf16 / "
+                          "f16 (:func:`sublayer.bench.llama.gpt2_rows`).", gpt2_decoding=gpt2_decoding)  # fmt: skip
 ov_embed_rows = _job(".openvino_peer", "embed_rows", "MiniLM embeddings against OpenVINO f32 / bf16 and HF "
                      "(:func:`sublayer.bench.openvino_peer.embed_rows`).")  # fmt: skip
 ov_decode_rows = _job(".openvino_peer", "decode_rows", "GPT-2 decoding against OpenVINO GenAI "
@@ -451,7 +456,7 @@ JOBS: dict[str, Callable[..., list[Row]]] = {
     "decode": decode_rows, "translate": translate_rows, "train": train_rows, "int8": int8_rows, "embed": embed_rows,
     "hf": hf_rows,
     "demo": demo_rows,
-    "llama": llama_rows, "llama-train": llama_train_rows,
+    "llama": llama_rows, "llama-train": llama_train_rows, "gpt2-llamacpp": gpt2_llamacpp_rows,
     "ov-embed": ov_embed_rows, "ov-decode": ov_decode_rows,
 }  # fmt: skip
 # what runs without --only (the Llama and OpenVINO jobs are asked for by name: their peers live in side envs)
@@ -501,9 +506,11 @@ def run_jobs(*, quick: bool = False, reps: int | None = None, only: str | None =
         title = "sublayer Llama (SmolLM-135M shape) vs llama.cpp and HF" if llama else "sublayer whole jobs vs peers"
         if all(n.startswith("ov-") for n in names):
             title = "sublayer vs OpenVINO and OpenVINO GenAI (MiniLM embedding, GPT-2 decoding)"
+        if names == ["gpt2-llamacpp"]:
+            title = "sublayer GPT-2 greedy decoding vs llama.cpp (f32, f16, bf16 GGUF)"
         title += (", quiet and beside a busy process" if contention else "") + (" (quick: tiny shapes)" if quick else "")
         info = machine()
-        if any(n.startswith("llama") for n in names):
+        if any(n.startswith("llama") or n == "gpt2-llamacpp" for n in names):
             from .llama import peer_versions
 
             info["versions"].update(peer_versions())

@@ -36,7 +36,7 @@ import torch
 from .harness import Row, SideEnv, adamw_step, padded_batch, time_interleaved
 
 __all__ = [
-    "EMBED_SCALE", "GGUF_TYPES", "PEERS", "QUICK", "SMOLLM_135M", "LlamaCpp", "decode_rows", "gguf_file",
+    "EMBED_SCALE", "GGUF_TYPES", "PEERS", "QUICK", "SMOLLM_135M", "LlamaCpp", "decode_rows", "gguf_file", "gpt2_rows",
     "llama_folder", "peer_versions", "peers_env", "train_rows", "use_peers_env", "write_tokenizer",
 ]  # fmt: skip
 
@@ -108,9 +108,34 @@ def llama_folder(quick: bool, work: str | os.PathLike) -> Path:
     return folder
 
 
-def gguf_file(folder: Path, outtype: str, env: Path) -> Path:
+# llama.cpp's converter, run with a BPE vocabulary it does not know (a benchmark's toy tokenizer, whose hash names no
+# model): argv = converter, pre-tokenizer name, the converter's arguments; an empty merge list gets one merge (the
+# loader wants some), a GPT-2 config without ``n_ctx`` gets ``n_positions``
+_CONVERT_AS = """
+import runpy, sys
+conv, pre = sys.argv[1:3]
+sys.path.insert(0, conv.rsplit("/", 1)[0])
+from conversion.base import TextModel, gguf
+from conversion.gpt2 import GPT2Model
+TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+vocab_init, gpt2_params = gguf.SpecialVocab.__init__, GPT2Model.set_gguf_parameters
+def special_init(self, *a, **k):
+    vocab_init(self, *a, **k)
+    self.merges = self.merges or ["t 0"]
+def set_params(self):
+    self.hparams.setdefault("n_ctx", self.hparams["n_positions"])
+    gpt2_params(self)
+gguf.SpecialVocab.__init__, GPT2Model.set_gguf_parameters = special_init, set_params
+sys.argv = [conv, *sys.argv[3:]]
+runpy.run_path(conv, run_name="__main__")
+"""
+
+
+def gguf_file(folder: Path, outtype: str, env: Path, *, pre: str | None = None) -> Path:
     """llama.cpp's conversion of the HF ``folder`` to GGUF ``outtype`` (f32, q8_0, bf16, f16) beside it, made
-    once with the converter of the peers environment ``env``.
+    once with the converter of the peers environment ``env``. ``pre``: the BPE pre-tokenizer to record (e.g.
+    ``"gpt-2"``) for a toy byte-level vocabulary the converter does not recognise (the GPT-2 folder of
+    :func:`sublayer.bench.jobs.gpt2_folder`); the benchmarks feed token ids, so only the weights matter.
 
     Raises:
         ValueError: ``outtype`` is not one of :data:`GGUF_TYPES`. RuntimeError: the converter failed (its output).
@@ -119,8 +144,9 @@ def gguf_file(folder: Path, outtype: str, env: Path) -> Path:
         raise ValueError(f"outtype must be one of {', '.join(GGUF_TYPES)}, got {outtype!r}")
     out = folder.parent / f"{folder.name}-{outtype}.gguf"
     if not out.is_file():
-        cmd = [str(env / "bin" / "python"), str(env / "converter" / "convert_hf_to_gguf.py"), str(folder),
-               "--outtype", outtype, "--outfile", str(out) + ".tmp"]  # fmt: skip
+        converter = str(env / "converter" / "convert_hf_to_gguf.py")
+        cmd = [str(env / "bin" / "python"), *(("-c", _CONVERT_AS, converter, pre) if pre else (converter,)),
+               str(folder), "--outtype", outtype, "--outfile", str(out) + ".tmp"]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"convert_hf_to_gguf.py --outtype {outtype} failed:\n{done.stderr[-3000:]}")
@@ -164,6 +190,30 @@ class LlamaCpp:
         self._err.close()
 
 
+def _llama_cpp(folder: Path, types: tuple[str, ...], n_ctx: int, work: Path, notes: dict[str, str],
+               pre: str | None = None) -> tuple[LlamaCpp | None, dict[str, Path]]:
+    """llama.cpp's worker with ``folder`` converted to each GGUF type of ``types`` loaded for batch 1 and 8 (keys
+    ``"{type}/{batch}"``) and the GGUF files; (None, {}) with ``notes["llama.cpp"]`` saying why where it cannot
+    run (no peers environment, a failed conversion or load)."""
+    env = peers_env()
+    if not PEERS.build(env, print):
+        notes["llama.cpp"] = f"no peers environment at {env} (build it: benchmarks/peers_env.sh {env})"
+        return None, {}
+    cpp = None
+    try:
+        ggufs = {t: gguf_file(folder, t, env, pre=pre) for t in types}
+        cpp = LlamaCpp(env, work / "llamacpp-worker.log")
+        for b in (1, 8):
+            for t, path in ggufs.items():
+                cpp.load(f"{t}/{b}", path, n_seq=b, n_ctx=n_ctx, threads=torch.get_num_threads())
+    except RuntimeError as e:
+        notes["llama.cpp"] = str(e).splitlines()[0]
+        if cpp is not None:
+            cpp.close()
+        return None, {}
+    return cpp, ggufs
+
+
 def _fast(model, log_notes: dict[str, str], name: str, **kw):
     """``fast_inference(model, **kw)``, or None with a note when it refuses a Llama (TypeError)."""
     from sublayer.models import fast_inference
@@ -182,7 +232,6 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     from sublayer.models import Llama
 
     prompt, new = (8, 8) if quick else (32, 64)
-    threads = torch.get_num_threads()
     folder = llama_folder(quick, work)
     ours = Llama.from_pretrained(folder).eval()
     cfg = ours.config
@@ -194,20 +243,7 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     hf_bf16 = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     for m in (hf, hf_bf16):  # no end token: every implementation makes `new` tokens a row
         m.generation_config.eos_token_id = None
-    env = peers_env()
-    cpp, ggufs = None, {}
-    if PEERS.build(env, print):
-        try:
-            ggufs = {t: gguf_file(folder, t, env) for t in GGUF_TYPES}
-            cpp = LlamaCpp(env, Path(work) / "llamacpp-worker.log")
-            for b in (1, 8):
-                for t, path in ggufs.items():
-                    cpp.load(f"{t}/{b}", path, n_seq=b, n_ctx=prompt + new, threads=threads)
-        except RuntimeError as e:
-            notes["llama.cpp"] = str(e).splitlines()[0]
-            cpp = None
-    else:
-        notes["llama.cpp"] = f"no peers environment at {env} (build it: benchmarks/peers_env.sh {env})"
+    cpp, ggufs = _llama_cpp(folder, GGUF_TYPES, prompt + new, Path(work), notes)
     shape = (f"{cfg.n_layers}L d{cfg.d_model} {cfg.n_heads}h/{cfg.kv_heads}kv V{cfg.vocab_size}, "
              f"prompt {prompt} + {new}")  # fmt: skip
     rows = []
@@ -259,6 +295,53 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     finally:
         if cpp is not None:
             cpp.close()
+    return rows
+
+
+def gpt2_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding: Callable) -> list[Row]:
+    """GPT-2 greedy decoding, batch 1 and 8: ``GPT2.generate`` fp32 and ``fast_inference(dtype=torch.bfloat16)``
+    against llama.cpp f32 / bf16 / f16 on the ``decode`` job's model and lengths (``gpt2_decoding(quick, work)``:
+    :func:`sublayer.bench.jobs.gpt2_decoding`), all interleaved in one run per batch size. Rows: ours fp32 vs
+    llama.cpp f32, ours bf16 vs llama.cpp f16 and vs bf16, each saying whether its tokens equal our fp32 ones (and
+    the fraction that does where some differ: the random weights leave near-ties, top-2 logit margins down to
+    1e-4, where another summation order picks the runner-up and the rest of that row follows it).
+
+    Raises:
+        ValueError: the peers environment is not built (``--peers-env DIR``): llama.cpp is this job's only peer.
+    """
+    from sublayer.models import fast_inference
+
+    cfg, prompt, new, folder, ours = gpt2_decoding(quick, work)
+    notes: dict[str, str] = {}
+    types = ("f32", "bf16", "f16")
+    cpp, _ = _llama_cpp(folder, types, prompt + new, Path(work), notes, pre="gpt-2")
+    if cpp is None:
+        raise ValueError(f"gpt2-llamacpp needs llama.cpp (--peers-env DIR): {notes['llama.cpp']}")
+    bf16 = fast_inference(ours, dtype=torch.bfloat16)
+    shape = f"{cfg.n_layers}L d{cfg.d_model} V{cfg.vocab_size}, prompt {prompt} + {new}"
+    rows = []
+    try:
+        for b in (1, 8):
+            ids = torch.randint(0, cfg.vocab_size - 1, (b, prompt), generator=torch.Generator().manual_seed(b))
+            fns = {f"sublayer {k}": (lambda m=m, ids=ids: m.generate(ids, new, eos_token_id=None)[:, prompt:])
+                   for k, m in (("fp32", ours), ("bf16", bf16))}  # fmt: skip
+            fns |= {f"llama.cpp {t}": (lambda t=t, b=b, ids=ids: cpp.generate(f"{t}/{b}", ids.tolist(), new))
+                    for t in types}  # fmt: skip
+            outs = {k: f() for k, f in fns.items()}  # the warm-up
+            res = time_interleaved(fns, reps, 0)
+            for dt, peer in (("fp32", "llama.cpp f32"), ("bf16", "llama.cpp f16"), ("bf16", "llama.cpp bf16")):
+                row = Row(f"GPT-2 greedy decoding, batch {b} vs {peer}", shape, dt, "generate", base=peer,
+                          work=float(b * new), unit="tok")  # fmt: skip
+                row.fill({"sublayer": res[f"sublayer {dt}"], peer: res[peer]})
+                for k in (f"sublayer {dt}", peer)[dt == "fp32" :]:
+                    equal = float((outs[k] == outs["sublayer fp32"]).float().mean())
+                    name = k.removeprefix("sublayer ")
+                    row.extra[f"{name} same tokens as our fp32"] = equal == 1.0
+                    if equal < 1.0:  # random weights: near-ties, a different summation order can flip one
+                        row.extra[f"{name} fraction equal to our fp32"] = round(equal, 3)
+                rows.append(row)
+    finally:
+        cpp.close()
     return rows
 
 
