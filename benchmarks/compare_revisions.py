@@ -60,12 +60,12 @@ def export(rev: str, dest: Path) -> str:
 
 
 def make_driver(dest: Path) -> Path:
-    """This checkout's harness.py, jobs.py and ct2_worker.py (the CTranslate2 worker jobs.py starts) as the package
-    ``sublayer_jobs_driver`` under ``dest``."""
+    """This checkout's harness.py, jobs.py, ct2_worker.py and worker_loop.py (the CTranslate2 worker jobs.py starts
+    and its loop) as the package ``sublayer_jobs_driver`` under ``dest``."""
     pkg = dest / DRIVER_PACKAGE
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    for name in ("harness.py", "jobs.py", "ct2_worker.py"):
+    for name in ("harness.py", "jobs.py", "ct2_worker.py", "worker_loop.py"):
         shutil.copy(BENCH / name, pkg / name)
     return dest
 

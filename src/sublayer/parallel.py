@@ -68,6 +68,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 + TP's strided shard (torch >= 2.5)
 
 from .nn.attention import MultiHeadAttention
 from .nn.blocks import DecoderBlock, EncoderBlock
@@ -76,10 +77,6 @@ from .nn.norm import LayerNorm, RMSNorm
 from .nn.residual import AddNorm
 from .nn.stacks import TransformerDecoder, TransformerEncoder
 
-try:  # the strided shard that FSDP2 + TP use internally; public-ish since torch 2.5
-    from torch.distributed.tensor.placement_types import _StridedShard
-except ImportError:  # pragma: no cover - very old torch
-    _StridedShard = None
 
 __all__ = [
     "tensor_parallel",
@@ -233,8 +230,6 @@ class GatedColwiseParallel(ColwiseParallel):
     needs — while ``full_tensor()`` keeps the original order."""
 
     def _partition_linear_fn(self, name, module, device_mesh):
-        if _StridedShard is None:  # pragma: no cover
-            raise RuntimeError("gated FFN tensor parallelism needs torch.distributed.tensor _StridedShard (torch>=2.5)")
         for pname, param in module.named_parameters():
             dist_param = nn.Parameter(
                 distribute_tensor(

@@ -43,6 +43,20 @@ def test_encode_matches_the_reference(norm_first, activation, d_model, n_heads, 
         assert torch.equal(got[mask], torch.zeros(int(mask.sum()), d_model))  # as the padding-free reference
 
 
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_encode_matches_the_reference_with_left_padding_and_a_row_of_padding_only(norm_first):
+    m = _model(15, 3, norm_first=norm_first)
+    src, _ = _src()
+    mask = torch.zeros(5, 7, dtype=torch.bool)
+    mask[0, :3] = True  # left padding
+    mask[2] = True  # no real token
+    with torch.no_grad():
+        ref = m.encode(src, src_key_padding_mask=mask)
+    got = fast_encode.encode(m, src, mask)
+    torch.testing.assert_close(got, ref)
+    assert torch.equal(got[mask], torch.zeros(int(mask.sum()), 15))
+
+
 def test_encode_without_a_final_norm():
     m = _model(15, 3, norm_first=True)
     m.encoder.norm = None  # a pre-norm stack that ends on its last residual add

@@ -8,6 +8,7 @@ functions: the whole-job driver of ``benchmarks/compare_revisions.py`` runs this
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import importlib.metadata
 import platform
@@ -32,7 +33,7 @@ except ImportError:
 __all__ = [
     "CLOCKS", "Row", "SideEnv", "Timing", "adamw_step", "bert_batch", "busy_neighbour", "command_line", "contention_table",
     "copy_gbps", "cpu_info", "cpu_kind", "ct2_greedy", "machine", "mean_pool", "padded_batch", "report_markdown", "report_path", "saved_bytes", "set_clock",
-    "summarize", "time_interleaved", "write_report",
+    "summarize", "time_interleaved", "write_report", "Worker",
 ]  # fmt: skip
 
 # what a timing measures: "wall" (time.perf_counter) or "cpu" (this process's CPU time, page faults included; with
@@ -197,12 +198,12 @@ def ct2_greedy(gen, toks: list[list[str]], new: int) -> list[list[int]]:
     return [r.sequences_ids[0] for r in res]
 
 
-def adamw_step(model: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> Callable[[], None]:
-    """One training step: ``loss().backward()``, an AdamW step (lr 1e-4, its own optimizer), ``zero_grad``.
+def adamw_step(model: torch.nn.Module, loss: Callable[[], torch.Tensor], lr: float = 1e-4) -> Callable[[], None]:
+    """One training step: ``loss().backward()``, an AdamW step (``lr``, its own optimizer), ``zero_grad``.
 
     The optimizer is ``torch.optim.AdamW(..., fused=True)``, what HF's ``Trainer`` uses by default
     (``optim="adamw_torch_fused"``), on every side of a comparison."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
 
     def step() -> None:
         loss().backward()
@@ -258,6 +259,37 @@ class SideEnv:
             if done.returncode != 0:
                 log(f"{self.what} build failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
         return self.ready(env)
+
+
+class Worker:
+    """A peer in a worker process of its own: ``python`` runs the script ``WORKER`` beside this file, which answers
+    the JSON lines of :mod:`sublayer.bench.worker_loop`; its stderr goes to ``log_file`` (None: this process's).
+    ``NAME`` is the peer's name in errors."""
+
+    WORKER = NAME = ""
+
+    def __init__(self, python: str | os.PathLike, log_file: Path | None = None) -> None:
+        self._err = None if log_file is None else open(log_file, "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen([str(python), str(Path(__file__).with_name(self.WORKER))], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._err, text=True)  # fmt: skip
+
+    def ask(self, **req) -> dict:
+        """The worker's answer to ``req``; RuntimeError where it answers an error or has exited."""
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.NAME} worker exited (see {getattr(self._err, 'name', 'its stderr')})")
+        ans = json.loads(line)
+        if "error" in ans:
+            raise RuntimeError(f"{self.NAME} worker: {ans['error']}")
+        return ans
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        if self._err is not None:
+            self._err.close()
 
 
 # --- the report ------------------------------------------------------------------------------------------------

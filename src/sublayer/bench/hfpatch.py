@@ -25,22 +25,17 @@ from pathlib import Path
 
 import torch
 
-from .harness import Row, padded_batch, time_interleaved
+from .harness import Row, adamw_step, padded_batch, time_interleaved
 
 __all__ = ["hf_rows"]
 
 
 def _step(model: torch.nn.Module, batch: dict, bf16: bool) -> Callable[[], None]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)  # Trainer's default optim, adamw_torch_fused
-
-    def step() -> None:
+    def loss() -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            return model(**batch).loss
 
-    return step
+    return adamw_step(model, loss, lr=1e-5)
 
 
 def _pair(model: torch.nn.Module):

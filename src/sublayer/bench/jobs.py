@@ -53,7 +53,6 @@ import dataclasses
 import importlib
 import io
 import json
-import subprocess
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -63,7 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from .harness import (Row, adamw_step, bert_batch, busy_neighbour, command_line, contention_table, cpu_info, ct2_greedy,
-                      machine, mean_pool, padded_batch, summarize, time_interleaved, write_report)  # fmt: skip
+                      machine, mean_pool, padded_batch, summarize, time_interleaved, Worker, write_report)  # fmt: skip
 
 __all__ = [
     "DEFAULT_JOBS", "JOBS", "ct2_generator", "decoding_switch", "gpt2_decoding", "gpt2_folder", "gpt2_llamacpp_rows",
@@ -141,7 +140,7 @@ def ct2_generator(folder: Path, compute_type: str = "float32"):
     return Ct2Generator(ct2, compute_type, torch.get_num_threads())
 
 
-class Ct2Generator:
+class Ct2Generator(Worker):
     """CTranslate2's ``Generator`` on the converted folder ``path``, run in a process of its own (``ct2_worker.py``; its
     ``generate_batch`` answers as the Generator's: one result a row with ``sequences_ids``).
 
@@ -150,28 +149,19 @@ class Ct2Generator:
     torch and sublayer row timed beside it ran up to a third slower. Out of process, each engine runs as alone.
     """
 
-    def __init__(self, path: Path, compute_type: str, threads: int) -> None:
-        worker = Path(__file__).with_name("ct2_worker.py")
-        self._proc = subprocess.Popen([sys.executable, str(worker), str(path), compute_type, str(threads)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
-        self._answer()  # loaded
+    WORKER, NAME = "ct2_worker.py", "CTranslate2"
 
-    def _answer(self) -> dict:
-        line = self._proc.stdout.readline()
-        out = json.loads(line) if line else {"error": f"exited with {self._proc.wait()}"}
-        if "error" in out:
-            raise RuntimeError(f"CTranslate2 worker: {out['error']}")
-        return out
+    def __init__(self, path: Path, compute_type: str, threads: int) -> None:
+        super().__init__(sys.executable)
+        self.ask(op="load", path=str(path), compute_type=compute_type, threads=threads)
 
     def generate_batch(self, tokens: list[list[str]], **kw) -> list:
-        self._proc.stdin.write(json.dumps({"tokens": tokens, "kw": kw}) + "\n")
-        self._proc.stdin.flush()
-        return [types.SimpleNamespace(sequences_ids=ids) for ids in self._answer()["ids"]]
+        ans = self.ask(op="generate", tokens=tokens, kw=kw)
+        return [types.SimpleNamespace(sequences_ids=ids) for ids in ans["ids"]]
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            self._proc.stdin.close()
-            self._proc.wait(5)
+            self.close()
 
 
 def gpt2_decoding(quick: bool, work: Path):

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .harness import Row, SideEnv, adamw_step, padded_batch, time_interleaved
+from .harness import Row, SideEnv, Worker, adamw_step, padded_batch, time_interleaved
 
 __all__ = [
     "EMBED_SCALE", "GGUF_TYPES", "PEERS", "QUICK", "SMOLLM_135M", "LlamaCpp", "decode_rows", "gguf_file", "gpt2_rows",
@@ -154,40 +154,20 @@ def gguf_file(folder: Path, outtype: str, env: Path, *, pre: str | None = None) 
     return out
 
 
-class LlamaCpp:
+class LlamaCpp(Worker):
     """llama.cpp in a worker process (:mod:`sublayer.bench.llamacpp_worker`) run by the peers environment's
-    python: ``load`` GGUF files, ``generate`` greedy tokens. (``WORKER``, ``NAME``: the script beside this file
-    and the peer's name in errors, for other peers' workers that answer the same JSON lines.)"""
+    python: ``load`` GGUF files, ``generate`` greedy tokens."""
 
     WORKER, NAME = "llamacpp_worker.py", "llama.cpp"
 
     def __init__(self, env: Path, log_file: Path):
-        worker = Path(__file__).with_name(self.WORKER)
-        self._err = open(log_file, "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen([str(env / "bin" / "python"), str(worker)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._err, text=True)  # fmt: skip
-
-    def ask(self, **req) -> dict:
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the {self.NAME} worker exited (see {self._err.name})")
-        ans = json.loads(line)
-        if "error" in ans:
-            raise RuntimeError(f"{self.NAME} worker: {ans['error']}")
-        return ans
+        super().__init__(env / "bin" / "python", log_file)
 
     def load(self, key: str, path: Path, *, n_seq: int, n_ctx: int, threads: int) -> None:
         self.ask(op="load", key=key, path=str(path), n_seq=n_seq, n_ctx=n_ctx, threads=threads)
 
     def generate(self, key: str, prompts: list[list[int]], new: int) -> torch.Tensor:
         return torch.tensor(self.ask(op="generate", key=key, prompts=prompts, new=new)["tokens"])
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-        self._err.close()
 
 
 def _llama_cpp(folder: Path, types: tuple[str, ...], n_ctx: int, work: Path, notes: dict[str, str],

@@ -1,8 +1,8 @@
 """llama.cpp's greedy decoding for the Llama benchmark, in a process of its own.
 
 Run by :mod:`sublayer.bench.llama` with the python of the peers environment (``benchmarks/peers_env.sh``: a venv
-with ``llama-cpp-python`` built from source); it imports ``llama_cpp`` and numpy only, never sublayer or torch.
-It answers JSON lines on stdin, one JSON line each on stdout:
+with ``llama-cpp-python`` built from source); it imports ``llama_cpp``, numpy and
+:mod:`sublayer.bench.worker_loop` only, never sublayer or torch. It answers that loop's JSON lines:
 
 * ``{"op": "versions"}`` -> ``{"llama-cpp-python": ..., "system_info": ...}``;
 * ``{"op": "load", "key": K, "path": GGUF, "n_seq": S, "n_ctx": C, "threads": N}`` -> ``{"ok": true}``: a model
@@ -11,16 +11,13 @@ It answers JSON lines on stdin, one JSON line each on stdout:
   greedy decoding of all rows at once, llama.cpp's batched decoding (one ``llama_decode`` a step over every
   sequence, each its own ``seq_id``, as llama.cpp's ``batched`` example): the prompts in one batch, then M - 1
   steps; the argmax of each row's logits is its next token (no end token: M tokens a row).
-
-An error answers ``{"error": message}``.
 """
 
 import ctypes
-import json
-import sys
 
 import llama_cpp as L
 import numpy as np
+from worker_loop import serve
 
 _LOG = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda level, text, data: None)
 
@@ -71,22 +68,17 @@ def main() -> None:
     L.llama_log_set(_LOG, None)
     L.llama_backend_init()
     models: dict[str, _Model] = {}
-    for line in sys.stdin:
-        req = json.loads(line)
-        try:
-            if req["op"] == "versions":
-                ans = {"llama-cpp-python": L.__version__, "system_info": L.llama_print_system_info().decode().strip()}
-            elif req["op"] == "load":
-                models[req["key"]] = _Model(req["path"], req["n_seq"], req["n_ctx"], req["threads"])
-                ans = {"ok": True}
-            elif req["op"] == "generate":
-                ans = {"tokens": models[req["key"]].generate(req["prompts"], req["new"])}
-            else:
-                ans = {"error": f"unknown op {req['op']!r}"}
-        except Exception as e:  # noqa: BLE001 - every failure goes back to the benchmark as its answer
-            ans = {"error": f"{type(e).__name__}: {e}"}
-        sys.stdout.write(json.dumps(ans) + "\n")
-        sys.stdout.flush()
+
+    def handle(req: dict) -> dict | None:
+        if req["op"] == "versions":
+            return {"llama-cpp-python": L.__version__, "system_info": L.llama_print_system_info().decode().strip()}
+        if req["op"] == "load":
+            models[req["key"]] = _Model(req["path"], req["n_seq"], req["n_ctx"], req["threads"])
+            return {"ok": True}
+        if req["op"] == "generate":
+            return {"tokens": models[req["key"]].generate(req["prompts"], req["new"])}
+
+    serve(handle)
 
 
 if __name__ == "__main__":

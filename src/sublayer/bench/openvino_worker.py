@@ -1,11 +1,12 @@
 """OpenVINO's encoder inference and OpenVINO GenAI's greedy decoding for the benchmark, in a process of its own.
 
 Run by :mod:`sublayer.bench.openvino` with the python of the OpenVINO peers environment
-(``benchmarks/peers_env_openvino.sh``); it imports openvino, openvino_genai and numpy only, never sublayer or torch.
+(``benchmarks/peers_env_openvino.sh``); it imports openvino, openvino_genai, numpy and
+:mod:`sublayer.bench.worker_loop` only, never sublayer or torch.
 Models are OpenVINO IR folders exported beforehand (``optimum-cli export openvino``). Every model is compiled for
 the CPU with ``INFERENCE_PRECISION_HINT`` (``f32`` or ``bf16``), ``INFERENCE_NUM_THREADS`` and
 ``PERFORMANCE_HINT=LATENCY`` set explicitly; the rest is OpenVINO's defaults, which ``load`` reports.
-It answers JSON lines on stdin, one JSON line each on stdout:
+It answers that loop's JSON lines:
 
 * ``{"op": "versions"}`` -> ``{"openvino": ..., "openvino-genai": ...}``;
 * ``{"op": "load_encoder", "key": K, "path": IR folder, "precision": P, "threads": N}`` -> ``{"properties": {...}}``:
@@ -21,16 +22,13 @@ It answers JSON lines on stdin, one JSON line each on stdout:
 * ``{"op": "generate", "key": K, "prompts": [[ids]] (same length), "new": M}`` -> ``{"tokens": [[ids]]}``: greedy
   decoding of all rows at once (``TokenizedInputs``, mask all ones), exactly M new tokens a row (end token
   ignored).
-
-An error answers ``{"error": message}``.
 """
 
-import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import openvino as ov
+from worker_loop import serve
 
 _PROPS = ("INFERENCE_PRECISION_HINT", "INFERENCE_NUM_THREADS", "PERFORMANCE_HINT", "KV_CACHE_PRECISION",
           "DYNAMIC_QUANTIZATION_GROUP_SIZE", "NUM_STREAMS")  # fmt: skip
@@ -59,6 +57,7 @@ class _Encoder:
         self.compiled = core.compile_model(str(Path(path) / "openvino_model.xml"), "CPU", config(precision, threads))
         self.request = self.compiled.create_infer_request()
         self.names = {p.get_any_name() for p in self.compiled.inputs}
+        self.properties = _properties(self.compiled)
         self.inputs: dict = {}
 
     def set_input(self, ids: list, mask: list) -> None:
@@ -99,37 +98,30 @@ class _LLM:
 def main() -> None:
     core = ov.Core()
     models: dict = {}
-    for line in sys.stdin:
-        req = json.loads(line)
-        try:
-            op = req["op"]
-            if op == "versions":
-                import importlib.metadata as md
 
-                ans = {k: md.version(k) for k in ("openvino", "openvino-genai")}
-            elif op == "load_encoder":
-                m = models[req["key"]] = _Encoder(core, req["path"], req["precision"], req["threads"])
-                ans = {"properties": _properties(m.compiled)}
-            elif op == "set_input":
-                models[req["key"]].set_input(req["ids"], req["mask"])
-                ans = {"ok": True}
-            elif op == "embed":
-                models[req["key"]].embed()
-                ans = {"ok": True}
-            elif op == "hidden":
-                np.save(req["out"], models[req["key"]].hidden().astype(np.float32))
-                ans = {"ok": True}
-            elif op == "load_llm":
-                m = models[req["key"]] = _LLM(core, req["path"], req["precision"], req["threads"])
-                ans = {"properties": m.properties}
-            elif op == "generate":
-                ans = {"tokens": models[req["key"]].generate(req["prompts"], req["new"])}
-            else:
-                ans = {"error": f"unknown op {op!r}"}
-        except Exception as e:  # noqa: BLE001 - every failure goes back to the benchmark as its answer
-            ans = {"error": f"{type(e).__name__}: {e}"}
-        sys.stdout.write(json.dumps(ans) + "\n")
-        sys.stdout.flush()
+    def handle(req: dict) -> dict | None:
+        op = req["op"]
+        if op == "versions":
+            import importlib.metadata as md
+
+            return {k: md.version(k) for k in ("openvino", "openvino-genai")}
+        if op in ("load_encoder", "load_llm"):
+            cls = _Encoder if op == "load_encoder" else _LLM
+            m = models[req["key"]] = cls(core, req["path"], req["precision"], req["threads"])
+            return {"properties": m.properties}
+        if op == "generate":
+            return {"tokens": models[req["key"]].generate(req["prompts"], req["new"])}
+        if op == "set_input":
+            models[req["key"]].set_input(req["ids"], req["mask"])
+        elif op == "embed":
+            models[req["key"]].embed()
+        elif op == "hidden":
+            np.save(req["out"], models[req["key"]].hidden().astype(np.float32))
+        else:
+            return None
+        return {"ok": True}
+
+    serve(handle)
 
 
 if __name__ == "__main__":

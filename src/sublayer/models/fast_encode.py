@@ -1,14 +1,15 @@
 """The encoder pass of :meth:`Transformer.translate` on the inference kernels (tested against
 :meth:`Transformer.encode`, which stays the reference).
 
-Per layer: one GEMM for q, k and v together; attention read straight from that GEMM's output by the
-``qkv_self_attention`` kernel (each sequence and head in L1, no transposes, no (B, H, S, S) scores); the output
-projection; residual add + LayerNorm fused (``add_norm_fwd``); the FFN with its bias + activation in place. A
-pre-norm layer's closing residual add is fused with the next LayerNorm (the next layer's first, or the final norm).
+Per layer: one GEMM for q, k and v together; attention read straight from that GEMM's output
+(:func:`sublayer.runtime.encoder.attention`: each sequence on its own rows, no transposes, no (B, H, S, S) scores);
+the output projection; residual add + LayerNorm fused (``add_norm_fwd``); the FFN with its bias + activation in
+place. A pre-norm layer's closing residual add is fused with the next LayerNorm (the next layer's first, or the
+final norm).
 
-With a padding mask only the real tokens go through the GEMMs, LayerNorms and FFNs (packed rows, as the
-reference's padding-free path does): q|k|v are scattered into the padded layout for the attention kernel, which
-skips padded keys, and the memory is zero at padded positions. Inference only: no dropout, no autograd.
+With a padding mask only the real tokens go through the GEMMs, the attention, LayerNorms and FFNs (packed rows, as
+the reference's padding-free path does), and the memory is zero at padded positions. Inference only: no dropout,
+no autograd.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import kernels
 from ..functional.packing import Packing
+from ..runtime.encoder import attention, runs
 from ..runtime.rows import ffn_hidden, kernels_on, residual_out
 from . import decoding
 
@@ -80,23 +81,17 @@ def encode(model, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Te
     d = cfg.d_model
     pad = pk = None
     if src_key_padding_mask is not None and bool(src_key_padding_mask.any()):
-        pad = src_key_padding_mask.contiguous()
+        pad = src_key_padding_mask
         pk = Packing(pad)  # the real tokens' rows
     x = model.src_embed.weight.detach()[src] * math.sqrt(d) + model.pos_encoding[:s]  # (B, S, d)
     x = x.reshape(b * s, d) if pk is None else pk.pack(x)
     layers, pre = W["layers"], cfg.norm_first
-    scale = 1.0 / math.sqrt(d // cfg.n_heads)
-    ops = kernels.ops()
+    scale, segments = 1.0 / math.sqrt(d // cfg.n_heads), runs(pad, (b, s))
     h = F.layer_norm(x, (d,), *layers[0]["norms"][0][:2], layers[0]["norms"][0][2]) if pre else x
     for i, L in enumerate(layers):
         # pre-norm: the norm after this layer's FFN is the next layer's first, or the final one (or none)
         after = layers[i + 1]["norms"][0] if i + 1 < len(layers) else W["final"]
-        qkv = F.linear(h, L["qkv"], L["qkv_b"])
-        if pk is not None:  # (N, 3d) -> the padded (B*S, 3d) layout the kernel reads, and back
-            qkv = pk.unpack(qkv).view(b * s, 3 * d)
-        ctx = ops.qkv_self_attention(qkv, pad, cfg.n_heads, s, scale)
-        if pk is not None:
-            ctx = pk.pack(ctx.view(b, s, d))
+        ctx = attention(F.linear(h, L["qkv"], L["qkv_b"]), segments, cfg.n_heads, scale)
         x, h = residual_out(pre, x, F.linear(ctx, *L["out"]), L["norms"][0], L["norms"][1])
         f = ffn_hidden(F.linear(h, L["fc1"][0]), L["fc1"][1], cfg.activation)
         x, h = residual_out(pre, x, F.linear(f, *L["fc2"]), L["norms"][1], after)

@@ -7,9 +7,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from .. import functional as SF
 from ..functional import fused
-from .._checks import check_choice, check_probability, normalize_shape
+from .._checks import check_probability, normalize_shape
 from .norm import make_norm
 
 __all__ = ["AddNorm", "ResidualConnection", "PreNormResidual"]
@@ -27,7 +26,27 @@ class _Residual(nn.Module):
         return f"dropout={self.dropout}"
 
 
-class AddNorm(_Residual):
+class _NormResidual(_Residual):
+    """What the residuals with a norm share: the norm (``norm``: ``"layer"`` or ``"rms"``) over the trailing
+    ``normalized_shape`` dims, ``eps`` None -> the norm's default."""
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        dropout: float = 0.0,
+        *,
+        norm: str = "layer",
+        eps: float | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(dropout)
+        self.normalized_shape = normalize_shape("normalized_shape", normalized_shape)
+        self.norm_type = norm
+        self.norm = make_norm(norm, self.normalized_shape, eps, device=device, dtype=dtype)
+
+
+class AddNorm(_NormResidual):
     """Post-norm Add & Norm: ``norm(x + dropout(y))`` (the Transformer's, BERT's and d2l's).
 
     Args:
@@ -45,21 +64,6 @@ class AddNorm(_Residual):
     Raises:
         ValueError: bad sizes, dropout, norm name; at call time, x/y shape mismatch or wrong trailing dims.
     """
-
-    def __init__(
-        self,
-        normalized_shape: int | Sequence[int],
-        dropout: float = 0.0,
-        *,
-        norm: str = "layer",
-        eps: float | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(dropout)
-        self.normalized_shape = normalize_shape("normalized_shape", normalized_shape)
-        self.norm_type = norm
-        self.norm = make_norm(norm, self.normalized_shape, eps, device=device, dtype=dtype)
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
         n = self.norm
@@ -93,7 +97,7 @@ class ResidualConnection(_Residual):
         return x + fused.dropout(sublayer(x), self.dropout, self.training)  # Philox dropout on the CPU
 
 
-class PreNormResidual(_Residual):
+class PreNormResidual(_NormResidual):
     """Pre-norm residual: ``x + dropout(sublayer(norm(x)))`` (GPT-2, the Annotated Transformer).
 
     A stack of pre-norm blocks needs one final norm after the last block (see ``TransformerEncoder``).
@@ -107,20 +111,6 @@ class PreNormResidual(_Residual):
     Shape:
         x: (..., *normalized_shape); ``sublayer`` must keep the shape.
     """
-
-    def __init__(
-        self,
-        normalized_shape: int | Sequence[int],
-        dropout: float = 0.0,
-        *,
-        norm: str = "layer",
-        eps: float | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        check_choice("norm", norm, SF.NORMS)
-        super().__init__(dropout)
-        self.norm = make_norm(norm, normalized_shape, eps, device=device, dtype=dtype)
 
     def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         return x + fused.dropout(sublayer(self.norm(x)), self.dropout, self.training)  # Philox dropout on the CPU
