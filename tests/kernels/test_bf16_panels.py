@@ -104,6 +104,19 @@ def test_widening_keeps_x_in_float32_and_vdpbf16ps_rounds_it():
         _ops().decode_bf16_dot(int(was))
 
 
+@pytest.mark.parametrize("k", [67, 31, 97])
+def test_x_is_rounded_to_bf16_as_torch_rounds_it(k, path):
+    # an identity weight: each output is one x times 1, exact, so y shows the bits x was multiplied with; x holds
+    # ties to even both ways (1 + 2^-8 -> 1, 1 + 3 * 2^-8 -> 1 + 2^-6), the values either side of them, both signs
+    # and large magnitudes, in the vectorised pairs (k < 32 * (k // 32)) and the odd tail
+    g = _gen(k)
+    ties = torch.tensor([1 + 2.0**-8, 1 + 3 * 2.0**-8, 1 + 2.0**-8 + 2.0**-20, 1 + 2.0**-8 - 2.0**-20, 3.0e38, 7.0])
+    x = torch.randn(5, k, generator=g) * 100
+    x.view(-1)[torch.randperm(5 * k, generator=g)[: 5 * 12]] = torch.cat([ties, -ties]).repeat(5)
+    got = _ops().skinny_linear(x, _ops().pack_linear_weight(torch.eye(k).bfloat16()), None, k)
+    assert torch.equal(got, _x_as_multiplied(x, path))
+
+
 def test_bf16_panels_reject_a_mismatched_packing():
     packed = _ops().pack_linear_weight(torch.randn(17, 5).bfloat16())
     with pytest.raises(RuntimeError, match=r"bfloat16 packed must be \(P, ceil\(K/2\)=4, 16, 2\)"):

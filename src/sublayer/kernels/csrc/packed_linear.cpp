@@ -289,6 +289,27 @@ inline void panels_kernel(const float* x, const int8_t* w, int64_t K, float* acc
 
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
 std::atomic<bool> g_bf16dot{true};  // decode_bf16_dot
+// One row x (K floats) rounded to bf16 as f_to_bf16 does (nearest even, NaN -> 0x7fc0) into ceil(K/2) k pairs
+// (k in the low, k+1 in the high half; an odd K's last pair has a zero high half), 16 at a time.
+inline void bf16_pairs(const float* x, int64_t K, uint32_t* out) {
+  auto round16 = [](__m512 v) {  // 16 floats -> their bf16 bits in the low halves of 16 lanes
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan =
+        _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  };
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m256i lo = _mm512_cvtepi32_epi16(round16(_mm512_loadu_ps(x + k)));
+    const __m256i hi = _mm512_cvtepi32_epi16(round16(_mm512_loadu_ps(x + k + 16)));
+    _mm512_storeu_si512(out + k / 2, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+  }
+  for (; k < K; k += 2)
+    out[k / 2] = uint32_t(f_to_bf16(x[k])) | (k + 1 < K ? uint32_t(f_to_bf16(x[k + 1])) << 16 : 0u);
+}
+
 // Several rows on AVX512_BF16 CPUs: two bf16 panels against R rows of x rounded to bf16 (xb: ceil(K/2) 32-bit k
 // pairs per row), one vdpbf16ps per k pair, panel and row: half the instructions of widening the weights and an
 // FMA per k, which is what several rows are bound by. Each bf16 x bf16 product is exact in float32 and the sums
@@ -301,7 +322,9 @@ inline void panels_kernel_dp(const uint32_t* xb, int64_t K2, const at::BFloat16*
   for (int64_t i = 0; i < K2; ++i) {
     __m512bh wv[NPAN];
     for (int q = 0; q < NPAN; ++q) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + q * stride + i * 32) + 2048, _MM_HINT_T0);
+      // into L2, 4 KB ahead: at 8 rows the vdpbf16ps take as long as the loads, so the panels' lines must be
+      // on their way further ahead than the widening kernels' 2 KB (and L1 keeps x's pairs)
+      _mm_prefetch(reinterpret_cast<const char*>(w + q * stride + i * 32) + 4096, _MM_HINT_T1);
       wv[q] = (__m512bh)_mm512_loadu_si512(w + q * stride + i * 32);
     }
     for (int r = 0; r < R; ++r) {
@@ -377,9 +400,8 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
   std::vector<uint32_t> xb;
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
   if (std::is_same<T, at::BFloat16>::value && pair && g_bf16dot.load()) {
-    xb.assign(M * K2, 0u);
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t k = 0; k < K; ++k) xb[r * K2 + k / 2] |= uint32_t(f_to_bf16(xp[r * ldx + k])) << (16 * (k & 1));
+    xb.resize(M * K2);
+    for (int64_t r = 0; r < M; ++r) bf16_pairs(xp + r * ldx, K, xb.data() + r * K2);
   }
 #endif
   parallel_chunks(n_chunks, [&](int64_t c) {
