@@ -219,6 +219,48 @@ def test_decode_attention_rejects_bad_row_tables():
         _ops().decode_attention(q[:2], k, k.clone(), None, 2, 1.0, q[:2], q[:2], own)
 
 
+@pytest.mark.parametrize("hd", [5, 8, 24])  # the scalar loops; one vector; three vectors per key
+@pytest.mark.parametrize("h_kv", [3, 1])  # one query head per key/value head; grouped-query (3 per head)
+@pytest.mark.parametrize("table", [False, True])
+def test_decode_attention_bfloat16_caches_equal_float32_on_the_rounded_caches(hd, h_kv, table):
+    """bfloat16 caches: the new key/value rounded to bfloat16 (as ``.to(torch.bfloat16)``) and the output that of
+    the float32 kernel over the widened caches (float32 arithmetic, up to the order of a sum), with padding, an
+    all-masked row (zeros), grouped-query heads and a row table."""
+    g = _gen(hd * 7 + h_kv)
+    b, h, cap = 3, 3, 13
+    k = torch.randn(b, h_kv, cap, hd, generator=g).bfloat16()
+    v = torch.randn(b, h_kv, cap, hd, generator=g).bfloat16()
+    mask = torch.zeros(b, cap, dtype=torch.bool)
+    mask[0, :3] = True  # left padding
+    mask[1] = True  # every key masked: zeros
+    for length in (1, 4, 6, 11):  # the four-key blocks' and the 8-wide exp's tails
+        rows = None
+        if table:
+            rows = torch.arange(b)[:, None].repeat(1, cap)
+            rows[0, : min(4, length - 1)] = 2  # row 0 reads its earlier keys from cache row 2
+        q = torch.randn(b, h * hd, generator=g)
+        nk, nv = torch.randn(b, h_kv * hd, generator=g), torch.randn(b, h_kv * hd, generator=g)
+        k32, v32 = k.float(), v.float()
+        want = _ops().decode_attention(q, k32, v32, mask, length, 1 / math.sqrt(hd), nk.bfloat16().float(),
+                                       nv.bfloat16().float(), rows)  # fmt: skip
+        got = _ops().decode_attention(q, k, v, mask, length, 1 / math.sqrt(hd), nk, nv, rows)
+        assert torch.equal(k[:, :, length - 1], nk.view(b, h_kv, hd).to(torch.bfloat16))
+        assert torch.equal(v[:, :, length - 1], nv.view(b, h_kv, hd).to(torch.bfloat16))
+        assert torch.equal(k.float(), k32) and torch.equal(v.float(), v32)
+        assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"length {length}")  # summation order only
+        assert torch.equal(got[1], torch.zeros(h * hd))
+
+
+def test_decode_attention_rejects_mixed_or_other_cache_dtypes():
+    q, k = torch.randn(1, 8), torch.randn(1, 1, 4, 8)
+    with pytest.raises(RuntimeError, match=r"v_cache must have k_cache's dtype Float, got BFloat16"):
+        _ops().decode_attention(q, k, k.bfloat16(), None, 2, 1.0, None, None)
+    with pytest.raises(RuntimeError, match=r"k_cache must be a contiguous 4-D float32 or bfloat16 CPU tensor, got Ha"):
+        _ops().decode_attention(q, k.half(), k.half(), None, 2, 1.0, None, None)
+    with pytest.raises(RuntimeError, match=r"new_k/new_v must be float32"):
+        _ops().decode_attention(q, k.bfloat16(), k.bfloat16(), None, 2, 1.0, q.bfloat16(), q.bfloat16())
+
+
 def _qkv_sdpa(qkv: torch.Tensor, mask, b: int, s: int, h: int) -> torch.Tensor:
     """Reference: (B*S, 3*d) fused projection -> SDPA per sequence with the key padding mask, padded rows zeroed."""
     d = qkv.shape[1] // 3

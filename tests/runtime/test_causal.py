@@ -18,7 +18,7 @@ from sublayer import kernels
 from sublayer.models import Llama
 from sublayer.models import quantized as Q
 from sublayer.models.fast import fast_inference
-from sublayer.runtime import causal
+from sublayer.runtime import causal, kv_cache
 from sublayer.runtime.kv_cache import StaticKVCache, decode_attention
 
 from tests.conftest import reference_decoding
@@ -82,17 +82,17 @@ def test_generate_fast_step_equals_hf_and_the_reference_loop(case, kernels_mode,
 def test_one_call_step_equals_the_per_op_step(case, avx512, panels):
     """causal_decode_layers (every block in C++: RMSNorm, rotary, GQA, gated FFN, optional biases) against the
     per-op step over the same packed weights, with a padding mask and per-row positions; both write the same
-    keys/values (rotated) into caches of the key/value heads only."""
+    keys/values (rotated) into caches of the key/value heads only (bfloat16 caches for bfloat16 panels)."""
     model = Llama.from_hf(make_hf(case))
     W = causal.packed_weights(model, panels)
-    assert W.flat is not None and W.layers[0]["qkv"].packed.dtype == panels
+    assert W.flat is not None and W.layers[0]["qkv"].packed.dtype == panels == W.cache_dtype
     per_op = copy.copy(W)
     per_op.flat = per_op.flat_rows = None
     b, t = 3, 7
     cfg = model.config
 
     def caches():
-        cs = [StaticKVCache(b, cfg.kv_heads, t + 1, cfg.attention_head_dim) for _ in range(cfg.n_layers)]
+        cs = [StaticKVCache(b, cfg.kv_heads, t + 1, cfg.attention_head_dim, dtype=panels) for _ in range(cfg.n_layers)]
         for i, c in enumerate(cs):
             c.k.copy_(torch.randn(c.k.shape, generator=torch.Generator().manual_seed(i)))
             c.v.copy_(torch.randn(c.v.shape, generator=torch.Generator().manual_seed(i + 7)))
@@ -111,10 +111,42 @@ def test_one_call_step_equals_the_per_op_step(case, avx512, panels):
     finally:
         kernels.ops().decode_avx512(int(was))
     assert_close(got, want)
+    assert torch.isfinite(got).all()
     for a, r in zip(c1, c2):
-        assert a.length == r.length == t + 1
+        assert a.length == r.length == t + 1 and a.k.dtype == r.v.dtype == panels
         assert_close(a.k[:, :, : t + 1], r.k[:, :, : t + 1])
         assert_close(a.v[:, :, : t + 1], r.v[:, :, : t + 1])
+
+
+@pytest.mark.skipif(not kernels.enabled(), reason="C++ kernels unavailable")
+@pytest.mark.parametrize("case", ["mha-tied-bias-llama3", "gqa-2-groups-head_dim"])
+def test_bfloat16_engine_generates_over_bfloat16_caches_as_its_reference_loop(case, monkeypatch, steps_taken):
+    """fast_inference(dtype=bfloat16): the caches are bfloat16 and stay finite, and generate (one C++ call a step,
+    decode_attention's kernel) gives the tokens of the per-op step over the same weights with the PyTorch attention
+    (SDPA over the widened bfloat16 caches); left padding, an eos that ends one row early."""
+    monkeypatch.setattr(kernels.cpu, "_native_bf16", True)  # as on an AVX512_BF16/AMX CPU
+    model = Llama.from_hf(make_hf(case))
+    x, mask = _padded(seed=5)
+    caches = []
+    real_cache = causal.StaticKVCache
+    monkeypatch.setattr(causal, "StaticKVCache", lambda *a, **k: caches.append(real_cache(*a, **k)) or caches[-1])
+
+    def run(m, eos=None):
+        return fast_inference(m, dtype=torch.bfloat16).generate(x, 9, attention_mask=mask, eos_token_id=eos,
+                                                                 pad_token_id=PAD)  # fmt: skip
+
+    got = run(model)
+    assert steps_taken and caches and all(c.k.dtype == c.v.dtype == torch.bfloat16 for c in caches)
+    assert all(torch.isfinite(c.k[:, :, : c.length]).all() and torch.isfinite(c.v[:, :, : c.length]).all()
+               for c in caches)  # fmt: skip
+    eos = int(got[1, 6 + 2])  # row 1 ends at its 3rd new token
+    got = run(model, eos)
+    with monkeypatch.context() as mp:  # the reference: per-op steps, attention in PyTorch
+        mp.setattr(causal, "flat_weights", lambda W, rows=1: None)
+        mp.setattr(kv_cache, "kernels_on", lambda: False)
+        ref = run(copy.deepcopy(model), eos)
+    assert got.tolist() == ref.tolist()
+    assert got[1, 6 + 3 :].eq(PAD).all()
 
 
 @layouts

@@ -118,7 +118,8 @@ class CausalWeights:
     """Prepared weights of a decoder-only LM (:func:`build`): ``layers`` (per block ``ln1``, ``ln2``
     (:class:`Norm`) and ``qkv``, ``out``, ``fc1``, ``fc2`` linears called ``(x, activation=None)``), ``norm``
     (final), ``head`` (a linear), ``greedy`` (a :class:`GreedyHead` or None), ``embed``, ``positions``,
-    ``rotary``, the head layout (``n_heads``, ``n_kv_heads``, ``head_dim``), ``activation``, and ``flat`` /
+    ``rotary``, the head layout (``n_heads``, ``n_kv_heads``, ``head_dim``), ``activation``, ``cache_dtype`` (the
+    decoding KV caches': float32, or bfloat16 for bfloat16 panels), and ``flat`` /
     ``flat_rows``: the tensors of the one-call C++ step for one row / several rows, or None where it does not
     apply."""
 
@@ -142,11 +143,12 @@ def build(
     tensors: dict[str, Tensor] | None = None,
     *,
     greedy: bool = False,
+    cache_dtype: torch.dtype = torch.float32,
 ) -> CausalWeights:
     """Prepared weights of ``model``'s structure (head layout, activation, norm kinds and eps, rotary) over
     ``tensors`` (engine names, :func:`named_tensors`; default: the model's own). ``linear(name, tensors)`` makes
     each dense layer (``layers.{i}.{qkv,out,fc1,fc2}``, ``head``); ``greedy``: add a :class:`GreedyHead` of the
-    float32 head (needs the kernels)."""
+    float32 head (needs the kernels); ``cache_dtype``: the decoding KV caches' (float32 or bfloat16)."""
     s = _structure(model)
     t = named_tensors(model) if tensors is None else tensors
 
@@ -162,7 +164,8 @@ def build(
     head_w = t.get("head.weight", t["wte"])  # a saved int8 form omits a tied float head: it is the embedding
     W = CausalWeights(
         layers=layers, norm=norm("ln_f", norms[-1]), head=linear("head", t), embed=t["wte"], positions=t.get("wpe"),
-        greedy=GreedyHead(head_w, t.get("head.bias")) if greedy and kernels_on() else None, **s,
+        greedy=GreedyHead(head_w, t.get("head.bias")) if greedy and kernels_on() else None, cache_dtype=cache_dtype,
+        **s,
     )  # fmt: skip
     W.flat, W.flat_rows = flat_weights(W), flat_weights(W, rows=2)
     return W
@@ -181,12 +184,13 @@ def packed_linear(name: str, t: dict[str, Tensor], dtype: torch.dtype = torch.fl
 def packed_weights(model: nn.Module, dtype: torch.dtype | None = None) -> CausalWeights:
     """``model``'s decoding weights (packed panels, the greedy head), built once and rebuilt whenever a parameter
     changes (:func:`sublayer.runtime.weights.prepared`). ``dtype``: the panels' (None: bfloat16 for a model whose
-    parameters are all bfloat16, else float32); bfloat16 panels stream half the bytes per step."""
+    parameters are all bfloat16, else float32); bfloat16 panels stream half the bytes per step, and their KV
+    caches are bfloat16 too (half the bytes a step reads from the caches)."""
     if dtype is None:
         dtype = torch.bfloat16 if all(p.dtype == torch.bfloat16 for p in model.parameters()) else torch.float32
     return prepared(
         model, ("causal", "packed", dtype, kernels_on()),
-        lambda m: build(m, functools.partial(packed_linear, dtype=dtype), greedy=True),
+        lambda m: build(m, functools.partial(packed_linear, dtype=dtype), greedy=True, cache_dtype=dtype),
     )  # fmt: skip
 
 
@@ -357,8 +361,8 @@ def decode(
     h = prefill(input_ids, positions, key_padding_mask, ref_caches)  # (B, T, d)
     caches = []
     for rc in ref_caches:
-        c = StaticKVCache(b, W.n_kv_heads, cap, W.head_dim)
-        c.fill(rc.k.float(), rc.v.float())
+        c = StaticKVCache(b, W.n_kv_heads, cap, W.head_dim, dtype=W.cache_dtype)
+        c.fill(rc.k, rc.v)
         caches.append(c)
     del ref_caches
     mask = None

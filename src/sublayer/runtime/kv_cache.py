@@ -18,7 +18,8 @@ class StaticKVCache:
     """Keys and values of one attention layer, allocated once: (B, n_heads, capacity, head_dim) each (the
     key/value heads only, for grouped-query attention).
 
-    ``length`` positions are filled; :func:`decode_attention` appends one position per step in place.
+    ``length`` positions are filled; :func:`decode_attention` appends one position per step in place. ``dtype``:
+    float32 or bfloat16 (keys and values rounded to it when written; the attention's arithmetic is float32).
     """
 
     def __init__(self, batch: int, n_heads: int, capacity: int, head_dim: int, *, dtype=torch.float32) -> None:
@@ -28,7 +29,7 @@ class StaticKVCache:
         self.rows: Tensor | None = None  # (batch, capacity) int64 once reordered: the cache row of each key
 
     def fill(self, k: Tensor, v: Tensor) -> None:
-        """Copy a prefix (B, H, T, hd) into positions [0, T)."""
+        """Copy a prefix (B, H, T, hd) into positions [0, T) (converted to the cache's dtype)."""
         t = k.shape[2]
         self.k[:, :, :t].copy_(k)
         self.v[:, :, :t].copy_(v)
@@ -61,7 +62,8 @@ def decode_attention(
     rows: Tensor | None = None,
 ) -> Tensor:
     """One query per row against cached keys/values: q (N, H·hd), k/v (B, H_kv, T_max, hd) -> (N, H·hd), H a
-    multiple of H_kv (grouped-query attention: query head h reads key/value head h // (H / H_kv)).
+    multiple of H_kv (grouped-query attention: query head h reads key/value head h // (H / H_kv)). k and v are
+    both float32 or both bfloat16 (read as float32; new keys/values rounded to bfloat16 when written); q float32.
 
     With ``new_k``/``new_v`` (N, H_kv·hd) they are first written at position ``length - 1`` of cache rows [0, N) (in
     place; N <= B, and N < B only through a row table). Attends to positions [0, length) except those ``mask``
@@ -77,7 +79,7 @@ def decode_attention(
     if new_k is not None:  # query row i writes cache row i
         k[:n, :, length - 1] = new_k.reshape(n, h_kv, hd)
         v[:n, :, length - 1] = new_v.reshape(n, h_kv, hd)
-    k, v = k[:, :, :length], v[:, :, :length]
+    k, v = k[:, :, :length].float(), v[:, :, :length].float()
     if rows is not None:  # (N, length, H, hd) gathered through the table, as (N, H, length, hd)
         at = torch.arange(length, device=k.device)
         k, v = (t.transpose(1, 2)[rows[:, :length], at].transpose(1, 2) for t in (k, v))

@@ -9,7 +9,9 @@
 //    time (one hadd ladder), the output in registers, the next head's lines prefetched.
 //  * qkv_self_attention: the encoder's self-attention read straight from the fused q|k|v projection (B*S rows).
 //
-// float32 only, over both threads (at::parallel_for).
+// float32, over both threads (at::parallel_for); decode_attention's caches may also be bfloat16 (both the same):
+// keys and values widened exactly to float32 in registers, the new key/value rounded to bfloat16 (nearest even),
+// the scores, softmax and output in float32.
 
 #include "common.h"
 
@@ -27,23 +29,47 @@ const bool* padding_mask(const c10::optional<Tensor>& mask, int64_t rows, int64_
   return mask->data_ptr<bool>();
 }
 
-// s[j] = scale * (q . K[j]) for j < L (key rows ks floats apart), -inf where m[j] (mask, may be null); returns
-// max_j s[j].
-inline float head_scores(const float* q, const float* K, int64_t ks, const bool* m, int64_t L, int64_t hd, float sc,
+#if SUBLAYER_AVX2_FMA
+// Eight cache elements widened to float32 (bfloat16: a 16-bit shift, exact).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return bf16_to_f(v); }
+inline float key_dot(const float* q, const float* k, int64_t n) { return dot(q, k, n); }
+inline float key_dot(const float* q, const uint16_t* k, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += q[i] * bf16_to_f(k[i]);
+  return s;
+}
+// n floats stored as cache elements (bfloat16: rounded to nearest even).
+inline void store_row(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
+inline void store_row(const float* src, int64_t n, uint16_t* dst) {
+  for (int64_t e = 0; e < n; ++e) dst[e] = f_to_bf16(src[e]);
+}
+
+// s[j] = scale * (q . K[j]) for j < L (key rows ks elements apart; S: float or bfloat16 bits), -inf where m[j]
+// (mask, may be null); returns max_j s[j].
+template <typename S>
+inline float head_scores(const float* q, const S* K, int64_t ks, const bool* m, int64_t L, int64_t hd, float sc,
                          float* s) {
   int64_t j = 0;
 #if SUBLAYER_AVX2_FMA
   if (hd % 8 == 0) {  // four keys at a time, their four sums reduced together by a hadd ladder
     const __m128 vsc = _mm_set1_ps(sc);
     for (; j + 4 <= L; j += 4) {
-      const float* k0 = K + j * ks;
+      const S* k0 = K + j * ks;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t e = 0; e < hd; e += 8) {
         const __m256 qv = _mm256_loadu_ps(q + e);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + e), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + ks + e), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * ks + e), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * ks + e), a3);
+        a0 = _mm256_fmadd_ps(qv, load8(k0 + e), a0);
+        a1 = _mm256_fmadd_ps(qv, load8(k0 + ks + e), a1);
+        a2 = _mm256_fmadd_ps(qv, load8(k0 + 2 * ks + e), a2);
+        a3 = _mm256_fmadd_ps(qv, load8(k0 + 3 * ks + e), a3);
       }
       // lanes of t: [a0 0-3, a1 0-3, a2 0-3, a3 0-3 | the same over elements 4-7]
       const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -52,7 +78,7 @@ inline float head_scores(const float* q, const float* K, int64_t ks, const bool*
     }
   }
 #endif
-  for (; j < L; ++j) s[j] = dot(q, K + j * ks, hd) * sc;
+  for (; j < L; ++j) s[j] = key_dot(q, K + j * ks, hd) * sc;
   float mx = -std::numeric_limits<float>::infinity();
   for (j = 0; j < L; ++j) {
     if (m && m[j]) s[j] = -std::numeric_limits<float>::infinity();
@@ -88,37 +114,38 @@ inline float exp_scores(float* s, int64_t L, float mx) {
 }
 
 #if SUBLAYER_AVX2_FMA
-// o[0, 8*NV) = inv * sum_j p[j] V[j][0, 8*NV) (V rows vs floats apart), the accumulators in registers.
-template <int NV>
-inline void weighted_sum_chunk(const float* p, float inv, const float* V, int64_t vs, int64_t L, float* o) {
+// o[0, 8*NV) = inv * sum_j p[j] V[j][0, 8*NV) (V rows vs elements apart), the accumulators in registers.
+template <int NV, typename S>
+inline void weighted_sum_chunk(const float* p, float inv, const S* V, int64_t vs, int64_t L, float* o) {
   __m256 acc[NV];
   for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
   for (int64_t j = 0; j < L; ++j) {
     if (p[j] == 0.0f) continue;  // a masked key: skipped, so a non-finite value there cannot leak in
     const __m256 pj = _mm256_set1_ps(p[j]);
-    const float* vj = V + j * vs;
-    for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * v), acc[v]);
+    const S* vj = V + j * vs;
+    for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(pj, load8(vj + 8 * v), acc[v]);
   }
   const __m256 vi = _mm256_set1_ps(inv);
   for (int v = 0; v < NV; ++v) _mm256_storeu_ps(o + 8 * v, _mm256_mul_ps(acc[v], vi));
 }
 #endif
 
-// o[0, hd) = inv * sum_{j<L} p[j] V[j] (rows vs floats apart); keys with p[j] == 0 (masked) are skipped.
-inline void head_weighted_sum(const float* p, float inv, const float* V, int64_t vs, int64_t L, int64_t hd,
+// o[0, hd) = inv * sum_{j<L} p[j] V[j] (rows vs elements apart); keys with p[j] == 0 (masked) are skipped.
+template <typename S>
+inline void head_weighted_sum(const float* p, float inv, const S* V, int64_t vs, int64_t L, int64_t hd,
                               float* o) {
 #if SUBLAYER_AVX2_FMA
   if (hd % 8 == 0) {
     for (int64_t c = 0; c < hd; c += 64) {  // up to 8 vectors of the output per pass over the keys
       switch (std::min<int64_t>(8, (hd - c) / 8)) {
-        case 1: weighted_sum_chunk<1>(p, inv, V + c, vs, L, o + c); break;
-        case 2: weighted_sum_chunk<2>(p, inv, V + c, vs, L, o + c); break;
-        case 3: weighted_sum_chunk<3>(p, inv, V + c, vs, L, o + c); break;
-        case 4: weighted_sum_chunk<4>(p, inv, V + c, vs, L, o + c); break;
-        case 5: weighted_sum_chunk<5>(p, inv, V + c, vs, L, o + c); break;
-        case 6: weighted_sum_chunk<6>(p, inv, V + c, vs, L, o + c); break;
-        case 7: weighted_sum_chunk<7>(p, inv, V + c, vs, L, o + c); break;
-        default: weighted_sum_chunk<8>(p, inv, V + c, vs, L, o + c); break;
+        case 1: weighted_sum_chunk<1, S>(p, inv, V + c, vs, L, o + c); break;
+        case 2: weighted_sum_chunk<2, S>(p, inv, V + c, vs, L, o + c); break;
+        case 3: weighted_sum_chunk<3, S>(p, inv, V + c, vs, L, o + c); break;
+        case 4: weighted_sum_chunk<4, S>(p, inv, V + c, vs, L, o + c); break;
+        case 5: weighted_sum_chunk<5, S>(p, inv, V + c, vs, L, o + c); break;
+        case 6: weighted_sum_chunk<6, S>(p, inv, V + c, vs, L, o + c); break;
+        case 7: weighted_sum_chunk<7, S>(p, inv, V + c, vs, L, o + c); break;
+        default: weighted_sum_chunk<8, S>(p, inv, V + c, vs, L, o + c); break;
       }
     }
     return;
@@ -128,24 +155,31 @@ inline void head_weighted_sum(const float* p, float inv, const float* V, int64_t
   for (int64_t j = 0; j < L; ++j) {
     if (p[j] == 0.0f) continue;
     const float pj = p[j] * inv;
-    const float* vj = V + j * vs;
+    const S* vj = V + j * vs;
 #pragma omp simd
-    for (int64_t e = 0; e < hd; ++e) o[e] += pj * vj[e];
+    for (int64_t e = 0; e < hd; ++e) o[e] += pj * widen(vj[e]);
   }
 }
 
 }  // namespace
 
-// q (N, H*hd) unit inner stride; kc, vc (B, H_kv, T_max, hd) contiguous, H a multiple of H_kv (grouped-query
-// attention: query head h reads key/value head h / (H / H_kv)); mask (N, T_max) bool, True = skip; rows
-// (N, T_max) int64 or none: key j of query row n is cache row rows[n, j] (beam search reorders this table instead
-// of copying caches; beams share their sentence's cross-attention memory), else row n itself (then N == B).
+// q (N, H*hd) unit inner stride; kc, vc (B, H_kv, T_max, hd) contiguous, both float32 or both bfloat16, H a
+// multiple of H_kv (grouped-query attention: query head h reads key/value head h / (H / H_kv)); mask (N, T_max)
+// bool, True = skip; rows (N, T_max) int64 or none: key j of query row n is cache row rows[n, j] (beam search
+// reorders this table instead of copying caches; beams share their sentence's cross-attention memory), else row n
+// itself (then N == B).
 // new_k/new_v (N, H_kv*hd): written at position length-1 of cache rows [0, N) before any head reads.
 Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, const c10::optional<Tensor>& mask,
                         int64_t length, double scale, const c10::optional<Tensor>& new_k,
                         const c10::optional<Tensor>& new_v, const c10::optional<Tensor>& rows) {
-  check_float_contig(kc, "decode_attention: k_cache", 4);
-  check_float_contig(vc, "decode_attention: v_cache", 4);
+  for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&kc, "k_cache"}, {&vc, "v_cache"}}) {
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 4 && t->is_contiguous() &&
+                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16),
+                "decode_attention: ", name, " must be a contiguous 4-D float32 or bfloat16 CPU tensor, got ",
+                t->scalar_type(), " ", t->sizes());
+  }
+  TORCH_CHECK(vc.scalar_type() == kc.scalar_type(), "decode_attention: v_cache must have k_cache's dtype ",
+              kc.scalar_type(), ", got ", vc.scalar_type());
   TORCH_CHECK(kc.sizes() == vc.sizes(), "decode_attention: k_cache and v_cache shapes differ");
   const int64_t B = kc.size(0), Hkv = kc.size(1), T = kc.size(2), hd = kc.size(3), dkv = Hkv * hd, N = q.size(0);
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 2 && q.size(1) % dkv == 0 && q.size(1) > 0 &&
@@ -170,8 +204,6 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
     TORCH_CHECK(N == B, "decode_attention: q has ", N, " rows but the caches ", B, " (pass rows to map them)");
   }
   const bool* mp = padding_mask(mask, N, T, "decode_attention");
-  float* kp = kc.data_ptr<float>();
-  float* vp = vc.data_ptr<float>();
   if (new_k.has_value() && new_k->defined()) {  // query row n writes cache row n (a compacted batch, N < B, keeps
                                                // the first N rows' slots)
     TORCH_CHECK(N <= B, "decode_attention: new_k/new_v need at most one query row per cache row");
@@ -189,17 +221,20 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
   const float* nk = write ? new_k->data_ptr<float>() : nullptr;
   const float* nv = write ? new_v->data_ptr<float>() : nullptr;
   const int64_t nks = write ? new_k->stride(0) : 0, nvs = write ? new_v->stride(0) : 0;
-  // this step's key/value of cache row n, head h, at position length-1
-  auto write_head = [&](int64_t n, int64_t h) {
-    const int64_t off = ((n * Hkv + h) * T + length - 1) * hd;
-    std::copy(nk + n * nks + h * hd, nk + n * nks + (h + 1) * hd, kp + off);
-    std::copy(nv + n * nvs + h * hd, nv + n * nvs + (h + 1) * hd, vp + off);
+  Tensor out = at::empty({N, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  // the heads over caches of elements S (float, or bfloat16 bits as uint16_t)
+  auto run = [&](auto* kp, auto* vp) {
+    using S = std::remove_pointer_t<decltype(kp)>;
+    // this step's key/value of cache row n, head h, at position length-1
+    auto write_head = [&](int64_t n, int64_t h) {
+      const int64_t off = ((n * Hkv + h) * T + length - 1) * hd;
+      store_row(nk + n * nks + h * hd, hd, kp + off);
+      store_row(nv + n * nvs + h * hd, hd, vp + off);
   };
   // Grouped-query heads share a key/value head that several threads may read: every new key is written first.
   // Otherwise each head writes its own just before reading it (the lines its prefetch brought in, on its thread).
   for (int64_t n = 0; write && group > 1 && n < N; ++n)
     for (int64_t h = 0; h < Hkv; ++h) write_head(n, h);
-  Tensor out = at::empty({N, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t qs = q.stride(0);
@@ -209,12 +244,12 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
   // A head's keys and values are a few cache lines that the step last touched long ago (L3 or DRAM), too short a
   // run for the hardware prefetcher: the next head's (two ahead for heads under 8 lines) are fetched explicitly,
   // so its misses overlap this head's arithmetic.
-  const int64_t lines = (length * hd * int64_t(sizeof(float)) + 63) / 64, ahead = lines < 8 ? 2 : 1;
+  const int64_t lines = (length * hd * int64_t(sizeof(S)) + 63) / 64, ahead = lines < 8 ? 2 : 1;
   const int64_t NH = N * H;
   parallel_chunks((NH + grain - 1) / grain, [&](int64_t c) {
     const int64_t i0 = c * grain, i1 = std::min(NH, i0 + grain);
     std::vector<float> s(length);
-    std::vector<float> gk, gv;  // a head's keys and values gathered from several cache rows
+    std::vector<S> gk, gv;  // a head's keys and values gathered from several cache rows
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t n = i / H, h = (i % H) / group;  // h: the key/value head
       if (i + ahead < i1) {
@@ -236,8 +271,8 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
         for (int64_t j = 1; j < length && one_row; ++j) one_row = rp[n * T + j] == r;
       }
       if (write && group == 1) write_head(n, h);
-      const float* K = kp + (r * Hkv + h) * T * hd;
-      const float* V = vp + (r * Hkv + h) * T * hd;
+      const S* K = kp + (r * Hkv + h) * T * hd;
+      const S* V = vp + (r * Hkv + h) * T * hd;
       if (!one_row) {
         gk.resize(length * hd);
         gv.resize(length * hd);
@@ -258,6 +293,12 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
       head_weighted_sum(s.data(), 1.0f / sum, V, hd, length, hd, o);
     }
   });
+  };
+  if (kc.scalar_type() == at::kBFloat16) {
+    run(static_cast<uint16_t*>(kc.data_ptr()), static_cast<uint16_t*>(vc.data_ptr()));
+  } else {
+    run(kc.data_ptr<float>(), vc.data_ptr<float>());
+  }
   return out;
 }
 
