@@ -102,13 +102,8 @@ template <> struct V16<BF16> {
   static __m512 ld(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
   }
-  static __m512 round(__m512 v) {  // f_to_bf16's rounding (nearest even, NaN -> 0x7fc0), widened back
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb),
-                                 _mm512_set1_epi32(int32_t(0xffff0000u)));
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000)));
+  static __m512 round(__m512 v) {  // f_to_bf16's rounding, widened back
+    return _mm512_castsi512_ps(_mm512_slli_epi32(f_to_bf16_x16(v), 16));
   }
   static __m256i pack(__m512 rounded) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)); }
   static void st(uint16_t* p, __m512 v, bool nt) {  // v: any float32 lanes (rounded here)

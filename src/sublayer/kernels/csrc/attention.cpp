@@ -230,69 +230,69 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
       const int64_t off = ((n * Hkv + h) * T + length - 1) * hd;
       store_row(nk + n * nks + h * hd, hd, kp + off);
       store_row(nv + n * nvs + h * hd, hd, vp + off);
-  };
-  // Grouped-query heads share a key/value head that several threads may read: every new key is written first.
-  // Otherwise each head writes its own just before reading it (the lines its prefetch brought in, on its thread).
-  for (int64_t n = 0; write && group > 1 && n < N; ++n)
-    for (int64_t h = 0; h < Hkv; ++h) write_head(n, h);
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t qs = q.stride(0);
-  const float sc = float(scale);
-  // threads only when there is enough to read: a parallel region costs more than a short head's work
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(1, length * hd));
-  // A head's keys and values are a few cache lines that the step last touched long ago (L3 or DRAM), too short a
-  // run for the hardware prefetcher: the next head's (two ahead for heads under 8 lines) are fetched explicitly,
-  // so its misses overlap this head's arithmetic.
-  const int64_t lines = (length * hd * int64_t(sizeof(S)) + 63) / 64, ahead = lines < 8 ? 2 : 1;
-  const int64_t NH = N * H;
-  parallel_chunks((NH + grain - 1) / grain, [&](int64_t c) {
-    const int64_t i0 = c * grain, i1 = std::min(NH, i0 + grain);
-    std::vector<float> s(length);
-    std::vector<S> gk, gv;  // a head's keys and values gathered from several cache rows
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t n = i / H, h = (i % H) / group;  // h: the key/value head
-      if (i + ahead < i1) {
-        const int64_t n2 = (i + ahead) / H, h2 = ((i + ahead) % H) / group, r2 = rp ? rp[n2 * T] : n2;
-        const char* k2 = reinterpret_cast<const char*>(kp + (r2 * Hkv + h2) * T * hd);
-        const char* v2 = reinterpret_cast<const char*>(vp + (r2 * Hkv + h2) * T * hd);
-        for (int64_t l = 0; l < lines; ++l) {
-          __builtin_prefetch(k2 + l * 64, 0, 3);
-          __builtin_prefetch(v2 + l * 64, 0, 3);
+    };
+    // Grouped-query heads share a key/value head that several threads may read: every new key is written first.
+    // Otherwise each head writes its own just before reading it (the lines its prefetch brought in, on its thread).
+    for (int64_t n = 0; write && group > 1 && n < N; ++n)
+      for (int64_t h = 0; h < Hkv; ++h) write_head(n, h);
+    const float* qp = q.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const int64_t qs = q.stride(0);
+    const float sc = float(scale);
+    // threads only when there is enough to read: a parallel region costs more than a short head's work
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(1, length * hd));
+    // A head's keys and values are a few cache lines that the step last touched long ago (L3 or DRAM), too short a
+    // run for the hardware prefetcher: the next head's (two ahead for heads under 8 lines) are fetched explicitly,
+    // so its misses overlap this head's arithmetic.
+    const int64_t lines = (length * hd * int64_t(sizeof(S)) + 63) / 64, ahead = lines < 8 ? 2 : 1;
+    const int64_t NH = N * H;
+    parallel_chunks((NH + grain - 1) / grain, [&](int64_t c) {
+      const int64_t i0 = c * grain, i1 = std::min(NH, i0 + grain);
+      std::vector<float> s(length);
+      std::vector<S> gk, gv;  // a head's keys and values gathered from several cache rows
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t n = i / H, h = (i % H) / group;  // h: the key/value head
+        if (i + ahead < i1) {
+          const int64_t n2 = (i + ahead) / H, h2 = ((i + ahead) % H) / group, r2 = rp ? rp[n2 * T] : n2;
+          const char* k2 = reinterpret_cast<const char*>(kp + (r2 * Hkv + h2) * T * hd);
+          const char* v2 = reinterpret_cast<const char*>(vp + (r2 * Hkv + h2) * T * hd);
+          for (int64_t l = 0; l < lines; ++l) {
+            __builtin_prefetch(k2 + l * 64, 0, 3);
+            __builtin_prefetch(v2 + l * 64, 0, 3);
+          }
         }
-      }
-      const bool* m = mp ? mp + n * T : nullptr;
-      const float* qh = qp + n * qs + (i % H) * hd;
-      float* o = op + n * d + (i % H) * hd;
-      int64_t r = n;  // the cache row when every key of this query is in one row
-      bool one_row = true;
-      if (rp) {
-        r = rp[n * T];
-        for (int64_t j = 1; j < length && one_row; ++j) one_row = rp[n * T + j] == r;
-      }
-      if (write && group == 1) write_head(n, h);
-      const S* K = kp + (r * Hkv + h) * T * hd;
-      const S* V = vp + (r * Hkv + h) * T * hd;
-      if (!one_row) {
-        gk.resize(length * hd);
-        gv.resize(length * hd);
-        for (int64_t j = 0; j < length; ++j) {
-          const int64_t off = (rp[n * T + j] * Hkv + h) * T * hd + j * hd;
-          std::copy(kp + off, kp + off + hd, gk.data() + j * hd);
-          std::copy(vp + off, vp + off + hd, gv.data() + j * hd);
+        const bool* m = mp ? mp + n * T : nullptr;
+        const float* qh = qp + n * qs + (i % H) * hd;
+        float* o = op + n * d + (i % H) * hd;
+        int64_t r = n;  // the cache row when every key of this query is in one row
+        bool one_row = true;
+        if (rp) {
+          r = rp[n * T];
+          for (int64_t j = 1; j < length && one_row; ++j) one_row = rp[n * T + j] == r;
         }
-        K = gk.data();
-        V = gv.data();
+        if (write && group == 1) write_head(n, h);
+        const S* K = kp + (r * Hkv + h) * T * hd;
+        const S* V = vp + (r * Hkv + h) * T * hd;
+        if (!one_row) {
+          gk.resize(length * hd);
+          gv.resize(length * hd);
+          for (int64_t j = 0; j < length; ++j) {
+            const int64_t off = (rp[n * T + j] * Hkv + h) * T * hd + j * hd;
+            std::copy(kp + off, kp + off + hd, gk.data() + j * hd);
+            std::copy(vp + off, vp + off + hd, gv.data() + j * hd);
+          }
+          K = gk.data();
+          V = gv.data();
+        }
+        const float mx = head_scores(qh, K, hd, m, length, hd, sc, s.data());
+        if (mx == -std::numeric_limits<float>::infinity()) {  // every key masked: zeros (as SDPA)
+          std::fill(o, o + hd, 0.0f);
+          continue;
+        }
+        const float sum = exp_scores(s.data(), length, mx);
+        head_weighted_sum(s.data(), 1.0f / sum, V, hd, length, hd, o);
       }
-      const float mx = head_scores(qh, K, hd, m, length, hd, sc, s.data());
-      if (mx == -std::numeric_limits<float>::infinity()) {  // every key masked: zeros (as SDPA)
-        std::fill(o, o + hd, 0.0f);
-        continue;
-      }
-      const float sum = exp_scores(s.data(), length, mx);
-      head_weighted_sum(s.data(), 1.0f / sum, V, hd, length, hd, o);
-    }
-  });
+    });
   };
   if (kc.scalar_type() == at::kBFloat16) {
     run(static_cast<uint16_t*>(kc.data_ptr()), static_cast<uint16_t*>(vc.data_ptr()));

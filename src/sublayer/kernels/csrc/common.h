@@ -52,6 +52,17 @@ inline uint16_t f_to_bf16(float f) {
   uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
   return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t(0x7fc0) : uint16_t(r);
 }
+#if defined(__AVX512F__)
+// f_to_bf16 on 16 lanes: their bfloat16 bits in the low halves of 16 32-bit lanes (nearest even, NaN -> 0x7fc0).
+inline __m512i f_to_bf16_x16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+}
+#endif
 struct BF16 {};  // tag: bfloat16 stored as uint16_t
 
 template <typename T> struct Elt;

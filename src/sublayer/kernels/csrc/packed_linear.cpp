@@ -292,18 +292,10 @@ std::atomic<bool> g_bf16dot{true};  // decode_bf16_dot
 // One row x (K floats) rounded to bf16 as f_to_bf16 does (nearest even, NaN -> 0x7fc0) into ceil(K/2) k pairs
 // (k in the low, k+1 in the high half; an odd K's last pair has a zero high half), 16 at a time.
 inline void bf16_pairs(const float* x, int64_t K, uint32_t* out) {
-  auto round16 = [](__m512 v) {  // 16 floats -> their bf16 bits in the low halves of 16 lanes
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    const __mmask16 nan =
-        _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-  };
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    const __m256i lo = _mm512_cvtepi32_epi16(round16(_mm512_loadu_ps(x + k)));
-    const __m256i hi = _mm512_cvtepi32_epi16(round16(_mm512_loadu_ps(x + k + 16)));
+    const __m256i lo = _mm512_cvtepi32_epi16(f_to_bf16_x16(_mm512_loadu_ps(x + k)));
+    const __m256i hi = _mm512_cvtepi32_epi16(f_to_bf16_x16(_mm512_loadu_ps(x + k + 16)));
     _mm512_storeu_si512(out + k / 2, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
   }
   for (; k < K; k += 2)
