@@ -29,25 +29,35 @@ def _int8(seed: int, n: int, k: int) -> torch.Tensor:
     return torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
 
 
-def _linear(x, q, s, b, act=0):
+@pytest.fixture(params=["plain", "grouped"])
+def layout(request):
+    """Each test with the weight in panels of 16 columns and in groups of 48 (pack_int8_quads' two layouts)."""
+    return request.param
+
+
+def _linear(x, q, s, b, act=0, layout="plain"):
     ops = kernels.ops()
-    return ops.int8_linear(x, ops.pack_int8_quads(q), q.sum(1, dtype=torch.int32), s, b, q.shape[0], act)
+    packed = ops.pack_int8_quads(q, layout == "grouped")
+    return ops.int8_linear(x, packed, q.sum(1, dtype=torch.int32), s, b, q.shape[0], act)
 
 
 @needs_kernels
-def test_pack_int8_quads_layout():
-    q = _int8(0, 37, 13)
-    packed = kernels.ops().pack_int8_quads(q)
-    assert packed.shape == (3, 4, 16, 4) and packed.dtype == torch.int8
-    padded = torch.zeros(48, 16, dtype=torch.int8)
-    padded[:37, :13] = q
-    assert torch.equal(packed, padded.view(3, 16, 4, 4).transpose(1, 2))  # [p, i, j, t] = W[16p + j, 4i + t]
+@pytest.mark.parametrize(("n", "width"), [(37, 16), (37, 48), (101, 48)])
+def test_pack_int8_quads_layout(n, width):
+    q = _int8(0, n, 13)
+    packed = kernels.ops().pack_int8_quads(q, grouped=width == 48)
+    P = -(-n // width)
+    assert packed.shape == (P, 4, width, 4) and packed.dtype == torch.int8
+    padded = torch.zeros(P * width, 16, dtype=torch.int8)
+    padded[:n, :13] = q
+    want = padded.view(P, width, 4, 4).transpose(1, 2)  # [p, i, j, t] = W[width * p + j, 4i + t]
+    assert torch.equal(packed, want)
 
 
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 40])
 @pytest.mark.parametrize(("n", "k"), [(37, 13), (17, 29), (5, 3), (53, 101), (149, 773)])
-def test_int8_linear_integer_sums_are_exact(rows, n, k, isa):
+def test_int8_linear_integer_sums_are_exact(rows, n, k, isa, layout):
     # integer x whose rows span [-128, 127] (row scale 1, zero point 128) and unit weight scales: the output is
     # the integer sum itself
     g = torch.Generator().manual_seed(rows * 100 + n)
@@ -55,7 +65,7 @@ def test_int8_linear_integer_sums_are_exact(rows, n, k, isa):
     x = torch.randint(-128, 128, (rows, k), generator=g).float()
     x[:, 0] = 127.0
     x[:, -1] = -128.0
-    got = _linear(x, q, torch.ones(n), None)
+    got = _linear(x, q, torch.ones(n), None, layout=layout)
     assert torch.equal(got, (x.long() @ q.long().t()).float())
 
 
@@ -63,13 +73,13 @@ def test_int8_linear_integer_sums_are_exact(rows, n, k, isa):
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 11, 32])
 @pytest.mark.parametrize(("n", "k"), [(37, 13), (53, 101), (149, 773)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_int8_linear_matches_the_pytorch_reference(rows, n, k, bias, isa):
+def test_int8_linear_matches_the_pytorch_reference(rows, n, k, bias, isa, layout):
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=g)
     x[0] = 0.0  # an all-zero row: scale 0, output = bias
     q, s = _int8(n * k, n, k), torch.rand(n, generator=g) * 0.02
     b = torch.randn(n, generator=g) if bias else None
-    got = _linear(x, q, s, b)
+    got = _linear(x, q, s, b, layout=layout)
     want = int8_linear_reference(x, q, s, b)
     xq, sx = quantize_rows(x)
     ref64 = (xq.double() @ q.double().t()) * sx.double() * s.double() + (0 if b is None else b.double())
@@ -78,14 +88,14 @@ def test_int8_linear_matches_the_pytorch_reference(rows, n, k, bias, isa):
 
 @needs_kernels
 @pytest.mark.parametrize("act", sorted(ACT_IDS))
-def test_int8_linear_fused_activation(act, isa):
+def test_int8_linear_fused_activation(act, isa, layout):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(6, 19, generator=g)[:, 2:]  # a column slice
     q, s, b = _int8(4, 23, 17), torch.rand(23, generator=g) * 0.05, torch.randn(23, generator=g)
     fn = activation_fn(act)
     xq, sx = quantize_rows(x)
     ref64 = fn((xq.double() @ q.double().t()) * sx.double() * s.double() + b.double())
-    assert_fast_close(_linear(x, q, s, b, ACT_IDS[act]), fn(int8_linear_reference(x, q, s, b)), ref64, what=act)
+    assert_fast_close(_linear(x, q, s, b, ACT_IDS[act], layout), fn(int8_linear_reference(x, q, s, b)), ref64, what=act)
 
 
 def test_quantize_rows_spans_each_row_and_is_close():
@@ -99,16 +109,16 @@ def test_quantize_rows_spans_each_row_and_is_close():
     assert xq[1].amin() >= 0 and torch.equal(quantize_rows(torch.zeros(2, 3))[1], torch.zeros(2, 1))
 
 
-@pytest.mark.parametrize("activations", ["int8", "float"])
+@pytest.mark.parametrize(("activations", "grouped"), [("int8", False), ("int8", True), ("float", False)])
 @pytest.mark.parametrize("kernels_on", [True, False])
-def test_int8_linear_class_matches_its_reference(activations, kernels_on, monkeypatch):
+def test_int8_linear_class_matches_its_reference(activations, grouped, kernels_on, monkeypatch):
     if kernels_on and not kernels.available():
         pytest.skip("C++ kernels unavailable")
     monkeypatch.setattr(kernels, "_enabled", kernels_on)
     g = torch.Generator().manual_seed(2)
     x, q = torch.randn(7, 41, generator=g), _int8(9, 29, 41)
     s, b = torch.rand(29, generator=g) * 0.03, torch.randn(29, generator=g)
-    lin = Int8Linear(q, s, b, activations=activations)
+    lin = Int8Linear(q, s, b, activations=activations, grouped=grouped)
     if activations == "int8":
         want = int8_linear_reference(x, q, s, b)
     else:
@@ -131,7 +141,9 @@ def test_int8_linear_class_rejects_bad_arguments():
 def test_int8_linear_rejects_a_mismatched_packing():
     q = _int8(0, 17, 5)
     packed = kernels.ops().pack_int8_quads(q)
-    with pytest.raises(RuntimeError, match=r"packed must be int8 \(P, ceil\(K/4\)=3, 16, 4\)"):
+    with pytest.raises(RuntimeError, match=r"packed must be int8 \(P, ceil\(K/4\)=3, 16 or 48, 4\)"):
         kernels.ops().int8_linear(torch.randn(2, 9), packed, q.sum(1, dtype=torch.int32), torch.ones(17), None, 17)
+    with pytest.raises(RuntimeError, match="n=49 does not fit 1 panels of 48"):
+        kernels.ops().int8_linear(torch.randn(2, 5), kernels.ops().pack_int8_quads(q, True), torch.zeros(49, dtype=torch.int32), torch.ones(49), None, 49)
     with pytest.raises(RuntimeError, match="colsum must be int32"):
         kernels.ops().int8_linear(torch.randn(2, 5), packed, torch.zeros(17), torch.ones(17), None, 17)

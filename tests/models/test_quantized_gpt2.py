@@ -304,3 +304,29 @@ def test_refusals():
         qm.generate(_ids(), 31)
     with pytest.raises(ValueError, match="input_ids"):
         qm(torch.full((1, 3), CFG["vocab_size"]))
+
+
+def test_int8_engine_attends_over_bf16_keys_and_values():
+    """The int8 engine's KV caches are bfloat16, and its forward attends over the same rounded keys and values:
+    equal to a float32-cache engine over the rounded q|k|v output, not to the unrounded one."""
+    qm = Q.quantize(_gpt2())
+    assert qm.weights().cache_dtype == torch.bfloat16
+    assert Q.quantize(_gpt2(), keep_float=("layers.*", "head")).weights().cache_dtype == torch.float32
+    ids = _ids(2, 9)
+    W = qm.weights()
+    exact = causal.CausalWeights(**{**W.__dict__, "cache_dtype": torch.float32})
+    pos = torch.arange(9)[None]
+    got = causal.hidden(W, ids, pos, None, None)
+    assert not torch.equal(got, causal.hidden(exact, ids, pos, None, None))
+    real = [L["qkv"] for L in W.layers]
+    try:  # round k and v (not q) of every layer's q|k|v output by hand, on the float32-cache weights
+        d = W.n_heads * W.head_dim
+        for L, lin in zip(W.layers, real):
+            L["qkv"] = lambda x, act=None, lin=lin: torch.cat(
+                [(y := lin(x, act))[:, :d], y[:, d:].to(torch.bfloat16).float()], 1
+            )
+        want = causal.hidden(exact, ids, pos, None, None)
+    finally:
+        for L, lin in zip(W.layers, real):
+            L["qkv"] = lin
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -19,7 +19,9 @@ several rows (a batch, the prompt) make the product compute-bound. So:
   uint8 per token with its own scale and zero point, exact int32 sums by ``vpdpbusd``): four products per
   instruction lane where widening int8 to float32 gives one. Elsewhere several rows stay weight-only;
 * embeddings, norms, rotary positions, attention (SDPA for the prompt, ``decode_attention`` over the static cache)
-  and the activations stay float32;
+  and the activations stay float32; keys and values are held in bfloat16 (the KV caches: half the bytes a
+  batched step reads from them; the prompt attends over the same rounded keys and values), except in a wrapper
+  with every dense layer kept float, which is the float model;
 * the forward and the decoding loop are the engine's (:mod:`sublayer.runtime.causal`, with the int8 linears as its
   ``linear`` factory), so the static KV cache, the greedy/sampling rules and the one-call step
   (``causal_decode_layers``) are the float path's.
@@ -88,7 +90,7 @@ class WeightInt8Linear:
         self.bias = None if bias is None else bias.float().contiguous()
         self.out_features, self.in_features = q.shape
         self._packed: Tensor | None = None
-        self.rows = Int8Linear(self.q, self.scale, self.bias) if int8_rows else None
+        self.rows = Int8Linear(self.q, self.scale, self.bias, grouped=True) if int8_rows else None
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
         if self.rows is not None and x.shape[0] > 1:
@@ -185,7 +187,9 @@ class QuantizedCausalLM(PreparedCausalLM):
     def weights(self) -> causal.CausalWeights:
         """The decoding weights (:func:`sublayer.runtime.causal.build` over the int8 tensors), built once."""
         if self._W is None:
-            self._W = causal.build(self.skeleton, int8_linear, self.tensors)
+            int8 = any(name.endswith(".qweight") for name in self.tensors)
+            cache = torch.bfloat16 if int8 else torch.float32
+            self._W = causal.build(self.skeleton, int8_linear, self.tensors, cache_dtype=cache)
         return self._W
 
     @property

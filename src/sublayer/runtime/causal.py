@@ -277,6 +277,8 @@ def hidden(
         v = qkv[..., dq + dkv :].unflatten(-1, (Hkv, hd)).transpose(1, 2)
         if rot is not None:
             q, k = SF.apply_rotary(q, *rot), SF.apply_rotary(k, *rot)
+        if W.cache_dtype != dtype:  # attend over the keys and values as the decoding caches hold them
+            k, v = k.to(W.cache_dtype).to(dtype), v.to(W.cache_dtype).to(dtype)
         if caches is not None:
             k, v = caches[i].update(k, v)
         if Hkv != H:

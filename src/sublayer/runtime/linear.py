@@ -127,6 +127,9 @@ class Int8Linear:
         smooth: (K,) float32 or None, int8 activations only: SmoothQuant's per-input-channel divisor, x / smooth
             is what is quantized (``q * scale`` then holds ``W * smooth``; the kernel multiplies by its inverse in
             its quantization pass).
+        grouped: int8 activations only: pack the weight in groups of 48 columns (``pack_int8_quads(q,
+            grouped=True)``), one sequential stream per kernel call, for layers that mostly see a few rows (decoding
+            steps); False: panels of 16 columns, for many rows (encoders). Same results either way.
 
     Call: x (M, K) float32 with unit inner stride, ``activation`` an FFN activation name or None -> (M, N).
     The weight is packed at the first call with the kernels on.
@@ -138,7 +141,7 @@ class Int8Linear:
 
     def __init__(
         self, q: Tensor, scale: Tensor, bias: Tensor | None = None, *, activations: str = "int8",
-        smooth: Tensor | None = None,
+        smooth: Tensor | None = None, grouped: bool = False,
     ) -> None:  # fmt: skip
         if activations not in ("int8", "float"):
             raise ValueError(f"Int8Linear: activations must be 'int8' or 'float', got {activations!r}")
@@ -153,12 +156,14 @@ class Int8Linear:
         self.smooth = None if smooth is None else smooth.detach().float().contiguous()
         self.inv_smooth = None if smooth is None else (1.0 / self.smooth).contiguous()
         self._packed: Tensor | None = None
+        self.grouped = grouped
 
     def packed(self) -> Tensor:
         """The weight in the kernel's layout (``pack_int8_quads`` / ``pack_linear_weight``), packed once."""
         if self._packed is None:
             ops = kernels.ops()
-            self._packed = ops.pack_int8_quads(self.q) if self.activations == "int8" else ops.pack_linear_weight(self.q)
+            int8 = self.activations == "int8"
+            self._packed = ops.pack_int8_quads(self.q, self.grouped) if int8 else ops.pack_linear_weight(self.q)
         return self._packed
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
@@ -287,7 +292,8 @@ class GreedyHead:
             if int8_single_row:
                 self.packed1 = kernels.ops().pack_linear_weight(self.q)
             if int8_rows:
-                self.quads, self.colsum = kernels.ops().pack_int8_quads(self.q), self.q.sum(dim=1, dtype=torch.int32)
+                self.quads = kernels.ops().pack_int8_quads(self.q, grouped=True)  # a few rows: one stream
+                self.colsum = self.q.sum(dim=1, dtype=torch.int32)
                 self.bound_q = (wq.norm(dim=1) * (1 + 2.0**-10) + 2.0**-40).float()  # ||ŵ_j||, rounded up
 
     def __call__(self, x: Tensor) -> Tensor:

@@ -558,16 +558,16 @@ void advise_huge_pages(void* p, size_t bytes) {
 // W (N, K) -> (ceil(N/16), ceil(K/G), 16, G), [p, i, j, t] = W[16p + j, G i + t], zero-padded columns and k: each
 // column's G consecutive k are one lane. G = 1: float32, float16 or int8 panels (K x 16); G = 2: bfloat16 k pairs,
 // one 32-bit lane (wload8/wload16 widen it without a shuffle); G = 4: int8 quads (pack_int8_quads).
-template <int G, typename T>
-void pack_groups(const T* src, T* dst, int64_t N, int64_t K, int64_t P) {
+template <int G, int64_t W = PANEL, typename T>
+void pack_groups(const T* src, T* dst, int64_t N, int64_t K, int64_t P) {  // W: columns per panel
   const int64_t KG = (K + G - 1) / G;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t i = 0; i < KG; ++i)
-        for (int64_t j = 0; j < PANEL; ++j)
+        for (int64_t j = 0; j < W; ++j)
           for (int64_t t = 0; t < G; ++t) {
-            const int64_t c = p * PANEL + j, k = G * i + t;
-            dst[((p * KG + i) * PANEL + j) * G + t] = c < N && k < K ? src[c * K + k] : T(0.0f);
+            const int64_t c = p * W + j, k = G * i + t;
+            dst[((p * KG + i) * W + j) * G + t] = c < N && k < K ? src[c * K + k] : T(0.0f);
           }
   });
 }
@@ -594,26 +594,36 @@ Tensor pack_linear_weight(const Tensor& w) {
 }
 
 // ------------------------------------------------------------------ int8 x int8 (int8 activations)
+constexpr int64_t QPAN = 3;  // panels per quad_kernel call (and per group of pack_int8_quads' grouped layout)
+
 // W (N, K) int8 -> (ceil(N/16), ceil(K/4), 16, 4) (pack_groups<4>): each column's 4 consecutive k are one 32-bit
-// lane, the operand layout of vpdpbusd.
-Tensor pack_int8_quads(const Tensor& q) {
+// lane, the operand layout of vpdpbusd. grouped: (ceil(N/48), ceil(K/4), 48, 4) instead, [g, i, c, t] =
+// W[48g + c, 4i + t] (zero-padded to whole groups): the QPAN panels a quad_kernel call reads are one sequential
+// stream (a decoding step's few rows read each weight once, from memory); the plain layout's three streams suit
+// many rows (tiles that read a panel group many times).
+Tensor pack_int8_quads(const Tensor& q, bool grouped) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
               "pack_int8_quads: q must be a contiguous 2-D int8 CPU tensor, got ", q.scalar_type(), " ", q.sizes());
-  const int64_t N = q.size(0), K = q.size(1), P = (N + PANEL - 1) / PANEL, K4 = (K + 3) / 4;
-  Tensor out = at::empty({P, K4, PANEL, 4}, q.options());
+  const int64_t W = grouped ? QPAN * PANEL : PANEL;
+  const int64_t N = q.size(0), K = q.size(1), P = (N + W - 1) / W, K4 = (K + 3) / 4;
+  Tensor out = at::empty({P, K4, W, 4}, q.options());
   advise_huge_pages(out.data_ptr(), size_t(out.numel()));
-  pack_groups<4>(q.data_ptr<int8_t>(), out.data_ptr<int8_t>(), N, K, P);
+  if (grouped)
+    pack_groups<4, QPAN * PANEL>(q.data_ptr<int8_t>(), out.data_ptr<int8_t>(), N, K, P);
+  else
+    pack_groups<4>(q.data_ptr<int8_t>(), out.data_ptr<int8_t>(), N, K, P);
   return out;
 }
 
 // acc[r][p][0..15] (int32) = sum_k xu[r][k] * w_p[k][0..15] for R rows and NP quad panels (NP panels `pstride` bytes
-// apart), xu: the rows' uint8 activations (quantize_row), K4 32-bit quads per row, rows `xstride` quads apart.
+// apart, a panel's consecutive quads `istride` bytes apart: plain layout K4 * 64 and 64, grouped 64 and QPAN * 64),
+// xu: the rows' uint8 activations (quantize_row), K4 32-bit quads per row, rows `xstride` quads apart.
 // AVX512-VNNI: per quad, NP weight loads and R broadcasts feed R * NP vpdpbusd (up to 24 accumulators); the
 // portable loop elsewhere (same integer sums). At 8 x 3, int8_linear's main tile, the 24 accumulators are named
 // (GCC keeps a __m512i array of them on the stack).
 template <int R, int NP>
 inline void quad_kernel(const uint32_t* xu, int64_t xstride, int64_t K4, const int8_t* w, int64_t pstride,
-                        int32_t* acc) {
+                        int64_t istride, int32_t* acc) {
 #if SUBLAYER_AVX2_FMA && defined(__AVX512VNNI__)
   if (g_avx512.load(std::memory_order_relaxed)) {
     if constexpr (R == 8 && NP == 3) {
@@ -632,8 +642,9 @@ inline void quad_kernel(const uint32_t* xu, int64_t xstride, int64_t K4, const i
   _mm512_storeu_si512(acc + (r * 3 + 2) * PANEL, a##r##2);
       SUBLAYER_Q8X3(SUBLAYER_QDECL)
       for (int64_t i = 0; i < K4; ++i) {
-        const __m512i w0 = _mm512_loadu_si512(w + i * 64), w1 = _mm512_loadu_si512(w + pstride + i * 64),
-                      w2 = _mm512_loadu_si512(w + 2 * pstride + i * 64);
+        const int8_t* wi = w + i * istride;
+        const __m512i w0 = _mm512_loadu_si512(wi), w1 = _mm512_loadu_si512(wi + pstride),
+                      w2 = _mm512_loadu_si512(wi + 2 * pstride);
         SUBLAYER_Q8X3(SUBLAYER_QROW)
       }
       SUBLAYER_Q8X3(SUBLAYER_QSTORE)
@@ -648,7 +659,7 @@ inline void quad_kernel(const uint32_t* xu, int64_t xstride, int64_t K4, const i
       for (int p = 0; p < NP; ++p) a[r][p] = _mm512_setzero_si512();
     for (int64_t i = 0; i < K4; ++i) {
       __m512i wv[NP];
-      for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_si512(w + p * pstride + i * 64);
+      for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_si512(w + p * pstride + i * istride);
       for (int r = 0; r < R; ++r) {
         const __m512i xb = _mm512_set1_epi32(int(xu[r * xstride + i]));
         for (int p = 0; p < NP; ++p) a[r][p] = _mm512_dpbusd_epi32(a[r][p], xb, wv[p]);
@@ -668,7 +679,7 @@ inline void quad_kernel(const uint32_t* xu, int64_t xstride, int64_t K4, const i
         for (int t = 0; t < 4; ++t) {
           const int32_t xv = xr[4 * i + t];
 #pragma omp simd
-          for (int j = 0; j < PANEL; ++j) s[j] += xv * int32_t(wp[(i * PANEL + j) * 4 + t]);
+          for (int j = 0; j < PANEL; ++j) s[j] += xv * int32_t(wp[i * istride + j * 4 + t]);
         }
       std::copy(s, s + PANEL, acc + (r * NP + p) * PANEL);
     }
@@ -721,20 +732,23 @@ float quantize_row(const float* x, const float* S, int64_t K, int64_t K4, uint8_
   return range / 255.f;
 }
 
-constexpr int64_t QROWS = 8;   // rows per quad_kernel call
-constexpr int64_t QPAN = 3;    // panels per quad_kernel call (8 x 3 = 24 accumulators)
+constexpr int64_t QROWS = 8;   // rows per quad_kernel call (x QPAN panels: 24 accumulators)
 constexpr int64_t QBLOCK = 64; // rows per tile: their quantized activations stay in L1/L2 across the panels
 
-// One tile: rows [r0, r1) x panels [p0, p1) of int8_linear's output, ACT fused into the epilogue.
+// One tile: rows [r0, r1) x panels [p0, p1) of int8_linear's output (p0 a multiple of QPAN), ACT fused into the
+// epilogue. grouped: pack_int8_quads' grouped layout (a group of QPAN panels starts where the plain layout's first
+// panel of the group does).
 template <int64_t ACT>
-void int8_tile(const uint32_t* xu, const float* sx, const int32_t* zp, int64_t K4, const int8_t* wp, const int32_t* cp, const float* sp,
-               const float* bp, float* op, int64_t n, int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
-  using QuadFn = void (*)(const uint32_t*, int64_t, int64_t, const int8_t*, int64_t, int32_t*);
+void int8_tile(const uint32_t* xu, const float* sx, const int32_t* zp, int64_t K4, const int8_t* wp, bool grouped,
+               const int32_t* cp, const float* sp, const float* bp, float* op, int64_t n, int64_t r0, int64_t r1,
+               int64_t p0, int64_t p1) {
+  using QuadFn = void (*)(const uint32_t*, int64_t, int64_t, const int8_t*, int64_t, int64_t, int32_t*);
   static constexpr auto kQuad1 = rows_table<QROWS>([](auto r) { return &quad_kernel<decltype(r)::value, 1>; });
   static constexpr auto kQuad2 = rows_table<QROWS>([](auto r) { return &quad_kernel<decltype(r)::value, 2>; });
   static constexpr auto kQuad3 = rows_table<QROWS>([](auto r) { return &quad_kernel<decltype(r)::value, 3>; });
   const QuadFn* kQuad[QPAN + 1] = {nullptr, kQuad1.data(), kQuad2.data(), kQuad3.data()};
-  const int64_t pstride = K4 * PANEL * 4;
+  const int64_t pstride = K4 * PANEL * 4, inner_p = grouped ? PANEL * 4 : pstride;
+  const int64_t inner_i = grouped ? QPAN * PANEL * 4 : PANEL * 4;
   alignas(64) int32_t acc[QROWS * QPAN * PANEL];
   for (int64_t p = p0; p < p1; p += QPAN) {
     const int64_t np = std::min<int64_t>(QPAN, p1 - p);
@@ -746,7 +760,7 @@ void int8_tile(const uint32_t* xu, const float* sx, const int32_t* zp, int64_t K
     if (bp) std::copy(bp + c0, bp + c0 + nc, bpanel);
     for (int64_t r = r0; r < r1; r += QROWS) {
       const int64_t R = std::min<int64_t>(QROWS, r1 - r);
-      kQuad[np][R](xu + r * K4, K4, K4, wp + p * pstride, pstride, acc);
+      kQuad[np][R](xu + r * K4, K4, K4, wp + p * pstride, inner_p, inner_i, acc);
       for (int64_t i = 0; i < R; ++i) {
         const float s = sx[r + i];
         const int32_t z = zp[r + i];
@@ -779,10 +793,13 @@ Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, 
               "int8_linear: x must be a 2-D float32 CPU tensor with unit inner stride");
   const int64_t M = x.size(0), K = x.size(1), K4 = (K + 3) / 4;
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kChar && packed.dim() == 4 &&
-                  packed.is_contiguous() && packed.size(1) == K4 && packed.size(2) == PANEL && packed.size(3) == 4,
-              "int8_linear: packed must be int8 (P, ceil(K/4)=", K4, ", 16, 4), got ", packed.sizes());
-  const int64_t P = packed.size(0);
-  TORCH_CHECK(n > (P - 1) * PANEL && n <= P * PANEL, "int8_linear: n=", n, " does not fit ", P, " panels");
+                  packed.is_contiguous() && packed.size(1) == K4 &&
+                  (packed.size(2) == PANEL || packed.size(2) == QPAN * PANEL) && packed.size(3) == 4,
+              "int8_linear: packed must be int8 (P, ceil(K/4)=", K4, ", 16 or 48, 4), got ", packed.sizes());
+  const int64_t width = packed.size(2), P = (n + PANEL - 1) / PANEL;  // P: the panels of n outputs
+  const bool grouped = width != PANEL;
+  TORCH_CHECK(n > (packed.size(0) - 1) * width && n <= packed.size(0) * width, "int8_linear: n=", n,
+              " does not fit ", packed.size(0), " panels of ", width);
   TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.dim() == 1 && colsum.numel() == n && colsum.is_contiguous(),
               "int8_linear: colsum must be int32 (", n, ",)");
   check_float_contig(scale, "int8_linear: scale", 1);
@@ -828,8 +845,8 @@ Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, 
         const int64_t rb = t / n_cg, cg = t % n_cg;
         const int64_t p0 = cg * cg_pan, p1 = std::min(P, p0 + cg_pan);
         if (p0 < p1)
-          int8_tile<ACT>(xu, sx.data(), zp.data(), K4, wp, cp, sp, bp, op, n, rb * QBLOCK, std::min(M, (rb + 1) * QBLOCK),
-                         p0, p1);
+          int8_tile<ACT>(xu, sx.data(), zp.data(), K4, wp, grouped, cp, sp, bp, op, n, rb * QBLOCK,
+                         std::min(M, (rb + 1) * QBLOCK), p0, p1);
       }
     });
   });
@@ -969,7 +986,7 @@ TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
   m.def("decode_bf16_dot(int flag) -> bool", &sublayer::decode_bf16_dot);
   m.def("screened_argmax(Tensor x, Tensor screened, Tensor weight, Tensor? bias, Tensor bound, Tensor? bound_q=None) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int n, int act=0, Tensor? scale=None) -> Tensor");
-  m.def("pack_int8_quads(Tensor q) -> Tensor");
+  m.def("pack_int8_quads(Tensor q, bool grouped=False) -> Tensor");
   m.def(
       "int8_linear(Tensor x, Tensor packed, Tensor colsum, Tensor scale, Tensor? bias, int n, int act=0, "
       "Tensor? inv_smooth=None) -> Tensor");
