@@ -40,6 +40,7 @@ def test_settings_imports_nothing_from_sublayer():
 def test_defaults_when_unset_or_empty():
     for env in ({}, dict.fromkeys(settings.VARIABLES, " ")):
         assert settings.kernels_enabled(env) and settings.decoding_enabled(env) and not settings.kernels_verbose(env)
+        assert settings.fit_threads(env)
         assert settings.kernels_cache_root(env) == Path.home() / ".cache" / "sublayer" / "kernels"
         assert settings.kernels_lock_timeout(env) == 600.0
         assert settings.bf16_gemm(env) is None and settings.int8_engine(env) is None
@@ -52,7 +53,8 @@ def test_defaults_when_unset_or_empty():
                                        ("false", False), ("OFF", False), ("no", False)])  # fmt: skip
 def test_switches(value, on):
     for name, read in [("SUBLAYER_KERNELS", settings.kernels_enabled), ("SUBLAYER_DECODING", settings.decoding_enabled),
-                       ("SUBLAYER_KERNELS_VERBOSE", settings.kernels_verbose)]:  # fmt: skip
+                       ("SUBLAYER_KERNELS_VERBOSE", settings.kernels_verbose),
+                       ("SUBLAYER_FIT_THREADS", settings.fit_threads)]:  # fmt: skip
         assert read({name: value}) is on
 
 

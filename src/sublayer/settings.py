@@ -23,6 +23,7 @@ __all__ = [
     "int8_engine",
     "decoding_enabled",
     "buffer_cache_mb",
+    "fit_threads",
     "threads",
     "wait_policy",
     "apply_wait_policy",
@@ -46,6 +47,8 @@ VARIABLES: dict[str, str] = {
     "once, at import",
     "SUBLAYER_BUFFER_CACHE_MB": "MiB of freed big buffers the fused Add & Norm keeps for reuse (default 256, 0: off); "
     "applied when the kernels load",
+    "SUBLAYER_FIT_THREADS": "1/0: generate/translate run on torch's threads less the CPUs other processes kept "
+    "busy during the previous call (default) or on torch's threads as set",
     "SUBLAYER_THREADS": "auto or a count: torch threads of the sublayer command (default auto: the usable CPUs, "
     "less those other processes keep busy where OpenMP threads spin; a command's --threads wins)",
     "SUBLAYER_WAIT_POLICY": "passive/openmp: how idle OpenMP threads of the sublayer command wait (default passive: "
@@ -137,6 +140,12 @@ def buffer_cache_mb(environ: Mapping[str, str] | None = None) -> float | None:
     """``SUBLAYER_BUFFER_CACHE_MB``: the fused Add & Norm's buffer cache limit in MiB (0: off); None when unset
     (the kernels' own default, 256)."""
     return _number("SUBLAYER_BUFFER_CACHE_MB", None, environ, positive=False)
+
+
+def fit_threads(environ: Mapping[str, str] | None = None) -> bool:
+    """``SUBLAYER_FIT_THREADS``: whether decoding leaves CPUs that other processes keep busy to them (default
+    True; :func:`sublayer.runtime.generation.fitted_threads`)."""
+    return _flag("SUBLAYER_FIT_THREADS", True, environ)
 
 
 def threads(environ: Mapping[str, str] | None = None) -> int | None:

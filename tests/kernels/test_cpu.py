@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,15 @@ def test_busy_cpus_sees_a_busy_neighbour():
         spin.wait()
     assert 0.5 < busy <= (__import__("os").cpu_count() or 1)
     assert 1.0 <= cpu.usable_cpus() <= (__import__("os").cpu_count() or 1)
+
+
+def test_others_busy_is_the_machines_busy_time_less_this_process(monkeypatch):
+    monkeypatch.setattr(cpu.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(cpu, "_cpu_ticks", lambda: (150, 200))  # 3 of 4 ticks busy since (0, 0): 1.5 CPUs of 2
+    t = time.perf_counter()
+    since = ((0, 0), time.process_time() - 0.25, t - 0.5)  # this process: 0.25 s of CPU in 0.5 s, 0.5 CPU
+    assert abs(cpu.others_busy(since) - 1.0) < 0.02
+    assert cpu.others_busy(((150, 200), 0.0, t)) is None  # no tick has passed
+    assert cpu.others_busy((None, 0.0, t)) is None  # no /proc/stat
+    since = ((0, 0), time.process_time() - 5.0, t - 0.5)  # more than the ticks say (their granularity): not < 0
+    assert cpu.others_busy(since) == 0.0

@@ -22,8 +22,7 @@ from .. import settings
 
 __all__ = [
     "cpuinfo_text", "flags", "has", "model", "is_x86", "tag", "native_bf16_gemm", "onednn_fp32_gemm", "int8_engine",
-    "usable_cpus",
-    "busy_cpus", "default_threads", "choose_threads", "describe",
+    "usable_cpus", "load_snapshot", "others_busy", "busy_cpus", "default_threads", "choose_threads", "describe",
 ]  # fmt: skip
 
 
@@ -153,17 +152,29 @@ def _cpu_ticks() -> tuple[int, int] | None:
     return sum(v) - v[3] - (v[4] if len(v) > 4 else 0), sum(v)  # idle and iowait are not busy
 
 
-def busy_cpus(seconds: float = 0.1) -> float | None:
-    """How many CPUs other processes keep busy: the machine's busy time over ``seconds`` (``/proc/stat``) less
-    this process's own, in CPUs. None where ``/proc/stat`` is missing."""
-    a, own0, t0 = _cpu_ticks(), time.process_time(), time.perf_counter()
-    time.sleep(seconds)
-    b, own1, t1 = _cpu_ticks(), time.process_time(), time.perf_counter()
+def load_snapshot() -> tuple:
+    """The machine's and this process's CPU time now: the start of a measurement by :func:`others_busy`."""
+    return _cpu_ticks(), time.process_time(), time.perf_counter()
+
+
+def others_busy(since: tuple) -> float | None:
+    """How many CPUs other processes kept busy since the :func:`load_snapshot` ``since``: the machine's busy time
+    (``/proc/stat``, in clock ticks) less this process's own, in CPUs. None where ``/proc/stat`` is missing or no
+    tick has passed."""
+    (a, own0, t0), (b, own1, t1) = since, load_snapshot()
     if a is None or b is None or b[1] <= a[1]:
         return None
     cpus = os.cpu_count() or 1
     busy = cpus * (b[0] - a[0]) / (b[1] - a[1])
     return max(0.0, busy - (own1 - own0) / max(t1 - t0, 1e-9))
+
+
+def busy_cpus(seconds: float = 0.1) -> float | None:
+    """How many CPUs other processes keep busy: :func:`others_busy` over ``seconds`` from now. None where
+    ``/proc/stat`` is missing."""
+    since = load_snapshot()
+    time.sleep(seconds)
+    return others_busy(since)
 
 
 def default_threads(cpus: float, busy: float | None, *, waits_sleep: bool) -> tuple[int, str]:

@@ -408,20 +408,23 @@ class Transformer(nn.Module):
             from . import decoding, fast_encode  # the fast paths, tested against encode and the reference steps
 
             self._check_source(src, src_key_padding_mask)
-            memory = fast_encode.encode(self, src, src_key_padding_mask) if decoding.enabled() else None
-            if memory is None:
-                memory = self.encode(src, src_key_padding_mask=src_key_padding_mask)
-            mask = src_key_padding_mask
-            steps = decoding.transformer_stepper(self, memory, mask, max_len, beams=beam_size)
-            if steps is None:
-                if beam_size > 1:  # every sentence's memory repeated for its k beams: row i*k + j is beam j of i
-                    memory = memory.repeat_interleave(beam_size, dim=0)
-                    mask = None if mask is None else mask.repeat_interleave(beam_size, dim=0)
-                steps = self._reference_steps(memory, mask)
-            dev = self.out_proj.weight.device
-            if beam_size == 1:
-                return generation.greedy_search(steps, src.shape[0], max_len, bos, eos, pad, dev)
-            return generation.beam_search(steps, src.shape[0], max_len, bos, eos, pad, beam_size, length_penalty, dev)
+            with generation.fitted_threads():
+                memory = fast_encode.encode(self, src, src_key_padding_mask) if decoding.enabled() else None
+                if memory is None:
+                    memory = self.encode(src, src_key_padding_mask=src_key_padding_mask)
+                mask = src_key_padding_mask
+                steps = decoding.transformer_stepper(self, memory, mask, max_len, beams=beam_size)
+                if steps is None:
+                    if beam_size > 1:  # every sentence's memory repeated for its k beams: row i*k + j is beam j of i
+                        memory = memory.repeat_interleave(beam_size, dim=0)
+                        mask = None if mask is None else mask.repeat_interleave(beam_size, dim=0)
+                    steps = self._reference_steps(memory, mask)
+                dev = self.out_proj.weight.device
+                if beam_size == 1:
+                    return generation.greedy_search(steps, src.shape[0], max_len, bos, eos, pad, dev)
+                return generation.beam_search(
+                    steps, src.shape[0], max_len, bos, eos, pad, beam_size, length_penalty, dev
+                )
         finally:
             self.train(was_training)
 

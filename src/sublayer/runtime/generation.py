@@ -12,18 +12,21 @@ reference step runs the model's own forward with a growing :class:`sublayer.func
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from .. import settings
 from .._checks import check_attention_mask, check_input_ids, check_positive_int
+from ..kernels import cpu
 
 __all__ = [
     "CausalLM", "generate", "token_loop", "filtered_probs", "greedy_search", "beam_search", "check_token_id",
-    "check_eos_ids",
+    "check_eos_ids", "fitted_threads",
 ]  # fmt: skip
 
 
@@ -51,6 +54,38 @@ class CausalLM(Protocol):
     def fast_decoder(self):
         """A fast decoding loop ``fn(input_ids, positions, kpm, max_new_tokens, *, prefill, pick, eos_token_id,
         pad, greedy) -> ids``, or None where the reference loop runs."""
+
+
+_neighbours = {"busy": 0.0}  # CPUs other processes kept busy during the last measured decoding call
+_MEASURE_S = 0.05  # shorter calls span too few of /proc/stat's clock ticks to measure
+
+
+@contextlib.contextmanager
+def fitted_threads() -> Iterator[int]:
+    """Runs a decoding call on torch's thread count less the CPUs that other processes kept busy during the
+    previous call (rounded: a neighbour that takes 0.6 of a CPU counts as one; at least one thread), restored
+    afterwards; yields the count. Measures that load again meanwhile (:func:`sublayer.kernels.cpu.others_busy`,
+    calls of at least 50 ms), so the count follows the machine from call to call.
+
+    A decoding step is dozens of short parallel loops, and each waits for its slowest thread: beside a busy
+    neighbour, a thread sharing a core with it stalls the step at every scheduler slice, and fewer threads on
+    the free cores decode faster. The kernels' results do not depend on the thread count.
+    ``SUBLAYER_FIT_THREADS=0`` keeps torch's count."""
+    n = torch.get_num_threads()
+    if n <= 1 or not settings.fit_threads():
+        yield n
+        return
+    fit = min(n, cpu.default_threads(cpu.usable_cpus(), _neighbours["busy"], waits_sleep=False)[0])
+    since = cpu.load_snapshot()
+    if fit != n:
+        torch.set_num_threads(fit)
+    try:
+        yield fit
+    finally:
+        if fit != n:
+            torch.set_num_threads(n)
+        if since[2] + _MEASURE_S <= cpu.load_snapshot()[2] and (busy := cpu.others_busy(since)) is not None:
+            _neighbours["busy"] = busy
 
 
 def check_token_id(name: str, value: object, vocab_size: int | None = None, *, negative: bool = False) -> None:
@@ -207,23 +242,24 @@ def generate(
         lm.eval()
     streaming = _STREAMER.set(streamer)
     try:
-        fast = lm.fast_decoder()
-        if fast is not None:
-            out = fast(input_ids, positions, kpm, max_new_tokens, prefill=lm.hidden_states, pick=pick,
-                       eos_token_id=eos_token_id, pad=pad, greedy=not do_sample)  # fmt: skip
-        else:
-            caches = lm.new_caches()
-            h = lm.hidden_states(input_ids, positions, kpm, caches)
-            state = {"pos": positions[:, -1:], "kpm": kpm}
+        with fitted_threads():
+            fast = lm.fast_decoder()
+            if fast is not None:
+                out = fast(input_ids, positions, kpm, max_new_tokens, prefill=lm.hidden_states, pick=pick,
+                           eos_token_id=eos_token_id, pad=pad, greedy=not do_sample)  # fmt: skip
+            else:
+                caches = lm.new_caches()
+                h = lm.hidden_states(input_ids, positions, kpm, caches)
+                state = {"pos": positions[:, -1:], "kpm": kpm}
 
-            def step(nxt: Tensor, s: int) -> Tensor:
-                state["pos"] = state["pos"] + 1
-                if state["kpm"] is not None:
-                    state["kpm"] = torch.cat([state["kpm"], state["kpm"].new_zeros(b, 1)], dim=1)
-                h = lm.hidden_states(nxt[:, None], state["pos"], state["kpm"], caches)
-                return pick(lm.lm_head(h[:, -1]).float())
+                def step(nxt: Tensor, s: int) -> Tensor:
+                    state["pos"] = state["pos"] + 1
+                    if state["kpm"] is not None:
+                        state["kpm"] = torch.cat([state["kpm"], state["kpm"].new_zeros(b, 1)], dim=1)
+                    h = lm.hidden_states(nxt[:, None], state["pos"], state["kpm"], caches)
+                    return pick(lm.lm_head(h[:, -1]).float())
 
-            out = token_loop(input_ids, max_new_tokens, pick(lm.lm_head(h[:, -1]).float()), step, eos_token_id, pad)
+                out = token_loop(input_ids, max_new_tokens, pick(lm.lm_head(h[:, -1]).float()), step, eos_token_id, pad)
         if streamer is not None:
             streamer.end()
         return out

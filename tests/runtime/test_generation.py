@@ -1,0 +1,97 @@
+"""runtime.generation's thread fitting: decoding calls run on torch's threads less the CPUs other processes keep
+busy, with the same results."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pytest
+import torch
+
+from sublayer.kernels import cpu
+from sublayer.models import GPT2, GPT2Config, Transformer, fast_inference
+from sublayer.runtime import generation
+
+
+@pytest.fixture
+def two_threads(monkeypatch):
+    """Two torch threads on two usable CPUs, the measured load restored afterwards."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(2)
+    monkeypatch.setattr(cpu, "usable_cpus", lambda: 2.0)
+    monkeypatch.setattr(cpu, "others_busy", lambda since: 0.0)  # a quiet machine, whatever else runs
+    monkeypatch.setitem(generation._neighbours, "busy", 0.0)
+    yield
+    torch.set_num_threads(was)
+
+
+@pytest.mark.parametrize(("busy", "want"), [(0.0, 2), (0.4, 2), (0.6, 1), (1.0, 1), (3.0, 1)])
+def test_fitted_threads_leaves_busy_cpus_to_their_owners(busy, want, two_threads, monkeypatch):
+    monkeypatch.setitem(generation._neighbours, "busy", busy)
+    monkeypatch.delenv("SUBLAYER_FIT_THREADS", raising=False)
+    with generation.fitted_threads() as n:
+        assert n == want and torch.get_num_threads() == want
+    assert torch.get_num_threads() == 2
+    monkeypatch.setenv("SUBLAYER_FIT_THREADS", "0")
+    with generation.fitted_threads() as n:
+        assert n == 2 and torch.get_num_threads() == 2
+
+
+def test_fitted_threads_measures_each_long_call(two_threads, monkeypatch):
+    seen = iter([1.0, 0.0])
+    monkeypatch.setattr(cpu, "others_busy", lambda since: next(seen))
+    with generation.fitted_threads() as n:  # quiet so far: 2 threads; a neighbour appears meanwhile
+        time.sleep(generation._MEASURE_S)
+    assert n == 2 and generation._neighbours["busy"] == 1.0
+    with generation.fitted_threads() as n:  # so 1 thread; the neighbour has gone meanwhile
+        time.sleep(generation._MEASURE_S)
+    assert n == 1 and generation._neighbours["busy"] == 0.0
+    with generation.fitted_threads() as n:  # too short to measure: the estimate stays
+        pass
+    assert n == 2 and generation._neighbours["busy"] == 0.0
+    with pytest.raises(RuntimeError, match="inside"):  # restored on an error too
+        monkeypatch.setitem(generation._neighbours, "busy", 1.0)
+        with generation.fitted_threads():
+            raise RuntimeError("inside")
+    assert torch.get_num_threads() == 2
+
+
+def _record_fits(monkeypatch) -> list[int]:
+    fits, real = [], generation.fitted_threads
+
+    @contextlib.contextmanager
+    def spy():
+        with real() as n:
+            fits.append(n)
+            yield n
+
+    monkeypatch.setattr(generation, "fitted_threads", spy)
+    return fits
+
+
+@pytest.mark.parametrize("kind", ["float32", "int8", "bfloat16"])
+def test_generate_runs_fitted_with_the_same_tokens(kind, two_threads, monkeypatch):
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(vocab_size=101, d_model=32, n_layers=2, n_heads=4, max_positions=40, dropout=0.0,
+                            embd_dropout=0.0, attn_dropout=0.0)).eval()  # fmt: skip
+    lm = model if kind == "float32" else fast_inference(model, **({"quantize": "int8"} if kind == "int8" else {"dtype": torch.bfloat16}))
+    ids = torch.randint(0, 101, (3, 7), generator=torch.Generator().manual_seed(1))
+    fits = _record_fits(monkeypatch)
+    quiet = lm.generate(ids, 9)
+    monkeypatch.setitem(generation._neighbours, "busy", 1.0)
+    monkeypatch.setattr(cpu, "others_busy", lambda since: 1.0)
+    busy = lm.generate(ids, 9)
+    assert fits == [2, 1] and torch.equal(busy, quiet)
+
+
+def test_translate_runs_fitted_with_the_same_tokens(two_threads, monkeypatch):
+    torch.manual_seed(0)
+    m = Transformer(11, 13, d_model=14, n_heads=2, d_ff=22, n_layers=2, dropout=0.0, max_len=23).eval()
+    src = torch.randint(3, 11, (3, 5), generator=torch.Generator().manual_seed(2))
+    fits = _record_fits(monkeypatch)
+    quiet = [m.translate(src, max_len=9, bos=1, eos=2, beam_size=k) for k in (1, 3)]
+    monkeypatch.setitem(generation._neighbours, "busy", 1.0)
+    monkeypatch.setattr(cpu, "others_busy", lambda since: 1.0)
+    busy = [m.translate(src, max_len=9, bos=1, eos=2, beam_size=k) for k in (1, 3)]
+    assert fits == [2, 2, 1, 1] and all(torch.equal(a, b) for a, b in zip(quiet, busy))
