@@ -28,6 +28,14 @@ def test_time_interleaved_runs_the_functions_in_turn_after_their_warmup():
     assert set(res) == {"a", "b"} and all(t.ms >= 0 and t.spread >= 0 for t in res.values())
 
 
+def test_cycled_gives_each_engine_the_same_new_input_at_each_call():
+    seen: dict[str, list[int]] = {"a": [], "b": []}
+    fns = {k: harness.cycled([10, 11, 12], lambda x, k=k: seen[k].append(x)) for k in seen}
+    fns["a"](), fns["b"]()  # the warm-up
+    harness.time_interleaved(fns, 4, 0)
+    assert seen["a"] == seen["b"] == [10, 11, 12, 10, 11]
+
+
 def test_set_clock_rejects_an_unknown_clock():
     with pytest.raises(ValueError, match="clock must be wall or cpu, got 'gpu'"):
         harness.set_clock("gpu")

@@ -32,7 +32,7 @@ except ImportError:
 
 __all__ = [
     "CLOCKS", "Row", "SideEnv", "Timing", "adamw_step", "bert_batch", "busy_neighbour", "command_line", "contention_table",
-    "copy_gbps", "cpu_info", "cpu_kind", "ct2_greedy", "machine", "mean_pool", "padded_batch", "report_markdown", "report_path", "saved_bytes", "set_clock",
+    "copy_gbps", "cpu_info", "cpu_kind", "ct2_greedy", "cycled", "machine", "mean_pool", "padded_batch", "report_markdown", "report_path", "saved_bytes", "set_clock",
     "summarize", "time_interleaved", "write_report", "Worker",
 ]  # fmt: skip
 
@@ -87,6 +87,15 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: in
             ts[k].append(now() - t0)
             flt[k].append(_minor_faults() - f0)
     return {k: summarize([t * 1e3 for t in v], statistics.median(flt[k])) for k, v in ts.items()}
+
+
+def cycled(inputs: list, fn: Callable[[object], object]) -> Callable[[], object]:
+    """A no-argument function for :func:`time_interleaved`: ``fn(inputs[0])``, then ``fn(inputs[1])``, ... (cycling).
+    Engines built from the same ``inputs`` see the same input at each call, and none sees one again until every
+    other has been used: an engine that keeps earlier prompts' caches (OpenVINO GenAI's prefix cache) gains
+    nothing from a benchmark that repeats its input."""
+    it = iter(range(2**62))
+    return lambda: fn(inputs[next(it) % len(inputs)])
 
 
 def summarize(ms: list[float], faults: float = 0.0) -> Timing:
