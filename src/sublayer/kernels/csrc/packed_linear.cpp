@@ -643,6 +643,8 @@ inline void quad_kernel(const uint32_t* xu, int64_t xstride, int64_t K4, const i
       SUBLAYER_Q8X3(SUBLAYER_QDECL)
       for (int64_t i = 0; i < K4; ++i) {
         const int8_t* wi = w + i * istride;
+        if (istride != 64)  // grouped: one stream, its lines fetched 4 KB ahead
+          for (int l = 0; l < 3; ++l) _mm_prefetch(reinterpret_cast<const char*>(wi) + 4096 + 64 * l, _MM_HINT_T0);
         const __m512i w0 = _mm512_loadu_si512(wi), w1 = _mm512_loadu_si512(wi + pstride),
                       w2 = _mm512_loadu_si512(wi + 2 * pstride);
         SUBLAYER_Q8X3(SUBLAYER_QROW)
