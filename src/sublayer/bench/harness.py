@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import importlib.metadata
+import itertools
 import platform
 import re
 import shlex
@@ -94,8 +95,8 @@ def cycled(inputs: list, fn: Callable[[object], object]) -> Callable[[], object]
     Engines built from the same ``inputs`` see the same input at each call, and none sees one again until every
     other has been used: an engine that keeps earlier prompts' caches (OpenVINO GenAI's prefix cache) gains
     nothing from a benchmark that repeats its input."""
-    it = iter(range(2**62))
-    return lambda: fn(inputs[next(it) % len(inputs)])
+    calls = itertools.count()
+    return lambda: fn(inputs[next(calls) % len(inputs)])
 
 
 def summarize(ms: list[float], faults: float = 0.0) -> Timing:
