@@ -225,15 +225,18 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding
     try:
         for b in (1, 8):
             # a new prompt at every call (the warm-up's, then one per round), the same for every engine
-            prompts = [torch.randint(0, cfg.vocab_size - 1, (b, prompt), generator=torch.Generator().manual_seed(b + 16 * i))
-                       for i in range(reps + 1)]  # fmt: skip
+            prompts = [torch.randint(0, cfg.vocab_size - 1, (b, prompt), generator=torch.Generator().manual_seed(s))
+                       for s in range(b, b + 16 * (reps + 1), 16)]  # fmt: skip
             fns: dict[str, Callable[[], object]] = {
-                f"sublayer {k}": cycled(prompts, lambda ids, m=m: m.generate(ids, new)[:, prompt:]) for k, m in mine.items()}
+                f"sublayer {k}": cycled(prompts, lambda ids, m=m: m.generate(ids, new)[:, prompt:])
+                for k, m in mine.items()}  # fmt: skip
             if ov is not None:
                 fns |= {k: cycled(prompts, lambda ids, k=k: ov.generate(k, ids.tolist(), new)) for k in _OV_DECODE}
             if ct2 is not None:
-                fns["CTranslate2 int8"] = cycled(
-                    prompts, lambda ids: torch.tensor(ct2_greedy(ct2, [[f"t{i}" for i in r] for r in ids.tolist()], new)))
+                def ct2_call(ids: torch.Tensor) -> torch.Tensor:
+                    return torch.tensor(ct2_greedy(ct2, [[f"t{i}" for i in r] for r in ids.tolist()], new))
+
+                fns["CTranslate2 int8"] = cycled(prompts, ct2_call)
             outs = {k: torch.as_tensor(f()) for k, f in fns.items()}  # the warm-up, on prompts[0]
             res = time_interleaved(fns, reps, 0)
             ref = outs["sublayer fp32"]
