@@ -400,12 +400,24 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
     float acc[3 * 8 * PANEL];  // up to three panels of max(ROWS, STREAMS, ROWS512) rows
     auto store = [&](int64_t p, int64_t r0, int64_t R, float* a) {  // epilogue + copy out: R rows of panel p
       const int64_t c0 = p * PANEL, nc = std::min<int64_t>(PANEL, n - c0);
-      float spanel[PANEL] = {0}, bpanel[PANEL] = {0};  // this panel's scale and bias, zero-padded past n
-      if (sp) std::copy(sp + c0, sp + c0 + nc, spanel);
-      if (bp) std::copy(bp + c0, bp + c0 + nc, bpanel);
+      // this panel's scale and bias: in place for a whole panel, else copied and zero-padded past n (the copies
+      // and stores below take constant lengths for a whole panel: inlined, no memmove call per row)
+      float spanel[PANEL] = {0}, bpanel[PANEL] = {0};
+      const float *s = sp ? sp + c0 : nullptr, *b = bp ? bp + c0 : nullptr;
+      if (nc < PANEL) {
+        if (sp) s = std::copy(sp + c0, sp + c0 + nc, spanel) - nc;
+        if (bp) b = std::copy(bp + c0, bp + c0 + nc, bpanel) - nc;
+      }
       for (int64_t r = 0; r < R; ++r) {
-        epilogue(a + r * PANEL, sp ? spanel : nullptr, bp ? bpanel : nullptr, act);
-        std::copy(a + r * PANEL, a + r * PANEL + nc, op + (r0 + r) * n + c0);
+        float* v = a + r * PANEL;
+        epilogue(v, s, b, act);
+        float* o = op + (r0 + r) * n + c0;
+        if (nc == PANEL) {
+#pragma omp simd
+          for (int64_t j = 0; j < PANEL; ++j) o[j] = v[j];
+        } else {
+          std::copy(v, v + nc, o);
+        }
       }
     };
     {
