@@ -950,7 +950,9 @@ Tensor screened_argmax(const Tensor& x, const Tensor& screened, const Tensor& we
   const float* ebq = bq ? bq : eb;  // read times xq = 0 without bound_q
   int64_t* op = out.data_ptr<int64_t>();
   const float rel = std::ldexp(1.0f, -21);
-  for (int64_t r = 0; r < M; ++r) {
+  // rows on both threads (each reads its own screened logits; which thread takes a row changes no result)
+  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
     const float* a = sp + r * V;
     const float* xr = x.data_ptr<float>() + r * x.stride(0);
     double ss = 0.0;
@@ -988,6 +990,7 @@ Tensor screened_argmax(const Tensor& x, const Tensor& screened, const Tensor& we
     for (; j < V; ++j) consider(j);
     op[r] = best < 0 ? 0 : best;
   }
+  });
   return out;
 }
 
