@@ -767,11 +767,17 @@ void int8_tile(const uint32_t* xu, const float* sx, const int32_t* zp, int64_t K
   for (int64_t p = p0; p < p1; p += QPAN) {
     const int64_t np = std::min<int64_t>(QPAN, p1 - p);
     const int64_t c0 = p * PANEL, nc = std::min<int64_t>(np * PANEL, n - c0);
-    alignas(64) float spanel[QPAN * PANEL] = {0}, bpanel[QPAN * PANEL] = {0};
-    alignas(64) int32_t cpanel[QPAN * PANEL] = {0};
-    std::copy(sp + c0, sp + c0 + nc, spanel);
-    std::copy(cp + c0, cp + c0 + nc, cpanel);
-    if (bp) std::copy(bp + c0, bp + c0 + nc, bpanel);
+    // the group's scales, column sums and bias: read in place for a whole group, else copied and zero-padded
+    static const float kZeros[QPAN * PANEL] = {};
+    const float *spanel = sp + c0, *bpanel = bp ? bp + c0 : kZeros;
+    const int32_t* cpanel = cp + c0;
+    alignas(64) float spad[QPAN * PANEL] = {}, bpad[QPAN * PANEL] = {};
+    alignas(64) int32_t cpad[QPAN * PANEL] = {};
+    if (nc < np * PANEL) {
+      spanel = std::copy(sp + c0, sp + c0 + nc, spad) - nc;
+      cpanel = std::copy(cp + c0, cp + c0 + nc, cpad) - nc;
+      if (bp) bpanel = std::copy(bp + c0, bp + c0 + nc, bpad) - nc;
+    }
     for (int64_t r = r0; r < r1; r += QROWS) {
       const int64_t R = std::min<int64_t>(QROWS, r1 - r);
       kQuad[np][R](xu + r * K4, K4, K4, wp + p * pstride, inner_p, inner_i, acc);
