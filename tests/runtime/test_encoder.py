@@ -124,11 +124,14 @@ def test_linear_formats_share_the_call():
     for lin in (OneDNNLinear(w, b), DenseLinear(w, b, torch.float32)):
         assert_close(lin(x), F.linear(x, w, b))
         assert_close(lin(x, "gelu"), F.gelu(F.linear(x, w, b)))
+        assert_close(lin(x, "gelu_tanh"), F.gelu(F.linear(x, w, b), approximate="tanh"))
         assert_close(lin(x, "relu"), F.relu(F.linear(x, w, b)))
     # bf16 panels: bf16 weight, bias and x, float32 sums, bf16 out (GELU fused before the rounding)
     lin, (xb, wb, bb) = OneDNNLinear(w, b, dtype=torch.bfloat16), (t.bfloat16().double() for t in (x, w, b))
     want = xb @ wb.t() + bb
-    for act, fn in ((None, lambda t: t), ("gelu", F.gelu), ("relu", F.relu)):
+    assert lin.packed is None or lin.weight is None  # the packed weight only: no second copy
+    tanh = ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"))
+    for act, fn in ((None, lambda t: t), ("gelu", F.gelu), tanh, ("relu", F.relu)):
         got = lin(x, act)
         assert got.dtype == torch.bfloat16
         assert_close(got.double(), fn(want), rtol=2e-2, atol=2e-2)

@@ -29,7 +29,9 @@ def pack(w: Tensor) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
 
 
-def linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, gelu: bool = False) -> Tensor:
-    """``x @ w.T + b`` (erf GELU applied when ``gelu``), a new (M, N) tensor; ``x`` (M, K) row-major, ``w`` (N, K)
-    as is or :func:`pack` ed."""
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu" if gelu else "none", [], "none" if gelu else "")
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, gelu: bool | str = False) -> Tensor:
+    """``x @ w.T + b`` (GELU applied when ``gelu``: ``True`` or ``"none"`` erf, ``"tanh"`` its tanh approximation),
+    a new (M, N) tensor; ``x`` (M, K) row-major, ``w`` (N, K) as is or :func:`pack` ed."""
+    if not gelu:
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu", [], "none" if gelu is True else gelu)

@@ -7,8 +7,9 @@
 * caches the weights once in the *compute dtype*: bf16 when the CPU multiplies bf16 natively (AVX512_BF16 / AMX,
   :func:`sublayer.kernels.native_bf16_gemm`), otherwise float32 — on an AVX2 CPU oneDNN's bf16 GEMMs are
   several times slower than fp32, so asking for bf16 there gives the fp32 path (``fast.compute_dtype`` tells
-  which one runs); BERT's weights are packed once for oneDNN in the compute dtype
-  (:class:`sublayer.runtime.linear.OneDNNLinear`: bias and erf GELU fused into the GEMM);
+  which one runs); BERT's weights, and a causal LM's in bf16 (for its forward and the prompt of ``generate``), are
+  packed once for oneDNN in the compute dtype (:class:`sublayer.runtime.linear.OneDNNLinear`: bias and GELU fused
+  into the GEMM);
 * BERT runs the one prepared encoder of :mod:`sublayer.runtime.encoder` (shared with the int8 wrapper and
   ``sublayer.hf``'s patched ``BertModel``): q, k, v fused into one GEMM, bias + activation and residual add +
   LayerNorm in the fused kernels of :mod:`sublayer.kernels` (fp32 statistics; the reference ops when the kernels
@@ -37,6 +38,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
+from ..kernels import onednn
 from ..runtime import causal
 from ..runtime.linear import DenseLinear, OneDNNLinear
 from ..runtime.rows import inference, kernels_on
@@ -159,9 +161,13 @@ class FastBert(_FastBase, PreparedBert):
 # ----------------------------------------------------------------------------------------------- causal LMs
 def linear_factory(dtype: torch.dtype):
     """The prepared format of a causal LM's dense layers for a compute dtype (``linear`` of
-    :func:`sublayer.runtime.causal.build`): float32 packed panels, else the weight cast once (:class:`DenseLinear`)."""
+    :func:`sublayer.runtime.causal.build`): float32 packed panels; else the weight cast once and packed for oneDNN
+    where it runs that dtype (:class:`OneDNNLinear`: bias and GELU fused into the GEMM), or cast once
+    (:class:`DenseLinear`)."""
     if dtype == torch.float32:
         return causal.packed_linear
+    if onednn.available(dtype):
+        return lambda name, t: OneDNNLinear(t[f"{name}.weight"], t.get(f"{name}.bias"), dtype=dtype)
     return lambda name, t: DenseLinear(t[f"{name}.weight"], t.get(f"{name}.bias"), dtype)
 
 

@@ -375,9 +375,9 @@ class DenseLinear:
 
 
 class OneDNNLinear:
-    """``y = act(x @ weight.T + bias)`` on a weight packed once for oneDNN (:mod:`sublayer.kernels.onednn`; erf GELU
-    fused as its post-op); ``F.linear`` where oneDNN is absent or cannot run ``dtype`` (bf16 on an AVX2 CPU). The call
-    of :class:`PackedLinear`.
+    """``y = act(x @ weight.T + bias)`` on a weight packed once for oneDNN (:mod:`sublayer.kernels.onednn`; erf and
+    tanh GELU fused as its post-op); ``F.linear`` where oneDNN is absent or cannot run ``dtype`` (bf16 on an AVX2
+    CPU). The call of :class:`PackedLinear`. Holds the packed weight only (the cast one where it runs ``F.linear``).
 
     Args:
         weight: (N, K). bias: (N,) or None.
@@ -391,17 +391,23 @@ class OneDNNLinear:
     def __init__(self, weight: Tensor, bias: Tensor | None = None, *, dtype: torch.dtype = torch.float32) -> None:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"OneDNNLinear: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+        self.dtype = dtype
         self.weight = weight.detach().to(dtype).contiguous()
         self.bias = None if bias is None else bias.detach().to(dtype).contiguous()
         self.out_features = weight.shape[0]
         self.packed = onednn.pack(self.weight) if onednn.available(dtype) else None
+        if self.packed is not None:
+            self.weight = None
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
-        x = x.to(self.weight.dtype)
+        x = x.to(self.dtype)
         if self.packed is None:
             y = F.linear(x, self.weight, self.bias)
-        elif activation == "gelu":
-            return onednn.linear(x.contiguous(), self.packed, self.bias, gelu=True)
+        elif activation in _ONEDNN_GELU:
+            return onednn.linear(x.contiguous(), self.packed, self.bias, gelu=_ONEDNN_GELU[activation])
         else:
             y = onednn.linear(x.contiguous(), self.packed, self.bias)
         return y if activation is None else ffn_hidden(y, None, activation)
+
+
+_ONEDNN_GELU = {"gelu": True, "gelu_tanh": "tanh"}  # FFN activation -> onednn.linear's fused GELU
