@@ -30,8 +30,8 @@ def pack(w: Tensor) -> Tensor:
 
 
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, gelu: bool | str = False) -> Tensor:
-    """``x @ w.T + b`` (GELU applied when ``gelu``: ``True`` or ``"none"`` erf, ``"tanh"`` its tanh approximation),
-    a new (M, N) tensor; ``x`` (M, K) row-major, ``w`` (N, K) as is or :func:`pack` ed."""
+    """``x @ w.T + b`` (then GELU: ``gelu=True`` erf, ``gelu="tanh"`` its tanh approximation), a new (M, N) tensor;
+    ``x`` (M, K) row-major, ``w`` (N, K) as is or :func:`pack` ed."""
     if not gelu:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu", [], "none" if gelu is True else gelu)

@@ -329,6 +329,15 @@ inline void panels_kernel_dp(const uint32_t* xb, int64_t K2, const at::BFloat16*
 }
 #endif
 
+// A panel's (or panel group's) per-column parameters from column c0 on: `src + c0` itself when all `width` columns
+// exist, else the nc that do copied into `pad` (zero-initialised, so the columns past n read zeros).
+template <typename V>
+inline const V* panel_params(const V* src, int64_t c0, int64_t nc, int64_t width, V* pad) {
+  if (nc == width) return src + c0;
+  std::copy(src + c0, src + c0 + nc, pad);
+  return pad;
+}
+
 // Epilogue activations: act_norm.h's Act ids (as sublayer.functional.fused.ACT_IDS) and act_f; tanh-GELU,
 // GPT-2's, is vectorised here as z * sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3), as act_f computes it.
 template <int64_t A>
@@ -402,14 +411,11 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
     float acc[3 * 8 * PANEL];  // up to three panels of max(ROWS, STREAMS, ROWS512) rows
     auto store = [&](int64_t p, int64_t r0, int64_t R, float* a) {  // epilogue + copy out: R rows of panel p
       const int64_t c0 = p * PANEL, nc = std::min<int64_t>(PANEL, n - c0);
-      // this panel's scale and bias: in place for a whole panel, else copied and zero-padded past n (the copies
-      // and stores below take constant lengths for a whole panel: inlined, no memmove call per row)
+      // this panel's scale and bias (panel_params), and the stores below with constant lengths for a whole panel:
+      // inlined, no memmove call per row
       float spanel[PANEL] = {0}, bpanel[PANEL] = {0};
-      const float *s = sp ? sp + c0 : nullptr, *b = bp ? bp + c0 : nullptr;
-      if (nc < PANEL) {
-        if (sp) s = std::copy(sp + c0, sp + c0 + nc, spanel) - nc;
-        if (bp) b = std::copy(bp + c0, bp + c0 + nc, bpanel) - nc;
-      }
+      const float* s = sp ? panel_params(sp, c0, nc, PANEL, spanel) : nullptr;
+      const float* b = bp ? panel_params(bp, c0, nc, PANEL, bpanel) : nullptr;
       for (int64_t r = 0; r < R; ++r) {
         float* v = a + r * PANEL;
         epilogue(v, s, b, act);
@@ -769,17 +775,12 @@ void int8_tile(const uint32_t* xu, const float* sx, const int32_t* zp, int64_t K
   for (int64_t p = p0; p < p1; p += QPAN) {
     const int64_t np = std::min<int64_t>(QPAN, p1 - p);
     const int64_t c0 = p * PANEL, nc = std::min<int64_t>(np * PANEL, n - c0);
-    // the group's scales, column sums and bias: read in place for a whole group, else copied and zero-padded
-    static const float kZeros[QPAN * PANEL] = {};
-    const float *spanel = sp + c0, *bpanel = bp ? bp + c0 : kZeros;
-    const int32_t* cpanel = cp + c0;
+    // the group's scales, column sums and bias (panel_params; no bias: zeros)
     alignas(64) float spad[QPAN * PANEL] = {}, bpad[QPAN * PANEL] = {};
     alignas(64) int32_t cpad[QPAN * PANEL] = {};
-    if (nc < np * PANEL) {
-      spanel = std::copy(sp + c0, sp + c0 + nc, spad) - nc;
-      cpanel = std::copy(cp + c0, cp + c0 + nc, cpad) - nc;
-      if (bp) bpanel = std::copy(bp + c0, bp + c0 + nc, bpad) - nc;
-    }
+    const float* spanel = panel_params(sp, c0, nc, np * PANEL, spad);
+    const int32_t* cpanel = panel_params(cp, c0, nc, np * PANEL, cpad);
+    const float* bpanel = bp ? panel_params(bp, c0, nc, np * PANEL, bpad) : bpad;
     for (int64_t r = r0; r < r1; r += QROWS) {
       const int64_t R = std::min<int64_t>(QROWS, r1 - r);
       kQuad[np][R](xu + r * K4, K4, K4, wp + p * pstride, inner_p, inner_i, acc);
@@ -981,7 +982,7 @@ Tensor screened_argmax(const Tensor& x, const Tensor& screened, const Tensor& we
         }
       };
       int64_t j = 0;
-  #if SUBLAYER_AVX2_FMA
+#if SUBLAYER_AVX2_FMA
       if (!all) {  // skip blocks of 8 with no candidate (the test above, 8 lanes at a time)
         const __m256 vxn = _mm256_set1_ps(xn), vxq = _mm256_set1_ps(xq), vrel = _mm256_set1_ps(rel);
         const __m256 sign = _mm256_set1_ps(-0.0f), vlo = _mm256_set1_ps(lo);
@@ -994,7 +995,7 @@ Tensor screened_argmax(const Tensor& x, const Tensor& screened, const Tensor& we
           for (int64_t i = j; i < j + 8; ++i) consider(i);
         }
       }
-  #endif
+#endif
       for (; j < V; ++j) consider(j);
       op[r] = best < 0 ? 0 : best;
     }
