@@ -125,6 +125,7 @@ def test_int8_linear_class_matches_its_reference(activations, grouped, kernels_o
         want = F.linear(x, q.float()) * s + b
     torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lin(x, "gelu_tanh"), F.gelu(want, approximate="tanh"), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin(x, "gelu"), F.gelu(want), rtol=1e-5, atol=1e-5)
     # int8 activations stay close to the float product: the per-row rounding error only
     full = F.linear(x, q.float() * s[:, None], b)
     assert F.cosine_similarity(lin(x), full, dim=1).min() > 0.999

@@ -10,6 +10,7 @@ from torch.testing import assert_close
 from sublayer import kernels
 from sublayer.functional import activation_fn
 from sublayer.functional.fused import ACT_IDS
+from sublayer.runtime.linear import Int8Linear
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built here")
 
@@ -52,6 +53,19 @@ def test_act_rows(act, prepare):
     ref_r2 = v.abs().amax(1, keepdim=True).clamp_min(1e-30)
     assert_close(r2, ref_r2)
     assert_close(h, v / ref_r2)
+
+
+def test_int8_epilogue_gelu_is_erf_gelu_over_its_whole_range():
+    # the int8 epilogues' GELU (a rational erf, clamped beyond |z| = 4 sqrt 2) against the float64 erf GELU
+    z = torch.linspace(-12, 12, 48_001)
+    lin = Int8Linear(torch.ones(1, 1, dtype=torch.int8), torch.ones(1))  # z -> z up to its 8-bit rounding
+    pairs = [(z, kernels.ops().int8_act_rows_(z[None].clone(), None, None, ACT_IDS["gelu"], None)[0][0]),
+             (lin(z[:, None])[:, 0], lin(z[:, None], "gelu")[:, 0])]
+    for x, y in pairs:
+        x = x.double()
+        err = (y.double() - F.gelu(x)).abs()
+        assert float((err / (1 + x.abs())).max()) < 3e-7, float(err.max())
+        assert torch.equal(y[x > 6].double(), x[x > 6]) and y[x < -8].abs().max() < 1e-12
 
 
 @pytest.mark.parametrize("prepare", [False, True])

@@ -134,10 +134,10 @@ void act_rows(float* Y, const float* R, const float* B, const float* S, float* R
       const float ri = R ? R[i] : 1.f;
       if (B) {
 #pragma omp simd
-        for (int64_t j = 0; j < M; ++j) yi[j] = act_f<act>(yi[j] * ri + B[j]);
+        for (int64_t j = 0; j < M; ++j) yi[j] = act_int8<act>(yi[j] * ri + B[j]);
       } else {
 #pragma omp simd
-        for (int64_t j = 0; j < M; ++j) yi[j] = act_f<act>(yi[j] * ri);
+        for (int64_t j = 0; j < M; ++j) yi[j] = act_int8<act>(yi[j] * ri);
       }
       if (S) R2[i] = scale_row(yi, S, M);
     }

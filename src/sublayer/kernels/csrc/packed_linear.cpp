@@ -784,19 +784,22 @@ void int8_tile(const uint32_t* xu, const float* sx, const int32_t* zp, int64_t K
     for (int64_t r = r0; r < r1; r += QROWS) {
       const int64_t R = std::min<int64_t>(QROWS, r1 - r);
       kQuad[np][R](xu + r * K4, K4, K4, wp + p * pstride, inner_p, inner_i, acc);
+      // rescaled in place, then the activation over all R rows at once (one long loop: an activation's
+      // dependency chain, GELU's most of all, overlaps across many vectors), then the rows' nc columns out
+      const int64_t w = np * PANEL;
+      float* pre = reinterpret_cast<float*>(acc);
       for (int64_t i = 0; i < R; ++i) {
         const float s = sx[r + i];
         const int32_t z = zp[r + i];
-        const int32_t* a = acc + i * np * PANEL;
-        float* o = op + (r + i) * n + c0;
-        if (nc == np * PANEL) {
 #pragma omp simd
-          for (int64_t j = 0; j < np * PANEL; ++j)
-            o[j] = act_f<ACT>(float(a[j] - z * cpanel[j]) * s * spanel[j] + bpanel[j]);
-        } else {
-          for (int64_t j = 0; j < nc; ++j) o[j] = act_f<ACT>(float(a[j] - z * cpanel[j]) * s * spanel[j] + bpanel[j]);
-        }
+        for (int64_t j = 0; j < w; ++j)
+          pre[i * w + j] = float(acc[i * w + j] - z * cpanel[j]) * s * spanel[j] + bpanel[j];
       }
+      if constexpr (ACT != IDENT) {
+#pragma omp simd
+        for (int64_t j = 0; j < R * w; ++j) pre[j] = act_int8<ACT>(pre[j]);
+      }
+      for (int64_t i = 0; i < R; ++i) std::memcpy(op + (r + i) * n + c0, pre + i * w, nc * sizeof(float));
     }
   }
 }
