@@ -288,6 +288,21 @@ def test_qkv_self_attention_matches_sdpa(hd, masked):
         assert torch.equal(got[mask.reshape(-1)], torch.zeros(int(mask.sum()), h * hd))
 
 
+@pytest.mark.parametrize("hd", [5, 8, 32])
+def test_qkv_self_attention_causal_matches_sdpa(hd):
+    g = _gen(hd + 1)
+    b, s, h = 3, 11, 2
+    qkv = torch.randn(b * s, 3 * h * hd, generator=g)
+    got = _ops().qkv_self_attention(qkv, None, h, s, 1 / math.sqrt(hd), True)
+
+    def ref(t):
+        q, k, v = t.view(b, s, 3, h, hd).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b * s, h * hd)
+
+    assert_fast_close(got, ref(qkv), ref(qkv.double()))
+    assert torch.equal(got.view(b, s, -1)[:, 0], qkv.view(b, s, 3, -1)[:, 0, 2])  # the first query sees itself only
+
+
 def test_qkv_self_attention_rejects_bad_shapes():
     with pytest.raises(RuntimeError, match=r"is not \(B\*4, 3\*2\*head_dim\)"):
         _ops().qkv_self_attention(torch.randn(10, 12), None, 2, 4, 1.0)

@@ -269,22 +269,32 @@ def hidden(
             mask = mask & ~docs
         causal = False
     rot = None if W.rotary is None else W.rotary(position_ids, dtype=dtype)
+    # a float32 causal prompt of plain heads: attention read from the fused q|k|v rows (no transposed copies)
+    fused_attn = causal and rot is None and Hkv == H and dtype == torch.float32 and kernels_on()
     h = norm_rows(x, *W.layers[0]["ln1"])
     for i, L in enumerate(W.layers):
-        qkv = L["qkv"](h).view(B, T, dq + 2 * dkv)
+        rows = L["qkv"](h)  # (B*T, dq + 2*dkv)
+        qkv = rows.view(B, T, dq + 2 * dkv)
         q = qkv[..., :dq].unflatten(-1, (H, hd)).transpose(1, 2)
         k = qkv[..., dq : dq + dkv].unflatten(-1, (Hkv, hd)).transpose(1, 2)
         v = qkv[..., dq + dkv :].unflatten(-1, (Hkv, hd)).transpose(1, 2)
         if rot is not None:
             q, k = SF.apply_rotary(q, *rot), SF.apply_rotary(k, *rot)
         if W.cache_dtype != dtype:  # attend over the keys and values as the decoding caches hold them
-            k, v = k.to(W.cache_dtype).to(dtype), v.to(W.cache_dtype).to(dtype)
+            if rot is None:  # k and v are views of the rows: rounded there, in one pass
+                rows[:, dq:].copy_(rows[:, dq:].to(W.cache_dtype))
+            else:
+                k, v = k.to(W.cache_dtype).to(dtype), v.to(W.cache_dtype).to(dtype)
         if caches is not None:
             k, v = caches[i].update(k, v)
-        if Hkv != H:
-            k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-        h, x = add_norm(x, L["out"](ctx.transpose(1, 2).reshape(B * T, dq)), *L["ln2"])  # x += attn; h = ln_2(x)
+        if fused_attn:
+            ctx = kernels.ops().qkv_self_attention(rows, None, H, T, hd**-0.5, True)
+        else:
+            if Hkv != H:
+                k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+            ctx = ctx.transpose(1, 2).reshape(B * T, dq)
+        h, x = add_norm(x, L["out"](ctx), *L["ln2"])  # x += attn; h = ln_2(x)
         y = L["fc2"](L["fc1"](h, W.activation))
         h, x = add_norm(x, y, *_next_norm(W, i))
     return h.view(B, T, d)

@@ -7,7 +7,8 @@
 //    An optional (N, T_max) row table says which cache row holds each key (beam search reorders the table, not
 //    the caches; beams share their sentence's cross-attention memory). Per head: four keys' dot products at a
 //    time (one hadd ladder), the output in registers, the next head's lines prefetched.
-//  * qkv_self_attention: the encoder's self-attention read straight from the fused q|k|v projection (B*S rows).
+//  * qkv_self_attention: the encoder's self-attention (causal: a float32 prompt's) read straight from the fused
+//    q|k|v projection (B*S rows).
 //
 // float32, over both threads (at::parallel_for); decode_attention's caches may also be bfloat16 (both the same):
 // keys and values widened exactly to float32 in registers, the new key/value rounded to bfloat16 (nearest even),
@@ -306,10 +307,11 @@ namespace {
 
 // Self-attention of B sequences of S rows each, read straight from the fused projection: qkv (B*S, 3*H*hd) with
 // unit inner stride (q | k | v of row b*S + t), mask (B, S) bool True = padding (those keys are skipped, and those
-// query rows get zeros). Returns (B*S, H*hd) = softmax(q k^T * scale) v per sequence and head; no transposes and
-// no (B, H, S, S) scores: each (sequence, head) is a few KB that stay in L1 while its S queries run.
+// query rows get zeros); causal: query t sees keys [0, t] only. Returns (B*S, H*hd) = softmax(q k^T * scale) v per
+// sequence and head; no transposes and no (B, H, S, S) scores: each (sequence, head) is a few KB that stay in L1
+// while its S queries run.
 Tensor qkv_self_attention(const Tensor& qkv, const c10::optional<Tensor>& mask, int64_t n_heads, int64_t seq_len,
-                          double scale) {
+                          double scale, bool causal) {
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.stride(1) == 1,
               "qkv_self_attention: qkv must be a float32 matrix with unit inner stride, got ", qkv.sizes());
   const int64_t S = seq_len, H = n_heads, rows = qkv.size(0);
@@ -332,14 +334,15 @@ Tensor qkv_self_attention(const Tensor& qkv, const c10::optional<Tensor>& mask, 
       const bool* m = mp ? mp + b * S : nullptr;
       for (int64_t t = 0; t < S; ++t) {
         float* o = op + (b * S + t) * d + h * hd;
+        const int64_t L = causal ? t + 1 : S;  // the keys this query sees
         const float mx = (m && m[t]) ? -std::numeric_limits<float>::infinity()
-                                     : head_scores(Q + t * rs, K, rs, m, S, hd, sc, s.data());
+                                     : head_scores(Q + t * rs, K, rs, m, L, hd, sc, s.data());
         if (mx == -std::numeric_limits<float>::infinity()) {  // a padding row, or no key to see: zeros
           std::fill(o, o + hd, 0.0f);
           continue;
         }
-        const float sum = exp_scores(s.data(), S, mx);
-        head_weighted_sum(s.data(), 1.0f / sum, V, rs, S, hd, o);
+        const float sum = exp_scores(s.data(), L, mx);
+        head_weighted_sum(s.data(), 1.0f / sum, V, rs, L, hd, o);
       }
     }
   });
@@ -350,7 +353,7 @@ Tensor qkv_self_attention(const Tensor& qkv, const c10::optional<Tensor>& mask, 
 }  // namespace sublayer
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
-  m.def("qkv_self_attention(Tensor qkv, Tensor? mask, int n_heads, int seq_len, float scale) -> Tensor");
+  m.def("qkv_self_attention(Tensor qkv, Tensor? mask, int n_heads, int seq_len, float scale, bool causal=False) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? mask, int length, float scale, "
         "Tensor? new_k, Tensor? new_v, Tensor? rows=None) -> Tensor");
 }
