@@ -301,6 +301,11 @@ def test_qkv_self_attention_causal_matches_sdpa(hd):
 
     assert_fast_close(got, ref(qkv), ref(qkv.double()))
     assert torch.equal(got.view(b, s, -1)[:, 0], qkv.view(b, s, 3, -1)[:, 0, 2])  # the first query sees itself only
+    # bfloat16: the widened values' float32 attention, rounded once
+    q16 = qkv.bfloat16()
+    got16 = _ops().qkv_self_attention(q16, None, h, s, 1 / math.sqrt(hd), True)
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.float(), ref(q16.double()).float(), rtol=2**-8, atol=1e-5)  # one rounding
 
 
 def test_qkv_self_attention_rejects_bad_shapes():

@@ -269,8 +269,8 @@ def hidden(
             mask = mask & ~docs
         causal = False
     rot = None if W.rotary is None else W.rotary(position_ids, dtype=dtype)
-    # a float32 causal prompt of plain heads: attention read from the fused q|k|v rows (no transposed copies)
-    fused_attn = causal and rot is None and Hkv == H and dtype == torch.float32 and kernels_on()
+    # a causal prompt of plain heads: attention read from the fused q|k|v rows (no transposed copies)
+    fused_attn = causal and rot is None and Hkv == H and dtype in (torch.float32, torch.bfloat16) and kernels_on()
     h = norm_rows(x, *W.layers[0]["ln1"])
     for i, L in enumerate(W.layers):
         rows = L["qkv"](h)  # (B*T, dq + 2*dkv)

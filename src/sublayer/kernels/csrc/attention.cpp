@@ -306,46 +306,56 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
 namespace {
 
 // Self-attention of B sequences of S rows each, read straight from the fused projection: qkv (B*S, 3*H*hd) with
-// unit inner stride (q | k | v of row b*S + t), mask (B, S) bool True = padding (those keys are skipped, and those
-// query rows get zeros); causal: query t sees keys [0, t] only. Returns (B*S, H*hd) = softmax(q k^T * scale) v per
-// sequence and head; no transposes and no (B, H, S, S) scores: each (sequence, head) is a few KB that stay in L1
-// while its S queries run.
+// unit inner stride (q | k | v of row b*S + t), float32 or bfloat16, mask (B, S) bool True = padding (those keys
+// are skipped, and those query rows get zeros); causal: query t sees keys [0, t] only. Returns (B*S, H*hd) in
+// qkv's dtype = softmax(q k^T * scale) v per sequence and head (bfloat16: q, k, v widened exactly, scores, softmax
+// and sums in float32, the output rounded once); no transposes and no (B, H, S, S) scores: each (sequence, head)
+// is a few KB that stay in L1 while its S queries run.
 Tensor qkv_self_attention(const Tensor& qkv, const c10::optional<Tensor>& mask, int64_t n_heads, int64_t seq_len,
                           double scale, bool causal) {
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.stride(1) == 1,
-              "qkv_self_attention: qkv must be a float32 matrix with unit inner stride, got ", qkv.sizes());
+  TORCH_CHECK((qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16) && qkv.dim() == 2 &&
+                  qkv.stride(1) == 1,
+              "qkv_self_attention: qkv must be a float32 or bfloat16 matrix with unit inner stride, got ",
+              qkv.scalar_type(), " ", qkv.sizes());
   const int64_t S = seq_len, H = n_heads, rows = qkv.size(0);
   TORCH_CHECK(S >= 1 && H >= 1 && rows % S == 0 && qkv.size(1) % (3 * H) == 0,
               "qkv_self_attention: qkv ", qkv.sizes(), " is not (B*", S, ", 3*", H, "*head_dim)");
   const int64_t B = rows / S, d = qkv.size(1) / 3, hd = d / H, rs = qkv.stride(0);
   const bool* mp = padding_mask(mask, B, S, "qkv_self_attention");
   Tensor out = at::empty({rows, d}, qkv.options().memory_format(at::MemoryFormat::Contiguous));
-  const float* base = qkv.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float sc = float(scale);
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(1, S * S * hd));
-  at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> s(S);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / H, h = i % H;
-      const float* Q = base + b * S * rs + h * hd;
-      const float* K = Q + d;
-      const float* V = Q + 2 * d;
-      const bool* m = mp ? mp + b * S : nullptr;
-      for (int64_t t = 0; t < S; ++t) {
-        float* o = op + (b * S + t) * d + h * hd;
-        const int64_t L = causal ? t + 1 : S;  // the keys this query sees
-        const float mx = (m && m[t]) ? -std::numeric_limits<float>::infinity()
-                                     : head_scores(Q + t * rs, K, rs, m, L, hd, sc, s.data());
-        if (mx == -std::numeric_limits<float>::infinity()) {  // a padding row, or no key to see: zeros
-          std::fill(o, o + hd, 0.0f);
-          continue;
+  auto run = [&](const auto* base, auto* op) {  // elements E: float, or bfloat16 bits as uint16_t
+    at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
+      std::vector<float> s(S), qf(hd), of(hd);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / H, h = i % H;
+        const auto* Q = base + b * S * rs + h * hd;
+        const auto* K = Q + d;
+        const auto* V = Q + 2 * d;
+        const bool* m = mp ? mp + b * S : nullptr;
+        for (int64_t t = 0; t < S; ++t) {
+          auto* o = op + (b * S + t) * d + h * hd;
+          const int64_t L = causal ? t + 1 : S;  // the keys this query sees
+          for (int64_t e = 0; e < hd; ++e) qf[e] = widen(Q[t * rs + e]);
+          const float mx = (m && m[t]) ? -std::numeric_limits<float>::infinity()
+                                       : head_scores(qf.data(), K, rs, m, L, hd, sc, s.data());
+          if (mx == -std::numeric_limits<float>::infinity()) {  // a padding row, or no key to see: zeros
+            std::fill(of.begin(), of.end(), 0.0f);
+          } else {
+            const float sum = exp_scores(s.data(), L, mx);
+            head_weighted_sum(s.data(), 1.0f / sum, V, rs, L, hd, of.data());
+          }
+          store_row(of.data(), hd, o);
         }
-        const float sum = exp_scores(s.data(), L, mx);
-        head_weighted_sum(s.data(), 1.0f / sum, V, rs, L, hd, o);
       }
-    }
-  });
+    });
+  };
+  if (qkv.scalar_type() == at::kBFloat16) {
+    run(static_cast<const uint16_t*>(qkv.data_ptr()), static_cast<uint16_t*>(out.data_ptr()));
+  } else {
+    run(qkv.data_ptr<float>(), out.data_ptr<float>());
+  }
   return out;
 }
 
