@@ -7,8 +7,8 @@
 //    An optional (N, T_max) row table says which cache row holds each key (beam search reorders the table, not
 //    the caches; beams share their sentence's cross-attention memory). Per head: four keys' dot products at a
 //    time (one hadd ladder), the output in registers, the next head's lines prefetched.
-//  * qkv_self_attention: the encoder's self-attention (causal: a float32 prompt's) read straight from the fused
-//    q|k|v projection (B*S rows).
+//  * qkv_self_attention: the encoder's self-attention (causal: a causal LM prompt's) read straight from the fused
+//    q|k|v projection (B*S rows), float32 or bfloat16.
 //
 // float32, over both threads (at::parallel_for); decode_attention's caches may also be bfloat16 (both the same):
 // keys and values widened exactly to float32 in registers, the new key/value rounded to bfloat16 (nearest even),
