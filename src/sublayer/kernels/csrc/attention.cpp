@@ -17,6 +17,7 @@
 #include "common.h"
 
 #include <limits>
+#include <type_traits>
 
 namespace sublayer {
 namespace {
@@ -46,6 +47,12 @@ inline float key_dot(const float* q, const uint16_t* k, int64_t n) {
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += q[i] * bf16_to_f(k[i]);
   return s;
+}
+// A row of n elements as float32: float32 rows as they are, bfloat16 ones widened into buf.
+inline const float* float_row(const float* p, int64_t, float*) { return p; }
+inline const float* float_row(const uint16_t* p, int64_t n, float* buf) {
+  for (int64_t e = 0; e < n; ++e) buf[e] = bf16_to_f(p[e]);
+  return buf;
 }
 // n floats stored as cache elements (bfloat16: rounded to nearest even).
 inline void store_row(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
@@ -336,17 +343,19 @@ Tensor qkv_self_attention(const Tensor& qkv, const c10::optional<Tensor>& mask, 
         const bool* m = mp ? mp + b * S : nullptr;
         for (int64_t t = 0; t < S; ++t) {
           auto* o = op + (b * S + t) * d + h * hd;
+          constexpr bool f32 = std::is_same_v<std::remove_pointer_t<decltype(o)>, float>;
+          float* of32 = f32 ? reinterpret_cast<float*>(o) : of.data();  // float32: written in place
           const int64_t L = causal ? t + 1 : S;  // the keys this query sees
-          for (int64_t e = 0; e < hd; ++e) qf[e] = widen(Q[t * rs + e]);
           const float mx = (m && m[t]) ? -std::numeric_limits<float>::infinity()
-                                       : head_scores(qf.data(), K, rs, m, L, hd, sc, s.data());
+                                       : head_scores(float_row(Q + t * rs, hd, qf.data()), K, rs, m, L, hd, sc,
+                                                     s.data());
           if (mx == -std::numeric_limits<float>::infinity()) {  // a padding row, or no key to see: zeros
-            std::fill(of.begin(), of.end(), 0.0f);
+            std::fill(of32, of32 + hd, 0.0f);
           } else {
             const float sum = exp_scores(s.data(), L, mx);
-            head_weighted_sum(s.data(), 1.0f / sum, V, rs, L, hd, of.data());
+            head_weighted_sum(s.data(), 1.0f / sum, V, rs, L, hd, of32);
           }
-          store_row(of.data(), hd, o);
+          if constexpr (!f32) store_row(of32, hd, o);
         }
       }
     });

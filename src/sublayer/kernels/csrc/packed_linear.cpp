@@ -772,6 +772,7 @@ void int8_tile(const uint32_t* xu, const float* sx, const int32_t* zp, int64_t K
   const int64_t pstride = K4 * PANEL * 4, inner_p = grouped ? PANEL * 4 : pstride;
   const int64_t inner_i = grouped ? QPAN * PANEL * 4 : PANEL * 4;
   alignas(64) int32_t acc[QROWS * QPAN * PANEL];
+  alignas(64) float pre[QROWS * QPAN * PANEL];  // the tile's rows rescaled, then activated
   for (int64_t p = p0; p < p1; p += QPAN) {
     const int64_t np = std::min<int64_t>(QPAN, p1 - p);
     const int64_t c0 = p * PANEL, nc = std::min<int64_t>(np * PANEL, n - c0);
@@ -784,10 +785,9 @@ void int8_tile(const uint32_t* xu, const float* sx, const int32_t* zp, int64_t K
     for (int64_t r = r0; r < r1; r += QROWS) {
       const int64_t R = std::min<int64_t>(QROWS, r1 - r);
       kQuad[np][R](xu + r * K4, K4, K4, wp + p * pstride, inner_p, inner_i, acc);
-      // rescaled in place, then the activation over all R rows at once (one long loop: an activation's
-      // dependency chain, GELU's most of all, overlaps across many vectors), then the rows' nc columns out
+      // rescaled, then the activation over all R rows at once (one long loop: an activation's dependency chain,
+      // GELU's most of all, overlaps across many vectors), then the rows' nc columns out
       const int64_t w = np * PANEL;
-      float* pre = reinterpret_cast<float*>(acc);
       for (int64_t i = 0; i < R; ++i) {
         const float s = sx[r + i];
         const int32_t z = zp[r + i];
