@@ -313,6 +313,8 @@ def test_qkv_self_attention_rejects_bad_shapes():
         _ops().qkv_self_attention(torch.randn(10, 12), None, 2, 4, 1.0)
     with pytest.raises(RuntimeError, match=r"mask must be a contiguous bool \(2, 4\)"):
         _ops().qkv_self_attention(torch.randn(8, 12), torch.zeros(2, 5, dtype=torch.bool), 2, 4, 1.0)
+    with pytest.raises(RuntimeError, match=r"qkv must be a float32 or bfloat16 matrix with unit inner stride, got Half"):
+        _ops().qkv_self_attention(torch.randn(8, 12).half(), None, 2, 4, 1.0, True)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5])
