@@ -62,3 +62,20 @@ def test_a_command_missing_an_extra_is_one_line(monkeypatch, capsys, module, hin
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.strip() == f"error: '{module.split('.')[0]}' is not installed{hint}", err
+
+
+def test_info_from_a_source_checkout_without_package_metadata():
+    # `PYTHONPATH=src python -m sublayer.cli info` in a checkout that was never pip-installed: no dist-info to read
+    code = (
+        "import importlib.metadata as md, sys, runpy\n"
+        "def missing(name):\n"
+        "    raise md.PackageNotFoundError(name)\n"
+        "md.version = missing\n"
+        "sys.argv = ['sublayer', 'info']\n"
+        "runpy.run_module('sublayer.cli', run_name='__main__')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    import sublayer
+
+    assert any(ln.split()[:2] == ["sublayer", sublayer.__version__] for ln in res.stdout.splitlines()), res.stdout

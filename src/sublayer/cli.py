@@ -110,10 +110,10 @@ def info() -> None:
 
     import torch
 
-    from importlib.metadata import version
+    from . import __version__
 
     rows = {
-        "sublayer": version("sublayer"),
+        "sublayer": __version__,  # also from a source checkout on PYTHONPATH, which has no package metadata
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpu capability": torch.backends.cpu.get_cpu_capability(),
