@@ -185,12 +185,39 @@ def test_busy_cpus_sees_a_busy_neighbour():
 
 
 def test_others_busy_is_the_machines_busy_time_less_this_process(monkeypatch):
-    monkeypatch.setattr(cpu.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(cpu, "_cpu_ticks", lambda: (150, 200))  # 3 of 4 ticks busy since (0, 0): 1.5 CPUs of 2
+    monkeypatch.setattr(cpu, "_cpu_ticks", lambda: (150, 200, 2))  # 3 of 4 ticks busy since (0, 0): 1.5 CPUs of 2
     t = time.perf_counter()
-    since = ((0, 0), time.process_time() - 0.25, t - 0.5)  # this process: 0.25 s of CPU in 0.5 s, 0.5 CPU
+    since = ((0, 0, 2), time.process_time() - 0.25, t - 0.5)  # this process: 0.25 s of CPU in 0.5 s, 0.5 CPU
     assert abs(cpu.others_busy(since) - 1.0) < 0.02
-    assert cpu.others_busy(((150, 200), 0.0, t)) is None  # no tick has passed
+    assert cpu.others_busy(((150, 200, 2), 0.0, t)) is None  # no tick has passed
     assert cpu.others_busy((None, 0.0, t)) is None  # no /proc/stat
-    since = ((0, 0), time.process_time() - 5.0, t - 0.5)  # more than the ticks say (their granularity): not < 0
+    since = ((0, 0, 2), time.process_time() - 5.0, t - 0.5)  # more than the ticks say (their granularity): not < 0
     assert cpu.others_busy(since) == 0.0
+
+
+STAT = """cpu  400 0 100 500 0 0 0 0 0 0
+cpu0 100 0 0 100 0 0 0 0 0 0
+cpu1 100 0 50 50 0 0 0 0 0 0
+cpu2 100 0 25 75 0 0 0 0 0 0
+cpu3 100 0 25 275 0 0 0 0 0 0
+intr 12345 0 1
+ctxt 999
+"""
+
+
+def test_cpu_ticks_count_only_the_cpus_this_process_may_run_on(monkeypatch, tmp_path):
+    # a container pinned to CPUs 1 and 3 of 4 (a cpuset): busy CPUs 0 and 2 are not its to share
+    stat = tmp_path / "stat"
+    stat.write_text(STAT)
+    monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: {1, 3}, raising=False)
+    assert cpu._cpu_ticks(str(stat)) == (150 + 125, 200 + 400, 2)
+
+    def unknown(pid):
+        raise OSError("no affinity")
+
+    monkeypatch.setattr(cpu.os, "sched_getaffinity", unknown, raising=False)
+    monkeypatch.setattr(cpu.os, "cpu_count", lambda: 4)
+    assert cpu._cpu_ticks(str(stat)) == (500, 1000, 4)  # the all-CPU line, as this many CPUs
+    monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: {7}, raising=False)
+    assert cpu._cpu_ticks(str(stat)) is None  # no line for the mask's CPUs
+    assert cpu._cpu_ticks(str(tmp_path / "missing")) is None

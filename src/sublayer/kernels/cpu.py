@@ -142,14 +142,28 @@ def usable_cpus() -> float:
     return n
 
 
-def _cpu_ticks() -> tuple[int, int] | None:
-    """(busy, total) clock ticks of all CPUs since boot, from ``/proc/stat`` (None where there is none)."""
+def _cpu_ticks(stat: str = "/proc/stat") -> tuple[int, int, int] | None:
+    """(busy, total, n) clock ticks since boot summed over the n CPUs this process may run on (its affinity mask:
+    a CPU outside it, busy or idle, is not this process's to share), from ``/proc/stat``'s per-CPU lines (the
+    all-CPU line where the mask is unknown); None where there is none."""
     try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
+        mine = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+    except (AttributeError, OSError):
+        mine = None
+    busy = total = n = 0
+    try:
+        with open(stat) as f:
+            for line in f:
+                name, *fields = line.split() or [""]
+                if name not in (mine or {"cpu"}):
+                    continue
+                v = [int(x) for x in fields]
+                busy += sum(v) - v[3] - (v[4] if len(v) > 4 else 0)  # idle and iowait are not busy
+                total += sum(v)
+                n += 1 if mine else os.cpu_count() or 1
+    except (OSError, ValueError, IndexError):
         return None
-    return sum(v) - v[3] - (v[4] if len(v) > 4 else 0), sum(v)  # idle and iowait are not busy
+    return (busy, total, n) if n else None
 
 
 def load_snapshot() -> tuple:
@@ -158,14 +172,13 @@ def load_snapshot() -> tuple:
 
 
 def others_busy(since: tuple) -> float | None:
-    """How many CPUs other processes kept busy since the :func:`load_snapshot` ``since``: the machine's busy time
-    (``/proc/stat``, in clock ticks) less this process's own, in CPUs. None where ``/proc/stat`` is missing or no
-    tick has passed."""
+    """How many of this process's CPUs (its affinity mask) other processes kept busy since the :func:`load_snapshot`
+    ``since``: their busy time (``/proc/stat``, in clock ticks) less this process's own, in CPUs. None where
+    ``/proc/stat`` is missing or no tick has passed."""
     (a, own0, t0), (b, own1, t1) = since, load_snapshot()
     if a is None or b is None or b[1] <= a[1]:
         return None
-    cpus = os.cpu_count() or 1
-    busy = cpus * (b[0] - a[0]) / (b[1] - a[1])
+    busy = b[2] * (b[0] - a[0]) / (b[1] - a[1])
     return max(0.0, busy - (own1 - own0) / max(t1 - t0, 1e-9))
 
 
