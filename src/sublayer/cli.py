@@ -110,10 +110,14 @@ def info() -> None:
 
     import torch
 
-    from . import __version__
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        ours = version("sublayer")
+    except PackageNotFoundError:  # a source checkout on PYTHONPATH, never pip-installed
+        ours = "not installed (a source tree)"
     rows = {
-        "sublayer": __version__,  # also from a source checkout on PYTHONPATH, which has no package metadata
+        "sublayer": ours,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpu capability": torch.backends.cpu.get_cpu_capability(),
