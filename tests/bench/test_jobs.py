@@ -15,7 +15,7 @@ def test_quick_jobs_time_each_row_against_its_peer_and_write_the_report(tmp_path
     lines: list[str] = []
     rows = jobs.run_jobs(quick=True, reps=1, work=tmp_path / "work", report=tmp_path, notes="shared", log=lines.append)
     by_case = {r.case.split(" (")[0].split(",")[0]: r for r in rows}
-    assert set(by_case) >= {"GPT-2 greedy decoding", "Transformer.translate demo d128 l2 pre-norm",
+    assert set(by_case) >= {"GPT-2 greedy decoding", "GPT-2 greedy decoding vs HF generate", "Transformer.translate demo d128 l2 pre-norm",
                             "BERT training step", "GPT-2 training step", "BERT int8 inference", "BERT int8 inference vs our bf16",
                             "sentence embedding",
                             "HF BertForSequenceClassification fine-tuning step", "HF GPT2LMHeadModel fine-tuning step",
@@ -23,7 +23,7 @@ def test_quick_jobs_time_each_row_against_its_peer_and_write_the_report(tmp_path
     from sublayer import kernels
 
     n_train = 2 * (2 if jobs.native_bf16() else 1)  # fp32, and bf16 autocast where the CPU multiplies bf16
-    assert len(rows) == 6 + 2 + n_train + 2 + 1 + 2 * (2 if kernels.native_bf16_gemm() else 1) + 1 + 1  # int8: vs fp32, bf16
+    assert len(rows) == 12 + 2 + n_train + 2 + 1 + 2 * (2 if kernels.native_bf16_gemm() else 1) + 1 + 1  # int8: vs fp32, bf16
     for r in rows:
         assert r.times_ms["sublayer"] > 0
         if not r.case.startswith("GPT-2 greedy"):  # the decoding peer (CTranslate2) is optional
@@ -34,6 +34,11 @@ def test_quick_jobs_time_each_row_against_its_peer_and_write_the_report(tmp_path
         if r.case.startswith("Transformer.translate"):
             assert r.extra["same output as reference"]
     assert [r.dtype for r in rows[:6]] == ["fp32", "int8", "bf16"] * 2
+    vs_hf = [r for r in rows if r.case.startswith("GPT-2 greedy decoding vs HF")]
+    want = [(b, dt, "HF fp32") for b in "18" for dt in ("fp32", "int8", "bf16")]
+    assert [(r.case[-1], r.dtype, r.base) for r in vs_hf] == want
+    assert all(r.ratio() > 0 for r in vs_hf)
+    assert all(r.extra["same tokens as HF"] for r in vs_hf if r.dtype == "fp32")  # our fp32 decodes HF's tokens
     (path,) = tmp_path.glob("jobs-*.md")
     md = path.read_text()
     assert "| notes | shared |" in md and md.count("\n| ") >= 9 + len(rows)  # header rows, then one per row

@@ -7,7 +7,9 @@ inputs and weights; ratio = the peer's time / sublayer's (> 1: sublayer is faste
   prompt 32 + 32 greedy tokens, batch 1 and 8: ``GPT2.generate`` (fp32) and ``fast_inference(model,
   quantize="int8").generate`` against CTranslate2's ``Generator`` in float32 and int8 (when ``ctranslate2`` is
   installed: ``pip install 'sublayer[peers]'``), and ``fast_inference(model, dtype=torch.bfloat16).generate``
-  (bf16 panels where the CPU multiplies bf16 natively) against our fp32. Rate: generated tokens/s.
+  (bf16 panels where the CPU multiplies bf16 natively) against our fp32; then each of the three against HF
+  ``GPT2LMHeadModel.generate`` in fp32 (every token generated: ``min_new_tokens``), the job an HF user runs.
+  Rate: generated tokens/s.
 * ``translate``: ``Transformer.translate``, the fast path against the reference steps: the demo's shape (d 128,
   2 pre-norm layers, 500 sources of 12 tokens, greedy) and d 512 (6 post-norm layers, vocab 8000, batch 8, beam 4).
 * ``train``: one AdamW training step (forward, loss over real tokens, backward, step; dropout 0.1; the fused
@@ -189,6 +191,12 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     int8 = fast_inference(ours, quantize="int8")
     bf16 = fast_inference(ours, dtype=torch.bfloat16)  # bf16 panels where the CPU multiplies bf16 natively
     ct2 = {dt: ct2_generator(folder, dt) for dt in ("float32", "int8")}
+    try:
+        import transformers
+
+        hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+    except ImportError:
+        hf = None
     shape = f"{cfg.n_layers}L d{cfg.d_model} V{cfg.vocab_size}, prompt {prompt} + {new}"
     rows = []
     for b in (1, 8):
@@ -197,6 +205,11 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
         fns = {"sublayer fp32": lambda: ours.generate(ids, new), "sublayer int8": lambda: int8.generate(ids, new),
                "sublayer bf16": lambda: bf16.generate(ids, new)}  # fmt: skip
         fns |= {f"CTranslate2 {dt}": (lambda g=g: ct2_greedy(g, toks, new)) for dt, g in ct2.items() if g is not None}
+        if hf is not None:  # what an HF user runs: fp32 eager generate, every token (no early eos)
+            fns["HF generate"] = lambda: hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                pad_token_id=cfg.vocab_size - 1,
+            )
         outs = {k: f() for k, f in fns.items()}  # the warm-up
         res = time_interleaved(fns, reps, 0)
         for dt in ("fp32", "int8"):
@@ -216,6 +229,12 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
         row.extra["compute dtype"] = str(bf16.compute_dtype).replace("torch.", "")
         row.extra["same tokens as fp32"] = outs["sublayer bf16"].tolist() == outs["sublayer fp32"].tolist()
         rows.append(row)
+        for dt in ("fp32", "int8", "bf16") if hf is not None else ():  # each engine against the HF user's job
+            row = Row(f"GPT-2 greedy decoding vs HF generate, batch {b}", shape, dt, "generate", base="HF fp32",
+                      work=b * new, unit="tok")  # fmt: skip
+            row.fill({"sublayer": res[f"sublayer {dt}"], "HF fp32": res["HF generate"]})
+            row.extra["same tokens as HF"] = outs[f"sublayer {dt}"].tolist() == outs["HF generate"].tolist()
+            rows.append(row)
     return rows
 
 
