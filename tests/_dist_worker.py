@@ -19,13 +19,13 @@ from torch.testing import assert_close
 
 from sublayer.models import padding_free
 from sublayer.nn import DecoderBlock, EncoderBlock, PositionWiseFFN
-from sublayer.parallel import fully_shard, tensor_parallel
+from sublayer.parallel import full_state_dict, full_tensor, fully_shard, tensor_parallel
 
 B, T, S, D, H, F = 3, 4, 6, 12, 2, 10  # small dims; T, S even (sequence parallelism over 2 ranks)
 
 
 def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return None if t is None else full_tensor(t)  # DTensor.full_tensor() refuses a strided shard before torch 2.13
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -85,7 +85,16 @@ def scenario_encoder_block(mesh):
         # the sharded parameters are DTensors holding the original values (gated fc1: original row order)
         w = tp.ffn.fc1.weight
         assert isinstance(w, DTensor) and w.to_local().shape == (ref.ffn.fc1.weight.shape[0] // 2, D)
-        assert_close(w.full_tensor(), ref.ffn.fc1.weight)
+        assert_close(full_tensor(w), ref.ffn.fc1.weight)
+        if torch.__version__ >= "2.13":  # torch's own gather agrees where it accepts the strided shard
+            assert_close(w.full_tensor(), ref.ffn.fc1.weight)
+        full = full_state_dict(tp)  # plain tensors an unsharded model loads
+        assert full.keys() == ref.state_dict().keys() and not any(isinstance(v, DTensor) for v in full.values())
+        for k, v in ref.state_dict().items():
+            assert_close(full[k], v, msg=lambda m, k=k: f"full_state_dict {k}: {m}")
+        fresh = EncoderBlock(D, H, F, **kw)
+        fresh.load_state_dict(full)
+        assert_close(fresh(x, key_padding_mask=kpm), ref(x, key_padding_mask=kpm))
         assert tp.self_attn.n_heads == H  # the local head count is shown to the forward only
 
 

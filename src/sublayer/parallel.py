@@ -46,8 +46,10 @@ Pitfalls handled here:
   returned weights equal one process's.
 
 - Saving: parameters are DTensors; ``save_pretrained`` needs plain tensors — gather a full state dict first
-  (``p.full_tensor()``, or ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` with
-  ``full_state_dict=True``), or save shards with ``torch.distributed.checkpoint``.
+  (:func:`full_state_dict`, on every rank; :func:`full_tensor` for one tensor or gradient), or save shards with
+  ``torch.distributed.checkpoint``. ``DTensor.full_tensor()`` itself raises for the strided shard of a gated
+  ``fc1`` on torch releases before 2.13 ("unable to be interpreted into a corresponding shard_order"); these two
+  gather it themselves.
 
 FSDP2: :func:`fully_shard` applies ``torch.distributed.fsdp.fully_shard`` to every block, then to the root. On a
 2-D mesh, ``tensor_parallel(model, mesh["tp"])`` then ``fully_shard(model, mesh["dp"])`` trains like one process
@@ -63,6 +65,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -82,6 +85,8 @@ __all__ = [
     "tensor_parallel",
     "tensor_parallel_plan",
     "fully_shard",
+    "full_tensor",
+    "full_state_dict",
     "launch",
     "FFNParallel",
     "AttentionParallel",
@@ -504,6 +509,30 @@ def tensor_parallel(module: nn.Module, mesh: DeviceMesh, *, sequence_parallel: b
 
 # ---------------------------------------------------------------------------------------------------------------
 # FSDP2.
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """The whole value of ``t`` as a plain tensor, on every rank (a collective when ``t`` is a DTensor): ``t`` itself
+    when it is not a DTensor, its ``full_tensor()`` otherwise, except a strided shard on a 1-D mesh (a gated FFN's
+    ``fc1`` weight, bias or their gradients under :func:`tensor_parallel`), gathered here (rank r holds ``[gate_r;
+    up_r]``; the result is ``[gate; up]``), which ``full_tensor()`` refuses on torch releases before 2.13. Detached."""
+    if not isinstance(t, DTensor):
+        return t.detach()
+    (place, *more) = t.placements
+    if more or not isinstance(place, _StridedShard):
+        return t.full_tensor().detach()
+    mesh, dim, sf = t.device_mesh, place.dim, place.split_factor
+    local = t.to_local().detach().contiguous()
+    parts = [torch.empty_like(local) for _ in range(mesh.size())]
+    torch.distributed.all_gather(parts, local, group=mesh.get_group())
+    pieces = [p.chunk(sf, dim) for p in parts]  # rank r: its piece of each of the sf packed blocks
+    return torch.cat([rank[i] for i in range(sf) for rank in pieces], dim)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """``model.state_dict()`` with every DTensor gathered by :func:`full_tensor`: plain tensors that an unsharded
+    model loads (then ``save_pretrained``). A collective: call it on every rank."""
+    return {k: full_tensor(v) for k, v in model.state_dict().items()}
 
 
 def fully_shard(model: nn.Module, mesh: DeviceMesh | None = None, **kwargs: Any) -> nn.Module:
