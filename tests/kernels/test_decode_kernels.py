@@ -29,6 +29,14 @@ def micro_kernel(request):
     _ops().decode_avx512(int(was))
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def attention_isa(request):
+    """Each attention test with the 16-lane head loops (where compiled in) and with the 8-lane ones."""
+    was = _ops().attention_avx512(int(request.param == "avx512"))
+    yield request.param
+    _ops().attention_avx512(int(was))
+
+
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -97,6 +105,7 @@ def _sdpa(q, k, v, length, mask):
 
 
 @pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.usefixtures("attention_isa")
 def test_decode_attention_writes_the_new_position_and_matches_sdpa(masked):
     g = _gen(7)
     b, h, cap, hd, length = 3, 2, 11, 5, 7
@@ -119,6 +128,7 @@ def test_decode_attention_writes_the_new_position_and_matches_sdpa(masked):
     assert_fast_close(got, _sdpa(q, k_ref, v_ref, length, mask), ref64)
 
 
+@pytest.mark.usefixtures("attention_isa")
 def test_decode_attention_fully_masked_row_gives_zeros():
     k = torch.randn(2, 1, 4, 3)
     mask = torch.zeros(2, 4, dtype=torch.bool)
@@ -133,14 +143,16 @@ def test_decode_attention_rejects_bad_length():
         _ops().decode_attention(torch.randn(1, 3), k, k.clone(), None, 5, 1.0, None, None)
 
 
-@pytest.mark.parametrize("hd", [5, 8, 32, 72, 136])  # scalar; one vector; 4; 8 + 1; 8 + 8 + 1 accumulators
+# 8-lane loops: scalar; one vector; 4; 8 + 1; 8 + 8 + 1 accumulators. 16-lane: 1, 3, 4, 4 + 1, 4 + 4 + 1
+@pytest.mark.parametrize("hd", [5, 8, 16, 32, 48, 64, 72, 80, 136, 144])
+@pytest.mark.usefixtures("attention_isa")
 def test_decode_attention_head_sizes_and_lengths(hd):
     g = _gen(hd)
-    b, h, cap = 2, 3, 13
+    b, h, cap = 2, 3, 19
     k = torch.randn(b, h, cap, hd, generator=g)
     v = torch.randn(b, h, cap, hd, generator=g)
     q = torch.randn(b, h * hd, generator=g)
-    for length in (1, 3, 4, 5, 8, 9, 13):  # the four-key blocks' and the 8-wide exp's tails
+    for length in (1, 3, 4, 5, 8, 9, 13, 16, 17, 19):  # the four- and eight-key blocks' and the 8-wide exp's tails
         got = _ops().decode_attention(q, k, v, None, length, 1 / math.sqrt(hd), None, None)
         ref64 = _sdpa(q.double(), k.double(), v.double(), length, None)
         assert_fast_close(got, _sdpa(q, k, v, length, None), ref64, what=f"hd {hd} length {length}")
@@ -156,6 +168,7 @@ def _gathered(k: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.usefixtures("attention_isa")
 def test_decode_attention_reads_keys_through_a_row_table(masked):
     g = _gen(3)
     b, n, h, cap, hd, length = 3, 5, 2, 11, 8, 7
@@ -183,6 +196,7 @@ def test_decode_attention_reads_keys_through_a_row_table(masked):
         (211, list(range(210, -1, -1))),  # heads enough for both threads, each writing the heads it reads
     ],
 )
+@pytest.mark.usefixtures("attention_isa")
 def test_decode_attention_writes_in_the_own_row_and_reads_through_the_table(b, histories):
     g = _gen(b)
     n, h, cap, hd, length = len(histories), 2, 6, 8, 5
@@ -219,9 +233,10 @@ def test_decode_attention_rejects_bad_row_tables():
         _ops().decode_attention(q[:2], k, k.clone(), None, 2, 1.0, q[:2], q[:2], own)
 
 
-@pytest.mark.parametrize("hd", [5, 8, 24])  # the scalar loops; one vector; three vectors per key
+@pytest.mark.parametrize("hd", [5, 8, 24, 48])  # the scalar loops; one vector; three vectors per key (8 or 16 lanes)
 @pytest.mark.parametrize("h_kv", [3, 1])  # one query head per key/value head; grouped-query (3 per head)
 @pytest.mark.parametrize("table", [False, True])
+@pytest.mark.usefixtures("attention_isa")
 def test_decode_attention_bfloat16_caches_equal_float32_on_the_rounded_caches(hd, h_kv, table):
     """bfloat16 caches: the new key/value rounded to bfloat16 (as ``.to(torch.bfloat16)``) and the output that of
     the float32 kernel over the widened caches (float32 arithmetic, up to the order of a sum), with padding, an
@@ -233,7 +248,7 @@ def test_decode_attention_bfloat16_caches_equal_float32_on_the_rounded_caches(hd
     mask = torch.zeros(b, cap, dtype=torch.bool)
     mask[0, :3] = True  # left padding
     mask[1] = True  # every key masked: zeros
-    for length in (1, 4, 6, 11):  # the four-key blocks' and the 8-wide exp's tails
+    for length in (1, 4, 6, 9, 11):  # the four- and eight-key blocks' and the 8-wide exp's tails
         rows = None
         if table:
             rows = torch.arange(b)[:, None].repeat(1, cap)
@@ -270,8 +285,9 @@ def _qkv_sdpa(qkv: torch.Tensor, mask, b: int, s: int, h: int) -> torch.Tensor:
     return out if mask is None else out.masked_fill(mask.reshape(-1, 1), 0.0)
 
 
-@pytest.mark.parametrize("hd", [5, 8, 32])
+@pytest.mark.parametrize("hd", [5, 8, 32, 48])
 @pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.usefixtures("attention_isa")
 def test_qkv_self_attention_matches_sdpa(hd, masked):
     g = _gen(hd)
     b, s, h = 3, 7, 2
@@ -288,7 +304,8 @@ def test_qkv_self_attention_matches_sdpa(hd, masked):
         assert torch.equal(got[mask.reshape(-1)], torch.zeros(int(mask.sum()), h * hd))
 
 
-@pytest.mark.parametrize("hd", [5, 8, 32])
+@pytest.mark.parametrize("hd", [5, 8, 32, 48])
+@pytest.mark.usefixtures("attention_isa")
 def test_qkv_self_attention_causal_matches_sdpa(hd):
     g = _gen(hd + 1)
     b, s, h = 3, 11, 2

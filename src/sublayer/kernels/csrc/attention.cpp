@@ -39,6 +39,27 @@ inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 #endif
+#if SUBLAYER_AVX2_FMA && defined(__AVX512F__)
+#define SUBLAYER_ATT512 1
+std::atomic<bool> g_att512{true};  // attention_avx512: the 16-lane head loops below
+// Sixteen cache elements widened to float32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// The 16 lanes of a added pairwise into 8 (lane i + lane i+8).
+inline __m256 fold8(__m512 a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+// The sums of four 8-lane vectors: [sum a, sum b, sum c, sum d].
+inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+#else
+#define SUBLAYER_ATT512 0
+#endif
 inline float widen(float v) { return v; }
 inline float widen(uint16_t v) { return bf16_to_f(v); }
 inline float key_dot(const float* q, const float* k, int64_t n) { return dot(q, k, n); }
@@ -66,6 +87,22 @@ template <typename S>
 inline float head_scores(const float* q, const S* K, int64_t ks, const bool* m, int64_t L, int64_t hd, float sc,
                          float* s) {
   int64_t j = 0;
+#if SUBLAYER_ATT512
+  if (hd % 16 == 0 && g_att512.load(std::memory_order_relaxed)) {  // eight keys at a time on 16 lanes
+    const __m128 vsc = _mm_set1_ps(sc);
+    for (; j + 8 <= L; j += 8) {
+      const S* k0 = K + j * ks;
+      __m512 a[8];
+      for (int r = 0; r < 8; ++r) a[r] = _mm512_setzero_ps();
+      for (int64_t e = 0; e < hd; e += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + e);
+        for (int r = 0; r < 8; ++r) a[r] = _mm512_fmadd_ps(qv, load16(k0 + r * ks + e), a[r]);
+      }
+      _mm_storeu_ps(s + j, _mm_mul_ps(sum4(fold8(a[0]), fold8(a[1]), fold8(a[2]), fold8(a[3])), vsc));
+      _mm_storeu_ps(s + j + 4, _mm_mul_ps(sum4(fold8(a[4]), fold8(a[5]), fold8(a[6]), fold8(a[7])), vsc));
+    }
+  }
+#endif
 #if SUBLAYER_AVX2_FMA
   if (hd % 8 == 0) {  // four keys at a time, their four sums reduced together by a hadd ladder
     const __m128 vsc = _mm_set1_ps(sc);
@@ -138,10 +175,50 @@ inline void weighted_sum_chunk(const float* p, float inv, const S* V, int64_t vs
 }
 #endif
 
+#if SUBLAYER_ATT512
+// o[0, 16*NV) = inv * sum_j p[j] V[j][0, 16*NV): even and odd keys into two sets of accumulators (two chains per
+// output vector), added at the end.
+template <int NV, typename S>
+inline void weighted_sum_chunk16(const float* p, float inv, const S* V, int64_t vs, int64_t L, float* o) {
+  __m512 a0[NV], a1[NV];
+  for (int v = 0; v < NV; ++v) a0[v] = a1[v] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= L; j += 2) {
+    if (p[j] != 0.0f) {  // a masked key is skipped, so a non-finite value there cannot leak in
+      const __m512 pj = _mm512_set1_ps(p[j]);
+      for (int v = 0; v < NV; ++v) a0[v] = _mm512_fmadd_ps(pj, load16(V + j * vs + 16 * v), a0[v]);
+    }
+    if (p[j + 1] != 0.0f) {
+      const __m512 pj = _mm512_set1_ps(p[j + 1]);
+      for (int v = 0; v < NV; ++v) a1[v] = _mm512_fmadd_ps(pj, load16(V + (j + 1) * vs + 16 * v), a1[v]);
+    }
+  }
+  if (j < L && p[j] != 0.0f) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    for (int v = 0; v < NV; ++v) a0[v] = _mm512_fmadd_ps(pj, load16(V + j * vs + 16 * v), a0[v]);
+  }
+  const __m512 vi = _mm512_set1_ps(inv);
+  for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + 16 * v, _mm512_mul_ps(_mm512_add_ps(a0[v], a1[v]), vi));
+}
+#endif
+
 // o[0, hd) = inv * sum_{j<L} p[j] V[j] (rows vs elements apart); keys with p[j] == 0 (masked) are skipped.
 template <typename S>
 inline void head_weighted_sum(const float* p, float inv, const S* V, int64_t vs, int64_t L, int64_t hd,
                               float* o) {
+#if SUBLAYER_ATT512
+  if (hd % 16 == 0 && g_att512.load(std::memory_order_relaxed)) {
+    for (int64_t c = 0; c < hd; c += 64) {  // up to 4 vectors of the output per pass over the keys
+      switch (std::min<int64_t>(4, (hd - c) / 16)) {
+        case 1: weighted_sum_chunk16<1, S>(p, inv, V + c, vs, L, o + c); break;
+        case 2: weighted_sum_chunk16<2, S>(p, inv, V + c, vs, L, o + c); break;
+        case 3: weighted_sum_chunk16<3, S>(p, inv, V + c, vs, L, o + c); break;
+        default: weighted_sum_chunk16<4, S>(p, inv, V + c, vs, L, o + c); break;
+      }
+    }
+    return;
+  }
+#endif
 #if SUBLAYER_AVX2_FMA
   if (hd % 8 == 0) {
     for (int64_t c = 0; c < hd; c += 64) {  // up to 8 vectors of the output per pass over the keys
@@ -369,9 +446,23 @@ Tensor qkv_self_attention(const Tensor& qkv, const c10::optional<Tensor>& mask, 
 }
 
 }  // namespace
+
+// Whether decode_attention and qkv_self_attention run their 16-lane head loops where compiled in (tests switch them
+// off to check the 8-lane ones on the same machine): attention_avx512(flag) sets it and returns the previous
+// value; -1 reads it.
+bool attention_avx512(int64_t flag) {
+#if SUBLAYER_ATT512
+  return set_switch(g_att512, flag);
+#else
+  (void)flag;
+  return false;
+#endif
+}
+
 }  // namespace sublayer
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
+  m.def("attention_avx512(int flag) -> bool", &sublayer::attention_avx512);
   m.def("qkv_self_attention(Tensor qkv, Tensor? mask, int n_heads, int seq_len, float scale, bool causal=False) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? mask, int length, float scale, "
         "Tensor? new_k, Tensor? new_v, Tensor? rows=None) -> Tensor");
