@@ -218,6 +218,8 @@ def test_cpu_ticks_count_only_the_cpus_this_process_may_run_on(monkeypatch, tmp_
     monkeypatch.setattr(cpu.os, "sched_getaffinity", unknown, raising=False)
     monkeypatch.setattr(cpu.os, "cpu_count", lambda: 4)
     assert cpu._cpu_ticks(str(stat)) == (500, 1000, 4)  # the all-CPU line, as this many CPUs
-    monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: {7}, raising=False)
-    assert cpu._cpu_ticks(str(stat)) is None  # no line for the mask's CPUs
+    monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: {12, 13}, raising=False)
+    assert cpu._cpu_ticks(str(stat)) == (500, 1000, 4)  # a /proc/stat with the container's CPUs renumbered
     assert cpu._cpu_ticks(str(tmp_path / "missing")) is None
+    stat.write_text("intr 12345 0 1\n")
+    assert cpu._cpu_ticks(str(stat)) is None  # no CPU line at all

@@ -144,26 +144,30 @@ def usable_cpus() -> float:
 
 def _cpu_ticks(stat: str = "/proc/stat") -> tuple[int, int, int] | None:
     """(busy, total, n) clock ticks since boot summed over the n CPUs this process may run on (its affinity mask:
-    a CPU outside it, busy or idle, is not this process's to share), from ``/proc/stat``'s per-CPU lines (the
-    all-CPU line where the mask is unknown); None where there is none."""
+    a CPU outside it, busy or idle, is not this process's to share), from ``/proc/stat``'s per-CPU lines; where
+    the mask is unknown or names no CPU line there (a ``/proc/stat`` that renumbers a container's CPUs), the
+    all-CPU line, as ``os.cpu_count()`` CPUs. None where there is none."""
     try:
         mine = {f"cpu{c}" for c in os.sched_getaffinity(0)}
     except (AttributeError, OSError):
-        mine = None
-    busy = total = n = 0
+        mine = set()
+    ticks: dict[str, list[int]] = {}
     try:
         with open(stat) as f:
             for line in f:
                 name, *fields = line.split() or [""]
-                if name not in (mine or {"cpu"}):
-                    continue
-                v = [int(x) for x in fields]
-                busy += sum(v) - v[3] - (v[4] if len(v) > 4 else 0)  # idle and iowait are not busy
-                total += sum(v)
-                n += 1 if mine else os.cpu_count() or 1
-    except (OSError, ValueError, IndexError):
+                if name == "cpu" or name in mine:
+                    ticks[name] = [int(x) for x in fields]
+    except (OSError, ValueError):
         return None
-    return (busy, total, n) if n else None
+    rows = [v for k, v in ticks.items() if k != "cpu"]
+    n = len(rows)
+    if not rows and "cpu" in ticks:
+        rows, n = [ticks["cpu"]], os.cpu_count() or 1
+    if not rows or any(len(v) < 4 for v in rows):
+        return None
+    busy = sum(sum(v) - v[3] - (v[4] if len(v) > 4 else 0) for v in rows)  # idle and iowait are not busy
+    return busy, sum(sum(v) for v in rows), n
 
 
 def load_snapshot() -> tuple:
