@@ -203,15 +203,6 @@ inline void weighted_sum_chunk16(const float* p, float inv, const S* V, int64_t 
 }
 #endif
 
-// f(std::integral_constant<int, min(MAX, count)>{}) (count >= 1): a run-time count as a template argument.
-template <int MAX, typename F>
-inline void with_count(int64_t count, const F& f) {
-  if constexpr (MAX > 1) {
-    if (count < MAX) return with_count<MAX - 1>(count, f);
-  }
-  f(std::integral_constant<int, MAX>{});
-}
-
 // o[0, hd) = inv * sum_{j<L} p[j] V[j] (rows vs elements apart); keys with p[j] == 0 (masked) are skipped.
 template <typename S>
 inline void head_weighted_sum(const float* p, float inv, const S* V, int64_t vs, int64_t L, int64_t hd,
@@ -219,14 +210,16 @@ inline void head_weighted_sum(const float* p, float inv, const S* V, int64_t vs,
 #if SUBLAYER_ATT512
   if (hd % 16 == 0 && g_att512.load(std::memory_order_relaxed)) {
     for (int64_t c = 0; c < hd; c += 64)  // up to 4 vectors of the output per pass over the keys
-      with_count<4>((hd - c) / 16, [&](auto nv) { weighted_sum_chunk16<nv, S>(p, inv, V + c, vs, L, o + c); });
+      tile_rest<4>(std::min<int64_t>(4, (hd - c) / 16),
+                   [&](auto nv) { weighted_sum_chunk16<nv, S>(p, inv, V + c, vs, L, o + c); });
     return;
   }
 #endif
 #if SUBLAYER_AVX2_FMA
   if (hd % 8 == 0) {
     for (int64_t c = 0; c < hd; c += 64)  // up to 8 vectors of the output per pass over the keys
-      with_count<8>((hd - c) / 8, [&](auto nv) { weighted_sum_chunk<nv, S>(p, inv, V + c, vs, L, o + c); });
+      tile_rest<8>(std::min<int64_t>(8, (hd - c) / 8),
+                   [&](auto nv) { weighted_sum_chunk<nv, S>(p, inv, V + c, vs, L, o + c); });
     return;
   }
 #endif

@@ -265,6 +265,15 @@ void parallel_chunks(int64_t n, const F& chunk) {
   });
 }
 
+// The rest after whole register tiles: f(std::integral_constant<int, r>()) for the remaining count r (0 < r <= R),
+// nothing for r = 0 (row and block counts are template arguments of the tiles).
+template <int R, typename F> inline void tile_rest(int64_t r, F&& f) {
+  if constexpr (R > 0) {
+    if (r == R) f(std::integral_constant<int, R>());
+    else tile_rest<R - 1>(r, f);
+  }
+}
+
 // Fixed row chunking for deterministic reductions: depends on the row count only (the chunks' partial sums are
 // added in chunk order, whichever thread computed them).
 inline int64_t n_chunks(int64_t rows) { return std::max<int64_t>(1, std::min<int64_t>(64, (rows + 63) / 64)); }

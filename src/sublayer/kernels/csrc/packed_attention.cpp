@@ -35,15 +35,6 @@ std::atomic<bool> g_avx512{true};  // packed_attention_avx512
 
 constexpr int64_t QB = 16;  // queries per block
 
-// The rest after whole register tiles: f(std::integral_constant<int, r>()) for the remaining count r (0 < r <= R),
-// nothing for r = 0 (row and block counts are template arguments of the tiles).
-template <int R, typename F> inline void tile_rest(int64_t r, F&& f) {
-  if constexpr (R > 0) {
-    if (r == R) f(std::integral_constant<int, R>());
-    else tile_rest<R - 1>(r, f);
-  }
-}
-
 struct Task {
   int64_t row, n, h, nh = 1;  // heads h..h+nh-1 of the sequence at rows row..row+n-1
 };
@@ -318,12 +309,8 @@ inline void qk_softmax_rows_f32(const float* q, int64_t ld, int64_t hd, const fl
   constexpr int64_t np = KB * 16;
   int64_t i = 0;
   for (; i + 4 <= qn; i += 4) qk_softmax_f32<4, KB>(q + i * ld, ld, hd, k, sc, tail, p + i * np, np, inv + i);
-  switch (qn - i) {
-    case 3: qk_softmax_f32<3, KB>(q + i * ld, ld, hd, k, sc, tail, p + i * np, np, inv + i); break;
-    case 2: qk_softmax_f32<2, KB>(q + i * ld, ld, hd, k, sc, tail, p + i * np, np, inv + i); break;
-    case 1: qk_softmax_f32<1, KB>(q + i * ld, ld, hd, k, sc, tail, p + i * np, np, inv + i); break;
-    default: break;
-  }
+  tile_rest<3>(qn - i,
+               [&](auto R) { qk_softmax_f32<R, KB>(q + i * ld, ld, hd, k, sc, tail, p + i * np, np, inv + i); });
 }
 
 // S[r][16 b + l] = sc * q_r . k_{16 b + l} in float32: R queries (ld floats apart) x KB key blocks in registers.
@@ -389,12 +376,7 @@ void task_f32_avx512(const float* q0, int64_t ld, Scratch& w, const float* v, in
   const __mmask16 tail = __mmask16((1u << (n % 16 ? n % 16 : 16)) - 1u);
   int64_t i = 0;
   if (nb <= 4) {  // up to 64 keys: scores and softmax in registers, one pass
-    switch (nb) {
-      case 1: qk_softmax_rows_f32<1>(q, ld, hd, w.kf.data(), sc, tail, w.pf.data(), qn, inv); break;
-      case 2: qk_softmax_rows_f32<2>(q, ld, hd, w.kf.data(), sc, tail, w.pf.data(), qn, inv); break;
-      case 3: qk_softmax_rows_f32<3>(q, ld, hd, w.kf.data(), sc, tail, w.pf.data(), qn, inv); break;
-      default: qk_softmax_rows_f32<4>(q, ld, hd, w.kf.data(), sc, tail, w.pf.data(), qn, inv); break;
-    }
+    tile_rest<4>(nb, [&](auto KB) { qk_softmax_rows_f32<KB>(q, ld, hd, w.kf.data(), sc, tail, w.pf.data(), qn, inv); });
     i = qn;
   }
   for (; i + 4 <= qn; i += 4) qk_rows_f32<4>(q + i * ld, ld, hd, w.kf.data(), nb, sc, s + i * nk, nk);
