@@ -155,7 +155,9 @@ def _cpu_ticks(stat: str = "/proc/stat") -> tuple[int, int, int] | None:
     try:
         with open(stat) as f:
             for line in f:
-                name, *fields = line.split() or [""]
+                if not line.startswith("cpu"):  # the CPU lines come first; the rest (intr: long) is not read
+                    break
+                name, *fields = line.split()
                 if name == "cpu" or name in mine:
                     ticks[name] = [int(x) for x in fields]
     except (OSError, ValueError):
