@@ -48,7 +48,7 @@ Pitfalls handled here:
 - Saving: parameters are DTensors; ``save_pretrained`` needs plain tensors — gather a full state dict first
   (:func:`full_state_dict`, on every rank; :func:`full_tensor` for one tensor or gradient), or save shards with
   ``torch.distributed.checkpoint``. ``DTensor.full_tensor()`` itself raises for the strided shard of a gated
-  ``fc1`` on torch releases before 2.13 ("unable to be interpreted into a corresponding shard_order"); these two
+  ``fc1`` on some torch releases (2.11: "unable to be interpreted into a corresponding shard_order"); these two
   gather it themselves.
 
 FSDP2: :func:`fully_shard` applies ``torch.distributed.fsdp.fully_shard`` to every block, then to the root. On a
@@ -515,7 +515,7 @@ def full_tensor(t: Tensor) -> Tensor:
     """The whole value of ``t`` as a plain tensor, on every rank (a collective when ``t`` is a DTensor): ``t`` itself
     when it is not a DTensor, its ``full_tensor()`` otherwise, except a strided shard on a 1-D mesh (a gated FFN's
     ``fc1`` weight, bias or their gradients under :func:`tensor_parallel`), gathered here (rank r holds ``[gate_r;
-    up_r]``; the result is ``[gate; up]``), which ``full_tensor()`` refuses on torch releases before 2.13. Detached."""
+    up_r]``; the result is ``[gate; up]``), which ``full_tensor()`` refuses on some torch releases (2.11). Detached."""
     if not isinstance(t, DTensor):
         return t.detach()
     (place, *more) = t.placements
