@@ -99,9 +99,7 @@ template <> struct V16<float> {
   static void st(float* p, __m512 v, bool nt) { nt ? _mm512_stream_ps(p, v) : _mm512_storeu_ps(p, v); }
 };
 template <> struct V16<BF16> {
-  static __m512 ld(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  }
+  static __m512 ld(const uint16_t* p) { return bf16_to_f_x16(p); }
   static __m512 round(__m512 v) {  // f_to_bf16's rounding, widened back
     return _mm512_castsi512_ps(_mm512_slli_epi32(f_to_bf16_x16(v), 16));
   }

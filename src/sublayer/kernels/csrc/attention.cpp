@@ -39,24 +39,22 @@ inline __m256 load8(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+// The sums of four 8-lane vectors, [sum a, sum b, sum c, sum d], by a hadd ladder (lanes of t: a 0-3, b 0-3,
+// c 0-3, d 0-3 | the same over lanes 4-7).
+inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
 #endif
 #if SUBLAYER_AVX2_FMA && defined(__AVX512F__)
 #define SUBLAYER_ATT512 1
 std::atomic<bool> g_att512{true};  // attention_avx512: the 16-lane head loops below
 // Sixteen cache elements widened to float32.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+inline __m512 load16(const uint16_t* p) { return bf16_to_f_x16(p); }
 // The 16 lanes of a added pairwise into 8 (lane i + lane i+8).
 inline __m256 fold8(__m512 a) {
   return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-}
-// The sums of four 8-lane vectors: [sum a, sum b, sum c, sum d].
-inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 #else
 #define SUBLAYER_ATT512 0
@@ -117,10 +115,7 @@ inline float head_scores(const float* q, const S* K, int64_t ks, const bool* m, 
         a2 = _mm256_fmadd_ps(qv, load8(k0 + 2 * ks + e), a2);
         a3 = _mm256_fmadd_ps(qv, load8(k0 + 3 * ks + e), a3);
       }
-      // lanes of t: [a0 0-3, a1 0-3, a2 0-3, a3 0-3 | the same over elements 4-7]
-      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-      const __m128 r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-      _mm_storeu_ps(s + j, _mm_mul_ps(r, vsc));
+      _mm_storeu_ps(s + j, _mm_mul_ps(sum4(a0, a1, a2, a3), vsc));
     }
   }
 #endif

@@ -62,6 +62,11 @@ inline __m512i f_to_bf16_x16(__m512 v) {
       _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
   return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
 }
+// 16 bfloat16 values (bits) widened to float32, exactly.
+inline __m512 bf16_to_f_x16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 #endif
 struct BF16 {};  // tag: bfloat16 stored as uint16_t
 
