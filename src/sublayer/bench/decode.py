@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .harness import copy_gbps, ct2_greedy, time_interleaved
-from .jobs import ct2_generator, decoding_switch, gpt2_folder, switched
+from .jobs import ct2_generator, decoding_switch, gpt2_folder, hf_gpt2_greedy, switched
 
 __all__ = ["run_decode_bench"]
 
@@ -188,14 +188,7 @@ def run_decode_bench(
     model = GPT2.from_pretrained(folder).eval()
     fast = fast_inference(model, dtype=torch.float32)
     int8 = fast_inference(model, quantize="int8")
-    hf = None
-    if peers:
-        try:
-            import transformers
-
-            hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
-        except ImportError:
-            hf = None
+    hf = hf_gpt2_greedy(folder) if peers else None
     ct2 = ct2_generator(folder) if peers else None
     ct2_int8 = ct2_generator(folder, "int8") if peers else None
     wanted = None if engines is None else [e.strip() for e in engines.split(",") if e.strip()]
@@ -232,10 +225,7 @@ def run_decode_bench(
             "sublayer int8, head float": lambda: ours(int8_head_float),
         }
         if hf is not None:
-            fns["HF generate"] = lambda: hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                pad_token_id=v - 1,
-            )[:, prompt:]
+            fns["HF generate"] = lambda: hf(ids, new)[:, prompt:]
         if ct2 is not None:
             toks = [[f"t{i}" for i in row] for row in ids.tolist()]
 

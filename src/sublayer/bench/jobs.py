@@ -182,6 +182,23 @@ def gpt2_decoding(quick: bool, work: Path):
     return cfg, prompt, new, folder, GPT2.from_pretrained(folder).eval()
 
 
+def hf_gpt2_greedy(folder: Path) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
+    """HF ``GPT2LMHeadModel.generate`` on the GPT-2 ``folder`` in fp32 eager, greedy, every one of ``new`` tokens
+    (``min_new_tokens``: no early end): ``(ids (B, T), new) -> (B, T + new)``; None without transformers."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+    pad = hf.config.vocab_size - 1
+
+    def generate(ids: torch.Tensor, new: int) -> torch.Tensor:
+        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=pad)  # fmt: skip
+
+    return generate
+
+
 def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     """Greedy GPT-2 decoding, batch 1 and 8, fp32 and int8 against CTranslate2, bf16 against our fp32 (see the
     module doc)."""
@@ -191,12 +208,7 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     int8 = fast_inference(ours, quantize="int8")
     bf16 = fast_inference(ours, dtype=torch.bfloat16)  # bf16 panels where the CPU multiplies bf16 natively
     ct2 = {dt: ct2_generator(folder, dt) for dt in ("float32", "int8")}
-    try:
-        import transformers
-
-        hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
-    except ImportError:
-        hf = None
+    hf = hf_gpt2_greedy(folder)
     shape = f"{cfg.n_layers}L d{cfg.d_model} V{cfg.vocab_size}, prompt {prompt} + {new}"
     rows = []
     for b in (1, 8):
@@ -205,11 +217,8 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
         fns = {"sublayer fp32": lambda: ours.generate(ids, new), "sublayer int8": lambda: int8.generate(ids, new),
                "sublayer bf16": lambda: bf16.generate(ids, new)}  # fmt: skip
         fns |= {f"CTranslate2 {dt}": (lambda g=g: ct2_greedy(g, toks, new)) for dt, g in ct2.items() if g is not None}
-        if hf is not None:  # what an HF user runs: fp32 eager generate, every token (no early eos)
-            fns["HF generate"] = lambda: hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                pad_token_id=cfg.vocab_size - 1,
-            )
+        if hf is not None:  # what an HF user runs
+            fns["HF generate"] = lambda: hf(ids, new)
         outs = {k: f() for k, f in fns.items()}  # the warm-up
         res = time_interleaved(fns, reps, 0)
         for dt in ("fp32", "int8"):
