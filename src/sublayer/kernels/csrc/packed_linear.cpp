@@ -962,46 +962,45 @@ Tensor screened_argmax(const Tensor& x, const Tensor& screened, const Tensor& we
   const float* ebq = bq ? bq : eb;  // read times xq = 0 without bound_q
   int64_t* op = out.data_ptr<int64_t>();
   const float rel = std::ldexp(1.0f, -21);
-  // rows on both threads (each reads its own screened logits; which thread takes a row changes no result)
-  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* a = sp + r * V;
-      const float* xr = x.data_ptr<float>() + r * x.stride(0);
-      double ss = 0.0;
-      for (int64_t k = 0; k < K; ++k) ss += double(xr[k]) * double(xr[k]);
-      const float xn = float(std::sqrt(ss)) * (1.0f + std::ldexp(1.0f, -10));  // ||x_r||_2, rounded up
-      const float xq = bq ? quantized_error(xr, K) : 0.0f;
-      bool nan = false;
-      const float lo = lower_max(a, eb, ebq, V, xn, xq, rel, nan);
-      const bool all = nan || !std::isfinite(lo) || !std::isfinite(xn) || !std::isfinite(xq);
-      int64_t best = -1;
-      float bv = 0.0f;
-      auto consider = [&](int64_t j) {
-        if (!all && !(a[j] + (xn * eb[j] + xq * ebq[j] + rel * std::fabs(a[j])) >= lo)) return;
-        const float v = dot(xr, wp + j * K, K) + (bp ? bp[j] : 0.0f);
-        if (best < 0 || v > bv || (std::isnan(v) && !std::isnan(bv))) {
-          best = j;
-          bv = v;
-        }
-      };
-      int64_t j = 0;
-#if SUBLAYER_AVX2_FMA
-      if (!all) {  // skip blocks of 8 with no candidate (the test above, 8 lanes at a time)
-        const __m256 vxn = _mm256_set1_ps(xn), vxq = _mm256_set1_ps(xq), vrel = _mm256_set1_ps(rel);
-        const __m256 sign = _mm256_set1_ps(-0.0f), vlo = _mm256_set1_ps(lo);
-        for (; j + 8 <= V; j += 8) {
-          const __m256 v = _mm256_loadu_ps(a + j);
-          const __m256 e = _mm256_fmadd_ps(
-              vxn, _mm256_loadu_ps(eb + j),
-              _mm256_fmadd_ps(vxq, _mm256_loadu_ps(ebq + j), _mm256_mul_ps(vrel, _mm256_andnot_ps(sign, v))));
-          if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(v, e), vlo, _CMP_GE_OQ)) == 0) continue;
-          for (int64_t i = j; i < j + 8; ++i) consider(i);
-        }
+  // rows handed out from a shared counter (parallel_chunks: a thread a neighbour slows takes fewer); each reads its
+  // own screened logits, and which thread takes a row changes no result
+  parallel_chunks(M, [&](int64_t r) {
+    const float* a = sp + r * V;
+    const float* xr = x.data_ptr<float>() + r * x.stride(0);
+    double ss = 0.0;
+    for (int64_t k = 0; k < K; ++k) ss += double(xr[k]) * double(xr[k]);
+    const float xn = float(std::sqrt(ss)) * (1.0f + std::ldexp(1.0f, -10));  // ||x_r||_2, rounded up
+    const float xq = bq ? quantized_error(xr, K) : 0.0f;
+    bool nan = false;
+    const float lo = lower_max(a, eb, ebq, V, xn, xq, rel, nan);
+    const bool all = nan || !std::isfinite(lo) || !std::isfinite(xn) || !std::isfinite(xq);
+    int64_t best = -1;
+    float bv = 0.0f;
+    auto consider = [&](int64_t j) {
+      if (!all && !(a[j] + (xn * eb[j] + xq * ebq[j] + rel * std::fabs(a[j])) >= lo)) return;
+      const float v = dot(xr, wp + j * K, K) + (bp ? bp[j] : 0.0f);
+      if (best < 0 || v > bv || (std::isnan(v) && !std::isnan(bv))) {
+        best = j;
+        bv = v;
       }
-#endif
-      for (; j < V; ++j) consider(j);
-      op[r] = best < 0 ? 0 : best;
+    };
+    int64_t j = 0;
+#if SUBLAYER_AVX2_FMA
+    if (!all) {  // skip blocks of 8 with no candidate (the test above, 8 lanes at a time)
+      const __m256 vxn = _mm256_set1_ps(xn), vxq = _mm256_set1_ps(xq), vrel = _mm256_set1_ps(rel);
+      const __m256 sign = _mm256_set1_ps(-0.0f), vlo = _mm256_set1_ps(lo);
+      for (; j + 8 <= V; j += 8) {
+        const __m256 v = _mm256_loadu_ps(a + j);
+        const __m256 e = _mm256_fmadd_ps(
+            vxn, _mm256_loadu_ps(eb + j),
+            _mm256_fmadd_ps(vxq, _mm256_loadu_ps(ebq + j), _mm256_mul_ps(vrel, _mm256_andnot_ps(sign, v))));
+        if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(v, e), vlo, _CMP_GE_OQ)) == 0) continue;
+        for (int64_t i = j; i < j + 8; ++i) consider(i);
+      }
     }
+#endif
+    for (; j < V; ++j) consider(j);
+    op[r] = best < 0 ? 0 : best;
   });
   return out;
 }
