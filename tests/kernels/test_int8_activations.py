@@ -1,5 +1,6 @@
-"""int8_linear (csrc/packed_linear.cpp): int8 activations quantized per row times int8 quad panels, against
-runtime.linear's PyTorch reference (exact integer sums), with AVX512-VNNI and with the portable loop."""
+"""int8_linear (csrc/packed_linear.cpp): int8 activations quantized per row (or carried at 24 bits) times int8
+quad panels, against runtime.linear's PyTorch reference (exact integer sums), with AVX512-VNNI and with the
+portable loop."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import torch.nn.functional as F
 from sublayer import kernels
 from sublayer.functional import activation_fn
 from sublayer.functional.fused import ACT_IDS
-from sublayer.runtime.linear import Int8Linear, int8_linear_reference, quantize_rows
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sublayer.runtime.linear import Int8Linear, int8_linear_reference, quantize_rows, quantize_rows24
 
 from ._tol import assert_fast_close
 
@@ -35,10 +39,10 @@ def layout(request):
     return request.param
 
 
-def _linear(x, q, s, b, act=0, layout="plain"):
+def _linear(x, q, s, b, act=0, layout="plain", bits=8):
     ops = kernels.ops()
     packed = ops.pack_int8_quads(q, layout == "grouped")
-    return ops.int8_linear(x, packed, q.sum(1, dtype=torch.int32), s, b, q.shape[0], act)
+    return ops.int8_linear(x, packed, q.sum(1, dtype=torch.int32), s, b, q.shape[0], act, None, bits)
 
 
 @needs_kernels
@@ -109,6 +113,66 @@ def test_quantize_rows_spans_each_row_and_is_close():
     assert xq[1].amin() >= 0 and torch.equal(quantize_rows(torch.zeros(2, 3))[1], torch.zeros(2, 1))
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17])
+@pytest.mark.parametrize(("n", "k"), [(37, 13), (5, 3), (53, 101), (149, 773)])
+def test_int8_linear_24_bits_matches_the_reference_and_float32(rows, n, k, isa, layout):
+    """bits=24: each row as 24-bit integers (three uint8 planes through the same kernel, exact integer sums): the
+    reference's result, and the float32 product of x and the int8 weight within x's rounding, far inside 8 bits'."""
+    g = torch.Generator().manual_seed(rows * 7 + n + k)
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 3, rows)[:, None]  # rows of every scale
+    x[-1, 0] = 1e4 if rows > 1 else x[-1, 0]  # an outlier
+    q, s, b = _int8(n + 2 * k, n, k), torch.rand(n, generator=g) * 0.02, torch.randn(n, generator=g)
+    got = _linear(x, q, s, b, layout=layout, bits=24)
+    t, sx = quantize_rows24(x)
+    ref64 = (t @ q.double().t()) * sx * s.double() + b.double()
+    assert_fast_close(got, int8_linear_reference(x, q, s, b, bits=24), ref64, what=f"rows={rows} n={n} k={k}")
+    exact = x.double() @ (q.double() * s.double()[:, None]).t() + b.double()
+    # |x - t s| <= max|x| 2^-22 per entry, plus float32's rounding of the result
+    tol = x.abs().amax(1, keepdim=True).double() * 2.0**-22 * (q.double().abs() @ torch.ones(k, 1).double()).t() * s.double()
+    assert ((got.double() - exact).abs() <= tol + 4 * 2.0**-24 * exact.abs() + 1e-30).all()
+    if rows > 1:  # 8 bits are much coarser on the same rows
+        assert (_linear(x, q, s, b, layout=layout).double() - exact).abs().max() > 100 * (got.double() - exact).abs().max()
+
+
+@needs_kernels
+def test_int8_linear_24_bits_zero_tiny_and_non_finite_rows(isa, layout):
+    """A zero row gives the bias, rows of denormals or of ~1e-30 their products, a row with inf or NaN NaN
+    outputs; the other rows are unaffected; an activation is fused; bits other than 8 and 24 are refused."""
+    g = torch.Generator().manual_seed(4)
+    q, s, b = _int8(3, 19, 23), torch.rand(19, generator=g) * 0.05, torch.randn(19, generator=g)
+    x = torch.randn(5, 23, generator=g)
+    x[0] = 0.0
+    x[1] = torch.randn(23, generator=g) * 1e-40
+    x[2, 3], x[3, 7] = float("inf"), float("nan")
+    got = _linear(x, q, s, b, layout=layout, bits=24)
+    assert torch.equal(got[0], b) and got[2:4].isnan().all()
+    torch.testing.assert_close(got[[1, 4]], int8_linear_reference(x[[1, 4]], q, s, b, bits=24), rtol=1e-6, atol=1e-6)
+    small = x[[1]] * 1e10  # ~1e-30: no bias to swamp it, the products far from float32's denormals
+    torch.testing.assert_close(_linear(small, q, s, None, layout=layout, bits=24)[0].double(),
+                               (small[0].double() @ q.double().t()) * s.double(), rtol=1e-5, atol=0)
+    relu = _linear(x[[4]], q, s, b, ACT_IDS["relu"], layout=layout, bits=24)
+    torch.testing.assert_close(relu, F.relu(got[[4]]), rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="bits must be 8 or 24, got 16"):
+        _linear(x, q, s, b, layout=layout, bits=16)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-2.0**100, 2.0**100, allow_nan=False, width=32), min_size=1, max_size=40))
+def test_quantize_rows24_is_within_half_a_step_of_x(values):
+    """t holds integers of at most 2^22, s is a power of two (0 for a zero row) with max|x| < 2^22 s, and
+    |x - t s| <= s / 2."""
+    x = torch.tensor([values], dtype=torch.float32)
+    t, s = quantize_rows24(x)
+    m = float(x.abs().max())
+    assert torch.equal(t, t.round()) and float(t.abs().max()) <= 2**22
+    if m == 0:
+        assert float(s) == 0 and not t.any()
+        return
+    assert torch.frexp(s).mantissa.item() == 0.5 and m < 2**22 * float(s) <= 2 * m
+    assert ((x.double() - t * s).abs() <= s / 2).all()
+
+
 @pytest.mark.parametrize(("activations", "grouped"), [("int8", False), ("int8", True), ("float", False)])
 @pytest.mark.parametrize("kernels_on", [True, False])
 def test_int8_linear_class_matches_its_reference(activations, grouped, kernels_on, monkeypatch):
@@ -134,6 +198,10 @@ def test_int8_linear_class_matches_its_reference(activations, grouped, kernels_o
 def test_int8_linear_class_rejects_bad_arguments():
     with pytest.raises(ValueError, match="activations must be 'int8' or 'float', got 'int4'"):
         Int8Linear(torch.zeros(3, 2, dtype=torch.int8), torch.ones(3), activations="int4")
+    with pytest.raises(ValueError, match=r"bits must be 8 or 24 \(24 with int8 activations\), got 16"):
+        Int8Linear(torch.zeros(3, 2, dtype=torch.int8), torch.ones(3))(torch.ones(1, 2), bits=16)
+    with pytest.raises(ValueError, match=r"bits must be 8 or 24 \(24 with int8 activations\), got 24"):
+        Int8Linear(torch.zeros(3, 2, dtype=torch.int8), torch.ones(3), activations="float")(torch.ones(1, 2), bits=24)
     with pytest.raises(TypeError, match="q must be a 2-D int8 tensor"):
         Int8Linear(torch.zeros(3, 2), torch.ones(3))
 

@@ -39,7 +39,7 @@ def steps_taken(monkeypatch):
 def _per_op(W):
     """``W`` without the one-call step's tensors: :func:`causal.step` runs its per-op loop."""
     W = copy.copy(W)
-    W.flat = W.flat_rows = None
+    W.flat = None
     return W
 
 

@@ -1,5 +1,6 @@
 """GreedyHead (models/decoding.py): the float32 argmax of an LM head found by screening with a float16 or bfloat16
-copy of the weight (or an int8 one: a single row weight-only, several rows with int8 activations) and recomputing
+copy of the weight (or an int8 one: a single row weight-only or at 24 bits, several rows with int8 activations) and
+recomputing
 only the rows that could win, against ``F.linear(...).argmax``; greedy ``generate`` at batch 8 against the
 reference loop with either screen of several rows."""
 
@@ -26,15 +27,18 @@ SCREENS = [torch.float16, torch.bfloat16]
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("screen", SCREENS)
 @pytest.mark.parametrize("avx512", [True, False])
-@pytest.mark.parametrize("int8", [True, False])
+@pytest.mark.parametrize("int8", ["off", "panels", "rows"])
 def test_equals_float32_argmax_on_random_heads(rows, bias, screen, avx512, int8):
     """Either screen, AVX-512 micro-kernels on and off (bfloat16 several rows: vdpbf16ps on x rounded to bf16),
-    a single row and several rows on the int8 screens or the 16-bit one."""
+    a single row and several rows on the int8 screens (a single row on int8 panels, or at 24 bits beside several
+    rows' int8 activations) or the 16-bit one."""
     g = _gen(rows)
     w = torch.randn(1013, 37, generator=g) * 0.3
     b = torch.randn(1013, generator=g) if bias else None
-    head = GreedyHead(w, b, screen=screen, int8_single_row=int8, int8_rows=int8)
-    assert head.screen == screen and head.usable and (head.packed1 is not None) == (head.quads is not None) == int8
+    head = GreedyHead(w, b, screen=screen, int8_single_row=int8 != "off", int8_rows=int8 == "rows")
+    assert head.screen == screen and head.usable
+    assert (head.packed1 is not None) == (int8 == "panels") and (head.quads is not None) == (int8 == "rows")
+    assert (head.bound24 is not None) == (int8 == "rows")
     was = kernels.ops().decode_avx512(int(avx512))
     try:
         for seed in range(20):
@@ -112,10 +116,12 @@ def test_weights_beyond_float16_range_skip_the_screening():
     assert head(x).tolist() == head_bf16(x).tolist() == F.linear(x, w).argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("int8_rows", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_screen_of_a_single_row_recomputes_near_ties_in_float32(bias):
-    """Rows 0..10 differ by less than the int8 copy resolves: they tie on the screen, float32 decides; an all-zero
-    weight row (scale 1, q 0) is screened exactly."""
+def test_int8_screen_of_a_single_row_recomputes_near_ties_in_float32(bias, int8_rows):
+    """Rows 0..10 differ by less than the int8 copy resolves: they tie on the screen (on int8 panels, or at 24
+    bits beside several rows' int8 activations), float32 decides; an all-zero weight row (scale 1, q 0) is screened
+    exactly."""
     g = _gen(11)
     base = torch.randn(1, 43, generator=g)
     w = torch.cat([base.repeat(11, 1), torch.randn(300, 43, generator=g) * 0.1, torch.zeros(1, 43)])
@@ -126,9 +132,9 @@ def test_int8_screen_of_a_single_row_recomputes_near_ties_in_float32(bias):
     for winner in (0, 5, 10):
         w2 = w.clone()
         w2[winner, 0] += 1e-4 * torch.sign(x[0, 0])
-        head = GreedyHead(w2, b)
+        head = GreedyHead(w2, b, int8_rows=int8_rows)
         want = F.linear(x, w2, b).argmax(-1)
-        assert int(want[0]) == winner and head.packed1 is not None
+        assert int(want[0]) == winner and (head.packed1 is None) == (head.bound24 is not None) == int8_rows
         q_only = (F.linear(x, head.q.float()) * head.scale + (0 if b is None else b)).argmax(-1)
         assert head(x).tolist() == want.tolist()
         ref, n_cand = head.reference(x)
@@ -140,7 +146,7 @@ def test_non_finite_weights_have_no_int8_screen():
     w = torch.randn(13, 5, generator=_gen(6))
     w[4, 2] = float("inf")
     head = GreedyHead(w, screen=torch.bfloat16)
-    assert head.packed1 is None
+    assert head.packed1 is None and head.bound24 is None
     x = torch.randn(1, 5, generator=_gen(7))
     assert head(x).tolist() == F.linear(x, w).argmax(-1).tolist()
 
@@ -195,7 +201,7 @@ def test_int8_rows_screen_equals_float32_argmax_on_random_heads_and_falls_back(i
     w = torch.randn(2003, 41, generator=g) * 0.3
     b = torch.randn(2003, generator=g)
     head = GreedyHead(w, b, int8_rows=int8_rows)
-    assert (head.quads is not None) == int8_rows and head.packed1 is not None
+    assert (head.quads is not None) == (head.bound24 is not None) == (head.packed1 is None) == int8_rows
     for seed in range(12):
         x = torch.randn(8, 41, generator=_gen(200 + seed)) * 3
         x[seed % 8, seed % 41] *= 100  # one outlier channel

@@ -68,22 +68,28 @@ def test_weight_int8_linear_within_derived_bound(activation, kernels_mode):
 
 
 @pytest.mark.parametrize("activation", [None, "gelu_tanh"])
-def test_int8_rows_several_rows_quantize_activations_one_row_stays_weight_only(activation, kernels_mode):
-    """int8_rows: more than one row equals int8_linear_reference (per-row uint8 activations), one row the
-    weight-only layer; flat_quads gives int8_linear's operands only then (and with the kernels)."""
+def test_int8_rows_several_rows_quantize_activations_one_row_at_24_bits(activation, kernels_mode):
+    """int8_rows: more than one row equals int8_linear_reference (per-row uint8 activations), one row the same at
+    24 bits (bits=24), within float32 rounding of the weight-only layer; flat_quads gives int8_linear's operands
+    only then (and with the kernels)."""
     g = torch.Generator().manual_seed(5)
     w, b = torch.randn(29, 41, generator=g), torch.randn(29, generator=g)
     q, s = Q.quantize_weight(w)
     lin, plain = WeightInt8Linear(q, s, b, int8_rows=True), WeightInt8Linear(q, s, b)
     assert plain.flat_quads() is None
+
+    def act(y):
+        return y if activation is None else F.gelu(y, approximate="tanh")
+
     for rows in (2, 7, 13):
         x = torch.randn(rows, 41, generator=g)
-        ref = int8_linear_reference(x, q, s, b)
-        ref = ref if activation is None else F.gelu(ref, approximate="tanh")
-        torch.testing.assert_close(lin(x, activation), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lin(x, activation), act(int8_linear_reference(x, q, s, b)), rtol=1e-5, atol=1e-5)
         assert not torch.allclose(lin(x, activation), plain(x, activation), rtol=1e-4, atol=1e-4)
-    x1 = torch.randn(1, 41, generator=g)
-    assert torch.equal(lin(x1, activation), plain(x1, activation))
+    x1 = torch.randn(1, 41, generator=g) * 5
+    y1 = lin(x1, activation)
+    torch.testing.assert_close(y1, act(int8_linear_reference(x1, q, s, b, bits=24)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y1, plain(x1, activation), rtol=1e-5, atol=2e-5)
+    assert not torch.allclose(y1, act(int8_linear_reference(x1, q, s, b)), rtol=1e-4, atol=1e-4)  # not 8 bits
     quads = lin.flat_quads()
     if kernels_on():
         assert quads[0].dim() == 4 and quads[3].dtype == torch.int32 and torch.equal(quads[3], q.sum(1, dtype=torch.int32))
@@ -94,13 +100,13 @@ def test_int8_rows_several_rows_quantize_activations_one_row_stays_weight_only(a
 @pytest.mark.skipif(not kernels.enabled(), reason="C++ kernels unavailable")
 @pytest.mark.parametrize("avx512", [True, False])
 def test_one_call_step_with_int8_rows_equals_the_per_op_step(avx512, monkeypatch):
-    """causal_decode_layers over int8_linear's quads (several rows) and over the weight-only panels (one row)
-    against causal.step's per-op loop on the same int8 weights, with a padding mask."""
+    """causal_decode_layers over int8_linear's quads (several rows at 8 bits, one row at 24) against causal.step's
+    per-op loop on the same int8 weights, with a padding mask."""
     monkeypatch.setattr(quantized_gpt2, "own_int8_gemm", lambda: True)  # int8_linear's portable loop without VNNI
     W = causal.build(_gpt2(), lambda name, t: quantized_gpt2.int8_linear(name, _quantized(t)), greedy=False)
-    assert W.flat_rows is not None and W.flat_rows[2].dim() == 4 and W.flat[2].dim() == 3
+    assert W.flat is not None and W.flat[2].dim() == 4
     per_op = copy.copy(W)
-    per_op.flat = per_op.flat_rows = None
+    per_op.flat = None
     t, hd = 7, CFG["d_model"] // CFG["n_heads"]
 
     def caches(b):

@@ -87,7 +87,7 @@ def test_one_call_step_equals_the_per_op_step(case, avx512, panels):
     W = causal.packed_weights(model, panels)
     assert W.flat is not None and W.layers[0]["qkv"].packed.dtype == panels == W.cache_dtype
     per_op = copy.copy(W)
-    per_op.flat = per_op.flat_rows = None
+    per_op.flat = None
     b, t = 3, 7
     cfg = model.config
 

@@ -8,16 +8,21 @@ several rows (a batch, the prompt) make the product compute-bound. So:
 * the dense layers of the blocks (fused q|k|v, attention output, fc1, fc2) and the LM head are stored int8,
   symmetric per output channel (:func:`~.int8.quantize_weight`: ``w ≈ q · s[j]``, error <= ``s[j] / 2``),
   except those ``keep_float`` names (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}`` and ``head``);
-* one row (batch-1 decoding steps) is **weight-only**: float32 activations, ``y = act((x @ q^T) · s + b)`` with
-  exact products and fp32 sums, by the ``skinny_linear`` kernel of the float decoding path
-  (``kernels/csrc/packed_linear.cpp``) on int8 panels: the float panels at a quarter of the bytes, widened to fp32
-  in registers, the scale applied in the epilogue. Without the C++ kernels :func:`weight_int8_linear_reference`
-  computes them in plain PyTorch (``F.linear`` on the widened weight; slower, same results up to the summation
+* one row (batch-1 decoding steps) keeps **float32 precision in its activations**. Where
+  :func:`~.int8.own_int8_gemm` (AVX512-VNNI or AMX-INT8) the row is carried as 24-bit integers
+  (:func:`~sublayer.runtime.linear.quantize_rows24`: ``|x - t·2^e| <= max|x| · 2^-22``, about float32's own
+  precision) in three uint8 planes through the ``int8_linear`` kernel, exact integer sums, ``· s + b`` in the
+  epilogue: three ``vpdpbusd`` per 64 weights where widening int8 to float32 takes a dozen instructions, so a
+  thread reads the weights as fast as memory delivers them. Elsewhere it is **weight-only**: float32
+  activations, ``y = act((x @ q^T) · s + b)`` with exact products and fp32 sums, by the ``skinny_linear`` kernel
+  of the float decoding path (``kernels/csrc/packed_linear.cpp``) on int8 panels (the float panels at a quarter of
+  the bytes, widened in registers). Without the C++ kernels :func:`weight_int8_linear_reference` computes the
+  weight-only form in plain PyTorch (``F.linear`` on the widened weight; slower, same results up to the summation
   order);
-* several rows (the prompt, batched decoding steps), where :func:`~.int8.own_int8_gemm` (AVX512-VNNI or
-  AMX-INT8), quantize each row's activations too, as BERT's int8 path does (:class:`~sublayer.runtime.linear.Int8Linear`:
-  uint8 per token with its own scale and zero point, exact int32 sums by ``vpdpbusd``): four products per
-  instruction lane where widening int8 to float32 gives one. Elsewhere several rows stay weight-only;
+* several rows (the prompt, batched decoding steps), where :func:`~.int8.own_int8_gemm`, quantize each row's
+  activations to 8 bits, as BERT's int8 path does (:class:`~sublayer.runtime.linear.Int8Linear`: uint8 per token
+  with its own scale and zero point, exact int32 sums by ``vpdpbusd``): four products per instruction lane where
+  widening int8 to float32 gives one. Elsewhere several rows stay weight-only;
 * embeddings, norms, rotary positions, attention (SDPA for the prompt, ``decode_attention`` over the static cache)
   and the activations stay float32; keys and values are held in bfloat16 (the KV caches: half the bytes a
   batched step reads from them; the prompt attends over the same rounded keys and values), except in a wrapper
@@ -73,16 +78,18 @@ def weight_int8_linear_reference(x: Tensor, q: Tensor, scale: Tensor, bias: Tens
 
 class WeightInt8Linear:
     """``y = act((x @ q^T) * scale + bias)``: int8 weight (symmetric per output channel), float32 activations
-    (weight-only), or with ``int8_rows`` int8 activations for several rows.
+    (weight-only), or with ``int8_rows`` through :class:`~sublayer.runtime.linear.Int8Linear`'s integer kernel.
 
     Args:
         q: (N, K) int8. scale: (N,) float32. bias: (N,) float32 or None.
-        int8_rows: more than one row goes through :class:`~sublayer.runtime.linear.Int8Linear` (each row quantized
-            to uint8 with its own scale and zero point, exact int32 sums; ``int8_linear`` on the kernels, its
-            reference without them); one row stays weight-only.
+        int8_rows: every call goes through :class:`~sublayer.runtime.linear.Int8Linear` (``int8_linear`` on the
+            kernels, its reference without them): several rows quantized to 8 bits (uint8 with each row's own
+            scale and zero point), one row carried at 24 bits (``bits=24``: float32's precision); exact integer
+            sums either way.
 
     Call: ``x`` (M, K) float32 with unit inner stride, ``activation`` an FFN activation name or None -> (M, N).
-    The weight is packed once (``pack_linear_weight``: int8 panels) at the first call with the kernels on.
+    The weight is packed once at the first call with the kernels on (weight-only: ``pack_linear_weight``'s int8
+    panels; ``int8_rows``: ``pack_int8_quads``).
     """
 
     def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None, *, int8_rows: bool = False) -> None:
@@ -93,8 +100,8 @@ class WeightInt8Linear:
         self.rows = Int8Linear(self.q, self.scale, self.bias, grouped=True) if int8_rows else None
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
-        if self.rows is not None and x.shape[0] > 1:
-            return self.rows(x, activation)
+        if self.rows is not None:
+            return self.rows(x, activation, bits=8 if x.shape[0] > 1 else 24)
         if kernels_on() and (activation is None or activation in fused.ACT_IDS):
             act = 0 if activation is None else fused.ACT_IDS[activation]
             return kernels.ops().skinny_linear(x, self.packed(), self.bias, self.out_features, act, self.scale)
@@ -115,8 +122,8 @@ class WeightInt8Linear:
         return self.packed(), self.scale, torch.empty(0) if self.bias is None else self.bias
 
     def flat_quads(self) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
-        """``(quads, scale, bias, colsum)``: the one-call decoding step's int8-activation form for several rows
-        (``int8_linear``'s operands; no bias: an empty tensor), or None (weight-only, or no kernels)."""
+        """``(quads, scale, bias, colsum)``: the one-call decoding step's ``int8_linear`` operands (no bias: an
+        empty tensor), or None (weight-only, or no kernels)."""
         if self.rows is None or not kernels_on():
             return None
         return self.rows.packed(), self.scale, torch.empty(0) if self.bias is None else self.bias, self.rows.colsum

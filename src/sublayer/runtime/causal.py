@@ -119,9 +119,8 @@ class CausalWeights:
     (:class:`Norm`) and ``qkv``, ``out``, ``fc1``, ``fc2`` linears called ``(x, activation=None)``), ``norm``
     (final), ``head`` (a linear), ``greedy`` (a :class:`GreedyHead` or None), ``embed``, ``positions``,
     ``rotary``, the head layout (``n_heads``, ``n_kv_heads``, ``head_dim``), ``activation``, ``cache_dtype`` (the
-    decoding KV caches': float32, or bfloat16 for bfloat16 panels), and ``flat`` /
-    ``flat_rows``: the tensors of the one-call C++ step for one row / several rows, or None where it does not
-    apply."""
+    decoding KV caches': float32, or bfloat16 for bfloat16 panels), and ``flat``: the tensors of the one-call C++
+    step, or None where it does not apply."""
 
     def __init__(self, **kw) -> None:
         self.__dict__.update(kw)
@@ -167,7 +166,7 @@ def build(
         greedy=GreedyHead(head_w, t.get("head.bias")) if greedy and kernels_on() else None, cache_dtype=cache_dtype,
         **s,
     )  # fmt: skip
-    W.flat, W.flat_rows = flat_weights(W), flat_weights(W, rows=2)
+    W.flat = flat_weights(W)
     return W
 
 
@@ -194,20 +193,20 @@ def packed_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Causal
     )  # fmt: skip
 
 
-def _flat_linear(lin, rows: int) -> tuple[Tensor, ...] | None:
-    """``(packed, scale, bias, colsum)`` of one linear for steps of ``rows`` rows: its ``flat_quads()`` (int8
-    activations: quads and column sums) for several rows where it has them, else its ``flat()`` panels with an
-    empty colsum; None where it has neither."""
-    quads = getattr(lin, "flat_quads", lambda: None)() if rows > 1 else None
+def _flat_linear(lin) -> tuple[Tensor, ...] | None:
+    """``(packed, scale, bias, colsum)`` of one linear: its ``flat_quads()`` (``int8_linear``'s quads and column
+    sums: a step of one row multiplies them at 24 bits, several rows at 8) where it has them, else its ``flat()``
+    panels with an empty colsum; None where it has neither."""
+    quads = getattr(lin, "flat_quads", lambda: None)()
     if quads is not None:
         return quads
     p = getattr(lin, "flat", lambda: None)()
     return None if p is None else (*p, NO_SCALE)
 
 
-def flat_weights(W: CausalWeights, *, rows: int = 1) -> list[Tensor] | None:
-    """The tensors of ``causal_decode_layers`` (every block of a step in one C++ call) for steps of ``rows`` rows
-    (1, or any count above: the linears' formats may differ), or None where it does not apply: no kernels, a
+def flat_weights(W: CausalWeights) -> list[Tensor] | None:
+    """The tensors of ``causal_decode_layers`` (every block of a step in one C++ call), or None where it does not
+    apply: no kernels, a
     linear without panels (``flat()``), an activation it does not fuse, norms of mixed kinds or eps, LayerNorms
     without bias."""
     norms = [n for L in W.layers for n in (L["ln1"], L["ln2"])] + [W.norm]
@@ -219,7 +218,7 @@ def flat_weights(W: CausalWeights, *, rows: int = 1) -> list[Tensor] | None:
     empty = torch.empty(0)
     flat = []
     for L in W.layers:
-        parts = [_flat_linear(L[k], rows) for k in LINEARS]
+        parts = [_flat_linear(L[k]) for k in LINEARS]
         if any(p is None for p in parts):
             return None
         for n, (a, b) in ((L["ln1"], parts[:2]), (L["ln2"], parts[2:])):
@@ -318,7 +317,7 @@ def step(W: CausalWeights, tokens: Tensor, positions: Tensor, caches: list, mask
     cos = sin = None
     if W.rotary is not None:
         cos, sin = (c[:, 0].contiguous() for c in W.rotary(positions[:, None]))  # (B, hd)
-    flat = W.flat if x.shape[0] == 1 else W.flat_rows
+    flat = W.flat
     if flat is not None and x.shape[0] <= skinny_max_rows():  # every block in one C++ call
         gated = W.activation in fused.GLU_IDS
         act = fused.GLU_IDS[W.activation] if gated else fused.ACT_IDS[W.activation]

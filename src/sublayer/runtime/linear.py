@@ -102,14 +102,32 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return (torch.round(x * inv) + zp).clamp_(0, 255) - zp, rng / 255
 
 
+def quantize_rows24(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row as 24-bit integers, as the ``int8_linear`` kernel's ``bits=24`` computes it: x (M, K) float32 ->
+    (t (M, K) float64 holding integers, s (M, 1) float64) with ``x ≈ t * s``: ``s = 2^(E - 22)`` where
+    ``2^(E-1) <= m < 2^E`` for the row's ``m = max_k |x_k|``, ``t = round_half_even(x / s)``, so
+    ``|t| <= 2^22`` and ``|x - t s| <= s / 2 <= m 2^-22`` (about float32's own precision at the row's largest
+    entry). A zero row has s = 0 (and t = 0); a row with an infinite or NaN entry s = NaN (its outputs are NaN)."""
+    m = x.abs().amax(dim=1, keepdim=True).double()
+    s = torch.ldexp(torch.ones_like(m), (torch.frexp(m).exponent - 22).double())
+    t = torch.round(x.double() / s).nan_to_num_(0.0, 0.0, 0.0)
+    s = torch.where(m > 0, s, 0.0).masked_fill_(~torch.isfinite(m), float("nan"))
+    return t, s
+
+
 def int8_linear_reference(
-    x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None, *, inv_smooth: Tensor | None = None
+    x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None, *, inv_smooth: Tensor | None = None, bits: int = 8
 ) -> Tensor:
     """``((x_q @ q^T) * s_x) * scale + bias`` in PyTorch, the sums exact (float64 holds them): x (M, K) float32,
     q (N, K) int8, scale (N,) -> (M, N) float32; x (times ``inv_smooth`` (K,) when given) quantized by
-    :func:`quantize_rows`."""
-    xq, sx = quantize_rows(x if inv_smooth is None else x * inv_smooth)
-    y = (xq.double() @ q.double().t()).float().mul_(sx).mul_(scale)
+    :func:`quantize_rows` (``bits=8``) or :func:`quantize_rows24` (``bits=24``)."""
+    xs = x if inv_smooth is None else x * inv_smooth
+    if bits == 24:
+        t, s = quantize_rows24(xs)
+        y = ((t @ q.double().t()) * s).float().mul_(scale)
+    else:
+        xq, sx = quantize_rows(xs)
+        y = (xq.double() @ q.double().t()).float().mul_(sx).mul_(scale)
     return y if bias is None else y.add_(bias)
 
 
@@ -121,7 +139,9 @@ class Int8Linear:
         activations: ``"int8"`` — each row of x quantized to 8 bits (:func:`quantize_rows`: uint8 with the row's
             own scale and zero point), exact int32 sums of uint8 x int8 (the ``int8_linear`` kernel: AVX512-VNNI
             ``vpdpbusd``, minus the zero point times the weight's column sums; a portable loop elsewhere), then
-            ``* s_x * scale + bias`` in float32 (:func:`int8_linear_reference` without the kernels); ``"float"``
+            ``* s_x * scale + bias`` in float32 (:func:`int8_linear_reference` without the kernels); a call with
+            ``bits=24`` carries each row as 24-bit integers instead (:func:`quantize_rows24`: three uint8 planes
+            through the same kernel, about float32's precision, for decoding's single rows); ``"float"``
             — weight-only: float32 x times the exactly widened weight (``skinny_linear`` on int8 panels). One row
             (batch-1 decoding) is memory-bound, where weight-only costs no more and is more accurate.
         smooth: (K,) float32 or None, int8 activations only: SmoothQuant's per-input-channel divisor, x / smooth
@@ -131,11 +151,12 @@ class Int8Linear:
             grouped=True)``), one sequential stream per kernel call, for layers that mostly see a few rows (decoding
             steps); False: panels of 16 columns, for many rows (encoders). Same results either way.
 
-    Call: x (M, K) float32 with unit inner stride, ``activation`` an FFN activation name or None -> (M, N).
-    The weight is packed at the first call with the kernels on.
+    Call: x (M, K) float32 with unit inner stride, ``activation`` an FFN activation name or None, ``bits`` 8 or 24
+    (int8 activations only) -> (M, N). The weight is packed at the first call with the kernels on.
 
     Raises:
-        ValueError: ``activations`` is neither "int8" nor "float", or ``smooth`` with float activations.
+        ValueError: ``activations`` is neither "int8" nor "float", or ``smooth`` with float activations; a call's
+            ``bits`` is neither 8 nor 24, or 24 with float activations.
         TypeError: ``q`` is not a 2-D int8 tensor.
     """
 
@@ -166,18 +187,20 @@ class Int8Linear:
             self._packed = ops.pack_int8_quads(self.q, self.grouped) if int8 else ops.pack_linear_weight(self.q)
         return self._packed
 
-    def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
+    def __call__(self, x: Tensor, activation: str | None = None, *, bits: int = 8) -> Tensor:
+        if bits not in (8, 24) or (bits == 24 and self.activations != "int8"):
+            raise ValueError(f"Int8Linear: bits must be 8 or 24 (24 with int8 activations), got {bits!r}")
         if kernels_on():
             act, n = EPILOGUE.get(activation, 0), self.out_features
             if self.activations == "int8":
                 y = kernels.ops().int8_linear(
-                    x, self.packed(), self.colsum, self.scale, self.bias, n, act, self.inv_smooth
+                    x, self.packed(), self.colsum, self.scale, self.bias, n, act, self.inv_smooth, bits
                 )
             else:
                 y = kernels.ops().skinny_linear(x, self.packed(), self.bias, n, act, self.scale)
             return y if activation is None or act else ffn_hidden(y, None, activation)
         if self.activations == "int8":
-            y = int8_linear_reference(x, self.q, self.scale, self.bias, inv_smooth=self.inv_smooth)
+            y = int8_linear_reference(x, self.q, self.scale, self.bias, inv_smooth=self.inv_smooth, bits=bits)
         else:
             y = F.linear(x, self.q.float()).mul_(self.scale)
             y = y if self.bias is None else y.add_(self.bias)
@@ -226,7 +249,11 @@ class GreedyHead:
     with a float32 scale per vocabulary row (a quarter of float32's bytes; the weight-only ``skinny_linear`` on
     int8 panels: float32 x times the exactly widened q, float32 sums, then ``* s``), under the same bound with
     ``q * s`` for ``w16_j`` and c = 0: a wider bound (int8 keeps about 8 bits of a row, bfloat16 about 9 of each
-    weight), so a few more rows are recomputed, but half the bytes of the 16-bit screen.
+    weight), so a few more rows are recomputed, but half the bytes of the 16-bit screen. Where several rows take
+    int8 activations (below), a single row goes through the same ``int8_linear`` instead, carried as 24-bit
+    integers (:func:`quantize_rows24`, exact integer sums: the bytes at the rate memory delivers them), and the
+    bound gains ``sqrt(K) 2^-22 ||q_j s_j||_2`` (``||x - x̂||_2 <= sqrt(K) max|x| 2^-22``); a row with
+    ``||x||_2 < 2^-60`` is multiplied in float32.
 
     Several rows on a CPU with AVX512-VNNI (or AMX-INT8) are screened with the same int8 copy and int8
     activations (``int8_linear``: each row of x quantized to uint8 as :func:`quantize_rows`, ``x̂ = (u - zp) s_x``,
@@ -249,7 +276,8 @@ class GreedyHead:
         screen: the copy's dtype, ``torch.float16`` or ``torch.bfloat16`` (None: bfloat16 where the CPU has
             AVX512_BF16 (its dot product does twice the work per instruction of widening float16 for several
             rows; the bound is wider), else float16).
-        int8_single_row: screen a single row with the int8 copy (False: with the 16-bit one, as several rows).
+        int8_single_row: screen a single row with the int8 copy (at 24 bits where ``int8_rows``, else on int8
+            panels; False: with the 16-bit one, as several rows).
         int8_rows: screen several rows with the int8 copy and int8 activations (None: where the CPU has
             AVX512-VNNI or AMX-INT8; True where it lacks them runs the kernel's portable loop, for tests).
 
@@ -281,7 +309,7 @@ class GreedyHead:
         if int8_rows is None:
             int8_rows = int8_screens_rows()
         int8_rows = int8_rows and w.shape[1] <= 2**16
-        self.q = self.scale = self.bound1 = self.packed1 = None  # the int8 screen of a single row
+        self.q = self.scale = self.bound1 = self.packed1 = self.bound24 = None  # the int8 screen of a single row
         self.quads = self.colsum = self.bound_q = None  # and of several rows with int8 activations
         if (int8_single_row or int8_rows) and bool(torch.isfinite(w).all()):
             amax = w.abs().amax(dim=1)
@@ -289,15 +317,21 @@ class GreedyHead:
             self.q = torch.round(w / self.scale[:, None]).clamp_(-127, 127).to(torch.int8)
             wq = self.q.double() * self.scale.double()[:, None]
             self.bound1 = _screen_bound(w, wq, rounded_x=False)
-            if int8_single_row:
+            if int8_single_row and not int8_rows:
                 self.packed1 = kernels.ops().pack_linear_weight(self.q)
-            if int8_rows:
+            if int8_single_row and int8_rows:
+                self.bound24 = _screen_bound(w, wq, rounded_x=False, bits24=True)
                 self.quads = kernels.ops().pack_int8_quads(self.q, grouped=True)  # a few rows: one stream
                 self.colsum = self.q.sum(dim=1, dtype=torch.int32)
                 self.bound_q = (wq.norm(dim=1) * (1 + 2.0**-10) + 2.0**-40).float()  # ||ŵ_j||, rounded up
 
     def __call__(self, x: Tensor) -> Tensor:
         ops = kernels.ops()
+        if x.shape[0] == 1 and self.bound24 is not None:
+            if not self._large(x):
+                return F.linear(x, self.weight, self.bias).argmax(-1)
+            screened = ops.int8_linear(x, self.quads, self.colsum, self.scale, self.bias, self.out_features, 0, None, 24)
+            return ops.screened_argmax(x, screened, self.weight, self.bias, self.bound24)
         if x.shape[0] == 1 and self.packed1 is not None:
             screened = ops.skinny_linear(x, self.packed1, self.bias, self.out_features, 0, self.scale)  # (1, V)
             return ops.screened_argmax(x, screened, self.weight, self.bias, self.bound1)
@@ -319,9 +353,12 @@ class GreedyHead:
     def reference(self, x: Tensor) -> Tensor:
         """The same selection in PyTorch ops (what ``screened_argmax`` computes over the float16 screen, or a
         bfloat16 one with x rounded to bfloat16 as several rows multiply on AVX512_BF16, or the int8 one of a
-        single row, or of several rows with int8 activations) -> (ids, candidates per row), for tests."""
+        single row (at 24 bits where several rows take int8 activations), or of several rows with int8
+        activations) -> (ids, candidates per row), for tests."""
         bound, extra = self.bound, 0.0
-        if x.shape[0] == 1 and self.packed1 is not None:
+        if x.shape[0] == 1 and self.bound24 is not None:
+            screened, bound = int8_linear_reference(x, self.q, self.scale, self.bias, bits=24), self.bound24
+        elif x.shape[0] == 1 and self.packed1 is not None:
             screened, bound = F.linear(x, self.q.float(), None).mul_(self.scale), self.bound1
             screened = screened if self.bias is None else screened + self.bias
         elif self.quads is not None and x.shape[0] > 1 and self._large(x):
@@ -341,14 +378,17 @@ class GreedyHead:
         return logits.argmax(dim=-1), cand.sum(dim=1)
 
 
-def _screen_bound(w: Tensor, ws: Tensor, *, rounded_x: bool) -> Tensor:
+def _screen_bound(w: Tensor, ws: Tensor, *, rounded_x: bool, bits24: bool = False) -> Tensor:
     """:class:`GreedyHead`'s bound per unit of ``||x||_2`` for each row of the float32 weight ``w`` (V, K) screened
     with ``ws`` (float64, the screen's values; bfloat16 denormals as zero): ``||w_j - ws_j||``, the float32
-    rounding of either sum, and with ``rounded_x`` (x rounded to bfloat16, vdpbf16ps) ``2^-8 ||ws_j||`` and the
-    flushed underflows; rounded up."""
+    rounding of either sum, with ``rounded_x`` (x rounded to bfloat16, vdpbf16ps) ``2^-8 ||ws_j||`` and the
+    flushed underflows, with ``bits24`` (x carried as 24-bit integers, :func:`quantize_rows24`:
+    ``||x - x̂||_2 <= sqrt(K) max|x| 2^-22``) ``sqrt(K) 2^-22 ||ws_j||``; rounded up."""
     k = w.shape[1]
     diff, ns = (w.double() - ws).norm(dim=1), ws.norm(dim=1)
     rounding = 2 * (k + 2) * 2.0**-24 * torch.maximum(w.double().norm(dim=1), ns)
+    if bits24:
+        diff = diff + k**0.5 * 2.0**-22 * ns
     if rounded_x:
         diff = diff + 2.0**-8 * ns + 2 * k * (1 + ns) * 2.0**-66  # x rounded to bf16; underflow at |x| >= 2^-60
     return ((diff + rounding) * (1 + 2.0**-10)).float()  # (V,)

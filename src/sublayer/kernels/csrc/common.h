@@ -316,9 +316,11 @@ void philox_keep_bits(uint64_t blk, int64_t nblk, uint64_t seed, uint32_t thr, u
 // packed_linear.cpp: y = act(x @ W^T * scale + bias) on packed panels.
 Tensor skinny_linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias, int64_t n,
                      int64_t act, const c10::optional<Tensor>& scale);
-// packed_linear.cpp: y = act((u - zp) @ Q^T * sx * scale + bias), x quantized per row to uint8 (int8 activations).
+// packed_linear.cpp: y = act((u - zp) @ Q^T * sx * scale + bias), x quantized per row to uint8 (int8 activations),
+// or with bits = 24 to 24-bit integers (weight-only precision).
 Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, const Tensor& scale,
-                   const c10::optional<Tensor>& bias, int64_t n, int64_t act, const c10::optional<Tensor>& inv_smooth);
+                   const c10::optional<Tensor>& bias, int64_t n, int64_t act, const c10::optional<Tensor>& inv_smooth,
+                   int64_t bits = 8);
 // attention.cpp: one query per row against a static key/value cache.
 Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, const c10::optional<Tensor>& mask,
                         int64_t length, double scale, const c10::optional<Tensor>& new_k,

@@ -681,6 +681,8 @@ inline void quad_kernel(const uint32_t* xu, int64_t xstride, int64_t K4, const i
       for (int p = 0; p < NP; ++p) a[r][p] = _mm512_setzero_si512();
     for (int64_t i = 0; i < K4; ++i) {
       __m512i wv[NP];
+      if (istride != 64)  // grouped: one stream, fetched 4 KB ahead
+        for (int l = 0; l < NP; ++l) _mm_prefetch(reinterpret_cast<const char*>(w + i * istride) + 4096 + 64 * l, _MM_HINT_T0);
       for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_si512(w + p * pstride + i * istride);
       for (int r = 0; r < R; ++r) {
         const __m512i xb = _mm512_set1_epi32(int(xu[r * xstride + i]));
@@ -754,16 +756,79 @@ float quantize_row(const float* x, const float* S, int64_t K, int64_t K4, uint8_
   return range / 255.f;
 }
 
+// A row as 24-bit integers (int8_linear's bits = 24: weight-only precision on the int8 kernels): v[k] = x[k] *
+// inv_smooth[k] (or x[k]), m = max_k |v[k]|, E the exponent with m < 2^E (frexp), s = 2^(E - 22),
+// t[k] = round-half-even(v[k] / s) (|t| <= 2^22, |v[k] - t[k] s| <= s / 2 <= m 2^-22), u[k] = t[k] + 2^23 as
+// three uint8 planes (bits 0-7, 8-15, 16-23; each K4 quads, padded with u = 2^23: t = 0), so that
+// t @ W^T = A0 + 2^8 A1 + 2^16 A2 - 2^23 colsum with A_p the planes' exact int32 sums. Returns s (0 for an
+// all-zero row, NaN for a row with an infinite or NaN entry: its outputs are NaN).
+double quantize_row24(const float* x, const float* S, int64_t K, int64_t K4, uint8_t* out) {
+  const int64_t stride = 4 * K4;
+  float m = 0.f;
+  bool finite = true;
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_setzero_ps();
+  __mmask16 bad = 0;
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  for (; k + 16 <= K; k += 16) {
+    __m512 v = _mm512_loadu_ps(x + k);
+    if (S) v = _mm512_mul_ps(v, _mm512_loadu_ps(S + k));
+    v = _mm512_abs_ps(v);
+    bad |= _mm512_cmp_ps_mask(v, inf, _CMP_NLT_UQ);  // NaN or infinite
+    vm = _mm512_max_ps(vm, v);
+  }
+  m = _mm512_reduce_max_ps(vm);
+  finite = bad == 0;
+#endif
+  for (; k < K; ++k) {
+    const float v = std::fabs(S ? x[k] * S[k] : x[k]);
+    finite = finite && std::isfinite(v);
+    m = std::max(m, v);
+  }
+  int E = 0;
+  std::frexp(m, &E);
+  const int sh = 22 - E;
+  k = 0;
+  if (finite && m > 0.f) {
+#if defined(__AVX512F__)
+    const __m512 vsh = _mm512_set1_ps(float(sh));
+    const __m512i off = _mm512_set1_epi32(1 << 23);
+    for (; k + 16 <= K; k += 16) {
+      __m512 v = _mm512_loadu_ps(x + k);
+      if (S) v = _mm512_mul_ps(v, _mm512_loadu_ps(S + k));
+      const __m512i u = _mm512_add_epi32(
+          _mm512_cvt_roundps_epi32(_mm512_scalef_ps(v, vsh), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), off);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(u));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + stride + k), _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 8)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * stride + k), _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 16)));
+    }
+#endif
+    for (; k < K; ++k) {
+      const float v = S ? x[k] * S[k] : x[k];
+      const uint32_t u = uint32_t(int32_t(std::nearbyint(std::ldexp(v, sh))) + (1 << 23));
+      for (int p = 0; p < 3; ++p) out[p * stride + k] = uint8_t(u >> (8 * p));
+    }
+  }
+  for (; k < stride; ++k) {  // padding, and every k of a zero or non-finite row: t = 0
+    out[k] = out[stride + k] = 0;
+    out[2 * stride + k] = 128;
+  }
+  if (!finite) return std::numeric_limits<double>::quiet_NaN();
+  return m > 0.f ? std::ldexp(1.0, E - 22) : 0.0;
+}
+
 constexpr int64_t QROWS = 8;   // rows per quad_kernel call (x QPAN panels: 24 accumulators)
 constexpr int64_t QBLOCK = 64; // rows per tile: their quantized activations stay in L1/L2 across the panels
 
 // One tile: rows [r0, r1) x panels [p0, p1) of int8_linear's output (p0 a multiple of QPAN), ACT fused into the
 // epilogue. grouped: pack_int8_quads' grouped layout (a group of QPAN panels starts where the plain layout's first
 // panel of the group does).
+// Rows of 24 bits (sx24 non-null) are three consecutive plane rows of xu each, combined in the epilogue.
 template <int64_t ACT>
-void int8_tile(const uint32_t* xu, const float* sx, const int32_t* zp, int64_t K4, const int8_t* wp, bool grouped,
-               const int32_t* cp, const float* sp, const float* bp, float* op, int64_t n, int64_t r0, int64_t r1,
-               int64_t p0, int64_t p1) {
+void int8_tile(const uint32_t* xu, const float* sx, const double* sx24, const int32_t* zp, int64_t K4,
+               const int8_t* wp, bool grouped, const int32_t* cp, const float* sp, const float* bp, float* op, int64_t n,
+               int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
   using QuadFn = void (*)(const uint32_t*, int64_t, int64_t, const int8_t*, int64_t, int64_t, int32_t*);
   static constexpr auto kQuad1 = rows_table<QROWS>([](auto r) { return &quad_kernel<decltype(r)::value, 1>; });
   static constexpr auto kQuad2 = rows_table<QROWS>([](auto r) { return &quad_kernel<decltype(r)::value, 2>; });
@@ -782,13 +847,24 @@ void int8_tile(const uint32_t* xu, const float* sx, const int32_t* zp, int64_t K
     const float* spanel = panel_params(sp, c0, nc, np * PANEL, spad);
     const int32_t* cpanel = panel_params(cp, c0, nc, np * PANEL, cpad);
     const float* bpanel = bp ? panel_params(bp, c0, nc, np * PANEL, bpad) : bpad;
-    for (int64_t r = r0; r < r1; r += QROWS) {
-      const int64_t R = std::min<int64_t>(QROWS, r1 - r);
-      kQuad[np][R](xu + r * K4, K4, K4, wp + p * pstride, inner_p, inner_i, acc);
+    const int64_t planes = sx24 ? 3 : 1;
+    for (int64_t r = r0; r < r1; r += QROWS / planes) {
+      const int64_t R = std::min<int64_t>(QROWS / planes, r1 - r);
+      kQuad[np][R * planes](xu + r * planes * K4, K4, K4, wp + p * pstride, inner_p, inner_i, acc);
       // rescaled, then the activation over all R rows at once (one long loop: an activation's dependency chain,
       // GELU's most of all, overlaps across many vectors), then the rows' nc columns out
       const int64_t w = np * PANEL;
       for (int64_t i = 0; i < R; ++i) {
+        if (sx24) {  // t @ W^T exactly in double (|terms| < 2^48), times s = 2^(E - 22), rounded once to float
+          const double s = sx24[r + i];
+          const int32_t *a0 = acc + 3 * i * w, *a1 = a0 + w, *a2 = a1 + w;
+#pragma omp simd
+          for (int64_t j = 0; j < w; ++j) {
+            const double t = double(a0[j]) + 256.0 * a1[j] + 65536.0 * a2[j] - 8388608.0 * cpanel[j];
+            pre[i * w + j] = float(t * s) * spanel[j] + bpanel[j];
+          }
+          continue;
+        }
         const float s = sx[r + i];
         const int32_t z = zp[r + i];
 #pragma omp simd
@@ -812,9 +888,12 @@ void int8_tile(const uint32_t* xu, const float* sx, const int32_t* zp, int64_t K
 // u @ W^T - zp * colsum), exact int32 sums. Blocked: x is quantized once (rows over the threads), then tiles of QBLOCK rows
 // x all panels (or, with fewer row blocks than twice the threads, x a share of the panels) go to the threads; in a
 // tile each group of QPAN panels stays in L1/L2 while the tile's rows stream past it.
+// bits = 24: each row as 24-bit integers instead (quantize_row24: three uint8 planes, weight-only precision).
 Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, const Tensor& scale,
-                   const c10::optional<Tensor>& bias, int64_t n, int64_t act, const c10::optional<Tensor>& inv_smooth) {
+                   const c10::optional<Tensor>& bias, int64_t n, int64_t act, const c10::optional<Tensor>& inv_smooth,
+                   int64_t bits) {
   TORCH_CHECK(act >= IDENT && act <= RELU2, "int8_linear: act ", act, " unsupported");
+  TORCH_CHECK(bits == 8 || bits == 24, "int8_linear: bits must be 8 or 24, got ", bits);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "int8_linear: x must be a 2-D float32 CPU tensor with unit inner stride");
   const int64_t M = x.size(0), K = x.size(1), K4 = (K + 3) / 4;
@@ -844,22 +923,32 @@ Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, 
   }
   Tensor out = sublayer_cache::empty({M, n}, at::kFloat);  // recycled: no fresh-page faults call after call
   if (M == 0 || n == 0) return out;
-  Tensor xu_t = sublayer_cache::empty({M * K4}, at::kInt);
+  const int64_t planes = bits / 8;
+  Tensor xu_t = sublayer_cache::empty({M * planes * K4}, at::kInt);
   uint32_t* xu = reinterpret_cast<uint32_t*>(xu_t.data_ptr<int32_t>());
   std::vector<float> sx(M);
+  std::vector<double> sx24(planes == 3 ? M : 0);
   std::vector<int32_t> zp(M);
   const float* xp = x.data_ptr<float>();
   const int64_t xs = x.stride(0);
   at::parallel_for(0, M, row_grain(K), [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r)
-      sx[r] = quantize_row(xp + r * xs, smp, K, K4, reinterpret_cast<uint8_t*>(xu + r * K4), &zp[r]);
+    for (int64_t r = a; r < b; ++r) {
+      uint8_t* u = reinterpret_cast<uint8_t*>(xu + r * planes * K4);
+      if (planes == 3)
+        sx24[r] = quantize_row24(xp + r * xs, smp, K, K4, u);
+      else
+        sx[r] = quantize_row(xp + r * xs, smp, K, K4, u, &zp[r]);
+    }
   });
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int32_t* cp = colsum.data_ptr<int32_t>();
   const float* sp = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t n_rb = (M + QBLOCK - 1) / QBLOCK, threads = at::get_num_threads();
-  const int64_t n_cg = n_rb >= 2 * threads ? 1 : std::min<int64_t>((P + QPAN - 1) / QPAN, (2 * threads + n_rb - 1) / n_rb);
+  // few row blocks: column groups too, two per thread (24-bit rows: about 256 KB of weights each, at least two a
+  // thread; a thread the OS or a neighbour slows down takes fewer of them)
+  const int64_t n_cg = n_rb >= 2 * threads ? 1 : std::min<int64_t>((P + QPAN - 1) / QPAN,
+      std::max<int64_t>((2 * threads + n_rb - 1) / n_rb, planes == 3 ? P * PANEL * 4 * K4 >> 18 : 0));
   const int64_t cg_pan = ((P + n_cg - 1) / n_cg + QPAN - 1) / QPAN * QPAN;  // panels per column group
   const int64_t tile_work = std::min<int64_t>(QBLOCK, M) * cg_pan * PANEL * K;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / std::max<int64_t>(1, tile_work));
@@ -871,8 +960,8 @@ Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, 
         const int64_t rb = t / n_cg, cg = t % n_cg;
         const int64_t p0 = cg * cg_pan, p1 = std::min(P, p0 + cg_pan);
         if (p0 < p1)
-          int8_tile<ACT>(xu, sx.data(), zp.data(), K4, wp, grouped, cp, sp, bp, op, n, rb * QBLOCK,
-                         std::min(M, (rb + 1) * QBLOCK), p0, p1);
+          int8_tile<ACT>(xu, sx.data(), planes == 3 ? sx24.data() : nullptr, zp.data(), K4, wp, grouped, cp, sp, bp,
+                         op, n, rb * QBLOCK, std::min(M, (rb + 1) * QBLOCK), p0, p1);
       }
     });
   });
@@ -1017,7 +1106,7 @@ TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
   m.def("pack_int8_quads(Tensor q, bool grouped=False) -> Tensor");
   m.def(
       "int8_linear(Tensor x, Tensor packed, Tensor colsum, Tensor scale, Tensor? bias, int n, int act=0, "
-      "Tensor? inv_smooth=None) -> Tensor");
+      "Tensor? inv_smooth=None, int bits=8) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
