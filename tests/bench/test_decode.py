@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from sublayer.bench import decode as bench_decode
 
@@ -36,3 +37,7 @@ def test_quick_run_writes_rows_with_equal_tokens(tmp_path):
     assert gen["sublayer reference loop"]["same as fp32"] == 1.0  # the fast path's tokens equal the reference's
     assert json.loads((tmp_path / "decode.json").read_text())["rows"]
     assert "| 1 | sublayer GPT2.generate |" in (tmp_path / "decode.md").read_text()
+    gemv = [r for r in rows if r.get("case", "").startswith("GEMV")]  # the LM head's GEMV at 1 and all threads
+    assert {r["threads"] for r in gemv} == {1, torch.get_num_threads()} and all(r["GB/s"] > 0 for r in gemv)
+    assert {"torch F.linear", "sublayer skinny_linear int8", "read (torch sum)"} <= {r["engine"] for r in gemv}
+    assert "| GEMV 8191x256 | 1 | 1 | read (torch sum) |" in (tmp_path / "decode.md").read_text()

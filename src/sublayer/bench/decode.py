@@ -6,7 +6,8 @@ reference loop it replaced (``SUBLAYER_DECODING=0``), HF ``generate`` and, when 
 (``pip install 'sublayer[peers]'``), CTranslate2's ``Generator`` in float32. Runs are interleaved (engine after
 engine, repeated); the median is reported. ``GB/s`` = matrix bytes each engine reads per decoding step (every
 weight once, in the dtype it reads: :func:`_bytes_read`) x steps/s, beside the machine's copy bandwidth (read +
-write) and two single GEMVs (torch vs ``skinny_linear``).
+write) and the LM head's GEMV at 1 and all threads (torch vs ``skinny_linear`` on float32, bfloat16 and int8 panels,
+vs the rate the threads read memory: :func:`_gemv_rows`).
 
 int8 rows: ``fast_inference(gpt2, quantize="int8")`` (weight-only int8, :mod:`sublayer.models.quantized_gpt2`;
 also with the LM head kept float) against CTranslate2 ``compute_type="int8"`` (quantized by CTranslate2 when it
@@ -32,27 +33,56 @@ from .jobs import ct2_generator, decoding_switch, gpt2_folder, hf_gpt2_greedy, s
 __all__ = ["run_decode_bench"]
 
 
-def _gemv_rows(n: int, k: int, reps: int) -> list[dict]:
+def _gemv_rows(n: int, k: int, reps: int, threads: int, *, spread: int = 1 << 27) -> list[dict]:
+    """One decoding GEMV (n, k) at 1 and ``threads`` threads, 1 and 8 rows: torch's ``F.linear`` on the float32
+    weight, ``skinny_linear`` on float32, bfloat16 and int8 panels and, where the CPU has AVX512-VNNI or AMX-INT8,
+    ``int8_linear`` on int8 quads (one row at 24 bits, 8 rows at 8: what int8 decoding runs there), each call on
+    the next of enough copies of its weight to span ``spread`` bytes (128 MB: past the last-level cache, so every
+    call reads its weight from memory as a decoding step does), beside the rate at which the same threads read
+    memory (``torch.sum`` over the float32 weight's copies). A row: case, rows, threads, engine, ms (a call),
+    GB/s (its weight bytes / ms)."""
+    import itertools
+
     from .. import kernels
+    from ..runtime.linear import int8_screens_rows
 
     if not kernels.available():
         return []
+    ops = kernels.ops()
     w = torch.randn(n, k)
-    packed = kernels.ops().pack_linear_weight(w)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-    q_packed, q_scale = kernels.ops().pack_linear_weight(q), torch.rand(n)
+    scale, colsum = torch.rand(n), q.sum(1, dtype=torch.int32)
+
+    def copies(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return itertools.cycle([t] + [t.clone() for _ in range(-(-spread // t.nbytes) - 1)]).__next__
+
+    p32, p16, p8 = (copies(ops.pack_linear_weight(t)) for t in (w, w.bfloat16(), q))
+    quads = copies(ops.pack_int8_quads(q, True)) if int8_screens_rows() else None
+    reads = copies(w)
+    nbytes = {"sublayer skinny_linear bf16": w.nbytes // 2, "sublayer skinny_linear int8": q.nbytes,
+              "sublayer int8_linear": q.nbytes}  # fmt: skip
     rows = []
-    for m in (1, 8):
-        x = torch.randn(m, k)
-        fns = {
-            "torch F.linear": lambda: F.linear(x, w),
-            "sublayer skinny_linear": lambda: kernels.ops().skinny_linear(x, packed, None, n),
-            "sublayer skinny_linear int8": lambda: kernels.ops().skinny_linear(x, q_packed, None, n, 0, q_scale),
-        }
-        for name, t in time_interleaved(fns, reps, 1).items():
-            sec = t.ms * 1e-3
-            gbps = (q.nbytes if "int8" in name else w.nbytes) / sec / 1e9
-            rows.append({"case": f"GEMV {n}x{k}", "rows": m, "engine": name, "ms": sec * 1e3, "GB/s": gbps})
+    try:
+        for t in sorted({1, threads}):
+            torch.set_num_threads(t)
+            for m in (1, 8):
+                x = torch.randn(m, k)
+                fns: dict[str, Callable[[], object]] = {
+                    "torch F.linear": lambda: F.linear(x, w),
+                    "sublayer skinny_linear": lambda: ops.skinny_linear(x, p32(), None, n),
+                    "sublayer skinny_linear bf16": lambda: ops.skinny_linear(x, p16(), None, n),
+                    "sublayer skinny_linear int8": lambda: ops.skinny_linear(x, p8(), None, n, 0, scale),
+                }
+                if quads is not None:
+                    bits = 24 if m == 1 else 8
+                    fns["sublayer int8_linear"] = lambda b=bits: ops.int8_linear(x, quads(), colsum, scale, None, n, 0, None, b)
+                if m == 1:
+                    fns["read (torch sum)"] = lambda: reads().sum()
+                for name, tm in time_interleaved(fns, reps, 1).items():
+                    rows.append({"case": f"GEMV {n}x{k}", "rows": m, "threads": t, "engine": name, "ms": tm.ms,
+                                 "GB/s": nbytes.get(name, w.nbytes) / (tm.ms * 1e-3) / 1e9})  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
     return rows
 
 
@@ -205,9 +235,9 @@ def run_decode_bench(
     log(f"copy bandwidth {copy:.1f} GB/s (read + write), {threads} threads; "
         f"{step_bytes / 1e6:.0f} MB of weights per step")
     rows: list[dict] = []
-    for r in _gemv_rows(v, d, 5):
+    for r in _gemv_rows(v, d, 5, threads):
         rows.append(r)
-        log(f"{r['case']:22s} rows {r['rows']:2d}  {r['engine']:24s} {r['ms']:8.2f} ms  {r['GB/s']:6.1f} GB/s")
+        log(f"{r['case']:22s} rows {r['rows']:2d} threads {r['threads']}  {r['engine']:28s} {r['ms']:8.2f} ms  {r['GB/s']:6.1f} GB/s")
     case = f"GPT-2 l{cfg.n_layers} d{d} v{v}, prompt {prompt} + {new} greedy"
     switch = decoding_switch()
     for b in batches:
@@ -273,8 +303,8 @@ def run_decode_bench(
             r["batch"], r["engine"], f"{r['tok/s']:.1f}", f"{r['GB/s']:.1f}", r["same tokens as HF"],
             f"{r['same as fp32']:.3f}", "" if r["next-token agreement"] is None else f"{r['next-token agreement']:.3f}",
         ]),
-        ("GEMV | rows | engine | ms | GB/s", "ms", lambda r: [r["case"], r["rows"], r["engine"], f"{r['ms']:.2f}",
-                                                            f"{r['GB/s']:.1f}"]),
+        ("GEMV | rows | threads | engine | ms | GB/s", "ms", lambda r: [
+            r["case"], r["rows"], r["threads"], r["engine"], f"{r['ms']:.2f}", f"{r['GB/s']:.1f}"]),
         ("translate | batch | beam | fast tok/s | reference tok/s | x | same output", "beam", lambda r: [
             r["case"], r["batch"], r["beam"], f"{r['fast tok/s']:.1f}", f"{r['reference tok/s']:.1f}", f"{r['x']:.2f}",
             r["same output"],
