@@ -75,7 +75,9 @@ def _gemv_rows(n: int, k: int, reps: int, threads: int, *, spread: int = 1 << 27
                 }
                 if quads is not None:
                     bits = 24 if m == 1 else 8
-                    fns["sublayer int8_linear"] = lambda b=bits: ops.int8_linear(x, quads(), colsum, scale, None, n, 0, None, b)
+                    fns["sublayer int8_linear"] = lambda b=bits: ops.int8_linear(
+                        x, quads(), colsum, scale, None, n, 0, None, b
+                    )
                 if m == 1:
                     fns["read (torch sum)"] = lambda: reads().sum()
                 for name, tm in time_interleaved(fns, reps, 1).items():
@@ -237,7 +239,8 @@ def run_decode_bench(
     rows: list[dict] = []
     for r in _gemv_rows(v, d, 5, threads):
         rows.append(r)
-        log(f"{r['case']:22s} rows {r['rows']:2d} threads {r['threads']}  {r['engine']:28s} {r['ms']:8.2f} ms  {r['GB/s']:6.1f} GB/s")
+        log(f"{r['case']:22s} rows {r['rows']:2d} threads {r['threads']}  {r['engine']:28s} {r['ms']:8.2f} ms  "
+            f"{r['GB/s']:6.1f} GB/s")
     case = f"GPT-2 l{cfg.n_layers} d{d} v{v}, prompt {prompt} + {new} greedy"
     switch = decoding_switch()
     for b in batches:

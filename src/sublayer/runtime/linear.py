@@ -330,7 +330,8 @@ class GreedyHead:
         if x.shape[0] == 1 and self.bound24 is not None:
             if not self._large(x):
                 return F.linear(x, self.weight, self.bias).argmax(-1)
-            screened = ops.int8_linear(x, self.quads, self.colsum, self.scale, self.bias, self.out_features, 0, None, 24)
+            V = self.out_features
+            screened = ops.int8_linear(x, self.quads, self.colsum, self.scale, self.bias, V, 0, None, 24)
             return ops.screened_argmax(x, screened, self.weight, self.bias, self.bound24)
         if x.shape[0] == 1 and self.packed1 is not None:
             screened = ops.skinny_linear(x, self.packed1, self.bias, self.out_features, 0, self.scale)  # (1, V)

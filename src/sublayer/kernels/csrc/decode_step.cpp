@@ -141,10 +141,10 @@ void act_rows(float* p, int64_t n) {
 }
 
 // y = act(x @ W^T + b) (n outputs) for a decoder step's rows: skinny_linear on the packed panels (int8_linear on
-// int8 quads: one row at 24 bits, several at 8) for up to max_rows rows, else torch's GEMM (models/decoding.py, PackedLinear) on the unpacked weight,
-// on blocks of up to 256 rows, at least two, shared by the step's threads (inside the step's parallel region one
-// GEMM would run on one thread; each call costs microseconds, so few big blocks; the blocks depend on the row
-// count only, so the threads change no result).
+// int8 quads: one row at 24 bits, several at 8) for up to max_rows rows, else torch's GEMM (models/decoding.py,
+// PackedLinear) on the unpacked weight, on blocks of up to 256 rows, at least two, shared by the step's threads
+// (inside the step's parallel region one GEMM would run on one thread; each call costs microseconds, so few big
+// blocks; the blocks depend on the row count only, so the threads change no result).
 Tensor step_linear(const Tensor& x, const Linear& l, int64_t n, int64_t act, int64_t max_rows) {
   const int64_t M = x.size(0);
   if (M <= max_rows) {

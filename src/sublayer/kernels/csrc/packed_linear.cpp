@@ -682,7 +682,8 @@ inline void quad_kernel(const uint32_t* xu, int64_t xstride, int64_t K4, const i
     for (int64_t i = 0; i < K4; ++i) {
       __m512i wv[NP];
       if (istride != 64)  // grouped: one stream, fetched 4 KB ahead
-        for (int l = 0; l < NP; ++l) _mm_prefetch(reinterpret_cast<const char*>(w + i * istride) + 4096 + 64 * l, _MM_HINT_T0);
+        for (int l = 0; l < NP; ++l)
+          _mm_prefetch(reinterpret_cast<const char*>(w + i * istride) + 4096 + 64 * l, _MM_HINT_T0);
       for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_si512(w + p * pstride + i * istride);
       for (int r = 0; r < R; ++r) {
         const __m512i xb = _mm512_set1_epi32(int(xu[r * xstride + i]));
@@ -799,9 +800,9 @@ double quantize_row24(const float* x, const float* S, int64_t K, int64_t K4, uin
       if (S) v = _mm512_mul_ps(v, _mm512_loadu_ps(S + k));
       const __m512i u = _mm512_add_epi32(
           _mm512_cvt_roundps_epi32(_mm512_scalef_ps(v, vsh), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), off);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(u));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + stride + k), _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 8)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * stride + k), _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 16)));
+      for (int p = 0; p < 3; ++p)  // byte p of each u into plane p
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + p * stride + k),
+                         _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 8 * p)));
     }
 #endif
     for (; k < K; ++k) {
@@ -827,8 +828,8 @@ constexpr int64_t QBLOCK = 64; // rows per tile: their quantized activations sta
 // Rows of 24 bits (sx24 non-null) are three consecutive plane rows of xu each, combined in the epilogue.
 template <int64_t ACT>
 void int8_tile(const uint32_t* xu, const float* sx, const double* sx24, const int32_t* zp, int64_t K4,
-               const int8_t* wp, bool grouped, const int32_t* cp, const float* sp, const float* bp, float* op, int64_t n,
-               int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
+               const int8_t* wp, bool grouped, const int32_t* cp, const float* sp, const float* bp, float* op,
+               int64_t n, int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
   using QuadFn = void (*)(const uint32_t*, int64_t, int64_t, const int8_t*, int64_t, int64_t, int32_t*);
   static constexpr auto kQuad1 = rows_table<QROWS>([](auto r) { return &quad_kernel<decltype(r)::value, 1>; });
   static constexpr auto kQuad2 = rows_table<QROWS>([](auto r) { return &quad_kernel<decltype(r)::value, 2>; });
