@@ -195,13 +195,34 @@ def test_int8_linear_class_matches_its_reference(activations, grouped, kernels_o
     assert F.cosine_similarity(lin(x), full, dim=1).min() > 0.999
 
 
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_int8_linear_class_carries_a_single_row_at_24_bits(kernels_on, monkeypatch):
+    """single_row_bits=24: a call of one row equals the 24-bit reference, several rows the 8-bit one; the step's
+    operands are the quads (flat_quads), not panels (flat)."""
+    if kernels_on and not kernels.available():
+        pytest.skip("C++ kernels unavailable")
+    monkeypatch.setattr(kernels, "_enabled", kernels_on)
+    g = torch.Generator().manual_seed(8)
+    q, s, b = _int8(10, 31, 43), torch.rand(31, generator=g) * 0.03, torch.randn(31, generator=g)
+    lin = Int8Linear(q, s, b, grouped=True, single_row_bits=24)
+    x = torch.randn(5, 43, generator=g)
+    torch.testing.assert_close(lin(x[:1]), int8_linear_reference(x[:1], q, s, b, bits=24), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin(x), int8_linear_reference(x, q, s, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin(x[:1], "gelu"), F.gelu(lin(x[:1])), rtol=1e-5, atol=1e-5)
+    assert lin.flat() is None and (lin.flat_quads() is not None) == kernels_on
+    if kernels_on:
+        assert lin.flat_quads()[0].shape[2] == 48 and torch.equal(lin.flat_quads()[3], q.sum(1, dtype=torch.int32))
+    weight_only = Int8Linear(q, s, b, activations="float")
+    assert weight_only.flat_quads() is None and (weight_only.flat() is not None) == kernels_on
+
+
 def test_int8_linear_class_rejects_bad_arguments():
     with pytest.raises(ValueError, match="activations must be 'int8' or 'float', got 'int4'"):
         Int8Linear(torch.zeros(3, 2, dtype=torch.int8), torch.ones(3), activations="int4")
-    with pytest.raises(ValueError, match=r"bits must be 8 or 24 \(24 with int8 activations\), got 16"):
-        Int8Linear(torch.zeros(3, 2, dtype=torch.int8), torch.ones(3))(torch.ones(1, 2), bits=16)
-    with pytest.raises(ValueError, match=r"bits must be 8 or 24 \(24 with int8 activations\), got 24"):
-        Int8Linear(torch.zeros(3, 2, dtype=torch.int8), torch.ones(3), activations="float")(torch.ones(1, 2), bits=24)
+    with pytest.raises(ValueError, match=r"single_row_bits must be 8 or 24 \(24 with int8 activations\), got 16"):
+        Int8Linear(torch.zeros(3, 2, dtype=torch.int8), torch.ones(3), single_row_bits=16)
+    with pytest.raises(ValueError, match=r"single_row_bits must be 8 or 24 \(24 with int8 activations\), got 24"):
+        Int8Linear(torch.zeros(3, 2, dtype=torch.int8), torch.ones(3), activations="float", single_row_bits=24)
     with pytest.raises(TypeError, match="q must be a 2-D int8 tensor"):
         Int8Linear(torch.zeros(3, 2), torch.ones(3))
 

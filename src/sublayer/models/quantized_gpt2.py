@@ -16,9 +16,9 @@ several rows (a batch, the prompt) make the product compute-bound. So:
   thread reads the weights as fast as memory delivers them. Elsewhere it is **weight-only**: float32
   activations, ``y = act((x @ q^T) · s + b)`` with exact products and fp32 sums, by the ``skinny_linear`` kernel
   of the float decoding path (``kernels/csrc/packed_linear.cpp``) on int8 panels (the float panels at a quarter of
-  the bytes, widened in registers). Without the C++ kernels :func:`weight_int8_linear_reference` computes the
-  weight-only form in plain PyTorch (``F.linear`` on the widened weight; slower, same results up to the summation
-  order);
+  the bytes, widened in registers). Without the C++ kernels :func:`~sublayer.runtime.linear.weight_int8_linear_reference`
+  computes the weight-only form in plain PyTorch (``F.linear`` on the widened weight; slower, same results up to
+  the summation order);
 * several rows (the prompt, batched decoding steps), where :func:`~.int8.own_int8_gemm`, quantize each row's
   activations to 8 bits, as BERT's int8 path does (:class:`~sublayer.runtime.linear.Int8Linear`: uint8 per token
   with its own scale and zero point, exact int32 sums by ``vpdpbusd``): four products per instruction lane where
@@ -48,15 +48,12 @@ import fnmatch
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import checkpoints as ckpt
-from .. import kernels
-from ..functional import fused
 from ..runtime import causal
-from ..runtime.linear import Int8Linear, PackedLinear
-from ..runtime.rows import ffn_hidden, inference, kernels_on
+from ..runtime.linear import Int8Linear, PackedLinear, weight_int8_linear_reference
+from ..runtime.rows import inference
 from .causal_lm import CausalLM, PreparedCausalLM
 from .int8 import (
     LINEARS, check_float_cpu, check_keep_float, dense_names, dense_spec, own_int8_gemm, quant_config, quantize_weight,
@@ -70,63 +67,20 @@ __all__ = [
 DEFAULT_KEEP_FLOAT_GPT2: tuple[str, ...] = ()
 
 
-def weight_int8_linear_reference(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
-    """``(x @ q^T) * scale + bias`` in plain PyTorch, float32: x (M, K), q (N, K) int8, scale (N,) -> (M, N)."""
-    y = F.linear(x, q.float()).mul_(scale)
-    return y if bias is None else y.add_(bias)
-
-
-class WeightInt8Linear:
-    """``y = act((x @ q^T) * scale + bias)``: int8 weight (symmetric per output channel), float32 activations
-    (weight-only), or with ``int8_rows`` through :class:`~sublayer.runtime.linear.Int8Linear`'s integer kernel.
+class WeightInt8Linear(Int8Linear):
+    """:class:`~sublayer.runtime.linear.Int8Linear` as int8 decoding builds it, in groups of 48 columns: with
+    ``int8_rows`` (where :func:`~.int8.own_int8_gemm`) int8 activations, several rows at 8 bits and one row at 24;
+    without, weight-only (float32 activations times the widened int8 panels).
 
     Args:
-        q: (N, K) int8. scale: (N,) float32. bias: (N,) float32 or None.
-        int8_rows: every call goes through :class:`~sublayer.runtime.linear.Int8Linear` (``int8_linear`` on the
-            kernels, its reference without them): several rows quantized to 8 bits (uint8 with each row's own
-            scale and zero point), one row carried at 24 bits (``bits=24``: float32's precision); exact integer
-            sums either way.
-
-    Call: ``x`` (M, K) float32 with unit inner stride, ``activation`` an FFN activation name or None -> (M, N).
-    The weight is packed once at the first call with the kernels on (weight-only: ``pack_linear_weight``'s int8
-    panels; ``int8_rows``: ``pack_int8_quads``).
+        q: (N, K) int8. scale: (N,) float32. bias: (N,) float32 or None. int8_rows: as above.
     """
 
     def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None, *, int8_rows: bool = False) -> None:
-        self.q, self.scale = q.contiguous(), scale.float().contiguous()
-        self.bias = None if bias is None else bias.float().contiguous()
-        self.out_features, self.in_features = q.shape
-        self._packed: Tensor | None = None
-        self.rows = Int8Linear(self.q, self.scale, self.bias, grouped=True) if int8_rows else None
-
-    def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
-        if self.rows is not None:
-            return self.rows(x, activation, bits=8 if x.shape[0] > 1 else 24)
-        if kernels_on() and (activation is None or activation in fused.ACT_IDS):
-            act = 0 if activation is None else fused.ACT_IDS[activation]
-            return kernels.ops().skinny_linear(x, self.packed(), self.bias, self.out_features, act, self.scale)
-        y = weight_int8_linear_reference(x, self.q, self.scale, self.bias)
-        return y if activation is None else ffn_hidden(y, None, activation)
-
-    def packed(self) -> Tensor:
-        """The int8 weight in ``skinny_linear``'s panels (packed at the first call)."""
-        if self._packed is None:
-            self._packed = kernels.ops().pack_linear_weight(self.q)
-        return self._packed
-
-    def flat(self) -> tuple[Tensor, Tensor, Tensor] | None:
-        """``(packed, scale, bias)`` for the one-call decoding step (packed_linear.cpp's ``skinny_linear`` reads the
-        same int8 panels; no bias: an empty tensor), or None without the kernels."""
-        if not kernels_on():
-            return None
-        return self.packed(), self.scale, torch.empty(0) if self.bias is None else self.bias
-
-    def flat_quads(self) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
-        """``(quads, scale, bias, colsum)``: the one-call decoding step's ``int8_linear`` operands (no bias: an
-        empty tensor), or None (weight-only, or no kernels)."""
-        if self.rows is None or not kernels_on():
-            return None
-        return self.rows.packed(), self.scale, torch.empty(0) if self.bias is None else self.bias, self.rows.colsum
+        super().__init__(
+            q, scale, bias, activations="int8" if int8_rows else "float", grouped=True,
+            single_row_bits=24 if int8_rows else 8,
+        )  # fmt: skip
 
 
 def int8_linear(name: str, t: dict[str, Tensor]):

@@ -131,6 +131,12 @@ def int8_linear_reference(
     return y if bias is None else y.add_(bias)
 
 
+def weight_int8_linear_reference(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    """``(x @ q^T) * scale + bias`` in plain PyTorch, float32: x (M, K), q (N, K) int8, scale (N,) -> (M, N)."""
+    y = F.linear(x, q.float()).mul_(scale)
+    return y if bias is None else y.add_(bias)
+
+
 class Int8Linear:
     """``y = act(x @ (q * scale[:, None]).T + bias)`` from an int8 weight, symmetric per output channel.
 
@@ -139,11 +145,12 @@ class Int8Linear:
         activations: ``"int8"`` — each row of x quantized to 8 bits (:func:`quantize_rows`: uint8 with the row's
             own scale and zero point), exact int32 sums of uint8 x int8 (the ``int8_linear`` kernel: AVX512-VNNI
             ``vpdpbusd``, minus the zero point times the weight's column sums; a portable loop elsewhere), then
-            ``* s_x * scale + bias`` in float32 (:func:`int8_linear_reference` without the kernels); a call with
-            ``bits=24`` carries each row as 24-bit integers instead (:func:`quantize_rows24`: three uint8 planes
-            through the same kernel, about float32's precision, for decoding's single rows); ``"float"``
-            — weight-only: float32 x times the exactly widened weight (``skinny_linear`` on int8 panels). One row
-            (batch-1 decoding) is memory-bound, where weight-only costs no more and is more accurate.
+            ``* s_x * scale + bias`` in float32 (:func:`int8_linear_reference` without the kernels); ``"float"``
+            — weight-only: float32 x times the exactly widened weight (``skinny_linear`` on int8 panels,
+            :func:`weight_int8_linear_reference` without the kernels).
+        single_row_bits: int8 activations only: 24 carries a call of one row (batch-1 decoding, memory-bound) as
+            24-bit integers instead (:func:`quantize_rows24`: three uint8 planes through the same kernel, about
+            float32's precision, at the rate memory delivers the weights); 8: as several rows.
         smooth: (K,) float32 or None, int8 activations only: SmoothQuant's per-input-channel divisor, x / smooth
             is what is quantized (``q * scale`` then holds ``W * smooth``; the kernel multiplies by its inverse in
             its quantization pass).
@@ -151,23 +158,27 @@ class Int8Linear:
             grouped=True)``), one sequential stream per kernel call, for layers that mostly see a few rows (decoding
             steps); False: panels of 16 columns, for many rows (encoders). Same results either way.
 
-    Call: x (M, K) float32 with unit inner stride, ``activation`` an FFN activation name or None, ``bits`` 8 or 24
-    (int8 activations only) -> (M, N). The weight is packed at the first call with the kernels on.
+    Call: x (M, K) float32 with unit inner stride, ``activation`` an FFN activation name or None -> (M, N).
+    The weight is packed at the first call with the kernels on.
 
     Raises:
-        ValueError: ``activations`` is neither "int8" nor "float", or ``smooth`` with float activations; a call's
-            ``bits`` is neither 8 nor 24, or 24 with float activations.
+        ValueError: ``activations`` is neither "int8" nor "float", ``smooth`` or ``single_row_bits=24`` with float
+            activations, ``single_row_bits`` neither 8 nor 24.
         TypeError: ``q`` is not a 2-D int8 tensor.
     """
 
     def __init__(
         self, q: Tensor, scale: Tensor, bias: Tensor | None = None, *, activations: str = "int8",
-        smooth: Tensor | None = None, grouped: bool = False,
+        smooth: Tensor | None = None, grouped: bool = False, single_row_bits: int = 8,
     ) -> None:  # fmt: skip
         if activations not in ("int8", "float"):
             raise ValueError(f"Int8Linear: activations must be 'int8' or 'float', got {activations!r}")
         if smooth is not None and activations != "int8":
             raise ValueError("Int8Linear: smooth applies to int8 activations only (activations='int8')")
+        if single_row_bits not in (8, 24) or (single_row_bits == 24 and activations != "int8"):
+            raise ValueError(
+                f"Int8Linear: single_row_bits must be 8 or 24 (24 with int8 activations), got {single_row_bits!r}"
+            )
         if q.dtype != torch.int8 or q.dim() != 2:
             raise TypeError(f"Int8Linear: q must be a 2-D int8 tensor, got {q.dtype} {tuple(q.shape)}")
         self.q, self.scale, self.activations = q.detach().contiguous(), scale.detach().float().contiguous(), activations
@@ -177,7 +188,7 @@ class Int8Linear:
         self.smooth = None if smooth is None else smooth.detach().float().contiguous()
         self.inv_smooth = None if smooth is None else (1.0 / self.smooth).contiguous()
         self._packed: Tensor | None = None
-        self.grouped = grouped
+        self.grouped, self.single_row_bits = grouped, single_row_bits
 
     def packed(self) -> Tensor:
         """The weight in the kernel's layout (``pack_int8_quads`` / ``pack_linear_weight``), packed once."""
@@ -187,9 +198,22 @@ class Int8Linear:
             self._packed = ops.pack_int8_quads(self.q, self.grouped) if int8 else ops.pack_linear_weight(self.q)
         return self._packed
 
-    def __call__(self, x: Tensor, activation: str | None = None, *, bits: int = 8) -> Tensor:
-        if bits not in (8, 24) or (bits == 24 and self.activations != "int8"):
-            raise ValueError(f"Int8Linear: bits must be 8 or 24 (24 with int8 activations), got {bits!r}")
+    def flat(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """``(panels, scale, bias)`` of a weight-only layer for the one-call decoding step (``skinny_linear``'s
+        operands; no bias: an empty tensor), or None (int8 activations, or no kernels)."""
+        if self.activations != "float" or not kernels_on():
+            return None
+        return self.packed(), self.scale, torch.empty(0) if self.bias is None else self.bias
+
+    def flat_quads(self) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """``(quads, scale, bias, colsum)``: the one-call decoding step's ``int8_linear`` operands (no bias: an
+        empty tensor; one row at 24 bits, several at 8), or None (weight-only, SmoothQuant, or no kernels)."""
+        if self.activations != "int8" or self.smooth is not None or not kernels_on():
+            return None
+        return self.packed(), self.scale, torch.empty(0) if self.bias is None else self.bias, self.colsum
+
+    def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
+        bits = self.single_row_bits if x.shape[0] == 1 else 8
         if kernels_on():
             act, n = EPILOGUE.get(activation, 0), self.out_features
             if self.activations == "int8":
@@ -202,8 +226,7 @@ class Int8Linear:
         if self.activations == "int8":
             y = int8_linear_reference(x, self.q, self.scale, self.bias, inv_smooth=self.inv_smooth, bits=bits)
         else:
-            y = F.linear(x, self.q.float()).mul_(self.scale)
-            y = y if self.bias is None else y.add_(self.bias)
+            y = weight_int8_linear_reference(x, self.q, self.scale, self.bias)
         return y if activation is None else ffn_hidden(y, None, activation)
 
 
