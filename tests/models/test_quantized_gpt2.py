@@ -70,7 +70,7 @@ def test_weight_int8_linear_within_derived_bound(activation, kernels_mode):
 @pytest.mark.parametrize("activation", [None, "gelu_tanh"])
 def test_int8_rows_several_rows_quantize_activations_one_row_at_24_bits(activation, kernels_mode):
     """int8_rows: more than one row equals int8_linear_reference (per-row uint8 activations), one row the same at
-    24 bits (bits=24), within float32 rounding of the weight-only layer; flat_quads gives int8_linear's operands
+    24 bits (single_row_bits=24), within float32 rounding of the weight-only layer; flat_quads gives int8_linear's operands
     only then (and with the kernels)."""
     g = torch.Generator().manual_seed(5)
     w, b = torch.randn(29, 41, generator=g), torch.randn(29, generator=g)
