@@ -3,6 +3,8 @@ themselves are not tested)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from sublayer.bench import harness, jobs
@@ -93,3 +95,7 @@ def test_contention_runs_each_job_quiet_then_beside_a_busy_process(tmp_path, mon
     assert table.count("\n| ") == 1 + n + 1  # the header, then one line a quiet/busy pair
     for q, b in zip(rows[:n], rows[n : 2 * n]):
         assert f"x{q.ratio():.2f} | x{b.ratio():.2f} | {b.ratio() / q.ratio():.2f} |" in table
+    # the memory read rates measured quiet before each job, on the quiet rows and in the table
+    one, all_, bound = re.fullmatch(r"([\d.]+) / ([\d.]+) \(([\d.]+)\)", rows[0].extra[jobs.READ]).groups()
+    assert float(one) > 0 and float(all_) > 0 and float(bound) == pytest.approx(float(one) / float(all_), abs=0.01)
+    assert jobs.READ not in rows[n].extra and table.count(f"| {rows[0].extra[jobs.READ]} |") == n

@@ -172,6 +172,22 @@ def saved_bytes(fn: Callable[[], object], params: Iterable[torch.Tensor]) -> int
     return sum(seen.values())
 
 
+READ = "memory read GB/s, 1 / all threads"  # a row's extra under contention: :func:`read_rates` before its job
+
+
+def read_rates(n_elem: int = 1 << 26, reps: int = 5) -> tuple[float, float]:
+    """GB/s at which ``torch.sum`` reads ``n_elem`` float32 (256 MB: from memory) on one thread and on torch's
+    threads: the rates a batch-1 decoding step, which reads every weight once, is bound by."""
+    a, threads, rates = torch.randn(n_elem), torch.get_num_threads(), []
+    try:
+        for t in (1, threads):
+            torch.set_num_threads(t)
+            rates.append(a.nbytes / (time_interleaved({"read": lambda: a.sum()}, reps, 1)["read"].ms * 1e-3) / 1e9)
+    finally:
+        torch.set_num_threads(threads)
+    return rates[0], rates[1]
+
+
 def copy_gbps(n_elem: int, dtype: torch.dtype = torch.float32, reps: int = 5) -> float:
     """The machine's copy bandwidth (read + write, GB/s) on ``n_elem`` elements of ``dtype``."""
     a = torch.randn(n_elem).to(dtype)
@@ -417,20 +433,23 @@ def report_markdown(title: str, rows: list[Row], *, command: str, notes: str = "
 
 def contention_table(quiet: list[Row], busy: list[Row]) -> str:
     """Markdown: each row's ratio quiet and beside a busy neighbour (:func:`busy_neighbour`), and busy / quiet
-    (1: the neighbour costs sublayer no more than its reference). ``quiet`` and ``busy`` pair up in order."""
+    (1: the neighbour costs sublayer no more than its reference), with the quiet row's ``READ`` extra (the memory
+    read rates of :func:`read_rates`, where measured). ``quiet`` and ``busy`` pair up in order."""
     lines = [
         "## Under a competing busy process", "",
         "ratio = the reference's time / sublayer's, measured quiet and while one other process spins on a core; "
-        "held = busy ratio / quiet ratio.", "",
-        "| job | shape | reference | ratio quiet | ratio busy | held | sublayer quiet → busy |",
-        "|---|---|---|---|---|---|---|",
+        "held = busy ratio / quiet ratio. memory read = the rate `torch.sum` reads 256 MB on one thread / on all, "
+        "quiet, just before the job: one over all bounds how much of its quiet ratio a job bound by memory "
+        "(batch-1 decoding) keeps on the one free core against a reference that uses one thread anyway.", "",
+        "| job | shape | reference | ratio quiet | ratio busy | held | sublayer quiet → busy | memory read |",
+        "|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for q, b in zip(quiet, busy):
         rq, rb = q.ratio(), b.ratio()
         held = f"{rb / rq:.2f}" if rq and rb else "—"
         ms = f"{q.times_ms['sublayer']:,.2f} → {b.times_ms['sublayer']:,.2f} ms"
         cells = [f"{q.case}, {q.dtype}", q.shape, q.base, "—" if rq is None else f"x{rq:.2f}", "—" if rb is None else f"x{rb:.2f}",
-                 held, ms]  # fmt: skip
+                 held, ms, str(q.extra.get(READ, "—"))]  # fmt: skip
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
 

@@ -63,8 +63,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .harness import (Row, adamw_step, bert_batch, busy_neighbour, command_line, contention_table, cpu_info, ct2_greedy,
-                      machine, mean_pool, padded_batch, summarize, time_interleaved, Worker, write_report)  # fmt: skip
+from .harness import (READ, Row, adamw_step, bert_batch, busy_neighbour, command_line, contention_table, cpu_info, ct2_greedy,
+                      machine, mean_pool, padded_batch, read_rates, summarize, time_interleaved, Worker,
+                      write_report)  # fmt: skip
 
 __all__ = [
     "DEFAULT_JOBS", "JOBS", "ct2_generator", "decoding_switch", "gpt2_decoding", "gpt2_folder", "gpt2_llamacpp_rows",
@@ -507,6 +508,7 @@ def run_jobs(*, quick: bool = False, reps: int | None = None, only: str | None =
     rows: list[Row] = []
     by: dict[str, list[Row]] = {"quiet": [], "busy": []}
     for name in names:
+        read = read_rates() if contention else None  # what a memory-bound job can keep on one core
         for cond in ("quiet", "busy") if contention else ("",):
             with busy_neighbour() if cond == "busy" else contextlib.nullcontext():
                 got = JOBS[name](quick, reps, work, None if model is None else Path(model))
@@ -514,6 +516,8 @@ def run_jobs(*, quick: bool = False, reps: int | None = None, only: str | None =
                 if cond:
                     r.mode += f" [{cond}]"
                     by[cond].append(r)
+                if cond == "quiet":
+                    r.extra[READ] = f"{read[0]:.1f} / {read[1]:.1f} ({read[0] / read[1]:.2f})"
                 x = r.ratio()
                 ms = f"{r.times_ms['sublayer']:9.1f} ms" if "sublayer" in r.times_ms else "     none"
                 log(f"{r.case:48s} {r.shape:34s} {r.dtype:5s} {cond:5s} sublayer {ms}  "
