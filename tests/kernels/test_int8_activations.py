@@ -237,3 +237,17 @@ def test_int8_linear_rejects_a_mismatched_packing():
         kernels.ops().int8_linear(torch.randn(2, 5), kernels.ops().pack_int8_quads(q, True), torch.zeros(49, dtype=torch.int32), torch.ones(49), None, 49)
     with pytest.raises(RuntimeError, match="colsum must be int32"):
         kernels.ops().int8_linear(torch.randn(2, 5), packed, torch.zeros(17), torch.ones(17), None, 17)
+
+
+@needs_kernels
+def test_int8_linear_24_bits_with_smoothing(isa, layout):
+    """bits=24 with inv_smooth: x * inv_smooth is what is carried at 24 bits, as the reference computes it."""
+    g = torch.Generator().manual_seed(12)
+    q, s, b = _int8(7, 29, 37), torch.rand(29, generator=g) * 0.05, torch.randn(29, generator=g)
+    x, inv = torch.randn(3, 37, generator=g), torch.rand(37, generator=g) + 0.5
+    ops = kernels.ops()
+    got = ops.int8_linear(x, ops.pack_int8_quads(q, layout == "grouped"), q.sum(1, dtype=torch.int32), s, b, 29, 0,
+                          inv, 24)  # fmt: skip
+    want = int8_linear_reference(x, q, s, b, inv_smooth=inv, bits=24)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, int8_linear_reference(x, q, s, b, bits=24), rtol=1e-3, atol=1e-3)
