@@ -130,6 +130,13 @@ def info() -> None:
     rows.update(kernels.cpu.describe())
 
     rows["fast kernels"] = kernels.status()  # builds (or loads the cached) C++ extension once
+    from .models.int8 import own_int8_gemm
+    from .models.quantized import engine
+
+    rows["int8"] = (
+        "int8_linear (AVX512-VNNI / AMX-INT8): int8 activations; a decoding step's single row at 24 bits"
+        if own_int8_gemm() else f"decoding weight-only (int8 panels); BERT on torch's linear_dynamic ({engine()})"
+    )  # fmt: skip
     from .memory import allocator_setting, buffer_cache
 
     rows["allocator"] = allocator_setting()
