@@ -214,6 +214,8 @@ def test_int8_linear_class_carries_a_single_row_at_24_bits(kernels_on, monkeypat
         assert lin.flat_quads()[0].shape[2] == 48 and torch.equal(lin.flat_quads()[3], q.sum(1, dtype=torch.int32))
     weight_only = Int8Linear(q, s, b, activations="float")
     assert weight_only.flat_quads() is None and (weight_only.flat() is not None) == kernels_on
+    # one row at 8 bits is not what the one-call step computes: no operands for it
+    assert Int8Linear(q, s, b, grouped=True).flat_quads() is None
 
 
 def test_int8_linear_class_rejects_bad_arguments():

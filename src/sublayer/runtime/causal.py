@@ -206,9 +206,8 @@ def _flat_linear(lin) -> tuple[Tensor, ...] | None:
 
 def flat_weights(W: CausalWeights) -> list[Tensor] | None:
     """The tensors of ``causal_decode_layers`` (every block of a step in one C++ call), or None where it does not
-    apply: no kernels, a
-    linear without panels (``flat()``), an activation it does not fuse, norms of mixed kinds or eps, LayerNorms
-    without bias."""
+    apply: no kernels, a linear without panels (``flat()``) or quads (``flat_quads()``), an activation it does not
+    fuse, norms of mixed kinds or eps, LayerNorms without bias."""
     norms = [n for L in W.layers for n in (L["ln1"], L["ln2"])] + [W.norm]
     act_ok = W.activation in fused.ACT_IDS or W.activation in fused.GLU_IDS
     if not kernels_on() or not act_ok or len({(n.eps, n.rms) for n in norms}) != 1:

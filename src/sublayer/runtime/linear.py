@@ -207,8 +207,9 @@ class Int8Linear:
 
     def flat_quads(self) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
         """``(quads, scale, bias, colsum)``: the one-call decoding step's ``int8_linear`` operands (no bias: an
-        empty tensor; one row at 24 bits, several at 8), or None (weight-only, SmoothQuant, or no kernels)."""
-        if self.activations != "int8" or self.smooth is not None or not kernels_on():
+        empty tensor), or None (weight-only, SmoothQuant, ``single_row_bits=8``, or no kernels): the step multiplies
+        one row at 24 bits and several at 8, as this layer does only with ``single_row_bits=24``."""
+        if self.activations != "int8" or self.smooth is not None or self.single_row_bits != 24 or not kernels_on():
             return None
         return self.packed(), self.scale, torch.empty(0) if self.bias is None else self.bias, self.colsum
 

@@ -641,6 +641,12 @@ Tensor pack_int8_quads(const Tensor& q, bool grouped) {
 // AVX512-VNNI: per quad, NP weight loads and R broadcasts feed R * NP vpdpbusd (up to 24 accumulators); the
 // portable loop elsewhere (same integer sums). At 8 x 3, int8_linear's main tile, the 24 accumulators are named
 // (GCC keeps a __m512i array of them on the stack).
+// The grouped layout (istride != 64) is one stream: the NP lines of quad i's step, fetched 4 KB ahead.
+inline void prefetch_group(const int8_t* wi, int64_t istride, int np) {
+  if (istride != 64)
+    for (int l = 0; l < np; ++l) _mm_prefetch(reinterpret_cast<const char*>(wi) + 4096 + 64 * l, _MM_HINT_T0);
+}
+
 template <int R, int NP>
 inline void quad_kernel(const uint32_t* xu, int64_t xstride, int64_t K4, const int8_t* w, int64_t pstride,
                         int64_t istride, int32_t* acc) {
@@ -663,8 +669,7 @@ inline void quad_kernel(const uint32_t* xu, int64_t xstride, int64_t K4, const i
       SUBLAYER_Q8X3(SUBLAYER_QDECL)
       for (int64_t i = 0; i < K4; ++i) {
         const int8_t* wi = w + i * istride;
-        if (istride != 64)  // grouped: one stream, its lines fetched 4 KB ahead
-          for (int l = 0; l < 3; ++l) _mm_prefetch(reinterpret_cast<const char*>(wi) + 4096 + 64 * l, _MM_HINT_T0);
+        prefetch_group(wi, istride, 3);
         const __m512i w0 = _mm512_loadu_si512(wi), w1 = _mm512_loadu_si512(wi + pstride),
                       w2 = _mm512_loadu_si512(wi + 2 * pstride);
         SUBLAYER_Q8X3(SUBLAYER_QROW)
@@ -681,9 +686,7 @@ inline void quad_kernel(const uint32_t* xu, int64_t xstride, int64_t K4, const i
       for (int p = 0; p < NP; ++p) a[r][p] = _mm512_setzero_si512();
     for (int64_t i = 0; i < K4; ++i) {
       __m512i wv[NP];
-      if (istride != 64)  // grouped: one stream, fetched 4 KB ahead
-        for (int l = 0; l < NP; ++l)
-          _mm_prefetch(reinterpret_cast<const char*>(w + i * istride) + 4096 + 64 * l, _MM_HINT_T0);
+      prefetch_group(w + i * istride, istride, NP);
       for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_si512(w + p * pstride + i * istride);
       for (int r = 0; r < R; ++r) {
         const __m512i xb = _mm512_set1_epi32(int(xu[r * xstride + i]));
@@ -839,6 +842,7 @@ void int8_tile(const uint32_t* xu, const float* sx, const double* sx24, const in
   const int64_t inner_i = grouped ? QPAN * PANEL * 4 : PANEL * 4;
   alignas(64) int32_t acc[QROWS * QPAN * PANEL];
   alignas(64) float pre[QROWS * QPAN * PANEL];  // the tile's rows rescaled, then activated
+  const int64_t planes = sx24 ? 3 : 1;
   for (int64_t p = p0; p < p1; p += QPAN) {
     const int64_t np = std::min<int64_t>(QPAN, p1 - p);
     const int64_t c0 = p * PANEL, nc = std::min<int64_t>(np * PANEL, n - c0);
@@ -848,7 +852,6 @@ void int8_tile(const uint32_t* xu, const float* sx, const double* sx24, const in
     const float* spanel = panel_params(sp, c0, nc, np * PANEL, spad);
     const int32_t* cpanel = panel_params(cp, c0, nc, np * PANEL, cpad);
     const float* bpanel = bp ? panel_params(bp, c0, nc, np * PANEL, bpad) : bpad;
-    const int64_t planes = sx24 ? 3 : 1;
     for (int64_t r = r0; r < r1; r += QROWS / planes) {
       const int64_t R = std::min<int64_t>(QROWS / planes, r1 - r);
       kQuad[np][R * planes](xu + r * planes * K4, K4, K4, wp + p * pstride, inner_p, inner_i, acc);
