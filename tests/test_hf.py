@@ -522,3 +522,37 @@ def test_rms_norm_keeps_hf_cast_order(dtype):
     assert got.dtype == want.dtype
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(gx, gx_want)
+
+
+@pytest.mark.parametrize(
+    "name, part",
+    [("llama", "model.layers.0.mlp.down_proj"), ("gpt2", "transformer.h.0.mlp.c_proj"),
+     ("bert_mlm", "bert.encoder.layer.0.output.dense"), ("bert_mlm", "bert.encoder.layer.1.attention.output.dense")],
+)  # fmt: skip
+def test_a_hook_registered_after_patching_runs_hf_forward(name, part):
+    """A patched forward steps aside for HF's while a part it skips has a hook, however late the hook came."""
+    torch.manual_seed(0)
+    ref = MODELS[name]().eval()
+    model = copy.deepcopy(ref)
+    hf.patch(model)
+    batch = _batch(name)
+    del batch["labels"]
+    calls = {"hf": 0, "patched": 0}
+
+    def steer(key):
+        def hook(mod, args, out):
+            calls[key] += 1
+            return out * 1.5
+
+        return hook
+
+    handles = [ref.get_submodule(part).register_forward_hook(steer("hf")),
+               model.get_submodule(part).register_forward_hook(steer("patched"))]  # fmt: skip
+    with torch.no_grad():
+        want, got = ref(**batch).logits, model(**batch).logits
+    assert calls == {"hf": 1, "patched": 1}
+    torch.testing.assert_close(got, want)
+    for h in handles:
+        h.remove()
+    with torch.no_grad():
+        assert not torch.allclose(model(**batch).logits, want)  # the patched path again, without the hook

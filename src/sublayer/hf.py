@@ -52,6 +52,7 @@ What changes and what does not:
   and ``logits_to_keep`` left at 0 — what Liger-Kernel's patched models return in training. In ``eval()`` mode (HF's
   ``Trainer`` evaluation and ``generate`` included), without ``labels`` or with ``patch(model, loss=False)`` the
   logits are HF's. A batch whose targets are all ``ignore_index`` runs HF's loss (its NaN mean).
+* A patched forward runs HF's own while a part it skips has a hook, one registered after patching included.
 * Modules with hooks, non-default activations (``gelu_python``, ``quick_gelu``, ...), float16 parameters, or
   sub-modules that are not the plain torch/transformers classes (LoRA/peft wrappers, quantized linears) are left
   alone and reported.
@@ -73,6 +74,7 @@ from . import kernels
 from .functional import fused
 from .functional.cross_entropy import linear_cross_entropy
 from .functional.packing import Packing, PackedBatch
+from .nn.hooks import hooked
 from .runtime.encoder import run_layers
 from .runtime.linear import OneDNNLinear
 from .runtime.rows import add_norm
@@ -110,11 +112,7 @@ class PatchReport:
 
 # ----------------------------------------------------------------------------------------------- checks
 def _hooked(*mods: nn.Module) -> bool:
-    return any(
-        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-        for mod in mods
-        for m in mod.modules()
-    )
+    return hooked(*mods, backward=True)
 
 
 def _activation(act: object) -> str | None:
@@ -583,6 +581,19 @@ def _gpt2_body_ok(model: nn.Module) -> bool:
     )  # fmt: skip
 
 
+def _guarded(fn, original, parts: tuple[nn.Module, ...] | None):
+    """``fn``, or HF's ``original`` for a call while ``parts`` (None: the module's children) have a hook; with
+    ``original``'s signature (HF's chunking reads it)."""
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        if _hooked(*(self.children() if parts is None else parts)):
+            return original(self, *args, **kwargs)
+        return fn(self, *args, **kwargs)
+
+    return forward
+
+
 def _set_act(m: nn.Module, act: object) -> str | None:
     name = _activation(act)
     if name is None:
@@ -648,7 +659,10 @@ def patch(model: nn.Module, *, loss: bool = True, padding_free: bool | None = No
         records.append((m, attr, m.__dict__.get(attr, _MISSING)))
         if fn in (_lm_forward, _bert_model_forward):  # keep HF's signature: Trainer and sentence-transformers read it
             fn = functools.update_wrapper(lambda self, *a, _fn=fn, **k: _fn(self, *a, **k), type(m).forward)
-            setattr(fn, _MARK, True)
+        else:  # HF's own forward while a part it skips has a hook (one registered after patching too)
+            parts = (m.intermediate, m.output) if attr == "feed_forward_chunk" else None
+            fn = _guarded(fn, getattr(type(m), attr), parts)
+        setattr(fn, _MARK, True)
         setattr(m, attr, types.MethodType(fn, m))
 
     gpt2_norms = {id(n) for g in model.modules() if type(g) is gpt2_model for n in g.modules()}

@@ -9,6 +9,7 @@ from .. import functional as SF
 from ..functional import fused
 from ..functional.packing import PackedBatch
 from .._checks import check_positive_int, check_probability
+from .hooks import hooked
 
 __all__ = ["MultiHeadAttention"]
 
@@ -141,7 +142,7 @@ class MultiHeadAttention(nn.Module):
             need_weights=need_weights,
             average_attn_weights=average_attn_weights,
             kv_cache=kv_cache,
-            linear=fused.linear,
+            linear=self._linear(),
             rotary=rotary,
         )
 
@@ -150,7 +151,7 @@ class MultiHeadAttention(nn.Module):
         memory: PackedBatch | None, is_causal: bool, rotary: tuple[Tensor, Tensor] | None,
     ) -> Tensor:  # fmt: skip
         """Attention of packed query rows x (N, d_model) -> (N, d_model)."""
-        lin = fused.linear
+        lin = self._linear()
         d = self.head_dim
 
         def heads(t: Tensor) -> Tensor:  # (N, H·d) -> (N, H, d)
@@ -174,6 +175,15 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("cross-attention on packed rows needs memory_packing (the memory's descriptor)")
             out = packing.cross_attention(q, k, v, memory, dropout=p)
         return lin(out.reshape(out.shape[0], out.shape[1] * out.shape[2]), self.out_proj.weight, self.out_proj.bias)
+
+    def _linear(self):
+        """The projections' ``linear(x, weight, bias)``: the fused one, or, when a projection has a hook
+        (:func:`~sublayer.nn.hooks.hooked`), the projection module's own call."""
+        projs = (self.q_proj, self.k_proj, self.v_proj, self.out_proj)
+        if not hooked(*projs):
+            return fused.linear
+        by_weight = {id(m.weight): m for m in projs}
+        return lambda x, w, b: by_weight[id(w)](x)
 
     def extra_repr(self) -> str:
         kv = f", n_kv_heads={self.n_kv_heads}" if self.n_kv_heads != self.n_heads else ""

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from ..functional import fused
 from .._checks import check_probability, normalize_shape
+from .hooks import hooked
 from .norm import make_norm
 
 __all__ = ["AddNorm", "ResidualConnection", "PreNormResidual"]
@@ -67,6 +68,8 @@ class AddNorm(_NormResidual):
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
         n = self.norm
+        if hooked(n):  # the norm's own forward, so that its hooks see the call
+            return n(x + fused.dropout(y, self.dropout, self.training))
         # fused CPU kernel when it applies (sublayer.kernels), else the reference SF.add_norm
         return fused.add_norm(x, y, n.normalized_shape, n.weight, getattr(n, "bias", None), n.eps, dropout=self.dropout,
                               training=self.training, norm=self.norm_type)  # fmt: skip

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module  # the global hook registries live there
+
+from ..nn.hooks import hooked
 
 __all__ = ["has_hooks", "sharded", "fast_path_allowed"]
 
 
 def has_hooks(model: nn.Module) -> bool:
     """Whether a forward hook or pre-hook is registered on ``model``'s submodules (or globally)."""
-    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules() if m is not model)
+    return hooked(*model.children())
 
 
 def sharded(model: nn.Module) -> bool:
