@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch.testing import assert_close
 
 from sublayer import record_attention
 from sublayer.models import GPT2, GPT2Config, Transformer
@@ -69,5 +71,40 @@ def test_global_hooks_count():
     handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None)
     try:
         assert not rules.fast_path_allowed(model)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_inference_steps_aside_for_hooks(dtype):
+    """A steering hook on a block (and a probe on an FFN) changes fast_inference's logits and tokens as the model's."""
+    from sublayer.models import Bert, BertConfig, Llama, LlamaConfig, fast_inference
+
+    torch.manual_seed(0)
+    llama = Llama(LlamaConfig(vocab_size=53, max_positions=31, d_model=24, n_layers=2, n_heads=4, n_kv_heads=2,
+                              d_ff=22, eos_token_id=None)).eval()  # fmt: skip
+    ids = torch.randint(0, 53, (2, 5), generator=torch.Generator().manual_seed(1))
+    for model in (_gpt2(), llama):
+        fast = fast_inference(model, dtype=dtype)
+        plain = fast.generate(ids, 6)
+        calls = []
+        handles = [model.blocks[0].register_forward_hook(_steer),
+                   model.blocks[1].ffn.register_forward_hook(lambda m, a, o: calls.append(1))]  # fmt: skip
+        try:
+            assert_close(fast(ids), model(ids))
+            assert len(calls) == 2
+            steered = fast.generate(ids, 6)
+            assert torch.equal(steered, reference_decoding(lambda: model.generate(ids, 6)))
+        finally:
+            for h in handles:
+                h.remove()
+        assert not torch.equal(plain, steered)
+    bert = Bert(BertConfig(vocab_size=53, d_model=15, n_layers=2, n_heads=3, d_ff=23, max_positions=31)).eval()
+    fast = fast_inference(bert, dtype=dtype)
+    mask = torch.tensor([[1] * 5, [0, 1, 1, 1, 1]])
+    handle = bert.encoder.layers[0].register_forward_hook(_steer)
+    try:
+        assert_close(fast(ids, mask), bert(ids, mask))
+        assert_close(fast.embed(ids, mask), bert.embed(ids, mask))
     finally:
         handle.remove()

@@ -144,3 +144,30 @@ def test_kept_samples_follow_the_storage_and_layout():
     weights.prepared(model, "k", build)
     model.weight.data.mul_(3)
     assert_close(weights.prepared(model, "k", build), model.weight.detach())
+
+
+def test_inference_tensors_written_in_a_few_elements_are_noticed():
+    """Inference tensors keep no version counter: a write to one column, which no sample position reads, is still
+    seen by ``generate`` and ``fast_inference`` (the checksum)."""
+    ids = torch.randint(0, 53, (2, 4), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        model = _gpt2().eval()
+        fast = fast_inference(model, dtype=torch.float32)
+        fast(ids), model.generate(ids, 5)  # prepared
+        for blk in model.blocks:
+            blk.ffn.fc2.weight[:, 5] *= 40.0
+        model.lm_head.weight[7] *= 40.0
+        assert_close(fast(ids), model(ids))
+        assert torch.equal(model.generate(ids, 5), _fresh(model).generate(ids, 5))
+
+
+def test_a_norm_eps_set_after_the_first_call_is_used():
+    model = _gpt2().eval()
+    ids = torch.randint(0, 53, (2, 4), generator=torch.Generator().manual_seed(1))
+    fast = fast_inference(model, dtype=torch.float32)
+    fast(ids), model.generate(ids, 5)
+    for m in model.modules():
+        if hasattr(m, "eps"):
+            m.eps = 10.0
+    assert_close(fast(ids), model(ids))
+    assert torch.equal(model.generate(ids, 5), _fresh(model).generate(ids, 5))

@@ -33,6 +33,7 @@ from ..checkpoints import bert as keymap
 from ..nn import EncoderBlock, LayerNorm, TransformerEncoder
 from ..functional.packing import PackedBatch
 from ..runtime import padding_free
+from ..runtime.rows import eval_mode
 from .config import ModelConfig
 from .outputs import BaseModelOutput
 
@@ -309,13 +310,8 @@ class Bert(nn.Module):
         Raises:
             ValueError: as :meth:`forward`, or a row with no token (attention_mask all 0).
         """
-        was_training = self.training
-        self.eval()
-        try:
-            h = self(input_ids, attention_mask, token_type_ids)
-        finally:
-            self.train(was_training)
-        return mean_pooled(h, attention_mask)
+        with eval_mode(self):
+            return mean_pooled(self(input_ids, attention_mask, token_type_ids), attention_mask)
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None) -> Bert:

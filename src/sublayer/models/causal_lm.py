@@ -30,7 +30,7 @@ from ..checkpoints import FROM_CONFIG
 from ..functional.packing import document_mask
 from ..nn import LayerNorm, RMSNorm
 from ..runtime import causal, generation, padding_free
-from ..runtime.rows import InferenceOnly, inference
+from ..runtime.rows import InferenceOnly, eval_mode, inference
 from .outputs import CausalLMOutput
 
 __all__ = [
@@ -451,7 +451,11 @@ class PreparedCausalLM(InferenceOnly):
         kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
         position_ids = check_position_ids(cfg, position_ids, b, t, input_ids.device)
         kpm = kpm if kpm is not None and bool(kpm.any()) else None
-        logits = self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
+        if (ref := self._reference()) is not None:  # the model's own forward: hooks see every call
+            with eval_mode(ref):
+                logits = ref(input_ids, attention_mask=attention_mask, position_ids=position_ids).float()
+        else:
+            logits = self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
         logits = logits if kpm is None else logits.masked_fill(kpm[..., None], 0.0)
         if labels is None:
             return CausalLMOutput(logits=logits) if return_dict else logits
@@ -461,7 +465,10 @@ class PreparedCausalLM(InferenceOnly):
 
     @inference
     def generate(self, input_ids: Tensor, max_new_tokens: int = FROM_CONFIG, **kwargs) -> Tensor:
-        """As :meth:`CausalLM.generate` (same arguments, defaults and checks) over the prepared weights."""
+        """As :meth:`CausalLM.generate` (same arguments, defaults and checks) over the prepared weights (the
+        model's own ``generate`` where the prepared form steps aside)."""
+        if (ref := self._reference()) is not None:
+            return ref.generate(input_ids, max_new_tokens, **kwargs)
         return generate_with_config(self, input_ids, max_new_tokens, **kwargs)
 
     # what sublayer.runtime.generation needs (its CausalLM protocol), as the model's

@@ -18,6 +18,8 @@
 * BERT with padding: padding rows are dropped before the first layer, the dense layers and the attention only see
   real tokens, so a batch of mixed lengths costs the FLOPs of its real tokens. The hidden states at padded
   positions are returned as zeros (the reference model computes values there that nothing should read);
+* steps aside for the model's own forward (in eval mode) while a module of the model has a hook, or the model is
+  sharded (:mod:`sublayer.runtime.rules`), so hooks see every call; ``generate`` then runs the model's ``generate``;
 * runs without autograd (outputs never require grad), without dropout (eval semantics, whatever ``model.training``
   says) and with autocast switched off inside (the compute dtype above decides; calling it under
   ``torch.autocast`` changes nothing);
@@ -42,6 +44,7 @@ from ..kernels import onednn
 from ..runtime import causal
 from ..runtime.linear import DenseLinear, OneDNNLinear
 from ..runtime.rows import inference, kernels_on
+from ..runtime.rules import fast_path_allowed
 from ..runtime.weights import clear_cache, prepared
 from .bert import Bert
 from .causal_lm import CausalLM, PreparedCausalLM
@@ -116,6 +119,11 @@ class _FastBase:
         self.config = model.config
         self.dtype = dtype
         self.compute_dtype = compute_dtype(dtype)
+
+    def _reference(self):
+        """The model, when the wrapper must step aside for its own forward (hooks, sharding:
+        :func:`sublayer.runtime.rules.fast_path_allowed`); else None."""
+        return None if fast_path_allowed(self.model) else self.model
 
     def _weights(self):
         """The cast weights (:func:`sublayer.runtime.weights.prepared`: rebuilt whenever a parameter changes)."""

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..runtime.encoder import run_layers
-from ..runtime.rows import InferenceOnly, inference, layer_norm
+from ..runtime.rows import InferenceOnly, eval_mode, inference, layer_norm
 from .bert import Bert, BertConfig, mean_pooled
 from .outputs import BaseModelOutput
 
@@ -79,6 +79,9 @@ class PreparedBert(InferenceOnly):
         *,
         return_dict: bool = False,
     ) -> Tensor | BaseModelOutput:
+        if (ref := self._reference()) is not None:
+            with eval_mode(ref):
+                return ref(input_ids, attention_mask, token_type_ids, return_dict=return_dict)
         kpm, token_type_ids = self._check(input_ids, attention_mask, token_type_ids)
         t, layers = self._parts()
         cfg = self.config

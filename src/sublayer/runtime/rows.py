@@ -5,6 +5,7 @@ Each runs the fused C++ kernel when the kernels are on, the PyTorch expression o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -16,7 +17,7 @@ from .. import kernels
 from ..functional import fused
 
 __all__ = [
-    "kernels_on", "inference", "InferenceOnly", "layer_norm", "norm_rows", "add_norm", "bias_act", "ffn_hidden",
+    "kernels_on", "inference", "eval_mode", "InferenceOnly", "layer_norm", "norm_rows", "add_norm", "bias_act", "ffn_hidden",
     "residual_out", "EPILOGUE",
 ]  # fmt: skip
 
@@ -40,12 +41,27 @@ def inference(fn):
     return wrapper
 
 
+@contextlib.contextmanager
+def eval_mode(module: torch.nn.Module):
+    """``module`` in eval mode (dropout off) inside the block, its training flag restored after."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield module
+    finally:
+        module.train(was_training)
+
+
 class InferenceOnly:
     """What the prepared (inference-only) forms share: ``training`` False, ``eval()`` returns the object,
-    ``train(True)`` raises RuntimeError ``"<class name> " + _train_error``, and calling one calls ``forward``."""
+    ``train(True)`` raises RuntimeError ``"<class name> " + _train_error``, and calling one calls ``forward``.
+    ``_reference()``: the model the prepared form steps aside for, when it must (None: it runs itself)."""
 
     training = False
     _train_error = "is inference-only; train the model itself and prepare it again"
+
+    def _reference(self):
+        return None
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)

@@ -12,7 +12,9 @@ and rebuilds it when the parameters it came from change, whichever way they chan
   (up to :data:`SAMPLES` per tensor) on every use, so a write that touches the whole weight (scaling, copying,
   re-initialising) is noticed; after a write to a few elements through ``.data``, call :func:`clear_cache` (or
   write without ``.data``, under ``torch.no_grad()``, which the version counter records);
-* inference tensors (made under ``torch.inference_mode``) have no version counter: their storage and samples tell.
+* inference tensors (made under ``torch.inference_mode``) have no version counter: a checksum of each one's whole
+  contents (an integer sum of its bits: one read of the weights per use) stands in for it;
+* a norm's ``eps`` set after construction: the modules' ``eps`` attributes are part of the stamp.
 """
 
 from __future__ import annotations
@@ -50,18 +52,29 @@ def _sample(p: Tensor) -> Tensor:
     return flat[:: max(1, flat.numel() // SAMPLES)][:SAMPLES]
 
 
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> the int view summed
+
+
+def _version(p: Tensor) -> int:
+    """``p``'s version counter; for an inference tensor (none kept), the integer sum of its bits."""
+    if not p.is_inference():
+        return p._version
+    with torch.inference_mode():
+        return int(p.detach().reshape(-1).view(_INT[p.element_size()]).sum())
+
+
 def stamp(module: nn.Module) -> tuple:
-    """What the prepared form of ``module`` depends on: per parameter its version counter (-1 for inference
-    tensors), storage, strides, dtype, device, shape and optimizer steps, and the sampled values of every parameter.
+    """What the prepared form of ``module`` depends on: per parameter its version counter (a checksum for inference
+    tensors), storage, strides, dtype, device, shape and optimizer steps, the sampled values of every parameter, and
+    the submodules' ``eps``.
 
     The sample views of contiguous parameters are kept while their storage and layout stay the same (a view reads
     what is in the storage now, writes through ``.data`` included); the others are sampled anew each time."""
     params = list(module.parameters())
     meta = tuple(
-        (-1 if p.is_inference() else p._version, p.data_ptr(), p.stride(), p.dtype, p.device, tuple(p.shape),
-         _steps.get(id(p), 0))
+        (_version(p), p.data_ptr(), p.stride(), p.dtype, p.device, tuple(p.shape), _steps.get(id(p), 0))
         for p in params
-    )  # fmt: skip
+    ) + tuple(m.eps for m in module.modules() if isinstance(getattr(m, "eps", None), float))
     if not params:
         return meta, ()
     kept = _VIEWS.get(module)
