@@ -20,6 +20,8 @@ next-token distributions are flat, which makes both fractions pessimistic figure
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
 from pathlib import Path
 from typing import Callable
@@ -27,8 +29,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
+from ..models import GPT2, GPT2Config, Transformer, fast_inference, quantized
+from ..runtime.linear import int8_screens_rows
 from .harness import copy_gbps, ct2_greedy, time_interleaved
-from .jobs import ct2_generator, decoding_switch, gpt2_folder, hf_gpt2_greedy, switched
+from .jobs import ct2_generator, decoding_switch, fast_and_reference, gpt2_folder, hf_gpt2_greedy, switched
 
 __all__ = ["run_decode_bench"]
 
@@ -41,11 +46,6 @@ def _gemv_rows(n: int, k: int, reps: int, threads: int, *, spread: int = 1 << 27
     call reads its weight from memory as a decoding step does), beside the rate at which the same threads read
     memory (``torch.sum`` over the float32 weight's copies). A row: case, rows, threads, engine, ms (a call),
     GB/s (its weight bytes / ms)."""
-    import itertools
-
-    from .. import kernels
-    from ..runtime.linear import int8_screens_rows
-
     if not kernels.available():
         return []
     ops = kernels.ops()
@@ -101,30 +101,16 @@ def _bytes_read(engine: str, step_bytes: int, head_bytes: int, *, rows: int = 1,
     return step_bytes
 
 
-def _fast_vs_reference(run: Callable[[], object], reps: int) -> tuple[dict, float, float]:
-    """``run()``'s outputs on the fast decoding path and on the reference steps ({True: fast, False: reference}),
-    and the median of ``reps`` interleaved timings of each (fast seconds, reference seconds)."""
-    switch = decoding_switch()
-
-    def on(flag: bool):
-        with switched(switch, flag):
-            return run()
-
-    outs = {flag: on(flag) for flag in (True, False)}
-    res = time_interleaved({"fast": lambda: on(True), "reference": lambda: on(False)}, reps, 0)
-    return outs, res["fast"].ms * 1e-3, res["reference"].ms * 1e-3
-
-
 def _translate_row(case: str, batch: int, run: Callable[[], object], tokens_of, reps: int, label: str,
                    log: Callable[[str], None], *, beam: int = 1) -> dict:
-    """One translate row: ``run()`` fast vs reference (:func:`_fast_vs_reference`), tokens/s of each (the tokens
-    counted by ``tokens_of(fast outputs)``) and whether the outputs are the same; logged as ``label``."""
-    outs, fast, ref = _fast_vs_reference(run, reps)
-    tokens = tokens_of(outs[True])
-    row = {
-        "case": case, "batch": batch, "beam": beam, "fast tok/s": tokens / fast, "reference tok/s": tokens / ref,
-        "x": ref / fast, "same output": [o.tolist() for o in outs[True]] == [o.tolist() for o in outs[False]],
-    }  # fmt: skip
+    """One translate row: ``run()`` fast vs reference (:func:`sublayer.bench.jobs.fast_and_reference`), tokens/s
+    of each (the tokens counted by ``tokens_of(fast outputs)``) and whether the outputs are the same; logged as
+    ``label``."""
+    outs, res = fast_and_reference(run, reps)
+    tokens, fast, ref = tokens_of(outs["sublayer"]), res["sublayer"].ms * 1e-3, res["reference steps"].ms * 1e-3
+    same = [o.tolist() for o in outs["sublayer"]] == [o.tolist() for o in outs["reference steps"]]
+    row = {"case": case, "batch": batch, "beam": beam, "fast tok/s": tokens / fast, "reference tok/s": tokens / ref,
+           "x": ref / fast, "same output": same}  # fmt: skip
     log(f"translate {label}  fast {row['fast tok/s']:8.1f} tok/s  reference {row['reference tok/s']:8.1f} tok/s  "
         f"x{row['x']:.2f}  same output: {row['same output']}")
     return row
@@ -133,8 +119,6 @@ def _translate_row(case: str, batch: int, run: Callable[[], object], tokens_of, 
 def _translate_rows(quick: bool, reps: int, log: Callable[[str], None]) -> list[dict]:
     """``Transformer.translate`` on the fast path vs the reference steps (same weights, same outputs checked):
     the demo's model (d 128, 2 pre-norm layers; batch 1, 8 and 500 as its evaluation) and a 6-layer d 512 one."""
-    from ..models import Transformer
-
     torch.manual_seed(0)
     cases = [("demo d128 l2 pre-norm", dict(d_model=128, n_heads=4, d_ff=256, n_layers=2, norm_first=True), 40,
               [(1, 1), (8, 1), (500, 1)], 12, 16)]  # fmt: skip
@@ -196,23 +180,14 @@ def run_decode_bench(
         the rows (dicts: case, batch, engine, tok/s, GB/s, same tokens as HF, same as fp32; GEMV rows; translate
         rows).
     """
-    from .. import kernels
-    from ..models import GPT2, GPT2Config, fast_inference
-    from ..runtime.linear import int8_screens_rows
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     reps = reps or (2 if quick else 3)
     threads = torch.get_num_threads()
     kernels.available()
-    if quick:
-        cfg = GPT2Config(
-            vocab_size=8191, d_model=256, n_layers=4, n_heads=4, dropout=0.0, embd_dropout=0.0, attn_dropout=0.0
-        )
-        prompt, new = 32, 16
-    else:
-        cfg = GPT2Config(dropout=0.0, embd_dropout=0.0, attn_dropout=0.0)
-        prompt, new = 32, 64
+    size = dict(vocab_size=8191, d_model=256, n_layers=4, n_heads=4) if quick else {}
+    cfg = GPT2Config(dropout=0.0, embd_dropout=0.0, attn_dropout=0.0, **size)
+    prompt, new = 32, (16 if quick else 64)
     d, f, v = cfg.d_model, cfg.hidden_size, cfg.vocab_size
     step_bytes = 4 * (cfg.n_layers * (4 * d * d + 2 * d * f) + v * d)  # every matrix once per step
     int8_screen = int8_screens_rows()  # GreedyHead's screen of several rows
@@ -221,8 +196,7 @@ def run_decode_bench(
     fast = fast_inference(model, dtype=torch.float32)
     int8 = fast_inference(model, quantize="int8")
     hf = hf_gpt2_greedy(folder) if peers else None
-    ct2 = ct2_generator(folder) if peers else None
-    ct2_int8 = ct2_generator(folder, "int8") if peers else None
+    ct2 = {dt: ct2_generator(folder, dt) for dt in ("float32", "int8")} if peers else {}
     wanted = None if engines is None else [e.strip() for e in engines.split(",") if e.strip()]
 
     def want(name: str) -> bool:
@@ -230,8 +204,6 @@ def run_decode_bench(
 
     int8_head_float = None  # the LM head kept float: what int8 on the head costs in accuracy / buys in speed
     if want("sublayer int8, head float"):
-        from ..models import quantized
-
         int8_head_float = quantized.quantize(model, keep_float=("head",))
     copy = copy_gbps(64 * 1024 * 1024)  # 256 MB
     log(f"copy bandwidth {copy:.1f} GB/s (read + write), {threads} threads; "
@@ -259,15 +231,9 @@ def run_decode_bench(
         }
         if hf is not None:
             fns["HF generate"] = lambda: hf(ids, new)[:, prompt:]
-        if ct2 is not None:
-            toks = [[f"t{i}" for i in row] for row in ids.tolist()]
-
-            def ct2_run(gen=ct2):
-                return torch.tensor(ct2_greedy(gen, toks, new))
-
-            fns["CTranslate2 float32"] = ct2_run
-            if ct2_int8 is not None:
-                fns["CTranslate2 int8"] = lambda: ct2_run(ct2_int8)
+        toks = [[f"t{i}" for i in row] for row in ids.tolist()]
+        fns |= {f"CTranslate2 {dt}": (lambda g=g: torch.tensor(ct2_greedy(g, toks, new)))
+                for dt, g in ct2.items() if g is not None}  # fmt: skip
         fns = {name: fn for name, fn in fns.items() if want(name)}
         outs = {name: fn() for name, fn in fns.items()}  # warm-up (packs the weights, builds caches)
         times = {name: t.ms * 1e-3 for name, t in time_interleaved(fns, reps, 0).items()}
@@ -323,8 +289,6 @@ def run_decode_bench(
 
 
 if __name__ == "__main__":
-    import argparse
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--quick", action="store_true")

@@ -1,5 +1,6 @@
-"""The benchmarks' shared harness: interleaved timing, result rows, padded batches and their mean pooling, the AdamW
-training step, CTranslate2's greedy call, and the markdown report with the machine, the versions, the date and the command that produced it.
+"""The benchmarks' shared harness: interleaved timing, result rows, padded batches, the embedding rows' random BERT
+and mean pooling, the AdamW training step, CTranslate2's greedy call, and the markdown report with the machine, the
+versions, the date and the command that produced it.
 
 At module level this imports the standard library and torch only, and sublayer only through its public API inside
 functions: the whole-job driver of ``benchmarks/compare_revisions.py`` runs this file against other revisions.
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,9 +33,10 @@ except ImportError:
     _used_flags = None
 
 __all__ = [
-    "CLOCKS", "Row", "SideEnv", "Timing", "adamw_step", "bert_batch", "busy_neighbour", "command_line", "contention_table",
-    "copy_gbps", "cpu_info", "cpu_kind", "ct2_greedy", "cycled", "machine", "mean_pool", "padded_batch", "report_markdown", "report_path", "saved_bytes", "set_clock",
-    "summarize", "time_interleaved", "write_report", "Worker",
+    "BERT_SIZES", "CLOCKS", "Row", "SideEnv", "Timing", "adamw_step", "bert_batch", "bert_model", "busy_neighbour",
+    "command_line", "contention_table", "copy_gbps", "cpu_info", "cpu_kind", "ct2_greedy", "cycled", "machine",
+    "mean_pool", "padded_batch", "report_markdown", "report_path", "saved_bytes", "set_clock", "summarize",
+    "time_interleaved", "write_report", "Worker",
 ]  # fmt: skip
 
 # what a timing measures: "wall" (time.perf_counter) or "cpu" (this process's CPU time, page faults included; with
@@ -212,6 +214,23 @@ def bert_batch(quick: bool, vocab: int) -> tuple[torch.Tensor, torch.Tensor, str
     return *padded_batch(b, t, lo, vocab), f"{b}x{t} (len {lo}..{t})"
 
 
+# the random BERT's sizes (sublayer.models.BertConfig): MiniLM's shape (hidden 384, 6 layers, 12 heads, d_ff 1536),
+# or (quick) a tiny one
+BERT_SIZES = {False: dict(vocab_size=30522, d_model=384, n_layers=6, n_heads=12, d_ff=1536),
+              True: dict(vocab_size=1000, d_model=96, n_layers=2, n_heads=12, d_ff=384)}  # fmt: skip
+
+
+def bert_model(quick: bool, model: str | os.PathLike | None = None):
+    """(our Bert in eval mode, its name) for the embedding rows: ``model``'s weights, or random ones (seed 0) of
+    :data:`BERT_SIZES`."""
+    from sublayer.models import Bert, BertConfig
+
+    if model is not None:
+        return Bert.from_pretrained(model).eval(), Path(model).name
+    torch.manual_seed(0)
+    return Bert(BertConfig(**BERT_SIZES[quick])).eval(), "random tiny" if quick else "random, MiniLM's shape"
+
+
 def mean_pool(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """sentence-transformers' pooling: the mean over real tokens, L2-normalised. (B, T, D), (B, T) -> (B, D)."""
     w = mask[..., None].to(h.dtype)
@@ -362,10 +381,8 @@ def machine() -> dict:
     and each peer found (transformers, ctranslate2, sentence-transformers)."""
     vers = {"python": platform.python_version(), "torch": torch.__version__}
     for dist in ("sublayer", "transformers", "ctranslate2", "sentence-transformers"):
-        try:
+        with suppress(importlib.metadata.PackageNotFoundError):
             vers[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pass
     return {"cpu": cpu_info(), "threads": torch.get_num_threads(), "versions": vers}
 
 

@@ -25,9 +25,14 @@ from pathlib import Path
 
 import torch
 
-from .harness import Row, adamw_step, padded_batch, time_interleaved
+from .. import hf, kernels
+from .harness import Row, adamw_step, mean_pool, padded_batch, time_interleaved
 
 __all__ = ["hf_rows"]
+
+# the BERTs' sizes (transformers.BertConfig's names): MiniLM's shape, or (quick) a tiny one
+_BERT = {False: dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
+         True: dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256)}  # fmt: skip
 
 
 def _step(model: torch.nn.Module, batch: dict, bf16: bool) -> Callable[[], None]:
@@ -39,8 +44,6 @@ def _step(model: torch.nn.Module, batch: dict, bf16: bool) -> Callable[[], None]
 
 
 def _pair(model: torch.nn.Module):
-    from sublayer import hf
-
     patched = copy.deepcopy(model)
     hf.patch(patched)
     return {"sublayer": patched, "HF": model}
@@ -49,35 +52,26 @@ def _pair(model: torch.nn.Module):
 def _training_rows(quick: bool, reps: int) -> list[Row]:
     import transformers
 
-    from sublayer import kernels
-
-    if quick:
-        bert = transformers.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                       intermediate_size=256, num_labels=2)  # fmt: skip
-        gpt2 = transformers.GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
-                                       eos_token_id=0)
-        (b1, t1, lo1), (b2, t2, lo2) = (4, 32, 12), (4, 32, 12)
-    else:
-        bert = transformers.BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
-                                       intermediate_size=1536, num_labels=2)  # fmt: skip
-        gpt2 = transformers.GPT2Config(n_embd=512, n_layer=6, n_head=8, n_positions=128)
-        (b1, t1, lo1), (b2, t2, lo2) = (16, 128, 51), (8, 128, 51)
+    bert = transformers.BertConfig(vocab_size=1000 if quick else 30522, num_labels=2, **_BERT[quick])
+    gpt2 = transformers.GPT2Config(**dict(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                          bos_token_id=0, eos_token_id=0) if quick else
+                                   dict(n_embd=512, n_layer=6, n_head=8, n_positions=128))  # fmt: skip
+    shapes = ((4, 32, 12), (4, 32, 12)) if quick else ((16, 128, 51), (8, 128, 51))
     dtypes = ["fp32", "bf16"] if kernels.native_bf16_gemm() else ["fp32"]
     rows = []
-    for kind, cfg, (b, t, lo) in (("BERT", bert, (b1, t1, lo1)), ("GPT-2", gpt2, (b2, t2, lo2))):
+    heads = (transformers.BertForSequenceClassification, transformers.GPT2LMHeadModel)
+    for cls, cfg, (b, t, lo) in zip(heads, (bert, gpt2), shapes):
         torch.manual_seed(0)
-        model = (transformers.BertForSequenceClassification if kind == "BERT" else transformers.GPT2LMHeadModel)(cfg)
+        model = cls(cfg)
         ids, mask = padded_batch(b, t, lo, cfg.vocab_size)
-        labels = torch.arange(b) % 2 if kind == "BERT" else ids.masked_fill(mask == 0, -100)
+        labels = torch.arange(b) % 2 if cfg is bert else ids.masked_fill(mask == 0, -100)
         batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-        layers = cfg.num_hidden_layers
         for dt in dtypes:
             models = _pair(model.train())
             res = time_interleaved({k: _step(m, batch, dt == "bf16") for k, m in models.items()}, reps, 1)
-            name = "BertForSequenceClassification" if kind == "BERT" else "GPT2LMHeadModel"
-            rows.append(Row(f"HF {name} fine-tuning step, hf.patch vs HF", f"{layers}L d{cfg.hidden_size} {b}x{t} "
-                            f"(len {lo}..{t})", dt, "training", base="HF", work=float(mask.sum()),
-                            unit="real tok").fill(res))  # fmt: skip
+            rows.append(Row(f"HF {cls.__name__} fine-tuning step, hf.patch vs HF", f"{cfg.num_hidden_layers}L "
+                            f"d{cfg.hidden_size} {b}x{t} (len {lo}..{t})", dt, "training", base="HF",
+                            work=float(mask.sum()), unit="real tok").fill(res))  # fmt: skip
     return rows
 
 
@@ -90,12 +84,7 @@ def _encode_row(quick: bool, reps: int, work: Path) -> Row:
     n, hi = (40, 20) if quick else (1000, 60)
     lens = torch.randint(5, hi + 1, (n,), generator=g).tolist()
     texts = [" ".join(f"w{int(i)}" for i in torch.randint(0, n_words, (k,), generator=g)) for k in lens]
-    if quick:
-        cfg = transformers.BertConfig(vocab_size=len(words), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=256)  # fmt: skip
-    else:
-        cfg = transformers.BertConfig(vocab_size=len(words), hidden_size=384, num_hidden_layers=6,
-                                      num_attention_heads=12, intermediate_size=1536)  # fmt: skip
+    cfg = transformers.BertConfig(vocab_size=len(words), **_BERT[quick])
     folder = work / f"hf-encode-{'quick' if quick else 'minilm'}"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(words) + "\n")
@@ -129,18 +118,14 @@ def _encode_row(quick: bool, reps: int, work: Path) -> Row:
                 for s in range(0, n, 32):
                     enc = tok([texts[i] for i in order[s : s + 32]], padding=True, truncation=True,
                               return_tensors="pt")  # fmt: skip
-                    h = m(**enc).last_hidden_state
-                    w = enc["attention_mask"][..., None].to(h.dtype)
-                    out.append(torch.nn.functional.normalize((h * w).sum(1) / w.sum(1), dim=-1))
+                    out.append(mean_pool(m(**enc).last_hidden_state, enc["attention_mask"]))
                 return torch.cat(out)
 
             return run
 
-    models = _pair(model)
-    res = time_interleaved({k: encoder(m) for k, m in models.items()}, reps, 1)
-    row = Row(f"{peer} encode, hf.patch vs HF", f"{n} sentences ({cfg.num_hidden_layers}L d{cfg.hidden_size}), "
-              "batch 32", "fp32", "forward", base="HF", work=float(n), unit="sentences").fill(res)  # fmt: skip
-    return row
+    res = time_interleaved({k: encoder(m) for k, m in _pair(model).items()}, reps, 1)
+    return Row(f"{peer} encode, hf.patch vs HF", f"{n} sentences ({cfg.num_hidden_layers}L d{cfg.hidden_size}), "
+               "batch 32", "fp32", "forward", base="HF", work=float(n), unit="sentences").fill(res)  # fmt: skip
 
 
 def hf_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:

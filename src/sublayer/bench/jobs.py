@@ -63,13 +63,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .harness import (READ, Row, adamw_step, bert_batch, busy_neighbour, command_line, contention_table, cpu_info, ct2_greedy,
-                      machine, mean_pool, padded_batch, read_rates, summarize, time_interleaved, Worker,
-                      write_report)  # fmt: skip
+from .harness import (BERT_SIZES, READ, Row, adamw_step, bert_batch, bert_model, busy_neighbour, command_line,
+                      contention_table, cpu_info, ct2_greedy, machine, mean_pool, padded_batch, read_rates, summarize,
+                      time_interleaved, Worker, write_report)  # fmt: skip
 
 __all__ = [
-    "DEFAULT_JOBS", "JOBS", "ct2_generator", "decoding_switch", "gpt2_decoding", "gpt2_folder", "gpt2_llamacpp_rows",
-    "llama_rows", "llama_train_rows", "padding_switch", "run_jobs", "switched",
+    "DEFAULT_JOBS", "JOBS", "ct2_generator", "decoding_switch", "fast_and_reference", "gpt2_decoding", "gpt2_folder",
+    "gpt2_llamacpp_rows", "llama_rows", "llama_train_rows", "padding_switch", "run_jobs", "switched",
 ]  # fmt: skip
 
 DROPOUT = 0.1
@@ -102,6 +102,19 @@ def switched(switch: Callable[[bool], None] | None, flag: bool) -> Iterator[None
 def decoding_switch() -> Callable[[bool], None] | None:
     """``set_enabled(flag)`` of the fast decoding path (False: the reference steps run)."""
     return _switch(("sublayer.runtime.generation", "sublayer.runtime", "sublayer.models.decoding"))
+
+
+def fast_and_reference(run: Callable[[], object], reps: int) -> tuple[dict, dict]:
+    """``run()`` on the fast decoding path ("sublayer") and, where this sublayer can switch it off, on the reference
+    steps ("reference steps"): each one's output (the warm-up) and its :func:`time_interleaved` timing."""
+    switch = decoding_switch()
+
+    def on(fast: bool):
+        with switched(switch, fast):
+            return run()
+
+    fns = {"sublayer": lambda: on(True)} | ({"reference steps": lambda: on(False)} if switch is not None else {})
+    return {k: f() for k, f in fns.items()}, time_interleaved(fns, reps, 0)
 
 
 def gpt2_folder(cfg, out: Path) -> Path:
@@ -172,13 +185,10 @@ def gpt2_decoding(quick: bool, work: Path):
     mode); GPT-2 124M shape with prompt 32 + 32, or (``quick``) a tiny one with 8 + 8."""
     from sublayer.models import GPT2, GPT2Config
 
-    if quick:
-        cfg = GPT2Config(vocab_size=512, d_model=64, n_layers=2, n_heads=4, max_positions=64, dropout=0.0,
-                         embd_dropout=0.0, attn_dropout=0.0, bos_token_id=511, eos_token_id=511)  # fmt: skip
-        prompt, new = 8, 8
-    else:
-        cfg = GPT2Config(dropout=0.0, embd_dropout=0.0, attn_dropout=0.0)
-        prompt, new = 32, 32
+    size = dict(vocab_size=512, d_model=64, n_layers=2, n_heads=4, max_positions=64, bos_token_id=511,
+                eos_token_id=511) if quick else {}  # fmt: skip
+    cfg = GPT2Config(dropout=0.0, embd_dropout=0.0, attn_dropout=0.0, **size)
+    prompt = new = 8 if quick else 32
     folder = gpt2_folder(cfg, work)
     return cfg, prompt, new, folder, GPT2.from_pretrained(folder).eval()
 
@@ -222,29 +232,24 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
             fns["HF generate"] = lambda: hf(ids, new)
         outs = {k: f() for k, f in fns.items()}  # the warm-up
         res = time_interleaved(fns, reps, 0)
-        for dt in ("fp32", "int8"):
-            peer_name = "CTranslate2 " + ("float32" if dt == "fp32" else "int8")
-            row = Row(f"GPT-2 greedy decoding, batch {b}", shape, dt, "generate", base=peer_name, work=b * new,
-                      unit="tok")  # fmt: skip
-            row.fill({"sublayer": res[f"sublayer {dt}"], **({peer_name: res[peer_name]} if peer_name in res else {})})
-            if peer_name in outs:
-                same = outs[f"sublayer {dt}"][:, prompt:].tolist() == outs[peer_name]
-                row.extra["same tokens as CTranslate2"] = same
+
+        def row(vs: str, dt: str, base: str, times: dict) -> Row:  # ours in ``dt`` against ``base``
+            rows.append(Row(f"GPT-2 greedy decoding{vs}, batch {b}", shape, dt, "generate", base=base, work=b * new,
+                            unit="tok").fill({"sublayer": res[f"sublayer {dt}"], **times}))  # fmt: skip
+            return rows[-1]
+
+        for dt, peer in (("fp32", "CTranslate2 float32"), ("int8", "CTranslate2 int8")):
+            r = row("", dt, peer, {peer: res[peer]} if peer in res else {})
+            if peer in outs:
+                r.extra["same tokens as CTranslate2"] = outs[f"sublayer {dt}"][:, prompt:].tolist() == outs[peer]
             else:
-                row.extra["peer"] = "ctranslate2 not installed"
-            rows.append(row)
-        row = Row(f"GPT-2 greedy decoding, batch {b}", shape, "bf16", "generate", base="sublayer fp32", work=b * new,
-                  unit="tok")  # fmt: skip
-        row.fill({"sublayer": res["sublayer bf16"], "sublayer fp32": res["sublayer fp32"]})
-        row.extra["compute dtype"] = str(bf16.compute_dtype).replace("torch.", "")
-        row.extra["same tokens as fp32"] = outs["sublayer bf16"].tolist() == outs["sublayer fp32"].tolist()
-        rows.append(row)
+                r.extra["peer"] = "ctranslate2 not installed"
+        r = row("", "bf16", "sublayer fp32", {"sublayer fp32": res["sublayer fp32"]})
+        r.extra["compute dtype"] = str(bf16.compute_dtype).replace("torch.", "")
+        r.extra["same tokens as fp32"] = outs["sublayer bf16"].tolist() == outs["sublayer fp32"].tolist()
         for dt in ("fp32", "int8", "bf16") if hf is not None else ():  # each engine against the HF user's job
-            row = Row(f"GPT-2 greedy decoding vs HF generate, batch {b}", shape, dt, "generate", base="HF fp32",
-                      work=b * new, unit="tok")  # fmt: skip
-            row.fill({"sublayer": res[f"sublayer {dt}"], "HF fp32": res["HF generate"]})
-            row.extra["same tokens as HF"] = outs[f"sublayer {dt}"].tolist() == outs["HF generate"].tolist()
-            rows.append(row)
+            r = row(" vs HF generate", dt, "HF fp32", {"HF fp32": res["HF generate"]})
+            r.extra["same tokens as HF"] = outs[f"sublayer {dt}"].tolist() == outs["HF generate"].tolist()
     return rows
 
 
@@ -259,25 +264,16 @@ def translate_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     else:
         cases = [("demo d128 l2 pre-norm", demo, 40, 500, 1, 12, 16),
                  ("d512 l6 post-norm", dict(d_model=512, n_heads=8, d_ff=2048, n_layers=6), 8000, 8, 4, 24, 32)]
-    switch = decoding_switch()
     rows = []
     for name, kw, vocab, b, beam, src_len, max_len in cases:
         torch.manual_seed(0)
         m = Transformer(vocab, vocab, dropout=0.0, max_len=64, **kw).eval()
         src = torch.randint(3, vocab, (b, src_len), generator=torch.Generator().manual_seed(b))
-
-        def run(fast: bool = True):
-            with switched(switch, fast):
-                return m.translate(src, max_len, bos=1, eos=2, beam_size=beam)
-
-        fns = {"sublayer": run} | ({"reference steps": lambda: run(False)} if switch is not None else {})
-        outs = {k: f().tolist() for k, f in fns.items()}  # the warm-up
-        res = time_interleaved(fns, reps, 0)
-        tokens = float(sum(map(len, outs["sublayer"])))
+        outs, res = fast_and_reference(lambda: m.translate(src, max_len, bos=1, eos=2, beam_size=beam), reps)
         row = Row(f"Transformer.translate {name}", f"batch {b} x {src_len}, beam {beam}", "fp32", "translate",
-                  base="reference steps", work=tokens, unit="tok").fill(res)  # fmt: skip
-        if switch is not None:
-            row.extra["same output as reference"] = outs["sublayer"] == outs["reference steps"]
+                  base="reference steps", work=float(outs["sublayer"].numel()), unit="tok").fill(res)  # fmt: skip
+        if "reference steps" in outs:
+            row.extra["same output as reference"] = outs["sublayer"].tolist() == outs["reference steps"].tolist()
         rows.append(row)
     return rows
 
@@ -293,17 +289,11 @@ def train_rows(quick: bool, reps: int, work: Path, model=None, *, padded: bool =
     from sublayer.models import GPT2, Bert, BertConfig, GPT2Config
 
     drop = dict(dropout=DROPOUT, attn_dropout=DROPOUT)
-    ends = dict(bos_token_id=0, eos_token_id=0)
-    if quick:
-        bcfg = BertConfig(vocab_size=1000, d_model=96, n_layers=2, n_heads=12, d_ff=384, **drop)
-        gcfg = GPT2Config(vocab_size=1000, d_model=64, n_layers=2, n_heads=4, max_positions=64, embd_dropout=DROPOUT,
-                          **drop, **ends)  # fmt: skip
-        bshape, gshape = (4, 32, 8), (4, 32, 8)
-    else:
-        bcfg = BertConfig(d_model=384, n_layers=6, n_heads=12, d_ff=1536, **drop)
-        gcfg = GPT2Config(vocab_size=8192, d_model=512, n_layers=6, n_heads=8, max_positions=128, embd_dropout=DROPOUT,
-                          **drop, **ends)  # fmt: skip
-        bshape, gshape = (16, 128, 32), (8, 128, 32)
+    gsize = dict(vocab_size=1000, d_model=64, n_layers=2, n_heads=4, max_positions=64) if quick else \
+        dict(vocab_size=8192, d_model=512, n_layers=6, n_heads=8, max_positions=128)  # fmt: skip
+    bcfg = BertConfig(**BERT_SIZES[quick], **drop)
+    gcfg = GPT2Config(**gsize, embd_dropout=DROPOUT, bos_token_id=0, eos_token_id=0, **drop)
+    bshape, gshape = ((4, 32, 8), (4, 32, 8)) if quick else ((16, 128, 32), (8, 128, 32))
     switch = padding_switch() if padded else None
     rows = []
     for kind, cfg, (b, t, lo) in (("BERT", bcfg, bshape), ("GPT-2", gcfg, gshape)):
@@ -348,41 +338,26 @@ def native_bf16() -> bool:
     return any(v for k, v in cpu_info()["features"].items() if k in ("AVX512_BF16", "AMX_BF16"))
 
 
-def _bert(quick: bool, model: Path | None):
-    """(our Bert in eval mode, its name): ``model``'s weights, or random ones of MiniLM's shape (tiny: quick)."""
-    from sublayer.models import Bert, BertConfig
-
-    if model is not None:
-        return Bert.from_pretrained(model).eval(), Path(model).name
-    torch.manual_seed(0)
-    if quick:
-        return Bert(BertConfig(vocab_size=1000, d_model=96, n_layers=2, n_heads=12, d_ff=384)).eval(), "random tiny"
-    cfg = BertConfig(vocab_size=30522, d_model=384, n_layers=6, n_heads=12, d_ff=1536)
-    return Bert(cfg).eval(), "random, MiniLM's shape"
-
-
 def int8_rows(quick: bool, reps: int, work: Path, model: Path | None = None) -> list[Row]:
     """int8 BERT inference against the float32 fast path (see the module doc)."""
     from sublayer.models import fast_inference
 
-    ours, name = _bert(quick, model)
+    ours, name = bert_model(quick, model)
     ids, mask, shape = bert_batch(quick, ours.config.vocab_size)
     fp32, int8 = fast_inference(ours, dtype=torch.float32), fast_inference(ours, quantize="int8")
     bf16 = fast_inference(ours, dtype=torch.bfloat16)
     fns = {"sublayer": lambda: int8(ids, mask), "sublayer fp32": lambda: fp32(ids, mask),
            "sublayer bf16": lambda: bf16(ids, mask)}  # fmt: skip
-    ct2 = None
     if model is not None:
         try:
             import ctranslate2
 
             ct2 = ctranslate2.Encoder(str(_ct2_model(Path(model), work)), device="cpu", compute_type="int8",
                                       intra_threads=torch.get_num_threads())  # fmt: skip
+            lists = [r[: int(n)].tolist() for r, n in zip(ids, mask.sum(1))]
+            fns["CTranslate2 int8"] = lambda: ct2.forward_batch(lists)
         except Exception:  # noqa: BLE001 - no ctranslate2, or a folder it cannot convert: no column
-            ct2 = None
-    if ct2 is not None:
-        lists = [r[: int(n)].tolist() for r, n in zip(ids, mask.sum(1))]
-        fns["CTranslate2 int8"] = lambda: ct2.forward_batch(lists)
+            pass
     res = time_interleaved(fns, reps, 1)
     vs_bf16 = Row(f"BERT int8 inference vs our bf16 ({name})", shape, "int8", "forward", base="sublayer bf16",
                   work=float(ids.shape[0]), unit="seq").fill({k: res[k] for k in ("sublayer", "sublayer bf16")})
@@ -404,7 +379,7 @@ def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None) ->
     """MiniLM sentence embeddings: the fast path against HF + mean pooling (see the module doc)."""
     from sublayer.models import fast_inference
 
-    ours, name = _bert(quick, model)
+    ours, name = bert_model(quick, model)
     hf = ours.to_hf().eval()
     fast = fast_inference(ours)
     ids, mask, shape = bert_batch(quick, ours.config.vocab_size)

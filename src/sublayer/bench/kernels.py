@@ -21,6 +21,7 @@ Writes ``bench.json``, ``bench.md`` and ``bench.png`` to ``out``.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -36,11 +37,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import memory
+from .. import kernels, memory
 from .. import nn as layers
+from ..models import fast_inference
+from ..runtime.linear import Int8Linear, PackedLinear
 from .harness import (
-    CLOCKS, Row, command_line, copy_gbps, padded_batch, saved_bytes, set_clock, time_interleaved, write_report,
+    CLOCKS, Row, bert_batch, bert_model, command_line, copy_gbps, saved_bytes, set_clock, time_interleaved,
+    write_report,
 )  # fmt: skip
+from .jobs import int8_rows, run_jobs, train_rows
+from .loss import bench_loss
 
 __all__ = ["Shape", "SHAPES", "QUICK_SHAPES", "MALLOC_SETTINGS", "run_bench", "main"]
 
@@ -131,10 +137,8 @@ def _impls(eager: nn.Module, ours: nn.Module, use_compile: bool) -> dict[str, nn
     """The modules timed: eager, sublayer and, when asked, torch.compile of the eager one (if it compiles)."""
     mods = {"eager": eager, "sublayer": ours}
     if use_compile:
-        try:
+        with contextlib.suppress(Exception):  # a missing compiler toolchain etc.: just no column
             mods["compile"] = torch.compile(eager)
-        except Exception:  # noqa: BLE001 - a missing compiler toolchain etc.: just no column
-            pass
     return mods
 
 
@@ -149,8 +153,7 @@ def _saved_extra(row: Row, mods: dict[str, nn.Module], forward: Callable[[nn.Mod
                 return forward(m)
 
         saved[name] = saved_bytes(fwd, list(m.parameters()))
-    for name, b in saved.items():
-        row.extra[f"saved MiB {name}"] = round(b / 2**20, 3)
+        row.extra[f"saved MiB {name}"] = round(saved[name] / 2**20, 3)
     row.extra["saved ratio"] = round(saved["sublayer"] / saved["eager"], 3) if saved["eager"] else float("nan")
 
 
@@ -164,8 +167,6 @@ def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compi
     mods = _impls(eager, ours, use_compile)
     fns = _step_fns(mods, lambda: (x,), bf16, mode)
     # the GEMMs alone, in the dtype the FFN multiplies in (bf16 without native bf16 GEMMs multiplies in fp32)
-    from .. import kernels
-
     dt = torch.bfloat16 if bf16 and kernels.native_bf16_gemm() else torch.float32
     x2 = x.detach().reshape(-1, s.d).to(dt)
     w1, w2 = eager[0].weight.detach().to(dt), eager[3].weight.detach().to(dt)
@@ -264,19 +265,11 @@ def bench_bert_inference(quick: bool, reps: int, warmup: int) -> list[Row]:
     ``--quick``: a tiny model (2 layers, d 96) on 4 x 32 tokens."""
     if not _has_transformers():
         return []
-    from ..models import Bert, BertConfig, fast_inference
-
-    torch.manual_seed(0)
-    if quick:
-        cfg = BertConfig(vocab_size=1000, d_model=96, n_layers=2, n_heads=12, d_ff=384)
-        b, t, lo, name = 4, 32, 8, "tiny 4x32 (len 8..32)"
-    else:
-        cfg = BertConfig(d_model=384, n_layers=6, n_heads=12, d_ff=1536)
-        b, t, lo, name = 64, 128, 32, "MiniLM 64x128 (len 32..128)"
-    ours = Bert(cfg).eval()
+    ours = bert_model(quick)[0]
     hf = ours.to_hf()
     fast = fast_inference(ours, dtype=torch.bfloat16)
-    ids, mask = padded_batch(b, t, lo, cfg.vocab_size)
+    ids, mask, shape = bert_batch(quick, ours.config.vocab_size)
+    name = ("tiny " if quick else "MiniLM ") + shape
 
     def call(bf16: bool, m=None):  # HF's BertModel (m None) or ``m``, under bf16 autocast or not
         def f():
@@ -297,7 +290,7 @@ def bench_bert_inference(quick: bool, reps: int, warmup: int) -> list[Row]:
     cos = torch.nn.functional.cosine_similarity(fast(ids, mask)[real], ref[real], dim=-1).min()
     row.extra["fast compute dtype"] = str(fast.compute_dtype).replace("torch.", "")
     row.extra["HF attn"] = str(hf.config._attn_implementation)
-    row.extra["real tokens"] = f"{int(real.sum())}/{b * t}"
+    row.extra["real tokens"] = f"{int(real.sum())}/{mask.numel()}"
     row.extra["x vs HF fp32"] = round(row.ratio("sublayer", "HF fp32"), 2)
     row.extra["x vs sublayer fp32"] = round(row.ratio("sublayer", "sublayer fp32"), 2)
     row.extra["plain Bert autocast x vs HF autocast"] = round(row.ratio("sublayer autocast", "eager"), 2)
@@ -310,8 +303,6 @@ def bench_gemv(quick: bool, reps: int, warmup: int) -> list[Row]:
     bf16 panels ("sublayer") vs float32 panels and torch's ``F.linear`` on the float32 weight ("eager"); for 8
     rows also the bf16 panels widened to float32 instead of ``vdpbf16ps`` (where the CPU has AVX512_BF16).
     ``--quick``: without the LM head's 50257 x 768."""
-    from .. import kernels
-
     if not kernels.available():
         return []
     ops = kernels.ops()
@@ -342,9 +333,8 @@ def bench_gemv(quick: bool, reps: int, warmup: int) -> list[Row]:
             timed = {name: (lambda f=f: [f() for _ in range(calls)]) for name, f in fns.items()}
             row = Row("decoding GEMV: bf16 panels vs torch fp32", f"{n}x{k} rows {m} (x{calls} calls)", "bf16",
                       "forward").fill(time_interleaved(timed, max(reps, 5), warmup))  # fmt: skip
-            row.extra["x vs fp32 panels"] = round(row.ratio("sublayer", "fp32 panels"), 2)
-            if dot:
-                row.extra["x vs bf16 widened"] = round(row.ratio("sublayer", "bf16 widened"), 2)
+            row.extra |= {f"x vs {k}": round(row.ratio("sublayer", k), 2)
+                          for k in ("fp32 panels", "bf16 widened") if k in fns}  # fmt: skip
             row.extra["bf16 GB/s"] = round(p16.numel() * 2 * calls / row.times_ms["sublayer"] / 1e6, 1)
             rows.append(row)
     return rows + _bench_int8_activations(reps, warmup)
@@ -353,8 +343,6 @@ def bench_gemv(quick: bool, reps: int, warmup: int) -> list[Row]:
 def _bench_int8_activations(reps: int, warmup: int) -> list[Row]:
     """Several rows at 768 x 3072 (GPT-2's fc2): ``Int8Linear`` with int8 activations ("sublayer") vs the same
     weight weight-only (``activations="float"``), float32 panels and torch's ``F.linear`` ("eager")."""
-    from ..runtime.linear import Int8Linear, PackedLinear
-
     n, k = 768, 3072
     g = torch.Generator().manual_seed(n + k)
     w, b = torch.randn(n, k, generator=g) * 0.02, torch.randn(n, generator=g)
@@ -370,8 +358,7 @@ def _bench_int8_activations(reps: int, warmup: int) -> list[Row]:
         timed = {name: (lambda f=f: [f() for _ in range(calls)]) for name, f in fns.items()}
         row = Row("int8 activations (Int8Linear) vs weight-only int8 and fp32", f"{n}x{k} rows {m} (x{calls} calls)",
                   "int8", "forward").fill(time_interleaved(timed, max(reps, 5), warmup))  # fmt: skip
-        row.extra["x vs int8 weight-only"] = round(row.ratio("sublayer", "int8 weight-only"), 2)
-        row.extra["x vs fp32 panels"] = round(row.ratio("sublayer", "fp32 panels"), 2)
+        row.extra |= {f"x vs {k}": round(row.ratio("sublayer", k), 2) for k in ("int8 weight-only", "fp32 panels")}
         cos = torch.nn.functional.cosine_similarity(lin8(x), fns["eager"]()).min()
         row.extra["min cos vs fp32"] = round(float(cos), 5)
         rows.append(row)
@@ -479,8 +466,6 @@ def _measure(
 ) -> list[Row]:
     """Every case of every shape in THIS process (whose allocator setting is ``malloc``); ``extras``: also
     torch.compile and the BERT inference case."""
-    from .. import kernels
-
     kernels.available()  # build first so the first timing does not include it
     warmup = 1 if quick else 2
     rows: list[Row] = []
@@ -512,12 +497,8 @@ def _measure(
     if extras and "gemv" in cases and "bf16" in dts:  # decoding's skinny_linear: bf16 / fp32 panels, torch
         add(bench_gemv(quick, reps, warmup))
     if extras and "loss" in cases and "fp32" in dts:  # the fused LM-head loss (sublayer.bench.loss): op and GPT-2 step
-        from .loss import bench_loss
-
         add(bench_loss(quick, reps, warmup))
     if extras and "models" in cases and "fp32" in dts and _has_transformers():  # whole-model training steps vs HF
-        from .jobs import train_rows
-
         add(train_rows(quick, min(reps, 5), None, padded=True))
     return rows
 
@@ -610,8 +591,6 @@ def run_bench(
         ValueError: ``shapes`` matches no shape, ``reps``/``threads`` below 1, or an unknown ``dtypes``/``cases``/
             ``malloc``.
     """
-    from .. import kernels
-
     if reps is not None and reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
     if threads is not None and threads < 1:
@@ -668,9 +647,7 @@ def run_bench(
                     "threads": torch.get_num_threads()}  # fmt: skip
             child_rows, meta["allocator"][setting] = _measure_in_child(spec, log)
             rows += child_rows
-    if "int8" in dts:  # int8 BERT inference vs fp32 and CTranslate2 (sublayer.bench.int8), in this process
-        from .jobs import int8_rows
-
+    if "int8" in dts:  # int8 BERT inference vs fp32 and CTranslate2 (sublayer.bench.jobs.int8_rows), here
         for r in int8_rows(quick, reps, out, model):
             r.malloc = "reuse" if memory.memory_reuse_active() else "default"
             rows.append(r)
@@ -693,8 +670,6 @@ def run_bench(
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m sublayer.bench [--quick] [--out DIR] [--no-compile] [--malloc default|reuse|both]``."""
-    import argparse
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--quick", action="store_true")
@@ -719,8 +694,6 @@ def main(argv: list[str] | None = None) -> None:
     if child:
         _child(child)
     elif jobs:
-        from .jobs import run_jobs
-
         if kw["threads"]:
             torch.set_num_threads(kw["threads"])
         run_jobs(quick=kw["quick"], reps=kw["reps"], only=only, model=kw["model"], work=Path(kw["out"]) / "jobs",

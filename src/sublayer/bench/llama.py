@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from ..models import Llama, LlamaConfig, fast_inference
 from .harness import Row, SideEnv, Worker, adamw_step, padded_batch, time_interleaved
 
 __all__ = [
@@ -94,8 +95,6 @@ def write_tokenizer(folder: str | os.PathLike, vocab_size: int) -> None:
 def llama_folder(quick: bool, work: str | os.PathLike) -> Path:
     """The benchmark's model (:data:`SMOLLM_135M`, or :data:`QUICK`) as a HF folder under ``work`` with its
     tokenizer; made once (seed 0, embedding scaled by :data:`EMBED_SCALE`), reused when present."""
-    from sublayer.models import Llama, LlamaConfig
-
     shape = QUICK if quick else SMOLLM_135M
     folder = Path(work) / f"llama-random-l{shape['n_layers']}-d{shape['d_model']}-v{shape['vocab_size']}"
     if not (folder / "tokenizer.json").is_file():
@@ -196,8 +195,6 @@ def _llama_cpp(folder: Path, types: tuple[str, ...], n_ctx: int, work: Path, not
 
 def _fast(model, log_notes: dict[str, str], name: str, **kw):
     """``fast_inference(model, **kw)``, or None with a note when it refuses a Llama (TypeError)."""
-    from sublayer.models import fast_inference
-
     try:
         return fast_inference(model, **kw)
     except (TypeError, NotImplementedError) as e:
@@ -208,8 +205,6 @@ def _fast(model, log_notes: dict[str, str], name: str, **kw):
 def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     """Greedy decoding, batch 1 and 8, every precision, against llama.cpp and HF (see the module doc)."""
     import transformers
-
-    from sublayer.models import Llama
 
     prompt, new = (8, 8) if quick else (32, 64)
     folder = llama_folder(quick, work)
@@ -289,8 +284,6 @@ def gpt2_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding: 
     Raises:
         ValueError: the peers environment is not built (``--peers-env DIR``): llama.cpp is this job's only peer.
     """
-    from sublayer.models import fast_inference
-
     cfg, prompt, new, folder, ours = gpt2_decoding(quick, work)
     notes: dict[str, str] = {}
     types = ("f32", "bf16", "f16")
@@ -327,8 +320,6 @@ def gpt2_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding: 
 
 def train_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     """One AdamW training step against HF ``labels=`` on padded batches, dropout off (see the module doc)."""
-    from sublayer.models import Llama, LlamaConfig
-
     shape = QUICK if quick else SMOLLM_135M
     b, t, lo = (4, 32, 13) if quick else (8, 256, 102)  # lengths lo..t: ~70 % real tokens
     torch.manual_seed(0)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .harness import Row, adamw_step, padded_batch, saved_bytes, time_interleaved
 from ..functional import linear_cross_entropy
+from ..models import GPT2, GPT2Config
+from .harness import Row, adamw_step, padded_batch, saved_bytes, time_interleaved
 
 __all__ = ["bench_loss", "bench_lm_head", "bench_gpt2_loss_step"]
 
@@ -64,18 +65,12 @@ def bench_lm_head(quick: bool, reps: int, warmup: int) -> Row:
 
 
 def bench_gpt2_loss_step(quick: bool, reps: int, warmup: int) -> Row:
-    from ..models import GPT2, GPT2Config
-
-    if quick:
-        cfg = GPT2Config(vocab_size=512, max_positions=16, d_model=32, n_layers=2, n_heads=4)
-        b, t, lo = 2, 16, 4
-    else:
-        cfg = GPT2Config(vocab_size=8192, max_positions=128, d_model=512, n_layers=6, n_heads=8)
-        b, t, lo = 8, 128, 32
+    cfg = GPT2Config(**dict(vocab_size=512, max_positions=16, d_model=32, n_layers=2, n_heads=4) if quick else
+                     dict(vocab_size=8192, max_positions=128, d_model=512, n_layers=6, n_heads=8))  # fmt: skip
+    b, t, lo = (2, 16, 4) if quick else (8, 128, 32)
     torch.manual_seed(0)
-    models = {"eager": GPT2(cfg)}
-    models["sublayer"] = GPT2(cfg)
-    models["sublayer"].load_state_dict(models["eager"].state_dict())
+    eager, ours = GPT2(cfg).train(), GPT2(cfg).train()
+    ours.load_state_dict(eager.state_dict())
     ids, mask = padded_batch(b, t, lo, cfg.vocab_size, seed=1)
     labels = ids.masked_fill(mask == 0, -100)
 
@@ -86,20 +81,15 @@ def bench_gpt2_loss_step(quick: bool, reps: int, warmup: int) -> Row:
     def fused_loss(m):
         return m.loss(ids, attention_mask=mask)
 
-    fns = {"eager": adamw_step(models["eager"], lambda: eager_loss(models["eager"])),
-           "sublayer": adamw_step(models["sublayer"], lambda: fused_loss(models["sublayer"]))}  # fmt: skip
-    for m in models.values():
-        m.train()
+    fns = {"eager": adamw_step(eager, lambda: eager_loss(eager)),
+           "sublayer": adamw_step(ours, lambda: fused_loss(ours))}  # fmt: skip
     res = time_interleaved(fns, reps, warmup)
     shape = f"{cfg.n_layers}L d{cfg.d_model} vocab {cfg.vocab_size} {b}x{t}"
     row = Row("GPT-2 train step: GPT2.loss vs logits + F.cross_entropy", shape, "fp32", "training").fill(res)
     row.extra["real tokens"] = f"{int(mask.sum())}/{b * t}"
     row.extra["dropout"] = cfg.dropout
-    params = list(models["eager"].parameters())
-    e = saved_bytes(lambda: eager_loss(models["eager"]), params)
-    s = saved_bytes(lambda: fused_loss(models["eager"]), params)
-    row.extra["saved MiB eager"] = round(e / 2**20, 3)
-    row.extra["saved MiB sublayer"] = round(s / 2**20, 3)
+    for name, loss in (("eager", eager_loss), ("sublayer", fused_loss)):  # both on the eager model's weights
+        row.extra[f"saved MiB {name}"] = round(saved_bytes(lambda: loss(eager), list(eager.parameters())) / 2**20, 3)
     return row
 
 

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .harness import Row, SideEnv, bert_batch, ct2_greedy, cycled, mean_pool, time_interleaved
+from ..models import Bert, fast_inference
+from .harness import Row, SideEnv, bert_batch, bert_model, ct2_greedy, cycled, mean_pool, time_interleaved
 from .llama import LlamaCpp
 
 __all__ = ["MIN_COS", "OV_ENV", "OpenVino", "decode_rows", "embed_rows", "export_ir", "ov_env", "ov_versions", "use_ov_env"]
@@ -107,23 +108,17 @@ def _bert_folder(quick: bool, model: Path | None, work: Path) -> tuple[Path, str
     """(a HF BERT folder, its name): ``model``, or random weights of MiniLM's shape (tiny: quick) saved once."""
     if model is not None:
         return Path(model), Path(model).name
-    from sublayer.models import Bert, BertConfig
-
-    shape = dict(vocab_size=1000, d_model=96, n_layers=2, n_heads=12, d_ff=384) if quick else \
-        dict(vocab_size=30522, d_model=384, n_layers=6, n_heads=12, d_ff=1536)  # fmt: skip
-    folder = Path(work) / f"bert-random-l{shape['n_layers']}-d{shape['d_model']}"
+    bert, name = bert_model(quick)
+    folder = Path(work) / f"bert-random-l{bert.config.n_layers}-d{bert.config.d_model}"
     if not (folder / "config.json").is_file():
-        torch.manual_seed(0)
-        Bert(BertConfig(**shape)).eval().to_hf().save_pretrained(folder)
-    return folder, "random tiny" if quick else "random, MiniLM's shape"
+        bert.to_hf().save_pretrained(folder)
+    return folder, name
 
 
 def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None, *,
                log: Callable[[str], None] = print) -> list[Row]:  # fmt: skip
     """MiniLM embeddings: ours fp32 / bf16 / int8 against HF and OpenVINO f32 / bf16 (see the module doc)."""
     import transformers
-
-    from sublayer.models import Bert, fast_inference
 
     folder, name = _bert_folder(quick, model, work)
     ours = Bert.from_pretrained(folder).eval()
@@ -138,12 +133,11 @@ def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None, *,
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             return m(input_ids=ids, attention_mask=mask).last_hidden_state
 
-    fns: dict[str, Callable[[], object]] = {f"sublayer {k}": (lambda m=m: m.embed(ids, mask)) for k, m in mine.items()}
-    fns |= {"HF fp32": lambda: mean_pool(hf_hidden(hf), mask), "HF bf16 weights": lambda: mean_pool(hf_hidden(hf_bf16), mask),
-            "HF bf16 autocast": lambda: mean_pool(hf_hidden(hf, True), mask)}  # fmt: skip
     hidden: dict[str, Callable[[], torch.Tensor]] = {f"sublayer {k}": (lambda m=m: m(ids, mask)) for k, m in mine.items()}
     hidden |= {"HF fp32": lambda: hf_hidden(hf), "HF bf16 weights": lambda: hf_hidden(hf_bf16),
                "HF bf16 autocast": lambda: hf_hidden(hf, True)}  # fmt: skip
+    fns: dict[str, Callable[[], object]] = {f"sublayer {k}": (lambda m=m: m.embed(ids, mask)) for k, m in mine.items()}
+    fns |= {k: (lambda h=h: mean_pool(h(), mask)) for k, h in hidden.items() if k.startswith("HF")}  # their pooling
     ov, note = _start(log, work)
     props: dict[str, dict] = {}
     try:
@@ -203,8 +197,6 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding
     (see the module doc). ``gpt2_decoding(quick, work)``: the ``decode`` job's (config, prompt length, new tokens,
     HF folder, our GPT2); ``ct2_generator(folder, "int8")``: CTranslate2's int8 generator on it, or None (those
     of :mod:`sublayer.bench.jobs`, passed in: that module runs these rows)."""
-    from sublayer.models import fast_inference
-
     cfg, prompt, new, folder, ours = gpt2_decoding(quick, work)
     mine = {"fp32": ours, "bf16": fast_inference(ours, dtype=torch.bfloat16), "int8": fast_inference(ours, quantize="int8")}
     ct2 = ct2_generator(folder, "int8")
