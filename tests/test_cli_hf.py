@@ -149,7 +149,7 @@ def test_a_model_name_resolves_through_the_local_hub_cache(cli, gpt2_dir, tmp_pa
 def test_generate_picks_the_class_from_model_type(cli, tmp_path, kind):
     import transformers
 
-    from sublayer.models import Llama
+    from sublayer.models import Llama, quantized
 
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -165,8 +165,10 @@ def test_generate_picks_the_class_from_model_type(cli, tmp_path, kind):
     assert code == 0
     want = Llama.from_pretrained(tmp_path).generate(torch.tensor([[5, 9, 11]]), 6, eos_token_id=2)[0].tolist()
     assert out.split() == [str(i) for i in want]
-    code, _, err = cli("generate", "--model", tmp_path, "5 9", "--quantize", "int8")
-    _one_line_error(code, err, f"--quantize int8 supports model_type gpt2 only; {tmp_path} holds model_type {kind!r}")
+    code, out8, _ = cli("generate", "--model", tmp_path, "5 9 11", "-n", "6", "--quantize", "int8")
+    assert code == 0
+    int8 = quantized.quantize(Llama.from_pretrained(tmp_path))
+    assert out8.split() == [str(i) for i in int8.generate(torch.tensor([[5, 9, 11]]), 6, eos_token_id=2)[0].tolist()]
 
 
 def test_bad_tokenizer_file(cli, tmp_path):
@@ -287,7 +289,7 @@ def test_generate_quantize_int8(cli, gpt2_dir, bert_dir, tmp_path):
     _one_line_error(code, err, "error: --quantize must be one of int8, got 'int4'")
     quantized.quantize(Bert.from_pretrained(bert_dir)).save_pretrained(tmp_path / "b")
     code, _, err = cli("generate", "--model", tmp_path / "b", "5 6")
-    _one_line_error(code, err, "holds a quantized QuantizedBert, not a GPT-2")
+    _one_line_error(code, err, "holds a quantized QuantizedBert, not a causal LM")
     code, _, err = cli("embed", "--model", tmp_path / "g", "hello")
     _one_line_error(code, err, "holds a quantized QuantizedCausalLM, not a BERT")
 

@@ -80,15 +80,16 @@ def _saved_int8(folder: str | os.PathLike, cls: type, kind: str, job: str):
 
 def load_causal_lm(folder: str | os.PathLike, *, quantize: str | None = None):
     """The causal LM of ``folder`` in eval mode: :class:`GPT2` or :class:`Llama` from ``config.json``'s
-    ``model_type`` (a saved int8 folder: its :class:`QuantizedGPT2`); ``quantize="int8"``: weight-int8 GPT-2.
+    ``model_type`` (a saved int8 folder: its :class:`QuantizedCausalLM`); ``quantize="int8"``: the model's int8
+    snapshot (:func:`sublayer.models.quantized.quantize`).
 
     Raises:
-        ValueError: a model type other than :data:`GENERATE_TYPES`, ``quantize`` for a non-GPT-2 model or of an
-        unknown kind, a quantized folder that holds another model.
+        ValueError: a model type other than :data:`GENERATE_TYPES`, ``quantize`` of an unknown kind, a quantized
+        folder that holds another model.
     """
     if quantize is not None:
         q.check_quantize(quantize)
-    net = _saved_int8(folder, q.QuantizedGPT2, "GPT-2", "generate")
+    net = _saved_int8(folder, q.QuantizedCausalLM, "causal LM", "generate")
     if net is not None:
         return net
     kind = read_config(folder).get("model_type")
@@ -97,8 +98,6 @@ def load_causal_lm(folder: str | os.PathLike, *, quantize: str | None = None):
             f"generate supports model_type {', '.join(GENERATE_TYPES)}; {Path(folder) / 'config.json'} has "
             f"model_type {kind!r}"
         )
-    if kind != "gpt2" and quantize is not None:
-        raise ValueError(f"quantize {quantize} supports model_type gpt2 only; {folder} holds model_type {kind!r}")
     net = (GPT2 if kind == "gpt2" else Llama).from_pretrained(folder).eval()
     return q.quantize(net) if quantize is not None else net
 

@@ -4,6 +4,8 @@ portable loop."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -227,6 +229,29 @@ def test_int8_linear_class_rejects_bad_arguments():
         Int8Linear(torch.zeros(3, 2, dtype=torch.int8), torch.ones(3), activations="float", single_row_bits=24)
     with pytest.raises(TypeError, match="q must be a 2-D int8 tensor"):
         Int8Linear(torch.zeros(3, 2), torch.ones(3))
+
+
+@pytest.mark.parametrize(("activations", "bits"), [("int8", 8), ("int8", 24), ("float", 8)])
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_int8_linear_class_checks_the_inner_size_and_the_vectors(activations, bits, kernels_on, monkeypatch):
+    """x's inner size must be q's K exactly, also where ceil(K/4) matches (the int8 kernel sees only that); scale
+    and bias are (N,), smooth (K,), checked when the layer is made."""
+    if kernels_on and not kernels.available():
+        pytest.skip("C++ kernels unavailable")
+    monkeypatch.setattr(kernels, "_enabled", kernels_on)
+    q, s = _int8(3, 7, 11), torch.rand(7) * 0.03
+    lin = Int8Linear(q, s, torch.zeros(7), activations=activations, single_row_bits=bits)
+    of_q = r"for q of shape \(N, K\)=\(7, 11\), got "
+    for shape in ((1, 9), (3, 10), (3, 12), (11,)):
+        with pytest.raises(ValueError, match=r"x must be \(M, K=11\) " + of_q + re.escape(str(shape))):
+            lin(torch.randn(shape))
+    assert lin(torch.randn(3, 11)).shape == (3, 7)
+    with pytest.raises(ValueError, match=r"scale must have shape \(N=7,\) " + of_q + r"\(5,\)"):
+        Int8Linear(q, s[:5])
+    with pytest.raises(ValueError, match=r"bias must have shape \(N=7,\) " + of_q + r"\(3,\)"):
+        Int8Linear(q, s, torch.zeros(3))
+    with pytest.raises(ValueError, match=r"smooth must have shape \(K=11,\) " + of_q + r"\(7,\)"):
+        Int8Linear(q, s, smooth=torch.ones(7))
 
 
 @needs_kernels

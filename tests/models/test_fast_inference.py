@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from sublayer import kernels
-from sublayer.models import GPT2, Bert, BertConfig, GPT2Config
+from sublayer.models import GPT2, Bert, BertConfig, GPT2Config, Llama, LlamaConfig
+from sublayer.models import quantized as Q
 from sublayer.models.fast import FastBert, FastGPT2, fast_inference
 
 COS_MIN = 0.999  # issue 5: the bf16 fast path keeps cosine >= 0.999 to fp32
@@ -183,6 +184,44 @@ def test_weights_are_never_stale_and_training_is_untouched():
         torch.testing.assert_close(fast(ids, mask)[real], m(ids, mask)[real])
     with pytest.raises(RuntimeError, match="inference-only wrapper; train the model itself"):
         fast.train()
+
+
+def _make_llama() -> Llama:
+    cfg = LlamaConfig(vocab_size=53, max_positions=31, d_model=14, n_layers=2, n_heads=7, n_kv_heads=1, d_ff=11)
+    return _randomize(Llama(cfg))
+
+
+@pytest.mark.parametrize("make", [make_bert, make_gpt2, _make_llama], ids=["bert", "gpt2", "llama"])
+def test_int8_wrapper_follows_the_model_and_quantize_is_a_snapshot(make):
+    m = make()
+    twin = copy.deepcopy(m)
+    ids = torch.randint(1, 53, (3, 7))
+    int8, snapshot = fast_inference(m, quantize="int8"), Q.quantize(m)
+    before = int8(ids)
+
+    def same_as_fresh():  # the wrapper equals an int8 wrapper built now from the model's current weights
+        torch.testing.assert_close(int8(ids), Q.quantize(m)(ids), rtol=0, atol=0)
+        if not isinstance(m, Bert):
+            assert torch.equal(int8.generate(ids[:, :3], 4), Q.quantize(m).generate(ids[:, :3], 4))
+
+    opt = torch.optim.AdamW(m.parameters(), lr=5e-2, fused=True)  # fused steps leave the version counters alone
+    for _ in range(2):
+        (m(ids).square().mean() if isinstance(m, Bert) else m.loss(ids)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert not torch.allclose(int8(ids), before)
+    same_as_fresh()
+    next(p for p in m.parameters() if p.dim() == 2).data.mul_(1.5)  # a whole-weight write through .data
+    same_as_fresh()
+    m.load_state_dict(twin.state_dict())
+    same_as_fresh()
+    torch.testing.assert_close(int8(ids), before, rtol=0, atol=0)
+    with torch.no_grad():  # quantize(model) keeps the weights it was built from, the embeddings included
+        for p in m.parameters():
+            p.add_(1.0)
+    torch.testing.assert_close(snapshot(ids), before, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="train the model itself: it re-quantizes on the next call"):
+        int8.train()
 
 
 def test_bad_input():

@@ -73,7 +73,9 @@ def fast_inference(
         dtype: ``torch.bfloat16`` (default: bf16 weights and activations where the CPU has native bf16 GEMMs,
             float32 elsewhere) or ``torch.float32``.
         quantize: None, or ``"int8"``: the int8 wrapper of :mod:`sublayer.models.quantized` (QuantizedBert /
-            QuantizedCausalLM; its float parts run in float32 whatever ``dtype`` says).
+            QuantizedCausalLM; its float parts run in float32 whatever ``dtype`` says), which like the float
+            wrappers re-quantizes from the model's current weights after any change (``quantize(model,
+            follow=True)``).
 
     Returns:
         :class:`FastBert` (``__call__``/``forward``, ``embed``, ``pooled`` as the model's) or
@@ -89,7 +91,7 @@ def fast_inference(
         from . import quantized
 
         quantized.check_quantize(quantize)
-        return quantized.quantize(model)
+        return quantized.quantize(model, follow=True)
     if isinstance(model, Bert):
         return FastBert(model, dtype=dtype)
     if isinstance(model, CausalLM):

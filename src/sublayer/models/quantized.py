@@ -8,7 +8,7 @@ What is quantized in BERT, and how:
 
 * every dense layer of the blocks (fused q|k|v, attention output, FFN in and out) except those named by
   ``keep_float``: weights **int8, symmetric per output channel** (``w ≈ q · s[j]``, ``s[j] = max|w[j, :]| / 127``),
-  quantized once when the wrapper is built;
+  quantized when the wrapper is built (a following wrapper: again whenever the model's weights changed);
 * their inputs are quantized **dynamically, per token**. Where :func:`own_int8_gemm` (the kernels built, a CPU
   with AVX512-VNNI or AMX-INT8) the layers are :class:`sublayer.runtime.linear.Int8Linear` with int8 activations:
   each token uint8 with its own scale and zero point (256 levels over the token's range,
@@ -35,10 +35,12 @@ What is quantized in BERT, and how:
   Without fbgemm (another CPU architecture) on the linear_dynamic path :func:`int8_linear_reference` computes the
   same numbers in plain PyTorch (slowly).
 
-The wrapper is independent of the float model once built (it holds only the tensors it uses):
-:meth:`QuantizedBert.save_pretrained` writes them to ``model.safetensors`` + ``config.json`` (the HF config with
-a ``quantization_config`` entry), :func:`load_quantized` reads them back without quantizing again. The float
-``Bert.from_pretrained`` refuses such a folder and names :func:`load_quantized`.
+``quantize(model)`` is an independent snapshot (it holds only the tensors it uses, its own copies);
+``fast_inference(model, quantize="int8")`` (``quantize(model, follow=True)``) holds the model and re-quantizes from
+its current weights on the next call after any change (:func:`sublayer.runtime.weights.prepared`, as the float
+fast paths). Either saves: :meth:`QuantizedBert.save_pretrained` writes the tensors to ``model.safetensors`` +
+``config.json`` (the HF config with a ``quantization_config`` entry), :func:`load_quantized` reads them back
+without quantizing again. The float ``Bert.from_pretrained`` refuses such a folder and names :func:`load_quantized`.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from .bert import Bert, BertConfig
 from .prepared_bert import PreparedBert, bert_layers, bert_tensors
 from ..runtime.linear import Int8Linear as ActInt8Linear
 from ..runtime.rows import add_norm, bias_act, kernels_on
+from ..runtime.weights import prepared
 from .causal_lm import CausalLM
 from .gpt2 import GPT2, GPT2Config
 from .llama import MODEL_TYPES as LLAMA_TYPES
@@ -335,7 +338,8 @@ def _epilogue_add_norm(y, r, b, resid, w, beta, eps: float, nxt):
 # ----------------------------------------------------------------------------------------------- BERT
 class QuantizedBert(PreparedBert):
     """int8 inference wrapper of a :class:`Bert` (build with :func:`quantize` / ``fast_inference(quantize="int8")``):
-    :class:`~.fast.PreparedBert` on int8 layers, from its own tensors (independent of the float model).
+    :class:`~.fast.PreparedBert` on int8 layers: a snapshot's own tensors, or (``model`` given) the model's
+    current weights re-quantized on the next call after any change, with the same ``calibration`` ids.
 
     Forward: as :meth:`Bert.forward` (``input_ids``, ``attention_mask`` 1 = token, ``token_type_ids``) -> float32
     (B, T, d_model); hidden states at padded positions are zeros. ``embed`` and ``pooled`` as the model's.
@@ -347,18 +351,44 @@ class QuantizedBert(PreparedBert):
     """
 
     def __init__(
-        self, config: BertConfig, tensors: dict[str, Tensor], keep_float: tuple[str, ...], *,
-        own_gemm: bool | None = None,
+        self, config: BertConfig, tensors: dict[str, Tensor] | None, keep_float: tuple[str, ...], *,
+        own_gemm: bool | None = None, model: Bert | None = None, calibration: Tensor | None | bool = None,
     ) -> None:  # fmt: skip
-        self.config, self.tensors, self.keep_float = config, tensors, tuple(keep_float)
-        self._check = Bert(config, pooler="pooler.dense.weight" in tensors, device="meta")._prepare  # checks only
-        self.pooler = "pooler.dense.weight" in tensors
+        self.config, self.keep_float, self.model = config, tuple(keep_float), model
         self.compute_dtype = torch.float32
         self.own_gemm = own_int8_gemm() if own_gemm is None else bool(own_gemm)
-        self.layers = bert_layers(tensors, config, lambda t, name: _make_linear(t, name, self.own_gemm))
+        if model is None:
+            self._own = self._build(tensors)
+        else:  # following: the same calibration ids at every re-quantization, and in the cache key
+            self.calibration = calibration.clone() if isinstance(calibration, Tensor) else calibration
+            ids = calibration
+            if isinstance(calibration, Tensor):
+                ids = (tuple(calibration.shape), *calibration.flatten().tolist())
+            self._key = ("int8", self.keep_float, self.own_gemm, ids)
+            self._train_error = "is an inference-only wrapper; train the model itself: it re-quantizes on the next call"
+        self.pooler = "pooler.dense.weight" in self.tensors  # a following wrapper quantizes (and checks) here
+        self._check = Bert(config, pooler=self.pooler, device="meta")._prepare  # checks only
+
+    def _build(self, t: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[dict]]:
+        return t, bert_layers(t, self.config, lambda t, name: _make_linear(t, name, self.own_gemm))
 
     def _parts(self) -> tuple[dict[str, Tensor], list[dict]]:
-        return self.tensors, self.layers
+        """``(tensors, layers)``: a following wrapper's from :func:`sublayer.runtime.weights.prepared` (re-quantized
+        whenever a parameter of the model changed), a snapshot's own."""
+        if self.model is None:
+            return self._own
+        build = lambda m: self._build(_int8_tensors(m, self.keep_float, self.calibration, copy=False))  # noqa: E731
+        return prepared(self.model, self._key, build)
+
+    @property
+    def tensors(self) -> dict[str, Tensor]:
+        """The stored tensors (dense layers as ``qweight`` + ``scale`` (+ ``smooth``) unless kept float)."""
+        return self._parts()[0]
+
+    @property
+    def layers(self) -> list[dict]:
+        """The layers of :func:`sublayer.runtime.encoder.run_layers`."""
+        return self._parts()[1]
 
     _train_error = "is inference-only; train the float model and quantize it again"
     split_probs = False  # bf16 probabilities: their error is small next to int8 activations
@@ -372,25 +402,14 @@ class QuantizedBert(PreparedBert):
     @classmethod
     def from_model(
         cls, model: Bert, keep_float=None, calibration: Tensor | None | bool = None, *,
-        own_gemm: bool | None = None,
+        own_gemm: bool | None = None, follow: bool = False,
     ) -> QuantizedBert:
         """See :func:`quantize`; ``own_gemm`` as the constructor's."""
         keep_float = default_keep_float(own_gemm) if keep_float is None else keep_float
         keep_float = check_keep_float(keep_float, dense_names(model.config.n_layers))
-        check_float_cpu(model)
-        t = {k: v.float() for k, v in bert_tensors(model).items()}
-        dense = dense_names(model.config.n_layers)
-        amax = {}
-        if calibration is not False:
-            ref = cls(model.config, t, ("*",))
-            for i, L in enumerate(ref.layers):
-                for k in LINEARS:
-                    L[k].amax = amax[f"layers.{i}.{k}"] = torch.zeros(L[k].w.shape[1])
-            ref(_calibration_ids(model.config, calibration))
-        for k in dense:
-            keep = any(fnmatch.fnmatchcase(k, pat) for pat in keep_float)
-            t |= _linear_tensors(k, t.pop(f"{k}.weight"), t.pop(f"{k}.bias"), keep, amax.get(k))
-        t = {k: v.contiguous() for k, v in t.items()}
+        if follow:
+            return cls(model.config, None, keep_float, own_gemm=own_gemm, model=model, calibration=calibration)
+        t = _int8_tensors(model, keep_float, calibration, copy=True)
         return cls(model.config, t, keep_float, own_gemm=own_gemm)
 
     @staticmethod
@@ -430,6 +449,24 @@ class QuantizedBert(PreparedBert):
         return f"QuantizedBert(int8 layers={n_q}/{4 * len(self.layers)}, keep_float={self.keep_float}, gemm={gemm})"
 
 
+def _int8_tensors(model: Bert, keep_float: tuple[str, ...], calibration, *, copy: bool) -> dict[str, Tensor]:
+    """``model``'s stored int8 tensors (:func:`quantize`'s smoothing and quantization); ``copy``: every tensor its
+    own (a snapshot), else the float ones may be views of the parameters."""
+    check_float_cpu(model)
+    t = {k: v.float() for k, v in bert_tensors(model).items()}
+    amax = {}
+    if calibration is not False:
+        ref = QuantizedBert(model.config, t, ("*",))
+        for i, L in enumerate(ref.layers):
+            for k in LINEARS:
+                L[k].amax = amax[f"layers.{i}.{k}"] = torch.zeros(L[k].w.shape[1])
+        ref(_calibration_ids(model.config, calibration))
+    for k in dense_names(model.config.n_layers):
+        keep = any(fnmatch.fnmatchcase(k, pat) for pat in keep_float)
+        t |= _linear_tensors(k, t.pop(f"{k}.weight"), t.pop(f"{k}.bias"), keep, amax.get(k))
+    return {k: v.contiguous().clone() if copy else v.contiguous() for k, v in t.items()}
+
+
 def _calibration_ids(config: BertConfig, calibration: Tensor | None | bool) -> Tensor:
     """The ids the float model runs on to measure each dense layer's input range: the user's (B, T) ids, or
     (default) 8 x min(128, max_positions) random ids from a fixed seed."""
@@ -441,9 +478,13 @@ def _calibration_ids(config: BertConfig, calibration: Tensor | None | bool) -> T
 
 
 def quantize(
-    model: Bert | CausalLM, *, keep_float=None, calibration: Tensor | None | bool = None
+    model: Bert | CausalLM, *, keep_float=None, calibration: Tensor | None | bool = None, follow: bool = False
 ) -> QuantizedBert | QuantizedCausalLM:
-    """The int8 inference wrapper of ``model`` (see the module docstring).
+    """The int8 inference wrapper of ``model`` (see the module docstring): by default an independent snapshot of
+    the weights ``model`` has now (it holds only its own tensors, not the model); with ``follow`` (what
+    ``fast_inference(model, quantize="int8")`` returns) a wrapper holding ``model`` that re-quantizes from the
+    current weights on the next call after any change (:func:`sublayer.runtime.weights.prepared`, the float fast
+    paths' cache; BERT with the same calibration ids each time).
 
     Args:
         model: a :class:`Bert` or a decoder-only LM (:class:`GPT2`, :class:`Llama`) with float32 CPU parameters.
@@ -453,13 +494,14 @@ def quantize(
         calibration: BERT only: (B, T) token ids the float layers run on to measure input ranges for the
             smoothing factors; None: 8 random sequences (fixed seed); False: no smoothing. The LMs' activations
             stay float32: nothing to calibrate (must be None).
+        follow: keep ``model`` and re-quantize its weights whenever they changed (False: a snapshot).
 
     Raises:
         TypeError: not a Bert or causal LM, or bad ``keep_float``. ValueError: parameters not float32 or not on
         the CPU, bad calibration ids (as :meth:`Bert.forward`), ``calibration`` given for a causal LM.
     """
     if isinstance(model, Bert):
-        return QuantizedBert.from_model(model, keep_float, calibration)
+        return QuantizedBert.from_model(model, keep_float, calibration, follow=follow)
     if isinstance(model, CausalLM):
         if calibration is not None:
             raise ValueError(
@@ -467,7 +509,8 @@ def quantize(
                 f"weight-only (its activations stay float32), so calibration must be None, got "
                 f"{type(calibration).__name__}"
             )
-        return QuantizedCausalLM.from_model(model, DEFAULT_KEEP_FLOAT_GPT2 if keep_float is None else keep_float)
+        keep_float = DEFAULT_KEEP_FLOAT_GPT2 if keep_float is None else keep_float
+        return QuantizedCausalLM.from_model(model, keep_float, follow=follow)
     raise TypeError(f"int8 quantization needs a sublayer Bert, GPT2 or Llama model, got {type(model).__name__}")
 
 

@@ -36,7 +36,9 @@ bytes, so keeping it float (``keep_float=("head",)``) makes greedy decoding at b
 GPT-2-sized models it did not raise agreement with the fp32 model's tokens (``sublayer bench --decode`` has rows
 for both).
 
-The wrapper holds only the tensors it uses (the engine's names, :func:`sublayer.runtime.causal.named_tensors`):
+``quantize(model)`` is an independent snapshot holding only the tensors it uses (its own copies, under the engine's
+names, :func:`sublayer.runtime.causal.named_tensors`); ``fast_inference(model, quantize="int8")`` holds the model
+and re-quantizes from its current weights on the next call after any change (:func:`sublayer.runtime.weights.prepared`).
 :meth:`QuantizedCausalLM.save_pretrained` writes them to ``model.safetensors`` + ``config.json`` (the model's HF
 config with a ``quantization_config`` entry); :func:`sublayer.models.quantized.load_quantized` reads them back;
 ``GPT2.from_pretrained`` / ``Llama.from_pretrained`` refuse such a folder.
@@ -53,7 +55,8 @@ from torch import Tensor
 from .. import checkpoints as ckpt
 from ..runtime import causal
 from ..runtime.linear import Int8Linear, PackedLinear, weight_int8_linear_reference
-from ..runtime.rows import inference
+from ..runtime.rows import inference, kernels_on
+from ..runtime.weights import prepared
 from .causal_lm import CausalLM, PreparedCausalLM
 from .int8 import (
     LINEARS, check_float_cpu, check_keep_float, dense_names, dense_spec, own_int8_gemm, quant_config, quantize_weight,
@@ -112,46 +115,61 @@ class QuantizedCausalLM(PreparedCausalLM):
     Args:
         skeleton: the model's class built on the meta device (its structure: head layout, norms, rotary).
         tensors: the engine's named tensors (:func:`sublayer.runtime.causal.named_tensors`), dense weights as
-            ``{name}.qweight`` + ``{name}.scale`` unless kept float.
+            ``{name}.qweight`` + ``{name}.scale`` unless kept float (None with ``model``).
         keep_float: the patterns the dense layers were matched against.
+        model: None (a snapshot of ``tensors``), or the model to follow: its current weights re-quantized on the
+            next call after any change.
 
     Raises:
         TypeError/ValueError: as the model's ``forward`` / ``generate``.
     """
 
-    def __init__(self, skeleton: torch.nn.Module, tensors: dict[str, Tensor], keep_float: tuple[str, ...]) -> None:
-        self.skeleton, self.config, self.tensors, self.keep_float = skeleton, skeleton.config, tensors, tuple(keep_float)
+    def __init__(
+        self, skeleton: torch.nn.Module, tensors: dict[str, Tensor] | None, keep_float: tuple[str, ...], *,
+        model: CausalLM | None = None,
+    ) -> None:  # fmt: skip
+        self.skeleton, self.config, self.keep_float = skeleton, skeleton.config, tuple(keep_float)
         self.generation_config = ckpt.GenerationConfig.from_model_config(self.config)  # generate's defaults
         self.compute_dtype = torch.float32
-        self._W: causal.CausalWeights | None = None
+        self.model, self._own, self._form = model, tensors, None
+        if model is not None:
+            self._train_error = "is an inference-only wrapper; train the model itself: it re-quantizes on the next call"
 
     @classmethod
-    def from_model(cls, model: CausalLM, keep_float=DEFAULT_KEEP_FLOAT_GPT2) -> QuantizedCausalLM:
+    def from_model(
+        cls, model: CausalLM, keep_float=DEFAULT_KEEP_FLOAT_GPT2, *, follow: bool = False
+    ) -> QuantizedCausalLM:
+        """See :func:`sublayer.models.quantized.quantize`: a snapshot of ``model``'s weights now, or with ``follow``
+        a wrapper holding ``model`` that re-quantizes its current weights whenever they changed."""
         keep_float = check_keep_float(keep_float, dense_names(model.config.n_layers, head=True))
-        check_float_cpu(model)
-        tied = model.config.tie_word_embeddings
-        t: dict[str, Tensor] = {}
-        # copies: the wrapper does not follow later changes to the model
-        for name, v in causal.named_tensors(model).items():
-            layer = name.rsplit(".", 1)[0]
-            if not _dense(name):
-                t[name] = v.float().contiguous().clone()
-            elif any(fnmatch.fnmatchcase(layer, pat) for pat in keep_float):
-                if name != "head.weight" or not tied:  # a tied float head is wte itself
-                    t[name] = v.float().contiguous().clone()
-            else:
-                t[f"{layer}.qweight"], t[f"{layer}.scale"] = quantize_weight(v)
-        out = cls(skeleton(model), t, keep_float)
+        out = cls(skeleton(model), None if follow else _int8_tensors(model, keep_float, copy=True), keep_float,
+                  model=model if follow else None)  # fmt: skip
         out.generation_config = model.generation_config
+        out.weights()  # quantizes now (and checks the model)
         return out
 
+    def _build(self, t: dict[str, Tensor]) -> tuple[dict[str, Tensor], causal.CausalWeights]:
+        cache = torch.bfloat16 if any(name.endswith(".qweight") for name in t) else torch.float32
+        return t, causal.build(self.skeleton, int8_linear, t, cache_dtype=cache)
+
+    def _parts(self) -> tuple[dict[str, Tensor], causal.CausalWeights]:
+        """``(tensors, decoding weights)``: a following wrapper's from :func:`sublayer.runtime.weights.prepared`
+        (re-quantized whenever a parameter of the model changed), a snapshot's built once."""
+        if self.model is not None:
+            key = ("int8", self.keep_float, kernels_on())
+            return prepared(self.model, key, lambda m: self._build(_int8_tensors(m, self.keep_float, copy=False)))
+        if self._form is None:
+            self._form = self._build(self._own)
+        return self._form
+
+    @property
+    def tensors(self) -> dict[str, Tensor]:
+        """The engine's named tensors (dense weights as ``{name}.qweight`` + ``{name}.scale`` unless kept float)."""
+        return self._own if self.model is None else self._parts()[0]
+
     def weights(self) -> causal.CausalWeights:
-        """The decoding weights (:func:`sublayer.runtime.causal.build` over the int8 tensors), built once."""
-        if self._W is None:
-            int8 = any(name.endswith(".qweight") for name in self.tensors)
-            cache = torch.bfloat16 if int8 else torch.float32
-            self._W = causal.build(self.skeleton, int8_linear, self.tensors, cache_dtype=cache)
-        return self._W
+        """The decoding weights (:func:`sublayer.runtime.causal.build` over the int8 tensors)."""
+        return self._parts()[1]
 
     @property
     def blocks(self) -> list:
@@ -205,6 +223,22 @@ class QuantizedCausalLM(PreparedCausalLM):
         lins = [L[k] for L in W.layers for k in LINEARS] + [W.head]
         n_q = sum(isinstance(lin, WeightInt8Linear) for lin in lins)
         return f"{type(self).__name__}(weight-only int8 layers={n_q}/{len(lins)}, keep_float={self.keep_float})"
+
+
+def _int8_tensors(model: CausalLM, keep_float: tuple[str, ...], *, copy: bool) -> dict[str, Tensor]:
+    """``model``'s engine tensors with the dense weights quantized (``{layer}.qweight`` + ``{layer}.scale``) unless
+    ``keep_float`` matches them; ``copy``: the float tensors cloned (a snapshot), else views of the parameters."""
+    check_float_cpu(model)
+    tied = model.config.tie_word_embeddings
+    t: dict[str, Tensor] = {}
+    for name, v in causal.named_tensors(model).items():
+        layer = name.rsplit(".", 1)[0]
+        if _dense(name) and not any(fnmatch.fnmatchcase(layer, pat) for pat in keep_float):
+            t[f"{layer}.qweight"], t[f"{layer}.scale"] = quantize_weight(v)
+        elif not _dense(name) or name != "head.weight" or not tied:  # a tied float head is wte itself
+            v = v.float().contiguous()
+            t[name] = v.clone() if copy else v
+    return t
 
 
 def skeleton(model: CausalLM) -> CausalLM:

@@ -163,7 +163,8 @@ class Int8Linear:
 
     Raises:
         ValueError: ``activations`` is neither "int8" nor "float", ``smooth`` or ``single_row_bits=24`` with float
-            activations, ``single_row_bits`` neither 8 nor 24.
+            activations, ``single_row_bits`` neither 8 nor 24, ``scale`` / ``bias`` not of shape (N,) or
+            ``smooth`` not (K,); at the call, ``x`` not (M, K).
         TypeError: ``q`` is not a 2-D int8 tensor.
     """
 
@@ -181,6 +182,11 @@ class Int8Linear:
             )
         if q.dtype != torch.int8 or q.dim() != 2:
             raise TypeError(f"Int8Linear: q must be a 2-D int8 tensor, got {q.dtype} {tuple(q.shape)}")
+        for name, t, size, side in (("scale", scale, q.shape[0], "N"), ("bias", bias, q.shape[0], "N"),
+                                    ("smooth", smooth, q.shape[1], "K")):  # fmt: skip
+            if t is not None and tuple(t.shape) != (size,):
+                raise ValueError(f"Int8Linear: {name} must have shape ({side}={size},) for q of shape (N, K)="
+                                 f"{tuple(q.shape)}, got {tuple(t.shape)}")  # fmt: skip
         self.q, self.scale, self.activations = q.detach().contiguous(), scale.detach().float().contiguous(), activations
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_features, self.in_features = q.shape
@@ -214,6 +220,9 @@ class Int8Linear:
         return self.packed(), self.scale, torch.empty(0) if self.bias is None else self.bias, self.colsum
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"Int8Linear: x must be (M, K={self.in_features}) for q of shape (N, K)="
+                             f"{tuple(self.q.shape)}, got {tuple(x.shape)}")  # fmt: skip
         bits = self.single_row_bits if x.shape[0] == 1 else 8
         if kernels_on():
             act, n = EPILOGUE.get(activation, 0), self.out_features
