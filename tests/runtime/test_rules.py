@@ -75,8 +75,8 @@ def test_global_hooks_count():
         handle.remove()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_inference_steps_aside_for_hooks(dtype):
+@pytest.mark.parametrize("kw", [{"dtype": torch.float32}, {"dtype": torch.bfloat16}, {"quantize": "int8"}])
+def test_fast_inference_steps_aside_for_hooks(kw):
     """A steering hook on a block (and a probe on an FFN) changes fast_inference's logits and tokens as the model's."""
     from sublayer.models import Bert, BertConfig, Llama, LlamaConfig, fast_inference
 
@@ -85,7 +85,7 @@ def test_fast_inference_steps_aside_for_hooks(dtype):
                               d_ff=22, eos_token_id=None)).eval()  # fmt: skip
     ids = torch.randint(0, 53, (2, 5), generator=torch.Generator().manual_seed(1))
     for model in (_gpt2(), llama):
-        fast = fast_inference(model, dtype=dtype)
+        fast = fast_inference(model, **kw)
         plain = fast.generate(ids, 6)
         calls = []
         handles = [model.blocks[0].register_forward_hook(_steer),
@@ -100,7 +100,7 @@ def test_fast_inference_steps_aside_for_hooks(dtype):
                 h.remove()
         assert not torch.equal(plain, steered)
     bert = Bert(BertConfig(vocab_size=53, d_model=15, n_layers=2, n_heads=3, d_ff=23, max_positions=31)).eval()
-    fast = fast_inference(bert, dtype=dtype)
+    fast = fast_inference(bert, **kw)
     mask = torch.tensor([[1] * 5, [0, 1, 1, 1, 1]])
     handle = bert.encoder.layers[0].register_forward_hook(_steer)
     try:

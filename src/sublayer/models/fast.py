@@ -44,7 +44,6 @@ from ..kernels import onednn
 from ..runtime import causal
 from ..runtime.linear import DenseLinear, OneDNNLinear
 from ..runtime.rows import inference, kernels_on
-from ..runtime.rules import fast_path_allowed
 from ..runtime.weights import clear_cache, prepared
 from .bert import Bert
 from .causal_lm import CausalLM, PreparedCausalLM
@@ -121,11 +120,6 @@ class _FastBase:
         self.config = model.config
         self.dtype = dtype
         self.compute_dtype = compute_dtype(dtype)
-
-    def _reference(self):
-        """The model, when the wrapper must step aside for its own forward (hooks, sharding:
-        :func:`sublayer.runtime.rules.fast_path_allowed`); else None."""
-        return None if fast_path_allowed(self.model) else self.model
 
     def _weights(self):
         """The cast weights (:func:`sublayer.runtime.weights.prepared`: rebuilt whenever a parameter changes)."""

@@ -15,6 +15,7 @@ from torch import Tensor
 from .. import functional as SF
 from .. import kernels
 from ..functional import fused
+from .rules import fast_path_allowed
 
 __all__ = [
     "kernels_on", "inference", "eval_mode", "InferenceOnly", "layer_norm", "norm_rows", "add_norm", "bias_act", "ffn_hidden",
@@ -59,9 +60,12 @@ class InferenceOnly:
 
     training = False
     _train_error = "is inference-only; train the model itself and prepare it again"
+    model = None  # the model a wrapper follows (None: it holds its own weights)
 
     def _reference(self):
-        return None
+        """The followed ``model`` while a fast path may not run on it (hooks, sharding:
+        :func:`sublayer.runtime.rules.fast_path_allowed`), else None."""
+        return None if self.model is None or fast_path_allowed(self.model) else self.model
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
