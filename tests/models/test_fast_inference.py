@@ -96,6 +96,24 @@ def test_bert_matches_fp32_with_padding(kernels_mode, compute):
         _check(fast(ids), m(ids), compute)  # no mask at all
 
 
+@pytest.mark.parametrize("side", ["left", "right", "none"])
+def test_bert_pooler_reads_position_0_padded_or_not(kernels_mode, compute, side):
+    # as the model's pooled (and HF's pooler): position 0 runs even when it is padding (left padding)
+    m = make_bert()
+    ids, mask = _batch()
+    if side == "left":
+        mask = mask.flip(1)
+    elif side == "none":
+        mask = torch.ones_like(mask)
+    fast = fast_inference(m, dtype=compute)
+    with torch.no_grad():
+        ref = m.pooled(ids, mask)
+        out = fast(ids, mask, return_dict=True)
+    _check(fast.pooled(ids, mask), ref, compute)
+    _check(out.pooler_output, ref, compute)
+    _check(out.last_hidden_state, fast(ids, mask), torch.float32)  # position 0 padded: still zeros there
+
+
 def test_autocast_outside_changes_nothing():
     # the wrapper switches autocast off inside: its compute dtype, not the caller's autocast, decides the GEMMs
     m, g = make_bert(), make_gpt2()
