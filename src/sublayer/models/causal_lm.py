@@ -443,20 +443,22 @@ class PreparedCausalLM(InferenceOnly):
         return_dict: bool = False,
     ) -> Tensor | CausalLMOutput:
         """As the model's ``forward``: logits (B, T, vocab_size), float32, zeros at padded positions; with ``labels`` (HF's meaning, see
-        :meth:`CausalLM.loss`) or ``return_dict``, a :class:`CausalLMOutput` holding ``loss`` (float32, from these
-        logits) and ``logits``."""
+        :meth:`CausalLM.loss`) or ``return_dict``, a :class:`CausalLMOutput` holding ``loss`` (float32, as the
+        model's: every position with a target counts, a padded one too, from its logits before they are zeroed) and
+        ``logits``."""
         cfg = self.config
         check_input_ids("input_ids", input_ids, cfg.vocab_size, getattr(cfg, "max_positions", None))
         b, t = input_ids.shape
         kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
         position_ids = check_position_ids(cfg, position_ids, b, t, input_ids.device)
         kpm = kpm if kpm is not None and bool(kpm.any()) else None
-        logits = self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
-        logits = logits if kpm is None else logits.masked_fill(kpm[..., None], 0.0)
+        full = self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
+        logits = full if kpm is None else full.masked_fill(kpm[..., None], 0.0)
         if labels is None:
             return CausalLMOutput(logits=logits) if return_dict else logits
+        # every position with a target counts, padding or not (the last left pad predicts the first token)
         targets = shifted_targets(cfg, input_ids, labels, kpm, -100).reshape(-1)
-        loss = F.cross_entropy(logits.reshape(b * t, -1).float(), targets, ignore_index=-100)
+        loss = F.cross_entropy(full.reshape(b * t, -1).float(), targets, ignore_index=-100)
         return CausalLMOutput(loss=loss, logits=logits)
 
     @inference
