@@ -203,6 +203,16 @@ def test_weights_are_never_stale_and_training_is_untouched():
         fast.train()
 
 
+def test_causal_lm_forward_on_an_empty_batch(compute):
+    m = make_gpt2()
+    empty = torch.zeros(0, 5, dtype=torch.long)
+    fast = fast_inference(m, dtype=compute)
+    want = m(empty)
+    assert want.shape == (0, 5, 53)
+    for out in (fast(empty), fast(empty, attention_mask=torch.ones_like(empty), return_dict=True).logits):
+        assert out.shape == want.shape and out.dtype == torch.float32
+
+
 def test_bad_input():
     m = make_bert(pooler=False)
     with pytest.raises(TypeError, match="needs a sublayer Bert, GPT2 or Llama model, got Linear"):

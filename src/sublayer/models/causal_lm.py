@@ -339,7 +339,8 @@ class CausalLM(nn.Module):
                 new ids as they are made (finished rows: ``pad_token_id``), then ``end()``.
 
         Returns:
-            (B, T + n) ids: the prompt followed by n <= max_new_tokens new tokens.
+            (B, T + n) ids: the prompt followed by n <= max_new_tokens new tokens (an empty batch, B = 0: an
+            empty (0, T + max_new_tokens)).
 
         Raises:
             ValueError/TypeError: bad ids or mask, max_new_tokens < 0, max_length <= T, too long, temperature <= 0,
