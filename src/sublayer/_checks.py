@@ -6,6 +6,7 @@ user's mistake never surfaces as a bare ``assert`` or a deep traceback from insi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -18,6 +19,7 @@ __all__ = [
     "check_probability",
     "check_choice",
     "check_eps",
+    "check_finite",
     "normalize_shape",
     "check_last_dims",
     "check_same_shape",
@@ -49,6 +51,13 @@ def check_eps(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a positive float, got {value!r} ({type(value).__name__})")
     if not float(value) > 0.0:
         raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def check_finite(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a finite float, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite float, got {value}")
 
 
 def check_choice(name: str, value: object, choices: Iterable[str]) -> None:

@@ -97,6 +97,24 @@ def test_bert_matches_fp32_with_padding(kernels_mode, compute):
         _check(fast(ids), m(ids), compute)  # no mask at all
 
 
+@pytest.mark.parametrize("side", ["left", "right", "none"])
+def test_bert_pooler_reads_position_0_padded_or_not(kernels_mode, compute, side):
+    # as the model's pooled (and HF's pooler): position 0 runs even when it is padding (left padding)
+    m = make_bert()
+    ids, mask = _batch()
+    if side == "left":
+        mask = mask.flip(1)
+    elif side == "none":
+        mask = torch.ones_like(mask)
+    fast = fast_inference(m, dtype=compute)
+    with torch.no_grad():
+        ref = m.pooled(ids, mask)
+        out = fast(ids, mask, return_dict=True)
+    _check(fast.pooled(ids, mask), ref, compute)
+    _check(out.pooler_output, ref, compute)
+    _check(out.last_hidden_state, fast(ids, mask), torch.float32)  # position 0 padded: still zeros there
+
+
 def test_autocast_outside_changes_nothing():
     # the wrapper switches autocast off inside: its compute dtype, not the caller's autocast, decides the GEMMs
     m, g = make_bert(), make_gpt2()
@@ -222,6 +240,14 @@ def test_int8_wrapper_follows_the_model_and_quantize_is_a_snapshot(make):
     torch.testing.assert_close(snapshot(ids), before, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="train the model itself: it re-quantizes on the next call"):
         int8.train()
+def test_causal_lm_forward_on_an_empty_batch(compute):
+    m = make_gpt2()
+    empty = torch.zeros(0, 5, dtype=torch.long)
+    fast = fast_inference(m, dtype=compute)
+    want = m(empty)
+    assert want.shape == (0, 5, 53)
+    for out in (fast(empty), fast(empty, attention_mask=torch.ones_like(empty), return_dict=True).logits):
+        assert out.shape == want.shape and out.dtype == torch.float32
 
 
 def test_bad_input():

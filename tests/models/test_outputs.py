@@ -105,6 +105,28 @@ def test_prepared_forms_return_loss_and_logits(gpt2, prepare):
         assert_close(out.loss, gpt2.loss(x, attention_mask=mask, labels=labels), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("prepare", ["fp32", "bf16", "int8"])
+def test_prepared_loss_counts_padded_positions_that_have_a_target(prepare):
+    # as the model's loss (and HF's): with left padding the last pad predicts the first token; with labels=ids
+    # and right padding the padded positions' labels count; a confident head makes a wrong logit there visible
+    hf = _tiny_llama()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(30)
+    ours = Llama.from_hf(hf).eval()
+    if prepare == "int8":
+        prepared = quantize(ours)
+    else:
+        prepared = fast_inference(ours, dtype=torch.float32 if prepare == "fp32" else torch.bfloat16)
+    x, right = _ids(), _mask()
+    left = right.flip(1)
+    tol = dict(rtol=1e-5, atol=1e-5) if prepare == "fp32" else dict(rtol=0, atol=0.1)
+    for mask, labels in ((left, x.masked_fill(left == 0, -100)), (right, x)):
+        with torch.no_grad():
+            want = ours(x, attention_mask=mask, labels=labels).loss
+            assert_close(want, hf(x, attention_mask=mask, labels=labels).loss, rtol=1e-5, atol=1e-5)
+            assert_close(prepared(x, attention_mask=mask, labels=labels).loss, want, **tol)
+
+
 @pytest.mark.parametrize("prepare", [None, "fast"])
 def test_bad_labels_are_named(gpt2, prepare):
     model = gpt2 if prepare is None else fast_inference(gpt2, dtype=torch.float32)

@@ -152,6 +152,20 @@ def test_random_model_close_to_float_and_padding_zero():
     assert h.dtype == torch.float32 and not h.requires_grad
 
 
+def test_pooled_with_left_padding_reads_position_0():
+    # as the model's pooled (and HF's pooler): position 0 runs even when it is padding
+    torch.manual_seed(0)
+    m = Bert(BertConfig(**CFG)).eval()
+    ids, mask = _ids()
+    mask[2, :7] = 0
+    mask[4] = 0  # a row of padding only
+    q = fast_inference(m, quantize="int8")
+    with torch.no_grad():
+        ref = m.pooled(ids, mask)
+    assert_close(q.pooled(ids, mask), ref, atol=0.05, rtol=0)
+    assert_close(q(ids, mask, return_dict=True).pooler_output, ref, atol=0.05, rtol=0)
+
+
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no C++ kernels here")
 
 

@@ -46,6 +46,14 @@ def _ids(b: int = 3, t: int = 7) -> torch.Tensor:
     return torch.randint(0, CFG["vocab_size"], (b, t), generator=torch.Generator().manual_seed(1))
 
 
+def test_forward_on_an_empty_batch_as_the_model():
+    m = _gpt2()
+    empty = torch.zeros(0, 5, dtype=torch.long)
+    q = fast_inference(m, quantize="int8")
+    out = q(empty, attention_mask=torch.ones_like(empty))
+    assert out.shape == m(empty).shape == (0, 5, CFG["vocab_size"]) and out.dtype == torch.float32
+
+
 # ---------------------------------------------------------------------------------------------- one layer
 @pytest.mark.parametrize("activation", [None, "gelu_tanh"])
 def test_weight_int8_linear_within_derived_bound(activation, kernels_mode):

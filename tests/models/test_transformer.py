@@ -170,6 +170,14 @@ def test_beam_size_one_is_greedy():
     assert torch.equal(m.translate(src, 8, bos=BOS, eos=EOS, beam_size=1), m.translate(src, 8, bos=BOS, eos=EOS))
 
 
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_translate_on_an_empty_batch_gives_an_empty_result(beam_size):
+    m = tiny()
+    for mask in (None, torch.zeros(0, 5, dtype=torch.bool)):
+        out = m.translate(ids(0, 5), 7, bos=BOS, eos=EOS, beam_size=beam_size, src_key_padding_mask=mask)
+        assert out.shape == (0, 7) and out.dtype == torch.long
+
+
 @torch.no_grad()
 def _seq_logprob(m, src, seq):
     tgt = torch.tensor([[BOS, *seq[:-1]]])
@@ -305,6 +313,11 @@ def test_bad_inputs():
         m.translate(src, 5, bos=BOS, eos=13)
     with pytest.raises(ValueError, match="beam_size must be a positive int, got 0"):
         m.translate(src, 5, bos=BOS, eos=EOS, beam_size=0)
+    for bad in (float("nan"), float("inf")):  # checked up front, before any decoding
+        with pytest.raises(ValueError, match=f"length_penalty must be a finite float, got {bad}"):
+            m.translate(src, 5, bos=BOS, eos=EOS, beam_size=2, length_penalty=bad)
+    with pytest.raises(TypeError, match=r"length_penalty must be a finite float, got 'a' \(str\)"):
+        m.translate(src, 5, bos=BOS, eos=EOS, beam_size=2, length_penalty="a")
 
 
 # ---- attention maps and training -------------------------------------------------------------------------------

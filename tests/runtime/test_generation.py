@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sublayer.kernels import cpu
-from sublayer.models import GPT2, GPT2Config, Transformer, fast_inference
+from sublayer.models import GPT2, GPT2Config, Llama, LlamaConfig, Transformer, fast_inference
 from sublayer.runtime import generation
 
 
@@ -95,3 +95,27 @@ def test_translate_runs_fitted_with_the_same_tokens(two_threads, monkeypatch):
     monkeypatch.setattr(cpu, "others_busy", lambda since: 1.0)
     busy = [m.translate(src, max_len=9, bos=1, eos=2, beam_size=k) for k in (1, 3)]
     assert fits == [2, 2, 1, 1] and all(torch.equal(a, b) for a, b in zip(quiet, busy))
+
+
+@pytest.mark.parametrize("kind", ["model", "float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_generate_on_an_empty_batch_gives_an_empty_result(kind, family):
+    # as the model's forward gives (0, T, vocab): an empty (0, T + max_new_tokens) result, the arguments checked
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model = GPT2(GPT2Config(vocab_size=11, d_model=15, n_layers=2, n_heads=3, d_ff=7, max_positions=13))
+    else:
+        model = Llama(LlamaConfig(vocab_size=11, d_model=12, n_layers=2, n_heads=3, n_kv_heads=1, d_ff=7,
+                                  max_positions=13))  # fmt: skip
+    model.eval()
+    if kind == "model":
+        lm = model
+    else:
+        lm = fast_inference(model, **({"quantize": "int8"} if kind == "int8" else {"dtype": getattr(torch, kind)}))
+    empty = torch.zeros(0, 5, dtype=torch.long)
+    assert lm(empty).shape == (0, 5, 11)
+    for kw in ({}, {"eos_token_id": 2, "attention_mask": torch.ones_like(empty)}, {"do_sample": True, "top_k": 3}):
+        out = lm.generate(empty, 3, **kw)
+        assert out.shape == (0, 8) and out.dtype == torch.long
+    with pytest.raises(ValueError, match="prompt length 5 \\+ max_new_tokens 11 exceeds max_positions=13"):
+        lm.generate(empty, 11)

@@ -339,7 +339,8 @@ class CausalLM(nn.Module):
                 new ids as they are made (finished rows: ``pad_token_id``), then ``end()``.
 
         Returns:
-            (B, T + n) ids: the prompt followed by n <= max_new_tokens new tokens.
+            (B, T + n) ids: the prompt followed by n <= max_new_tokens new tokens (an empty batch, B = 0: an
+            empty (0, T + max_new_tokens)).
 
         Raises:
             ValueError/TypeError: bad ids or mask, max_new_tokens < 0, max_length <= T, too long, temperature <= 0,
@@ -442,9 +443,10 @@ class PreparedCausalLM(InferenceOnly):
         labels: Tensor | None = None,
         return_dict: bool = False,
     ) -> Tensor | CausalLMOutput:
-        """As the model's ``forward``: logits (B, T, vocab_size), float32, zeros at padded positions; with ``labels`` (HF's meaning, see
-        :meth:`CausalLM.loss`) or ``return_dict``, a :class:`CausalLMOutput` holding ``loss`` (float32, from these
-        logits) and ``logits``."""
+        """As the model's ``forward``: logits (B, T, vocab_size), float32, zeros at padded positions; with
+        ``labels`` (HF's meaning, see :meth:`CausalLM.loss`) or ``return_dict``, a :class:`CausalLMOutput` holding
+        ``loss`` (float32, as the model's: every position with a target counts, a padded one too, from its logits
+        before they are zeroed) and ``logits``. Where the prepared form steps aside, the model's own output."""
         cfg = self.config
         check_input_ids("input_ids", input_ids, cfg.vocab_size, getattr(cfg, "max_positions", None))
         b, t = input_ids.shape
@@ -453,14 +455,16 @@ class PreparedCausalLM(InferenceOnly):
         kpm = kpm if kpm is not None and bool(kpm.any()) else None
         if (ref := self._reference()) is not None:  # the model's own forward: hooks see every call
             with eval_mode(ref):
-                logits = ref(input_ids, attention_mask=attention_mask, position_ids=position_ids).float()
-        else:
-            logits = self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
-        logits = logits if kpm is None else logits.masked_fill(kpm[..., None], 0.0)
+                out = ref(input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
+                          return_dict=True)  # fmt: skip
+            return out if labels is not None or return_dict else out.logits.float()
+        full = self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
+        logits = full if kpm is None else full.masked_fill(kpm[..., None], 0.0)
         if labels is None:
             return CausalLMOutput(logits=logits) if return_dict else logits
+        # every position with a target counts, padding or not (the last left pad predicts the first token)
         targets = shifted_targets(cfg, input_ids, labels, kpm, -100).reshape(-1)
-        loss = F.cross_entropy(logits.reshape(b * t, -1).float(), targets, ignore_index=-100)
+        loss = F.cross_entropy(full.reshape(b * t, -1).float(), targets, ignore_index=-100)
         return CausalLMOutput(loss=loss, logits=logits)
 
     @inference

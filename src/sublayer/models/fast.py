@@ -201,7 +201,7 @@ class FastCausalLM(_FastBase, PreparedCausalLM):
     @inference
     def lm_head(self, h: Tensor) -> Tensor:
         """(..., d_model) -> (..., vocab_size) float32 logits."""
-        return self._weights().head(h.reshape(-1, h.shape[-1])).float().view(*h.shape[:-1], -1)
+        return self._weights().head(h.reshape(-1, h.shape[-1])).float().unflatten(0, h.shape[:-1])
 
     def _hidden(
         self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None

@@ -88,10 +88,14 @@ class PreparedBert(InferenceOnly):
         B, T = input_ids.shape
         d = cfg.d_model
         ids, types = input_ids.reshape(-1), token_type_ids.reshape(-1)
-        index = pad = None
+        index = pad = first = None
+        pooler = return_dict and "pooler.dense.weight" in t
         if kpm is not None and bool(kpm.any()):  # the real tokens only, from the embeddings on
             pad = kpm.contiguous()
             index = (~pad).reshape(-1).nonzero().squeeze(1)
+            if pooler and bool(pad[:, 0].any()):  # the pooler reads position 0, padding or not, as HF does:
+                first = pad[:, 0].nonzero().squeeze(1)  # it runs as a query-only row after the real tokens
+                index = torch.cat([index, first * T])
             ids, types, pos = ids.index_select(0, index), types.index_select(0, index), index % T
         else:
             pos = torch.arange(T).repeat(B)
@@ -99,15 +103,18 @@ class PreparedBert(InferenceOnly):
         x = layer_norm(x, t["embeddings.norm.weight"], t["embeddings.norm.bias"], cfg.eps).to(self.compute_dtype)
         x = run_layers(x, layers, pad=pad, shape=(B, T), heads=cfg.n_heads,
                        scale=1.0 / math.sqrt(d // cfg.n_heads), activation=cfg.activation,
-                       attention_dtype=self.attention_dtype, split_probs=self.split_probs).float()  # fmt: skip
+                       attention_dtype=self.attention_dtype, split_probs=self.split_probs, queries=first).float()  # fmt: skip
+        if first is not None:
+            index, x, x0 = index[: -first.numel()], x[: -first.numel()], x[-first.numel() :]
         if index is not None:
             x = x.new_zeros(B * T, d).index_copy_(0, index, x)
         h = x.view(B, T, d)
         if not return_dict:
             return h
         pool = None
-        if "pooler.dense.weight" in t:
-            pool = torch.tanh(F.linear(h[:, 0], t["pooler.dense.weight"], t["pooler.dense.bias"]))
+        if pooler:
+            h0 = h[:, 0] if first is None else h[:, 0].index_copy(0, first, x0)
+            pool = torch.tanh(F.linear(h0, t["pooler.dense.weight"], t["pooler.dense.bias"]))
         return BaseModelOutput(last_hidden_state=h, pooler_output=pool)
 
     @inference

@@ -179,7 +179,7 @@ class QuantizedCausalLM(PreparedCausalLM):
     @inference
     def lm_head(self, h: Tensor) -> Tensor:
         """(..., d_model) float32 -> (..., vocab_size) logits."""
-        return self.weights().head(h.reshape(-1, h.shape[-1]).float().contiguous()).view(*h.shape[:-1], -1)
+        return self.weights().head(h.reshape(-1, h.shape[-1]).float().contiguous()).unflatten(0, h.shape[:-1])
 
     def _hidden(
         self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None

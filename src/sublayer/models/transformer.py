@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from .. import functional as SF
 from ..functional.cross_entropy import check_options, check_targets
 from ..checkpoints.io import write_folder
-from .._checks import check_choice, check_positive_int, check_probability, check_tensor
+from .._checks import check_choice, check_finite, check_positive_int, check_probability, check_tensor
 from ..nn import DecoderBlock, EncoderBlock, TransformerDecoder, TransformerEncoder
 from ..functional.packing import PackedBatch
 from ..runtime import generation, padding_free
@@ -385,15 +385,17 @@ class Transformer(nn.Module):
             src: (B, S) source ids. max_len: most tokens to generate (eos included).
             bos, eos: begin / end of sequence target ids. src_key_padding_mask: (B, S) True = padding.
             beam_size: beams per sentence. pad: id written after a row's eos (default: eos).
-            length_penalty: beam search ranks finished hypotheses by ``logprob / length**length_penalty``.
+            length_penalty: a finite float; beam search ranks finished hypotheses by
+                ``logprob / length**length_penalty``.
 
         Returns:
             (B, L) generated ids without ``bos``, L ≤ max_len; each row ends at its first ``eos`` (kept) and is
-            filled with ``pad`` after it.
+            filled with ``pad`` after it. An empty batch (B = 0) gives (0, max_len).
         """
         c = self.config
         check_positive_int("max_len", max_len)
         check_positive_int("beam_size", beam_size)
+        check_finite("length_penalty", length_penalty)
         if max_len > c.max_len:
             raise ValueError(f"max_len ({max_len}) exceeds the model's max_len ({c.max_len})")
         for name, v in (("bos", bos), ("eos", eos), ("pad", pad)):
@@ -408,6 +410,8 @@ class Transformer(nn.Module):
             from . import decoding, fast_encode  # the fast paths, tested against encode and the reference steps
 
             self._check_source(src, src_key_padding_mask)
+            if src.shape[0] == 0:  # an empty batch at the full length
+                return torch.empty(0, max_len, dtype=torch.long, device=self.out_proj.weight.device)
             with generation.fitted_threads():
                 memory = fast_encode.encode(self, src, src_key_padding_mask) if decoding.enabled() else None
                 if memory is None:

@@ -83,20 +83,54 @@ def attention(qkv: Tensor, segments: list[tuple[int, int, int]], heads: int, sca
 def run_layers(
     x: Tensor, layers: list[dict], *, pad: Tensor | None, shape: tuple[int, int], heads: int, scale: float,
     activation: str, attention_dtype: torch.dtype | None = None, split_probs: bool = True,
+    queries: Tensor | None = None,
 ) -> Tensor:
     """The encoder layers on packed rows: ``x`` (N, d), the embeddings' output at the real tokens of a padded
     batch of ``shape`` (B, T) in row-major order, ``pad`` (B, T) bool True = padding (None: none). Returns (N, d)
     in the dtype of the linears' outputs. ``attention_dtype``: the attention's dtype (None: q|k|v's);
-    ``split_probs`` as :func:`attention`'s."""
+    ``split_probs`` as :func:`attention`'s.
+
+    ``queries`` (E,) long: the sequences of E query-only rows appended to ``x`` ((N + E, d) in and out): padded
+    positions whose output is read (a pooler's position 0 under left padding). Each attends to its sequence's
+    real tokens, as in the padded layout, without being a key."""
     segments, pre = runs(pad, shape), None
+    n = x.shape[0] if queries is None else x.shape[0] - queries.numel()
+    keys = None if queries is None else _query_keys(pad, queries)
     for i, L in enumerate(layers):
         qkv = L["qkv"](x) if pre is None else L["qkv"](x, pre=pre)
-        ctx = attention(qkv, segments, heads, scale, dtype=attention_dtype, split_probs=split_probs)
+        ctx = attention(qkv[:n], segments, heads, scale, dtype=attention_dtype, split_probs=split_probs)
+        if keys is not None:
+            ctx = torch.cat([ctx, _query_attention(qkv, n, keys, heads, scale, attention_dtype)])
         x, pre = _add_norm(L["out"], ctx, x, L["norm1"], None, L["fc1"])
         h, pre = _act(L["fc1"], x, activation, pre, L["fc2"])
         nxt = layers[i + 1]["qkv"] if i + 1 < len(layers) else None
         x, pre = _add_norm(L["fc2"], h, x, L["norm2"], pre, nxt)
     return x
+
+
+def _query_keys(pad: Tensor, queries: Tensor) -> tuple[Tensor, Tensor]:
+    """For each query-only row of :func:`run_layers`: the rows of its sequence's keys (E, L), clamped to a row of
+    the N + E, and which of them are keys (E, L) bool."""
+    lengths = (~pad).sum(1)
+    starts = lengths.cumsum(0) - lengths
+    n, first = lengths[queries], starts[queries]
+    span = torch.arange(max(int(n.max()), 1))
+    return (first[:, None] + span).clamp(max=int(lengths.sum()) + queries.numel() - 1), span < n[:, None]
+
+
+def _query_attention(qkv: Tensor, n: int, keys: tuple[Tensor, Tensor], heads: int, scale: float,
+                     dtype: torch.dtype | None) -> Tensor:  # fmt: skip
+    """ctx (E, d) of the query-only rows ``qkv[n:]`` on their sequences' keys; zeros for a sequence without any."""
+    rows, allowed = keys
+    x = qkv if dtype is None else qkv.to(dtype)
+    d = x.shape[1] // 3
+    e, length = rows.shape
+    q = x[n:, :d].view(e, 1, heads, d // heads).transpose(1, 2)
+    k, v = x[rows.reshape(-1), d:].view(e, length, 2, heads, d // heads).permute(2, 0, 3, 1, 4)
+    dead = ~allowed.any(1)
+    mask = (allowed | dead[:, None])[:, None, None, :]
+    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(1, 2).reshape(e, d)
+    return ctx.masked_fill(dead[:, None], 0.0).to(qkv.dtype)
 
 
 def _add_norm(lin, h: Tensor, resid: Tensor, norm: tuple, pre, nxt) -> tuple[Tensor, object]:

@@ -190,7 +190,8 @@ def generate(
     ``streamer`` (HF's protocol: ``put(ids)``, ``end()``) gets the prompt (B, T), each step's (B,) ids as they are
     made (by the reference or the fast loop: both run :func:`token_loop`), then ``end()``.
 
-    Runs in eval mode (dropout off) without gradients and restores the training flag afterwards.
+    Runs in eval mode (dropout off) without gradients and restores the training flag afterwards. An empty batch
+    (B = 0) gives an empty (0, T + max_new_tokens) result.
 
     Raises:
         ValueError/TypeError: bad ids or mask, max_new_tokens < 0, too long, temperature <= 0, top_k < 1, top_p
@@ -226,10 +227,10 @@ def generate(
         kpm = kpm if bool(kpm.any()) else None
     if streamer is not None:
         streamer.put(input_ids)
-    if max_new_tokens == 0:
+    if max_new_tokens == 0 or b == 0:  # nothing to decode; an empty batch at the full length
         if streamer is not None:
             streamer.end()
-        return input_ids
+        return input_ids if b else input_ids.new_empty(0, t + max_new_tokens)
 
     def pick(logits: Tensor) -> Tensor:  # (B, V) float32 -> (B,) next ids
         if do_sample:
