@@ -93,6 +93,7 @@ def test_fast_inference_steps_aside_for_hooks(kw):
         try:
             assert_close(fast(ids), model(ids))
             assert len(calls) == 2
+            assert_close(fast(ids, labels=ids).loss, model(ids, labels=ids).loss)
             steered = fast.generate(ids, 6)
             assert torch.equal(steered, reference_decoding(lambda: model.generate(ids, 6)))
         finally:
