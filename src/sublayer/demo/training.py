@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from .._checks import check_positive_int
 from ..models.transformer import Transformer
+from ..runtime.rows import eval_mode
 from .checkpoint import STATE_NAME, load_optimizer, load_checkpoint, save_checkpoint
 from .config import DemoConfig, demo_threads
 from .signals import hold_signals, interrupts_raise
@@ -40,12 +41,8 @@ def batch_loss(net: nn.Module, batch: Batch, label_smoothing: float, reduction: 
 
 @torch.no_grad()
 def _val_loss(model: Transformer, batch: Batch) -> float:
-    was = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         return float(batch_loss(TransformerLoss(model), batch, 0.0, "mean"))
-    finally:
-        model.train(was)
 
 
 class Progress:

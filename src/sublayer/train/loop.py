@@ -19,6 +19,7 @@ from ..demo.checkpoint import STATE_NAME, load_optimizer, read_training_state, s
 from ..demo.plots import plot_losses
 from ..demo.signals import hold_signals
 from ..demo.training import Run, adamw, check_start, echo, run_rank, run_steps, torch_threads
+from ..runtime.rows import eval_mode
 from . import data as D
 from .starter import STARTERS, save_tokenizer, starter_model
 
@@ -180,18 +181,14 @@ def prepare_data(cfg: TrainConfig, tokenizer, config, seq_len: int) -> Data:
 @torch.no_grad()
 def evaluate(model: nn.Module, rows: D.Rows, batch_size: int) -> float:
     """Mean next-token cross-entropy over every target of ``rows`` (eval mode; perplexity = exp of it)."""
-    was = model.training
-    model.eval()
     total, count = 0.0, 0
-    try:
+    with eval_mode(model):
         for i in range(0, len(rows), batch_size):
             part = rows[i : i + batch_size]
             n = part.n_targets
             if n:
                 total += float(model.loss(part.input_ids, **part.loss_kwargs())) * n
                 count += n
-    finally:
-        model.train(was)
     return total / max(count, 1)
 
 
