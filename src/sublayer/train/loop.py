@@ -227,8 +227,6 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
     main = rank == 0
     quiet = cfg.quiet or not main
     if cfg.resume:
-        if not (out / STATE_NAME).is_file():
-            raise FileNotFoundError(f"--resume: no checkpoint in {out} ({STATE_NAME} missing)")
         state = read_training_state(out)
         if not isinstance(state.get("train_config"), dict):
             raise ValueError(f"--resume: {out / STATE_NAME} is not a checkpoint of sublayer train (no train_config)")
