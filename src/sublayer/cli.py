@@ -309,16 +309,10 @@ def generate(
     ids = [int(p) for p in parts] if parts and all(p.isascii() and p.isdigit() for p in parts) else None
     tokenizer = None if ids is not None else load_tokenizer(model, why=f"the text prompt {prompt[:40]!r}")
     gen = TextGenerator.from_pretrained(model, quantize=quantize, tokenizer=tokenizer)
-    sampling = sample or temperature is not None or top_k is not None or top_p is not None
-
-    def given(value):
-        return FROM_CONFIG if value is None else value
-
-    options = {
-        "max_new_tokens": given(max_new_tokens), "temperature": given(temperature), "top_k": given(top_k),
-        "top_p": given(top_p), "do_sample": True if sampling else FROM_CONFIG,
-        "generator": torch.Generator().manual_seed(seed),
-    }  # fmt: skip
+    given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p}
+    sampling = sample or any(given[k] is not None for k in ("temperature", "top_k", "top_p"))
+    options = {k: FROM_CONFIG if v is None else v for k, v in given.items()}  # unset: the folder's settings
+    options |= {"do_sample": True if sampling else FROM_CONFIG, "generator": torch.Generator().manual_seed(seed)}
     started = time.perf_counter()
     counter = _Counter()
     if ids is not None:
