@@ -81,10 +81,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
         for name in ("min_lr_ratio", "weight_decay"):
             check_probability(name, getattr(self, name))
-        if isinstance(self.val_fraction, bool) or not isinstance(self.val_fraction, (int, float)) or not (
-            0 <= self.val_fraction < 1
-        ):
-            raise ValueError(f"val_fraction must be a number in [0, 1), got {self.val_fraction!r}")
+        v = self.val_fraction
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+            raise ValueError(f"val_fraction must be a number in [0, 1), got {v!r}")
         if self.split not in D.SPLITS:
             raise ValueError(f"split must be one of {', '.join(D.SPLITS)}, got {self.split!r}")
 
