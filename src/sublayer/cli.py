@@ -107,10 +107,14 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show full traceback
 def info() -> None:
     """Versions, threads, CPU features and whether the fast kernels are active."""
     import platform
+    from importlib.metadata import PackageNotFoundError, version
 
     import torch
 
-    from importlib.metadata import PackageNotFoundError, version
+    from . import kernels, settings
+    from .memory import allocator_setting, buffer_cache
+    from .models.int8 import own_int8_gemm
+    from .models.quantized import engine
 
     try:
         ours = version("sublayer")
@@ -122,23 +126,16 @@ def info() -> None:
         "python": platform.python_version(),
         "cpu capability": torch.backends.cpu.get_cpu_capability(),
     }
-    from . import kernels, settings
-
     rows["threads"] = "{} ({})".format(*kernels.cpu.choose_threads())  # what generate/embed use
     rows["openmp waits"] = settings.wait_policy_effect()
 
     rows.update(kernels.cpu.describe())
 
     rows["fast kernels"] = kernels.status()  # builds (or loads the cached) C++ extension once
-    from .models.int8 import own_int8_gemm
-    from .models.quantized import engine
-
     rows["int8"] = (
         "int8_linear (AVX512-VNNI / AMX-INT8): int8 activations; a decoding step's single row at 24 bits"
         if own_int8_gemm() else f"decoding weight-only (int8 panels); BERT on torch's linear_dynamic ({engine()})"
     )  # fmt: skip
-    from .memory import allocator_setting, buffer_cache
-
     rows["allocator"] = allocator_setting()
     rows["buffer cache"] = f"Add & Norm keeps up to {buffer_cache()['limit_mb']:g} MiB of freed buffers (SUBLAYER_BUFFER_CACHE_MB)"
     for k, v in rows.items():
@@ -188,19 +185,15 @@ def demo(
 def _launch_training(rank_fn, nproc: int, cfg, what: str) -> None:
     """``rank_fn(rank, world_size, cfg)`` in this process or on ``nproc`` spawned ranks (:func:`parallel.launch`),
     the kernels built first (so tokens/s never includes the build); a rank's error as one line."""
-    from . import kernels
-
-    kernels.enabled()  # build (once, announced on stderr) before training starts, so tok/s never includes it
-    from .memory import allocator_setting
-
-    if not cfg.quiet:
-        typer.echo(f"allocator: {allocator_setting()}")
     from torch.multiprocessing import ProcessRaisedException
 
+    from . import kernels, settings
+    from .memory import allocator_setting
     from .parallel import launch
 
-    from . import settings
-
+    kernels.enabled()  # build (once, announced on stderr) before training starts, so tok/s never includes it
+    if not cfg.quiet:
+        typer.echo(f"allocator: {allocator_setting()}")
     # spawned ranks start OpenMP afresh: threads that sleep at a barrier rather than spin (a rank's threads share
     # the cores with the other ranks), unless the user chose otherwise
     settings.apply_wait_policy(os.environ, torch_loaded=False)
@@ -309,16 +302,10 @@ def generate(
     ids = [int(p) for p in parts] if parts and all(p.isascii() and p.isdigit() for p in parts) else None
     tokenizer = None if ids is not None else load_tokenizer(model, why=f"the text prompt {prompt[:40]!r}")
     gen = TextGenerator.from_pretrained(model, quantize=quantize, tokenizer=tokenizer)
-    sampling = sample or temperature is not None or top_k is not None or top_p is not None
-
-    def given(value):
-        return FROM_CONFIG if value is None else value
-
-    options = {
-        "max_new_tokens": given(max_new_tokens), "temperature": given(temperature), "top_k": given(top_k),
-        "top_p": given(top_p), "do_sample": True if sampling else FROM_CONFIG,
-        "generator": torch.Generator().manual_seed(seed),
-    }  # fmt: skip
+    given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p}
+    sampling = sample or any(given[k] is not None for k in ("temperature", "top_k", "top_p"))
+    options = {k: FROM_CONFIG if v is None else v for k, v in given.items()}  # unset: the folder's settings
+    options |= {"do_sample": True if sampling else FROM_CONFIG, "generator": torch.Generator().manual_seed(seed)}
     started = time.perf_counter()
     counter = _Counter()
     if ids is not None:
@@ -444,14 +431,11 @@ def bench(
             torch.set_num_threads(threads)
     if jobs:
         from .bench.jobs import run_jobs
-
         from .bench.llama import use_peers_env
-
         from .bench.openvino_peer import use_ov_env
 
         use_peers_env(peers_env)
         use_ov_env(ov_env)
-
         run_jobs(quick=quick, reps=reps, only=only, model=model, work=out / "jobs", report=report, notes=notes,
                  contention=contention, log=typer.echo)  # fmt: skip
         return

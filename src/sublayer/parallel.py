@@ -62,7 +62,10 @@ shard of ``fc1`` in the wrong row order in ``full_tensor()`` (training itself ma
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -573,8 +576,6 @@ def fully_shard(model: nn.Module, mesh: DeviceMesh | None = None, **kwargs: Any)
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -583,8 +584,6 @@ def _free_port() -> int:
 def _launch_entry(rank: int, fn: Callable, nproc: int, port: int | None, backend: str, timeout, args: tuple) -> None:
     """One rank: ``fn(rank, nproc, *args)`` in the default process group, initialised from the environment (a
     spawned rank, ``port`` not None, first sets it for a rendezvous on 127.0.0.1:``port``)."""
-    import os
-
     import torch.distributed as dist
 
     if port is not None:
@@ -614,9 +613,6 @@ def launch(
     Raises:
         ValueError: ``nproc`` < 1, or under ``torchrun`` a ``nproc`` other than 1 or ``WORLD_SIZE``.
     """
-    import os
-    from datetime import timedelta
-
     import torch.multiprocessing as mp
 
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)

@@ -54,9 +54,8 @@ class DemoConfig:
         check_positive_int("threads", self.threads, allow_none=True)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")  # torch.manual_seed's range
-        check_probability("dropout", self.dropout)
-        check_probability("label_smoothing", self.label_smoothing)
-        check_probability("min_lr_ratio", self.min_lr_ratio)
+        for name in ("dropout", "label_smoothing", "min_lr_ratio"):
+            check_probability(name, getattr(self, name))
         for name in ("lr", "clip_norm"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:

@@ -173,9 +173,7 @@ def collate(pairs: Sequence[tuple[list[str], list[str]]], vocab: Vocab) -> Batch
     b = len(pairs)
     s = max(len(p[0]) for p in pairs)
     t = max(len(p[1]) for p in pairs) + 1
-    src = torch.full((b, s), vocab.pad, dtype=torch.long)
-    tgt_in = torch.full((b, t), vocab.pad, dtype=torch.long)
-    tgt_out = torch.full((b, t), vocab.pad, dtype=torch.long)
+    src, tgt_in, tgt_out = (torch.full(shape, vocab.pad, dtype=torch.long) for shape in ((b, s), (b, t), (b, t)))
     for i, (x, y) in enumerate(pairs):
         xi, yi = vocab.encode(x), vocab.encode(y)
         src[i, : len(xi)] = torch.tensor(xi)

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from .._checks import check_positive_int
 from ..models.transformer import Transformer
+from ..runtime.rows import eval_mode
 from .checkpoint import STATE_NAME, load_optimizer, load_checkpoint, save_checkpoint
 from .config import DemoConfig, demo_threads
 from .signals import hold_signals, interrupts_raise
@@ -40,12 +41,8 @@ def batch_loss(net: nn.Module, batch: Batch, label_smoothing: float, reduction: 
 
 @torch.no_grad()
 def _val_loss(model: Transformer, batch: Batch) -> float:
-    was = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         return float(batch_loss(TransformerLoss(model), batch, 0.0, "mean"))
-    finally:
-        model.train(was)
 
 
 class Progress:
@@ -118,13 +115,16 @@ def train(
 
 def check_start(cfg, rank: int, world_size: int, group: str) -> Path:
     """``cfg.out`` as a Path, after checking ``rank``/``world_size`` (``cfg.batch_size`` divisible by it, named
-    ``group`` in the message) and that a run that neither resumes nor overwrites finds no earlier checkpoint."""
+    ``group`` in the message), that a run that resumes finds a checkpoint and that a run that neither resumes nor
+    overwrites finds no earlier one."""
     check_positive_int("world_size", world_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
     if cfg.batch_size % world_size:
         raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by {group} ({world_size})")
     out = Path(cfg.out)
+    if cfg.resume and not (out / STATE_NAME).is_file():
+        raise FileNotFoundError(f"--resume: no checkpoint in {out} ({STATE_NAME} missing)")
     if not cfg.resume and not cfg.overwrite and (out / STATE_NAME).exists():
         raise FileExistsError(
             f"{out} holds the checkpoint of an earlier run ({STATE_NAME}): continue it with --resume, replace it "
@@ -264,8 +264,6 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
     vocab = Vocab.default()
     run = Run()
     if cfg.resume:
-        if not (out / STATE_NAME).is_file():
-            raise FileNotFoundError(f"--resume: no checkpoint in {out} ({STATE_NAME} missing)")
         model, vocab, state = load_checkpoint(out)
         run = Run.resumed(state)
         if run.step > cfg.steps:

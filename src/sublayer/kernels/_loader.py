@@ -278,11 +278,7 @@ def _compile_into(d: Path, lib: Path, exclusive: bool) -> None:
         estimate = max(1, round(float((d.parent / "last_build_seconds").read_text())))
     except (OSError, ValueError):
         estimate = _BUILD_SECONDS_ESTIMATE
-    print(
-        f"sublayer: compiling sublayer's fused CPU kernels (once, ~{estimate} s){note}…",
-        file=sys.stderr,
-        flush=True,
-    )
+    print(f"sublayer: compiling sublayer's fused CPU kernels (once, ~{estimate} s){note}…", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="build-", dir=d))
     try:

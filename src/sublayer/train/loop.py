@@ -19,6 +19,7 @@ from ..demo.checkpoint import STATE_NAME, load_optimizer, read_training_state, s
 from ..demo.plots import plot_losses
 from ..demo.signals import hold_signals
 from ..demo.training import Run, adamw, check_start, echo, run_rank, run_steps, torch_threads
+from ..runtime.rows import eval_mode
 from . import data as D
 from .starter import STARTERS, save_tokenizer, starter_model
 
@@ -80,10 +81,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
         for name in ("min_lr_ratio", "weight_decay"):
             check_probability(name, getattr(self, name))
-        if isinstance(self.val_fraction, bool) or not isinstance(self.val_fraction, (int, float)) or not (
-            0 <= self.val_fraction < 1
-        ):
-            raise ValueError(f"val_fraction must be a number in [0, 1), got {self.val_fraction!r}")
+        v = self.val_fraction
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+            raise ValueError(f"val_fraction must be a number in [0, 1), got {v!r}")
         if self.split not in D.SPLITS:
             raise ValueError(f"split must be one of {', '.join(D.SPLITS)}, got {self.split!r}")
 
@@ -180,18 +180,14 @@ def prepare_data(cfg: TrainConfig, tokenizer, config, seq_len: int) -> Data:
 @torch.no_grad()
 def evaluate(model: nn.Module, rows: D.Rows, batch_size: int) -> float:
     """Mean next-token cross-entropy over every target of ``rows`` (eval mode; perplexity = exp of it)."""
-    was = model.training
-    model.eval()
     total, count = 0.0, 0
-    try:
+    with eval_mode(model):
         for i in range(0, len(rows), batch_size):
             part = rows[i : i + batch_size]
             n = part.n_targets
             if n:
                 total += float(model.loss(part.input_ids, **part.loss_kwargs())) * n
                 count += n
-    finally:
-        model.train(was)
     return total / max(count, 1)
 
 
@@ -230,8 +226,6 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
     main = rank == 0
     quiet = cfg.quiet or not main
     if cfg.resume:
-        if not (out / STATE_NAME).is_file():
-            raise FileNotFoundError(f"--resume: no checkpoint in {out} ({STATE_NAME} missing)")
         state = read_training_state(out)
         if not isinstance(state.get("train_config"), dict):
             raise ValueError(f"--resume: {out / STATE_NAME} is not a checkpoint of sublayer train (no train_config)")
