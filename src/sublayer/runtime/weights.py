@@ -70,11 +70,18 @@ def stamp(module: nn.Module) -> tuple:
 
     The sample views of contiguous parameters are kept while their storage and layout stay the same (a view reads
     what is in the storage now, writes through ``.data`` included); the others are sampled anew each time."""
-    params = list(module.parameters())
+    params, eps, seen = [], [], set()  # one walk: module.parameters()' order, and every float eps
+    for m in module.modules():
+        if isinstance(e := m.__dict__.get("eps"), float):
+            eps.append(e)
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
     meta = tuple(
         (_version(p), p.data_ptr(), p.stride(), p.dtype, p.device, tuple(p.shape), _steps.get(id(p), 0))
         for p in params
-    ) + tuple(m.eps for m in module.modules() if isinstance(getattr(m, "eps", None), float))
+    ) + tuple(eps)
     if not params:
         return meta, ()
     kept = _VIEWS.get(module)
