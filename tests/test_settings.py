@@ -191,3 +191,20 @@ def test_importing_the_library_leaves_the_wait_policy_alone():
     code = "import os, sublayer; print(os.environ.get('OMP_WAIT_POLICY'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env).stdout
     assert out.strip() == "None"
+
+
+@pytest.mark.parametrize(
+    "name, value, match",
+    [("SUBLAYER_KERNELS", "maybe", "is not a switch"), ("SUBLAYER_DECODING", "nope", "is not a switch"),
+     ("SUBLAYER_ISA", "avx512", "is not one of native, avx2")],
+)  # fmt: skip
+def test_the_command_line_reports_a_bad_switch_in_one_line(name, value, match):
+    """Read at first use, not at import: the command's handler reports it (no traceback, exit 2)."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "sublayer.cli", "info"], capture_output=True, text=True,
+                          timeout=300, env=os.environ | {name: value})  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"error: {name}={value!r} {match}") and proc.stderr.count("\n") == 1

@@ -112,6 +112,7 @@ def info() -> None:
     import torch
 
     from . import kernels, settings
+    from .runtime import causal
     from .memory import allocator_setting, buffer_cache
     from .models.int8 import own_int8_gemm
     from .models.quantized import engine
@@ -132,6 +133,7 @@ def info() -> None:
     rows.update(kernels.cpu.describe())
 
     rows["fast kernels"] = kernels.status()  # builds (or loads the cached) C++ extension once
+    rows["fast decoding"] = "on" if causal.enabled() else "off (SUBLAYER_DECODING=0): the reference loops"
     rows["int8"] = (
         "int8_linear (AVX512-VNNI / AMX-INT8): int8 activations; a decoding step's single row at 24 bits"
         if own_int8_gemm() else f"decoding weight-only (int8 panels); BERT on torch's linear_dynamic ({engine()})"

@@ -37,14 +37,14 @@ __all__ = [
 #: name -> its values, default and effect
 VARIABLES: dict[str, str] = {
     "SUBLAYER_KERNELS": "1/0: the fused C++ kernels on (default) or off (every module runs the pure-PyTorch reference "
-    "path; the extension is never built); read once, when sublayer.kernels is imported",
+    "path; the extension is never built); read once, at the first use of the kernels",
     "SUBLAYER_KERNELS_CACHE": "folder of the compiled kernels (default ~/.cache/sublayer/kernels)",
     "SUBLAYER_KERNELS_LOCK_TIMEOUT": "seconds to wait for another process compiling the kernels (default 600)",
     "SUBLAYER_KERNELS_VERBOSE": "1/0: print torch's build commands (default 0)",
     "SUBLAYER_BF16_GEMM": "native/fp32: how bf16 GEMMs run (default: detected from the CPU's flags)",
     "SUBLAYER_INT8_ENGINE": "fbgemm/onednn: the int8 GEMMs' quantized engine (default: detected)",
     "SUBLAYER_DECODING": "1/0: generate/translate use the fast decoding loops (default) or the reference loops; read "
-    "once, at import",
+    "once, at the first generate/translate",
     "SUBLAYER_BUFFER_CACHE_MB": "MiB of freed big buffers the fused Add & Norm keeps for reuse (default 256, 0: off); "
     "applied when the kernels load",
     "SUBLAYER_FIT_THREADS": "1/0: generate/translate run on torch's threads less the CPUs other processes kept "

@@ -129,3 +129,12 @@ def test_limit_from_the_environment_at_load(value, limit):
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert float(res.stdout) == limit
+
+
+def test_a_bad_limit_is_an_error_not_a_failed_build():
+    env = os.environ | {"SUBLAYER_BUFFER_CACHE_MB": "lots"}
+    code = "import sublayer.kernels as k; k.available()"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0
+    assert "ValueError: SUBLAYER_BUFFER_CACHE_MB='lots' must be a number >= 0" in res.stderr
+    assert "unavailable" not in res.stderr

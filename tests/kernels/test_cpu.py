@@ -76,7 +76,7 @@ def test_isa_avx2_process_builds_for_x86_64_v3_and_caps_torch():
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
     env.update(SUBLAYER_ISA="avx2", SUBLAYER_KERNELS="0")
     code = ("import sublayer, torch; from sublayer import kernels; "
-            "print(kernels.CFLAGS[1], torch.backends.cpu.get_cpu_capability(), kernels.cpu.has('avx512f'))")  # fmt: skip
+            "print(kernels.cflags()[1], torch.backends.cpu.get_cpu_capability(), kernels.cpu.has('avx512f'))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.stdout.split() == ["-march=x86-64-v3", "AVX2", "False"], out.stderr
 

@@ -87,7 +87,7 @@ def kernels_mode(request):
     """Each test twice: with the fused C++ kernels and on the pure-PyTorch reference path."""
     from sublayer import kernels
 
-    was = kernels._enabled
+    was = kernels.switched_on()
     kernels.set_enabled(request.param == "kernels")
     yield request.param
     kernels.set_enabled(was)

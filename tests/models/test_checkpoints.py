@@ -194,6 +194,14 @@ def test_sharded_safetensors(bert_parts, hf_bert, tmp_path):
         assert_close(Bert.from_pretrained(tmp_path).eval()(ids), hf_bert(ids).last_hidden_state)
 
 
+def test_a_sharded_index_naming_no_file_is_a_checkpoint_error(bert_parts, tmp_path):
+    tensors, config = bert_parts
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: 5 for k in tensors}}))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json is not a valid safetensors index.*file names"):
+        Bert.from_pretrained(tmp_path)
+
+
 # ---- strict loading ------------------------------------------------------------------------------------------
 
 

@@ -81,7 +81,7 @@ def test_steps_aside_when_it_cannot_run():
     m = _model(15, 3, norm_first=True)
     src, _ = _src()
     assert fast_encode.supports(m)
-    was = kernels._enabled
+    was = kernels.switched_on()
     kernels.set_enabled(False)
     try:
         assert fast_encode.encode(m, src) is None

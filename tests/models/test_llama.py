@@ -439,6 +439,14 @@ def test_config_refuses_what_it_cannot_represent(case, changes, match):
         LlamaConfig.from_hf_dict(_hf_dict(case, **changes))
 
 
+@pytest.mark.parametrize("changes, match", [({"num_attention_heads": 0}, "n_heads must be a positive int, got 0"),
+                                            ({"hidden_size": "16"}, "d_model must be a positive int, got '16'"),
+                                            ({"num_attention_heads": None}, "n_heads must be a positive int, got None")])
+def test_bad_sizes_are_named_before_the_head_size_is_derived(changes, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        LlamaConfig.from_hf_dict(_hf_dict(**changes))
+
+
 def test_config_missing_size_key_and_folder_error(tmp_path):
     d = _hf_dict()
     del d["hidden_size"]

@@ -4,6 +4,8 @@ kernel vs reference epilogues, save/load, and refusals."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -303,6 +305,14 @@ def test_load_quantized_refuses_float_folder(tmp_path):
     Bert(BertConfig(**CFG)).save_pretrained(tmp_path)
     assert not Q.is_quantized_folder(tmp_path)
     with pytest.raises(CheckpointError, match="not a sublayer int8 folder"):
+        Q.load_quantized(tmp_path)
+
+
+def test_load_quantized_names_the_config_of_a_bad_size(tmp_path):
+    Q.quantize(Bert(BertConfig(**CFG)).eval()).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 0}))
+    with pytest.raises(CheckpointError, match=r"config file .*config\.json: n_heads must be a positive int"):
         Q.load_quantized(tmp_path)
 
 

@@ -234,7 +234,7 @@ def test_generate_fast_loop_equals_reference_loop(padded, kernels_mode, monkeypa
 def test_kernels_and_reference_give_the_same_tokens():
     qm = Q.quantize(_gpt2())
     ids = _ids(2, 5)
-    was = kernels._enabled
+    was = kernels.switched_on()
     try:
         outs = []
         for on in (True, False):

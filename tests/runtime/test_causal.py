@@ -35,7 +35,7 @@ layouts = pytest.mark.parametrize("case", LAYOUTS)
 @pytest.fixture(params=["kernels", "reference"])
 def kernels_mode(request):
     """Each test with the fused C++ kernels and on the pure-PyTorch reference path."""
-    was = kernels._enabled
+    was = kernels.switched_on()
     kernels.set_enabled(request.param == "kernels")
     yield request.param
     kernels.set_enabled(was)

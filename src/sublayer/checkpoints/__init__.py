@@ -9,6 +9,7 @@ model code. The models' ``from_pretrained``/``save_pretrained`` use them.
 from . import bert, generation, gpt2, live, llama
 from .generation import FROM_CONFIG, GenerationConfig, read_generation_config, write_generation_config
 from .io import (
+    CONFIG_NAME,
     CheckpointError,
     check_and_convert,
     hf_activation,
@@ -20,6 +21,7 @@ from .io import (
 )
 
 __all__ = [
+    "CONFIG_NAME",
     "CheckpointError",
     "FROM_CONFIG",
     "GenerationConfig",

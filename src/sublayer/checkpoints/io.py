@@ -133,8 +133,10 @@ def _load_safetensors(path: Path) -> dict[str, Tensor]:
 def _load_sharded(index_path: Path) -> dict[str, Tensor]:
     try:
         index = json.loads(index_path.read_text(encoding="utf-8"))
-        weight_map = index["weight_map"]
-        shards = sorted(set(weight_map.values()))
+        shards = set(index["weight_map"].values())
+        if not all(isinstance(s, str) for s in shards):
+            raise TypeError(f"weight_map's values must be shard file names, got {sorted(map(repr, shards))}")
+        shards = sorted(shards)
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"index file {index_path} is not a valid safetensors index: {e!r}") from None
     out: dict[str, Tensor] = {}

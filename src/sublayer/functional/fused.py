@@ -128,7 +128,7 @@ def _use_fused(impl: str, dtypes_auto_ok: bool, dtypes_fused_ok: bool, *ts: Tens
     if impl == "reference":
         return False
     if impl == "auto":
-        if not kernels._enabled:  # cheap switch first: no build attempted when switched off
+        if not kernels.switched_on():  # cheap switch first: no build attempted when switched off
             return False
         return _why_not_fused(dtypes_auto_ok, *ts) is None
     why = _why_not_fused(dtypes_fused_ok, *ts)
@@ -462,7 +462,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         (..., out_features): bf16 on the bf16 path, else what ``F.linear`` returns.
     """
     if (
-        not kernels._enabled
+        not kernels.switched_on()
         or x.device.type != "cpu"
         or not _bf16_linear_applies(x, weight, bias)
         or kernels.native_bf16_gemm()

@@ -43,17 +43,21 @@ __all__ = ["available", "enabled", "set_enabled", "ops", "status", "build_error"
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _NAME = "sublayer_kernels"
-# SUBLAYER_ISA=avx2: the code of an AVX2 + FMA CPU (x86-64-v3) on any x86 CPU, so its paths can be measured anywhere
-_MARCH = "-march=x86-64-v3" if settings.isa() == "avx2" else "-march=native"
-CFLAGS = ["-O3", _MARCH, "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
+
+
+def cflags() -> list[str]:
+    """The compiler flags. ``SUBLAYER_ISA=avx2`` compiles the code of an AVX2 + FMA CPU (x86-64-v3) on any x86 CPU,
+    so its paths can be measured anywhere (read at the call: a bad value raises there, not at import)."""
+    march = "-march=x86-64-v3" if settings.isa() == "avx2" else "-march=native"
+    return ["-O3", march, "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
 
 _lock = threading.Lock()
 _state: dict = {"tried": False, "ok": False, "error": None, "warned": False}
 _build = _loader.build  # a name of its own: tests replace it to simulate a failed build
 
 
-_enabled = settings.kernels_enabled()
+_enabled: bool | None = None  # SUBLAYER_KERNELS, read at the first call (a bad value raises there, not at import)
 
 
 def set_enabled(flag: bool) -> None:
@@ -62,9 +66,17 @@ def set_enabled(flag: bool) -> None:
     _enabled = bool(flag)
 
 
+def switched_on() -> bool:
+    """Whether the fast path is switched on (``SUBLAYER_KERNELS``, :func:`set_enabled`), built or not."""
+    global _enabled
+    if _enabled is None:
+        _enabled = settings.kernels_enabled()
+    return _enabled
+
+
 def enabled() -> bool:
     """True when the fast path is switched on AND the extension is built (builds it on first call)."""
-    return _enabled and available()
+    return switched_on() and available()
 
 
 def _registered() -> bool:
@@ -79,6 +91,7 @@ def available() -> bool:
     """Build/load the extension once per process; False (with one warning) if that fails."""
     if _state["tried"]:
         return _state["ok"]
+    limit_mb = settings.buffer_cache_mb()  # a bad value is the user's to fix, not a failed build
     with _lock:
         if not _state["tried"]:
             try:
@@ -86,7 +99,7 @@ def available() -> bool:
                     _build()
                 if not _registered():
                     raise RuntimeError("the extension loaded but registered no ops")
-                if (limit_mb := settings.buffer_cache_mb()) is not None:
+                if limit_mb is not None:
                     ops().buffer_cache(int(limit_mb * 2**20))
                 _state["ok"] = True
             except Exception as e:  # no compiler, no ninja, compile error, lock timeout, ...
@@ -116,11 +129,11 @@ def ops():
 
 def status() -> str:
     """One line for ``sublayer info``."""
-    if not _enabled:
+    if not switched_on():
         return "off (SUBLAYER_KERNELS=0 or set_enabled(False)): reference path"
     if available():
         gemm = "native" if native_bf16_gemm() else "via fp32 (no AVX512_BF16/AMX)"
-        return f"active (C++/OpenMP, {' '.join(CFLAGS[:2])}; bf16 GEMMs {gemm}; cache {cache_dir()})"
+        return f"active (C++/OpenMP, {' '.join(cflags()[:2])}; bf16 GEMMs {gemm}; cache {cache_dir()})"
     return f"unavailable, reference path in use ({_state['error']})"
 
 

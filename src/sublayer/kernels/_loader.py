@@ -34,7 +34,7 @@ _BUILD_SECONDS_ESTIMATE = 50
 
 def _pkg():
     """The package :mod:`sublayer.kernels`: it names what is built (``_SOURCES``, ``_HEADERS``, ``_NAME``,
-    ``CFLAGS``, ``LDFLAGS``); read at call time, so a test can change them."""
+    ``cflags()``, ``LDFLAGS``); read at call time, so a test can change them."""
     return sys.modules[__package__]
 
 
@@ -61,7 +61,7 @@ def key_inputs() -> dict:
         cxx, version = _compiler()
         _key.update(
             sources=h.hexdigest(),
-            cflags=list(pkg.CFLAGS),
+            cflags=pkg.cflags(),
             ldflags=list(pkg.LDFLAGS),
             torch=torch.__version__,
             torch_git=getattr(torch.version, "git_version", ""),
@@ -166,7 +166,7 @@ def _compile(build_dir: Path) -> Path:
     cpp_extension.load(
         name=pkg._NAME,
         sources=[str(p) for p in pkg._SOURCES],
-        extra_cflags=list(pkg.CFLAGS),  # copies: torch appends to these lists (library paths of this venv)
+        extra_cflags=pkg.cflags(),  # copies: torch appends to these lists (library paths of this venv)
         extra_ldflags=list(pkg.LDFLAGS),
         build_directory=str(build_dir),
         is_python_module=False,

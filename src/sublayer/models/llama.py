@@ -182,6 +182,9 @@ class LlamaConfig(ModelConfig):
         max_positions = d.get("max_position_embeddings", 2048 if kind == "llama" else 32768)
         if kind_of_rope == "llama3":
             rope.setdefault("original_max_position_embeddings", max_positions)
+        size, heads, head_dim = d["hidden_size"], d["num_attention_heads"], d.get("head_dim")
+        if isinstance(size, int) and isinstance(heads, int) and heads > 0 and head_dim == size // heads:
+            head_dim = None  # the default: the config checks the sizes themselves
         return cls(
             model_type=kind,
             vocab_size=d["vocab_size"],
@@ -190,7 +193,7 @@ class LlamaConfig(ModelConfig):
             n_layers=d["num_hidden_layers"],
             n_heads=d["num_attention_heads"],
             n_kv_heads=d.get("num_key_value_heads"),
-            head_dim=None if d.get("head_dim") == d["hidden_size"] // d["num_attention_heads"] else d.get("head_dim"),
+            head_dim=head_dim,
             d_ff=d["intermediate_size"],
             activation=_HF_GATED[d.get("hidden_act", "silu")],
             eps=d.get("rms_norm_eps", 1e-6),

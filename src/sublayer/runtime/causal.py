@@ -43,7 +43,7 @@ __all__ = [
     "decoder", "supports", "set_enabled", "enabled", "LINEARS",
 ]  # fmt: skip
 
-_enabled = settings.decoding_enabled()
+_enabled: bool | None = None  # SUBLAYER_DECODING, read at the first call (a bad value raises there, not at import)
 
 
 def set_enabled(flag: bool) -> None:
@@ -54,6 +54,9 @@ def set_enabled(flag: bool) -> None:
 
 def enabled() -> bool:
     """Whether ``generate``/``translate`` take the fast decoding path."""
+    global _enabled
+    if _enabled is None:
+        _enabled = settings.decoding_enabled()
     return _enabled
 
 
@@ -395,7 +398,7 @@ def supports(model: nn.Module) -> bool:
     """Whether the packed decoding runs ``model``: switched on, float32 or bfloat16 CPU parameters (float32
     panels, or bfloat16 ones for an all-bfloat16 model: :func:`packed_weights`), and the fast-path rule (:mod:`sublayer.runtime.rules`: not sharded, no forward hook on any submodule)."""
     return (
-        _enabled
+        enabled()
         and all(p.dtype in (torch.float32, torch.bfloat16) and p.device.type == "cpu" for p in model.parameters())
         and fast_path_allowed(model)
     )
@@ -406,6 +409,6 @@ def decoder(model: nn.Module, weights: Callable[[], CausalWeights] | None = None
     reference loop runs. ``weights``: a function giving the prepared weights (an int8 or bf16 form's); None:
     ``model``'s :func:`packed_weights`. ``check``: ask :func:`supports` first (default: when ``weights`` is
     None)."""
-    if not _enabled or ((weights is None if check is None else check) and not supports(model)):
+    if not enabled() or ((weights is None if check is None else check) and not supports(model)):
         return None
     return functools.partial(decode, model, weights=None if weights is None else weights())
