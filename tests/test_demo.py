@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from torch.testing import assert_close
 
 from sublayer import demo as D
-from sublayer.checkpoints.io import atomic_write
+from sublayer.checkpoints.io import CheckpointError, atomic_write
 
 TINY = {"batch_size": 8, "d_model": 16, "n_heads": 2, "d_ff": 24, "n_layers": 1, "eval_every": 2, "n_val": 16,
         "n_test": 20, "quiet": True, "threads": 1, "warmup": 2}  # fmt: skip
@@ -380,6 +381,15 @@ def test_resume_from_a_broken_trainer_state_names_the_file(run, tmp_path, state,
     ckpt = _copy_run(run, tmp_path)
     (ckpt / "trainer_state.json").write_text(state)
     with pytest.raises(ValueError, match=f"trainer state {ckpt / 'trainer_state.json'} is not valid: {what}"):
+        D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
+
+
+@pytest.mark.parametrize("name, what", [("trainer_state.json", "trainer state"), ("vocab.json", "vocabulary file"),
+                                        ("config.json", "config file")])  # fmt: skip
+def test_resume_from_a_file_that_is_not_utf8_names_the_file(run, tmp_path, name, what):
+    ckpt = _copy_run(run, tmp_path)
+    (ckpt / name).write_bytes(b"\xff\xfe")
+    with pytest.raises(CheckpointError, match=f"{what} {re.escape(str(ckpt / name))} is not valid JSON: 'utf-8'"):
         D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
 
 

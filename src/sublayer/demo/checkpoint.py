@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..checkpoints.io import atomic_write
+from ..checkpoints.io import atomic_write, read_json
 from ..models.transformer import Transformer
 from .signals import hold_signals
 from .task import Vocab
@@ -62,10 +62,7 @@ def read_training_state(folder: Path) -> dict:
     path = folder / STATE_NAME
     if not path.is_file():
         raise FileNotFoundError(f"trainer state not found: {path} (not a demo checkpoint?)")
-    try:
-        state = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"trainer state {path} is not valid JSON: {e}") from None
+    state = read_json(path, "trainer state")
     _check_state(state, path)
     return state
 
