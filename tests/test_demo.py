@@ -393,6 +393,26 @@ def test_resume_from_a_file_that_is_not_utf8_names_the_file(run, tmp_path, name,
         D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
 
 
+@pytest.mark.parametrize(
+    "name, damage, rule",
+    [("exp_avg", lambda t: t.flatten()[:3].clone(), r"of shape \((\d+, \d+)\), got torch.float32 of shape \(3,\)"),
+     ("exp_avg", lambda t: t.to(torch.int32), r"of shape \((\d+, \d+)\), got torch.int32 of shape \(\1\)"),
+     ("step", lambda t: t.to(torch.int64), r"of shape \(\), got torch.int64 of shape \(\)")],
+)  # fmt: skip
+def test_resume_with_an_optimizer_tensor_unlike_its_parameter_names_the_file_and_tensor(run, tmp_path, name, damage,
+                                                                                        rule):  # fmt: skip
+    from safetensors.torch import load_file, save_file
+
+    ckpt = _copy_run(run, tmp_path)
+    path = ckpt / "optimizer.safetensors"
+    tensors = load_file(path)
+    tensors[f"state.0.{name}"] = damage(tensors[f"state.0.{name}"])
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError, match=f"optimizer state {re.escape(str(path))} does not fit .*: "
+                       f"state.0.{name} must be a floating-point tensor {rule}"):  # fmt: skip
+        D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
+
+
 def test_resume_with_a_mismatched_optimizer_state_names_the_file(run, tmp_path):
     ckpt = _copy_run(run, tmp_path)
     state = json.loads((ckpt / "trainer_state.json").read_text())
