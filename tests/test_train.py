@@ -21,6 +21,7 @@ from torch.testing import assert_close
 pytest.importorskip("tokenizers")
 
 from sublayer import train as T  # noqa: E402
+from sublayer.checkpoints.io import CheckpointError  # noqa: E402
 from sublayer.models import GPT2, GPT2Config, Llama, LlamaConfig  # noqa: E402
 from sublayer.train import loop as L  # noqa: E402
 from sublayer.train.starter import save_tokenizer  # noqa: E402
@@ -240,6 +241,18 @@ def test_resume_refuses_other_data_or_data_order(droppy, tmp_path):
     del state["train_config"]  # e.g. the demo's checkpoint
     (tmp_path / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(ValueError, match="is not a checkpoint of sublayer train"):
+        T.train(_resume_cfg(droppy, tmp_path, resume=True))
+
+
+@pytest.mark.parametrize("key", ["seq_len", "seed"])
+def test_resume_from_a_train_config_without_a_data_order_setting_names_the_file(droppy, tmp_path, key):
+    T.train(_resume_cfg(droppy, tmp_path, steps=1))
+    path = tmp_path / "trainer_state.json"
+    state = json.loads(path.read_text())
+    del state["train_config"][key]
+    path.write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=f"trainer state {re.escape(str(path))} is not valid: train_config "
+                       f"lacks '{key}'"):  # fmt: skip
         T.train(_resume_cfg(droppy, tmp_path, resume=True))
 
 

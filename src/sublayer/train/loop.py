@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .._checks import check_positive_int, check_probability
+from ..checkpoints.io import CheckpointError
 from ..demo.config import warmup_cosine
 from ..demo.checkpoint import STATE_NAME, load_optimizer, read_training_state, save_training_state, write_text
 from ..demo.plots import plot_losses
@@ -229,6 +230,9 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
         state = read_training_state(out)
         if not isinstance(state.get("train_config"), dict):
             raise ValueError(f"--resume: {out / STATE_NAME} is not a checkpoint of sublayer train (no train_config)")
+        missing = [k for k in DATA_ORDER if k not in state["train_config"]]
+        if missing:
+            raise CheckpointError(f"trainer state {out / STATE_NAME} is not valid: train_config lacks {missing[0]!r}")
         model = model_class(out).from_pretrained(out, dtype=torch.float32).train()
         tokenizer, source = read_tokenizer(out), None
         seq_len = state["train_config"]["seq_len"]
