@@ -260,6 +260,12 @@ def test_cli_resume_without_checkpoint(monkeypatch, capsys, tmp_path):
     assert code == 2 and io.err.count("\n") == 1 and "no checkpoint" in io.err
 
 
+def test_cli_out_that_is_a_file(monkeypatch, capsys, tmp_path):
+    (tmp_path / "f").write_text("")
+    code, io = _cli(monkeypatch, capsys, "demo", "--out", str(tmp_path / "f"))
+    assert code == 2 and io.err == f"error: --out {str(tmp_path / 'f')!r} is a file: give a folder, new or existing\n"
+
+
 # ---- interrupts: wherever one lands, --resume gives the uninterrupted run bit for bit ---------------------------
 
 DROPPY = {**TINY, "dropout": 0.1, "eval_every": 3}  # dropout: the torch RNG state must be the step's too

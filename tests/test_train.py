@@ -317,7 +317,8 @@ def test_cli_errors_name_the_flag_its_value_and_the_rule(cli, tmp_path, args, me
     assert re.fullmatch(f"error: {message}.*\n", err), err
 
 
-def test_cli_refuses_a_bert_folder_an_earlier_run_and_writing_over_the_model(cli, bert_dir, run, droppy, tmp_path):
+def test_cli_refuses_a_bert_folder_an_earlier_run_writing_over_the_model_or_a_file(cli, bert_dir, run, droppy,
+                                                                                   tmp_path):  # fmt: skip
     code, _, err = cli("train", "--model", str(bert_dir), "--data", "builtin:numbers", "--out", str(tmp_path / "o"))
     assert code == 2 and err == (f"error: --model {str(bert_dir)!r} has model_type 'bert' in config.json: train "
                                  "supports gpt2, llama, qwen2\n")  # fmt: skip
@@ -326,6 +327,9 @@ def test_cli_refuses_a_bert_folder_an_earlier_run_and_writing_over_the_model(cli
     code, _, err = cli("train", "--model", str(droppy), "--data", "builtin:numbers", "--out", str(droppy))
     assert code == 2 and err == f"error: --out {str(droppy)!r} is the --model folder: give another folder for the " \
         "trained model\n"
+    (tmp_path / "f").write_text("")
+    code, _, err = cli("train", "--model", "builtin:gpt2-tiny", "--data", "builtin:numbers", "--out", f"{tmp_path}/f")
+    assert code == 2 and err == f"error: --out '{tmp_path}/f' is a file: give a folder, new or existing\n"
 
 
 def test_readme_round_trip_runs(cli, tmp_path, monkeypatch):
