@@ -293,6 +293,7 @@ def bert_dir(tmp_path_factory):
         (["--steps", "3", "--epochs", "2"], r"--steps \(3\) and --epochs \(2\) exclude each other"),
         (["--batch-size", "-1"], "--batch-size must be a positive int, got -1"),
         (["--seq-len", "300"], r"--seq-len \(300\) must be at most the model's max_positions \(256\)"),
+        (["--seq-len", "1"], r"--seq-len must be at least 2 \(a row's last token has no next one to predict\), got 1"),
         (["--batch-size", "4096"], r"--batch-size \(4096\) is more than the \d+ rows of 256 tokens that --data "
                                    "packs into"),
         (["--lr", "0"], "--lr must be a positive number, got 0"),

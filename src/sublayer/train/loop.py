@@ -72,6 +72,8 @@ class TrainConfig:
         for name in ("steps", "epochs", "seq_len", "warmup", "eval_every", "threads"):
             check_positive_int(name, getattr(self, name), allow_none=True)
         check_positive_int("batch_size", self.batch_size)
+        if self.seq_len == 1:
+            raise ValueError("seq_len must be at least 2 (a row's last token has no next one to predict), got 1")
         if self.steps is not None and self.epochs is not None:
             raise ValueError(f"steps ({self.steps}) and --epochs ({self.epochs}) exclude each other: give one")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
