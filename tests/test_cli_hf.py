@@ -231,6 +231,15 @@ def test_commands_silence_transformers_notices_and_progress_bars(gpt2_dir):
 # ---- embed ---------------------------------------------------------------------------------------------------
 
 
+def test_embed_names_a_sentence_transformers_config_that_is_not_json(cli, bert_dir, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(bert_dir, tmp_path / "b")
+    (folder / "sentence_bert_config.json").write_bytes(b"\xff\xfe")
+    code, _, err = cli("embed", "--model", folder, "hello")
+    _one_line_error(code, err, f"sentence-transformers config {folder / 'sentence_bert_config.json'} is not valid JSON")
+
+
 def test_embed_prints_json_vectors_equal_to_library(cli, bert_dir):
     texts = ["the cat sat on a mat", "hello world", "big dog"]
     code, out, _ = cli("embed", "--model", bert_dir, *texts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from torch.testing import assert_close
 
 from sublayer import demo as D
-from sublayer.checkpoints.io import atomic_write
+from sublayer.checkpoints.io import CheckpointError, atomic_write
 
 TINY = {"batch_size": 8, "d_model": 16, "n_heads": 2, "d_ff": 24, "n_layers": 1, "eval_every": 2, "n_val": 16,
         "n_test": 20, "quiet": True, "threads": 1, "warmup": 2}  # fmt: skip
@@ -259,6 +260,12 @@ def test_cli_resume_without_checkpoint(monkeypatch, capsys, tmp_path):
     assert code == 2 and io.err.count("\n") == 1 and "no checkpoint" in io.err
 
 
+def test_cli_out_that_is_a_file(monkeypatch, capsys, tmp_path):
+    (tmp_path / "f").write_text("")
+    code, io = _cli(monkeypatch, capsys, "demo", "--out", str(tmp_path / "f"))
+    assert code == 2 and io.err == f"error: --out {str(tmp_path / 'f')!r} is a file: give a folder, new or existing\n"
+
+
 # ---- interrupts: wherever one lands, --resume gives the uninterrupted run bit for bit ---------------------------
 
 DROPPY = {**TINY, "dropout": 0.1, "eval_every": 3}  # dropout: the torch RNG state must be the step's too
@@ -380,6 +387,35 @@ def test_resume_from_a_broken_trainer_state_names_the_file(run, tmp_path, state,
     ckpt = _copy_run(run, tmp_path)
     (ckpt / "trainer_state.json").write_text(state)
     with pytest.raises(ValueError, match=f"trainer state {ckpt / 'trainer_state.json'} is not valid: {what}"):
+        D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
+
+
+@pytest.mark.parametrize("name, what", [("trainer_state.json", "trainer state"), ("vocab.json", "vocabulary file"),
+                                        ("config.json", "config file")])  # fmt: skip
+def test_resume_from_a_file_that_is_not_utf8_names_the_file(run, tmp_path, name, what):
+    ckpt = _copy_run(run, tmp_path)
+    (ckpt / name).write_bytes(b"\xff\xfe")
+    with pytest.raises(CheckpointError, match=f"{what} {re.escape(str(ckpt / name))} is not valid JSON: 'utf-8'"):
+        D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
+
+
+@pytest.mark.parametrize(
+    "name, damage, rule",
+    [("exp_avg", lambda t: t.flatten()[:3].clone(), r"of shape \((\d+, \d+)\), got torch.float32 of shape \(3,\)"),
+     ("exp_avg", lambda t: t.to(torch.int32), r"of shape \((\d+, \d+)\), got torch.int32 of shape \(\1\)"),
+     ("step", lambda t: t.to(torch.int64), r"of shape \(\), got torch.int64 of shape \(\)")],
+)  # fmt: skip
+def test_resume_with_an_optimizer_tensor_unlike_its_parameter_names_the_file_and_tensor(run, tmp_path, name, damage,
+                                                                                        rule):  # fmt: skip
+    from safetensors.torch import load_file, save_file
+
+    ckpt = _copy_run(run, tmp_path)
+    path = ckpt / "optimizer.safetensors"
+    tensors = load_file(path)
+    tensors[f"state.0.{name}"] = damage(tensors[f"state.0.{name}"])
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError, match=f"optimizer state {re.escape(str(path))} does not fit .*: "
+                       f"state.0.{name} must be a floating-point tensor {rule}"):  # fmt: skip
         D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
 
 

@@ -21,6 +21,7 @@ from torch.testing import assert_close
 pytest.importorskip("tokenizers")
 
 from sublayer import train as T  # noqa: E402
+from sublayer.checkpoints.io import CheckpointError  # noqa: E402
 from sublayer.models import GPT2, GPT2Config, Llama, LlamaConfig  # noqa: E402
 from sublayer.train import loop as L  # noqa: E402
 from sublayer.train.starter import save_tokenizer  # noqa: E402
@@ -243,6 +244,18 @@ def test_resume_refuses_other_data_or_data_order(droppy, tmp_path):
         T.train(_resume_cfg(droppy, tmp_path, resume=True))
 
 
+@pytest.mark.parametrize("key", ["seq_len", "seed"])
+def test_resume_from_a_train_config_without_a_data_order_setting_names_the_file(droppy, tmp_path, key):
+    T.train(_resume_cfg(droppy, tmp_path, steps=1))
+    path = tmp_path / "trainer_state.json"
+    state = json.loads(path.read_text())
+    del state["train_config"][key]
+    path.write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=f"trainer state {re.escape(str(path))} is not valid: train_config "
+                       f"lacks '{key}'"):  # fmt: skip
+        T.train(_resume_cfg(droppy, tmp_path, resume=True))
+
+
 # ---- the CLI ---------------------------------------------------------------------------------------------------
 
 
@@ -280,6 +293,7 @@ def bert_dir(tmp_path_factory):
         (["--steps", "3", "--epochs", "2"], r"--steps \(3\) and --epochs \(2\) exclude each other"),
         (["--batch-size", "-1"], "--batch-size must be a positive int, got -1"),
         (["--seq-len", "300"], r"--seq-len \(300\) must be at most the model's max_positions \(256\)"),
+        (["--seq-len", "1"], r"--seq-len must be at least 2 \(a row's last token has no next one to predict\), got 1"),
         (["--batch-size", "4096"], r"--batch-size \(4096\) is more than the \d+ rows of 256 tokens that --data "
                                    "packs into"),
         (["--lr", "0"], "--lr must be a positive number, got 0"),
@@ -304,7 +318,8 @@ def test_cli_errors_name_the_flag_its_value_and_the_rule(cli, tmp_path, args, me
     assert re.fullmatch(f"error: {message}.*\n", err), err
 
 
-def test_cli_refuses_a_bert_folder_an_earlier_run_and_writing_over_the_model(cli, bert_dir, run, droppy, tmp_path):
+def test_cli_refuses_a_bert_folder_an_earlier_run_writing_over_the_model_or_a_file(cli, bert_dir, run, droppy,
+                                                                                   tmp_path):  # fmt: skip
     code, _, err = cli("train", "--model", str(bert_dir), "--data", "builtin:numbers", "--out", str(tmp_path / "o"))
     assert code == 2 and err == (f"error: --model {str(bert_dir)!r} has model_type 'bert' in config.json: train "
                                  "supports gpt2, llama, qwen2\n")  # fmt: skip
@@ -313,6 +328,9 @@ def test_cli_refuses_a_bert_folder_an_earlier_run_and_writing_over_the_model(cli
     code, _, err = cli("train", "--model", str(droppy), "--data", "builtin:numbers", "--out", str(droppy))
     assert code == 2 and err == f"error: --out {str(droppy)!r} is the --model folder: give another folder for the " \
         "trained model\n"
+    (tmp_path / "f").write_text("")
+    code, _, err = cli("train", "--model", "builtin:gpt2-tiny", "--data", "builtin:numbers", "--out", f"{tmp_path}/f")
+    assert code == 2 and err == f"error: --out '{tmp_path}/f' is a file: give a folder, new or existing\n"
 
 
 def test_readme_round_trip_runs(cli, tmp_path, monkeypatch):

@@ -13,7 +13,6 @@ written (``PreTrainedTokenizerFast``). ``sublayer generate`` and ``sublayer embe
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import threading
@@ -25,6 +24,7 @@ from torch import Tensor
 
 from ._checks import check_positive_int
 from .checkpoints import FROM_CONFIG, read_config, resolve_folder
+from .checkpoints.io import read_json
 from .models import GPT2, Bert, Llama, fast_inference
 from .models import quantized as q
 from .models.bert import mean_pooled
@@ -161,7 +161,7 @@ class Encoder:
             bert = Bert.from_pretrained(folder)
             net = q.quantize(bert) if quantize is not None else fast_inference(bert, dtype=dtype)
         st = folder / "sentence_bert_config.json"
-        max_length = json.loads(st.read_text()).get("max_seq_length") if st.is_file() else None
+        max_length = read_json(st, "sentence-transformers config").get("max_seq_length") if st.is_file() else None
         return cls(net, load_tokenizer(folder, why="embed"), max_length=max_length)
 
     @torch.no_grad()

@@ -30,6 +30,7 @@ __all__ = [
     "resolve_folder",
     "hub_cache",
     "cached_snapshot",
+    "read_json",
     "read_config",
     "read_state_dict",
     "read_hf_folder",
@@ -102,6 +103,18 @@ def resolve_folder(folder: str | os.PathLike) -> Path:
     return path
 
 
+def read_json(path: str | os.PathLike, what: str) -> Any:
+    """The JSON value in the file ``path``, read as UTF-8.
+
+    Raises:
+        CheckpointError: not UTF-8 or not valid JSON, naming ``what`` (``"config file"``) and the file.
+    """
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{what} {path} is not valid JSON: {e}") from None
+
+
 def read_config(folder: str | os.PathLike) -> dict[str, Any]:
     """``FOLDER/config.json`` as a dict.
 
@@ -111,10 +124,7 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
     path = resolve_folder(folder) / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"config file {path} is not valid JSON: {e}") from None
+    d = read_json(path, "config file")
     if not isinstance(d, dict):
         raise CheckpointError(f"config file {path} must hold a JSON object, got {type(d).__name__}")
     return d

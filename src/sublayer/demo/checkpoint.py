@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..checkpoints.io import atomic_write
+from ..checkpoints.io import CheckpointError, atomic_write, read_json
 from ..models.transformer import Transformer
 from .signals import hold_signals
 from .task import Vocab
@@ -62,10 +62,7 @@ def read_training_state(folder: Path) -> dict:
     path = folder / STATE_NAME
     if not path.is_file():
         raise FileNotFoundError(f"trainer state not found: {path} (not a demo checkpoint?)")
-    try:
-        state = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"trainer state {path} is not valid JSON: {e}") from None
+    state = read_json(path, "trainer state")
     _check_state(state, path)
     return state
 
@@ -100,6 +97,9 @@ def _check_state(state: object, path: Path) -> None:
 
 
 def load_optimizer(folder: Path, opt: torch.optim.Optimizer, groups: list[dict]) -> None:
+    """``folder/optimizer.safetensors`` with ``groups`` (the trainer state's param groups) into ``opt``, and
+    torch's RNG state. Raises FileNotFoundError, or CheckpointError naming the file (and the tensor that does
+    not fit its parameter)."""
     from safetensors.torch import load_file
 
     path = folder / OPTIMIZER_NAME
@@ -108,7 +108,7 @@ def load_optimizer(folder: Path, opt: torch.optim.Optimizer, groups: list[dict])
     try:
         tensors = load_file(str(path))
     except Exception as e:
-        raise ValueError(f"cannot read optimizer state {path}: {e}") from None
+        raise CheckpointError(f"cannot read optimizer state {path}: {e}") from None
     state: dict[int, dict[str, Tensor]] = {}
     try:
         for key, v in tensors.items():
@@ -116,8 +116,24 @@ def load_optimizer(folder: Path, opt: torch.optim.Optimizer, groups: list[dict])
                 _, i, name = key.split(".", 2)
                 state.setdefault(int(i), {})[name] = v
         groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
+        _check_state_tensors(state, groups, opt)
         opt.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
-        raise ValueError(f"optimizer state {path} does not fit this model and {STATE_NAME}: {e}") from None
+        raise CheckpointError(f"optimizer state {path} does not fit this model and {STATE_NAME}: {e}") from None
     if "torch_rng_state" in tensors:
         torch.set_rng_state(tensors["torch_rng_state"])
+
+
+def _check_state_tensors(state: dict[int, dict[str, Tensor]], groups: list[dict], opt: torch.optim.Optimizer) -> None:
+    """ValueError naming the first tensor of ``state`` that does not fit its parameter (the one ``groups`` gives
+    its index): floating point, of the parameter's shape (``step``: a scalar, as the optimizer keeps it).
+    ``load_state_dict`` would cast any dtype to the parameter's and leave a wrong shape to fail in the update."""
+    params = dict(zip((i for g in groups for i in g["params"]), (p for g in opt.param_groups for p in g["params"])))
+    for i, tensors in state.items():
+        if i not in params:  # the groups do not fit the model: load_state_dict says so
+            continue
+        for name, t in tensors.items():
+            shape = () if name == "step" else tuple(params[i].shape)
+            if not t.is_floating_point() or tuple(t.shape) != shape:
+                raise ValueError(f"state.{i}.{name} must be a floating-point tensor of shape {shape}, got "
+                                 f"{t.dtype} of shape {tuple(t.shape)}")  # fmt: skip

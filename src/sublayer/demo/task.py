@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from ..checkpoints.io import read_json
 ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
         "seventeen eighteen nineteen").split()  # fmt: skip
 TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
@@ -119,9 +121,10 @@ class Vocab:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"vocabulary file not found: {path}")
+        data = read_json(path, "vocabulary file")
         try:
-            return cls(json.loads(path.read_text())["tokens"])
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            return cls(data["tokens"])
+        except (KeyError, TypeError) as e:
             raise ValueError(f"vocabulary file {path} is not valid: {e}") from None
 
 

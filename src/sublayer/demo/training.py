@@ -115,14 +115,16 @@ def train(
 
 def check_start(cfg, rank: int, world_size: int, group: str) -> Path:
     """``cfg.out`` as a Path, after checking ``rank``/``world_size`` (``cfg.batch_size`` divisible by it, named
-    ``group`` in the message), that a run that resumes finds a checkpoint and that a run that neither resumes nor
-    overwrites finds no earlier one."""
+    ``group`` in the message), that ``cfg.out`` is not a file, that a run that resumes finds a checkpoint and that
+    a run that neither resumes nor overwrites finds no earlier one."""
     check_positive_int("world_size", world_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
     if cfg.batch_size % world_size:
         raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by {group} ({world_size})")
     out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out {str(out)!r} is a file: give a folder, new or existing")
     if cfg.resume and not (out / STATE_NAME).is_file():
         raise FileNotFoundError(f"--resume: no checkpoint in {out} ({STATE_NAME} missing)")
     if not cfg.resume and not cfg.overwrite and (out / STATE_NAME).exists():

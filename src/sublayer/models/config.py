@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ..checkpoints.io import CheckpointError, read_json
+
 __all__ = ["ModelConfig"]
 
 C = TypeVar("C", bound="ModelConfig")
@@ -42,11 +44,12 @@ class ModelConfig:
 
     @classmethod
     def load(cls: type[C], path: str | Path) -> C:
+        """The config in the JSON file ``path``. Raises FileNotFoundError, or CheckpointError naming the file."""
         path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        d = read_json(path, "config file")
         try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(f"config file not found: {path}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"config file {path} is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+            return cls.from_dict(d)
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(f"config file {path}: {e}") from None

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .._checks import check_positive_int, check_probability
+from ..checkpoints.io import CheckpointError
 from ..demo.config import warmup_cosine
 from ..demo.checkpoint import STATE_NAME, load_optimizer, read_training_state, save_training_state, write_text
 from ..demo.plots import plot_losses
@@ -71,6 +72,8 @@ class TrainConfig:
         for name in ("steps", "epochs", "seq_len", "warmup", "eval_every", "threads"):
             check_positive_int(name, getattr(self, name), allow_none=True)
         check_positive_int("batch_size", self.batch_size)
+        if self.seq_len == 1:
+            raise ValueError("seq_len must be at least 2 (a row's last token has no next one to predict), got 1")
         if self.steps is not None and self.epochs is not None:
             raise ValueError(f"steps ({self.steps}) and --epochs ({self.epochs}) exclude each other: give one")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
@@ -229,6 +232,9 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
         state = read_training_state(out)
         if not isinstance(state.get("train_config"), dict):
             raise ValueError(f"--resume: {out / STATE_NAME} is not a checkpoint of sublayer train (no train_config)")
+        missing = [k for k in DATA_ORDER if k not in state["train_config"]]
+        if missing:
+            raise CheckpointError(f"trainer state {out / STATE_NAME} is not valid: train_config lacks {missing[0]!r}")
         model = model_class(out).from_pretrained(out, dtype=torch.float32).train()
         tokenizer, source = read_tokenizer(out), None
         seq_len = state["train_config"]["seq_len"]
