@@ -102,8 +102,8 @@ class PreparedBert(InferenceOnly):
         x = t["embeddings.word"][ids] + t["embeddings.position"][pos] + t["embeddings.token_type"][types]
         x = layer_norm(x, t["embeddings.norm.weight"], t["embeddings.norm.bias"], cfg.eps).to(self.compute_dtype)
         x = run_layers(x, layers, pad=pad, shape=(B, T), heads=cfg.n_heads,
-                       scale=1.0 / math.sqrt(d // cfg.n_heads), activation=cfg.activation,
-                       attention_dtype=self.attention_dtype, split_probs=self.split_probs, queries=first).float()  # fmt: skip
+                       scale=1.0 / math.sqrt(d // cfg.n_heads), activation=cfg.activation, queries=first,
+                       attention_dtype=self.attention_dtype, split_probs=self.split_probs).float()  # fmt: skip
         if first is not None:
             index, x, x0 = index[: -first.numel()], x[: -first.numel()], x[-first.numel() :]
         if index is not None:

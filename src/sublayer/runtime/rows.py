@@ -18,8 +18,8 @@ from ..functional import fused
 from .rules import fast_path_allowed
 
 __all__ = [
-    "kernels_on", "inference", "eval_mode", "InferenceOnly", "layer_norm", "norm_rows", "add_norm", "bias_act", "ffn_hidden",
-    "residual_out", "EPILOGUE",
+    "kernels_on", "inference", "eval_mode", "InferenceOnly", "layer_norm", "norm_rows", "add_norm", "bias_act",
+    "ffn_hidden", "residual_out", "EPILOGUE",
 ]  # fmt: skip
 
 EPILOGUE = fused.ACT_IDS  # activations the kernels fuse into a GEMM epilogue or a bias pass
