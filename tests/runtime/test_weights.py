@@ -171,3 +171,18 @@ def test_a_norm_eps_set_after_the_first_call_is_used():
             m.eps = 10.0
     assert_close(fast(ids), model(ids))
     assert torch.equal(model.generate(ids, 5), _fresh(model).generate(ids, 5))
+
+
+def test_pinned_checks_each_form_once_per_block():
+    """Inside ``pinned`` (one generate call) a form is checked once; the next call sees the change."""
+    model = torch.nn.Linear(3, 5)
+
+    def build(m):
+        return m.weight.detach().clone()
+
+    with weights.pinned():
+        first = weights.prepared(model, "k", build)
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        assert weights.prepared(model, "k", build) is first
+    assert_close(weights.prepared(model, "k", build), model.weight.detach())

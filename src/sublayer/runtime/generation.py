@@ -23,6 +23,7 @@ from torch import Tensor
 from .. import settings
 from .._checks import check_attention_mask, check_input_ids, check_positive_int
 from ..kernels import cpu
+from . import weights
 
 __all__ = [
     "CausalLM", "generate", "token_loop", "filtered_probs", "greedy_search", "beam_search", "check_token_id",
@@ -243,7 +244,7 @@ def generate(
         lm.eval()
     streaming = _STREAMER.set(streamer)
     try:
-        with fitted_threads():
+        with fitted_threads(), weights.pinned():
             fast = lm.fast_decoder()
             if fast is not None:
                 out = fast(input_ids, positions, kpm, max_new_tokens, prefill=lm.hidden_states, pick=pick,

@@ -19,15 +19,17 @@ and rebuilds it when the parameters it came from change, whichever way they chan
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["prepared", "clear_cache", "stamp", "SAMPLES"]
+__all__ = ["prepared", "pinned", "clear_cache", "stamp", "SAMPLES"]
 
 SAMPLES = 16  # positions sampled per weight tensor (spread evenly over its elements)
 
@@ -93,10 +95,34 @@ def stamp(module: nn.Module) -> tuple:
     return meta, tuple(samples)
 
 
+_PINNED: ContextVar[dict | None] = ContextVar("sublayer_pinned_weights", default=None)
+
+
+@contextlib.contextmanager
+def pinned() -> Iterator[None]:
+    """Inside the block each ``(module, key)`` is checked once: one call (a ``generate``) that asks for the same
+    prepared form several times (prompt, steps, head) reads the parameters' stamp once."""
+    token = _PINNED.set({})
+    try:
+        yield
+    finally:
+        _PINNED.reset(token)
+
+
 def prepared(module: nn.Module, key: Hashable, build: Callable[[nn.Module], Any]) -> Any:
     """``build(module)``'s result, built once per ``(module, key)`` and rebuilt whenever a parameter of ``module``
     changed (see the module docstring). ``key`` tells apart forms that depend on more than the weights (e.g.
     whether the kernels are on, a compute dtype)."""
+    memo = _PINNED.get()
+    if memo is not None and (hit := memo.get((id(module), key))) is not None and hit[0] is module:
+        return hit[1]
+    value = _prepared(module, key, build)
+    if memo is not None:
+        memo[(id(module), key)] = (module, value)
+    return value
+
+
+def _prepared(module: nn.Module, key: Hashable, build: Callable[[nn.Module], Any]) -> Any:
     s = stamp(module)
     entries = _CACHE.setdefault(module, {})
     hit = entries.get(key)
