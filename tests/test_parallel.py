@@ -224,3 +224,14 @@ def test_demo_cli_nproc_checks(monkeypatch, capsys, tmp_path):
     code, err = run("--nproc", "0")
     assert code == 2 and err == "error: --nproc must be >= 1, got 0\n"
     assert not (tmp_path / "o").exists()
+
+
+def test_a_hook_on_a_sharded_linear_is_refused_by_name(fake_mesh):
+    """The parent's style multiplies the local shards directly: a user's hook on the sharded linear could not run,
+    so it is refused (torch's own tensor-parallel hooks on it do not count)."""
+    x = torch.randn(2, 3, 32)
+    tensor_parallel(PositionWiseFFN(32, 48), fake_mesh)(x)  # the plan's hooks alone: runs
+    ffn = tensor_parallel(PositionWiseFFN(32, 48), fake_mesh)
+    ffn.fc2.register_forward_hook(lambda m, a, o: None)
+    with pytest.raises(ValueError, match="a hook on Linear cannot run: its parameters are tensor-parallel shards"):
+        ffn(x)

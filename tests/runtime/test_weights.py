@@ -186,3 +186,24 @@ def test_pinned_checks_each_form_once_per_block():
             model.weight.add_(1.0)
         assert weights.prepared(model, "k", build) is first
     assert_close(weights.prepared(model, "k", build), model.weight.detach())
+
+
+def test_a_streamer_that_changes_weights_is_seen_by_what_it_calls():
+    """generate checks each prepared form once, but a call from its streamer sees the weights the streamer wrote."""
+    model = _gpt2().eval()
+    fast = fast_inference(model, dtype=torch.float32)
+    ids = torch.randint(0, 53, (1, 4), generator=torch.Generator().manual_seed(1))
+    seen = []
+
+    class Streamer:
+        def put(self, value):
+            if value.dim() == 1 and not seen:
+                with torch.no_grad():
+                    model.blocks[0].ffn.fc1.weight.mul_(-1.0)
+                seen.append((fast(ids) - model(ids)).abs().max().item())
+
+        def end(self):
+            pass
+
+    model.generate(ids, 3, streamer=Streamer())
+    assert seen and seen[0] < 1e-5

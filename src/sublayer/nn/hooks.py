@@ -8,7 +8,6 @@ sees every call.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.nn.modules import module as _module  # the global hook registries live there
 
@@ -19,24 +18,34 @@ def hooked(*modules: nn.Module, backward: bool = False) -> bool:
     """Whether a forward hook or pre-hook is registered on any of ``modules`` or their submodules, or globally
     (``torch.nn.modules.module.register_module_forward_hook``); with ``backward``, backward hooks count too.
 
-    A module with DTensor parameters does not count: its hooks are the tensor-parallel plan's
-    (:mod:`sublayer.parallel`), whose style on the parent runs the fused math on the local shards."""
+    The hooks torch's tensor-parallel API registers on a sharded linear (``torch.distributed.tensor``) do not
+    count: the parallel plan's style on the parent (:mod:`sublayer.parallel`) runs the fused math on the local
+    shards.
+
+    Raises:
+        ValueError: a hook of the user's on such a sharded module, which its parent's style cannot run.
+    """
     g = _module
     if g._global_forward_hooks or g._global_forward_pre_hooks:
         return True
     if backward and (g._global_backward_hooks or g._global_backward_pre_hooks):
         return True
-    return any(
-        (m._forward_hooks or m._forward_pre_hooks or (backward and (m._backward_hooks or m._backward_pre_hooks)))
-        and not _sharded(m)
-        for mod in modules
-        for m in mod.modules()
-    )
+    found = False
+    for mod in modules:
+        for m in mod.modules():
+            hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+            if backward:
+                hooks += [*m._backward_hooks.values(), *m._backward_pre_hooks.values()]
+            mine = [h for h in hooks if not _tensor_parallel(h)]
+            if mine and len(mine) < len(hooks):
+                raise ValueError(
+                    f"a hook on {type(m).__name__} cannot run: its parameters are tensor-parallel shards that the "
+                    "parent's parallel style multiplies directly; register it on the parent (FFN, attention, block)"
+                )
+            found = found or bool(mine)
+    return found
 
 
-def _sharded(m: nn.Module) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in m._parameters.values())
+def _tensor_parallel(hook) -> bool:
+    """Whether ``hook`` is one that torch's tensor-parallel API registered (``distribute_module``)."""
+    return getattr(getattr(hook, "func", hook), "__module__", "").startswith("torch.distributed.tensor")

@@ -163,7 +163,8 @@ def token_loop(
         out[:, t + s] = nxt
         n = s + 1
         if streamer is not None:
-            streamer.put(nxt)
+            with weights.pinned(False):  # the user's code: what it calls sees weights it changes
+                streamer.put(nxt)
         if s + 1 == max_new_tokens or (eos is not None and bool(finished.all())):
             break
         nxt = step(nxt, s)

@@ -99,10 +99,11 @@ _PINNED: ContextVar[dict | None] = ContextVar("sublayer_pinned_weights", default
 
 
 @contextlib.contextmanager
-def pinned() -> Iterator[None]:
+def pinned(on: bool = True) -> Iterator[None]:
     """Inside the block each ``(module, key)`` is checked once: one call (a ``generate``) that asks for the same
-    prepared form several times (prompt, steps, head) reads the parameters' stamp once."""
-    token = _PINNED.set({})
+    prepared form several times (prompt, steps, head) reads the parameters' stamp once. ``pinned(False)``: every
+    use checked again inside (a user's callback in the middle of such a call, which may change weights)."""
+    token = _PINNED.set({} if on else None)
     try:
         yield
     finally:
