@@ -80,5 +80,9 @@ def test_allocator_setting_names_an_outside_allocator(monkeypatch):
 
 
 def test_buffer_cache_limit_errors():
-    with pytest.raises(ValueError, match="limit_mb must be >= 0, got -1"):
-        memory.buffer_cache(-1)
+    for bad in (-1, float("inf"), 2.0**41):
+        with pytest.raises(ValueError, match=r"limit_mb must be a number of MiB in \[0, 2\*\*40\], got"):
+            memory.buffer_cache(bad)
+    for bad in ("10", True):
+        with pytest.raises(TypeError, match="limit_mb must be a number of MiB, got"):
+            memory.buffer_cache(bad)

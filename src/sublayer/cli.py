@@ -307,6 +307,8 @@ def generate(
     given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p}
     sampling = sample or any(given[k] is not None for k in ("temperature", "top_k", "top_p"))
     options = {k: FROM_CONFIG if v is None else v for k, v in given.items()}  # unset: the folder's settings
+    if not -(2**63) <= seed < 2**64:  # what torch.Generator.manual_seed takes
+        raise CLIError(f"--seed must be in [-2**63, 2**64), got {seed}")
     options |= {"do_sample": True if sampling else FROM_CONFIG, "generator": torch.Generator().manual_seed(seed)}
     started = time.perf_counter()
     counter = _Counter()

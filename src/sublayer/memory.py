@@ -96,10 +96,13 @@ def buffer_cache(limit_mb: float | None = None) -> dict[str, float]:
         ``{"limit_mb", "cached_mb", "blocks", "hits", "misses"}``; all zero when the kernels are unavailable.
 
     Raises:
-        ValueError: ``limit_mb`` negative.
+        TypeError: ``limit_mb`` not a number. ValueError: ``limit_mb`` negative, not finite or above 2**40.
     """
-    if limit_mb is not None and not limit_mb >= 0:
-        raise ValueError(f"limit_mb must be >= 0, got {limit_mb}")
+    if limit_mb is not None:
+        if isinstance(limit_mb, bool) or not isinstance(limit_mb, (int, float)):
+            raise TypeError(f"limit_mb must be a number of MiB, got {limit_mb!r} ({type(limit_mb).__name__})")
+        if not 0 <= limit_mb <= 2**40:
+            raise ValueError(f"limit_mb must be a number of MiB in [0, 2**40], got {limit_mb}")
     from . import kernels
 
     if not kernels.available():

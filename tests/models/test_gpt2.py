@@ -269,7 +269,7 @@ def test_generate_zero_new_tokens_returns_prompt(ours):
     ("kwargs", "exc", "match"),
     [
         ({"temperature": 0.0, "do_sample": True}, ValueError, "temperature must be a float > 0, got 0.0"),
-        ({"top_k": 0}, ValueError, "top_k must be a positive int, got 0"),
+        ({"top_k": -2}, ValueError, "top_k must be a positive int, got -2"),
         ({"top_p": 1.5}, ValueError, r"top_p must be in \(0, 1\], got 1.5"),
         ({"eos_token_id": -1}, ValueError, "eos_token_id must be None, an int >= 0 or a non-empty list of them, got -1"),
         ({"eos_token_id": VOCAB}, ValueError, rf"eos_token_id must be .* vocab_size={VOCAB}\), got {VOCAB}"),
@@ -280,6 +280,12 @@ def test_generate_zero_new_tokens_returns_prompt(ours):
 def test_generate_rejects_bad_options(ours, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         ours.generate(_ids(), 2, **kwargs)
+
+
+def test_top_k_zero_is_no_filter_as_in_hf(ours):
+    ids = _ids()
+    runs = [ours.generate(ids, 4, do_sample=True, top_k=k, generator=torch.Generator().manual_seed(3)) for k in (0, None)]
+    assert torch.equal(*runs)
 
 
 def test_generate_rejects_too_long(ours):

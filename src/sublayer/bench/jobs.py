@@ -474,7 +474,7 @@ def run_jobs(*, quick: bool = False, reps: int | None = None, only: str | None =
     """
     names = [n.strip() for n in (only or ",".join(DEFAULT_JOBS)).split(",") if n.strip()]
     if not names or set(names) - set(JOBS):
-        raise ValueError(f"jobs must be a comma-separated subset of {','.join(JOBS)}, got {only!r}")
+        raise ValueError(f"only must name jobs of {','.join(JOBS)} (comma-separated), got {only!r}")
     if reps is not None and reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
     reps = reps or (2 if quick else 3)

@@ -185,13 +185,13 @@ class GenerationConfig:
                 ``pad_token_id`` as passed (``FROM_CONFIG`` or a value).
 
         Returns:
-            The same keys, resolved; a ``top_k`` of 0 from the config becomes None (no filter).
+            The same keys, resolved; a ``top_k`` of 0 (from the call or the config) becomes None: no filter, as HF.
 
         Raises:
             ValueError: no length anywhere leaves room for a new token (``max_length <= T``).
         """
         out = {k: self.get(k) if v is FROM_CONFIG else v for k, v in call.items()}
-        if call.get("top_k") is FROM_CONFIG and out["top_k"] == 0:
+        if out.get("top_k") == 0 and not isinstance(out["top_k"], bool):
             out["top_k"] = None
         if call.get("max_new_tokens", 0) is FROM_CONFIG and self.max_new_tokens is None:
             max_length = self.max_length
