@@ -346,3 +346,22 @@ def test_embed_batch_size_gives_the_same_vectors(cli, bert_dir):
 def test_bench_contention_needs_jobs(cli):
     code, _, err = cli("bench", "--contention")
     _one_line_error(code, err, "--contention needs --jobs")
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("--decode", "--jobs"), "error: --decode and --jobs are two benchmarks: give one of them"),
+        (("--only", "decode"), "error: --only needs --jobs"),
+        (("--jobs", "--malloc", "reuse"), "error: --malloc applies to the kernel benchmark, not to --jobs"),
+        (("--decode", "--cases", "ffn"), "error: --cases applies to the kernel benchmark, not to --decode"),
+        (("--decode", "--model", "{tmp}"), "error: --model, --report and --notes do not apply to --decode"),
+        (("--jobs", "--only", " "), "error: --only must name at least one job, got ''"),
+        (("--jobs", "--model", "{tmp}/nope"), "error: --model: no folder {tmp}/nope"),
+        (("--dtypes", "int8", "--model", "{tmp}/nope"), "error: --model: no folder {tmp}/nope"),
+        (("--report", "/proc/nope/r.md"), "error: --report: cannot write /proc/nope/r.md"),
+    ],
+)
+def test_bench_flags_are_checked_before_any_work(cli, tmp_path, args, match):
+    code, _, err = cli("bench", *(a.format(tmp=tmp_path) for a in args))
+    _one_line_error(code, err, match.format(tmp=tmp_path))

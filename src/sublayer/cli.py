@@ -382,7 +382,7 @@ def bench(
     shapes: Optional[str] = typer.Option(None, "--shapes", help="Comma-separated substrings of shape names to run."),
     dtypes: str = typer.Option("fp32,bf16", "--dtypes", help="fp32, bf16 (autocast for FFN/blocks) and/or int8 (int8 BERT inference row)."),
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="BERT folder for the int8 row's weights."),
-    cases: Optional[str] = typer.Option(None, "--cases", help="Comma-separated subset of addnorm,ffn,encoder,hf,bert,loss,models."),
+    cases: Optional[str] = typer.Option(None, "--cases", help="Comma-separated subset of addnorm,ffn,encoder,hf,bert,loss,models,gemv."),
     malloc: str = typer.Option(
         "both", "--malloc",
         help="Allocator setting(s) to measure under: default (glibc's), reuse (sublayer.set_memory_reuse) or both, "
@@ -426,8 +426,31 @@ def bench(
     notes: str = typer.Option("", "--notes", help="A line for the report's header (e.g. the machine was shared)."),
 ) -> None:
     """Time sublayer's fused FFN / Add & Norm / EncoderBlock against eager PyTorch, HF and torch.compile."""
-    if contention and not jobs:
-        raise CLIError("--contention needs --jobs (it measures the whole jobs quiet and beside a busy process)")
+    # every flag checked before any work: a benchmark runs for minutes
+    if decode and jobs:
+        raise CLIError("--decode and --jobs are two benchmarks: give one of them")
+    for flag, given in (("--only", only is not None), ("--contention", contention), ("--peers-env", peers_env),
+                        ("--ov-env", ov_env)):  # fmt: skip
+        if given and not jobs:
+            raise CLIError(f"{flag} needs --jobs" + (" (it measures the whole jobs quiet and beside a busy process)"
+                                                    if flag == "--contention" else ""))  # fmt: skip
+    kernel_flags = {"--shapes": shapes is not None, "--cases": cases is not None, "--dtypes": dtypes != "fp32,bf16",
+                    "--malloc": malloc != "both", "--clock": clock != "wall", "--reuse-memory": reuse_memory,
+                    "--compile/--no-compile": compile is not None}  # fmt: skip
+    for flag, given in kernel_flags.items():
+        if given and (decode or jobs):
+            raise CLIError(f"{flag} applies to the kernel benchmark, not to {'--decode' if decode else '--jobs'}")
+    if decode and (model is not None or report is not None or notes):
+        raise CLIError("--model, --report and --notes do not apply to --decode")
+    if only is not None and not only.strip():
+        raise CLIError("--only must name at least one job, got ''")
+    if model is not None and not model.is_dir():
+        raise CLIError(f"--model: no folder {model}")
+    if report is not None:
+        try:
+            (report.parent if report.suffix == ".md" else report).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CLIError(f"--report: cannot write {report}: {e.strerror or e}") from None
     if decode or jobs:
         import torch
 
