@@ -33,9 +33,12 @@ def hooked(*modules: nn.Module, backward: bool = False) -> bool:
     found = False
     for mod in modules:
         for m in mod.modules():
-            hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+            kinds = [m._forward_hooks, m._forward_pre_hooks]
             if backward:
-                hooks += [*m._backward_hooks.values(), *m._backward_pre_hooks.values()]
+                kinds += [m._backward_hooks, m._backward_pre_hooks]
+            if not any(kinds):
+                continue
+            hooks = [h for kind in kinds for h in kind.values()]
             mine = [h for h in hooks if not _tensor_parallel(h)]
             if mine and len(mine) < len(hooks):
                 raise ValueError(
