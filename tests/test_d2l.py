@@ -366,3 +366,237 @@ def test_gradcheck_encoder_block_float64_with_per_query_valid_lens():
     x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
     vl = torch.tensor([[1, 2, 3], [3, 1, 2]])
     assert torch.autograd.gradcheck(lambda t: blk(t, vl), (x,), eps=1e-6, atol=1e-5, rtol=1e-3)
+
+
+# ---- the chapter's cells typed against sublayer.d2l -----------------------------------------------------------
+
+
+def type_the_books_cells():
+    """The chapter's cells as the book writes them (11.5 multi-head attention, 11.7 the Transformer), with ``d2l``
+    = sublayer.d2l; returns their classes."""
+
+    class MultiHeadAttention(d2l.Module):
+        def __init__(self, num_hiddens, num_heads, dropout, bias=False, **kwargs):
+            super().__init__()
+            self.num_heads = num_heads
+            self.attention = d2l.DotProductAttention(dropout)
+            self.W_q = nn.LazyLinear(num_hiddens, bias=bias)
+            self.W_k = nn.LazyLinear(num_hiddens, bias=bias)
+            self.W_v = nn.LazyLinear(num_hiddens, bias=bias)
+            self.W_o = nn.LazyLinear(num_hiddens, bias=bias)
+
+        def forward(self, queries, keys, values, valid_lens):
+            queries = self.transpose_qkv(self.W_q(queries))
+            keys = self.transpose_qkv(self.W_k(keys))
+            values = self.transpose_qkv(self.W_v(values))
+            if valid_lens is not None:
+                valid_lens = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)
+            output = self.attention(queries, keys, values, valid_lens)
+            output_concat = self.transpose_output(output)
+            return self.W_o(output_concat)
+
+    @d2l.add_to_class(MultiHeadAttention)
+    def transpose_qkv(self, X):
+        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, -1)
+        X = X.permute(0, 2, 1, 3)
+        return X.reshape(-1, X.shape[2], X.shape[3])
+
+    @d2l.add_to_class(MultiHeadAttention)
+    def transpose_output(self, X):
+        X = X.reshape(-1, self.num_heads, X.shape[1], X.shape[2])
+        X = X.permute(0, 2, 1, 3)
+        return X.reshape(X.shape[0], X.shape[1], -1)
+
+    class PositionWiseFFN(nn.Module):
+        def __init__(self, ffn_num_hiddens, ffn_num_outputs):
+            super().__init__()
+            self.dense1 = nn.LazyLinear(ffn_num_hiddens)
+            self.relu = nn.ReLU()
+            self.dense2 = nn.LazyLinear(ffn_num_outputs)
+
+        def forward(self, X):
+            return self.dense2(self.relu(self.dense1(X)))
+
+    class AddNorm(nn.Module):
+        def __init__(self, norm_shape, dropout):
+            super().__init__()
+            self.dropout = nn.Dropout(dropout)
+            self.ln = nn.LayerNorm(norm_shape)
+
+        def forward(self, X, Y):
+            return self.ln(self.dropout(Y) + X)
+
+    class TransformerEncoderBlock(nn.Module):
+        def __init__(self, num_hiddens, ffn_num_hiddens, num_heads, dropout, use_bias=False):
+            super().__init__()
+            self.attention = d2l.MultiHeadAttention(num_hiddens, num_heads, dropout, use_bias)
+            self.addnorm1 = AddNorm(num_hiddens, dropout)
+            self.ffn = PositionWiseFFN(ffn_num_hiddens, num_hiddens)
+            self.addnorm2 = AddNorm(num_hiddens, dropout)
+
+        def forward(self, X, valid_lens):
+            Y = self.addnorm1(X, self.attention(X, X, X, valid_lens))
+            return self.addnorm2(Y, self.ffn(Y))
+
+    class TransformerEncoder(d2l.Encoder):
+        def __init__(self, vocab_size, num_hiddens, ffn_num_hiddens, num_heads, num_blks, dropout, use_bias=False):
+            super().__init__()
+            self.num_hiddens = num_hiddens
+            self.embedding = nn.Embedding(vocab_size, num_hiddens)
+            self.pos_encoding = d2l.PositionalEncoding(num_hiddens, dropout)
+            self.blks = nn.Sequential()
+            for i in range(num_blks):
+                self.blks.add_module("block" + str(i), TransformerEncoderBlock(
+                    num_hiddens, ffn_num_hiddens, num_heads, dropout, use_bias))  # fmt: skip
+
+        def forward(self, X, valid_lens):
+            X = self.pos_encoding(self.embedding(X) * math.sqrt(self.num_hiddens))
+            self.attention_weights = [None] * len(self.blks)
+            for i, blk in enumerate(self.blks):
+                X = blk(X, valid_lens)
+                self.attention_weights[i] = blk.attention.attention.attention_weights
+            return X
+
+    class TransformerDecoderBlock(nn.Module):
+        def __init__(self, num_hiddens, ffn_num_hiddens, num_heads, dropout, i):
+            super().__init__()
+            self.i = i
+            self.attention1 = d2l.MultiHeadAttention(num_hiddens, num_heads, dropout)
+            self.addnorm1 = AddNorm(num_hiddens, dropout)
+            self.attention2 = d2l.MultiHeadAttention(num_hiddens, num_heads, dropout)
+            self.addnorm2 = AddNorm(num_hiddens, dropout)
+            self.ffn = PositionWiseFFN(ffn_num_hiddens, num_hiddens)
+            self.addnorm3 = AddNorm(num_hiddens, dropout)
+
+        def forward(self, X, state):
+            enc_outputs, enc_valid_lens = state[0], state[1]
+            if state[2][self.i] is None:
+                key_values = X
+            else:
+                key_values = torch.cat((state[2][self.i], X), dim=1)
+            state[2][self.i] = key_values
+            if self.training:
+                batch_size, num_steps, _ = X.shape
+                dec_valid_lens = torch.arange(1, num_steps + 1, device=X.device).repeat(batch_size, 1)
+            else:
+                dec_valid_lens = None
+            X2 = self.attention1(X, key_values, key_values, dec_valid_lens)
+            Y = self.addnorm1(X, X2)
+            Y2 = self.attention2(Y, enc_outputs, enc_outputs, enc_valid_lens)
+            Z = self.addnorm2(Y, Y2)
+            return self.addnorm3(Z, self.ffn(Z)), state
+
+    class TransformerDecoder(d2l.AttentionDecoder):
+        def __init__(self, vocab_size, num_hiddens, ffn_num_hiddens, num_heads, num_blks, dropout):
+            super().__init__()
+            self.num_hiddens = num_hiddens
+            self.num_blks = num_blks
+            self.embedding = nn.Embedding(vocab_size, num_hiddens)
+            self.pos_encoding = d2l.PositionalEncoding(num_hiddens, dropout)
+            self.blks = nn.Sequential()
+            for i in range(num_blks):
+                self.blks.add_module("block" + str(i), TransformerDecoderBlock(
+                    num_hiddens, ffn_num_hiddens, num_heads, dropout, i))  # fmt: skip
+            self.dense = nn.LazyLinear(vocab_size)
+
+        def init_state(self, enc_outputs, enc_valid_lens):
+            return [enc_outputs, enc_valid_lens, [None] * self.num_blks]
+
+        def forward(self, X, state):
+            X = self.pos_encoding(self.embedding(X) * math.sqrt(self.num_hiddens))
+            self._attention_weights = [[None] * len(self.blks) for _ in range(2)]
+            for i, blk in enumerate(self.blks):
+                X, state = blk(X, state)
+                self._attention_weights[0][i] = blk.attention1.attention.attention_weights
+                self._attention_weights[1][i] = blk.attention2.attention.attention_weights
+            return self.dense(X), state
+
+        @property
+        def attention_weights(self):
+            return self._attention_weights
+
+    return MultiHeadAttention, TransformerEncoder, TransformerDecoder
+
+
+def test_the_books_attention_cells_run_and_give_the_books_numbers():
+    X, vl = torch.rand(2, 2, 4), torch.tensor([2, 3])  # 11.3's masked_softmax cells
+    torch.testing.assert_close(d2l.masked_softmax(X, vl), masked_softmax(X, vl))
+    vl2 = torch.tensor([[1, 3], [2, 4]])
+    torch.testing.assert_close(d2l.masked_softmax(X, vl2), masked_softmax(X, vl2))
+    assert (d2l.masked_softmax(X, torch.tensor([0, 3]))[0] == 0).all()  # no valid key: zeros (documented)
+
+    queries = d2l.normal(0, 1, (2, 1, 2))  # 11.3's DotProductAttention cell
+    keys = d2l.normal(0, 1, (2, 10, 2))
+    values = d2l.normal(0, 1, (2, 10, 4))
+    valid_lens = d2l.tensor([2, 6])
+    attention, book = d2l.DotProductAttention(dropout=0.5), BookDotProductAttention(0.5)
+    attention.eval(), book.eval()
+    d2l.check_shape(attention(queries, keys, values, valid_lens), (2, 1, 4))
+    torch.testing.assert_close(attention(queries, keys, values, valid_lens), book(queries, keys, values, valid_lens))
+    torch.testing.assert_close(attention.attention_weights, book.attention_weights)
+
+    MultiHeadAttention, _, _ = type_the_books_cells()  # 11.5's cells
+    num_hiddens, num_heads = 100, 5
+    attention = MultiHeadAttention(num_hiddens, num_heads, 0.5)
+    batch_size, num_queries, num_kvpairs = 2, 4, 6
+    valid_lens = d2l.tensor([3, 2])
+    X = d2l.ones((batch_size, num_queries, num_hiddens))
+    Y = d2l.ones((batch_size, num_kvpairs, num_hiddens))
+    d2l.check_shape(attention(X, Y, Y, valid_lens), (batch_size, num_queries, num_hiddens))
+    ours = d2l.MultiHeadAttention(num_hiddens, num_heads, 0.5)
+    copy_from_book(ours, randomize_(attention))
+    attention.eval(), ours.eval()
+    X, Y = torch.randn(X.shape), torch.randn(Y.shape)
+    torch.testing.assert_close(ours(X, Y, Y, valid_lens), attention(X, Y, Y, valid_lens))
+    torch.testing.assert_close(ours.attention_weights, attention.attention.attention_weights)
+
+
+def test_the_books_transformer_cells_run_on_sublayer_d2l_and_match_its_classes():
+    _, TransformerEncoder, TransformerDecoder = type_the_books_cells()  # 11.7's cells
+    valid_lens = d2l.tensor([3, 2])
+    encoder = TransformerEncoder(200, 24, 48, 8, 2, 0.5)
+    d2l.check_shape(encoder(d2l.ones((2, 100), dtype=torch.long), valid_lens), (2, 100, 24))
+    decoder = TransformerDecoder(200, 24, 48, 8, 2, 0.5)
+    src, tgt = torch.randint(0, 200, (2, 7)), torch.randint(0, 200, (2, 5))
+    decoder(tgt, decoder.init_state(encoder(src, valid_lens), valid_lens))  # materialise the lazy layers
+
+    enc, dec = d2l.TransformerEncoder(200, 24, 48, 8, 2, 0.5), d2l.TransformerDecoder(200, 24, 48, 8, 2, 0.5)
+    copy_from_book(enc, randomize_(encoder)), copy_from_book(dec, randomize_(decoder))
+    for m in (encoder, decoder, enc, dec):
+        m.eval()
+    ref, _ = decoder(tgt, decoder.init_state(encoder(src, valid_lens), valid_lens))
+    out, _ = dec(tgt, dec.init_state(enc(src, valid_lens), valid_lens))
+    torch.testing.assert_close(out, ref)
+    for w, w_ref in zip(enc.attention_weights, encoder.attention_weights, strict=True):
+        torch.testing.assert_close(w, w_ref)
+    torch.testing.assert_close(dec.attention_weights[1][1], decoder.attention_weights[1][1])
+
+
+def test_multi_head_attention_has_the_books_attention_and_transposes():
+    mha, book = d2l.MultiHeadAttention(D, H, 0.0), BookMultiHeadAttention(D, H, 0.0)
+    assert isinstance(mha.attention, d2l.DotProductAttention)
+    assert isinstance(d2l.PositionWiseFFN(4, 8).relu, nn.ReLU)
+    X = torch.randn(B, T, D)
+    heads = mha.transpose_qkv(X)
+    assert heads.shape == (B * H, T, D // H)
+    torch.testing.assert_close(heads, book.transpose_qkv(X))
+    assert torch.equal(heads[1], X[0, :, D // H :])  # batch 0, head 1: the second slice of the features
+    assert torch.equal(mha.transpose_output(heads), X)
+    mha(X, X, X, torch.tensor([T, 2, 4]))
+    assert mha.attention_weights is mha.attention.attention_weights
+
+
+def test_train_mode_attention_weights_are_recorded_before_dropout():
+    x, vl = torch.randn(B, T, D), torch.tensor([T, 2, 4])
+    book = BookMultiHeadAttention(D, H, 0.5)
+    book(x, x, x, vl)
+    mha = d2l.MultiHeadAttention(D, H, 0.5)
+    copy_from_book(mha, book)
+    torch.manual_seed(0)
+    out = mha(x, x, x, vl)
+    torch.manual_seed(0)
+    ref = book(x, x, x, vl)
+    sums = mha.attention_weights.sum(-1)
+    torch.testing.assert_close(sums, torch.ones_like(sums))  # the weights, not the dropped-out ones
+    torch.testing.assert_close(mha.attention_weights, book.attention.attention_weights)
+    torch.testing.assert_close(out, ref)  # the same dropout mask as the book's, drawn in its order

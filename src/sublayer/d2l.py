@@ -1,8 +1,13 @@
 """``sublayer.d2l``: the classes of d2l.ai's Transformer chapter (Dive into Deep Learning 1.x, PyTorch tab), with
 the book's signatures, attribute names and semantics, running on sublayer's modules and kernels.
 
-The book's cells run with this module in place of ``from d2l import torch as d2l`` (the chapter's helpers
-``d2l.ones``, ``d2l.tensor``, ``d2l.check_shape`` are here too) or with the classes imported from it::
+The chapter's cells that define and check these classes — 11.3's ``masked_softmax`` and ``DotProductAttention``,
+11.5's ``MultiHeadAttention``, 11.7's ``PositionWiseFFN`` ... ``TransformerDecoder`` — run with this module in place
+of ``from d2l import torch as d2l``: the base classes they subclass (``d2l.Module``, ``d2l.Encoder``,
+``d2l.AttentionDecoder``), ``d2l.add_to_class`` and the helpers they call (``d2l.ones``, ``d2l.tensor``,
+``d2l.normal``, ``d2l.check_shape``, ``d2l.show_heatmaps``) are here. The rest of the book is not: 11.3's
+``AdditiveAttention``, the training cells (``d2l.MTFraEng``, ``d2l.Seq2Seq``, ``d2l.Trainer``, ``d2l.plot``) and
+the training machinery of the book's ``Module``. The classes can also be imported from here::
 
     from sublayer import d2l
     ffn = d2l.PositionWiseFFN(4, 8); ffn.eval()
@@ -15,7 +20,9 @@ book                        here                                             boo
 ==========================  ===============================================  ==========================================
 ``PositionWiseFFN``         :class:`sublayer.PositionWiseFFN` (lazy input)   ``dense1`` -> ``fc1``, ``dense2`` -> ``fc2``
 ``AddNorm``                 :class:`sublayer.AddNorm` (fused add + norm)     ``ln`` -> ``norm``
-``MultiHeadAttention``      :class:`sublayer.MultiHeadAttention`             ``W_q/W_k/W_v/W_o`` -> ``q/k/v/out_proj``
+``MultiHeadAttention``      :class:`sublayer.MultiHeadAttention`'s           ``W_q/W_k/W_v/W_o`` -> ``q/k/v/out_proj``
+                            projections, the book's forward
+``DotProductAttention``     the book's (``attention`` of MultiHeadAttention)
 ``PositionalEncoding``      the book's table (fp32 arithmetic, as printed)   (not in the state dict, as in the book)
 ==========================  ===============================================  ==========================================
 
@@ -41,6 +48,11 @@ from ._checks import check_tensor
 
 __all__ = [
     "AddNorm",
+    "AttentionDecoder",
+    "Decoder",
+    "DotProductAttention",
+    "Encoder",
+    "Module",
     "MultiHeadAttention",
     "PositionWiseFFN",
     "PositionalEncoding",
@@ -48,13 +60,17 @@ __all__ = [
     "TransformerDecoderBlock",
     "TransformerEncoder",
     "TransformerEncoderBlock",
+    "add_to_class",
     "check_shape",
+    "masked_softmax",
+    "normal",
     "ones",
     "show_heatmaps",
     "tensor",
     "valid_lens_masks",
 ]
 
+normal = torch.normal
 ones = torch.ones
 tensor = torch.tensor
 
@@ -99,20 +115,97 @@ def valid_lens_masks(
     """
     if valid_lens is None:
         return None, None
-    check_tensor("valid_lens", valid_lens)
+    _check_valid_lens(valid_lens, batch, n_queries)
     keys = torch.arange(n_keys, device=valid_lens.device)
     if valid_lens.dim() == 1:
-        if valid_lens.shape[0] != batch:
-            raise ValueError(f"valid_lens (1-D) must have shape ({batch},), got {tuple(valid_lens.shape)}")
         return keys[None, :] >= valid_lens[:, None], None
-    if valid_lens.dim() == 2:
-        if tuple(valid_lens.shape) != (batch, n_queries):
-            raise ValueError(
-                f"valid_lens (2-D) must have shape (batch, queries) = ({batch}, {n_queries}), "
-                f"got {tuple(valid_lens.shape)}"
-            )
-        return None, keys[None, None, None, :] >= valid_lens[:, None, :, None]
-    raise ValueError(f"valid_lens must be 1-D (batch,) or 2-D (batch, queries), got shape {tuple(valid_lens.shape)}")
+    return None, keys[None, None, None, :] >= valid_lens[:, None, :, None]
+
+
+def _check_valid_lens(valid_lens: Tensor, batch: int, n_queries: int) -> None:
+    check_tensor("valid_lens", valid_lens)
+    if valid_lens.dim() == 1 and valid_lens.shape[0] != batch:
+        raise ValueError(f"valid_lens (1-D) must have shape ({batch},), got {tuple(valid_lens.shape)}")
+    if valid_lens.dim() == 2 and tuple(valid_lens.shape) != (batch, n_queries):
+        raise ValueError(
+            f"valid_lens (2-D) must have shape (batch, queries) = ({batch}, {n_queries}), "
+            f"got {tuple(valid_lens.shape)}"
+        )
+    if valid_lens.dim() not in (1, 2):
+        raise ValueError(
+            f"valid_lens must be 1-D (batch,) or 2-D (batch, queries), got shape {tuple(valid_lens.shape)}"
+        )
+
+
+def masked_softmax(X: Tensor, valid_lens: Tensor | None) -> Tensor:
+    """The book's softmax over the last axis of ``X`` (batch, queries, keys) with the keys beyond ``valid_lens``
+    (None, 1-D per sequence or 2-D per query) set to -1e6 first; a row with no valid key gives zeros here."""
+    if valid_lens is None:
+        return X.softmax(dim=-1)
+    kpm, mask = valid_lens_masks(valid_lens, *X.shape)
+    masked = kpm[:, None, :] if mask is None else mask[:, 0]
+    weights = X.masked_fill(masked, -1e6).softmax(dim=-1)
+    return weights.masked_fill(masked.all(dim=-1, keepdim=True), 0.0)
+
+
+def add_to_class(Class):
+    """The book's decorator: the decorated function becomes a method of ``Class``."""
+
+    def wrapper(obj):
+        setattr(Class, obj.__name__, obj)
+
+    return wrapper
+
+
+class Module(nn.Module):
+    """The book's base class of its models, as far as the chapter's cells use it (``class
+    MultiHeadAttention(d2l.Module)``): an ``nn.Module``; the book's training machinery is not here."""
+
+
+class Encoder(nn.Module):
+    """The book's encoder interface: ``forward(X, *args)``."""
+
+    def forward(self, X: Tensor, *args):
+        raise NotImplementedError
+
+
+class Decoder(nn.Module):
+    """The book's decoder interface: ``init_state(enc_all_outputs, *args)``, ``forward(X, state)``."""
+
+    def init_state(self, enc_all_outputs, *args):
+        raise NotImplementedError
+
+    def forward(self, X: Tensor, state):
+        raise NotImplementedError
+
+
+class AttentionDecoder(Decoder):
+    """The book's attention-decoder interface: a :class:`Decoder` with ``attention_weights``."""
+
+    @property
+    def attention_weights(self):
+        raise NotImplementedError
+
+
+class DotProductAttention(nn.Module):
+    """The book's scaled dot-product attention: ``attention_weights = masked_softmax(Q K^T / sqrt(d), valid_lens)``
+    (recorded before dropout, so its rows sum to 1 in training too), output ``dropout(attention_weights) V``.
+
+    Shape:
+        queries (B, T_q, d), keys (B, T_k, d), values (B, T_k, d_v), valid_lens None, (B,) or (B, T_q)
+        -> (B, T_q, d_v).
+    """
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.attention_weights: Tensor | None = None
+
+    def forward(self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None) -> Tensor:
+        d = queries.shape[-1]
+        scores = torch.bmm(queries, keys.transpose(1, 2)) / math.sqrt(d)
+        self.attention_weights = masked_softmax(scores, valid_lens)
+        return torch.bmm(self.dropout(self.attention_weights), values)
 
 
 def _rename_book_keys(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
@@ -137,6 +230,7 @@ class PositionWiseFFN(snn.PositionWiseFFN):
 
     def __init__(self, ffn_num_hiddens: int, ffn_num_outputs: int) -> None:
         super().__init__(None, ffn_num_hiddens, d_out=ffn_num_outputs)
+        self.relu = nn.ReLU()  # the book's attribute; the forward runs the fused relu of activation="relu"
         self.register_load_state_dict_pre_hook(_rename_book_keys)
 
     def _materialize(self, num_inputs: int) -> PositionWiseFFN:
@@ -174,9 +268,10 @@ class AddNorm(snn.AddNorm):
 
 
 class MultiHeadAttention(snn.MultiHeadAttention):
-    """The book's multi-head attention: ``forward(queries, keys, values, valid_lens)``, recording
-    ``attention_weights`` (batch·num_heads, queries, keys) as the book's ``DotProductAttention`` does (before
-    dropout in eval; in training the weights that were applied).
+    """The book's multi-head attention: sublayer's projections, then the book's forward — ``transpose_qkv`` the
+    projected queries, keys and values to (batch·num_heads, T, num_hiddens / num_heads), run ``attention`` (a
+    :class:`DotProductAttention`, ``valid_lens`` repeated per head), ``transpose_output`` and project.
+    ``attention_weights`` (batch·num_heads, queries, keys) are ``attention``'s.
 
     Args:
         num_hiddens: the model size (queries, keys and values must have it: the book infers it lazily).
@@ -192,19 +287,35 @@ class MultiHeadAttention(snn.MultiHeadAttention):
     def __init__(self, num_hiddens: int, num_heads: int, dropout: float, bias: bool = False, **kwargs) -> None:
         super().__init__(num_hiddens, num_heads, dropout=dropout, bias=bias, **kwargs)
         self.num_heads = num_heads
-        self.attention_weights: Tensor | None = None
+        self.attention = DotProductAttention(dropout)
         self.register_load_state_dict_pre_hook(_rename_book_keys)
+
+    @property
+    def attention_weights(self) -> Tensor | None:
+        return self.attention.attention_weights
+
+    def transpose_qkv(self, X: Tensor) -> Tensor:
+        """(B, T, num_hiddens) -> (B·num_heads, T, num_hiddens / num_heads)."""
+        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, -1).permute(0, 2, 1, 3)
+        return X.reshape(-1, X.shape[2], X.shape[3])
+
+    def transpose_output(self, X: Tensor) -> Tensor:
+        """The inverse of :meth:`transpose_qkv`: (B·num_heads, T, d) -> (B, T, num_heads·d)."""
+        X = X.reshape(-1, self.num_heads, X.shape[1], X.shape[2]).permute(0, 2, 1, 3)
+        return X.reshape(X.shape[0], X.shape[1], -1)
 
     def forward(self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None) -> Tensor:
         check_tensor("queries", queries)
         check_tensor("keys", keys)
-        b, t_q, t_k = queries.shape[0], queries.shape[1], keys.shape[1]
-        kpm, mask = valid_lens_masks(valid_lens, b, t_q, t_k)
-        out, w = super().forward(
-            queries, keys, values, key_padding_mask=kpm, attn_mask=mask, need_weights=True, average_attn_weights=False
-        )
-        self.attention_weights = w.reshape(b * self.num_heads, t_q, t_k)  # the book's (B·H, T_q, T_k) layout
-        return out
+        if valid_lens is not None:  # checked against the batch here, so that errors name it (not batch·heads)
+            _check_valid_lens(valid_lens, queries.shape[0], queries.shape[1])
+            valid_lens = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)
+        lin = self._linear()
+        queries = self.transpose_qkv(lin(queries, self.q_proj.weight, self.q_proj.bias))
+        keys = self.transpose_qkv(lin(keys, self.k_proj.weight, self.k_proj.bias))
+        values = self.transpose_qkv(lin(values, self.v_proj.weight, self.v_proj.bias))
+        output = self.attention(queries, keys, values, valid_lens)
+        return lin(self.transpose_output(output), self.out_proj.weight, self.out_proj.bias)
 
 
 class PositionalEncoding(nn.Module):
@@ -268,7 +379,7 @@ def _embed_and_blocks(stack: nn.Module, vocab_size: int, num_hiddens: int, dropo
         stack.blks.add_module("block" + str(i), block(i))
 
 
-class TransformerEncoder(nn.Module):
+class TransformerEncoder(Encoder):
     """The book's Transformer encoder: embeddings scaled by sqrt(num_hiddens) plus :class:`PositionalEncoding`,
     then ``num_blks`` :class:`TransformerEncoderBlock` s (``blks.block0`` ...). After a call,
     ``attention_weights[i]`` is block ``i``'s (B·num_heads, T, T) self-attention.
@@ -336,7 +447,7 @@ class TransformerDecoderBlock(nn.Module):
         return self.addnorm3(Z, self.ffn(Z)), state
 
 
-class TransformerDecoder(nn.Module):
+class TransformerDecoder(AttentionDecoder):
     """The book's Transformer decoder: embeddings scaled by sqrt(num_hiddens) plus :class:`PositionalEncoding`,
     ``num_blks`` :class:`TransformerDecoderBlock` s, then ``dense`` to the vocabulary.
 
