@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..checkpoints.io import read_json
+
 ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
         "seventeen eighteen nineteen").split()  # fmt: skip
 TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
