@@ -357,11 +357,14 @@ def test_bench_contention_needs_jobs(cli):
         (("--decode", "--cases", "ffn"), "error: --cases applies to the kernel benchmark, not to --decode"),
         (("--decode", "--model", "{tmp}"), "error: --model, --report and --notes do not apply to --decode"),
         (("--jobs", "--only", " "), "error: --only must name at least one job, got ''"),
-        (("--jobs", "--model", "{tmp}/nope"), "error: --model: no folder {tmp}/nope"),
-        (("--dtypes", "int8", "--model", "{tmp}/nope"), "error: --model: no folder {tmp}/nope"),
+        (("--jobs", "--model", "{tmp}/nope"), "error: --model: checkpoint folder not found: {tmp}/nope"),
+        (("--dtypes", "int8", "--model", "{tmp}/nope"), "error: --model: checkpoint folder not found: {tmp}/nope"),
         (("--report", "/proc/nope/r.md"), "error: --report: cannot write /proc/nope/r.md"),
+        (("--report", "{tmp}"), "error: --report: {tmp} is a folder; give a .md file"),
     ],
 )
 def test_bench_flags_are_checked_before_any_work(cli, tmp_path, args, match):
+    tmp_path = tmp_path / "x.md"  # a folder named like a report file
+    tmp_path.mkdir()
     code, _, err = cli("bench", *(a.format(tmp=tmp_path) for a in args))
     _one_line_error(code, err, match.format(tmp=tmp_path))

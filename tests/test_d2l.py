@@ -600,3 +600,19 @@ def test_train_mode_attention_weights_are_recorded_before_dropout():
     torch.testing.assert_close(sums, torch.ones_like(sums))  # the weights, not the dropped-out ones
     torch.testing.assert_close(mha.attention_weights, book.attention.attention_weights)
     torch.testing.assert_close(out, ref)  # the same dropout mask as the book's, drawn in its order
+
+
+def test_grouped_query_and_float16_heads():
+    """``n_kv_heads`` (passed on to sublayer's attention) repeats each key/value head for its query heads, as
+    sublayer.MultiHeadAttention does; float16 scores take float16's most negative value at masked keys."""
+    torch.manual_seed(0)
+    mha = d2l.MultiHeadAttention(12, 6, 0.0, n_kv_heads=2).eval()
+    ref = sublayer.MultiHeadAttention(12, 6, n_kv_heads=2, bias=False).eval()
+    ref.load_state_dict(mha.state_dict())
+    x = torch.randn(2, 5, 12)
+    lens = torch.tensor([5, 3])
+    pad = torch.arange(5)[None] >= lens[:, None]
+    torch.testing.assert_close(mha(x, x, x, lens), ref(x, key_padding_mask=pad)[0])
+    half = d2l.MultiHeadAttention(8, 2, 0.0).eval().half()
+    out = half(x[..., :8].half(), x[..., :8].half(), x[..., :8].half(), lens)
+    assert out.dtype == torch.float16 and bool(out.isfinite().all())

@@ -83,6 +83,8 @@ def test_buffer_cache_limit_errors():
     for bad in (-1, float("inf"), 2.0**41):
         with pytest.raises(ValueError, match=r"limit_mb must be a number of MiB in \[0, 2\*\*40\], got"):
             memory.buffer_cache(bad)
+    np = pytest.importorskip("numpy")
+    assert memory.buffer_cache(np.float32(256))["limit_mb"] == 256  # any real number
     for bad in ("10", True):
         with pytest.raises(TypeError, match="limit_mb must be a number of MiB, got"):
             memory.buffer_cache(bad)

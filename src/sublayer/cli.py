@@ -444,9 +444,16 @@ def bench(
         raise CLIError("--model, --report and --notes do not apply to --decode")
     if only is not None and not only.strip():
         raise CLIError("--only must name at least one job, got ''")
-    if model is not None and not model.is_dir():
-        raise CLIError(f"--model: no folder {model}")
+    if model is not None:
+        from .checkpoints import resolve_folder
+
+        try:
+            resolve_folder(model)  # a folder, or a name in the local Hugging Face cache
+        except FileNotFoundError as e:
+            raise CLIError(f"--model: {e}") from None
     if report is not None:
+        if report.suffix == ".md" and report.is_dir():
+            raise CLIError(f"--report: {report} is a folder; give a .md file or a folder without the suffix")
         try:
             (report.parent if report.suffix == ".md" else report).mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -144,7 +144,7 @@ def masked_softmax(X: Tensor, valid_lens: Tensor | None) -> Tensor:
         return X.softmax(dim=-1)
     kpm, mask = valid_lens_masks(valid_lens, *X.shape)
     masked = kpm[:, None, :] if mask is None else mask[:, 0]
-    weights = X.masked_fill(masked, -1e6).softmax(dim=-1)
+    weights = X.masked_fill(masked, max(-1e6, torch.finfo(X.dtype).min)).softmax(dim=-1)  # float16: its min
     return weights.masked_fill(masked.all(dim=-1, keepdim=True), 0.0)
 
 
@@ -304,6 +304,15 @@ class MultiHeadAttention(snn.MultiHeadAttention):
         X = X.reshape(-1, self.num_heads, X.shape[1], X.shape[2]).permute(0, 2, 1, 3)
         return X.reshape(X.shape[0], X.shape[1], -1)
 
+    def _kv_heads(self, X: Tensor) -> Tensor:
+        """:meth:`transpose_qkv` of keys or values; with ``n_kv_heads`` < ``num_heads`` (grouped-query attention)
+        each key/value head repeated for its group of query heads."""
+        if self.n_kv_heads == self.num_heads:
+            return self.transpose_qkv(X)
+        X = X.reshape(X.shape[0], X.shape[1], self.n_kv_heads, -1).permute(0, 2, 1, 3)
+        X = X.repeat_interleave(self.num_heads // self.n_kv_heads, dim=1)
+        return X.reshape(-1, X.shape[2], X.shape[3])
+
     def forward(self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None) -> Tensor:
         check_tensor("queries", queries)
         check_tensor("keys", keys)
@@ -312,8 +321,8 @@ class MultiHeadAttention(snn.MultiHeadAttention):
             valid_lens = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)
         lin = self._linear()
         queries = self.transpose_qkv(lin(queries, self.q_proj.weight, self.q_proj.bias))
-        keys = self.transpose_qkv(lin(keys, self.k_proj.weight, self.k_proj.bias))
-        values = self.transpose_qkv(lin(values, self.v_proj.weight, self.v_proj.bias))
+        keys = self._kv_heads(lin(keys, self.k_proj.weight, self.k_proj.bias))
+        values = self._kv_heads(lin(values, self.v_proj.weight, self.v_proj.bias))
         output = self.attention(queries, keys, values, valid_lens)
         return lin(self.transpose_output(output), self.out_proj.weight, self.out_proj.bias)
 

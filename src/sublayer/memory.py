@@ -18,6 +18,8 @@ This module imports no torch at import time.
 
 from __future__ import annotations
 
+import numbers
+
 import os
 import platform
 
@@ -99,7 +101,7 @@ def buffer_cache(limit_mb: float | None = None) -> dict[str, float]:
         TypeError: ``limit_mb`` not a number. ValueError: ``limit_mb`` negative, not finite or above 2**40.
     """
     if limit_mb is not None:
-        if isinstance(limit_mb, bool) or not isinstance(limit_mb, (int, float)):
+        if isinstance(limit_mb, bool) or not isinstance(limit_mb, numbers.Real):
             raise TypeError(f"limit_mb must be a number of MiB, got {limit_mb!r} ({type(limit_mb).__name__})")
         if not 0 <= limit_mb <= 2**40:
             raise ValueError(f"limit_mb must be a number of MiB in [0, 2**40], got {limit_mb}")

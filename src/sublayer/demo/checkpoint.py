@@ -126,14 +126,16 @@ def load_optimizer(folder: Path, opt: torch.optim.Optimizer, groups: list[dict])
 
 def _check_state_tensors(state: dict[int, dict[str, Tensor]], groups: list[dict], opt: torch.optim.Optimizer) -> None:
     """ValueError naming the first tensor of ``state`` that does not fit its parameter (the one ``groups`` gives
-    its index): floating point, of the parameter's shape (``step``: a scalar, as the optimizer keeps it).
-    ``load_state_dict`` would cast any dtype to the parameter's and leave a wrong shape to fail in the update."""
+    its index): floating point, and a scalar (``step``, NAdam's ``mu_product``) or of the parameter's shape, where
+    a factored moment (Adafactor's ``row_var``) keeps 1 for a reduced dim. ``load_state_dict`` would cast any
+    dtype to the parameter's and leave a wrong shape to fail in the update."""
     params = dict(zip((i for g in groups for i in g["params"]), (p for g in opt.param_groups for p in g["params"])))
     for i, tensors in state.items():
         if i not in params:  # the groups do not fit the model: load_state_dict says so
             continue
+        shape = tuple(params[i].shape)
         for name, t in tensors.items():
-            shape = () if name == "step" else tuple(params[i].shape)
-            if not t.is_floating_point() or tuple(t.shape) != shape:
-                raise ValueError(f"state.{i}.{name} must be a floating-point tensor of shape {shape}, got "
-                                 f"{t.dtype} of shape {tuple(t.shape)}")  # fmt: skip
+            fits = t.dim() == 0 or (t.dim() == len(shape) and all(a in (b, 1) for a, b in zip(t.shape, shape)))
+            if not t.is_floating_point() or not fits:
+                raise ValueError(f"state.{i}.{name} must be a floating-point scalar, or a tensor (dims may be 1) of "
+                                 f"shape {shape}, got {t.dtype} of shape {tuple(t.shape)}")  # fmt: skip
