@@ -472,3 +472,21 @@ def test_loss_curve_smoothing_has_no_lag_and_ticks_are_plain_numbers():
     assert shown and all(float(t) > 0 for t in shown), labels  # plain numbers: float() parses each
     smoothed = ax.get_lines()[1].get_ydata()
     assert abs(smoothed[-5] - history["train"][-5][1]) < 1e-9  # on the straight line, not lagging above it
+
+
+def test_resume_takes_scalar_and_factored_optimizer_state(tmp_path):
+    """NAdam's ``mu_product`` is a scalar and a factored moment keeps 1 for its reduced dim: both fit."""
+    from safetensors.torch import save_file
+
+    from sublayer.demo.checkpoint import OPTIMIZER_NAME, load_optimizer
+
+    p = torch.nn.Parameter(torch.zeros(3, 5))
+    opt = torch.optim.NAdam([p])
+    p.grad = torch.ones_like(p)
+    opt.step()
+    saved = opt.state_dict()
+    tensors = {f"state.0.{k}": v for k, v in saved["state"][0].items()} | {"state.0.row_var": torch.zeros(3, 1)}
+    save_file(tensors, str(tmp_path / OPTIMIZER_NAME))
+    fresh = torch.optim.NAdam([torch.nn.Parameter(torch.zeros(3, 5))])
+    load_optimizer(tmp_path, fresh, saved["param_groups"])
+    assert torch.equal(fresh.state_dict()["state"][0]["mu_product"], saved["state"][0]["mu_product"])
