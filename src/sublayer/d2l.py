@@ -307,11 +307,9 @@ class MultiHeadAttention(snn.MultiHeadAttention):
     def _kv_heads(self, X: Tensor) -> Tensor:
         """:meth:`transpose_qkv` of keys or values; with ``n_kv_heads`` < ``num_heads`` (grouped-query attention)
         each key/value head repeated for its group of query heads."""
-        if self.n_kv_heads == self.num_heads:
-            return self.transpose_qkv(X)
-        X = X.reshape(X.shape[0], X.shape[1], self.n_kv_heads, -1).permute(0, 2, 1, 3)
-        X = X.repeat_interleave(self.num_heads // self.n_kv_heads, dim=1)
-        return X.reshape(-1, X.shape[2], X.shape[3])
+        if self.n_kv_heads != self.num_heads:
+            X = X.unflatten(-1, (self.n_kv_heads, -1)).repeat_interleave(self.num_heads // self.n_kv_heads, dim=2)
+        return self.transpose_qkv(X.flatten(2))
 
     def forward(self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None) -> Tensor:
         check_tensor("queries", queries)

@@ -22,6 +22,7 @@ from .._checks import check_choice, check_finite, check_positive_int, check_prob
 from ..nn import DecoderBlock, EncoderBlock, TransformerDecoder, TransformerEncoder
 from ..functional.packing import PackedBatch
 from ..runtime import generation, padding_free
+from ..runtime.rows import eval_mode
 from .config import ModelConfig
 
 __all__ = ["Transformer", "TransformerConfig", "sinusoidal_positional_encoding"]
@@ -404,9 +405,7 @@ class Transformer(nn.Module):
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < c.tgt_vocab_size:
                 raise ValueError(f"{name} must be a target id in [0, {c.tgt_vocab_size}), got {v!r}")
         pad = eos if pad is None else pad
-        was_training = self.training
-        self.eval()
-        try:
+        with eval_mode(self):
             from . import decoding, fast_encode  # the fast paths, tested against encode and the reference steps
 
             self._check_source(src, src_key_padding_mask)
@@ -429,8 +428,6 @@ class Transformer(nn.Module):
                 return generation.beam_search(
                     steps, src.shape[0], max_len, bos, eos, pad, beam_size, length_penalty, dev
                 )
-        finally:
-            self.train(was_training)
 
     def _reference_steps(self, memory, mask):
         """``(step, reorder)``: step(tok (N, 1)) -> next-token logits (N, V) through :meth:`decode` with KV caches;
