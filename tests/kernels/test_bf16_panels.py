@@ -1,15 +1,19 @@
-"""skinny_linear on bfloat16 panels (csrc/packed_linear.cpp) against F.linear on the bf16 weight widened to float32,
-on every micro-kernel this CPU can run: AVX2, AVX-512 widening the weights, AVX-512 with vdpbf16ps."""
+"""skinny_linear on bfloat16 panels and compact bfloat16 panels (csrc/packed_linear.cpp) against F.linear on the bf16
+weight widened to float32, on every micro-kernel this CPU can run: AVX2, AVX-512 widening the weights, AVX-512 with
+vdpbf16ps."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sublayer import kernels
 from sublayer.functional import activation_fn
 from sublayer.functional.fused import ACT_IDS
+from sublayer.runtime.linear import PackedLinear, compact_bf16
 
 from ._tol import assert_fast_close
 
@@ -123,3 +127,115 @@ def test_bf16_panels_reject_a_mismatched_packing():
         _ops().skinny_linear(torch.randn(2, 7), packed, None, 17)
     with pytest.raises(RuntimeError, match="a scale"):
         _ops().skinny_linear(torch.randn(2, 5), packed, None, 17, 0, torch.ones(17))
+
+
+# ------------------------------------------------------------------ compact bf16 panels (pack_compact_bf16)
+def _table(*high: int) -> torch.Tensor:
+    """A compact table: 0x00, then the given high bytes, padded with 0x00 to 16 entries."""
+    return torch.tensor([0, *high] + [0] * (15 - len(high)), dtype=torch.uint8)
+
+
+def _special_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """Gaussian weights (std 0.02, as GPT-2's) with zeros, -0, tiny, subnormal, large, outlier and infinite ones:
+    exceptions of every kind, at random places."""
+    g = _gen(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    odd = torch.tensor([0.0, -0.0, 1e-30, -1e-39, 3.0e38, -7.5, 2.0**-126, 1e-8, float("inf"), -float("inf")])
+    w.view(-1)[torch.randperm(n * k, generator=g)[: len(odd)]] = odd[: min(len(odd), n * k)]
+    return w.bfloat16()
+
+
+def _columns(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """W (n, k) as the kernel multiplies it, read through one-hot rows of x: each output is one weight times 1."""
+    return torch.cat([_ops().skinny_linear(e[None], packed, None, n) for e in torch.eye(k)]).t()
+
+
+@pytest.mark.parametrize(("n", "k"), [(37, 13), (17, 29), (5, 3), (16, 4), (53, 101), (33, 6)])
+def test_compact_panels_are_lossless(n, k, path):
+    w = _special_weight(n, k, n * 7 + k)
+    packed = compact_bf16(w) if n * k >= 256 * 10 else _ops().pack_compact_bf16(w, _table(0x3C, 0xBC, 0x3B, 0xBB))
+    got, plain = _columns(packed, n, k), _columns(_ops().pack_linear_weight(w), n, k)
+    torch.testing.assert_close(got, plain, rtol=0, atol=0, equal_nan=True)  # a row with an inf reads NaN in both
+    finite = torch.isfinite(w.float()).all(dim=1)
+    assert finite.sum() >= n - 2 and torch.equal(got[finite], w.float()[finite])  # -0 reads +0 (0 * 1 + -0)
+
+
+@pytest.mark.parametrize(("n", "k"), [(37, 13), (17, 29), (5, 3), (53, 101), (131, 64), (48, 7)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_compact_panels_match_bf16_panels(n, k, bias, path):
+    g = _gen(n * 100 + k + 1)
+    w = _special_weight(n, k, n + k)
+    w[w.float().abs() > 1e4] = 0.5  # finite results to compare
+    b = torch.randn(n, generator=g) if bias else None
+    compact = _ops().pack_compact_bf16(w, _table(0x3C, 0xBC, 0x3B, 0xBB, 0x3A, 0xBA))  # many exceptions
+    for rows in range(1, 20):
+        x = _x_as_multiplied(torch.randn(rows, k, generator=g), path)
+        got = _ops().skinny_linear(x, compact, b, n)
+        ref64 = F.linear(x.double(), w.double(), None if b is None else b.double())
+        assert_fast_close(got, F.linear(x, w.float(), b), ref64, what=f"rows={rows} n={n} k={k}")
+
+
+@pytest.mark.parametrize("act", sorted(ACT_IDS))
+@pytest.mark.parametrize("rows", [1, 6, 11])
+def test_compact_panels_fused_activation(act, rows, path):
+    g = _gen(rows + 17)
+    x = torch.randn(rows, 19, generator=g)[:, 2:]  # a column slice: row stride 19, unit inner stride
+    w = _special_weight(23, 17, rows)
+    w[w.float().abs() > 1e4] = -0.25
+    b = torch.randn(23, generator=g)
+    got = _ops().skinny_linear(x, _ops().pack_compact_bf16(w, _table(0x3C, 0xBC, 0x3B, 0xBB)), b, 23, ACT_IDS[act])
+    xm, fn = _x_as_multiplied(x, path), activation_fn(act)
+    ref64 = fn(F.linear(xm.double(), w.double(), b.double()))
+    assert_fast_close(got, fn(F.linear(xm, w.float(), b)), ref64, what=act)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 40), st.integers(0, 2**31 - 1), st.lists(st.integers(1, 255), max_size=15))
+def test_compact_round_trip_of_any_bits(n, k, seed, high):
+    # any 16-bit patterns but NaN and inf (their products with the one-hot rows' zeros are NaN either way), any table
+    bits = torch.randint(-(2**15), 2**15, (n, k), generator=_gen(seed), dtype=torch.int32).to(torch.int16)
+    w = bits.view(torch.bfloat16)
+    w[~torch.isfinite(w.float())] = 1.0
+    packed = _ops().pack_compact_bf16(w.contiguous(), _table(*high))
+    in_table = torch.isin((w.view(torch.int16).int() >> 8) & 0xFF, torch.tensor([0, *high]))
+    p, base = (n + 15) // 16, (n + 15) // 16 * ((k + 3) // 4) * 96 + 64 + 4 * ((n + 15) // 16 + 1)
+    assert packed.numel() == base + 8 * int((~in_table).sum())  # one exception per weight outside the table
+    assert p > 0 and torch.equal(_columns(packed, n, k), w.float())
+
+
+def test_compact_bf16_keeps_bf16_panels_when_exceptions_are_many():
+    w = (torch.randn(64, 64, generator=_gen(3)) * torch.logspace(-30, 30, 64)).bfloat16()  # 60 decades of scale
+    assert compact_bf16(w) is None
+    w = (torch.randn(64, 64, generator=_gen(3)) * 0.02).bfloat16()
+    assert compact_bf16(w).dtype == torch.uint8
+
+
+def test_packed_linear_picks_compact_bf16_panels_where_the_one_row_kernel_is_compiled():
+    w = torch.randn(40, 24, generator=_gen(4)) * 0.02
+    assert PackedLinear(w, dtype=torch.bfloat16).packed.dtype == (
+        torch.uint8 if _ops().decode_avx512(-1) else torch.bfloat16
+    )
+    assert PackedLinear(w, dtype=torch.bfloat16, compact=False).packed.dtype == torch.bfloat16
+    assert PackedLinear(w, dtype=torch.float32).packed.dtype == torch.float32
+    x = torch.randn(3, 24, generator=_gen(5))
+    torch.testing.assert_close(
+        PackedLinear(w, dtype=torch.bfloat16, compact=True)(x[:1]), PackedLinear(w, dtype=torch.bfloat16, compact=False)(x[:1])
+    )
+
+
+def test_compact_pack_and_skinny_reject_bad_input():
+    w = torch.randn(17, 5).bfloat16()
+    with pytest.raises(RuntimeError, match="table must be 16 uint8 high bytes, the first 0"):
+        _ops().pack_compact_bf16(w, torch.arange(16, dtype=torch.uint8).flip(0))
+    with pytest.raises(RuntimeError, match="weight must be a contiguous 2-D bfloat16"):
+        _ops().pack_compact_bf16(w.float(), _table())
+    packed = _ops().pack_compact_bf16(torch.ones(17, 5).bfloat16(), _table(0x3F))  # no exceptions
+    with pytest.raises(RuntimeError, match=r"compact packed must be pack_compact_bf16's bytes of an \(n=17, K=9\)"):
+        _ops().skinny_linear(torch.randn(2, 9), packed, None, 17)
+    with pytest.raises(RuntimeError, match="compact panels take no scale"):
+        _ops().skinny_linear(torch.randn(2, 5), packed, None, 17, 0, torch.ones(17))
+    end = 2 * 2 * 96 + 64 + 4 * 3  # 2 panels of 2 steps, the table, the offsets: off[P] is the last int32
+    damaged = packed.clone()
+    damaged[end - 4 : end] = 9
+    with pytest.raises(RuntimeError, match="compact packed is damaged"):
+        _ops().skinny_linear(torch.randn(2, 5), damaged, None, 17)

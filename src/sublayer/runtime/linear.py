@@ -1,7 +1,8 @@
 """Prepared weight formats of one linear layer: what a fast path multiplies instead of an ``nn.Linear``'s weight.
 
 * :class:`PackedLinear` — float32 or bfloat16 panels of 16 output columns for the
-  ``skinny_linear`` kernel (few rows: decoding steps), torch's GEMM on the unpacked weight for more rows;
+  ``skinny_linear`` kernel (few rows: decoding steps; bf16 in 12 bits a weight where the CPU has AVX-512,
+  :func:`compact_bf16`), torch's GEMM on the unpacked weight for more rows;
 * :class:`Int8Linear` — an int8 weight (symmetric per output channel) times int8 activations quantized per row
   (``int8_linear``: AVX512-VNNI where present), or float32 activations (weight-only, ``skinny_linear``);
 * :class:`DenseLinear` — the weight cast once to another compute dtype (bf16 on CPUs that multiply it natively);
@@ -24,8 +25,11 @@ from .rows import EPILOGUE, ffn_hidden, kernels_on
 
 __all__ = [
     "PackedLinear", "Int8Linear", "DenseLinear", "OneDNNLinear", "GreedyHead", "SKINNY_MAX_ROWS", "skinny_max_rows", "NO_SCALE",
-    "quantize_rows", "int8_linear_reference", "int8_screens_rows",
+    "COMPACT_MAX_EXCEPTIONS", "compact_bf16", "quantize_rows", "int8_linear_reference", "int8_screens_rows",
 ]  # fmt: skip
+
+
+COMPACT_MAX_EXCEPTIONS = 1 / 256  # the share of a weight's entries above which compact_bf16 keeps bf16 panels
 
 
 class PackedLinear:
@@ -35,6 +39,10 @@ class PackedLinear:
         weight: (N, K) (``nn.Linear`` layout). bias: (N,) or None (kept float32).
         dtype: the panels' dtype: ``torch.float32`` or ``torch.bfloat16`` (half the bytes a decoding step
             streams; the weight is rounded to bf16 once).
+        compact: bf16 panels in :func:`compact_bf16`'s 12 bits a weight (the same weights: three quarters of the
+            bytes a step streams, the same products and float32 sums in another order). None: where the CPU
+            has AVX-512 (``decode_avx512``), which rebuilds them in registers as they stream in; bf16 panels
+            where more than :data:`COMPACT_MAX_EXCEPTIONS` of the weights do not fit the table.
 
     Call: x (M, K) float32 with unit inner stride (a column slice of a wider tensor works) -> (M, N) float32.
     Up to :func:`skinny_max_rows` rows ``skinny_linear`` multiplies the panels: float32 x times the bf16 weight
@@ -50,7 +58,9 @@ class PackedLinear:
         ValueError: ``dtype`` is neither float32 nor bfloat16.
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None, *, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, weight: Tensor, bias: Tensor | None = None, *, dtype: torch.dtype = torch.float32, compact: bool | None = None
+    ) -> None:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"PackedLinear: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
         weight = weight.detach()
@@ -62,7 +72,12 @@ class PackedLinear:
             self.weight = panels  # torch's bf16 GEMM above skinny_max_rows()
         else:  # the parameter itself (no copy) when it is float32
             self.weight = (weight if weight.dtype == torch.float32 else panels).float().contiguous()
-        self.packed = kernels.ops().pack_linear_weight(panels) if kernels_on() else None
+        self.packed = None
+        if kernels_on():
+            if dtype == torch.bfloat16 and (kernels.ops().decode_avx512(-1) if compact is None else compact):
+                self.packed = compact_bf16(panels)
+            if self.packed is None:
+                self.packed = kernels.ops().pack_linear_weight(panels)
         self.max_rows = skinny_max_rows() if self.packed is not None else 0  # decided once, not per call
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
@@ -86,6 +101,20 @@ class PackedLinear:
         if self.packed is None:
             return None
         return self.packed, NO_SCALE, NO_SCALE if self.bias is None else self.bias
+
+
+def compact_bf16(weight: Tensor) -> Tensor | None:
+    """``weight`` (N, K) bfloat16 in the ``pack_compact_bf16`` layout (12 bits a weight, lossless; see
+    ``kernels/csrc/packed_linear.cpp``): its table is 0x00 and the 15 most frequent other high bytes (sign and the
+    exponent's top 7 bits). None where more than :data:`COMPACT_MAX_EXCEPTIONS` of the weights have a high byte
+    outside it (they would each cost 8 bytes and an epilogue product)."""
+    w = weight.detach().contiguous()
+    counts = torch.bincount(((w.view(torch.int16).to(torch.int32) >> 8) & 0xFF).flatten(), minlength=256)
+    top = counts[1:].argsort(descending=True, stable=True)[:15] + 1
+    table = torch.cat([top.new_zeros(1), top])
+    if w.numel() - counts[table].sum().item() > COMPACT_MAX_EXCEPTIONS * w.numel():
+        return None
+    return kernels.ops().pack_compact_bf16(w, table.to(torch.uint8))
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:

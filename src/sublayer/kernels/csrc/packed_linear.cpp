@@ -4,8 +4,9 @@
 //    (W (N, K) stored as ceil(N/16) panels of K x 16 floats, zero-padded: see pack_linear_weight). The panels may
 //    also be float16 (widened exactly in registers, F16C; accumulation in float32): half the bytes, for the
 //    screening pass of greedy decoding's LM head (models/decoding.py, GreedyHead), bfloat16 (k pairs
-//    interleaved, widened exactly by a shift or a mask; half the bytes of float32: bf16 decoding), or int8 with a
-//    per-column scale (weight-only int8). bfloat16 numerics: one row, AVX2, or decode_bf16_dot(0): float32 x times
+//    interleaved, widened exactly by a shift or a mask; half the bytes of float32: bf16 decoding), compact bfloat16
+//    (the same weights in 12 bits each, lossless: pack_compact_bf16), or int8 with a per-column scale (weight-only
+//    int8). bfloat16 numerics: one row, AVX2, or decode_bf16_dot(0): float32 x times
 //    the exactly widened weights, float32 sums (= F.linear(x, w.float())); several rows on AVX512_BF16 CPUs: x
 //    rounded to bf16, vdpbf16ps (= F.linear(x.bfloat16().float(), w.float()), as torch's bf16 GEMM multiplies).
 //    Decoding reads every weight once per token, so this is a streaming kernel: each thread
@@ -329,6 +330,148 @@ inline void panels_kernel_dp(const uint32_t* xb, int64_t K2, const at::BFloat16*
 }
 #endif
 
+// ------------------------------------------------------------------ compact bfloat16 panels (12 bits a weight)
+// A bf16 weight's high byte (sign and the exponent's top 7 bits) takes few values in a layer, so the layout keeps
+// each weight's low byte (the exponent's last bit and the 7 mantissa bits) as it is and its high byte as a 4-bit
+// code into a 16-entry table of the layer: 12 bits a weight instead of 16, three quarters of the bytes a decoding
+// step streams, and lossless: entry 0 is 0x00, and a weight whose high byte is not in the table is stored as 0 (low
+// byte 0) with its value in an exception list that the epilogue adds (acc[j] += w * x[k]).
+// Layout (pack_compact_bf16; one uint8 tensor): P = ceil(N/16) panels of S = ceil(K/4) steps of CSTEP bytes: a
+// step holds k = 4s..4s+3 of the panel's 16 columns, 64 low bytes and then 32 bytes of codes (byte m: positions 2m
+// in its low and 2m+1 in its high nibble). Position b sits in 128-bit lane b/16 at u = b%16: u < 8 is word
+// l*8+u of the step's first k pair, else word l*8+u-8 of its second; word w of a pair is column w/2 at k + w%2,
+// the bf16 pair layout of pack_linear_weight. So `unpacklo/hi_epi8(low bytes, looked-up high bytes)` rebuild the
+// two pairs' 32-bit lanes in place. After the panels: the table (CTABLE bytes, 16 used), int32 offsets (P + 1) of
+// each panel's exceptions, then the exceptions' int32 (k * 16 + j) and their float32 values.
+constexpr int64_t CSTEP = 96, CTABLE = 64;
+
+struct Compact {  // a view of pack_compact_bf16's tensor for an (n, K) weight
+  const uint8_t *data, *table;
+  const int32_t *off, *idx;
+  const float* val;
+  int64_t S, pstride;
+  Compact(const uint8_t* p, int64_t P, int64_t K)
+      : data(p), S((K + 3) / 4), pstride(S * CSTEP) {
+    table = p + P * pstride;
+    off = reinterpret_cast<const int32_t*>(table + CTABLE);
+    idx = off + P + 1;
+    val = reinterpret_cast<const float*>(idx + off[P]);
+  }
+  static int64_t bytes(int64_t P, int64_t K, int64_t E) { return P * ((K + 3) / 4) * CSTEP + CTABLE + 4 * (P + 1) + 8 * E; }
+  // acc[j] += w * x(k) for panel p's exceptions (x: one row's activations as the panel's kernel took them)
+  template <typename X>
+  void except(int64_t p, const X& x, float* acc) const {
+    for (int32_t e = off[p]; e < off[p + 1]; ++e) acc[idx[e] & 15] += val[e] * x(idx[e] >> 4);
+  }
+};
+
+// Step position b -> (k offset 0..3, column j) of its weight (the layout above).
+inline std::pair<int, int> compact_pos(int b) {
+  const int l = b / 16, u = b % 16, w = l * 8 + (u < 8 ? u : u - 8);
+  return {(u < 8 ? 0 : 2) + w % 2, w / 2};
+}
+
+#if SUBLAYER_AVX2_FMA && defined(__AVX512BW__)
+// One step's two k pairs of a panel (32 bf16 lanes each, pack_linear_weight's layout) from its 96 bytes.
+inline void compact_step(const uint8_t* ps, __m512i table, __m512i& a, __m512i& b) {
+  const __m512i lo = _mm512_loadu_si512(ps);
+  __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ps + 64)));
+  c = _mm512_ternarylogic_epi32(c, _mm512_slli_epi16(c, 4), _mm512_set1_epi16(0x0F0F), 0xA8);  // (c | c << 4) & 0x0F0F
+  const __m512i hi = _mm512_shuffle_epi8(table, c);
+  a = _mm512_unpacklo_epi8(lo, hi);
+  b = _mm512_unpackhi_epi8(lo, hi);
+}
+
+// One row against NP compact panels (acc + i*16: panel i's sums without its exceptions), the weights widened
+// exactly and multiplied by float32 x as panels_kernel does for bf16 panels: the decoding step's one-row GEMV,
+// bound by memory at three quarters of bf16's bytes.
+template <int NP>
+void compact_kernel(const float* x, int64_t K, const Compact& c, const uint8_t* w, float* acc) {
+  const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.table)));
+  const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  __m512 a0[NP], a1[NP];
+  for (int q = 0; q < NP; ++q) a0[q] = a1[q] = _mm512_setzero_ps();
+  float tail[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the last step's x where K is not a multiple of 4
+  for (int64_t k = K / 4 * 4; k < K; ++k) tail[k % 4] = x[k];
+  for (int64_t s = 0; s < c.S; ++s) {
+    const float* xs = 4 * s + 4 <= K ? x + 4 * s : tail;
+    const __m512 x0 = _mm512_set1_ps(xs[0]), x1 = _mm512_set1_ps(xs[1]), x2 = _mm512_set1_ps(xs[2]),
+                 x3 = _mm512_set1_ps(xs[3]);
+    for (int q = 0; q < NP; ++q) {
+      const uint8_t* ps = w + q * c.pstride + s * CSTEP;
+      _mm_prefetch(reinterpret_cast<const char*>(ps) + 2048, _MM_HINT_T0);
+      if (s % 2) _mm_prefetch(reinterpret_cast<const char*>(ps) + 2048 + 64, _MM_HINT_T0);  // 1.5 lines a step
+      __m512i pa, pb;
+      compact_step(ps, table, pa, pb);
+      a0[q] = _mm512_fmadd_ps(x0, _mm512_castsi512_ps(_mm512_slli_epi32(pa, 16)), a0[q]);
+      a1[q] = _mm512_fmadd_ps(x1, _mm512_castsi512_ps(_mm512_and_si512(pa, high)), a1[q]);
+      a0[q] = _mm512_fmadd_ps(x2, _mm512_castsi512_ps(_mm512_slli_epi32(pb, 16)), a0[q]);
+      a1[q] = _mm512_fmadd_ps(x3, _mm512_castsi512_ps(_mm512_and_si512(pb, high)), a1[q]);
+    }
+  }
+  for (int q = 0; q < NP; ++q) _mm512_storeu_ps(acc + q * PANEL, _mm512_add_ps(a0[q], a1[q]));
+}
+#endif
+
+#if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
+// R rows against NPAN compact panels by vdpbf16ps (acc: R rows of each panel in turn), as panels_kernel_dp on the
+// panels unpacked: each step's two pairs are rebuilt once in registers and serve every row.
+template <int R, int NPAN>
+void compact_kernel_dp(const uint32_t* xb, int64_t K2, const Compact& c, const uint8_t* w, float* acc) {
+  const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.table)));
+  __m512 a[NPAN][R];
+  for (int q = 0; q < NPAN; ++q)
+    for (int r = 0; r < R; ++r) a[q][r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < c.S; ++s) {
+    __m512i pa[NPAN], pb[NPAN];
+    for (int q = 0; q < NPAN; ++q) {
+      const uint8_t* ps = w + q * c.pstride + s * CSTEP;
+      _mm_prefetch(reinterpret_cast<const char*>(ps) + 4096, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(ps) + 4096 + 64, _MM_HINT_T1);
+      compact_step(ps, table, pa[q], pb[q]);
+    }
+    const bool odd = 2 * s + 1 < K2;  // the step's second pair exists
+    for (int r = 0; r < R; ++r) {
+      const __m512bh x0 = (__m512bh)_mm512_set1_epi32(int(xb[r * K2 + 2 * s]));
+      const __m512bh x1 = (__m512bh)_mm512_set1_epi32(odd ? int(xb[r * K2 + 2 * s + 1]) : 0);
+      for (int q = 0; q < NPAN; ++q) {
+        a[q][r] = _mm512_dpbf16_ps(a[q][r], x0, (__m512bh)pa[q]);
+        a[q][r] = _mm512_dpbf16_ps(a[q][r], x1, (__m512bh)pb[q]);
+      }
+    }
+  }
+  for (int q = 0; q < NPAN; ++q)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (q * R + r) * PANEL, a[q][r]);
+}
+#endif
+
+// Panel p of a compact weight into pack_linear_weight's bf16 layout (K2 = ceil(K/2) pairs x 16 columns x 2;
+// exceptions read 0): for several rows, and where the one-row kernel is not compiled in or switched off.
+void compact_unpack(const Compact& c, int64_t p, int64_t K2, at::BFloat16* out) {
+  const uint8_t* w = c.data + p * c.pstride;
+  uint16_t* o = reinterpret_cast<uint16_t*>(out);
+#if SUBLAYER_AVX2_FMA && defined(__AVX512BW__)
+  if (g_avx512.load(std::memory_order_relaxed)) {
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.table)));
+    for (int64_t s = 0; s < c.S; ++s) {
+      __m512i a, b;
+      compact_step(w + s * CSTEP, table, a, b);
+      _mm512_storeu_si512(o + 2 * s * 32, a);
+      if (2 * s + 1 < K2) _mm512_storeu_si512(o + (2 * s + 1) * 32, b);
+    }
+    return;
+  }
+#endif
+  for (int64_t s = 0; s < c.S; ++s)
+    for (int b = 0; b < 64; ++b) {
+      const auto [kk, j] = compact_pos(b);
+      const int64_t k = 4 * s + kk;
+      if (k / 2 >= K2) continue;
+      const uint8_t code = (w[s * CSTEP + 64 + b / 2] >> (4 * (b % 2))) & 15;
+      o[((k / 2) * PANEL + j) * 2 + k % 2] = uint16_t(w[s * CSTEP + b] | (c.table[code] << 8));
+    }
+}
+
 // A panel's (or panel group's) per-column parameters from column c0 on: `src + c0` itself when all `width` columns
 // exist, else the nc that do copied into `pad` (zero-initialised, so the columns past n read zeros).
 template <typename V>
@@ -377,7 +520,7 @@ inline void epilogue(float* v, const float* scale, const float* bias, int64_t ac
 
 template <typename T>
 void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* wp, int64_t P, const float* sp,
-                   const float* bp, int64_t n, int64_t act, float* op) {
+                   const float* bp, int64_t n, int64_t act, float* op, const Compact* cw = nullptr) {
   static constexpr auto kPanel = rows_table<ROWS>([](auto r) { return &panel_kernel<T, decltype(r)::value>; });
   auto panel = kPanel.data();
   int64_t rows = ROWS;
@@ -418,6 +561,10 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
       const float* b = bp ? panel_params(bp, c0, nc, PANEL, bpanel) : nullptr;
       for (int64_t r = 0; r < R; ++r) {
         float* v = a + r * PANEL;
+        if (cw && xb.empty())
+          cw->except(p, [&](int64_t k) { return xp[(r0 + r) * ldx + k]; }, v);
+        else if (cw)  // x rounded to bf16, as vdpbf16ps took it
+          cw->except(p, [&](int64_t k) { return bf16_to_f(uint16_t(xb[(r0 + r) * K2 + k / 2] >> (16 * (k % 2)))); }, v);
         epilogue(v, s, b, act);
         float* o = op + (r0 + r) * n + c0;
         if (nc == PANEL) {
@@ -429,16 +576,51 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
       }
     };
     {
-      const int64_t pe = std::min(P, (c + 1) * chunk);
-      int64_t p = c * chunk;
+      const int64_t p0 = c * chunk, pe = std::min(P, (c + 1) * chunk);
+      int64_t p = p0;
+      const T* wc = wp ? wp + p0 * stride : nullptr;  // the chunk's first panel
+      if constexpr (std::is_same<T, at::BFloat16>::value)
+        if (cw) {
+#if SUBLAYER_AVX2_FMA && defined(__AVX512BW__)
+          if (M == 1 && g_avx512.load(std::memory_order_relaxed)) {  // one row: widened as they stream in
+            static constexpr auto kC = rows_table<STREAMS>([](auto r) { return &compact_kernel<decltype(r)::value>; });
+            for (; p < pe; p += STREAMS) {
+              const int64_t np = std::min<int64_t>(STREAMS, pe - p);
+              kC[np](xp, K, *cw, cw->data + p * cw->pstride, acc);
+              for (int64_t q = 0; q < np; ++q) store(p + q, 0, 1, acc + q * PANEL);
+            }
+            return;
+          }
+#endif
+#if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
+          if (!xb.empty()) {  // several rows by vdpbf16ps: two panels at a time, then the rest
+            using DpFn = void (*)(const uint32_t*, int64_t, const Compact&, const uint8_t*, float*);
+            static constexpr auto kDp1 = rows_table<ROWS512>([](auto r) { return &compact_kernel_dp<decltype(r)::value, 1>; });
+            static constexpr auto kDp2 = rows_table<ROWS512>([](auto r) { return &compact_kernel_dp<decltype(r)::value, 2>; });
+            for (; p < pe; p += 2) {
+              const int64_t np = std::min<int64_t>(2, pe - p);
+              for (int64_t r0 = 0; r0 < M; r0 += ROWS512) {
+                const int64_t R = std::min<int64_t>(ROWS512, M - r0);
+                (np == 2 ? kDp2 : kDp1)[R](xb.data() + r0 * K2, K2, *cw, cw->data + p * cw->pstride, acc);
+                for (int64_t q = 0; q < np; ++q) store(p + q, r0, R, acc + q * R * PANEL);
+              }
+            }
+            return;
+          }
+#endif
+          thread_local std::vector<at::BFloat16> buf;  // the chunk in bf16 panels, for the kernels below
+          buf.resize(size_t((pe - p0) * stride));
+          for (int64_t q = p0; q < pe; ++q) compact_unpack(*cw, q, (K + 1) / 2, buf.data() + (q - p0) * stride);
+          wc = buf.data();
+        }
       if (M == 1)  // one row (batch-1 decoding): STREAMS panels at a time
         for (; p + STREAMS <= pe; p += STREAMS) {
 #if SUBLAYER_AVX2_FMA && defined(__AVX512F__)
           if (std::is_same<T, int8_t>::value && g_avx512.load(std::memory_order_relaxed))
-            panels_kernel<STREAMS>(xp, wp + p * stride, K, acc);  // int8: the AVX-512 overload
+            panels_kernel<STREAMS>(xp, wc + (p - p0) * stride, K, acc);  // int8: the AVX-512 overload
           else
 #endif
-            panels_kernel<STREAMS, T>(xp, wp + p * stride, K, acc);
+            panels_kernel<STREAMS, T>(xp, wc + (p - p0) * stride, K, acc);
           for (int64_t q = 0; q < STREAMS; ++q) store(p + q, 0, 1, acc + q * PANEL);
         }
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
@@ -453,7 +635,7 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
             const int64_t np = std::min<int64_t>(3, pe - p);
             for (int64_t r0 = 0; r0 < M; r0 += ROWS512) {
               const int64_t R = std::min<int64_t>(ROWS512, M - r0);
-              kDp[np][R](xb.data() + r0 * K2, K2, wp + p * stride, stride, acc);
+              kDp[np][R](xb.data() + r0 * K2, K2, wc + (p - p0) * stride, stride, acc);
               for (int64_t q = 0; q < np; ++q) store(p + q, r0, R, acc + q * R * PANEL);
             }
           }
@@ -465,7 +647,7 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
         for (; p + 2 <= pe; p += 2)
           for (int64_t r0 = 0; r0 < M; r0 += ROWS512) {
             const int64_t R = std::min<int64_t>(ROWS512, M - r0);
-            pair[R](xp + r0 * ldx, ldx, wp + p * stride, K, acc);
+            pair[R](xp + r0 * ldx, ldx, wc + (p - p0) * stride, K, acc);
             store(p, r0, R, acc);
             store(p + 1, r0, R, acc + R * PANEL);
           }
@@ -473,7 +655,7 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
       for (; p < pe; ++p)
         for (int64_t r0 = 0; r0 < M; r0 += rows) {
           const int64_t R = std::min<int64_t>(rows, M - r0);
-          panel[R](xp + r0 * ldx, ldx, wp + p * stride, K, acc);
+          panel[R](xp + r0 * ldx, ldx, wc + (p - p0) * stride, K, acc);
           store(p, r0, R, acc);
         }
     }
@@ -510,26 +692,37 @@ const float* check_skinny(const char* op, const Tensor& x, const Tensor& packed,
               " unsupported (0 none, 1 relu, 2 GELU, 3 tanh-GELU, 4 SiLU, 5 relu^2)");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
               ": x must be a 2-D float32 CPU tensor with unit inner stride");
-  const bool bf16 = packed.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == (bf16 ? 4 : 3) && packed.is_contiguous() &&
-                  (bf16 || packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kHalf ||
-                   packed.scalar_type() == at::kChar),
-              op, ": packed must be a contiguous 3-D float32, float16 or int8 or 4-D bfloat16 CPU tensor");
-  const bool scaled = scale.has_value() && scale->defined() && scale->numel() > 0;
-  TORCH_CHECK(scaled == (packed.scalar_type() == at::kChar), op, ": a scale (n,) goes with int8 panels, and only");
-  if (scaled) {
-    check_float_contig(*scale, op, 1);
-    TORCH_CHECK(scale->size(0) == n, op, ": scale must have ", n, " elements, got ", scale->size(0));
-  }
-  const int64_t K = x.size(1), P = packed.size(0);
-  if (bf16) {
-    TORCH_CHECK(packed.size(1) == (K + 1) / 2 && packed.size(2) == PANEL && packed.size(3) == 2, op,
-                ": bfloat16 packed must be (P, ceil(K/2)=", (K + 1) / 2, ", 16, 2), got ", packed.sizes());
+  const int64_t K = x.size(1);
+  if (packed.scalar_type() == at::kByte) {  // compact bf16 (pack_compact_bf16)
+    const int64_t P = (n + PANEL - 1) / PANEL, base = Compact::bytes(P, K, 0);
+    TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 1 && packed.is_contiguous() && n > 0 &&
+                    packed.numel() >= base && (packed.numel() - base) % 8 == 0,
+                op, ": compact packed must be pack_compact_bf16's bytes of an (n=", n, ", K=", K, ") weight");
+    const Compact c(packed.data_ptr<uint8_t>(), P, K);
+    TORCH_CHECK(c.off[0] == 0 && c.off[P] == (packed.numel() - base) / 8, op, ": compact packed is damaged");
+    TORCH_CHECK(!(scale.has_value() && scale->defined() && scale->numel() > 0), op, ": compact panels take no scale");
   } else {
-    TORCH_CHECK(packed.size(1) == K && packed.size(2) == PANEL, op, ": packed must be (P, K=", K, ", 16), got ",
-                packed.sizes());
+    const bool bf16 = packed.scalar_type() == at::kBFloat16;
+    TORCH_CHECK(packed.device().is_cpu() && packed.dim() == (bf16 ? 4 : 3) && packed.is_contiguous() &&
+                    (bf16 || packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kHalf ||
+                     packed.scalar_type() == at::kChar),
+                op, ": packed must be a contiguous 3-D float32, float16 or int8 or 4-D bfloat16 CPU tensor");
+    const bool scaled = scale.has_value() && scale->defined() && scale->numel() > 0;
+    TORCH_CHECK(scaled == (packed.scalar_type() == at::kChar), op, ": a scale (n,) goes with int8 panels, and only");
+    if (scaled) {
+      check_float_contig(*scale, op, 1);
+      TORCH_CHECK(scale->size(0) == n, op, ": scale must have ", n, " elements, got ", scale->size(0));
+    }
+    const int64_t P = packed.size(0);
+    if (bf16) {
+      TORCH_CHECK(packed.size(1) == (K + 1) / 2 && packed.size(2) == PANEL && packed.size(3) == 2, op,
+                  ": bfloat16 packed must be (P, ceil(K/2)=", (K + 1) / 2, ", 16, 2), got ", packed.sizes());
+    } else {
+      TORCH_CHECK(packed.size(1) == K && packed.size(2) == PANEL, op, ": packed must be (P, K=", K, ", 16), got ",
+                  packed.sizes());
+    }
+    TORCH_CHECK(n > (P - 1) * PANEL && n <= P * PANEL, op, ": n=", n, " does not fit ", P, " panels");
   }
-  TORCH_CHECK(n > (P - 1) * PANEL && n <= P * PANEL, op, ": n=", n, " does not fit ", P, " panels");
   if (!(bias.has_value() && bias->defined())) return nullptr;
   check_float_contig(*bias, op, 1);
   TORCH_CHECK(bias->size(0) == n, op, ": bias must have ", n, " elements, got ", bias->size(0));
@@ -544,11 +737,14 @@ Tensor skinny_linear(const Tensor& x, const Tensor& packed, const c10::optional<
                      int64_t act, const c10::optional<Tensor>& scale) {
   const float* bp = check_skinny("skinny_linear", x, packed, bias, n, act, scale);
   Tensor out = at::empty({x.size(0), n}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  const int64_t M = x.size(0), K = x.size(1), P = packed.scalar_type() == at::kByte ? (n + PANEL - 1) / PANEL : packed.size(0);
   if (M == 0 || n == 0) return out;
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  if (packed.scalar_type() == at::kChar)
+  if (packed.scalar_type() == at::kByte) {
+    const Compact c(packed.data_ptr<uint8_t>(), P, K);
+    skinny_panels<at::BFloat16>(xp, x.stride(0), M, K, nullptr, P, nullptr, bp, n, act, op, &c);
+  } else if (packed.scalar_type() == at::kChar)
     skinny_panels(xp, x.stride(0), M, K, packed.data_ptr<int8_t>(), P, scale->data_ptr<float>(), bp, n, act, op);
   else if (packed.scalar_type() == at::kBFloat16)
     skinny_panels(xp, x.stride(0), M, K, packed.data_ptr<at::BFloat16>(), P, nullptr, bp, n, act, op);
@@ -610,6 +806,66 @@ Tensor pack_linear_weight(const Tensor& w) {
     pack_groups<1>(w.data_ptr<int8_t>(), out.data_ptr<int8_t>(), N, K, P);
   else
     pack_groups<1>(w.data_ptr<float>(), out.data_ptr<float>(), N, K, P);
+  return out;
+}
+
+// W (N, K) bfloat16 and a 16-entry table of high bytes (table[0] = 0) -> the compact layout (Compact, above): each
+// weight's code is its high byte's first index in the table; a weight whose high byte is not there is an exception.
+Tensor pack_compact_bf16(const Tensor& w, const Tensor& table) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
+              "pack_compact_bf16: weight must be a contiguous 2-D bfloat16 CPU tensor, got ", w.scalar_type(), " ",
+              w.sizes());
+  TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == at::kByte && table.dim() == 1 &&
+                  table.numel() == 16 && table.is_contiguous() && table.data_ptr<uint8_t>()[0] == 0,
+              "pack_compact_bf16: table must be 16 uint8 high bytes, the first 0");
+  const int64_t N = w.size(0), K = w.size(1), P = (N + PANEL - 1) / PANEL, S = (K + 3) / 4;
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  int code_of[256];
+  std::fill(code_of, code_of + 256, -1);
+  for (int i = 15; i >= 0; --i) code_of[table.data_ptr<uint8_t>()[i]] = i;
+  std::vector<int32_t> count(P + 1, 0);
+  auto word = [&](int64_t p, int64_t s, int b) -> uint16_t {  // the weight at step position b (0 past the edges)
+    const auto [kk, j] = compact_pos(b);
+    const int64_t c = p * PANEL + j, k = 4 * s + kk;
+    return c < N && k < K ? src[c * K + k] : uint16_t(0);
+  };
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t s = 0; s < S; ++s)
+        for (int b = 0; b < 64; ++b) count[p + 1] += code_of[word(p, s, b) >> 8] < 0;
+  });
+  for (int64_t p = 0; p < P; ++p) count[p + 1] += count[p];
+  Tensor out = at::empty({Compact::bytes(P, K, count[P])}, w.options().dtype(at::kByte));
+  uint8_t* o = out.data_ptr<uint8_t>();
+  advise_huge_pages(o, size_t(out.numel()));
+  const Compact c(o, 0, K);  // its layout sizes only (the tables follow the P panels)
+  uint8_t* tab = o + P * c.pstride;
+  std::fill(tab, tab + CTABLE, 0);
+  std::copy(table.data_ptr<uint8_t>(), table.data_ptr<uint8_t>() + 16, tab);
+  int32_t* off = reinterpret_cast<int32_t*>(tab + CTABLE);
+  std::copy(count.begin(), count.end(), off);
+  int32_t* idx = off + P + 1;
+  float* val = reinterpret_cast<float*>(idx + count[P]);
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      int32_t e = count[p];
+      for (int64_t s = 0; s < S; ++s) {
+        uint8_t* ps = o + p * c.pstride + s * CSTEP;
+        std::fill(ps + 64, ps + CSTEP, 0);
+        for (int b = 0; b < 64; ++b) {
+          const uint16_t v = word(p, s, b);
+          int code = code_of[v >> 8];
+          if (code < 0) {  // stored as 0; the exception restores it
+            idx[e] = int32_t((4 * s + compact_pos(b).first) * PANEL + compact_pos(b).second);
+            val[e++] = bf16_to_f(v);
+            code = 0;
+          }
+          ps[b] = code == 0 && v >> 8 != 0 ? 0 : uint8_t(v & 0xFF);
+          ps[64 + b / 2] |= uint8_t(code << (4 * (b % 2)));
+        }
+      }
+    }
+  });
   return out;
 }
 
@@ -1103,6 +1359,7 @@ Tensor screened_argmax(const Tensor& x, const Tensor& screened, const Tensor& we
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("pack_compact_bf16(Tensor weight, Tensor table) -> Tensor");
   m.def("decode_avx512(int flag) -> bool", &sublayer::decode_avx512);
   m.def("decode_bf16_dot(int flag) -> bool", &sublayer::decode_bf16_dot);
   m.def("screened_argmax(Tensor x, Tensor screened, Tensor weight, Tensor? bias, Tensor bound, Tensor? bound_q=None) -> Tensor");
@@ -1115,6 +1372,7 @@ TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
 
 TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
   m.impl("pack_linear_weight", &sublayer::pack_linear_weight);
+  m.impl("pack_compact_bf16", &sublayer::pack_compact_bf16);
   m.impl("screened_argmax", &sublayer::screened_argmax);
   m.impl("skinny_linear", &sublayer::skinny_linear);
   m.impl("pack_int8_quads", &sublayer::pack_int8_quads);
