@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from sublayer import kernels
 from sublayer.functional import activation_fn
 from sublayer.functional.fused import ACT_IDS
-from sublayer.runtime.linear import PackedLinear, compact_bf16
+from sublayer.runtime.linear import PackedLinear, compact_bf16, compact_kernels
 
 from ._tol import assert_fast_close
 
@@ -210,11 +210,9 @@ def test_compact_bf16_keeps_bf16_panels_when_exceptions_are_many():
     assert compact_bf16(w).dtype == torch.uint8
 
 
-def test_packed_linear_picks_compact_bf16_panels_where_the_one_row_kernel_is_compiled():
+def test_packed_linear_picks_compact_bf16_panels_where_their_kernels_are_compiled():
     w = torch.randn(40, 24, generator=_gen(4)) * 0.02
-    assert PackedLinear(w, dtype=torch.bfloat16).packed.dtype == (
-        torch.uint8 if _ops().decode_avx512(-1) else torch.bfloat16
-    )
+    assert PackedLinear(w, dtype=torch.bfloat16).packed.dtype == (torch.uint8 if compact_kernels() else torch.bfloat16)
     assert PackedLinear(w, dtype=torch.bfloat16, compact=False).packed.dtype == torch.bfloat16
     assert PackedLinear(w, dtype=torch.float32).packed.dtype == torch.float32
     x = torch.randn(3, 24, generator=_gen(5))

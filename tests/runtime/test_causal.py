@@ -20,6 +20,7 @@ from sublayer.models import quantized as Q
 from sublayer.models.fast import fast_inference
 from sublayer.runtime import causal, kv_cache
 from sublayer.runtime.kv_cache import StaticKVCache, decode_attention
+from sublayer.runtime.linear import compact_kernels
 
 from tests.conftest import reference_decoding
 from tests.models.test_llama import PAD, VOCAB, _ids, make_hf
@@ -85,7 +86,7 @@ def test_one_call_step_equals_the_per_op_step(case, avx512, panels):
     keys/values (rotated) into caches of the key/value heads only (bfloat16 caches for bfloat16 panels)."""
     model = Llama.from_hf(make_hf(case))
     W = causal.packed_weights(model, panels)
-    compact = panels == torch.bfloat16 and kernels.ops().decode_avx512(-1)  # 12-bit bf16 panels on AVX-512
+    compact = panels == torch.bfloat16 and compact_kernels()  # 12-bit bf16 panels on AVX-512 + AVX512_BF16
     assert W.flat is not None and W.layers[0]["qkv"].packed.dtype == (torch.uint8 if compact else panels)
     assert W.cache_dtype == panels
     per_op = copy.copy(W)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from sublayer import kernels
-from sublayer.runtime.linear import PackedLinear, skinny_max_rows
+from sublayer.runtime.linear import PackedLinear, compact_kernels, skinny_max_rows
 
 
 def _case(seed: int, rows: int, n: int = 37, k: int = 29):
@@ -58,7 +58,7 @@ def test_bf16_packed_linear_takes_bf16_weights_and_flat_gives_its_panels():
     assert_close(lin(x), _bf16_reference(x, w, b, given_bf16=True), rtol=1e-5, atol=1e-5)
     if kernels.available():
         packed, scale, bias = lin.flat()
-        compact = kernels.ops().decode_avx512(-1)  # 12-bit bf16 panels on AVX-512 CPUs
+        compact = compact_kernels()  # 12-bit bf16 panels on AVX-512 + AVX512_BF16 CPUs
         assert packed.dtype == (torch.uint8 if compact else torch.bfloat16) and scale.numel() == 0 and bias is lin.bias
         assert_close(kernels.ops().skinny_linear(x, packed, bias, 37), lin(x))
 

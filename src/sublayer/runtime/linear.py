@@ -1,8 +1,8 @@
 """Prepared weight formats of one linear layer: what a fast path multiplies instead of an ``nn.Linear``'s weight.
 
 * :class:`PackedLinear` — float32 or bfloat16 panels of 16 output columns for the
-  ``skinny_linear`` kernel (few rows: decoding steps; bf16 in 12 bits a weight where the CPU has AVX-512,
-  :func:`compact_bf16`), torch's GEMM on the unpacked weight for more rows;
+  ``skinny_linear`` kernel (few rows: decoding steps; bf16 in 12 bits a weight where the CPU has AVX-512 and
+  AVX512_BF16, :func:`compact_bf16`), torch's GEMM on the unpacked weight for more rows;
 * :class:`Int8Linear` — an int8 weight (symmetric per output channel) times int8 activations quantized per row
   (``int8_linear``: AVX512-VNNI where present), or float32 activations (weight-only, ``skinny_linear``);
 * :class:`DenseLinear` — the weight cast once to another compute dtype (bf16 on CPUs that multiply it natively);
@@ -25,7 +25,7 @@ from .rows import EPILOGUE, ffn_hidden, kernels_on
 
 __all__ = [
     "PackedLinear", "Int8Linear", "DenseLinear", "OneDNNLinear", "GreedyHead", "SKINNY_MAX_ROWS", "skinny_max_rows", "NO_SCALE",
-    "COMPACT_MAX_EXCEPTIONS", "compact_bf16", "quantize_rows", "int8_linear_reference", "int8_screens_rows",
+    "COMPACT_MAX_EXCEPTIONS", "compact_bf16", "compact_kernels", "quantize_rows", "int8_linear_reference", "int8_screens_rows",
 ]  # fmt: skip
 
 
@@ -40,9 +40,9 @@ class PackedLinear:
         dtype: the panels' dtype: ``torch.float32`` or ``torch.bfloat16`` (half the bytes a decoding step
             streams; the weight is rounded to bf16 once).
         compact: bf16 panels in :func:`compact_bf16`'s 12 bits a weight (the same weights: three quarters of the
-            bytes a step streams, the same products and float32 sums in another order). None: where the CPU
-            has AVX-512 (``decode_avx512``), which rebuilds them in registers as they stream in; bf16 panels
-            where more than :data:`COMPACT_MAX_EXCEPTIONS` of the weights do not fit the table.
+            bytes a step streams, the same products and float32 sums in another order). None: where
+            :func:`compact_kernels` (AVX-512 and AVX512_BF16) rebuild them in registers as they stream in; bf16
+            panels where more than :data:`COMPACT_MAX_EXCEPTIONS` of the weights do not fit the table.
 
     Call: x (M, K) float32 with unit inner stride (a column slice of a wider tensor works) -> (M, N) float32.
     Up to :func:`skinny_max_rows` rows ``skinny_linear`` multiplies the panels: float32 x times the bf16 weight
@@ -74,7 +74,7 @@ class PackedLinear:
             self.weight = (weight if weight.dtype == torch.float32 else panels).float().contiguous()
         self.packed = None
         if kernels_on():
-            if dtype == torch.bfloat16 and (kernels.ops().decode_avx512(-1) if compact is None else compact):
+            if dtype == torch.bfloat16 and (compact_kernels() if compact is None else compact):
                 self.packed = compact_bf16(panels)
             if self.packed is None:
                 self.packed = kernels.ops().pack_linear_weight(panels)
@@ -101,6 +101,14 @@ class PackedLinear:
         if self.packed is None:
             return None
         return self.packed, NO_SCALE, NO_SCALE if self.bias is None else self.bias
+
+
+def compact_kernels() -> bool:
+    """Whether the kernels that read compact bf16 panels as they stream in are compiled and on: AVX-512 for one row,
+    AVX512_BF16's ``vdpbf16ps`` for several (``decode_avx512``, ``decode_bf16_dot``). Elsewhere compact panels would
+    be unpacked before use, so :class:`PackedLinear` keeps bf16 panels."""
+    ops = kernels.ops()
+    return bool(ops.decode_avx512(-1) and ops.decode_bf16_dot(-1))
 
 
 def compact_bf16(weight: Tensor) -> Tensor | None:

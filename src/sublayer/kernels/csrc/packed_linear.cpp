@@ -446,22 +446,11 @@ void compact_kernel_dp(const uint32_t* xb, int64_t K2, const Compact& c, const u
 #endif
 
 // Panel p of a compact weight into pack_linear_weight's bf16 layout (K2 = ceil(K/2) pairs x 16 columns x 2;
-// exceptions read 0): for several rows, and where the one-row kernel is not compiled in or switched off.
+// exceptions read 0), for the other kernels where compact_kernel / compact_kernel_dp are switched off (tests; the
+// panels are made compact only where both are compiled in).
 void compact_unpack(const Compact& c, int64_t p, int64_t K2, at::BFloat16* out) {
   const uint8_t* w = c.data + p * c.pstride;
   uint16_t* o = reinterpret_cast<uint16_t*>(out);
-#if SUBLAYER_AVX2_FMA && defined(__AVX512BW__)
-  if (g_avx512.load(std::memory_order_relaxed)) {
-    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.table)));
-    for (int64_t s = 0; s < c.S; ++s) {
-      __m512i a, b;
-      compact_step(w + s * CSTEP, table, a, b);
-      _mm512_storeu_si512(o + 2 * s * 32, a);
-      if (2 * s + 1 < K2) _mm512_storeu_si512(o + (2 * s + 1) * 32, b);
-    }
-    return;
-  }
-#endif
   for (int64_t s = 0; s < c.S; ++s)
     for (int b = 0; b < 64; ++b) {
       const auto [kk, j] = compact_pos(b);
@@ -898,7 +887,7 @@ Tensor pack_int8_quads(const Tensor& q, bool grouped) {
 // portable loop elsewhere (same integer sums). At 8 x 3, int8_linear's main tile, the 24 accumulators are named
 // (GCC keeps a __m512i array of them on the stack).
 // The grouped layout (istride != 64) is one stream: the NP lines of quad i's step, fetched 4 KB ahead. Always
-// inlined: a call inside the 8 x 3 tile's loop spills its 24 accumulators (the batch-8 int8 step ran 1.3x slower).
+// inlined: as a call inside the 8 x 3 tile's loop it would spill the tile's 24 accumulators.
 __attribute__((always_inline)) inline void prefetch_group(const int8_t* wi, int64_t istride, int np) {
   if (istride != 64)
     for (int l = 0; l < np; ++l) _mm_prefetch(reinterpret_cast<const char*>(wi) + 4096 + 64 * l, _MM_HINT_T0);
