@@ -198,9 +198,10 @@ def test_compact_round_trip_of_any_bits(n, k, seed, high):
     w[~torch.isfinite(w.float())] = 1.0
     packed = _ops().pack_compact_bf16(w.contiguous(), _table(*high))
     in_table = torch.isin((w.view(torch.int16).int() >> 8) & 0xFF, torch.tensor([0, *high]))
-    p, base = (n + 15) // 16, (n + 15) // 16 * ((k + 3) // 4) * 96 + 64 + 4 * ((n + 15) // 16 + 1)
+    p = (n + 15) // 16  # panels, in groups of 4 steps of 96 bytes, then the table and the offsets
+    base = (p + 3) // 4 * 4 * ((k + 3) // 4) * 96 + 64 + 4 * (p + 1)
     assert packed.numel() == base + 8 * int((~in_table).sum())  # one exception per weight outside the table
-    assert p > 0 and torch.equal(_columns(packed, n, k), w.float())
+    assert torch.equal(_columns(packed, n, k), w.float())
 
 
 def test_compact_bf16_keeps_bf16_panels_when_exceptions_are_many():
@@ -232,7 +233,7 @@ def test_compact_pack_and_skinny_reject_bad_input():
         _ops().skinny_linear(torch.randn(2, 9), packed, None, 17)
     with pytest.raises(RuntimeError, match="compact panels take no scale"):
         _ops().skinny_linear(torch.randn(2, 5), packed, None, 17, 0, torch.ones(17))
-    end = 2 * 2 * 96 + 64 + 4 * 3  # 2 panels of 2 steps, the table, the offsets: off[P] is the last int32
+    end = 4 * 2 * 96 + 64 + 4 * 3  # a group of 4 panels of 2 steps, the table, the offsets: off[P] is the last int32
     damaged = packed.clone()
     damaged[end - 4 : end] = 9
     with pytest.raises(RuntimeError, match="compact packed is damaged"):

@@ -338,26 +338,31 @@ inline void panels_kernel_dp(const uint32_t* xb, int64_t K2, const at::BFloat16*
 // byte 0) with its value in an exception list that the epilogue adds (acc[j] += w * x[k]).
 // Layout (pack_compact_bf16; one uint8 tensor): P = ceil(N/16) panels of S = ceil(K/4) steps of CSTEP bytes: a
 // step holds k = 4s..4s+3 of the panel's 16 columns, 64 low bytes and then 32 bytes of codes (byte m: positions 2m
-// in its low and 2m+1 in its high nibble). Position b sits in 128-bit lane b/16 at u = b%16: u < 8 is word
+// in its low and 2m+1 in its high nibble). Panels go in groups of CGROUP (the last one padded with zero panels),
+// their steps interleaved: step s of a group's panels 0..3, then step s + 1, ..., so a one-row kernel reading a
+// group reads one sequential stream. Position b sits in 128-bit lane b/16 at u = b%16: u < 8 is word
 // l*8+u of the step's first k pair, else word l*8+u-8 of its second; word w of a pair is column w/2 at k + w%2,
 // the bf16 pair layout of pack_linear_weight. So `unpacklo/hi_epi8(low bytes, looked-up high bytes)` rebuild the
 // two pairs' 32-bit lanes in place. After the panels: the table (CTABLE bytes, 16 used), int32 offsets (P + 1) of
 // each panel's exceptions, then the exceptions' int32 (k * 16 + j) and their float32 values.
-constexpr int64_t CSTEP = 96, CTABLE = 64;
+constexpr int64_t CSTEP = 96, CTABLE = 64, CGROUP = STREAMS;
+constexpr int CROWS = 4;  // rows per compact_kernel_dp call: 4 x CGROUP accumulators
 
 struct Compact {  // a view of pack_compact_bf16's tensor for an (n, K) weight
+  static constexpr int64_t SSTRIDE = CGROUP * CSTEP;  // from one step of a panel to its next
   const uint8_t *data, *table;
   const int32_t *off, *idx;
   const float* val;
-  int64_t S, pstride;
-  Compact(const uint8_t* p, int64_t P, int64_t K)
-      : data(p), S((K + 3) / 4), pstride(S * CSTEP) {
-    table = p + P * pstride;
+  int64_t S;
+  Compact(const uint8_t* p, int64_t P, int64_t K) : data(p), S((K + 3) / 4) {
+    table = p + panel_bytes(P, K);
     off = reinterpret_cast<const int32_t*>(table + CTABLE);
     idx = off + P + 1;
     val = reinterpret_cast<const float*>(idx + off[P]);
   }
-  static int64_t bytes(int64_t P, int64_t K, int64_t E) { return P * ((K + 3) / 4) * CSTEP + CTABLE + 4 * (P + 1) + 8 * E; }
+  static int64_t panel_bytes(int64_t P, int64_t K) { return (P + CGROUP - 1) / CGROUP * ((K + 3) / 4) * SSTRIDE; }
+  static int64_t bytes(int64_t P, int64_t K, int64_t E) { return panel_bytes(P, K) + CTABLE + 4 * (P + 1) + 8 * E; }
+  const uint8_t* at(int64_t p, int64_t s) const { return data + (p / CGROUP * S + s) * SSTRIDE + p % CGROUP * CSTEP; }
   // acc[j] += w * x(k) for panel p's exceptions (x: one row's activations as the panel's kernel took them)
   template <typename X>
   void except(int64_t p, const X& x, float* acc) const {
@@ -382,7 +387,7 @@ inline void compact_step(const uint8_t* ps, __m512i table, __m512i& a, __m512i& 
   b = _mm512_unpackhi_epi8(lo, hi);
 }
 
-// One row against NP compact panels (acc + i*16: panel i's sums without its exceptions), the weights widened
+// One row against NP compact panels of one group from w = at(p, 0) (acc + i*16: panel i's sums without its exceptions), the weights widened
 // exactly and multiplied by float32 x as panels_kernel does for bf16 panels: the decoding step's one-row GEMV,
 // bound by memory at three quarters of bf16's bytes.
 template <int NP>
@@ -398,9 +403,10 @@ void compact_kernel(const float* x, int64_t K, const Compact& c, const uint8_t* 
     const __m512 x0 = _mm512_set1_ps(xs[0]), x1 = _mm512_set1_ps(xs[1]), x2 = _mm512_set1_ps(xs[2]),
                  x3 = _mm512_set1_ps(xs[3]);
     for (int q = 0; q < NP; ++q) {
-      const uint8_t* ps = w + q * c.pstride + s * CSTEP;
-      _mm_prefetch(reinterpret_cast<const char*>(ps) + 2048, _MM_HINT_T0);
-      if (s % 2) _mm_prefetch(reinterpret_cast<const char*>(ps) + 2048 + 64, _MM_HINT_T0);  // 1.5 lines a step
+      const uint8_t* ps = w + s * Compact::SSTRIDE + q * CSTEP;
+      if (q % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(ps) + 4096, _MM_HINT_T0);
+      if (q % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(ps) + 4096 + 64, _MM_HINT_T0);
+      if (q % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(ps) + 4096 + 128, _MM_HINT_T0);
       __m512i pa, pb;
       compact_step(ps, table, pa, pb);
       a0[q] = _mm512_fmadd_ps(x0, _mm512_castsi512_ps(_mm512_slli_epi32(pa, 16)), a0[q]);
@@ -414,7 +420,7 @@ void compact_kernel(const float* x, int64_t K, const Compact& c, const uint8_t* 
 #endif
 
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
-// R rows against NPAN compact panels by vdpbf16ps (acc: R rows of each panel in turn), as panels_kernel_dp on the
+// R rows against NPAN compact panels of one group from w = at(p, 0) by vdpbf16ps (acc: R rows of each panel in turn), as panels_kernel_dp on the
 // panels unpacked: each step's two pairs are rebuilt once in registers and serve every row.
 template <int R, int NPAN>
 void compact_kernel_dp(const uint32_t* xb, int64_t K2, const Compact& c, const uint8_t* w, float* acc) {
@@ -425,7 +431,7 @@ void compact_kernel_dp(const uint32_t* xb, int64_t K2, const Compact& c, const u
   for (int64_t s = 0; s < c.S; ++s) {
     __m512i pa[NPAN], pb[NPAN];
     for (int q = 0; q < NPAN; ++q) {
-      const uint8_t* ps = w + q * c.pstride + s * CSTEP;
+      const uint8_t* ps = w + s * Compact::SSTRIDE + q * CSTEP;
       _mm_prefetch(reinterpret_cast<const char*>(ps) + 4096, _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(ps) + 4096 + 64, _MM_HINT_T1);
       compact_step(ps, table, pa[q], pb[q]);
@@ -449,15 +455,15 @@ void compact_kernel_dp(const uint32_t* xb, int64_t K2, const Compact& c, const u
 // exceptions read 0), for the other kernels where compact_kernel / compact_kernel_dp are switched off (tests; the
 // panels are made compact only where both are compiled in).
 void compact_unpack(const Compact& c, int64_t p, int64_t K2, at::BFloat16* out) {
-  const uint8_t* w = c.data + p * c.pstride;
   uint16_t* o = reinterpret_cast<uint16_t*>(out);
   for (int64_t s = 0; s < c.S; ++s)
     for (int b = 0; b < 64; ++b) {
       const auto [kk, j] = compact_pos(b);
       const int64_t k = 4 * s + kk;
       if (k / 2 >= K2) continue;
-      const uint8_t code = (w[s * CSTEP + 64 + b / 2] >> (4 * (b % 2))) & 15;
-      o[((k / 2) * PANEL + j) * 2 + k % 2] = uint16_t(w[s * CSTEP + b] | (c.table[code] << 8));
+      const uint8_t* w = c.at(p, s);
+      const uint8_t code = (w[64 + b / 2] >> (4 * (b % 2))) & 15;
+      o[((k / 2) * PANEL + j) * 2 + k % 2] = uint16_t(w[b] | (c.table[code] << 8));
     }
 }
 
@@ -536,7 +542,7 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
   }
 #endif
   const int64_t stride = panel_elems<T>(K), bytes = std::max<int64_t>(1, stride * int64_t(sizeof(T)));
-  const int64_t unit = xb.empty() ? STREAMS : 3;
+  const int64_t unit = xb.empty() || cw ? STREAMS : 3;  // compact: whole groups
   const int64_t chunk = ((std::max<int64_t>(1, (int64_t(1) << 18) / bytes) + unit - 1) / unit) * unit;
   const int64_t n_chunks = (P + chunk - 1) / chunk;
   parallel_chunks(n_chunks, [&](int64_t c) {
@@ -575,22 +581,25 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
             static constexpr auto kC = rows_table<STREAMS>([](auto r) { return &compact_kernel<decltype(r)::value>; });
             for (; p < pe; p += STREAMS) {
               const int64_t np = std::min<int64_t>(STREAMS, pe - p);
-              kC[np](xp, K, *cw, cw->data + p * cw->pstride, acc);
+              kC[np](xp, K, *cw, cw->at(p, 0), acc);
               for (int64_t q = 0; q < np; ++q) store(p + q, 0, 1, acc + q * PANEL);
             }
             return;
           }
 #endif
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
-          if (!xb.empty()) {  // several rows by vdpbf16ps: two panels at a time, then the rest
+          if (!xb.empty()) {  // several rows by vdpbf16ps: a group's panels at once, CROWS rows at a time
             using DpFn = void (*)(const uint32_t*, int64_t, const Compact&, const uint8_t*, float*);
-            static constexpr auto kDp1 = rows_table<ROWS512>([](auto r) { return &compact_kernel_dp<decltype(r)::value, 1>; });
-            static constexpr auto kDp2 = rows_table<ROWS512>([](auto r) { return &compact_kernel_dp<decltype(r)::value, 2>; });
-            for (; p < pe; p += 2) {
-              const int64_t np = std::min<int64_t>(2, pe - p);
-              for (int64_t r0 = 0; r0 < M; r0 += ROWS512) {
-                const int64_t R = std::min<int64_t>(ROWS512, M - r0);
-                (np == 2 ? kDp2 : kDp1)[R](xb.data() + r0 * K2, K2, *cw, cw->data + p * cw->pstride, acc);
+            static constexpr auto kDp1 = rows_table<CROWS>([](auto r) { return &compact_kernel_dp<decltype(r)::value, 1>; });
+            static constexpr auto kDp2 = rows_table<CROWS>([](auto r) { return &compact_kernel_dp<decltype(r)::value, 2>; });
+            static constexpr auto kDp3 = rows_table<CROWS>([](auto r) { return &compact_kernel_dp<decltype(r)::value, 3>; });
+            static constexpr auto kDp4 = rows_table<CROWS>([](auto r) { return &compact_kernel_dp<decltype(r)::value, 4>; });
+            const DpFn* kDp[5] = {nullptr, kDp1.data(), kDp2.data(), kDp3.data(), kDp4.data()};
+            for (; p < pe; p += CGROUP) {
+              const int64_t np = std::min<int64_t>(CGROUP, pe - p);
+              for (int64_t r0 = 0; r0 < M; r0 += CROWS) {  // the group's later passes read it from L2
+                const int64_t R = std::min<int64_t>(CROWS, M - r0);
+                kDp[np][R](xb.data() + r0 * K2, K2, *cw, cw->at(p, 0), acc);
                 for (int64_t q = 0; q < np; ++q) store(p + q, r0, R, acc + q * R * PANEL);
               }
             }
@@ -827,19 +836,19 @@ Tensor pack_compact_bf16(const Tensor& w, const Tensor& table) {
   Tensor out = at::empty({Compact::bytes(P, K, count[P])}, w.options().dtype(at::kByte));
   uint8_t* o = out.data_ptr<uint8_t>();
   advise_huge_pages(o, size_t(out.numel()));
-  const Compact c(o, 0, K);  // its layout sizes only (the tables follow the P panels)
-  uint8_t* tab = o + P * c.pstride;
+  const Compact c(o, 0, K);  // its layout only (the table follows the P panels)
+  uint8_t* tab = o + Compact::panel_bytes(P, K);
   std::fill(tab, tab + CTABLE, 0);
   std::copy(table.data_ptr<uint8_t>(), table.data_ptr<uint8_t>() + 16, tab);
   int32_t* off = reinterpret_cast<int32_t*>(tab + CTABLE);
   std::copy(count.begin(), count.end(), off);
   int32_t* idx = off + P + 1;
   float* val = reinterpret_cast<float*>(idx + count[P]);
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+  at::parallel_for(0, (P + CGROUP - 1) / CGROUP * CGROUP, 1, [&](int64_t p0, int64_t p1) {  // with the padding
     for (int64_t p = p0; p < p1; ++p) {
-      int32_t e = count[p];
+      int32_t e = count[std::min(p, P)];
       for (int64_t s = 0; s < S; ++s) {
-        uint8_t* ps = o + p * c.pstride + s * CSTEP;
+        uint8_t* ps = const_cast<uint8_t*>(c.at(p, s));
         std::fill(ps + 64, ps + CSTEP, 0);
         for (int b = 0; b < 64; ++b) {
           const uint16_t v = word(p, s, b);
