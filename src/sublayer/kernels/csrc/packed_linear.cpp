@@ -532,7 +532,8 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
   // Panels are handed out in chunks of ~256 KB from a shared counter, not split in halves up front: a thread
   // that the OS or a neighbour slows down takes fewer chunks instead of holding the other one at the join.
   // (a multiple of STREAMS panels, so that a single row reads STREAMS panels at a time; of three for several rows
-  // by vdpbf16ps, which take three panels a call)
+  // by vdpbf16ps, which take three panels a call). Compact panels: whole groups, and chunks of ~512 KB as bf16
+  // (384 KB read): a chunk's groups are one sequential stream, and longer streams read faster.
   const int64_t K2 = (K + 1) / 2;
   std::vector<uint32_t> xb;
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
@@ -543,7 +544,7 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
 #endif
   const int64_t stride = panel_elems<T>(K), bytes = std::max<int64_t>(1, stride * int64_t(sizeof(T)));
   const int64_t unit = xb.empty() || cw ? STREAMS : 3;  // compact: whole groups
-  const int64_t chunk = ((std::max<int64_t>(1, (int64_t(1) << 18) / bytes) + unit - 1) / unit) * unit;
+  const int64_t chunk = ((std::max<int64_t>(1, (int64_t(1) << (cw ? 19 : 18)) / bytes) + unit - 1) / unit) * unit;
   const int64_t n_chunks = (P + chunk - 1) / chunk;
   parallel_chunks(n_chunks, [&](int64_t c) {
     float acc[3 * 8 * PANEL];  // up to three panels of max(ROWS, STREAMS, ROWS512) rows
