@@ -238,3 +238,11 @@ def test_compact_pack_and_skinny_reject_bad_input():
     damaged[end - 4 : end] = 9
     with pytest.raises(RuntimeError, match="compact packed is damaged"):
         _ops().skinny_linear(torch.randn(2, 5), damaged, None, 17)
+
+
+def test_compact_panels_of_an_empty_weight():
+    for n, k in ((0, 5), (3, 0)):
+        w = torch.zeros(n, k, dtype=torch.bfloat16)
+        b = torch.randn(n, generator=_gen(n + k))
+        got = _ops().skinny_linear(torch.randn(2, k), _ops().pack_compact_bf16(w, _table()), b, n)
+        assert torch.equal(got, b.expand(2, n))

@@ -694,7 +694,7 @@ const float* check_skinny(const char* op, const Tensor& x, const Tensor& packed,
   const int64_t K = x.size(1);
   if (packed.scalar_type() == at::kByte) {  // compact bf16 (pack_compact_bf16)
     const int64_t P = (n + PANEL - 1) / PANEL, base = Compact::bytes(P, K, 0);
-    TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 1 && packed.is_contiguous() && n > 0 &&
+    TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 1 && packed.is_contiguous() &&
                     packed.numel() >= base && (packed.numel() - base) % 8 == 0,
                 op, ": compact packed must be pack_compact_bf16's bytes of an (n=", n, ", K=", K, ") weight");
     const Compact c(packed.data_ptr<uint8_t>(), P, K);
