@@ -417,7 +417,7 @@ class GreedyHead:
     @staticmethod
     def _large(x: Tensor) -> bool:
         """Whether every row has ``||x||_2 >= 2^-60`` (or a NaN: every row is recomputed then anyway)."""
-        n = torch.linalg.vector_norm(x, dim=1)
+        n = torch.linalg.vector_norm(x.detach(), dim=1)
         m = float(n.min())  # one reduction and one read in the common case (no NaN: min is NaN only with one)
         return m >= 2.0**-60 if m == m else bool(((n >= 2.0**-60) | n.isnan()).all())
 
