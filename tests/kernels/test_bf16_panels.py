@@ -63,13 +63,22 @@ def test_pack_bf16_layout_interleaves_k_pairs_zero_padded():
     assert torch.equal(packed, want)
 
 
-@pytest.mark.parametrize(("n", "k"), [(37, 13), (17, 29), (5, 3), (53, 101), (131, 64)])
+# the two panel layouts of a bf16 weight: bf16 pairs, and compact with a table that leaves many exceptions
+PACKINGS = {
+    "bf16": lambda w: _ops().pack_linear_weight(w),
+    "compact": lambda w: _ops().pack_compact_bf16(w, _table(0x3C, 0xBC, 0x3B, 0xBB, 0x3A, 0xBA)),
+}
+
+
+@pytest.mark.parametrize("packing", sorted(PACKINGS))
+@pytest.mark.parametrize(("n", "k"), [(37, 13), (17, 29), (5, 3), (53, 101), (131, 64), (48, 7)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_bf16_panels_match_f_linear_on_the_widened_weight(n, k, bias, path):
+def test_panels_match_f_linear_on_the_widened_weight(n, k, bias, path, packing):
     g = _gen(n * 100 + k)
-    w = torch.randn(n, k, generator=g).bfloat16()
+    w = _special_weight(n, k, n + k)
+    w[w.float().abs() > 1e4] = 0.5  # finite results to compare
     b = torch.randn(n, generator=g) if bias else None
-    packed = _ops().pack_linear_weight(w)
+    packed = PACKINGS[packing](w)
     for rows in range(1, 41):
         x = _x_as_multiplied(torch.randn(rows, k, generator=g), path)
         got = _ops().skinny_linear(x, packed, b, n)
@@ -77,14 +86,16 @@ def test_bf16_panels_match_f_linear_on_the_widened_weight(n, k, bias, path):
         assert_fast_close(got, F.linear(x, w.float(), b), ref64, what=f"rows={rows} n={n} k={k}")
 
 
+@pytest.mark.parametrize("packing", sorted(PACKINGS))
 @pytest.mark.parametrize("act", sorted(ACT_IDS))
 @pytest.mark.parametrize("rows", [1, 6, 11])
-def test_bf16_panels_fused_activation(act, rows, path):
+def test_panels_fused_activation(act, rows, path, packing):
     g = _gen(rows + 7)
     x = torch.randn(rows, 19, generator=g)[:, 2:]  # a column slice: row stride 19, unit inner stride
-    w = (torch.randn(23, 17, generator=g) * 0.5).bfloat16()
+    w = _special_weight(23, 17, rows) * 25  # std 0.5
+    w[w.float().abs() > 1e4] = -0.25
     b = torch.randn(23, generator=g)
-    got = _ops().skinny_linear(x, _ops().pack_linear_weight(w), b, 23, ACT_IDS[act])
+    got = _ops().skinny_linear(x, PACKINGS[packing](w), b, 23, ACT_IDS[act])
     xm, fn = _x_as_multiplied(x, path), activation_fn(act)
     ref64 = fn(F.linear(xm.double(), w.double(), b.double()))
     assert_fast_close(got, fn(F.linear(xm, w.float(), b)), ref64, what=act)
@@ -158,35 +169,6 @@ def test_compact_panels_are_lossless(n, k, path):
     torch.testing.assert_close(got, plain, rtol=0, atol=0, equal_nan=True)  # a row with an inf reads NaN in both
     finite = torch.isfinite(w.float()).all(dim=1)
     assert finite.sum() >= n - 2 and torch.equal(got[finite], w.float()[finite])  # -0 reads +0 (0 * 1 + -0)
-
-
-@pytest.mark.parametrize(("n", "k"), [(37, 13), (17, 29), (5, 3), (53, 101), (131, 64), (48, 7)])
-@pytest.mark.parametrize("bias", [True, False])
-def test_compact_panels_match_bf16_panels(n, k, bias, path):
-    g = _gen(n * 100 + k + 1)
-    w = _special_weight(n, k, n + k)
-    w[w.float().abs() > 1e4] = 0.5  # finite results to compare
-    b = torch.randn(n, generator=g) if bias else None
-    compact = _ops().pack_compact_bf16(w, _table(0x3C, 0xBC, 0x3B, 0xBB, 0x3A, 0xBA))  # many exceptions
-    for rows in range(1, 20):
-        x = _x_as_multiplied(torch.randn(rows, k, generator=g), path)
-        got = _ops().skinny_linear(x, compact, b, n)
-        ref64 = F.linear(x.double(), w.double(), None if b is None else b.double())
-        assert_fast_close(got, F.linear(x, w.float(), b), ref64, what=f"rows={rows} n={n} k={k}")
-
-
-@pytest.mark.parametrize("act", sorted(ACT_IDS))
-@pytest.mark.parametrize("rows", [1, 6, 11])
-def test_compact_panels_fused_activation(act, rows, path):
-    g = _gen(rows + 17)
-    x = torch.randn(rows, 19, generator=g)[:, 2:]  # a column slice: row stride 19, unit inner stride
-    w = _special_weight(23, 17, rows)
-    w[w.float().abs() > 1e4] = -0.25
-    b = torch.randn(23, generator=g)
-    got = _ops().skinny_linear(x, _ops().pack_compact_bf16(w, _table(0x3C, 0xBC, 0x3B, 0xBB)), b, 23, ACT_IDS[act])
-    xm, fn = _x_as_multiplied(x, path), activation_fn(act)
-    ref64 = fn(F.linear(xm.double(), w.double(), b.double()))
-    assert_fast_close(got, fn(F.linear(xm, w.float(), b)), ref64, what=act)
 
 
 @settings(max_examples=60, deadline=None)
