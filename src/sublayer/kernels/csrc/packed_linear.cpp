@@ -837,14 +837,13 @@ Tensor pack_compact_bf16(const Tensor& w, const Tensor& table) {
   Tensor out = at::empty({Compact::bytes(P, K, count[P])}, w.options().dtype(at::kByte));
   uint8_t* o = out.data_ptr<uint8_t>();
   advise_huge_pages(o, size_t(out.numel()));
-  const Compact c(o, 0, K);  // its layout only (the table follows the P panels)
-  uint8_t* tab = o + Compact::panel_bytes(P, K);
+  uint8_t* tab = o + Compact::panel_bytes(P, K);  // the table and the offsets first: the view below reads them
   std::fill(tab, tab + CTABLE, 0);
   std::copy(table.data_ptr<uint8_t>(), table.data_ptr<uint8_t>() + 16, tab);
-  int32_t* off = reinterpret_cast<int32_t*>(tab + CTABLE);
-  std::copy(count.begin(), count.end(), off);
-  int32_t* idx = off + P + 1;
-  float* val = reinterpret_cast<float*>(idx + count[P]);
+  std::copy(count.begin(), count.end(), reinterpret_cast<int32_t*>(tab + CTABLE));
+  const Compact c(o, P, K);
+  int32_t* idx = const_cast<int32_t*>(c.idx);
+  float* val = const_cast<float*>(c.val);
   at::parallel_for(0, (P + CGROUP - 1) / CGROUP * CGROUP, 1, [&](int64_t p0, int64_t p1) {  // with the padding
     for (int64_t p = p0; p < p1; ++p) {
       int32_t e = count[std::min(p, P)];
