@@ -387,9 +387,10 @@ inline void compact_step(const uint8_t* ps, __m512i table, __m512i& a, __m512i& 
   b = _mm512_unpackhi_epi8(lo, hi);
 }
 
-// One row against NP compact panels of one group from w = at(p, 0) (acc + i*16: panel i's sums without its exceptions), the weights widened
-// exactly and multiplied by float32 x as panels_kernel does for bf16 panels: the decoding step's one-row GEMV,
-// bound by memory at three quarters of bf16's bytes.
+// One row against NP compact panels of one group from w = at(p, 0) (acc + i*16: panel i's sums without its
+// exceptions), the weights widened exactly and multiplied by float32 x as panels_kernel does for bf16 panels: the
+// decoding step's one-row GEMV, bound by memory at three quarters of bf16's bytes. The group's step is six cache
+// lines, fetched 4 KB ahead from q = 0 and q = 2.
 template <int NP>
 void compact_kernel(const float* x, int64_t K, const Compact& c, const uint8_t* w, float* acc) {
   const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.table)));
@@ -420,8 +421,9 @@ void compact_kernel(const float* x, int64_t K, const Compact& c, const uint8_t* 
 #endif
 
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
-// R rows against NPAN compact panels of one group from w = at(p, 0) by vdpbf16ps (acc: R rows of each panel in turn), as panels_kernel_dp on the
-// panels unpacked: each step's two pairs are rebuilt once in registers and serve every row.
+// R rows against NPAN compact panels of one group from w = at(p, 0) by vdpbf16ps (acc: R rows of each panel in
+// turn), as panels_kernel_dp on the panels unpacked: each step's two pairs are rebuilt once in registers and serve
+// every row.
 template <int R, int NPAN>
 void compact_kernel_dp(const uint32_t* xb, int64_t K2, const Compact& c, const uint8_t* w, float* acc) {
   const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.table)));
