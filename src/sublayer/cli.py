@@ -116,6 +116,7 @@ def info() -> None:
     from .memory import allocator_setting, buffer_cache
     from .models.int8 import own_int8_gemm
     from .models.quantized import engine
+    from .runtime.linear import compact_kernels
 
     try:
         ours = version("sublayer")
@@ -137,6 +138,10 @@ def info() -> None:
     rows["int8"] = (
         "int8_linear (AVX512-VNNI / AMX-INT8): int8 activations; a decoding step's single row at 24 bits"
         if own_int8_gemm() else f"decoding weight-only (int8 panels); BERT on torch's linear_dynamic ({engine()})"
+    )  # fmt: skip
+    rows["bf16 decoding"] = (
+        "compact panels, 12 bits a weight (AVX-512, AVX512_BF16)" if kernels.enabled() and compact_kernels()
+        else "bf16 panels, 16 bits a weight"
     )  # fmt: skip
     rows["allocator"] = allocator_setting()
     rows["buffer cache"] = f"Add & Norm keeps up to {buffer_cache()['limit_mb']:g} MiB of freed buffers (SUBLAYER_BUFFER_CACHE_MB)"
