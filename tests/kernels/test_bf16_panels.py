@@ -213,6 +213,10 @@ def test_compact_pack_and_skinny_reject_bad_input():
     packed = _ops().pack_compact_bf16(torch.ones(17, 5).bfloat16(), _table(0x3F))  # no exceptions
     with pytest.raises(RuntimeError, match=r"compact packed must be pack_compact_bf16's bytes of an \(n=17, K=9\)"):
         _ops().skinny_linear(torch.randn(2, 9), packed, None, 17)
+    with pytest.raises(RuntimeError, match=r"compact packed holds an \(17, 5\) weight, not \(n=17, K=7\)"):
+        _ops().skinny_linear(torch.randn(2, 7), packed, None, 17)  # as many steps of 4 as K = 5
+    with pytest.raises(RuntimeError, match=r"compact packed holds an \(17, 5\) weight, not \(n=20, K=5\)"):
+        _ops().skinny_linear(torch.randn(2, 5), packed, None, 20)  # as many panels as n = 17
     with pytest.raises(RuntimeError, match="compact panels take no scale"):
         _ops().skinny_linear(torch.randn(2, 5), packed, None, 17, 0, torch.ones(17))
     end = 4 * 2 * 96 + 64 + 4 * 3  # a group of 4 panels of 2 steps, the table, the offsets: off[P] is the last int32
@@ -220,6 +224,33 @@ def test_compact_pack_and_skinny_reject_bad_input():
     damaged[end - 4 : end] = 9
     with pytest.raises(RuntimeError, match="compact packed is damaged"):
         _ops().skinny_linear(torch.randn(2, 5), damaged, None, 17)
+    # exceptions (a weight of 0.5 with two entries outside its table): an offset between them out of order, and an
+    # exception's k past K; each would make the kernels read out of bounds
+    w = torch.full((17, 5), 0.5).bfloat16()
+    w[3, 2], w[16, 4] = 100.0, -1e-20
+    packed = _ops().pack_compact_bf16(w, _table(0x3F))
+    offsets = end - 12  # off[0..2] of the 2 panels
+    assert packed[offsets : offsets + 12].view(torch.int32).tolist() == [0, 1, 2]
+    for where, value in ((offsets + 4, 7), (end, 200)):  # off[1] = 7; the first exception's k * 16 + j = 200
+        damaged = packed.clone()
+        damaged[where : where + 4] = torch.tensor([value], dtype=torch.int32).view(torch.uint8)
+        with pytest.raises(RuntimeError, match=r"compact packed is damaged \(its exception list\)"):
+            _ops().skinny_linear(torch.randn(1, 5), damaged, None, 17)
+
+
+def test_compact_panels_with_infinite_activations_equal_bf16_panels(path):
+    # an exception is stored as 0 and added in the epilogue, where 0 * inf would be NaN: rows with a non-finite
+    # entry take the unpacked panels, exceptions in place
+    w = torch.full((16, 8), 0.5).bfloat16()
+    w[3, 2], w[5, 6] = 100.0, -1e-20  # outside the table
+    x = torch.randn(3, 8, generator=_gen(9))
+    x[:, 2], x[1, 6] = float("inf"), -float("inf")
+    big = torch.full((3, 8), 3.4e38)  # finite in float32, infinite once rounded to bf16 (several rows: vdpbf16ps)
+    for xs in (x, big):
+        got = _ops().skinny_linear(xs, _ops().pack_compact_bf16(w, _table(0x3F)), None, 16)
+        want = _ops().skinny_linear(xs, _ops().pack_linear_weight(w), None, 16)
+        torch.testing.assert_close(got, want, equal_nan=True)
+    assert torch.isinf(got[:, 3]).all()
 
 
 def test_compact_panels_of_an_empty_weight():

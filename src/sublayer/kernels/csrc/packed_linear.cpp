@@ -343,19 +343,21 @@ inline void panels_kernel_dp(const uint32_t* xb, int64_t K2, const at::BFloat16*
 // group reads one sequential stream. Position b sits in 128-bit lane b/16 at u = b%16: u < 8 is word
 // l*8+u of the step's first k pair, else word l*8+u-8 of its second; word w of a pair is column w/2 at k + w%2,
 // the bf16 pair layout of pack_linear_weight. So `unpacklo/hi_epi8(low bytes, looked-up high bytes)` rebuild the
-// two pairs' 32-bit lanes in place. After the panels: the table (CTABLE bytes, 16 used), int32 offsets (P + 1) of
-// each panel's exceptions, then the exceptions' int32 (k * 16 + j) and their float32 values.
+// two pairs' 32-bit lanes in place. After the panels: CTABLE bytes (the table's 16, then N and K as int64), int32
+// offsets (P + 1) of each panel's exceptions, then the exceptions' int32 (k * 16 + j) and their float32 values.
 constexpr int64_t CSTEP = 96, CTABLE = 64, CGROUP = STREAMS;
 constexpr int CROWS = 4;  // rows per compact_kernel_dp call: 4 x CGROUP accumulators
 
 struct Compact {  // a view of pack_compact_bf16's tensor for an (n, K) weight
   static constexpr int64_t SSTRIDE = CGROUP * CSTEP;  // from one step of a panel to its next
   const uint8_t *data, *table;
+  const int64_t* shape;  // N, K
   const int32_t *off, *idx;
   const float* val;
   int64_t S;
   Compact(const uint8_t* p, int64_t P, int64_t K) : data(p), S((K + 3) / 4) {
     table = p + panel_bytes(P, K);
+    shape = reinterpret_cast<const int64_t*>(table + 16);
     off = reinterpret_cast<const int32_t*>(table + CTABLE);
     idx = off + P + 1;
     val = reinterpret_cast<const float*>(idx + off[P]);
@@ -453,11 +455,13 @@ void compact_kernel_dp(const uint32_t* xb, int64_t K2, const Compact& c, const u
 }
 #endif
 
-// Panel p of a compact weight into pack_linear_weight's bf16 layout (K2 = ceil(K/2) pairs x 16 columns x 2;
-// exceptions read 0), for the other kernels where compact_kernel / compact_kernel_dp are switched off (tests; the
-// panels are made compact only where both are compiled in).
+// Panel p of a compact weight into pack_linear_weight's bf16 layout (K2 = ceil(K/2) pairs x 16 columns x 2), its
+// exceptions in place: the bf16 panel itself, for the other kernels where compact_kernel / compact_kernel_dp are
+// switched off (tests; the panels are made compact only where both are compiled in) or x is not finite (an
+// exception's 0 times an infinite x would be NaN where the weight times it is infinite).
 void compact_unpack(const Compact& c, int64_t p, int64_t K2, at::BFloat16* out) {
   uint16_t* o = reinterpret_cast<uint16_t*>(out);
+  auto at = [&](int64_t k, int64_t j) -> uint16_t& { return o[((k / 2) * PANEL + j) * 2 + k % 2]; };
   for (int64_t s = 0; s < c.S; ++s)
     for (int b = 0; b < 64; ++b) {
       const auto [kk, j] = compact_pos(b);
@@ -465,8 +469,28 @@ void compact_unpack(const Compact& c, int64_t p, int64_t K2, at::BFloat16* out) 
       if (k / 2 >= K2) continue;
       const uint8_t* w = c.at(p, s);
       const uint8_t code = (w[64 + b / 2] >> (4 * (b % 2))) & 15;
-      o[((k / 2) * PANEL + j) * 2 + k % 2] = uint16_t(w[b] | (c.table[code] << 8));
+      at(k, j) = uint16_t(w[b] | (c.table[code] << 8));
     }
+  for (int32_t e = c.off[p]; e < c.off[p + 1]; ++e) at(c.idx[e] >> 4, c.idx[e] & 15) = f_to_bf16(c.val[e]);
+}
+
+// Whether every entry of x's M rows (K each, ldx apart) is finite in bfloat16 too (at most bf16's largest value:
+// the vdpbf16ps path rounds x to bf16).
+bool rows_finite(const float* x, int64_t ldx, int64_t M, int64_t K) {
+  constexpr float kMax = 3.38953139e38f;  // bf16's largest finite value
+  for (int64_t r = 0; r < M; ++r) {
+    const float* row = x + r * ldx;
+    int64_t k = 0;
+#if SUBLAYER_AVX2_FMA && defined(__AVX512F__)
+    __mmask16 bad = 0;
+    for (; k + 16 <= K; k += 16)  // not |x| <= kMax: true for NaN too
+      bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(row + k)), _mm512_set1_ps(kMax), _CMP_NLE_UQ);
+    if (bad) return false;
+#endif
+    for (; k < K; ++k)
+      if (!(std::fabs(row[k]) <= kMax)) return false;
+  }
+  return true;
 }
 
 // A panel's (or panel group's) per-column parameters from column c0 on: `src + c0` itself when all `width` columns
@@ -548,8 +572,10 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
   const int64_t unit = xb.empty() || cw ? STREAMS : 3;  // compact: whole groups
   const int64_t chunk = ((std::max<int64_t>(1, (int64_t(1) << (cw ? 19 : 18)) / bytes) + unit - 1) / unit) * unit;
   const int64_t n_chunks = (P + chunk - 1) / chunk;
+  const bool cfused = cw && rows_finite(xp, ldx, M, K);  // compact kernels (else unpacked, exceptions in place)
   parallel_chunks(n_chunks, [&](int64_t c) {
     float acc[3 * 8 * PANEL];  // up to three panels of max(ROWS, STREAMS, ROWS512) rows
+    bool add_exceptions = false;  // the compact kernels ran: their exceptions go in the epilogue
     auto store = [&](int64_t p, int64_t r0, int64_t R, float* a) {  // epilogue + copy out: R rows of panel p
       const int64_t c0 = p * PANEL, nc = std::min<int64_t>(PANEL, n - c0);
       // this panel's scale and bias (panel_params), and the stores below with constant lengths for a whole panel:
@@ -559,9 +585,9 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
       const float* b = bp ? panel_params(bp, c0, nc, PANEL, bpanel) : nullptr;
       for (int64_t r = 0; r < R; ++r) {
         float* v = a + r * PANEL;
-        if (cw && xb.empty())
+        if (add_exceptions && xb.empty())
           cw->except(p, [&](int64_t k) { return xp[(r0 + r) * ldx + k]; }, v);
-        else if (cw)  // x rounded to bf16, as vdpbf16ps took it
+        else if (add_exceptions)  // x rounded to bf16, as vdpbf16ps took it
           cw->except(p, [&](int64_t k) { return bf16_to_f(uint16_t(xb[(r0 + r) * K2 + k / 2] >> (16 * (k % 2)))); }, v);
         epilogue(v, s, b, act);
         float* o = op + (r0 + r) * n + c0;
@@ -579,8 +605,9 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
       const T* wc = wp ? wp + p0 * stride : nullptr;  // the chunk's first panel
       if constexpr (std::is_same<T, at::BFloat16>::value)
         if (cw) {
+          add_exceptions = cfused;
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BW__)
-          if (M == 1 && g_avx512.load(std::memory_order_relaxed)) {  // one row: widened as they stream in
+          if (cfused && M == 1 && g_avx512.load(std::memory_order_relaxed)) {  // one row: widened as they stream in
             static constexpr auto kC = rows_table<STREAMS>([](auto r) { return &compact_kernel<decltype(r)::value>; });
             for (; p < pe; p += STREAMS) {
               const int64_t np = std::min<int64_t>(STREAMS, pe - p);
@@ -591,7 +618,7 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
           }
 #endif
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
-          if (!xb.empty()) {  // several rows by vdpbf16ps: a group's panels at once, CROWS rows at a time
+          if (cfused && !xb.empty()) {  // several rows by vdpbf16ps: a group's panels at once, CROWS rows at a time
             using DpFn = void (*)(const uint32_t*, int64_t, const Compact&, const uint8_t*, float*);
             static constexpr auto kDp1 = rows_table<CROWS>([](auto r) { return &compact_kernel_dp<decltype(r)::value, 1>; });
             static constexpr auto kDp2 = rows_table<CROWS>([](auto r) { return &compact_kernel_dp<decltype(r)::value, 2>; });
@@ -609,6 +636,7 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
             return;
           }
 #endif
+          add_exceptions = false;
           thread_local std::vector<at::BFloat16> buf;  // the chunk in bf16 panels, for the kernels below
           buf.resize(size_t((pe - p0) * stride));
           for (int64_t q = p0; q < pe; ++q) compact_unpack(*cw, q, (K + 1) / 2, buf.data() + (q - p0) * stride);
@@ -700,7 +728,13 @@ const float* check_skinny(const char* op, const Tensor& x, const Tensor& packed,
                     packed.numel() >= base && (packed.numel() - base) % 8 == 0,
                 op, ": compact packed must be pack_compact_bf16's bytes of an (n=", n, ", K=", K, ") weight");
     const Compact c(packed.data_ptr<uint8_t>(), P, K);
-    TORCH_CHECK(c.off[0] == 0 && c.off[P] == (packed.numel() - base) / 8, op, ": compact packed is damaged");
+    TORCH_CHECK(c.shape[0] == n && c.shape[1] == K, op, ": compact packed holds an (", c.shape[0], ", ", c.shape[1],
+                ") weight, not (n=", n, ", K=", K, ")");
+    const int64_t E = (packed.numel() - base) / 8;
+    bool ok = c.off[0] == 0 && c.off[P] == E;
+    for (int64_t p = 0; p < P && ok; ++p) ok = c.off[p] <= c.off[p + 1];
+    for (int64_t e = 0; e < E && ok; ++e) ok = c.idx[e] >= 0 && (c.idx[e] >> 4) < K;
+    TORCH_CHECK(ok, op, ": compact packed is damaged (its exception list)");
     TORCH_CHECK(!(scale.has_value() && scale->defined() && scale->numel() > 0), op, ": compact panels take no scale");
   } else {
     const bool bf16 = packed.scalar_type() == at::kBFloat16;
@@ -842,6 +876,8 @@ Tensor pack_compact_bf16(const Tensor& w, const Tensor& table) {
   uint8_t* tab = o + Compact::panel_bytes(P, K);  // the table and the offsets first: the view below reads them
   std::fill(tab, tab + CTABLE, 0);
   std::copy(table.data_ptr<uint8_t>(), table.data_ptr<uint8_t>() + 16, tab);
+  const int64_t shape[2] = {N, K};
+  std::memcpy(tab + 16, shape, sizeof(shape));
   std::copy(count.begin(), count.end(), reinterpret_cast<int32_t*>(tab + CTABLE));
   const Compact c(o, P, K);
   int32_t* idx = const_cast<int32_t*>(c.idx);
