@@ -188,6 +188,21 @@ def test_pinned_checks_each_form_once_per_block():
     assert_close(weights.prepared(model, "k", build), model.weight.detach())
 
 
+def test_pinned_stamps_a_module_once_for_all_its_forms(monkeypatch):
+    """Two prepared forms of one model in one block (a generate's prompt and steps) read its stamp once."""
+    model, other = torch.nn.Linear(3, 5), torch.nn.Linear(3, 5)
+    calls = []
+    real = weights.stamp
+    monkeypatch.setattr(weights, "stamp", lambda m: calls.append(m) or real(m))
+    with weights.pinned():
+        for key in ("a", "b", "a"):
+            weights.prepared(model, key, lambda m: m.weight.detach().clone())
+        weights.prepared(other, "a", lambda m: m.weight.detach().clone())
+    assert calls == [model, other]
+    weights.prepared(model, "a", lambda m: None)  # outside a block: stamped on every use
+    assert calls == [model, other, model]
+
+
 def test_a_streamer_that_changes_weights_is_seen_by_what_it_calls():
     """generate checks each prepared form once, but a call from its streamer sees the weights the streamer wrote."""
     model = _gpt2().eval()

@@ -100,9 +100,10 @@ _PINNED: ContextVar[dict | None] = ContextVar("sublayer_pinned_weights", default
 
 @contextlib.contextmanager
 def pinned(on: bool = True) -> Iterator[None]:
-    """Inside the block each ``(module, key)`` is checked once: one call (a ``generate``) that asks for the same
-    prepared form several times (prompt, steps, head) reads the parameters' stamp once. ``pinned(False)``: every
-    use checked again inside (a user's callback in the middle of such a call, which may change weights)."""
+    """Inside the block each ``(module, key)`` is checked once and each module's parameters stamped once: one call
+    (a ``generate``) that asks for the same prepared form several times (prompt, steps, head), or for two forms of
+    one model, reads the parameters' stamp once. ``pinned(False)``: every use checked again inside (a user's
+    callback in the middle of such a call, which may change weights)."""
     token = _PINNED.set({} if on else None)
     try:
         yield
@@ -115,16 +116,19 @@ def prepared(module: nn.Module, key: Hashable, build: Callable[[nn.Module], Any]
     changed (see the module docstring). ``key`` tells apart forms that depend on more than the weights (e.g.
     whether the kernels are on, a compute dtype)."""
     memo = _PINNED.get()
-    if memo is not None and (hit := memo.get((id(module), key))) is not None and hit[0] is module:
+    if memo is None:
+        return _prepared(module, key, build, stamp(module))
+    if (hit := memo.get((id(module), key))) is not None and hit[0] is module:
         return hit[1]
-    value = _prepared(module, key, build)
-    if memo is not None:
-        memo[(id(module), key)] = (module, value)
+    if (s := memo.get(id(module))) is None or s[0] is not module:  # the module's stamp, once per block
+        s = memo[id(module)] = (module, stamp(module))
+    value = _prepared(module, key, build, s[1])
+    memo[(id(module), key)] = (module, value)
     return value
 
 
-def _prepared(module: nn.Module, key: Hashable, build: Callable[[nn.Module], Any]) -> Any:
-    s = stamp(module)
+def _prepared(module: nn.Module, key: Hashable, build: Callable[[nn.Module], Any], s: tuple) -> Any:
+    """``prepared`` given ``module``'s :func:`stamp` ``s``."""
     entries = _CACHE.setdefault(module, {})
     hit = entries.get(key)
     if hit is not None and hit[0] == s:
