@@ -605,9 +605,9 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
       const T* wc = wp ? wp + p0 * stride : nullptr;  // the chunk's first panel
       if constexpr (std::is_same<T, at::BFloat16>::value)
         if (cw) {
-          add_exceptions = cfused;
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BW__)
           if (cfused && M == 1 && g_avx512.load(std::memory_order_relaxed)) {  // one row: widened as they stream in
+            add_exceptions = true;
             static constexpr auto kC = rows_table<STREAMS>([](auto r) { return &compact_kernel<decltype(r)::value>; });
             for (; p < pe; p += STREAMS) {
               const int64_t np = std::min<int64_t>(STREAMS, pe - p);
@@ -619,6 +619,7 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
 #endif
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
           if (cfused && !xb.empty()) {  // several rows by vdpbf16ps: a group's panels at once, CROWS rows at a time
+            add_exceptions = true;
             using DpFn = void (*)(const uint32_t*, int64_t, const Compact&, const uint8_t*, float*);
             static constexpr auto kDp1 = rows_table<CROWS>([](auto r) { return &compact_kernel_dp<decltype(r)::value, 1>; });
             static constexpr auto kDp2 = rows_table<CROWS>([](auto r) { return &compact_kernel_dp<decltype(r)::value, 2>; });
@@ -636,7 +637,6 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
             return;
           }
 #endif
-          add_exceptions = false;
           thread_local std::vector<at::BFloat16> buf;  // the chunk in bf16 panels, for the kernels below
           buf.resize(size_t((pe - p0) * stride));
           for (int64_t q = p0; q < pe; ++q) compact_unpack(*cw, q, (K + 1) / 2, buf.data() + (q - p0) * stride);
