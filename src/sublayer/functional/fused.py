@@ -62,8 +62,7 @@ IMPLS = ("auto", "fused", "reference")
 # activation name -> kernel id (csrc/act_norm.h: enum Act); a gated name -> its gate's id, run by glu_fwd/glu_bwd
 ACT_IDS = {"relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4, "relu2": 5}
 GLU_IDS = {"swiglu": 4, "geglu": 2, "reglu": 1}  # a gated activation -> its gate's ACT_IDS id
-_GLU_IDS = GLU_IDS
-FUSED_ACTIVATIONS: tuple[str, ...] = (*ACT_IDS, *_GLU_IDS)
+FUSED_ACTIVATIONS: tuple[str, ...] = (*ACT_IDS, *GLU_IDS)
 _RELU = 1
 _AUTO_DTYPES = (torch.float32, torch.bfloat16)
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
@@ -99,12 +98,7 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 
 def _plain_cpu(*ts: Tensor | None) -> bool:
-    for t in ts:
-        if t is None:
-            continue
-        if t.device.type != "cpu" or type(t) not in (Tensor, torch.nn.Parameter):
-            return False
-    return True
+    return all(t is None or (t.device.type == "cpu" and type(t) in (Tensor, torch.nn.Parameter)) for t in ts)
 
 
 def _why_not_fused(dtypes_ok: bool, *ts: Tensor | None) -> str | None:
@@ -227,13 +221,13 @@ def add_norm(
     b = None if rms else bias
     check_param_shape("weight", weight, shape)
     check_param_shape("bias", b, shape)
-    p_ok = _fused_p_ok(impl, dropout=float(dropout) if training else 0.0)
+    p = float(dropout) if training else 0.0
+    p_ok = _fused_p_ok(impl, dropout=p)
     auto_ok = x.dtype in _AUTO_DTYPES and y.dtype in _AUTO_DTYPES and p_ok
     fused_ok = (x.dtype in _AUTO_DTYPES and y.dtype in _AUTO_DTYPES or x.dtype == y.dtype == torch.float64) and p_ok
     if not _use_fused(impl, auto_ok, fused_ok, x, y, weight, b):
         return _norm.add_norm(x, y, shape, weight, bias, eps, dropout=dropout, training=training, norm=norm)
     d = math.prod(shape)
-    p = float(dropout) if training else 0.0
     # seed -1: the kernel draws it from torch's default generator itself (what dropout_seed() would draw)
     seed = (dropout_seed(generator) if generator is not None else -1) if p > 0 else 0
     x2, y2 = x.reshape(-1, d).contiguous(), y.reshape(-1, d).contiguous()
@@ -256,7 +250,8 @@ class _FFNFn(torch.autograd.Function):
         b2a = b2.to(acc) if b2 is not None else None
         a = mm(up(x), up(w1).t())  # (N, f) or (N, 2f), bias added in the elementwise pass
         keep_a = need and (gated or act != _RELU) and not recompute
-        h = _hidden(ops, a, b1a, act, gated, p, seed1, inplace=not keep_a)
+        # dropout(act(a + b1)) — or, gated, dropout(act(gate) * up) of the packed a — in one elementwise pass
+        h = ops.glu_fwd(a, b1a, act, p, seed1) if gated else ops.act_fwd(a, b1a, act, p, seed1, not keep_a)
         o = mm(up(h), up(w2).t())
         if b2a is not None or p_out > 0:
             o = ops.act_fwd(o, b2a, 0, p_out, seed2, True)  # bias + output dropout, in place
@@ -306,13 +301,6 @@ class _FFNFn(torch.autograd.Function):
             dx, dw1, db1.to(b1dt) if nb1 else None, dw2, db2.to(b2dt) if nb2 else None,
             None, None, None, None, None, None, None,
         )  # fmt: skip
-
-
-def _hidden(ops, a: Tensor, b1a: Tensor | None, act: int, gated: bool, p: float, seed: int, *, inplace: bool) -> Tensor:
-    """dropout(act(a + b1)) — or, gated, dropout(act(gate) * up) of the packed a — in one elementwise pass."""
-    if gated:
-        return ops.glu_fwd(a, b1a, act, p, seed)
-    return ops.act_fwd(a, b1a, act, p, seed, inplace)
 
 
 def _gemm(dtype: torch.dtype):
@@ -377,7 +365,7 @@ def feed_forward(
     check_tensor("x", x)
     check_choice("impl", impl, IMPLS)
     ts = (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
-    gated = activation in _GLU_IDS
+    gated = activation in GLU_IDS
     shapes_ok = (
         x.dim() >= 1
         and fc1_weight.dim() == 2
@@ -415,7 +403,7 @@ def feed_forward(
     seed2 = dropout_seed(generator) if p_out > 0 else 0
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()  # not -1: x may be empty
     with torch.autocast("cpu", enabled=False):
-        act = _GLU_IDS[activation] if gated else ACT_IDS[activation]
+        act = GLU_IDS[activation] if gated else ACT_IDS[activation]
         out = _FFNFn.apply(x2, w1, b1, w2, b2, act, gated, p, p_out, seed1, seed2, bool(recompute))
     return out.view(*x.shape[:-1], w2.shape[0])
 
