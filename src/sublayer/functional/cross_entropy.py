@@ -116,9 +116,9 @@ def check_options(ignore_index: object, label_smoothing: object = 0.0, reduction
     check_choice("reduction", reduction, REDUCTIONS)
 
 
-def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+def _compute_dtype(*ts: Tensor | None) -> torch.dtype:
     """float64 if any input is float64, else float32 (half inputs are upcast)."""
-    return torch.float64 if torch.float64 in dtypes else torch.float32
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
 
 
 def _logits(hc: Tensor, w: Tensor, b: Tensor | None, out: Tensor, packed: Tensor | None = None) -> Tensor:
@@ -137,9 +137,7 @@ PACKED_MIN_ROWS = 256
 
 def _packed_weight(w: Tensor, n: int) -> Tensor | None:
     """``w`` (V, D) packed for oneDNN's float32 GEMM when ``n`` rows repay the packing, else None."""
-    if n < PACKED_MIN_ROWS or w.dtype != torch.float32 or w.device.type != "cpu":
-        return None
-    if not onednn.available():
+    if n < PACKED_MIN_ROWS or w.dtype != torch.float32 or w.device.type != "cpu" or not onednn.available():
         return None
     return onednn.pack(w)
 
@@ -158,7 +156,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, weight, bias, target, smoothing, scale, chunk, grad_in_forward, need_grad):
         n, d = h.shape
         vocab = weight.shape[0]
-        cdt = _compute_dtype(h.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
+        cdt = _compute_dtype(h, weight, bias)
         w = weight.to(cdt)
         b = None if bias is None else bias.to(cdt)
         elements = chunk or _CHUNK_ELEMENTS
@@ -326,13 +324,13 @@ def _reference_grads(ctx, g: Tensor) -> list[Tensor | None]:
     memory."""
     smoothing, scale = ctx.meta[:2]
     h, target, weight, bias = ctx.saved_tensors[:4]
-    cdt = _compute_dtype(h.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
-    inputs = [t for t, want in zip((h, weight, bias), ctx.needs_input_grad[:3]) if want and t is not None]
+    cdt = _compute_dtype(h, weight, bias)
+    wanted = [t if want else None for t, want in zip((h, weight, bias), ctx.needs_input_grad[:3])]
+    inputs = [t for t in wanted if t is not None]
     z = F.linear(h.to(cdt), weight.to(cdt), None if bias is None else bias.to(cdt))
     loss = F.cross_entropy(z, target, label_smoothing=smoothing, reduction="sum") * scale
     grads = iter(torch.autograd.grad(loss, inputs, g.to(loss.dtype), create_graph=True))
-    wanted = zip((h, weight, bias), ctx.needs_input_grad[:3])
-    return [next(grads).to(t.dtype) if want and t is not None else None for t, want in wanted]
+    return [None if t is None else next(grads).to(t.dtype) for t in wanted]
 
 
 def linear_cross_entropy(
