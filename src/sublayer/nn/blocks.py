@@ -18,9 +18,12 @@ __all__ = ["EncoderBlock", "DecoderBlock"]
 
 
 class _Block(nn.Module):
-    """What encoder and decoder blocks share: arguments, the FFN and the residual wiring."""
+    """What encoder and decoder blocks share: arguments, the FFN, the attentions (``attns``: attribute name ->
+    extra :class:`MultiHeadAttention` arguments), the residuals (``residuals``: attribute names) and their wiring."""
 
-    def __init__(self, d_model, n_heads, d_ff, *, dropout, activation, norm_first, norm, eps, bias, kw) -> None:
+    def __init__(
+        self, d_model, n_heads, d_ff, *, dropout, activation, norm_first, norm, eps, bias, kw, attns, residuals
+    ) -> None:
         super().__init__()
         check_positive_int("d_model", d_model)
         check_positive_int("n_heads", n_heads)
@@ -30,19 +33,26 @@ class _Block(nn.Module):
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         self.d_model, self.n_heads = d_model, n_heads
         self.norm_first, self.norm = norm_first, norm
-        self._build = {"dropout": dropout, "eps": eps, "bias": bias, "kw": kw}  # used while constructing only
         self.ffn = PositionWiseFFN(d_model, d_ff, activation=activation, dropout=dropout, bias=bias, **kw)
+        for name, extra in attns.items():
+            setattr(self, name, MultiHeadAttention(d_model, n_heads, dropout=dropout, bias=bias, **extra, **kw))
+        for name in residuals:
+            residual = (PreNormResidual if norm_first else AddNorm)(d_model, dropout, norm=norm, eps=eps, **kw)
+            if not bias and norm == "layer":  # as nn.TransformerEncoderLayer(bias=False): no LayerNorm bias
+                residual.norm = LayerNorm(d_model, eps, bias=False, **kw)
+            setattr(self, name, residual)
 
-    def _make_residual(self) -> nn.Module:
-        b, cls = self._build, (PreNormResidual if self.norm_first else AddNorm)
-        residual = cls(self.d_model, b["dropout"], norm=self.norm, eps=b["eps"], **b["kw"])
-        if not b["bias"] and self.norm == "layer":  # as nn.TransformerEncoderLayer(bias=False): no LayerNorm bias
-            residual.norm = LayerNorm(self.d_model, b["eps"], bias=False, **b["kw"])
-        return residual
+    @classmethod
+    def from_torch(cls, layer: nn.Module) -> _Block:
+        """A block with the weights and options of a torch layer — ``nn.TransformerEncoderLayer`` for an
+        :class:`EncoderBlock`, ``nn.TransformerDecoderLayer`` for a :class:`DecoderBlock` (equal to the layer called
+        with a causal ``tgt_mask``): ``in_proj_weight`` split into q/k/v, norms, activation, ``norm_first``, eps,
+        bias, dropout; see :mod:`sublayer.nn.convert`.
 
-    def _attn(self, **extra) -> MultiHeadAttention:
-        b = self._build
-        return MultiHeadAttention(self.d_model, self.n_heads, dropout=b["dropout"], bias=b["bias"], **extra, **b["kw"])
+        Raises:
+            TypeError: not the matching torch layer. ValueError: an option with no counterpart, named.
+        """
+        return block_from_torch(cls, layer)
 
     def _sublayer(self, residual: nn.Module, x: Tensor, fn) -> Tensor:
         # post-norm: norm(x + dropout(fn(x))); pre-norm: x + dropout(fn(norm(x)))
@@ -88,25 +98,11 @@ class EncoderBlock(_Block):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        kw = {"device": device, "dtype": dtype}
         super().__init__(
-            d_model, n_heads, d_ff, dropout=dropout, activation=activation, norm_first=norm_first,
-            norm=norm, eps=eps, bias=bias, kw=kw,
+            d_model, n_heads, d_ff, dropout=dropout, activation=activation, norm_first=norm_first, norm=norm, eps=eps,
+            bias=bias, kw={"device": device, "dtype": dtype}, attns={"self_attn": {}},
+            residuals=("attn_residual", "ffn_residual"),
         )  # fmt: skip
-        self.self_attn = self._attn()
-        self.attn_residual = self._make_residual()
-        self.ffn_residual = self._make_residual()
-        del self._build
-
-    @classmethod
-    def from_torch(cls, layer: nn.TransformerEncoderLayer) -> EncoderBlock:
-        """An ``EncoderBlock`` with the weights and options of an ``nn.TransformerEncoderLayer`` (``in_proj_weight``
-        split into q/k/v, norms, activation, ``norm_first``, eps, bias, dropout); see :mod:`sublayer.nn.convert`.
-
-        Raises:
-            TypeError: not an ``nn.TransformerEncoderLayer``. ValueError: an option with no counterpart, named.
-        """
-        return block_from_torch(cls, layer)
 
     def forward(
         self,
@@ -160,27 +156,12 @@ class DecoderBlock(_Block):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        kw = {"device": device, "dtype": dtype}
         super().__init__(
-            d_model, n_heads, d_ff, dropout=dropout, activation=activation, norm_first=norm_first,
-            norm=norm, eps=eps, bias=bias, kw=kw,
+            d_model, n_heads, d_ff, dropout=dropout, activation=activation, norm_first=norm_first, norm=norm, eps=eps,
+            bias=bias, kw={"device": device, "dtype": dtype},
+            attns={"self_attn": {}, "cross_attn": {"kdim": memory_dim, "vdim": memory_dim}},
+            residuals=("self_attn_residual", "cross_attn_residual", "ffn_residual"),
         )  # fmt: skip
-        self.self_attn = self._attn()
-        self.cross_attn = self._attn(kdim=memory_dim, vdim=memory_dim)
-        self.self_attn_residual = self._make_residual()
-        self.cross_attn_residual = self._make_residual()
-        self.ffn_residual = self._make_residual()
-        del self._build
-
-    @classmethod
-    def from_torch(cls, layer: nn.TransformerDecoderLayer) -> DecoderBlock:
-        """A ``DecoderBlock`` with the weights and options of an ``nn.TransformerDecoderLayer`` (equal to the layer
-        called with a causal ``tgt_mask``); see :mod:`sublayer.nn.convert`.
-
-        Raises:
-            TypeError: not an ``nn.TransformerDecoderLayer``. ValueError: an option with no counterpart, named.
-        """
-        return block_from_torch(cls, layer)
 
     def forward(
         self,
