@@ -107,18 +107,14 @@ def block_from_torch(cls: type, layer: nn.Module) -> nn.Module:
         ``add_zero_attn``, norms without affine weights or with different eps, some biases present and others not,
         different dropout probabilities in different places.
     """
-    decoder = cls.__name__ == "DecoderBlock" or any(c.__name__ == "DecoderBlock" for c in cls.__mro__)
+    decoder = any(c.__name__ == "DecoderBlock" for c in cls.__mro__)
     want = nn.TransformerDecoderLayer if decoder else nn.TransformerEncoderLayer
     if not isinstance(layer, want):
         raise TypeError(f"{cls.__name__}.from_torch needs an nn.{want.__name__}, got {type(layer).__name__}")
     d_model = layer.self_attn.embed_dim
     if decoder:
         attns = {"self_attn": ("self_attn", layer.self_attn), "multihead_attn": ("cross_attn", layer.multihead_attn)}
-        norms = {
-            "norm1": "self_attn_residual.norm",
-            "norm2": "cross_attn_residual.norm",
-            "norm3": "ffn_residual.norm",
-        }
+        norms = {"norm1": "self_attn_residual.norm", "norm2": "cross_attn_residual.norm", "norm3": "ffn_residual.norm"}
         dropouts = ("dropout", "dropout1", "dropout2", "dropout3")
     else:
         attns = {"self_attn": ("self_attn", layer.self_attn)}
@@ -150,17 +146,9 @@ def block_from_torch(cls: type, layer: nn.Module) -> nn.Module:
     bias = next(iter(has_bias.values()))
     ref = layer.self_attn.out_proj.weight
     block = cls(
-        d_model,
-        layer.self_attn.num_heads,
-        layer.linear1.out_features,
-        dropout=dropout,
-        activation=activation,
-        norm_first=bool(layer.norm_first),
-        eps=eps,
-        bias=bias,
-        device=ref.device,
-        dtype=ref.dtype,
-    )
+        d_model, layer.self_attn.num_heads, layer.linear1.out_features, dropout=dropout, activation=activation,
+        norm_first=bool(layer.norm_first), eps=eps, bias=bias, device=ref.device, dtype=ref.dtype,
+    )  # fmt: skip
     with torch.no_grad():
         block.load_state_dict({k: v.detach() for k, v in state.items() if v is not None})  # strict: all filled
     return block.train(layer.training)

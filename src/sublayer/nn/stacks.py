@@ -27,16 +27,13 @@ def _stack(block: nn.Module, n_layers: int, cls: type, final_norm: bool | None):
         for m in reversed(list(layer.modules())):
             if m is not layer and hasattr(m, "reset_parameters"):
                 m.reset_parameters()
-    if final_norm is None:
-        final_norm = block.norm_first  # a pre-norm stack needs exactly one final norm; post-norm none
-    if final_norm:
-        ref = block.ffn_residual.norm
-        norm = make_norm(block.norm, block.d_model, ref.eps, device=ref.weight.device, dtype=ref.weight.dtype)
-        if isinstance(ref, LayerNorm) and ref.bias is None:  # a bias=False block: a bias-free final norm too
-            norm = LayerNorm(block.d_model, ref.eps, bias=False, device=ref.weight.device, dtype=ref.weight.dtype)
-    else:
-        norm = None
-    return layers, norm
+    if not (block.norm_first if final_norm is None else final_norm):  # pre-norm: exactly one final norm; post: none
+        return layers, None
+    ref = block.ffn_residual.norm  # the final norm is made as the block's: kind, eps, bias, device, dtype
+    kw = {"device": ref.weight.device, "dtype": ref.weight.dtype}
+    if isinstance(ref, LayerNorm):
+        return layers, LayerNorm(block.d_model, ref.eps, bias=ref.bias is not None, **kw)
+    return layers, make_norm(block.norm, block.d_model, ref.eps, **kw)
 
 
 class TransformerEncoder(nn.Module):
