@@ -278,16 +278,9 @@ def multi_head_attention(
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     out, weights = attention(
-        q,
-        k,
-        v,
-        key_padding_mask=key_padding_mask,
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        dropout=dropout,
-        training=training,
-        need_weights=need_weights,
-    )
+        q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal, dropout=dropout,
+        training=training, need_weights=need_weights,
+    )  # fmt: skip
     out = out.transpose(1, 2).reshape(b, t_q, out.shape[1] * out.shape[-1])  # (B, H, T, d) -> (B, T, H·d)
     out = linear(out, out_weight, out_bias)
     if weights is not None and average_attn_weights:

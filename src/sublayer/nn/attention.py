@@ -122,29 +122,13 @@ class MultiHeadAttention(nn.Module):
                 )
             return self._packed(query, key, value, packing, memory_packing, is_causal, rotary), None
         return SF.multi_head_attention(
-            query,
-            key,
-            value,
-            self.n_heads,
-            self.q_proj.weight,
-            self.q_proj.bias,
-            self.k_proj.weight,
-            self.k_proj.bias,
-            self.v_proj.weight,
-            self.v_proj.bias,
-            self.out_proj.weight,
-            self.out_proj.bias,
-            key_padding_mask=key_padding_mask,
-            attn_mask=attn_mask,
-            is_causal=is_causal,
-            dropout=self.dropout,
-            training=self.training,
-            need_weights=need_weights,
-            average_attn_weights=average_attn_weights,
-            kv_cache=kv_cache,
-            linear=self._linear(),
-            rotary=rotary,
-        )
+            query, key, value, self.n_heads,
+            self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias,
+            self.v_proj.weight, self.v_proj.bias, self.out_proj.weight, self.out_proj.bias,
+            key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal, dropout=self.dropout,
+            training=self.training, need_weights=need_weights, average_attn_weights=average_attn_weights,
+            kv_cache=kv_cache, linear=self._linear(), rotary=rotary,
+        )  # fmt: skip
 
     def _packed(
         self, x: Tensor, key: Tensor | None, value: Tensor | None, packing: PackedBatch,
