@@ -127,15 +127,12 @@ class GenerationConfig:
         _int("top_k", self.top_k, 0)
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
-            if isinstance(value, list) and name == "eos_token_id":  # several end ids (Llama 3, Qwen instruct)
-                if not value:
-                    raise ValueError(f"{name} must be an id or a non-empty list of ids, got {value!r}")
-                for v in value:
-                    _int(name, v, 0)
-                continue
-            if isinstance(value, list):
+            if isinstance(value, list) and name != "eos_token_id":  # only eos lists several (Llama 3, Qwen instruct)
                 raise ValueError(f"{name} must be a single id, got the list {value!r}")
-            _int(name, value, 0)
+            if isinstance(value, list) and not value:
+                raise ValueError(f"{name} must be an id or a non-empty list of ids, got {value!r}")
+            for v in value if isinstance(value, list) else [value]:
+                _int(name, v, 0)
         if self.do_sample is not None and not isinstance(self.do_sample, bool):
             raise ValueError(f"do_sample must be None or a bool, got {self.do_sample!r}")
         t, p = self.temperature, self.top_p
