@@ -24,15 +24,13 @@ class _Norm(nn.Module):
         check_eps("eps", eps)
         self.eps = float(eps)
         self.elementwise_affine = elementwise_affine
-        kw = {"device": device, "dtype": dtype}
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **kw))
-            if bias is not None:
-                self.bias = nn.Parameter(torch.empty(self.normalized_shape, **kw)) if bias else None
-        else:
-            self.register_parameter("weight", None)
-            if bias is not None:
-                self.register_parameter("bias", None)
+
+        def param(wanted: bool) -> nn.Parameter | None:  # values: reset_parameters
+            return nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype)) if wanted else None
+
+        self.register_parameter("weight", param(elementwise_affine))
+        if bias is not None:  # LayerNorm's
+            self.register_parameter("bias", param(elementwise_affine and bias))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
