@@ -164,11 +164,7 @@ class PackedBatch:
         if key_padding_mask is not None and not bool(key_padding_mask.any()):
             key_padding_mask = None  # an all-False mask is no mask
         self.key_padding_mask = key_padding_mask
-        skip = None
-        if rows is not None:
-            skip = None if bool(rows.all()) else ~rows
-        elif key_padding_mask is not None:
-            skip = key_padding_mask
+        skip = key_padding_mask if rows is None else (None if bool(rows.all()) else ~rows)  # positions that do not run
         self.packing = Packing(skip, batch=batch, seq_len=seq_len)
         self.batch, self.seq_len = self.packing.batch, self.packing.seq_len
         self.n_rows = self.packing.n_tokens
