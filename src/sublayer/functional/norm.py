@@ -26,9 +26,14 @@ __all__ = ["layer_norm", "rms_norm", "add_norm", "NORMS"]
 NORMS = ("layer", "rms")
 
 
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    # half/bfloat16 statistics in float32; float64 stays float64.
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def _checked(x: Tensor, normalized_shape: int | Sequence[int], **params: Tensor | None) -> tuple[tuple, Tensor]:
+    """The dims to normalise over and ``x`` in the statistics' dtype (half/bfloat16 in float32, float64 stays), once
+    ``x``'s trailing dims and the parameters' shapes are checked against ``normalized_shape``."""
+    shape = normalize_shape("normalized_shape", normalized_shape)
+    check_last_dims("x", x, shape)
+    for name, t in params.items():
+        check_param_shape(name, t, shape)
+    return tuple(range(-len(shape), 0)), x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
 
 
 def layer_norm(
@@ -55,12 +60,7 @@ def layer_norm(
         ValueError: if the trailing dims of ``x`` (or the shape of ``weight``/``bias``) differ from
             ``normalized_shape``.
     """
-    shape = normalize_shape("normalized_shape", normalized_shape)
-    check_last_dims("x", x, shape)
-    check_param_shape("weight", weight, shape)
-    check_param_shape("bias", bias, shape)
-    dims = tuple(range(-len(shape), 0))
-    xf = x.to(_stat_dtype(x.dtype))
+    dims, xf = _checked(x, normalized_shape, weight=weight, bias=bias)
     mean = xf.mean(dim=dims, keepdim=True)
     xc = xf - mean
     var = (xc * xc).mean(dim=dims, keepdim=True)  # two-pass variance
@@ -92,14 +92,9 @@ def rms_norm(
         Tensor of the shape and dtype of ``x``.
 
     Raises:
-        ValueError: if the trailing dims of ``x`` (or the shape of ``weight``/``bias``) differ from
-            ``normalized_shape``.
+        ValueError: if the trailing dims of ``x`` (or the shape of ``weight``) differ from ``normalized_shape``.
     """
-    shape = normalize_shape("normalized_shape", normalized_shape)
-    check_last_dims("x", x, shape)
-    check_param_shape("weight", weight, shape)
-    dims = tuple(range(-len(shape), 0))
-    xf = x.to(_stat_dtype(x.dtype))
+    dims, xf = _checked(x, normalized_shape, weight=weight)
     y = xf * torch.rsqrt((xf * xf).mean(dim=dims, keepdim=True) + eps)
     if weight is not None:
         y = y * weight.to(y.dtype)
