@@ -76,17 +76,13 @@ class LayerNorm(_Norm):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        if _native_layer_norm(x, self.weight, self.bias):  # torch's one-kernel LayerNorm, forward and backward
+        # torch's one-kernel LayerNorm (forward and backward) where it gives SF.layer_norm's numbers and dtype: float32
+        # or float64 input with parameters of its dtype (autocast leaves both dtypes as they are)
+        dt = x.dtype
+        if dt in (torch.float32, torch.float64) and all(t is None or t.dtype == dt for t in (self.weight, self.bias)):
             check_last_dims("x", x, self.normalized_shape)
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         return SF.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
-
-
-def _native_layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
-    """Whether ``F.layer_norm`` gives :func:`sublayer.functional.layer_norm`'s numbers and dtype: float32 or float64
-    input with parameters of its dtype (autocast leaves both dtypes as they are)."""
-    dt = x.dtype
-    return dt in (torch.float32, torch.float64) and all(t is None or t.dtype == dt for t in (weight, bias))
 
 
 class RMSNorm(_Norm):
