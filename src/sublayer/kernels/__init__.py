@@ -52,11 +52,10 @@ def cflags() -> list[str]:
     march = "-march=x86-64-v3" if settings.isa() == "avx2" else "-march=native"
     return ["-O3", march, "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
 
+
 _lock = threading.Lock()
-_state: dict = {"tried": False, "ok": False, "error": None, "warned": False}
+_state: dict = {"tried": False, "ok": False, "error": None}
 _build = _loader.build  # a name of its own: tests replace it to simulate a failed build
-
-
 _enabled: bool | None = None  # SUBLAYER_KERNELS, read at the first call (a bad value raises there, not at import)
 
 
@@ -102,17 +101,14 @@ def available() -> bool:
                 if limit_mb is not None:
                     ops().buffer_cache(int(limit_mb * 2**20))
                 _state["ok"] = True
-            except Exception as e:  # no compiler, no ninja, compile error, lock timeout, ...
-                _state["ok"] = False
+            except Exception as e:  # no compiler, no ninja, compile error, lock timeout, ...: one warning (tried once)
                 _state["error"] = _loader.cause(e)
-                if not _state["warned"]:
-                    _state["warned"] = True
-                    warnings.warn(
-                        f"sublayer: fast CPU kernels unavailable ({_state['error']}); "
-                        "using the pure-PyTorch reference path (same results, slower; SUBLAYER_KERNELS=0 hides this)",
-                        RuntimeWarning,
-                        stacklevel=_loader.user_stacklevel(),
-                    )
+                warnings.warn(
+                    f"sublayer: fast CPU kernels unavailable ({_state['error']}); "
+                    "using the pure-PyTorch reference path (same results, slower; SUBLAYER_KERNELS=0 hides this)",
+                    RuntimeWarning,
+                    stacklevel=_loader.user_stacklevel(),
+                )
             _state["tried"] = True
     return _state["ok"]
 
@@ -139,5 +135,5 @@ def status() -> str:
 
 def _reset_for_tests() -> None:
     """Forget the load attempt (tests simulate a missing compiler with it)."""
-    _state.update(tried=False, ok=False, error=None, warned=False)
+    _state.update(tried=False, ok=False, error=None)
     _loader._key.clear()
