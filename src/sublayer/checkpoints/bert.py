@@ -39,14 +39,12 @@ def canonical(key: str) -> str | None:
     """A file key -> its ``BertModel`` name, or None when it is ignored on purpose."""
     if key.startswith("cls."):
         return None
-    k = key[len(PREFIX):] if key.startswith(PREFIX) else key
+    k = key.removeprefix(PREFIX)
     if k == "embeddings.position_ids":
         return None
-    if ".LayerNorm." in k:  # very old files: gamma / beta
-        if k.endswith(".gamma"):
-            k = k[: -len("gamma")] + "weight"
-        elif k.endswith(".beta"):
-            k = k[: -len("beta")] + "bias"
+    for old, new in ((".gamma", ".weight"), (".beta", ".bias")):  # very old files' LayerNorm names
+        if ".LayerNorm." in k and k.endswith(old):
+            k = k.removesuffix(old) + new
     return k
 
 

@@ -42,23 +42,18 @@ def canonical(key: str, *, tied: bool = True) -> str | None:
     """A file key -> its ``GPT2Model`` name (prefix dropped), or None when it is ignored on purpose."""
     if key == "lm_head.weight":
         return None if tied else key
-    k = key[len(PREFIX):] if key.startswith(PREFIX) else key
+    k = key.removeprefix(PREFIX)
     return None if _IGNORED.fullmatch(k) else k
+
+
+# (HF module, ours) in a layer: see _layer_pairs
+_RENAMED = (("ln_1", "attn_residual.norm"), ("attn.c_proj", "self_attn.out_proj"), ("ln_2", "ffn_residual.norm"),
+            ("mlp.c_fc", "ffn.fc1"), ("mlp.c_proj", "ffn.fc2"))  # fmt: skip
 
 
 def _layer_pairs(i: int) -> list[tuple[str, str]]:
     """(HF name, our name) for the keys of layer ``i`` that only need a rename (and maybe a transpose)."""
-    h, b = f"h.{i}.", f"blocks.{i}."
-    pairs = []
-    for p in ("weight", "bias"):
-        pairs += [
-            (f"{h}ln_1.{p}", f"{b}attn_residual.norm.{p}"),
-            (f"{h}attn.c_proj.{p}", f"{b}self_attn.out_proj.{p}"),
-            (f"{h}ln_2.{p}", f"{b}ffn_residual.norm.{p}"),
-            (f"{h}mlp.c_fc.{p}", f"{b}ffn.fc1.{p}"),
-            (f"{h}mlp.c_proj.{p}", f"{b}ffn.fc2.{p}"),
-        ]
-    return pairs
+    return [(f"h.{i}.{hf}.{p}", f"blocks.{i}.{ours}.{p}") for p in ("weight", "bias") for hf, ours in _RENAMED]
 
 
 def _conv1d(name: str) -> bool:

@@ -41,7 +41,7 @@ def canonical(key: str, *, tied: bool = False) -> str | None:
     """A file key -> its ``LlamaModel`` name (prefix dropped), or None when it is ignored on purpose."""
     if key == "lm_head.weight":
         return None if tied else key
-    k = key[len(PREFIX):] if key.startswith(PREFIX) else key
+    k = key.removeprefix(PREFIX)
     return None if _IGNORED.fullmatch(k) else k
 
 
