@@ -69,12 +69,8 @@ class Packing:
             raise ValueError("Packing needs a key_padding_mask or both batch and seq_len")
         self.batch, self.seq_len = int(batch), int(seq_len)
         self.key_padding_mask = key_padding_mask
-        if key_padding_mask is None:
-            self.index = None
-            self.n_tokens = self.batch * self.seq_len
-        else:
-            self.index = (~key_padding_mask).reshape(-1).nonzero().squeeze(1)
-            self.n_tokens = int(self.index.numel())
+        self.index = None if key_padding_mask is None else (~key_padding_mask).reshape(-1).nonzero().squeeze(1)
+        self.n_tokens = self.batch * self.seq_len if self.index is None else int(self.index.numel())
 
     def row_lengths(self) -> list[int]:
         """Real tokens of each row, B ints (the rows of row b are ``pack``'s consecutive rows)."""
