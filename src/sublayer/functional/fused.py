@@ -121,10 +121,8 @@ def _use_fused(impl: str, dtypes_auto_ok: bool, dtypes_fused_ok: bool, *ts: Tens
     check_choice("impl", impl, IMPLS)
     if impl == "reference":
         return False
-    if impl == "auto":
-        if not kernels.switched_on():  # cheap switch first: no build attempted when switched off
-            return False
-        return _why_not_fused(dtypes_auto_ok, *ts) is None
+    if impl == "auto":  # the cheap switch first: no build attempted when switched off
+        return kernels.switched_on() and _why_not_fused(dtypes_auto_ok, *ts) is None
     why = _why_not_fused(dtypes_fused_ok, *ts)
     if why is not None:
         raise RuntimeError(f"impl='fused' cannot run: {why}")
