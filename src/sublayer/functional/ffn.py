@@ -84,9 +84,7 @@ def feed_forward(
     check_probability("output_dropout", output_dropout)
     check_tensor("x", x)
     if x.dim() == 0 or x.shape[-1] != fc1_weight.shape[-1]:
-        raise ValueError(
-            f"x must have last dim d_model={fc1_weight.shape[-1]}, got shape {tuple(x.shape)}"
-        )
+        raise ValueError(f"x must have last dim d_model={fc1_weight.shape[-1]}, got shape {tuple(x.shape)}")
     # (the meta device has no autocast: torch.is_autocast_enabled("meta") raises)
     if x.device.type == "meta" or not torch.is_autocast_enabled(x.device.type):
         check_same_dtype_device(x=x, fc1_weight=fc1_weight)
