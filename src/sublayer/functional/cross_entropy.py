@@ -245,10 +245,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     torch.addmm(dw[v0:v1], p.t(), hc, beta=0.0, alpha=step, out=dw[v0:v1])
                 if db is not None:
                     torch.sum(p, 0, out=db[v0:v1]).mul_(step)
-        dh = None if dh is None else dh.to(h_dtype)
-        dw = None if dw is None else dw.to(w_dtype)
-        db = None if db is None else db.to(b_dtype)
-        return dh, dw, db, None, None, None, None, None, None
+        grads = (None if t is None else t.to(dt) for t, dt in zip((dh, dw, db), (h_dtype, w_dtype, b_dtype)))
+        return (*grads, None, None, None, None, None, None)
 
 
 # rows of float32 logits turned into the gradient at once in the bfloat16 path: about 1M values (4 MB, in cache)
