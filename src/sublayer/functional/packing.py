@@ -201,10 +201,8 @@ class PackedBatch:
     def _self_mask(self, causal: bool, device) -> _Segments | _AttentionMask:
         key = ("self", causal)
         if key not in self._masks:
-            if self.varlen():
-                self._masks[key] = _Segments(self._segments(), causal=causal, device=device)
-            else:
-                self._masks[key] = _AttentionMask(self, self, causal=causal, docs=self.documents, device=device)
+            self._masks[key] = (_Segments(self._segments(), causal=causal, device=device) if self.varlen()
+                                else _AttentionMask(self, self, causal=causal, docs=self.documents, device=device))
         return self._masks[key]
 
     def self_attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, dropout: float = 0.0) -> Tensor:
@@ -219,10 +217,8 @@ class PackedBatch:
         """Cross-attention of these packed rows q (N, H, d) on ``memory``'s packed rows k, v (N_m, H, d)."""
         key = ("cross", id(memory))
         if key not in self._masks:
-            if self.varlen() and memory.varlen():
-                self._masks[key] = _Segments(self.packing.row_lengths(), memory.packing.row_lengths())
-            else:
-                self._masks[key] = _AttentionMask(self, memory, device=q.device)
+            self._masks[key] = (_Segments(self.packing.row_lengths(), memory.packing.row_lengths())
+                                if self.varlen() and memory.varlen() else _AttentionMask(self, memory, device=q.device))
         return _attend(q, k, v, self, self._masks[key], dropout)
 
 
