@@ -46,6 +46,7 @@ without quantizing again. The float ``Bert.from_pretrained`` refuses such a fold
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 import warnings
 
@@ -119,17 +120,12 @@ def _fbgemm() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-_engine: str | None = None
-
-
+@functools.cache
 def engine() -> str:
     """The quantized engine the int8 GEMMs are packed for: ``"onednn"`` on CPUs with AMX-INT8 or AVX512-VNNI
     (oneDNN uses them, fbgemm does not), ``"fbgemm"`` elsewhere (AVX2). ``SUBLAYER_INT8_ENGINE=fbgemm|onednn``
-    overrides."""
-    global _engine
-    if _engine is None:
-        _engine = kernels.cpu.int8_engine(torch.backends.quantized.supported_engines)
-    return _engine
+    overrides (read at the first call)."""
+    return kernels.cpu.int8_engine(torch.backends.quantized.supported_engines)
 
 
 def default_keep_float(own_gemm: bool | None = None) -> tuple[str, ...]:
