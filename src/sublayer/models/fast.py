@@ -99,14 +99,6 @@ def fast_inference(
 
 
 # ----------------------------------------------------------------------------------------------- building blocks
-def _check_model_params(model: torch.nn.Module) -> None:
-    dtypes = (torch.float32, torch.bfloat16) if isinstance(model, CausalLM) else (torch.float32,)
-    for name, p in model.named_parameters():
-        if p.dtype not in dtypes or p.device.type != "cpu":
-            kinds = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-            raise ValueError(f"fast_inference needs {kinds} CPU parameters; {name} is {p.dtype} on {p.device}")
-
-
 class _FastBase:
     """Shared: compute dtype, weight cache, what ``train(True)`` says (the mode switches:
     :class:`sublayer.runtime.rows.InferenceOnly`)."""
@@ -115,7 +107,11 @@ class _FastBase:
                     "weights on the next call")  # fmt: skip
 
     def __init__(self, model, dtype: torch.dtype) -> None:
-        _check_model_params(model)
+        dtypes = (torch.float32, torch.bfloat16) if isinstance(model, CausalLM) else (torch.float32,)
+        for name, p in model.named_parameters():
+            if p.dtype not in dtypes or p.device.type != "cpu":
+                kinds = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+                raise ValueError(f"fast_inference needs {kinds} CPU parameters; {name} is {p.dtype} on {p.device}")
         self.model = model
         self.config = model.config
         self.dtype = dtype
