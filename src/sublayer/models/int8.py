@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .. import checkpoints as ckpt
-from .. import kernels
+from ..runtime.linear import int8_screens_rows, quantize_weight
 from ..runtime.rows import kernels_on
 
 __all__ = [
@@ -27,23 +27,13 @@ def own_int8_gemm() -> bool:
     """Whether int8 layers with int8 activations run on sublayer's ``int8_linear`` kernel: the kernels on and a
     CPU with AVX512-VNNI or AMX-INT8. Elsewhere fbgemm's ``linear_dynamic`` multiplies faster than that kernel's
     portable loop (BERT), and several rows of a causal LM stay weight-only. Decided when a model is built."""
-    return kernels_on() and kernels.cpu.has("avx512_vnni", "amx_int8")
+    return kernels_on() and int8_screens_rows()
 
 
 def check_quantize(quantize: object) -> None:
     """Raises ValueError unless ``quantize`` is None or one of :data:`QUANTIZE_CHOICES`."""
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize must be None or one of {', '.join(map(repr, QUANTIZE_CHOICES))}, got {quantize!r}")
-
-
-def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-output-channel int8: ``(q (M, K) int8, scale (M,) float32)`` with ``w ≈ q * scale[:, None]``,
-    ``|w - q * scale| <= scale / 2`` elementwise, ``q`` in [-127, 127]. An all-zero row gets scale 1 (q = 0)."""
-    w = w.detach().float()
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
 
 
 def check_float_cpu(model: torch.nn.Module) -> None:

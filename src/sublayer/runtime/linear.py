@@ -24,8 +24,9 @@ from ..kernels import onednn
 from .rows import EPILOGUE, ffn_hidden, kernels_on
 
 __all__ = [
-    "PackedLinear", "Int8Linear", "DenseLinear", "OneDNNLinear", "GreedyHead", "SKINNY_MAX_ROWS", "skinny_max_rows", "NO_SCALE",
-    "COMPACT_MAX_EXCEPTIONS", "compact_bf16", "compact_kernels", "quantize_rows", "int8_linear_reference", "int8_screens_rows",
+    "PackedLinear", "Int8Linear", "DenseLinear", "OneDNNLinear", "GreedyHead", "SKINNY_MAX_ROWS", "skinny_max_rows",
+    "NO_SCALE", "COMPACT_MAX_EXCEPTIONS", "compact_bf16", "compact_kernels", "quantize_weight", "quantize_rows",
+    "int8_linear_reference", "int8_screens_rows",
 ]  # fmt: skip
 
 
@@ -123,6 +124,16 @@ def compact_bf16(weight: Tensor) -> Tensor | None:
     if w.numel() - counts[table].sum().item() > COMPACT_MAX_EXCEPTIONS * w.numel():
         return None
     return kernels.ops().pack_compact_bf16(w, table.to(torch.uint8))
+
+
+def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-output-channel int8: ``(q (M, K) int8, scale (M,) float32)`` with ``w ≈ q * scale[:, None]``,
+    ``|w - q * scale| <= scale / 2`` elementwise, ``q`` in [-127, 127]. An all-zero row gets scale 1 (q = 0)."""
+    w = w.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -382,9 +393,7 @@ class GreedyHead:
         self.q = self.scale = self.bound1 = self.packed1 = self.bound24 = None  # the int8 screen of a single row
         self.quads = self.colsum = self.bound_q = None  # and of several rows with int8 activations
         if (int8_single_row or int8_rows) and bool(torch.isfinite(w).all()):
-            amax = w.abs().amax(dim=1)
-            self.scale = torch.where(amax > 0, amax / 127, 1.0).contiguous()
-            self.q = torch.round(w / self.scale[:, None]).clamp_(-127, 127).to(torch.int8)
+            self.q, self.scale = quantize_weight(w)
             wq = self.q.double() * self.scale.double()[:, None]
             self.bound1 = _screen_bound(w, wq, rounded_x=False)
             if int8_single_row and not int8_rows:
