@@ -55,9 +55,8 @@ def prepared_weights(module: torch.nn.Module, build):
 def float32_cpu(module: torch.nn.Module) -> bool:
     """float32 parameters on the CPU, and the fast-path rule (:mod:`sublayer.runtime.rules`: not sharded, no
     forward hook on any submodule) allows it; otherwise the reference loops run."""
-    return all(p.dtype == torch.float32 and p.device.type == "cpu" for p in module.parameters()) and fast_path_allowed(
-        module
-    )
+    ok = all(p.dtype == torch.float32 and p.device.type == "cpu" for p in module.parameters())
+    return ok and fast_path_allowed(module)
 
 
 def norm_params(n) -> tuple[Tensor, Tensor, float]:

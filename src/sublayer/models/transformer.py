@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .. import functional as SF
 from ..functional.cross_entropy import check_options, check_targets
-from ..checkpoints.io import write_folder
+from ..checkpoints.io import CONFIG_NAME, SAFETENSORS_NAME, write_folder
 from .._checks import check_choice, check_finite, check_positive_int, check_probability, check_tensor
 from ..nn import DecoderBlock, EncoderBlock, TransformerDecoder, TransformerEncoder
 from ..functional.packing import PackedBatch
@@ -26,9 +26,6 @@ from ..runtime.rows import eval_mode
 from .config import ModelConfig
 
 __all__ = ["Transformer", "TransformerConfig", "sinusoidal_positional_encoding"]
-
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
 
 
 @dataclasses.dataclass
@@ -472,7 +469,7 @@ class Transformer(nn.Module):
         if not folder.is_dir():
             raise FileNotFoundError(f"checkpoint folder not found: {folder}")
         config = TransformerConfig.load(folder / CONFIG_NAME)
-        path = folder / WEIGHTS_NAME
+        path = folder / SAFETENSORS_NAME
         if not path.is_file():
             raise FileNotFoundError(f"weights file not found: {path}")
         try:

@@ -155,7 +155,8 @@ def build(
     t = named_tensors(model) if tensors is None else tensors
 
     def norm(name: str, module: nn.Module) -> Norm:
-        return Norm(t[f"{name}.weight"].float(), _opt(t.get(f"{name}.bias")), module.eps, isinstance(module, RMSNorm))
+        b = t.get(f"{name}.bias")
+        return Norm(t[f"{name}.weight"].float(), None if b is None else b.float(), module.eps, isinstance(module, RMSNorm))
 
     norms = s.pop("norms")
     layers = []
@@ -171,10 +172,6 @@ def build(
     )  # fmt: skip
     W.flat = flat_weights(W)
     return W
-
-
-def _opt(t: Tensor | None) -> Tensor | None:
-    return None if t is None else t.float()
 
 
 def packed_linear(name: str, t: dict[str, Tensor], dtype: torch.dtype = torch.float32) -> PackedLinear:
