@@ -356,10 +356,9 @@ class QuantizedBert(PreparedBert):
         if model is None:
             self._own = self._build(tensors)
         else:  # following: the same calibration ids at every re-quantization, and in the cache key
-            self.calibration = calibration.clone() if isinstance(calibration, Tensor) else calibration
-            ids = calibration
-            if isinstance(calibration, Tensor):
-                ids = (tuple(calibration.shape), *calibration.flatten().tolist())
+            given = isinstance(calibration, Tensor)
+            self.calibration = calibration.clone() if given else calibration
+            ids = (tuple(calibration.shape), *calibration.flatten().tolist()) if given else calibration
             self._key = ("int8", self.keep_float, self.own_gemm, ids)
             self._train_error = "is an inference-only wrapper; train the model itself: it re-quantizes on the next call"
         self.pooler = "pooler.dense.weight" in self.tensors  # a following wrapper quantizes (and checks) here
