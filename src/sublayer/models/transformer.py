@@ -396,12 +396,10 @@ class Transformer(nn.Module):
         check_finite("length_penalty", length_penalty)
         if max_len > c.max_len:
             raise ValueError(f"max_len ({max_len}) exceeds the model's max_len ({c.max_len})")
+        pad = eos if pad is None else pad  # checked as eos first
         for name, v in (("bos", bos), ("eos", eos), ("pad", pad)):
-            if v is None and name == "pad":
-                continue
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < c.tgt_vocab_size:
                 raise ValueError(f"{name} must be a target id in [0, {c.tgt_vocab_size}), got {v!r}")
-        pad = eos if pad is None else pad
         with eval_mode(self):
             from . import decoding, fast_encode  # the fast paths, tested against encode and the reference steps
 
