@@ -117,21 +117,12 @@ class BertConfig(ModelConfig):
         for key in ("is_decoder", "add_cross_attention"):
             if d.get(key, False):
                 raise ValueError(f"unsupported BERT option {key}={d[key]!r} (an encoder only is implemented)")
-        ref = cls()  # an absent key: the default
-        hf_act = ckpt.hf_activation("hidden_act", d.get("hidden_act", "gelu"))
-        return cls(**{ours: hf_act if ours == "activation" else d.get(hf, getattr(ref, ours))
-                      for ours, hf in _HF_NAMES})  # fmt: skip
+        return cls._from_hf_names(d, _HF_NAMES, "hidden_act", "gelu")
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` dict (``BertModel``) for this config."""
-        if self.activation not in ckpt.io.TO_HF_ACTIVATIONS:
-            raise ValueError(f"activation {self.activation!r} has no Hugging Face BERT equivalent")
-        return {
-            "model_type": "bert", "architectures": ["BertModel"],
-            **{hf: ckpt.io.TO_HF_ACTIVATIONS[self.activation] if ours == "activation" else getattr(self, ours)
-               for ours, hf in _HF_NAMES},
-            "position_embedding_type": "absolute",
-        }  # fmt: skip
+        return {"model_type": "bert", "architectures": ["BertModel"], **self._to_hf_names(_HF_NAMES, "BERT"),
+                "position_embedding_type": "absolute"}  # fmt: skip
 
 
 def mean_pooled(h: Tensor, attention_mask: Tensor | None, *, normalize: bool = True) -> Tensor:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..checkpoints.io import CheckpointError, read_json
+from ..checkpoints.io import TO_HF_ACTIVATIONS, CheckpointError, hf_activation, read_json
 
 __all__ = ["ModelConfig"]
 
@@ -32,6 +32,21 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def _from_hf_names(cls: type[C], d: dict[str, Any], names, act_key: str, act_default: str) -> C:
+        """``cls`` from a Hugging Face config dict by ``names`` ((our field, HF key) pairs; an absent key gives the
+        field's default); ``activation`` from ``d[act_key]`` (default ``act_default``) by :func:`hf_activation`."""
+        ref, act = cls(), hf_activation(act_key, d.get(act_key, act_default))
+        return cls(**{ours: act if ours == "activation" else d.get(hf, getattr(ref, ours)) for ours, hf in names})
+
+    def _to_hf_names(self, names, family: str) -> dict[str, Any]:
+        """The HF keys of ``names`` with this config's values (the activation under its HF name); ValueError for an
+        activation without an HF equivalent (naming ``family``)."""
+        if self.activation not in TO_HF_ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} has no Hugging Face {family} equivalent")
+        return {hf: TO_HF_ACTIVATIONS[self.activation] if ours == "activation" else getattr(self, ours)
+                for ours, hf in names}  # fmt: skip
 
     def __post_init__(self) -> None:
         self.validate()

@@ -18,7 +18,6 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .. import checkpoints as ckpt
 from .. import functional as SF
 from .._checks import (
     check_choice,
@@ -137,21 +136,13 @@ class GPT2Config(ModelConfig):
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if isinstance(d.get(key), list):
                 raise ValueError(f"{key} must be a single id, got the list {d[key]!r}")
-        ref = cls()  # an absent key: the default (HF's: bos/eos 50256 for the default vocabulary)
-        hf_act = ckpt.hf_activation("activation_function", d.get("activation_function", "gelu_new"))
-        return cls(**{ours: hf_act if ours == "activation" else d.get(hf, getattr(ref, ours))
-                      for ours, hf in _HF_NAMES})  # fmt: skip
+        # an absent key: the default (HF's: bos/eos 50256 for the default vocabulary)
+        return cls._from_hf_names(d, _HF_NAMES, "activation_function", "gelu_new")
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` dict (``GPT2LMHeadModel``) for this config."""
-        if self.activation not in ckpt.io.TO_HF_ACTIVATIONS:
-            raise ValueError(f"activation {self.activation!r} has no Hugging Face GPT-2 equivalent")
-        return {
-            "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-            **{hf: ckpt.io.TO_HF_ACTIVATIONS[self.activation] if ours == "activation" else getattr(self, ours)
-               for ours, hf in _HF_NAMES},
-            **_HF_FIXED,
-        }  # fmt: skip
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **self._to_hf_names(_HF_NAMES, "GPT-2"),
+                **_HF_FIXED}  # fmt: skip
 
 
 class GPT2Block(CausalBlock):
