@@ -137,14 +137,11 @@ def default_keep_float(own_gemm: bool | None = None) -> tuple[str, ...]:
 
 
 # ----------------------------------------------------------------------------------------------- one linear
-def activation_qparams(x: Tensor, reduce_range: bool = False) -> tuple[float, int]:
-    """fbgemm's dynamic input quantization parameters: uint8 over ``[min(x, 0), max(x, 0)]`` (127 levels with
-    ``reduce_range``), ``(scale, zero_point)``."""
+def activation_qparams(x: Tensor) -> tuple[float, int]:
+    """fbgemm's dynamic input quantization parameters: uint8 over ``[min(x, 0), max(x, 0)]``, ``(scale, zero_point)``."""
     lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
-    qmax = 127 if reduce_range else 255
-    scale = (hi - lo) / qmax if hi > lo else 1.0
-    zp = int(min(max(round(-lo / scale), 0), qmax))
-    return scale, zp
+    scale = (hi - lo) / 255 if hi > lo else 1.0
+    return scale, int(min(max(round(-lo / scale), 0), 255))
 
 
 def _row_scale(x: Tensor) -> Tensor:
@@ -206,7 +203,6 @@ class Int8Linear(_Epilogues):
 
     def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None, smooth: Tensor | None = None) -> None:
         self.q, self.scale, self.bias = q, scale.float(), None if bias is None else bias.float()
-        self.smooth = smooth
         # the kernels' "prepare the next input" switch is this vector being given: ones when not smoothed
         self._inv = torch.ones(q.shape[1]) if smooth is None else (1.0 / smooth.float())
         self._packed = None
@@ -227,7 +223,7 @@ class Int8Linear(_Epilogues):
         """``(xs, r)``: ``x / smooth`` divided by its per-token max ``r`` (N, 1): what the int8 GEMM quantizes."""
         if kernels_on():
             return kernels.ops().int8_scale_rows(x, self._inv)
-        x = x if self._inv is None else x * self._inv
+        x = x * self._inv
         r = _row_scale(x)
         return x / r, r
 
@@ -247,8 +243,6 @@ class FloatLinear(_Epilogues):
         self.w, self.bias = w.detach().float().contiguous(), None if b is None else b.detach().float()
         self._wt = self.w.t()
         self.amax: Tensor | None = None
-
-    _inv = None  # no input scaling
 
     def raw(self, x: Tensor, pre=None) -> tuple[Tensor, None]:
         """``(x @ W.T, None)`` (no bias), as :meth:`Int8Linear.raw`; records ``amax`` when calibrating."""
