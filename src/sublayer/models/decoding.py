@@ -140,11 +140,8 @@ def transformer_stepper(
     H = cfg.n_heads
     hd = d // H
     memory = memory.float()
-    cross = []
-    for layer in model.decoder.layers:
-        ca = layer.cross_attn
-        kv = [F.linear(memory, p.weight, p.bias).view(b, s, H, hd).transpose(1, 2) for p in (ca.k_proj, ca.v_proj)]
-        cross.append([t.contiguous() for t in kv])
+    cross = [[F.linear(memory, p.weight, p.bias).view(b, s, H, hd).transpose(1, 2).contiguous()
+              for p in (L.cross_attn.k_proj, L.cross_attn.v_proj)] for L in model.decoder.layers]  # fmt: skip
     # beam j of sentence i reads sentence i's memory keys/values
     sentence = None if beams == 1 else (torch.arange(n) // beams)[:, None].expand(n, s).contiguous()
     mask = None

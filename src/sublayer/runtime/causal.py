@@ -369,11 +369,7 @@ def decode(
     cap = t + max_new_tokens
     ref_caches = [SF.KVCache() for _ in W.layers]
     h = prefill(input_ids, positions, key_padding_mask, ref_caches)  # (B, T, d)
-    caches = []
-    for rc in ref_caches:
-        c = StaticKVCache(b, W.n_kv_heads, cap, W.head_dim, dtype=W.cache_dtype)
-        c.fill(rc.k, rc.v)
-        caches.append(c)
+    caches = [StaticKVCache(b, W.n_kv_heads, cap, W.head_dim, dtype=W.cache_dtype).fill(c.k, c.v) for c in ref_caches]
     del ref_caches
     mask = None
     if key_padding_mask is not None:

@@ -28,12 +28,13 @@ class StaticKVCache:
         self.length = 0
         self.rows: Tensor | None = None  # (batch, capacity) int64 once reordered: the cache row of each key
 
-    def fill(self, k: Tensor, v: Tensor) -> None:
-        """Copy a prefix (B, H, T, hd) into positions [0, T) (converted to the cache's dtype)."""
+    def fill(self, k: Tensor, v: Tensor) -> StaticKVCache:
+        """Copy a prefix (B, H, T, hd) into positions [0, T) (converted to the cache's dtype); returns the cache."""
         t = k.shape[2]
         self.k[:, :, :t].copy_(k)
         self.v[:, :, :t].copy_(v)
         self.length = t
+        return self
 
     def reorder(self, rows: Tensor) -> None:
         """Select batch rows: row n's filled positions become those of row ``rows[n]`` (beam search), and fewer
