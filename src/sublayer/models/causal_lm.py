@@ -24,10 +24,9 @@ from torch import Tensor, nn
 from .. import functional as SF
 from .._checks import check_attention_mask, check_input_ids
 from ..functional.cross_entropy import check_options, check_targets
-from ..functional.packing import PackedBatch
+from ..functional.packing import PackedBatch, document_mask
 from .. import checkpoints as ckpt
 from ..checkpoints import FROM_CONFIG
-from ..functional.packing import document_mask
 from ..nn import LayerNorm, RMSNorm
 from ..runtime import causal, generation, padding_free
 from ..runtime.rows import InferenceOnly, eval_mode, inference
@@ -418,11 +417,7 @@ def check_position_ids(config, position_ids: Tensor | None, b: int, t: int, devi
     positions), or ``arange(T)`` (1, T) when None."""
     if position_ids is None:
         return torch.arange(t, device=device)[None]
-    limit = getattr(config, "max_positions", None)
-    if limit is None:
-        check_input_ids("position_ids", position_ids, None)
-    else:
-        check_input_ids("position_ids", position_ids, limit, limit_name="max_positions")
+    check_input_ids("position_ids", position_ids, getattr(config, "max_positions", None), limit_name="max_positions")
     if position_ids.shape[-1] != t or position_ids.shape[0] not in (1, b):
         raise ValueError(f"position_ids must have shape ({b} or 1, {t}), got {tuple(position_ids.shape)}")
     return position_ids
