@@ -1,46 +1,36 @@
 """int8 inference: ``fast_inference(model, quantize="int8")`` or :func:`quantize` for :class:`~sublayer.models.Bert`
 (this module: int8 weights and int8 activations) and the decoder-only LMs :class:`~sublayer.models.GPT2` and
-:class:`~sublayer.models.Llama` (weight-only int8 for decoding,
-:mod:`sublayer.models.quantized_gpt2`: :class:`QuantizedCausalLM`). All save with ``save_pretrained`` and load with
-:func:`load_quantized`, which reads the folder's ``model_type``.
-
-What is quantized in BERT, and how:
+:class:`~sublayer.models.Llama` (weight-only int8 for decoding, :mod:`sublayer.models.quantized_gpt2`:
+:class:`QuantizedCausalLM`). All save with ``save_pretrained`` and load with :func:`load_quantized`, which reads the
+folder's ``model_type``. docs/int8.md tells what is quantized and how, the defaults and the accuracy; here, BERT:
 
 * every dense layer of the blocks (fused q|k|v, attention output, FFN in and out) except those named by
-  ``keep_float``: weights **int8, symmetric per output channel** (``w ≈ q · s[j]``, ``s[j] = max|w[j, :]| / 127``),
-  quantized when the wrapper is built (a following wrapper: again whenever the model's weights changed);
-* their inputs are quantized **dynamically, per token**. Where :func:`own_int8_gemm` (the kernels built, a CPU
-  with AVX512-VNNI or AMX-INT8) the layers are :class:`sublayer.runtime.linear.Int8Linear` with int8 activations:
-  each token uint8 with its own scale and zero point (256 levels over the token's range,
-  :func:`sublayer.runtime.linear.quantize_rows`), exact int32 sums on sublayer's ``int8_linear`` kernel
-  (``vpdpbusd``), the bias and GELU fused into the GEMM's output pass
-  (:func:`sublayer.runtime.linear.int8_linear_reference` is its reference). Elsewhere (AVX2 CPUs, where that
-  kernel has no fast int8 loop) each token is divided by its own ``max|x|`` and the result goes through
-  ``quantized::linear_dynamic`` (the op of the deprecated
-  ``torch.ao.quantization.quantize_dynamic``: uint8 with one scale per call, which on rows of max 1 is a per-token
-  grid of step <= 2/255; int32 accumulation); the output is multiplied back per token and the float bias added.
-  Its engine (:func:`engine`): fbgemm on AVX2 CPUs, oneDNN where the
-  CPU has AMX-INT8 / AVX512-VNNI. The scaling and the
-  epilogues (bias + GELU, bias + residual + LayerNorm) are fused C++ passes (``kernels/csrc/int8.cpp``) that also
-  prepare the next layer's scaled input; the PyTorch expressions in this file are their reference;
-* **SmoothQuant**: before quantizing, ``quantize`` runs the float layers once on calibration ids (default: 8
-  random sequences from a fixed seed; ``calibration=`` takes the user's) and divides each input channel by
-  ``s[k] = sqrt(max|x[:, k]| / max|W[:, k]|)``, multiplying the weight's column by it: the LayerNorm outputs'
-  outlier channels (an order of magnitude above the median in all-MiniLM-L6-v2) move into the weights, which
-  per-channel int8 absorbs;
-* what stays float32: embeddings, LayerNorms, attention (the prepared encoder's, :mod:`sublayer.runtime.encoder`), GELU,
-  the pooler, and the dense layers matched by
-  ``keep_float`` (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}``; default :func:`default_keep_float`,
-  chosen by measurement, see the comments of :data:`DEFAULT_KEEP_FLOAT` and :data:`DEFAULT_KEEP_FLOAT_OWN_GEMM`).
-  Without fbgemm (another CPU architecture) on the linear_dynamic path :func:`int8_linear_reference` computes the
-  same numbers in plain PyTorch (slowly).
+  ``keep_float``: weights int8, symmetric per output channel (:func:`quantize_weight`), quantized when the wrapper
+  is built (a following wrapper: again whenever the model's weights changed);
+* their inputs are quantized dynamically, per token. Where :func:`own_int8_gemm` (the kernels built, a CPU with
+  AVX512-VNNI or AMX-INT8) the layers are :class:`sublayer.runtime.linear.Int8Linear` with int8 activations (each
+  token uint8 with its own scale and zero point, :func:`sublayer.runtime.linear.quantize_rows`; exact int32 sums;
+  bias and GELU fused into the output pass). Elsewhere (AVX2 CPUs, where that kernel has no fast int8 loop) this
+  module's :class:`Int8Linear`: each token divided by its own ``max|x|``, the result through
+  ``quantized::linear_dynamic`` (the op of the deprecated ``torch.ao.quantization.quantize_dynamic``: uint8 with
+  one scale per call, int32 accumulation; engine: :func:`engine`), the output multiplied back per token and the
+  float bias added. Its scaling and epilogues (bias + GELU, bias + residual + LayerNorm) are fused C++ passes
+  (``kernels/csrc/int8.cpp``) that also prepare the next layer's scaled input; the PyTorch expressions in this file
+  are their reference, and without fbgemm (another CPU architecture) :func:`int8_linear_reference` computes the
+  same numbers in plain PyTorch (slowly);
+* **SmoothQuant** (:func:`smooth_factors`): before quantizing, ``quantize`` runs the float layers once on
+  calibration ids and moves each input channel's outliers (the LayerNorm outputs', an order of magnitude above the
+  median in all-MiniLM-L6-v2) into the weight's column, which per-channel int8 absorbs;
+* what stays float32: embeddings, LayerNorms, attention (:mod:`sublayer.runtime.encoder`), GELU, the pooler, and
+  the dense layers matched by ``keep_float`` (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}``; default
+  :func:`default_keep_float`, chosen by measurement: see the comments of :data:`DEFAULT_KEEP_FLOAT`).
 
 ``quantize(model)`` is an independent snapshot (it holds only the tensors it uses, its own copies);
 ``fast_inference(model, quantize="int8")`` (``quantize(model, follow=True)``) holds the model and re-quantizes from
 its current weights on the next call after any change (:func:`sublayer.runtime.weights.prepared`, as the float
-fast paths). Either saves: :meth:`QuantizedBert.save_pretrained` writes the tensors to ``model.safetensors`` +
-``config.json`` (the HF config with a ``quantization_config`` entry), :func:`load_quantized` reads them back
-without quantizing again. The float ``Bert.from_pretrained`` refuses such a folder and names :func:`load_quantized`.
+fast paths). :meth:`QuantizedBert.save_pretrained` writes ``model.safetensors`` + ``config.json`` (the HF config
+with a ``quantization_config`` entry); :func:`load_quantized` reads them back without quantizing again. The float
+``Bert.from_pretrained`` refuses such a folder and names :func:`load_quantized`.
 """
 
 from __future__ import annotations

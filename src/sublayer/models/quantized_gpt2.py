@@ -1,32 +1,25 @@
 """Weight-only int8 inference for the decoder-only LMs (:class:`~sublayer.models.GPT2`, :class:`~sublayer.models.Llama`):
 ``fast_inference(model, quantize="int8")`` or :func:`sublayer.models.quantized.quantize` return a
-:class:`QuantizedCausalLM` (``QuantizedGPT2`` is the same class).
-
-Decoding one sequence multiplies one row per step, so its time is the time to stream the weights from memory;
-several rows (a batch, the prompt) make the product compute-bound. So:
+:class:`QuantizedCausalLM` (``QuantizedGPT2`` is the same class). docs/int8.md tells why each choice below
+(decoding one row streams the weights from memory; several rows are compute-bound):
 
 * the dense layers of the blocks (fused q|k|v, attention output, fc1, fc2) and the LM head are stored int8,
-  symmetric per output channel (:func:`~.int8.quantize_weight`: ``w ≈ q · s[j]``, error <= ``s[j] / 2``),
-  except those ``keep_float`` names (``fnmatch`` patterns over ``layers.{i}.{qkv,out,fc1,fc2}`` and ``head``);
-* one row (batch-1 decoding steps) keeps **float32 precision in its activations**. Where
-  :func:`~.int8.own_int8_gemm` (AVX512-VNNI or AMX-INT8) the row is carried as 24-bit integers
-  (:func:`~sublayer.runtime.linear.quantize_rows24`: ``|x - t·2^e| <= max|x| · 2^-22``, about float32's own
-  precision) in three uint8 planes through the ``int8_linear`` kernel, exact integer sums, ``· s + b`` in the
-  epilogue: three ``vpdpbusd`` per 64 weights where widening int8 to float32 takes a dozen instructions, so a
-  thread reads the weights as fast as memory delivers them. Elsewhere it is **weight-only**: float32
-  activations, ``y = act((x @ q^T) · s + b)`` with exact products and fp32 sums, by the ``skinny_linear`` kernel
-  of the float decoding path (``kernels/csrc/packed_linear.cpp``) on int8 panels (the float panels at a quarter of
-  the bytes, widened in registers). Without the C++ kernels :func:`~sublayer.runtime.linear.weight_int8_linear_reference`
-  computes the weight-only form in plain PyTorch (``F.linear`` on the widened weight; slower, same results up to
-  the summation order);
+  symmetric per output channel (:func:`~.int8.quantize_weight`), except those ``keep_float`` names (``fnmatch``
+  patterns over ``layers.{i}.{qkv,out,fc1,fc2}`` and ``head``);
+* one row (batch-1 decoding steps) keeps float32 precision in its activations: where :func:`~.int8.own_int8_gemm`
+  (AVX512-VNNI or AMX-INT8) carried as 24-bit integers (:func:`~sublayer.runtime.linear.quantize_rows24`) in three
+  uint8 planes through the ``int8_linear`` kernel, exact integer sums, ``· s + b`` in the epilogue; elsewhere
+  weight-only, ``y = act((x @ q^T) · s + b)`` with float32 activations, exact products and fp32 sums, by the
+  ``skinny_linear`` kernel of the float decoding path on int8 panels (widened in registers). Without the C++
+  kernels :func:`~sublayer.runtime.linear.weight_int8_linear_reference` computes the weight-only form in plain
+  PyTorch (slower, same results up to the summation order);
 * several rows (the prompt, batched decoding steps), where :func:`~.int8.own_int8_gemm`, quantize each row's
-  activations to 8 bits, as BERT's int8 path does (:class:`~sublayer.runtime.linear.Int8Linear`: uint8 per token
-  with its own scale and zero point, exact int32 sums by ``vpdpbusd``): four products per instruction lane where
-  widening int8 to float32 gives one. Elsewhere several rows stay weight-only;
+  activations to 8 bits as BERT's int8 path does (:class:`~sublayer.runtime.linear.Int8Linear`: uint8 per token
+  with its own scale and zero point, exact int32 sums); elsewhere they stay weight-only;
 * embeddings, norms, rotary positions, attention (SDPA for the prompt, ``decode_attention`` over the static cache)
-  and the activations stay float32; keys and values are held in bfloat16 (the KV caches: half the bytes a
-  batched step reads from them; the prompt attends over the same rounded keys and values), except in a wrapper
-  with every dense layer kept float, which is the float model;
+  and the activations stay float32; keys and values are held in bfloat16 (the KV caches: half the bytes a batched
+  step reads from them; the prompt attends over the same rounded keys and values), except in a wrapper with every
+  dense layer kept float, which is the float model;
 * the forward and the decoding loop are the engine's (:mod:`sublayer.runtime.causal`, with the int8 linears as its
   ``linear`` factory), so the static KV cache, the greedy/sampling rules and the one-call step
   (``causal_decode_layers``) are the float path's.
@@ -38,10 +31,11 @@ for both).
 
 ``quantize(model)`` is an independent snapshot holding only the tensors it uses (its own copies, under the engine's
 names, :func:`sublayer.runtime.causal.named_tensors`); ``fast_inference(model, quantize="int8")`` holds the model
-and re-quantizes from its current weights on the next call after any change (:func:`sublayer.runtime.weights.prepared`).
-:meth:`QuantizedCausalLM.save_pretrained` writes them to ``model.safetensors`` + ``config.json`` (the model's HF
-config with a ``quantization_config`` entry); :func:`sublayer.models.quantized.load_quantized` reads them back;
-``GPT2.from_pretrained`` / ``Llama.from_pretrained`` refuse such a folder.
+and re-quantizes from its current weights on the next call after any change
+(:func:`sublayer.runtime.weights.prepared`). :meth:`QuantizedCausalLM.save_pretrained` writes them to
+``model.safetensors`` + ``config.json`` (the model's HF config with a ``quantization_config`` entry);
+:func:`sublayer.models.quantized.load_quantized` reads them back; ``GPT2.from_pretrained`` /
+``Llama.from_pretrained`` refuse such a folder.
 """
 
 from __future__ import annotations
