@@ -165,11 +165,6 @@ class QuantizedCausalLM(PreparedCausalLM):
         """The decoding weights (:func:`sublayer.runtime.causal.build` over the int8 tensors)."""
         return self._parts()[1]
 
-    @property
-    def blocks(self) -> list:
-        """One entry per block."""
-        return self.weights().layers
-
     @inference
     def lm_head(self, h: Tensor) -> Tensor:
         """(..., d_model) float32 -> (..., vocab_size) logits."""
