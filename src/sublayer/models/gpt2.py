@@ -185,8 +185,8 @@ class GPT2(CausalLM):
         inside a row mark packed documents (HF's ``DataCollatorWithFlattening``): attention is block-diagonal
         causal, each document sees only itself.
         Returns logits (B, T, vocab_size), zeros at padded positions (every path); ``labels=`` (HF's meaning) or
-        ``return_dict=True``: a :class:`~sublayer.models.outputs.CausalLMOutput` (see :meth:`CausalLM.forward`). When ``attention_mask`` marks
-        padding or documents are packed, the layers run on the real tokens only
+        ``return_dict=True``: a :class:`~sublayer.models.outputs.CausalLMOutput` (see :meth:`CausalLM.forward`).
+        When ``attention_mask`` marks padding or documents are packed, the layers run on the real tokens only
         (:mod:`sublayer.runtime.padding_free`).
 
     Raises:

@@ -1,8 +1,8 @@
 """The prepared BERT-style encoder: one inference loop over post-norm encoder layers, whatever the weights' format.
 
-Per layer: fused q|k|v linear, self-attention on the packed rows (below),
-output projection, add & LayerNorm, fc1 with its activation, fc2, add & LayerNorm. The dense layers see the real
-tokens only (packed rows), so a batch of mixed lengths costs the FLOPs of its real tokens.
+Per layer: fused q|k|v linear, self-attention on the packed rows (below), output projection, add & LayerNorm, fc1
+with its activation, fc2, add & LayerNorm. The dense layers see the real tokens only (packed rows), so a batch of
+mixed lengths costs the FLOPs of its real tokens.
 
 A layer is a dict: ``qkv``, ``out``, ``fc1``, ``fc2`` — prepared linears of :mod:`sublayer.runtime.linear`'s call
 protocol, ``lin(x (N, K), activation=None) -> (N, M)`` (float32 / bf16 oneDNN panels :class:`~.linear.OneDNNLinear`,
