@@ -425,8 +425,9 @@ def check_position_ids(config, position_ids: Tensor | None, b: int, t: int, devi
 
 class PreparedCausalLM(InferenceOnly):
     """The inference-only prepared form of a causal LM (``fast_inference``, int8): forward and generate, with the
-    model's checks, over the subclass's ``_hidden(input_ids, position_ids, key_padding_mask, caches)`` and
-    ``lm_head(h)``; ``config`` and ``generation_config`` as the model's. No autograd, no dropout."""
+    model's checks, over the subclass's ``_weights()`` (:class:`sublayer.runtime.causal.CausalWeights`, run by
+    :func:`sublayer.runtime.causal.hidden` in ``compute_dtype``) and ``lm_head(h)``; ``config`` and
+    ``generation_config`` as the model's. No autograd, no dropout."""
 
     @inference
     def forward(
@@ -469,6 +470,12 @@ class PreparedCausalLM(InferenceOnly):
         if (ref := self._reference()) is not None:
             return ref.generate(input_ids, max_new_tokens, **kwargs)
         return generate_with_config(self, input_ids, max_new_tokens, **kwargs)
+
+    def _hidden(
+        self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None
+    ) -> Tensor:
+        """Final-normed hidden states (B, T, d) in the compute dtype; ``caches``: one KVCache per block."""
+        return causal.hidden(self._weights(), input_ids, position_ids, key_padding_mask, caches, self.compute_dtype)
 
     # what sublayer.runtime.generation needs (its CausalLM protocol), as the model's
     hidden_states = CausalLM.hidden_states

@@ -199,12 +199,6 @@ class FastCausalLM(_FastBase, PreparedCausalLM):
         """(..., d_model) -> (..., vocab_size) float32 logits."""
         return self._weights().head(h.reshape(-1, h.shape[-1])).float().unflatten(0, h.shape[:-1])
 
-    def _hidden(
-        self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None
-    ) -> Tensor:
-        """Final-normed hidden states (B, T, d) in the compute dtype; ``caches``: one KVCache per block."""
-        return causal.hidden(self._weights(), input_ids, position_ids, key_padding_mask, caches, self.compute_dtype)
-
     def fast_decoder(self):
         """The model's fast decoding loop over packed panels of the compute dtype (float32: the same packed
         weights as the model's own ``generate``; bf16: bfloat16 panels, half the bytes per step)."""

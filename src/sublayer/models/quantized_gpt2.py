@@ -165,16 +165,12 @@ class QuantizedCausalLM(PreparedCausalLM):
         """The decoding weights (:func:`sublayer.runtime.causal.build` over the int8 tensors)."""
         return self._parts()[1]
 
+    _weights = weights  # what PreparedCausalLM's forward reads
+
     @inference
     def lm_head(self, h: Tensor) -> Tensor:
         """(..., d_model) float32 -> (..., vocab_size) logits."""
         return self.weights().head(h.reshape(-1, h.shape[-1]).float().contiguous()).unflatten(0, h.shape[:-1])
-
-    def _hidden(
-        self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None
-    ) -> Tensor:
-        """Final-normed hidden states (B, T, d) float32; ``caches``: one ``SF.KVCache`` per block."""
-        return causal.hidden(self.weights(), input_ids, position_ids, key_padding_mask, caches)
 
     def fast_decoder(self):
         """The float path's decoding loop over the int8 weights (``SUBLAYER_DECODING=0``: the reference loop)."""
