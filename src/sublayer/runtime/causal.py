@@ -129,16 +129,6 @@ class CausalWeights:
         self.__dict__.update(kw)
 
 
-def _structure(model: nn.Module) -> dict:
-    a, f = model.blocks[0].self_attn, model.blocks[0].ffn
-    parts = model.causal_parts()
-    return {
-        "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads or a.n_heads, "head_dim": a.head_dim,
-        "activation": f.activation, "rotary": parts.rotary, "d_model": parts.embed.shape[1],
-        "norms": [(blk.attn_residual.norm, blk.ffn_residual.norm) for blk in model.blocks] + [parts.norm],
-    }  # fmt: skip
-
-
 def build(
     model: nn.Module,
     linear: Callable[[str, dict[str, Tensor]], object],
@@ -151,24 +141,22 @@ def build(
     ``tensors`` (engine names, :func:`named_tensors`; default: the model's own). ``linear(name, tensors)`` makes
     each dense layer (``layers.{i}.{qkv,out,fc1,fc2}``, ``head``); ``greedy``: add a :class:`GreedyHead` of the
     float32 head (needs the kernels); ``cache_dtype``: the decoding KV caches' (float32 or bfloat16)."""
-    s = _structure(model)
+    a, parts = model.blocks[0].self_attn, model.causal_parts()
     t = named_tensors(model) if tensors is None else tensors
 
     def norm(name: str, module: nn.Module) -> Norm:
-        b = t.get(f"{name}.bias")
-        return Norm(t[f"{name}.weight"].float(), None if b is None else b.float(), module.eps, isinstance(module, RMSNorm))
+        w, b = t[f"{name}.weight"].float(), t.get(f"{name}.bias")
+        return Norm(w, None if b is None else b.float(), module.eps, isinstance(module, RMSNorm))
 
-    norms = s.pop("norms")
-    layers = []
-    for i, (n1, n2) in enumerate(norms[:-1]):
-        p = f"layers.{i}"
-        layers.append({"ln1": norm(f"{p}.ln1", n1), "ln2": norm(f"{p}.ln2", n2),
-                       **{k: linear(f"{p}.{k}", t) for k in LINEARS}})  # fmt: skip
+    layers = [{"ln1": norm(f"layers.{i}.ln1", blk.attn_residual.norm),
+               "ln2": norm(f"layers.{i}.ln2", blk.ffn_residual.norm),
+               **{k: linear(f"layers.{i}.{k}", t) for k in LINEARS}} for i, blk in enumerate(model.blocks)]  # fmt: skip
     head_w = t.get("head.weight", t["wte"])  # a saved int8 form omits a tied float head: it is the embedding
     W = CausalWeights(
-        layers=layers, norm=norm("ln_f", norms[-1]), head=linear("head", t), embed=t["wte"], positions=t.get("wpe"),
+        layers=layers, norm=norm("ln_f", parts.norm), head=linear("head", t), embed=t["wte"], positions=t.get("wpe"),
         greedy=GreedyHead(head_w, t.get("head.bias")) if greedy and kernels_on() else None, cache_dtype=cache_dtype,
-        **s,
+        n_heads=a.n_heads, n_kv_heads=a.n_kv_heads or a.n_heads, head_dim=a.head_dim, rotary=parts.rotary,
+        activation=model.blocks[0].ffn.activation, d_model=parts.embed.shape[1],
     )  # fmt: skip
     W.flat = flat_weights(W)
     return W
