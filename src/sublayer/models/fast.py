@@ -51,8 +51,6 @@ from .prepared_bert import PreparedBert, bert_layers, bert_tensors
 
 __all__ = ["fast_inference", "PreparedBert", "FastBert", "float_linear", "FastCausalLM", "FastGPT2", "linear_factory"]
 
-_DTYPES = (torch.float32, torch.bfloat16)
-
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the fast path computes in when ``dtype`` is asked for: bf16 only with native bf16 GEMMs."""
@@ -84,7 +82,7 @@ def fast_inference(
         TypeError: ``model`` is not a Bert or a causal LM. ValueError: ``dtype`` not float32/bfloat16,
         ``quantize`` not None/"int8", or the model's parameters are not CPU tensors of a supported dtype.
     """
-    if dtype not in _DTYPES:
+    if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype!r}")
     if quantize is not None:
         from . import quantized
