@@ -523,9 +523,7 @@ def load_quantized(folder: str | os.PathLike) -> QuantizedBert | QuantizedCausal
         )
     lm = _CAUSAL.get(hf.get("model_type"))
     try:
-        config = (lm[1] if lm else BertConfig).from_hf_dict(
-            {k: v for k, v in hf.items() if k != "quantization_config"}
-        )
+        config = (lm[1] if lm else BertConfig).from_hf_dict({k: v for k, v in hf.items() if k != "quantization_config"})
     except (ValueError, TypeError) as e:
         raise ckpt.CheckpointError(f"config file {os.path.join(folder, ckpt.CONFIG_NAME)}: {e}") from None
     tensors, source = ckpt.read_state_dict(folder)

@@ -96,9 +96,7 @@ def _check_padding_mask(name: str, mask: Tensor | None, tokens: Tensor, tokens_n
         return
     check_tensor(name, mask)
     if mask.shape != tokens.shape:
-        raise ValueError(
-            f"{name} must have the shape of {tokens_name} {tuple(tokens.shape)}, got {tuple(mask.shape)}"
-        )
+        raise ValueError(f"{name} must have the shape of {tokens_name} {tuple(tokens.shape)}, got {tuple(mask.shape)}")
     if mask.dtype != torch.bool:
         raise TypeError(f"{name} must be bool (True = padding), got dtype {mask.dtype}")
 
