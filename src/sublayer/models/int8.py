@@ -99,6 +99,3 @@ def quant_config(keep_float: tuple[str, ...]) -> dict[str, Any]:
         "activations": "int8 dynamic per token, chosen at run time (not stored)",
         "keep_float": list(keep_float),
     }
-
-
-# ----------------------------------------------------------------------------------------------- entry points
