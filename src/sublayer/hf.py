@@ -199,13 +199,11 @@ def _layer_norm(self, x: Tensor) -> Tensor:
 
 
 def _rms_norm(self, hidden_states: Tensor) -> Tensor:
-    w, d = self.weight, self.weight.shape[-1]
-    if w.dtype == hidden_states.dtype == torch.float32:  # no rounding between norm and weight: fuse the weight
-        return fused.add_norm(hidden_states, torch.zeros_like(hidden_states), d, w, None, self.variance_epsilon,
-                              norm="rms")  # fmt: skip
-    normed = fused.add_norm(hidden_states, torch.zeros_like(hidden_states), d, None, None, self.variance_epsilon,
-                            norm="rms")  # fmt: skip
-    return w * normed
+    w = self.weight
+    fuse = w.dtype == hidden_states.dtype == torch.float32  # no rounding between norm and weight: fuse the weight
+    normed = fused.add_norm(hidden_states, torch.zeros_like(hidden_states), w.shape[-1], w if fuse else None, None,
+                            self.variance_epsilon, norm="rms")  # fmt: skip
+    return normed if fuse else w * normed
 
 
 def _lm_forward(self, *args, **kwargs):
@@ -313,10 +311,7 @@ def _bert_model_forward(self, *args, **kwargs):
     if not fast:
         return original(*args, **kwargs)
     pad = None if mask is None else mask == 0
-    if fast == "inference":
-        out = _bert_inference(self, kw, pad)
-    else:
-        out = _bert_packed(self, _embeddings(self, kw), pad)
+    out = _bert_inference(self, kw, pad) if fast == "inference" else _bert_packed(self, _embeddings(self, kw), pad)
     from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions as Output
 
     res = Output(last_hidden_state=out, pooler_output=self.pooler(out) if self.pooler is not None else None)
@@ -404,11 +399,9 @@ def _pack_bert_weights(encoder: nn.Module) -> list[dict]:
     for layer in encoder.layer:
         a, so, inter, o = layer.attention.self, layer.attention.output, layer.intermediate, layer.output
         out.append({
-            "qkv": OneDNNLinear(torch.cat([a.query.weight, a.key.weight, a.value.weight]),
-                                torch.cat([a.query.bias, a.key.bias, a.value.bias])),
-            "out": OneDNNLinear(so.dense.weight, so.dense.bias), "norm1": norm(so.LayerNorm),
-            "fc1": OneDNNLinear(inter.dense.weight, inter.dense.bias), "fc2": OneDNNLinear(o.dense.weight, o.dense.bias),
-            "norm2": norm(o.LayerNorm),
+            "qkv": OneDNNLinear(*_qkv(a)), "out": OneDNNLinear(so.dense.weight, so.dense.bias),
+            "norm1": norm(so.LayerNorm), "fc1": OneDNNLinear(inter.dense.weight, inter.dense.bias),
+            "fc2": OneDNNLinear(o.dense.weight, o.dense.bias), "norm2": norm(o.LayerNorm),
         })  # fmt: skip
     return out
 
@@ -436,16 +429,18 @@ def _padding_free_applies(model: nn.Module, kw: dict, mask: object) -> bool:
     return "train" if not bool(real.all()) else False
 
 
+def _qkv(a: nn.Module) -> tuple[Tensor, Tensor]:
+    """A ``BertSelfAttention``'s q|k|v weight and bias, concatenated."""
+    return (torch.cat([a.query.weight, a.key.weight, a.value.weight]),
+            torch.cat([a.query.bias, a.key.bias, a.value.bias]))  # fmt: skip
+
+
 def _qkv_weights(encoder: nn.Module) -> list[tuple[Tensor, Tensor]]:
-    """Each layer's q|k|v weight and bias, concatenated (differentiable; cached while the weights stay the same
-    when no gradient is recorded)."""
+    """Each layer's :func:`_qkv` (differentiable; cached while the weights stay the same when no gradient is
+    recorded)."""
 
     def build(enc):
-        return [
-            (torch.cat([a.query.weight, a.key.weight, a.value.weight]),
-             torch.cat([a.query.bias, a.key.bias, a.value.bias]))
-            for a in (layer.attention.self for layer in enc.layer)
-        ]
+        return [_qkv(layer.attention.self) for layer in enc.layer]
 
     if torch.is_grad_enabled():
         return build(encoder)
@@ -652,8 +647,9 @@ def patch(model: nn.Module, *, loss: bool = True, padding_free: bool | None = No
         report.notes.append("already patched: nothing changed (call unpatch first to patch with other options)")
         return report
     rows, gpt2_model = _targets(loss)
+    rows.append((nn.LayerNorm, lambda m: _why_not(m, {}) or _affine(m), "forward", _layer_norm, "fused LayerNorm kernel"))
     records: list[tuple[nn.Module, str, object]] = []
-    covered: set[int] = set()  # BertOutput modules run by a patched BertLayer FFN
+    covered: set[int] = set()  # BertOutput modules run by a patched BertLayer FFN (left alone)
 
     def swap(m: nn.Module, attr: str, fn) -> None:
         records.append((m, attr, m.__dict__.get(attr, _MISSING)))
@@ -672,23 +668,15 @@ def patch(model: nn.Module, *, loss: bool = True, padding_free: bool | None = No
             if "feed_forward_chunk" in m.__dict__:
                 covered.add(id(m.output))
             continue
-        if type(m) is nn.LayerNorm and id(m) in gpt2_norms:
-            why = _why_not(m, {}) or _affine(m)
-            if why:
-                report.skipped.append((name, f"LayerNorm: {why}"))
-            else:
-                swap(m, "forward", _layer_norm)
-                report.replaced.append((name, "LayerNorm -> fused LayerNorm kernel"))
-            continue
-        for cls, check, attr, fn, what in rows:
-            if type(m) is not cls or (cls.__name__ == "BertOutput" and id(m) in covered):
+        for cls, check, attr, fn, what in rows:  # (a LayerNorm: only inside a GPT2Model)
+            if type(m) is not cls or id(m) in covered or (cls is nn.LayerNorm and id(m) not in gpt2_norms):
                 continue
             why = check(m)
             if why:
                 report.skipped.append((name, f"{cls.__name__}: {why}"))
             else:
                 swap(m, attr, fn)
-                if cls.__name__ == "BertLayer":
+                if attr == "feed_forward_chunk":
                     covered.add(id(m.output))
                 report.replaced.append((name, f"{cls.__name__} -> " + what.format(act=getattr(m, "_sublayer_act", ""))))
             break
@@ -739,6 +727,3 @@ def patched(model: nn.Module, *, loss: bool = True, padding_free: bool | None = 
         if fresh:
             unpatch(model)
 
-
-for _fn in (_bert_self_output, _bert_ffn, _gpt2_mlp, _glu_mlp, _layer_norm, _rms_norm, _lm_forward, _bert_model_forward):
-    setattr(_fn, _MARK, True)
