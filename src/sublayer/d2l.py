@@ -436,17 +436,13 @@ class TransformerDecoderBlock(nn.Module):
 
     def forward(self, X: Tensor, state: list) -> tuple[Tensor, list]:
         enc_outputs, enc_valid_lens = state[0], state[1]
-        if state[2][self.i] is None:
-            key_values = X
-        else:
-            key_values = torch.cat((state[2][self.i], X), dim=1)
+        key_values = X if state[2][self.i] is None else torch.cat((state[2][self.i], X), dim=1)
         state[2][self.i] = key_values
+        dec_valid_lens = None
         if self.training:
             batch_size, num_steps, _ = X.shape
             # (batch_size, num_steps), every row [1, 2, ..., num_steps]: query t sees keys 0..t
             dec_valid_lens = torch.arange(1, num_steps + 1, device=X.device).repeat(batch_size, 1)
-        else:
-            dec_valid_lens = None
         X2 = self.attention1(X, key_values, key_values, dec_valid_lens)
         Y = self.addnorm1(X, X2)
         Y2 = self.attention2(Y, enc_outputs, enc_outputs, enc_valid_lens)
