@@ -159,27 +159,23 @@ def _drop_bias(t: Tensor) -> None:
 class _LocalView:
     """Forward pre-/post-hooks that shadow parameters (and plain attributes) of a module tree for one forward.
 
-    ``params``: (owner module, parameter name, function of the current parameter -> tensor seen by the forward).
-    ``attrs``: (owner module, attribute name, value seen by the forward). The shadow lives in the owner's instance
-    ``__dict__`` (found before ``nn.Module.__getattr__``) and is removed after the forward, also on error, so
-    ``parameters()``, ``state_dict()`` and optimizers only ever see the DTensor parameters. Parameters are read at
-    forward time, so FSDP2's unsharded parameters are the ones shown when FSDP2 wraps the block.
+    ``shadows``: (owner module, attribute name, function of the current value -> value seen by the forward; a None
+    parameter stays None). The shadow lives in the owner's instance ``__dict__`` (found before
+    ``nn.Module.__getattr__``) and is removed after the forward, also on error, so ``parameters()``,
+    ``state_dict()`` and optimizers only ever see the DTensor parameters. Parameters are read at forward time, so
+    FSDP2's unsharded parameters are the ones shown when FSDP2 wraps the block.
     """
 
-    def __init__(self, params: list[tuple[nn.Module, str, Callable]], attrs: list[tuple[nn.Module, str, Any]]):
-        self.params, self.attrs = params, attrs
+    def __init__(self, shadows: list[tuple[nn.Module, str, Callable]]):
+        self.shadows = shadows
         self._saved: list[tuple[nn.Module, str, bool, Any]] = []
 
     def enter(self) -> None:
         saved = []
-        for owner, name, fn in self.params:
-            p = getattr(owner, name)
-            shown = None if p is None else fn(p)
+        for owner, name, fn in self.shadows:
+            value = getattr(owner, name)
             saved.append((owner, name, name in owner.__dict__, owner.__dict__.get(name)))
-            owner.__dict__[name] = shown
-        for owner, name, value in self.attrs:
-            saved.append((owner, name, name in owner.__dict__, owner.__dict__.get(name)))
-            owner.__dict__[name] = value
+            owner.__dict__[name] = None if value is None else fn(value)
         self._saved.append(saved)  # a stack: a module may be re-entered (activation checkpointing)
 
     @property
@@ -274,15 +270,13 @@ class FFNParallel(_MegatronStyle):
         if not isinstance(module, PositionWiseFFN):
             raise TypeError(f"FFNParallel applies to a PositionWiseFFN, got {type(module).__name__}")
         mesh, sp = device_mesh, self.sequence_parallel
-        view = _LocalView(
-            params=[
-                (module.fc1, "weight", _local),
-                (module.fc1, "bias", _local),
-                (module.fc2, "weight", _local),
-                (module.fc2, "bias", _drop_bias),  # added once, after the reduction
-            ],
-            attrs=[(module, "output_dropout", 0.0)],
-        )
+        view = _LocalView([
+            (module.fc1, "weight", _local),
+            (module.fc1, "bias", _local),
+            (module.fc2, "weight", _local),
+            (module.fc2, "bias", _drop_bias),  # added once, after the reduction
+            (module, "output_dropout", lambda _: 0.0),  # applied once too, after the reduction
+        ])
 
         def prepare(args, kwargs):
             x = args[0] if args else kwargs.pop("x")
@@ -309,8 +303,9 @@ class AttentionParallel(_MegatronStyle):
             raise TypeError(f"AttentionParallel applies to a MultiHeadAttention, got {type(module).__name__}")
         mesh, sp, tp = device_mesh, self.sequence_parallel, device_mesh.size()
         params = [(getattr(module, f"{p}_proj"), n, _local) for p in "qkv" for n in ("weight", "bias")]
+        n_local = module.n_heads // tp
         params += [(module.out_proj, "weight", _local), (module.out_proj, "bias", _drop_bias)]
-        view = _LocalView(params=params, attrs=[(module, "n_heads", module.n_heads // tp)])
+        view = _LocalView([*params, (module, "n_heads", lambda _: n_local)])
 
         def prepare(args, kwargs):
             args = list(args)
@@ -357,7 +352,7 @@ class SequenceParallelNorm(ParallelStyle):
             replicated = distribute_tensor(p.detach(), device_mesh, [Replicate()])
             norm.register_parameter(name, nn.Parameter(replicated, requires_grad=p.requires_grad))
             params.append((norm, name, _local_replicated(device_mesh)))
-        return _install(module, _LocalView(params, []), lambda a, k: (a, k), lambda o: o)
+        return _install(module, _LocalView(params), lambda a, k: (a, k), lambda o: o)
 
 
 class _SequenceRegion(ParallelStyle):
@@ -373,7 +368,7 @@ class _SequenceRegion(ParallelStyle):
             kwargs["x"] = _split_seq(kwargs["x"], mesh)
             return args, kwargs
 
-        return _install(module, _LocalView([], []), prepare, lambda out: _unsplit_seq(out, mesh))
+        return _install(module, _LocalView([]), prepare, lambda out: _unsplit_seq(out, mesh))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -384,9 +379,7 @@ _BLOCKS = (EncoderBlock, DecoderBlock)
 
 
 def _named(module: nn.Module, types) -> Iterator[tuple[str, nn.Module]]:
-    for name, m in module.named_modules():
-        if isinstance(m, types):
-            yield name, m
+    return ((name, m) for name, m in module.named_modules() if isinstance(m, types))
 
 
 def _join(prefix: str, name: str) -> str:
