@@ -6,6 +6,7 @@ Each command's work lives in its own module, imported lazily so ``sublayer info`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -127,11 +128,10 @@ def info() -> None:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpu capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": "{} ({})".format(*kernels.cpu.choose_threads()),  # what generate/embed use
+        "openmp waits": settings.wait_policy_effect(),
+        **kernels.cpu.describe(),
     }
-    rows["threads"] = "{} ({})".format(*kernels.cpu.choose_threads())  # what generate/embed use
-    rows["openmp waits"] = settings.wait_policy_effect()
-
-    rows.update(kernels.cpu.describe())
 
     rows["fast kernels"] = kernels.status()  # builds (or loads the cached) C++ extension once
     rows["fast decoding"] = "on" if causal.enabled() else "off (SUBLAYER_DECODING=0): the reference loops"
@@ -533,16 +533,11 @@ def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[
     import click
 
     mods = [click.exceptions]
-    try:
-        from typer._click import exceptions as typer_click_exceptions
+    with contextlib.suppress(ImportError):
+        from typer._click import exceptions
 
-        mods.append(typer_click_exceptions)
-    except ImportError:
-        pass
-    def types(name: str) -> tuple[type, ...]:
-        return tuple(getattr(m, name) for m in mods if hasattr(m, name))
-
-    return types("ClickException"), types("Exit"), types("Abort")
+        mods.append(exceptions)
+    return tuple(tuple(getattr(m, n) for m in mods if hasattr(m, n)) for n in ("ClickException", "Exit", "Abort"))
 
 if __name__ == "__main__":
     main()
