@@ -463,12 +463,9 @@ def _targets(loss: bool):
             return "intermediate/output are not BertIntermediate/BertOutput"
         if "feed_forward_chunk" in m.__dict__ or _hooked(m.intermediate, m.output):
             return "feed_forward_chunk replaced or hooks present"
-        why = _why_not(m.output, {"dense": linear, "LayerNorm": ln, "dropout": drop}) or _why_not(
-            m.intermediate, {"dense": linear}
-        )
-        if why:
-            return why
-        return _set_act(m, m.intermediate.intermediate_act_fn) or _affine(m.output.LayerNorm)
+        return (_why_not(m.output, {"dense": linear, "LayerNorm": ln, "dropout": drop})
+                or _why_not(m.intermediate, {"dense": linear})
+                or _set_act(m, m.intermediate.intermediate_act_fn) or _affine(m.output.LayerNorm))  # fmt: skip
 
     def add_norm(m):
         return _why_not(m, {"dense": linear, "LayerNorm": ln, "dropout": drop}) or _affine(m.LayerNorm)

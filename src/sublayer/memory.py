@@ -19,7 +19,6 @@ This module imports no torch at import time.
 from __future__ import annotations
 
 import numbers
-
 import os
 import platform
 
