@@ -87,8 +87,7 @@ def load_causal_lm(folder: str | os.PathLike, *, quantize: str | None = None):
         ValueError: a model type other than :data:`GENERATE_TYPES`, ``quantize`` of an unknown kind, a quantized
         folder that holds another model.
     """
-    if quantize is not None:
-        q.check_quantize(quantize)
+    q.check_quantize(quantize)
     net = _saved_int8(folder, q.QuantizedCausalLM, "causal LM", "generate")
     if net is not None:
         return net
@@ -154,8 +153,7 @@ class Encoder:
             FileNotFoundError/ValueError: no folder, no tokenizer, not a BERT, bad ``dtype`` or ``quantize``.
         """
         folder = resolve_folder(folder)
-        if quantize is not None:
-            q.check_quantize(quantize)
+        q.check_quantize(quantize)
         net = _saved_int8(folder, q.QuantizedBert, "BERT", "embed")
         if net is None:
             bert = Bert.from_pretrained(folder)
@@ -306,8 +304,7 @@ class TextGenerator:
         """
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str (stream continues one prompt), got {type(prompt).__name__}")
-        prompt_ids = self._prompt_ids([prompt])[0]
-        return self._pieces(prompt_ids, options)
+        return self._pieces(self._prompt_ids([prompt])[0], options)
 
     def _pieces(self, prompt_ids: list[int], options: dict) -> Iterator[str]:
         pieces: queue.Queue = queue.Queue()
