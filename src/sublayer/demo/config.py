@@ -75,7 +75,7 @@ class DemoConfig:
 
 
 def warmup_cosine(step: int, steps: int, warmup: int, lr: float, min_lr_ratio: float) -> float:
-    """:meth:`DemoConfig.lr_at` (and ``sublayer train``'s) with the settings as arguments."""
+    """:meth:`DemoConfig.lr_at` with the settings as arguments (``sublayer train``'s schedule too)."""
     if step < warmup:
         return lr * (step + 1) / warmup
     t = min(1.0, (step - warmup) / max(1, steps - warmup))

@@ -90,10 +90,6 @@ class TrainConfig:
         if self.split not in D.SPLITS:
             raise ValueError(f"split must be one of {', '.join(D.SPLITS)}, got {self.split!r}")
 
-    def lr_at(self, step: int, steps: int, warmup: int, lr: float) -> float:
-        """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_lr_ratio · lr`` at ``steps``."""
-        return warmup_cosine(step, steps, warmup, lr, self.min_lr_ratio)
-
 
 class LMLoss(nn.Module):
     """Routes ``model.loss`` (padding-free, fused LM head + cross-entropy) through ``forward``, so a wrapper such
@@ -304,8 +300,8 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
                     f"out); {what} {steps} steps ({steps / per_epoch:.2f} epochs) of {cfg.batch_size} rows on "
                     f"{torch.get_num_threads()} thread(s) × {world_size} → {out}/")  # fmt: skip
 
-    run_steps(run, steps, model, opt, one_step, lr_at=lambda step: cfg.lr_at(step, steps, warmup, lr),
-              clip_norm=cfg.clip_norm, eval_every=eval_every,
+    run_steps(run, steps, model, opt, one_step, clip_norm=cfg.clip_norm, eval_every=eval_every,
+              lr_at=lambda step: warmup_cosine(step, steps, warmup, lr, cfg.min_lr_ratio),
               validate=lambda: None if data.val is None else evaluate(model, data.val, cfg.batch_size),
               val_text=lambda val: f"{val:.3f} (ppl {math.exp(val):.1f})", save_every=eval_every,
               checkpoint=checkpoint, on_step=on_step, main=main, quiet=quiet, out=out)  # fmt: skip
