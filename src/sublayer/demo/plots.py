@@ -65,12 +65,7 @@ def plot_cross_attention(model: Transformer, vocab: Vocab, pair: tuple[list[str]
     queries (the target token each position predicts) on y, one shared colour bar."""
     b = collate([pair], vocab)
     weights = model.cross_attention_weights(b.src, b.tgt_in, src_key_padding_mask=b.src_mask)
-    fig = attention(
-        [w[0] for w in weights],
-        pair[0],
-        [*pair[1], EOS],
-        xlabel="Key positions (source)",
-        ylabel="Query positions (output)",
-        title=f"cross-attention: {detokenize(pair[0][1:])} → {detokenize(pair[1])}",
-    )
+    fig = attention([w[0] for w in weights], pair[0], [*pair[1], EOS], xlabel="Key positions (source)",
+                    ylabel="Query positions (output)",
+                    title=f"cross-attention: {detokenize(pair[0][1:])} → {detokenize(pair[1])}")  # fmt: skip
     _save_figure(fig, Path(path))

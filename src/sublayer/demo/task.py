@@ -186,15 +186,12 @@ def collate(pairs: Sequence[tuple[list[str], list[str]]], vocab: Vocab) -> Batch
     return Batch(src, src == vocab.pad, tgt_in, tgt_out)
 
 
-def _pairs(numbers: Sequence[int], rng: random.Random | None = None, direction: str | None = None):
-    return [make_pair(n, direction or rng.choice(DIRECTIONS)) for n in numbers]
-
-
 def train_batch(seed: int, step: int, batch_size: int, vocab: Vocab) -> Batch:
     """The global batch of ``step``: a pure function of (seed, step), so every rank and a resumed run draw the
     same one."""
     rng = random.Random(seed * 1_000_003 + step)
-    return collate(_pairs(sample_numbers(rng, batch_size, held_out=False), rng), vocab)
+    numbers = sample_numbers(rng, batch_size, held_out=False)
+    return collate([make_pair(n, rng.choice(DIRECTIONS)) for n in numbers], vocab)
 
 
 def held_out_pairs(seed: int, k: int, *, salt: int) -> list[tuple[list[str], list[str]]]:
