@@ -32,14 +32,12 @@ def numbers_text(n_docs: int = 3000, *, seed: int = 0) -> str:
     from ..demo.task import number_to_words
 
     rng = random.Random(seed)
-    docs = []
-    for _ in range(n_docs):
-        lines = []
-        for _ in range(rng.randint(1, 4)):
-            n = rng.randrange(10 ** rng.randint(1, 6))
-            lines.append(f"{n} is {number_to_words(n)}.")
-        docs.append("\n".join(lines))
-    return "\n\n".join(docs) + "\n"
+
+    def line() -> str:
+        n = rng.randrange(10 ** rng.randint(1, 6))
+        return f"{n} is {number_to_words(n)}."
+
+    return "\n\n".join("\n".join(line() for _ in range(rng.randint(1, 4))) for _ in range(n_docs)) + "\n"
 
 
 BUILTIN_TEXTS = {"numbers": numbers_text}
@@ -71,11 +69,8 @@ def read_documents(data: str | Path, *, split: str = "paragraphs") -> list[str]:
         if not files:
             raise ValueError(f"data {data!r} is a folder without {' or '.join(SUFFIXES)} files")
         texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
-    if split == "files":
-        docs = [t.strip() for t in texts]
-    else:
-        docs = [d.strip() for t in texts for d in re.split(r"\n[ \t]*\n", t)]
-    docs = [d for d in docs if d]
+    pieces = texts if split == "files" else [d for t in texts for d in re.split(r"\n[ \t]*\n", t)]
+    docs = [d.strip() for d in pieces if d.strip()]
     if not docs:
         raise ValueError(f"data {data!r} holds no text")
     return docs
