@@ -399,9 +399,11 @@ def _pack_bert_weights(encoder: nn.Module) -> list[dict]:
     for layer in encoder.layer:
         a, so, inter, o = layer.attention.self, layer.attention.output, layer.intermediate, layer.output
         out.append({
-            "qkv": OneDNNLinear(*_qkv(a)), "out": OneDNNLinear(so.dense.weight, so.dense.bias),
-            "norm1": norm(so.LayerNorm), "fc1": OneDNNLinear(inter.dense.weight, inter.dense.bias),
-            "fc2": OneDNNLinear(o.dense.weight, o.dense.bias), "norm2": norm(o.LayerNorm),
+            "qkv": OneDNNLinear(torch.cat([a.query.weight, a.key.weight, a.value.weight]),
+                                torch.cat([a.query.bias, a.key.bias, a.value.bias])),
+            "out": OneDNNLinear(so.dense.weight, so.dense.bias), "norm1": norm(so.LayerNorm),
+            "fc1": OneDNNLinear(inter.dense.weight, inter.dense.bias), "fc2": OneDNNLinear(o.dense.weight, o.dense.bias),
+            "norm2": norm(o.LayerNorm),
         })  # fmt: skip
     return out
 
@@ -429,18 +431,16 @@ def _padding_free_applies(model: nn.Module, kw: dict, mask: object) -> bool:
     return "train" if not bool(real.all()) else False
 
 
-def _qkv(a: nn.Module) -> tuple[Tensor, Tensor]:
-    """A ``BertSelfAttention``'s q|k|v weight and bias, concatenated."""
-    return (torch.cat([a.query.weight, a.key.weight, a.value.weight]),
-            torch.cat([a.query.bias, a.key.bias, a.value.bias]))  # fmt: skip
-
-
 def _qkv_weights(encoder: nn.Module) -> list[tuple[Tensor, Tensor]]:
-    """Each layer's :func:`_qkv` (differentiable; cached while the weights stay the same when no gradient is
-    recorded)."""
+    """Each layer's q|k|v weight and bias, concatenated (differentiable; cached while the weights stay the same
+    when no gradient is recorded)."""
 
     def build(enc):
-        return [_qkv(layer.attention.self) for layer in enc.layer]
+        return [
+            (torch.cat([a.query.weight, a.key.weight, a.value.weight]),
+             torch.cat([a.query.bias, a.key.bias, a.value.bias]))
+            for a in (layer.attention.self for layer in enc.layer)
+        ]
 
     if torch.is_grad_enabled():
         return build(encoder)
