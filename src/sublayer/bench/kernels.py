@@ -101,7 +101,7 @@ def _step_fns(mods: dict[str, nn.Module], inputs: Callable[[], tuple], bf16: boo
 
         else:
             m.train()
-            params = [p for p in m.parameters()]
+            params = list(m.parameters())
             upstream: dict[tuple, torch.Tensor] = {}  # one fixed upstream gradient per output shape/dtype
 
             def f(m=m, params=params, upstream=upstream):
@@ -481,17 +481,15 @@ def _measure(
         for mode in ("training", "forward"):
             for bf16 in [dt == "bf16" for dt in ("fp32", "bf16") if dt in dts]:
                 comp = extras and use_compile and not bf16 and s is shapes[0]
-                steps = [
-                    ("addnorm", lambda: [bench_add_norm(s, bf16, mode, reps, warmup, comp, copy[torch.bfloat16 if bf16 else torch.float32])]),
-                    ("ffn", lambda: [bench_ffn(s, bf16, mode, reps, warmup, comp)]),
-                ]
-                if not quick or mode == "training":
-                    steps.append(("encoder", lambda: [bench_encoder(s, bf16, mode, reps, warmup)]))
-                if not quick and s is shapes[0]:
-                    steps.append(("hf", lambda: bench_hf(s, bf16, mode, reps, warmup)))
-                for case, step in steps:
-                    if case in cases:
-                        add(step())
+                if "addnorm" in cases:
+                    gbps = copy[torch.bfloat16 if bf16 else torch.float32]
+                    add([bench_add_norm(s, bf16, mode, reps, warmup, comp, gbps)])
+                if "ffn" in cases:
+                    add([bench_ffn(s, bf16, mode, reps, warmup, comp)])
+                if "encoder" in cases and (not quick or mode == "training"):
+                    add([bench_encoder(s, bf16, mode, reps, warmup)])
+                if "hf" in cases and not quick and s is shapes[0]:
+                    add(bench_hf(s, bf16, mode, reps, warmup))
     if extras and "bert" in cases and "bf16" in dts and (quick or any("minilm" in s.name.lower() for s in shapes)):
         add(bench_bert_inference(quick, reps, warmup))
     if extras and "gemv" in cases and "bf16" in dts:  # decoding's skinny_linear: bf16 / fp32 panels, torch
