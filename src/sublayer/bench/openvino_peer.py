@@ -80,11 +80,9 @@ class OpenVino(LlamaCpp):
 
     WORKER, NAME = "openvino_worker.py", "OpenVINO"
 
-    def load_encoder(self, key: str, path: Path, *, precision: str, threads: int) -> dict:
-        return self.ask(op="load_encoder", key=key, path=str(path), precision=precision, threads=threads)["properties"]
-
-    def load_llm(self, key: str, path: Path, *, precision: str, threads: int) -> dict:
-        return self.ask(op="load_llm", key=key, path=str(path), precision=precision, threads=threads)["properties"]
+    def load_ir(self, op: str, key: str, path: Path, *, precision: str, threads: int) -> dict:
+        """The worker's ``op`` (``load_encoder``, ``load_llm``) on the IR folder ``path``: its compiled properties."""
+        return self.ask(op=op, key=key, path=str(path), precision=precision, threads=threads)["properties"]
 
     def hidden(self, key: str) -> torch.Tensor:
         with tempfile.TemporaryDirectory() as tmp:
@@ -145,7 +143,7 @@ def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None, *,
             try:
                 ir = export_ir(folder, "feature-extraction", "fp32", ov_env())
                 for p in ("f32", "bf16"):
-                    props[p] = ov.load_encoder(p, ir, precision=p, threads=torch.get_num_threads())
+                    props[p] = ov.load_ir("load_encoder", p, ir, precision=p, threads=torch.get_num_threads())
                     ov.ask(op="set_input", key=p, ids=ids.tolist(), mask=mask.tolist())
                     fns[f"OpenVINO {p}"] = lambda p=p: ov.ask(op="embed", key=p)
                     hidden[f"OpenVINO {p}"] = lambda p=p: ov.hidden(p)
@@ -177,7 +175,7 @@ def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None, *,
     best_peer = min((k for k in ok if not k.startswith("sublayer")), key=ok.get, default=None)
     row = Row(f"MiniLM embedding ({name}): best at min token cos >= {MIN_COS}", shape, "best", "embed",
               base=best_peer or "none", work=float(b), unit="seq")  # fmt: skip
-    row.fill({**({"sublayer": res[best_ours]} if best_ours else {}), **({best_peer: res[best_peer]} if best_peer else {})})
+    row.fill({k: res[v] for k, v in (("sublayer", best_ours), (best_peer, best_peer)) if v})
     row.extra |= {"sublayer setting": best_ours, "best peer": best_peer,
                   "their min token cos": f"{cos.get(best_ours, float('nan')):.5f} / {cos.get(best_peer, float('nan')):.5f}"}
     row.extra["below the bar"] = ", ".join(f"{k} {v:.5f}" for k, v in cos.items() if v < MIN_COS) or "none"
@@ -207,7 +205,7 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding
         try:
             irs = {w: export_ir(folder, "text-generation-with-past", w, ov_env()) for w in WEIGHT_FORMATS}
             for k, (w, p) in _OV_DECODE.items():
-                props[k] = ov.load_llm(k, irs[w], precision=p, threads=threads)
+                props[k] = ov.load_ir("load_llm", k, irs[w], precision=p, threads=threads)
         except RuntimeError as e:
             note = str(e).splitlines()[0]
             ov.close()
