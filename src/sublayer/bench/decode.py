@@ -202,15 +202,13 @@ def run_decode_bench(
     def want(name: str) -> bool:
         return wanted is None or name == "sublayer GPT2.generate" or any(w in name for w in wanted)
 
-    int8_head_float = None  # the LM head kept float: what int8 on the head costs in accuracy / buys in speed
-    if want("sublayer int8, head float"):
-        int8_head_float = quantized.quantize(model, keep_float=("head",))
+    # the LM head kept float: what int8 on the head costs in accuracy / buys in speed
+    int8_head_float = quantized.quantize(model, keep_float=("head",)) if want("sublayer int8, head float") else None
     copy = copy_gbps(64 * 1024 * 1024)  # 256 MB
     log(f"copy bandwidth {copy:.1f} GB/s (read + write), {threads} threads; "
         f"{step_bytes / 1e6:.0f} MB of weights per step")
-    rows: list[dict] = []
-    for r in _gemv_rows(v, d, 5, threads):
-        rows.append(r)
+    rows = _gemv_rows(v, d, 5, threads)
+    for r in rows:
         log(f"{r['case']:22s} rows {r['rows']:2d} threads {r['threads']}  {r['engine']:28s} {r['ms']:8.2f} ms  "
             f"{r['GB/s']:6.1f} GB/s")
     case = f"GPT-2 l{cfg.n_layers} d{d} v{v}, prompt {prompt} + {new} greedy"
