@@ -451,13 +451,15 @@ def _figure(rows: list[Row]):
     return fig
 
 
-def _log_row(r: Row, log: Callable[[str], None]) -> None:
-    f = r.faults
-    flt = f"  faults {f[r.base]:.0f}/{f['sublayer']:.0f}" if {r.base, "sublayer"} <= f.keys() else ""
-    log(
-        f"[{r.malloc:7s}] {r.case:44s} {r.shape:22s} {r.dtype:13s} {r.mode:8s} "
-        f"{r.base} {r.times_ms[r.base]:9.2f} ms  sublayer {r.times_ms['sublayer']:9.2f} ms  x{_fmt(r.ratio())}{flt}"
-    )
+def _add(rows: list[Row], new: list[Row], malloc: str, log: Callable[[str], None]) -> None:
+    """The rows ``new``, run under the allocator setting ``malloc``, appended to ``rows`` and logged."""
+    for r in new:
+        r.malloc = malloc
+        rows.append(r)
+        f = r.faults
+        flt = f"  faults {f[r.base]:.0f}/{f['sublayer']:.0f}" if {r.base, "sublayer"} <= f.keys() else ""
+        log(f"[{r.malloc:7s}] {r.case:44s} {r.shape:22s} {r.dtype:13s} {r.mode:8s} {r.base} "
+            f"{r.times_ms[r.base]:9.2f} ms  sublayer {r.times_ms['sublayer']:9.2f} ms  x{_fmt(r.ratio())}{flt}")
 
 
 def _measure(
@@ -470,11 +472,8 @@ def _measure(
     warmup = 1 if quick else 2
     rows: list[Row] = []
 
-    def add(rs: list[Row]) -> None:
-        for r in rs:
-            r.malloc = malloc
-            rows.append(r)
-            _log_row(r, log)
+    def add(new: list[Row]) -> None:
+        _add(rows, new, malloc, log)
 
     for s in shapes:
         copy = {dt: copy_gbps(s.tokens * s.d, dt, max(reps, 5)) for dt in (torch.float32, torch.bfloat16)}
@@ -646,10 +645,7 @@ def run_bench(
             child_rows, meta["allocator"][setting] = _measure_in_child(spec, log)
             rows += child_rows
     if "int8" in dts:  # int8 BERT inference vs fp32 and CTranslate2 (sublayer.bench.jobs.int8_rows), here
-        for r in int8_rows(quick, reps, out, model):
-            r.malloc = "reuse" if memory.memory_reuse_active() else "default"
-            rows.append(r)
-            _log_row(r, log)
+        _add(rows, int8_rows(quick, reps, out, model), "reuse" if memory.memory_reuse_active() else "default", log)
     meta["seconds"] = round(time.perf_counter() - t_start, 1)
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     (out / "bench.md").write_text(to_markdown(rows, meta))
