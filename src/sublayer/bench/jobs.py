@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import importlib.util
 import io
 import json
 import sys
@@ -151,9 +152,7 @@ def ct2_generator(folder: Path, compute_type: str = "float32"):
     weights cast to ``compute_type`` on load (``"int8"``: CTranslate2's int8 quantization), in a process of its own
     (:class:`Ct2Generator`); None without ctranslate2."""
     ct2 = _ct2_model(folder, Path(folder).parent)
-    if ct2 is None:
-        return None
-    return Ct2Generator(ct2, compute_type, torch.get_num_threads())
+    return None if ct2 is None else Ct2Generator(ct2, compute_type, torch.get_num_threads())
 
 
 class Ct2Generator(Worker):
@@ -422,29 +421,22 @@ def demo_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     return [row]
 
 
-def _job(module: str, name: str, doc: str, **kw) -> Callable[..., list[Row]]:
-    """A job running ``module``'s ``name`` (imported when the job runs, ``kw`` passed on), documented by ``doc``."""
+def _job(module: str, name: str, **kw) -> Callable[..., list[Row]]:
+    """A job running ``module``'s ``name`` (imported when the job runs, ``kw`` passed on)."""
 
     def rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
         return getattr(importlib.import_module(module, __package__), name)(quick, reps, work, model, **kw)
 
-    rows.__doc__ = doc
+    rows.__doc__ = f"The rows of :func:`{importlib.util.resolve_name(module, __package__)}.{name}`."
     return rows
 
 
 # (hf: imported by its full name, as this file also runs standalone)
-hf_rows = _job("sublayer.bench.hfpatch", "hf_rows", "The ``hf`` job: :func:`sublayer.bench.hfpatch.hf_rows`.")
-llama_rows = _job(".llama", "decode_rows", "Llama decoding against llama.cpp and HF "
-                  "(:func:`sublayer.bench.llama.decode_rows`).")  # fmt: skip
-llama_train_rows = _job(".llama", "train_rows", "A Llama training step against HF "
-                        "(:func:`sublayer.bench.llama.train_rows`).")  # fmt: skip
-gpt2_llamacpp_rows = _job(".llama", "gpt2_rows", "GPT-2 decoding, fp32 and bf16, against llama.cpp f32 / bf16 / "
-                          "f16 (:func:`sublayer.bench.llama.gpt2_rows`).", gpt2_decoding=gpt2_decoding)  # fmt: skip
-ov_embed_rows = _job(".openvino_peer", "embed_rows", "MiniLM embeddings against OpenVINO f32 / bf16 and HF "
-                     "(:func:`sublayer.bench.openvino_peer.embed_rows`).")  # fmt: skip
-ov_decode_rows = _job(".openvino_peer", "decode_rows", "GPT-2 decoding against OpenVINO GenAI "
-                      "(:func:`sublayer.bench.openvino_peer.decode_rows`).", gpt2_decoding=gpt2_decoding,
-                      ct2_generator=ct2_generator)  # fmt: skip
+hf_rows = _job("sublayer.bench.hfpatch", "hf_rows")
+llama_rows, llama_train_rows = _job(".llama", "decode_rows"), _job(".llama", "train_rows")
+gpt2_llamacpp_rows = _job(".llama", "gpt2_rows", gpt2_decoding=gpt2_decoding)
+ov_embed_rows = _job(".openvino_peer", "embed_rows")
+ov_decode_rows = _job(".openvino_peer", "decode_rows", gpt2_decoding=gpt2_decoding, ct2_generator=ct2_generator)
 
 JOBS: dict[str, Callable[..., list[Row]]] = {
     "decode": decode_rows, "translate": translate_rows, "train": train_rows, "int8": int8_rows, "embed": embed_rows,
