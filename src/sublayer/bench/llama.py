@@ -232,9 +232,8 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
                                       pad_token_id=0)[:, prompt:]  # fmt: skip
 
             fns: dict[str, Callable[[], torch.Tensor]] = {
-                "sublayer Llama.generate": lambda: ours.generate(ids, new, eos_token_id=None)[:, prompt:]}
-            fns |= {f"sublayer {k}": (lambda m=m: m.generate(ids, new, eos_token_id=None)[:, prompt:])
-                    for k, m in fast.items() if m is not None}  # fmt: skip
+                f"sublayer {k}": (lambda m=m: m.generate(ids, new, eos_token_id=None)[:, prompt:])
+                for k, m in {"Llama.generate": ours, **fast}.items() if m is not None}  # fmt: skip
             fns |= {"HF fp32": lambda: hf_gen(hf), "HF bf16": lambda: hf_gen(hf_bf16)}
             if cpp is not None:
                 fns |= {f"llama.cpp {t}": (lambda t=t: cpp.generate(f"{t}/{b}", ids.tolist(), new)) for t in ggufs}
