@@ -87,9 +87,8 @@ def _autocast(bf16: bool):
     return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
-def _step_fns(mods: dict[str, nn.Module], inputs: Callable[[], tuple], bf16: bool, mode: str, call=None):
-    """fn per impl: a forward (eval, no_grad) or a training step (train, forward + backward)."""
-    call = call or (lambda m, *a: m(*a))
+def _step_fns(mods: dict[str, nn.Module], inputs: tuple[torch.Tensor, ...], bf16: bool, mode: str):
+    """fn per impl: a forward (eval, no_grad) or a training step (train, forward + backward) on ``inputs``."""
     fns = {}
     for name, m in mods.items():
         if mode == "forward":
@@ -97,7 +96,7 @@ def _step_fns(mods: dict[str, nn.Module], inputs: Callable[[], tuple], bf16: boo
 
             def f(m=m):
                 with torch.no_grad(), _autocast(bf16):
-                    call(m, *inputs())
+                    m(*inputs)
 
         else:
             m.train()
@@ -105,12 +104,10 @@ def _step_fns(mods: dict[str, nn.Module], inputs: Callable[[], tuple], bf16: boo
             upstream: dict[tuple, torch.Tensor] = {}  # one fixed upstream gradient per output shape/dtype
 
             def f(m=m, params=params, upstream=upstream):
-                args = inputs()
-                for t in (*params, *args):
-                    if isinstance(t, torch.Tensor):
-                        t.grad = None
+                for t in (*params, *inputs):
+                    t.grad = None
                 with _autocast(bf16):
-                    out = call(m, *args)
+                    out = m(*inputs)
                 key = (out.shape, out.dtype)
                 if key not in upstream:
                     upstream[key] = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out.dtype)
@@ -165,7 +162,7 @@ def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compi
     ours.fc2.load_state_dict(eager[3].state_dict())
     x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
     mods = _impls(eager, ours, use_compile)
-    fns = _step_fns(mods, lambda: (x,), bf16, mode)
+    fns = _step_fns(mods, (x,), bf16, mode)
     # the GEMMs alone, in the dtype the FFN multiplies in (bf16 without native bf16 GEMMs multiplies in fp32)
     dt = torch.bfloat16 if bf16 and kernels.native_bf16_gemm() else torch.float32
     x2 = x.detach().reshape(-1, s.d).to(dt)
@@ -197,7 +194,7 @@ def bench_add_norm(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_
     x = torch.randn(s.batch, s.seq, s.d).to(dt).requires_grad_(rg)
     y = torch.randn(s.batch, s.seq, s.d).to(dt).requires_grad_(rg)
     mods = _impls(eager, ours, use_compile)
-    fns = _step_fns(mods, lambda: (x, y), False, mode)
+    fns = _step_fns(mods, (x, y), False, mode)
     res = time_interleaved(fns, reps, warmup)
     row = Row("Add&Norm LN(x + Dropout(y))", s.name, "bf16" if bf16 else "fp32", mode).fill(res)
     n, es = x.numel(), x.element_size()
@@ -216,7 +213,7 @@ def bench_encoder(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> Ro
     eager = nn.TransformerEncoderLayer(s.d, s.heads, s.f, dropout=DROPOUT, batch_first=True)
     ours = layers.EncoderBlock(s.d, s.heads, s.f, dropout=DROPOUT)
     x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
-    fns = _step_fns({"eager": eager, "sublayer": ours}, lambda: (x,), bf16, mode)
+    fns = _step_fns({"eager": eager, "sublayer": ours}, (x,), bf16, mode)
     res = time_interleaved(fns, reps, warmup)
     return _row("EncoderBlock vs nn.TransformerEncoderLayer", s, bf16, mode, res)
 
@@ -234,7 +231,7 @@ def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Ro
     hf = GPT2MLP(s.f, cfg)
     ours = layers.PositionWiseFFN(s.d, s.f, activation="gelu_tanh", output_dropout=DROPOUT)
     x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
-    res = time_interleaved(_step_fns({"eager": hf, "sublayer": ours}, lambda: (x,), bf16, mode), reps, warmup)
+    res = time_interleaved(_step_fns({"eager": hf, "sublayer": ours}, (x,), bf16, mode), reps, warmup)
     rows.append(_row("HF GPT2MLP (gelu_new, resid dropout)", s, bf16, mode, res))
 
     bcfg = BertConfig(hidden_size=s.d, intermediate_size=s.f, hidden_dropout_prob=DROPOUT, layer_norm_eps=1e-12)
@@ -252,7 +249,7 @@ def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Ro
     ob = _OursBertOutput()
     h = torch.randn(s.batch, s.seq, s.f, requires_grad=(mode == "training"))
     inp = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
-    res = time_interleaved(_step_fns({"eager": hf_out, "sublayer": ob}, lambda: (h, inp), bf16, mode), reps, warmup)
+    res = time_interleaved(_step_fns({"eager": hf_out, "sublayer": ob}, (h, inp), bf16, mode), reps, warmup)
     rows.append(_row("HF BertOutput (dense, dropout, LN)", s, bf16, mode, res))
     return rows
 
