@@ -436,14 +436,13 @@ def report_markdown(title: str, rows: list[Row], *, command: str, notes: str = "
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        others = [k for k in r.times_ms if k not in ("sublayer", r.base)]
         ours = _fmt_ms(r, "sublayer").removeprefix("sublayer ") if "sublayer" in r.times_ms else "—"
         ref = _fmt_ms(r, r.base) if r.base in r.times_ms else "—"
-        note = "; ".join(f"{k} {v}" for k, v in r.extra.items())
+        others = "; ".join(_fmt_ms(r, k) for k in r.times_ms if k not in ("sublayer", r.base)) or "—"
         mode = r.mode + (f" [{r.malloc}]" if len({x.malloc for x in rows}) > 1 else "")
         x = r.ratio()
-        cells = [r.case, r.shape, r.dtype, mode, ours, ref, "—" if x is None else f"x{x:.2f}",
-                 "; ".join(_fmt_ms(r, k) for k in others) or "—", note]  # fmt: skip
+        cells = [r.case, r.shape, r.dtype, mode, ours, ref, "—" if x is None else f"x{x:.2f}", others,
+                 "; ".join(f"{k} {v}" for k, v in r.extra.items())]  # fmt: skip
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines + ([("\n" + appendix.strip())] if appendix.strip() else [])) + "\n"
 
@@ -465,8 +464,8 @@ def contention_table(quiet: list[Row], busy: list[Row]) -> str:
         rq, rb = q.ratio(), b.ratio()
         held = f"{rb / rq:.2f}" if rq and rb else "—"
         ms = f"{q.times_ms['sublayer']:,.2f} → {b.times_ms['sublayer']:,.2f} ms"
-        cells = [f"{q.case}, {q.dtype}", q.shape, q.base, "—" if rq is None else f"x{rq:.2f}", "—" if rb is None else f"x{rb:.2f}",
-                 held, ms, str(q.extra.get(READ, "—"))]  # fmt: skip
+        cells = [f"{q.case}, {q.dtype}", q.shape, q.base, "—" if rq is None else f"x{rq:.2f}",
+                 "—" if rb is None else f"x{rb:.2f}", held, ms, str(q.extra.get(READ, "—"))]  # fmt: skip
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
 
