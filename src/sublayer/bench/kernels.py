@@ -139,17 +139,13 @@ def _impls(eager: nn.Module, ours: nn.Module, use_compile: bool) -> dict[str, nn
     return mods
 
 
-def _saved_extra(row: Row, mods: dict[str, nn.Module], forward: Callable[[nn.Module], object], bf16: bool) -> None:
-    """The bytes autograd saves in ``forward(m)`` (training mode), eager vs sublayer, as the row's extras."""
+def _saved_extra(row: Row, mods: dict[str, nn.Module], inputs: tuple[torch.Tensor, ...], bf16: bool) -> None:
+    """The bytes autograd saves in ``m(*inputs)`` (training mode), eager vs sublayer, as the row's extras."""
     saved: dict[str, int] = {}
     for name in ("eager", "sublayer"):
         m = mods[name].train()
-
-        def fwd(m=m):
-            with _autocast(bf16):
-                return forward(m)
-
-        saved[name] = saved_bytes(fwd, list(m.parameters()))
+        with _autocast(bf16):
+            saved[name] = saved_bytes(lambda: m(*inputs), list(m.parameters()))
         row.extra[f"saved MiB {name}"] = round(saved[name] / 2**20, 3)
     row.extra["saved ratio"] = round(saved["sublayer"] / saved["eager"], 3) if saved["eager"] else float("nan")
 
@@ -181,7 +177,7 @@ def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compi
     row.extra["sublayer / GEMMs alone"] = round(res["sublayer"].ms / res["gemms"].ms, 3)
     row.extra["eager / GEMMs alone"] = round(res["eager"].ms / res["gemms"].ms, 3)
     if mode == "training":
-        _saved_extra(row, mods, lambda m: m(x), bf16)
+        _saved_extra(row, mods, (x,), bf16)
     return row
 
 
@@ -204,7 +200,7 @@ def bench_add_norm(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_
     row.extra["sublayer GB/s"] = round(nbytes / (res["sublayer"].ms * 1e-3) / 1e9, 2)
     row.extra["copy GB/s"] = round(copy_gbps, 2)
     if mode == "training":
-        _saved_extra(row, mods, lambda m: m(x, y), False)
+        _saved_extra(row, mods, (x, y), False)
     return row
 
 
