@@ -48,8 +48,7 @@ def bench_lm_head(quick: bool, reps: int, warmup: int) -> Row:
     # and the gradients a grad_in_forward loss holds for its backward (not seen by saved-tensor hooks)
     held = getattr(impls["sublayer grad_in_forward"]().grad_fn, "grads", ()) or ()
     saved["sublayer grad_in_forward"] += sum(t.untyped_storage().nbytes() for t in held if t is not None)
-    for k, b in saved.items():
-        row.extra[f"saved MiB {k}"] = round(b / 2**20, 2)
+    row.extra |= {f"saved MiB {k}": round(b / 2**20, 2) for k, b in saved.items()}
     row.extra["saved ratio"] = round(saved["sublayer"] / saved["eager"], 3)
     row.extra["saved ratio grad_in_forward"] = round(saved["sublayer grad_in_forward"] / saved["eager"], 3)
     row.extra["x grad_in_forward"] = round(row.ratio("sublayer grad_in_forward"), 2)
