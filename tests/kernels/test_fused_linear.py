@@ -1,4 +1,5 @@
-"""fused.linear: bf16 linears whose GEMMs run in fp32 on CPUs without native bf16 GEMMs, against F.linear."""
+"""fused.linear against F.linear: bf16 linears whose GEMMs run in fp32 on CPUs without native bf16 GEMMs, and float32
+linears through oneDNN where torch's BLAS runs a generic path (AMD CPUs with AVX-512)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch.testing import assert_close
 import sublayer
 from sublayer import kernels
 from sublayer.functional import fused
+from sublayer.kernels import onednn
 
 from ._tol import as64, assert_fast_close, run
 
@@ -98,3 +100,86 @@ def test_attention_module_uses_it_under_autocast(slow_native_bf16):
     assert_close(out, ref, rtol=2e-2, atol=2e-2)  # two paths, each with bf16 rounding of q/k/v and the output
     out.float().sum().backward()
     assert x.grad is not None and mha.q_proj.weight.grad.dtype == torch.float32
+
+
+@pytest.fixture
+def onednn_fp32(monkeypatch):
+    if not onednn.available():
+        pytest.skip("torch without oneDNN's linear ops")
+    monkeypatch.setattr(kernels.cpu, "onednn_fp32_gemm", lambda: True)  # as on an AMD CPU with AVX-512
+
+
+# (3, 29) rows x 389 -> 509: 2^24 multiply-adds and more, the smallest products the oneDNN path takes
+_X, _N = (3, 29, 389), 509
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_float32_onednn_path_matches_f_linear(onednn_fp32, bias):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(*_X, generator=g).requires_grad_()
+    w = (torch.randn(_N, _X[-1], generator=g) / _X[-1] ** 0.5).requires_grad_()
+    b = torch.randn(_N, generator=g).requires_grad_() if bias else None
+    ins = [x, w] + ([b] if bias else [])
+    assert "OneDNNLinearFn" in _names(fused.linear(*ins))
+    fo, fg = run(lambda *a: fused.linear(*a), ins, g_dtype=torch.float32)
+    ro, rg = run(lambda *a: F.linear(*a), ins, g_dtype=torch.float32)
+    wo, wg = run(lambda *a: F.linear(*a), as64(ins), g_dtype=torch.float32)
+    assert_fast_close(fo, ro, wo, what="out")
+    for n, a, r, w64 in zip(["dx", "dw", "db"], fg, rg, wg):
+        assert a.dtype == torch.float32
+        assert_fast_close(a, r, w64, what=n)
+
+
+def test_float32_onednn_path_has_higher_order_gradients(onednn_fp32):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(*_X, generator=g, dtype=torch.float64).float().requires_grad_()
+    w = (torch.randn(_N, _X[-1], generator=g) / _X[-1] ** 0.5).requires_grad_()
+    b = torch.randn(_N, generator=g).requires_grad_()
+
+    def hessian_term(lin):  # d/dw of sum(d/dx sum(lin(x)^2))
+        (gx,) = torch.autograd.grad(lin(x, w, b).pow(2).sum(), x, create_graph=True)
+        return torch.autograd.grad(gx.sum(), (w, b))
+
+    assert "OneDNNLinearFn" in _names(fused.linear(x, w, b))
+    for got, want in zip(hessian_term(fused.linear), hessian_term(F.linear)):
+        assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_float32_onednn_path_only_where_it_applies(onednn_fp32, monkeypatch):
+    x, w = torch.randn(*_X, requires_grad=True), torch.randn(_N, _X[-1])
+    assert "OneDNNLinearFn" in _names(fused.linear(x, w))
+    small = fused.linear(x[:, :1], w)  # 3 rows: fewer multiply-adds than repay oneDNN's per-call cost
+    assert "OneDNNLinearFn" not in _names(small) and torch.equal(small, F.linear(x[:, :1], w))
+    wt = torch.randn(_X[-1], _N).t()  # a weight that is not row-major
+    assert "OneDNNLinearFn" not in _names(fused.linear(x, wt))
+    assert "OneDNNLinearFn" not in _names(fused.linear(x.double(), w.double()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert "OneDNNLinearFn" not in _names(fused.linear(x, w))
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # F.linear's own errors
+        fused.linear(x, torch.randn(_N, 7))
+    with pytest.raises(RuntimeError):
+        fused.linear(x, w, torch.randn(_N + 1))
+    kernels.set_enabled(False)
+    try:
+        assert torch.equal(fused.linear(x, w), F.linear(x, w))
+    finally:
+        kernels.set_enabled(True)
+    monkeypatch.setattr(kernels.cpu, "onednn_fp32_gemm", lambda: False)  # Intel CPUs, AVX2-only CPUs
+    assert torch.equal(fused.linear(x, w), F.linear(x, w))
+
+
+def test_attention_module_uses_the_float32_onednn_path(onednn_fp32):
+    torch.manual_seed(0)
+    mha = sublayer.MultiHeadAttention(391, 17)  # 111 rows x 391 x 391: over 2^24 multiply-adds a projection
+    x = torch.randn(3, 37, 391, requires_grad=True)
+    out, _ = mha(x)
+    assert "OneDNNLinearFn" in _names(out)
+    kernels.set_enabled(False)
+    try:
+        ref, _ = mha(x)
+        (gref,) = torch.autograd.grad(ref.sum(), x)
+    finally:
+        kernels.set_enabled(True)
+    (got,) = torch.autograd.grad(out.sum(), x)
+    assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    assert_close(got, gref, rtol=1e-4, atol=1e-5)

@@ -434,10 +434,37 @@ class _Bf16LinearFn(torch.autograd.Function):
         return dx, dw, db
 
 
+class _OneDNNLinearFn(torch.autograd.Function):
+    """A float32 linear whose row-major products run on oneDNN (:func:`_onednn_mm`), where torch's BLAS runs a
+    generic code path (:func:`sublayer.kernels.cpu.onednn_fp32_gemm`); the weight gradient stays on torch's BLAS.
+    A backward with ``create_graph=True`` runs torch's own products, so higher-order gradients work."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):  # x (N, in) row-major, w (out, in) row-major, b (out,) or None
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        return onednn.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        nx, nw, nb = ctx.needs_input_grad
+        g = g.contiguous()
+        dx = (torch.mm if torch.is_grad_enabled() else _onednn_mm)(g, w) if nx else None
+        dw = torch.mm(g.t(), x) if nw else None
+        db = g.sum(0) if nb and ctx.has_bias else None
+        return dx, dw, db
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear``; in bf16 (bf16 tensors, or float32 ones under ``torch.autocast("cpu", dtype=torch.bfloat16)``)
-    on a CPU without native bf16 GEMMs (:func:`sublayer.kernels.native_bf16_gemm`), the GEMMs run in fp32 on the
-    bf16-rounded operands and round once — the numbers of a bf16 GEMM with fp32 accumulation, faster there.
+    """``F.linear``, with two CPU paths for the products that torch's default BLAS runs slowly:
+
+    * bf16 (bf16 tensors, or float32 ones under ``torch.autocast("cpu", dtype=torch.bfloat16)``) on a CPU without
+      native bf16 GEMMs (:func:`sublayer.kernels.native_bf16_gemm`): the GEMMs run in fp32 on the bf16-rounded
+      operands and round once — the numbers of a bf16 GEMM with fp32 accumulation, faster there;
+    * float32 where :func:`sublayer.kernels.cpu.onednn_fp32_gemm` (AMD CPUs with AVX-512, whose BLAS path there is
+      generic), for products of at least 2^24 multiply-adds: the forward and the input gradient through oneDNN.
+      The same product up to the summation order.
 
     Everything else (other dtypes, CUDA, DTensor, ``torch.compile``, kernels switched off) is ``F.linear`` itself.
 
@@ -450,19 +477,32 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if (
         not kernels.switched_on()
         or x.device.type != "cpu"
-        or not _bf16_linear_applies(x, weight, bias)
-        or kernels.native_bf16_gemm()
         or torch.compiler.is_compiling()
         or torch._C._are_functorch_transforms_active()
         or torch.autograd.forward_ad._current_level >= 0
         or not _plain_cpu(x, weight, bias)
     ):
         return torch.nn.functional.linear(x, weight, bias)
+    if _onednn_linear_applies(x, weight, bias):
+        x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()
+        return _OneDNNLinearFn.apply(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    if not _bf16_linear_applies(x, weight, bias) or kernels.native_bf16_gemm():
+        return torch.nn.functional.linear(x, weight, bias)
     x2 = x.to(torch.bfloat16).reshape(math.prod(x.shape[:-1]), x.shape[-1])
     b = bias.to(torch.bfloat16) if bias is not None else None
     with torch.autocast("cpu", enabled=False):
         out = _Bf16LinearFn.apply(x2, weight.to(torch.bfloat16), b)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _onednn_linear_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    if torch.is_autocast_enabled("cpu") or weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[-1]:
+        return False
+    if any(t.dtype != torch.float32 for t in (x, weight, bias) if t is not None) or not weight.is_contiguous():
+        return False
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        return False  # F.linear raises its own error
+    return x.numel() * weight.shape[0] >= _ONEDNN_MIN_MACS and kernels.cpu.onednn_fp32_gemm()
 
 
 def _bf16_linear_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
