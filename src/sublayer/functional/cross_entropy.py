@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._checks import check_choice, check_positive_int, check_tensor
+from .. import kernels
 from ..kernels import onednn
 
 __all__ = ["linear_cross_entropy", "check_targets", "check_options", "REDUCTIONS"]
@@ -142,6 +143,14 @@ def _packed_weight(w: Tensor, n: int) -> Tensor | None:
     return onednn.pack(w)
 
 
+def _mm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for the input gradient (c, V) @ (V, D): float32 on CPU through oneDNN where torch's BLAS runs a
+    generic path (:func:`sublayer.kernels.cpu.onednn_fp32_gemm`), else ``torch.mm``."""
+    if a.dtype == torch.float32 and a.device.type == "cpu" and kernels.cpu.onednn_fp32_gemm():
+        return onednn.mm(a, b)
+    return torch.mm(a, b)
+
+
 def _onehot_sub_(p: Tensor, tc: Tensor, v0: int, value: float) -> None:
     """``p[i, tc[i] - v0] -= value`` for the rows whose target lies in the block ``[v0, v0 + p.shape[1])``."""
     inside = (tc >= v0) & (tc < v0 + p.shape[1])
@@ -190,7 +199,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if smoothing:
                     p.sub_(smoothing / vocab)
                 if dh is not None:
-                    torch.mm(p, w, out=dh[s : s + c]).mul_(scale)
+                    torch.mul(_mm(p, w), scale, out=dh[s : s + c])
                 if dw is not None:
                     dw.addmm_(p.t(), hc, beta=1.0 if s else 0.0, alpha=scale)
                 if db is not None:
@@ -240,7 +249,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if smoothing:
                     p.sub_(smoothing / vocab)
                 if dh is not None:
-                    dh.addmm_(p, wb, alpha=step)
+                    dh.add_(_mm(p, wb), alpha=step)
                 if dw is not None:
                     torch.addmm(dw[v0:v1], p.t(), hc, beta=0.0, alpha=step, out=dw[v0:v1])
                 if db is not None:

@@ -307,20 +307,8 @@ def _gemm(dtype: torch.dtype):
     if dtype == torch.bfloat16 and not kernels.native_bf16_gemm():
         return (lambda t: t.float()), (lambda a, b: torch.mm(a, b).to(torch.bfloat16))
     if dtype == torch.float32 and kernels.cpu.onednn_fp32_gemm():
-        return (lambda t: t), _onednn_mm
+        return (lambda t: t), onednn.mm
     return (lambda t: t), torch.mm
-
-
-_ONEDNN_MIN_MACS = 1 << 24  # smaller products stay on torch's BLAS (oneDNN's per-call cost is not repaid)
-
-
-def _onednn_mm(a: Tensor, b: Tensor) -> Tensor:
-    """``torch.mm(a, b)`` of float32 CPU matrices, through oneDNN when ``a`` is row-major (its linear: a @ (b.T).T)
-    and the product is large; the same product up to the summation order (:func:`sublayer.kernels.cpu.onednn_fp32_gemm`
-    says where)."""
-    if a.is_contiguous() and a.shape[0] * a.shape[1] * b.shape[1] >= _ONEDNN_MIN_MACS:
-        return onednn.linear(a, b.t())
-    return torch.mm(a, b)
 
 
 def feed_forward(
@@ -435,7 +423,7 @@ class _Bf16LinearFn(torch.autograd.Function):
 
 
 class _OneDNNLinearFn(torch.autograd.Function):
-    """A float32 linear whose row-major products run on oneDNN (:func:`_onednn_mm`), where torch's BLAS runs a
+    """A float32 linear whose row-major products run on oneDNN (:func:`sublayer.kernels.onednn.mm`), where torch's BLAS runs a
     generic code path (:func:`sublayer.kernels.cpu.onednn_fp32_gemm`); the weight gradient stays on torch's BLAS.
     A backward with ``create_graph=True`` runs torch's own products, so higher-order gradients work."""
 
@@ -450,7 +438,7 @@ class _OneDNNLinearFn(torch.autograd.Function):
         x, w = ctx.saved_tensors
         nx, nw, nb = ctx.needs_input_grad
         g = g.contiguous()
-        dx = (torch.mm if torch.is_grad_enabled() else _onednn_mm)(g, w) if nx else None
+        dx = (torch.mm if torch.is_grad_enabled() else onednn.mm)(g, w) if nx else None
         dw = torch.mm(g.t(), x) if nw else None
         db = g.sum(0) if nb and ctx.has_bias else None
         return dx, dw, db
@@ -502,7 +490,7 @@ def _onednn_linear_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bo
         return False
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         return False  # F.linear raises its own error
-    return x.numel() * weight.shape[0] >= _ONEDNN_MIN_MACS and kernels.cpu.onednn_fp32_gemm()
+    return x.numel() * weight.shape[0] >= onednn.MIN_MACS and kernels.cpu.onednn_fp32_gemm()
 
 
 def _bf16_linear_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:

@@ -10,7 +10,9 @@ import functools
 import torch
 from torch import Tensor
 
-__all__ = ["available", "pack", "linear"]
+__all__ = ["available", "pack", "linear", "mm", "MIN_MACS"]
+
+MIN_MACS = 1 << 24  # smaller products stay on torch's BLAS (oneDNN's per-call cost is not repaid)
 
 
 @functools.cache
@@ -35,3 +37,13 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, gelu: bool | str = 
     if not gelu:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu", [], "none" if gelu is True else gelu)
+
+
+def mm(a: Tensor, b: Tensor) -> Tensor:
+    """``torch.mm(a, b)`` of float32 CPU matrices (M, K) @ (K, N): through oneDNN's linear (``a @ (b.T).T``) when
+    ``a`` is row-major and the product has :data:`MIN_MACS` multiply-adds or more, else ``torch.mm``; the same
+    product up to the summation order. Where oneDNN is the faster is the callers' decision (call :func:`available`
+    first)."""
+    if a.is_contiguous() and a.shape[0] * a.shape[1] * b.shape[1] >= MIN_MACS:
+        return linear(a, b.t())
+    return torch.mm(a, b)
