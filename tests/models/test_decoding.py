@@ -402,3 +402,23 @@ def test_one_call_step_equals_the_per_op_step(ours):
         assert a.length == r.length == t + 1
         assert_close(a.k[:, :, : t + 1], r.k[:, :, : t + 1])
         assert_close(a.v[:, :, : t + 1], r.v[:, :, : t + 1])
+
+
+def test_translate_with_float32_products_on_onednn_equals_the_reference_steps(monkeypatch):
+    """Where torch's BLAS runs a generic path (AMD CPUs with AVX-512), steps of more rows than the decoding kernels
+    take (and the cross-attention's keys and values) multiply on oneDNN: the tokens of the reference steps."""
+    from sublayer.kernels import onednn
+
+    if not (kernels_on() and onednn.available()):
+        pytest.skip("needs the kernels and oneDNN")
+    torch.manual_seed(2)
+    m = Transformer(131, 137, d_model=128, n_heads=4, d_ff=263, n_layers=1, dropout=0.0, max_len=11).eval()
+    with torch.no_grad():
+        m.out_proj.weight.mul_(4.0)
+    src = torch.randint(3, 131, (349, 5), generator=torch.Generator().manual_seed(5))  # 349 rows a step
+    monkeypatch.setattr(kernels.cpu, "onednn_fp32_gemm", lambda: True)
+    calls, real = [], onednn.linear
+    monkeypatch.setattr(onednn, "linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    got = m.translate(src, 7, bos=1, eos=2)
+    assert calls and max(calls) >= 349
+    assert got.tolist() == reference_decoding(lambda: m.translate(src, 7, bos=1, eos=2)).tolist()

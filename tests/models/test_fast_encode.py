@@ -119,3 +119,29 @@ def test_translate_with_recorded_attention_fires_the_hooks():
     with record_attention(m) as maps:
         m.translate(src, 4, bos=1, eos=2, src_key_padding_mask=mask)
     assert maps["encoder.layers.0.self_attn"] and maps["decoder.layers.1.cross_attn"]
+
+
+def test_encode_with_float32_products_on_onednn_matches_the_reference(monkeypatch):
+    """Where torch's BLAS runs a generic path (AMD CPUs with AVX-512) the encoder's large float32 products run on
+    oneDNN (``fused.linear``): the same hidden states as the reference with every kernel switched off."""
+    from sublayer.kernels import onednn
+
+    if not onednn.available():
+        pytest.skip("torch without oneDNN's linear ops")
+    torch.manual_seed(1)
+    m = Transformer(17, 19, d_model=64, n_heads=4, d_ff=263, n_layers=2, dropout=0.1, max_len=31).eval()
+    src = torch.randint(3, 17, (61, 29), generator=torch.Generator().manual_seed(2))
+    lengths = torch.randint(20, 30, (61, 1), generator=torch.Generator().manual_seed(3))  # ~1,500 real rows
+    mask = torch.arange(29)[None] >= lengths
+    kernels.set_enabled(False)
+    try:
+        with torch.no_grad():
+            ref = m.encode(src, src_key_padding_mask=mask)
+    finally:
+        kernels.set_enabled(True)
+    monkeypatch.setattr(kernels.cpu, "onednn_fp32_gemm", lambda: True)
+    calls, real = [], onednn.linear
+    monkeypatch.setattr(onednn, "linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    got = fast_encode.encode(m, src, mask)
+    assert len(calls) >= 2 * 3  # every layer's q|k|v, fc1 and fc2 (the output projection is below the minimum)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)

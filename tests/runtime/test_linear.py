@@ -46,10 +46,19 @@ def test_bf16_packed_linear_matches_the_bf16_weight(rows, activation):
     assert_close(got, want, rtol=2**-7 if above else 1e-5, atol=2**-7 if above else 1e-5)
 
 
-def test_float32_packed_linear_matches_f_linear():
-    for rows in (1, 7, skinny_max_rows() + 2):
-        x, w, b = _case(rows, rows)
-        assert_close(PackedLinear(w, b)(x), F.linear(x, w, b))
+@pytest.mark.parametrize("onednn_fp32", [False, True])  # large products through oneDNN (AMD CPUs with AVX-512)
+def test_float32_packed_linear_matches_f_linear(onednn_fp32, monkeypatch):
+    from sublayer.kernels import onednn
+
+    if onednn_fp32 and not onednn.available():
+        pytest.skip("torch without oneDNN's linear ops")
+    monkeypatch.setattr(kernels.cpu, "onednn_fp32_gemm", lambda: onednn_fp32)
+    calls, real = [], onednn.linear
+    monkeypatch.setattr(onednn, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for rows, n, k in ((1, 37, 29), (7, 37, 29), (skinny_max_rows() + 2, 37, 29), (89, 509, 389)):
+        x, w, b = _case(rows, rows, n, k)
+        assert_close(PackedLinear(w, b)(x), F.linear(x, w, b), rtol=1e-5, atol=1e-6 * k)  # sums of k products
+    assert len(calls) == onednn_fp32  # 89 x 389 x 509: over oneDNN's minimum product
 
 
 def test_bf16_packed_linear_takes_bf16_weights_and_flat_gives_its_panels():

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import kernels
+from ..functional.fused import linear
 from ..runtime.causal import enabled, set_enabled
 from ..runtime.kv_cache import StaticKVCache, decode_attention
 from ..runtime.linear import NO_SCALE, GreedyHead, PackedLinear, skinny_max_rows
@@ -140,7 +141,7 @@ def transformer_stepper(
     H = cfg.n_heads
     hd = d // H
     memory = memory.float()
-    cross = [[F.linear(memory, p.weight, p.bias).view(b, s, H, hd).transpose(1, 2).contiguous()
+    cross = [[linear(memory, p.weight, p.bias).view(b, s, H, hd).transpose(1, 2).contiguous()
               for p in (L.cross_attn.k_proj, L.cross_attn.v_proj)] for L in model.decoder.layers]  # fmt: skip
     # beam j of sentence i reads sentence i's memory keys/values
     sentence = None if beams == 1 else (torch.arange(n) // beams)[:, None].expand(n, s).contiguous()

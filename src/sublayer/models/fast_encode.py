@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..functional.fused import linear
 from ..functional.packing import Packing
 from ..runtime.encoder import attention, runs
 from ..runtime.rows import ffn_hidden, kernels_on, residual_out
@@ -91,10 +92,10 @@ def encode(model, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Te
     for i, L in enumerate(layers):
         # pre-norm: the norm after this layer's FFN is the next layer's first, or the final one (or none)
         after = layers[i + 1]["norms"][0] if i + 1 < len(layers) else W["final"]
-        ctx = attention(F.linear(h, L["qkv"], L["qkv_b"]), segments, cfg.n_heads, scale)
-        x, h = residual_out(pre, x, F.linear(ctx, *L["out"]), L["norms"][0], L["norms"][1])
-        f = ffn_hidden(F.linear(h, L["fc1"][0]), L["fc1"][1], cfg.activation)
-        x, h = residual_out(pre, x, F.linear(f, *L["fc2"]), L["norms"][1], after)
+        ctx = attention(linear(h, L["qkv"], L["qkv_b"]), segments, cfg.n_heads, scale)
+        x, h = residual_out(pre, x, linear(ctx, *L["out"]), L["norms"][0], L["norms"][1])
+        f = ffn_hidden(linear(h, L["fc1"][0]), L["fc1"][1], cfg.activation)
+        x, h = residual_out(pre, x, linear(f, *L["fc2"]), L["norms"][1], after)
     if not pre and W["final"] is not None:
         h = F.layer_norm(h, (d,), *W["final"][:2], W["final"][2])
     return h.view(b, s, d) if pk is None else pk.unpack(h)

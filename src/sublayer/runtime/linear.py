@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import kernels
+from ..functional import fused
 from ..kernels import onednn
 from .rows import EPILOGUE, ffn_hidden, kernels_on
 
@@ -93,7 +94,7 @@ class PackedLinear:
             if activation is not None:
                 return ffn_hidden(y, self.bias, activation)
             return y if self.bias is None else y.add_(self.bias)
-        y = F.linear(x, self.weight, self.bias)
+        y = fused.linear(x, self.weight, self.bias)
         return y if activation is None else ffn_hidden(y, None, activation)
 
     def flat(self) -> tuple[Tensor, Tensor, Tensor] | None:
