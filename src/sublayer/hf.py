@@ -330,7 +330,7 @@ def _bert_packed(model: nn.Module, emb: Tensor, pad: Tensor) -> Tensor:
     for layer, (w, b) in zip(model.encoder.layer, _qkv_weights(model.encoder)):
         sa = layer.attention.self
         n, heads = x.shape[0], sa.num_attention_heads
-        q, k, v = F.linear(x, w, b).view(n, 3, heads, sa.attention_head_size).unbind(1)
+        q, k, v = fused.linear(x, w, b).view(n, 3, heads, sa.attention_head_size).unbind(1)
         ctx = pk.self_attention(q, k, v, causal=False, dropout=sa.dropout.p if sa.training else 0.0)
         x = layer.attention.output(ctx.reshape(n, -1), x)
         x = layer.feed_forward_chunk(x)
