@@ -424,8 +424,8 @@ class _Bf16LinearFn(torch.autograd.Function):
 
 class _OneDNNLinearFn(torch.autograd.Function):
     """A float32 linear whose row-major products run on oneDNN (:func:`sublayer.kernels.onednn.mm`), where torch's BLAS runs a
-    generic code path (:func:`sublayer.kernels.cpu.onednn_fp32_gemm`); the weight gradient stays on torch's BLAS.
-    A backward with ``create_graph=True`` runs torch's own products, so higher-order gradients work."""
+    generic code path (:func:`sublayer.kernels.cpu.onednn_fp32_gemm`), the gradients' too. A backward with
+    ``create_graph=True`` runs torch's own products, so higher-order gradients work."""
 
     @staticmethod
     def forward(ctx, x, w, b):  # x (N, in) row-major, w (out, in) row-major, b (out,) or None
@@ -437,9 +437,9 @@ class _OneDNNLinearFn(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         nx, nw, nb = ctx.needs_input_grad
-        g = g.contiguous()
-        dx = (torch.mm if torch.is_grad_enabled() else onednn.mm)(g, w) if nx else None
-        dw = torch.mm(g.t(), x) if nw else None
+        g, mm = g.contiguous(), torch.mm if torch.is_grad_enabled() else onednn.mm
+        dx = mm(g, w) if nx else None
+        dw = mm(g.t(), x) if nw else None
         db = g.sum(0) if nb and ctx.has_bias else None
         return dx, dw, db
 
@@ -451,7 +451,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
       native bf16 GEMMs (:func:`sublayer.kernels.native_bf16_gemm`): the GEMMs run in fp32 on the bf16-rounded
       operands and round once — the numbers of a bf16 GEMM with fp32 accumulation, faster there;
     * float32 where :func:`sublayer.kernels.cpu.onednn_fp32_gemm` (AMD CPUs with AVX-512, whose BLAS path there is
-      generic), for products of at least 2^24 multiply-adds: the forward and the input gradient through oneDNN.
+      generic), for products of at least 2^24 multiply-adds: the forward and the gradients through oneDNN.
       The same product up to the summation order.
 
     Everything else (other dtypes, CUDA, DTensor, ``torch.compile``, kernels switched off) is ``F.linear`` itself.

@@ -40,10 +40,10 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, gelu: bool | str = 
 
 
 def mm(a: Tensor, b: Tensor) -> Tensor:
-    """``torch.mm(a, b)`` of float32 CPU matrices (M, K) @ (K, N): through oneDNN's linear (``a @ (b.T).T``) when
-    ``a`` is row-major and the product has :data:`MIN_MACS` multiply-adds or more, else ``torch.mm``; the same
-    product up to the summation order. Where oneDNN is the faster is the callers' decision (call :func:`available`
-    first)."""
-    if a.is_contiguous() and a.shape[0] * a.shape[1] * b.shape[1] >= MIN_MACS:
-        return linear(a, b.t())
+    """``torch.mm(a, b)`` of float32 CPU matrices (M, K) @ (K, N): through oneDNN's linear (``a @ (b.T).T``, ``a``
+    made row-major first: a weight gradient's transposed left operand is copied, O(MK) against the product's
+    O(MKN)) when the product has :data:`MIN_MACS` multiply-adds or more, else ``torch.mm``; the same product up to
+    the summation order. Where oneDNN is the faster is the callers' decision (call :func:`available` first)."""
+    if a.shape[0] * a.shape[1] * b.shape[1] >= MIN_MACS:
+        return linear(a.contiguous(), b.t())
     return torch.mm(a, b)
