@@ -152,6 +152,8 @@ def test_float32_onednn_path_only_where_it_applies(onednn_fp32, monkeypatch):
     assert "OneDNNLinearFn" not in _names(small) and torch.equal(small, F.linear(x[:, :1], w))
     wt = torch.randn(_X[-1], _N).t()  # a weight that is not row-major
     assert "OneDNNLinearFn" not in _names(fused.linear(x, wt))
+    strided_bias = torch.randn(2 * _N)[::2]
+    assert_close(fused.linear(x, w, strided_bias), F.linear(x, w, strided_bias))
     assert "OneDNNLinearFn" not in _names(fused.linear(x.double(), w.double()))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert "OneDNNLinearFn" not in _names(fused.linear(x, w))

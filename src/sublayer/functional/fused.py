@@ -423,8 +423,8 @@ class _Bf16LinearFn(torch.autograd.Function):
 
 
 class _OneDNNLinearFn(torch.autograd.Function):
-    """A float32 linear whose row-major products run on oneDNN (:func:`sublayer.kernels.onednn.mm`), where torch's BLAS runs a
-    generic code path (:func:`sublayer.kernels.cpu.onednn_fp32_gemm`), the gradients' too. A backward with
+    """A float32 linear whose products, the gradients' too, run on oneDNN (:func:`sublayer.kernels.onednn.mm`),
+    where torch's BLAS runs a generic code path (:func:`sublayer.kernels.cpu.onednn_fp32_gemm`). A backward with
     ``create_graph=True`` runs torch's own products, so higher-order gradients work."""
 
     @staticmethod
@@ -488,8 +488,8 @@ def _onednn_linear_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bo
         return False
     if any(t.dtype != torch.float32 for t in (x, weight, bias) if t is not None) or not weight.is_contiguous():
         return False
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
-        return False  # F.linear raises its own error
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0] or not bias.is_contiguous()):
+        return False  # F.linear raises its own error (or takes the strided bias)
     return x.numel() * weight.shape[0] >= onednn.MIN_MACS and kernels.cpu.onednn_fp32_gemm()
 
 
