@@ -165,6 +165,7 @@ def test_the_command_line_sets_the_wait_policy_before_torch_only_when_unset():
     assert re.fullmatch(r"\d+ \(.+\)", rows["threads"].strip())
     assert rows["int8"].startswith("decoding weight-only (int8 panels); BERT on torch's linear_dynamic")  # no kernels
     assert rows["bf16 decoding"] == "bf16 panels, 16 bits a weight"  # no kernels
+    assert rows["fp32 GEMMs"] == "torch's BLAS"  # no kernels
     assert "OMP_WAIT_POLICY=active (set by the user)" in _info({"OMP_WAIT_POLICY": "active"})
     assert "GOMP_SPINCOUNT=5000 (set by the user)" in _info({"GOMP_SPINCOUNT": "5000"})
     assert "OpenMP's default (SUBLAYER_WAIT_POLICY=openmp)" in _info({"SUBLAYER_WAIT_POLICY": "openmp"})

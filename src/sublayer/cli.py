@@ -143,6 +143,10 @@ def info() -> None:
         "compact panels, 12 bits a weight (AVX-512, AVX512_BF16)" if kernels.enabled() and compact_kernels()
         else "bf16 panels, 16 bits a weight"
     )  # fmt: skip
+    rows["fp32 GEMMs"] = (
+        "oneDNN from 2^24 multiply-adds (torch's BLAS runs a generic path on this CPU)"
+        if kernels.enabled() and kernels.cpu.onednn_fp32_gemm() else "torch's BLAS"
+    )  # fmt: skip
     rows["allocator"] = allocator_setting()
     rows["buffer cache"] = f"Add & Norm keeps up to {buffer_cache()['limit_mb']:g} MiB of freed buffers (SUBLAYER_BUFFER_CACHE_MB)"
     for k, v in rows.items():
