@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 from torch.autograd import gradcheck
 from torch.testing import assert_close
@@ -185,3 +187,30 @@ def test_attention_module_uses_the_float32_onednn_path(onednn_fp32):
     (got,) = torch.autograd.grad(out.sum(), x)
     assert_close(out, ref, rtol=1e-4, atol=1e-5)
     assert_close(got, gref, rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 300), k=st.integers(1, 400), n=st.integers(1, 600), bias=st.booleans(),
+       seed=st.integers(0, 2**16))  # fmt: skip
+def test_float32_path_matches_f_linear_at_any_shape(rows, k, n, bias, seed):
+    """Property: whichever side of oneDNN's minimum product a shape falls, fused.linear (oneDNN forced on) gives
+    F.linear's output and gradients within the reference's own float32 error."""
+    if not onednn.available():
+        return
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).requires_grad_()
+    w = (torch.randn(n, k, generator=g) / k**0.5).requires_grad_()
+    ins = [x, w] + ([torch.randn(n, generator=g).requires_grad_()] if bias else [])
+    was = kernels.cpu.onednn_fp32_gemm
+    kernels.cpu.onednn_fp32_gemm = lambda: True
+    try:
+        taken = "OneDNNLinearFn" in _names(fused.linear(*ins))
+        fo, fg = run(lambda *a: fused.linear(*a), ins, g_dtype=torch.float32)
+    finally:
+        kernels.cpu.onednn_fp32_gemm = was
+    assert taken == (rows * k * n >= onednn.MIN_MACS)
+    ro, rg = run(lambda *a: F.linear(*a), ins, g_dtype=torch.float32)
+    wo, wg = run(lambda *a: F.linear(*a), as64(ins), g_dtype=torch.float32)
+    assert_fast_close(fo, ro, wo, what="out")
+    for name, a, r, w64 in zip(["dx", "dw", "db"], fg, rg, wg):
+        assert_fast_close(a, r, w64, what=name)
