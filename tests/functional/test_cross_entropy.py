@@ -298,16 +298,19 @@ def test_bad_inputs():
 @pytest.mark.parametrize("grad_in_forward", MODES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_input_gradient_through_onednn_equal_eager(grad_in_forward, bias, monkeypatch):
-    """Where torch's BLAS runs a generic path (AMD CPUs with AVX-512) the input gradient's (n, V) @ (V, D) product
-    runs on oneDNN: the same loss and gradients as the eager expression."""
+    """Where torch's BLAS runs a generic path (AMD CPUs with AVX-512) the logits (forward, and recomputed in
+    backward) and the input gradient's (n, V) @ (V, D) product run on oneDNN: the same loss and gradients as the
+    eager expression."""
     from sublayer import kernels
     from sublayer.kernels import onednn
 
     if not onednn.available():
         pytest.skip("torch without oneDNN's linear ops")
     monkeypatch.setattr(kernels.cpu, "onednn_fp32_gemm", lambda: True)
-    calls, mm = [], onednn.mm
+    calls, mm, linear = [], onednn.mm, onednn.linear
     monkeypatch.setattr(onednn, "mm", lambda a, b: calls.append(a.shape[0] * a.shape[1] * b.shape[1]) or mm(a, b))
+    logits = []  # the logits GEMMs on oneDNN (onednn.mm calls onednn.linear too: counted apart by the weight)
+    monkeypatch.setattr(onednn, "linear", lambda a, w, *r, **k: logits.append(w.shape) or linear(a, w, *r, **k))
     h, w, b, t = _inputs(67, 257, 1031, bias=bias)  # 67 x 1031 x 257: over oneDNN's minimum product
     want = _ref(h, w, b, t, label_smoothing=0.1)
     got = linear_cross_entropy(h, w, t, bias=b, label_smoothing=0.1, grad_in_forward=grad_in_forward)
@@ -315,3 +318,4 @@ def test_input_gradient_through_onednn_equal_eager(grad_in_forward, bias, monkey
     for g, r in zip(torch.autograd.grad(got, _params(h, w, b)), torch.autograd.grad(want, _params(h, w, b))):
         assert_close(g, r)
     assert calls and min(calls) >= onednn.MIN_MACS
+    assert logits.count((1031, 257)) == (1 if grad_in_forward else 2)  # the forward's, and the backward's again

@@ -122,10 +122,16 @@ def _compute_dtype(*ts: Tensor | None) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
 
 
-def _logits(hc: Tensor, w: Tensor, b: Tensor | None, out: Tensor, packed: Tensor | None = None) -> Tensor:
-    """``out = hc @ w.T + b`` (c, V); with ``packed`` (:func:`_packed_weight` of ``w``) oneDNN's GEMM makes it."""
-    if packed is not None:  # a new (c, V) tensor: oneDNN writes no out=
+def _logits(hc: Tensor, w: Tensor, b: Tensor | None, out: Tensor | None, packed: Tensor | None = None) -> Tensor:
+    """``hc @ w.T + b`` (c, V), into ``out`` (None: a new tensor). With ``packed`` (:func:`_packed_weight` of ``w``)
+    oneDNN's GEMM makes it, and where torch's BLAS runs a generic path (:func:`_onednn_fp32`) oneDNN's on ``w`` as
+    it is; both return a new tensor (oneDNN writes no out=)."""
+    if packed is not None:
         return onednn.linear(hc, packed, b)
+    if _onednn_fp32(hc) and hc.shape[0] * hc.shape[1] * w.shape[0] >= onednn.MIN_MACS:
+        return onednn.linear(hc.contiguous(), w, b)
+    if out is None:
+        out = torch.empty(hc.shape[0], w.shape[0], dtype=hc.dtype, device=hc.device)
     if b is None:
         return torch.mm(hc, w.t(), out=out)
     return torch.addmm(b, hc, w.t(), out=out)
@@ -136,19 +142,28 @@ def _logits(hc: Tensor, w: Tensor, b: Tensor | None, out: Tensor, packed: Tensor
 PACKED_MIN_ROWS = 256
 
 
+def _packed_rows(w: Tensor, n: int) -> bool:
+    """Whether the forward's logits GEMMs of ``n`` rows run on ``w`` (V, D) packed for oneDNN's float32 GEMM: the
+    rows repay the packing."""
+    return n >= PACKED_MIN_ROWS and w.dtype == torch.float32 and w.device.type == "cpu" and onednn.available()
+
+
 def _packed_weight(w: Tensor, n: int) -> Tensor | None:
-    """``w`` (V, D) packed for oneDNN's float32 GEMM when ``n`` rows repay the packing, else None."""
-    if n < PACKED_MIN_ROWS or w.dtype != torch.float32 or w.device.type != "cpu" or not onednn.available():
-        return None
-    return onednn.pack(w)
+    """``w`` (V, D) packed for oneDNN's float32 GEMM when ``n`` rows repay the packing (:func:`_packed_rows`), else
+    None."""
+    return onednn.pack(w) if _packed_rows(w, n) else None
+
+
+def _onednn_fp32(t: Tensor) -> bool:
+    """Whether ``t``'s products run on oneDNN: float32 on a CPU where torch's BLAS runs a generic path
+    (:func:`sublayer.kernels.cpu.onednn_fp32_gemm`)."""
+    return t.dtype == torch.float32 and t.device.type == "cpu" and kernels.cpu.onednn_fp32_gemm()
 
 
 def _mm(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` for the input gradient (c, V) @ (V, D): float32 on CPU through oneDNN where torch's BLAS runs a
-    generic path (:func:`sublayer.kernels.cpu.onednn_fp32_gemm`), else ``torch.mm``."""
-    if a.dtype == torch.float32 and a.device.type == "cpu" and kernels.cpu.onednn_fp32_gemm():
-        return onednn.mm(a, b)
-    return torch.mm(a, b)
+    """``a @ b`` for the input gradient (c, V) @ (V, D): :func:`sublayer.kernels.onednn.mm` where
+    :func:`_onednn_fp32`, else ``torch.mm``."""
+    return onednn.mm(a, b) if _onednn_fp32(a) else torch.mm(a, b)
 
 
 def _onehot_sub_(p: Tensor, tc: Tensor, v0: int, value: float) -> None:
@@ -170,7 +185,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         b = None if bias is None else bias.to(cdt)
         elements = chunk or _CHUNK_ELEMENTS
         rows = max(1, -(-elements // vocab))
-        buf = torch.empty(min(rows, max(n, 1)), vocab, dtype=cdt, device=h.device)
+        fresh = _packed_rows(w, n) or _onednn_fp32(w)  # oneDNN makes each chunk's logits: no buffer to reuse
+        buf = None if fresh else torch.empty(min(rows, max(n, 1)), vocab, dtype=cdt, device=h.device)
         row_loss = torch.empty(n, dtype=cdt, device=h.device)
         lse = torch.empty(n, dtype=cdt, device=h.device)
         in_fwd = grad_in_forward and need_grad
@@ -184,7 +200,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hc = h[s : s + rows].to(cdt)
             tc = target[s : s + rows]
             c = hc.shape[0]
-            z = _logits(hc.contiguous(), w, b, buf[:c], packed)
+            z = _logits(hc.contiguous(), w, b, None if buf is None else buf[:c], packed)
             zt = z.gather(1, tc[:, None]).squeeze(1)
             logp = torch.ops.aten._log_softmax.out(z, 1, False, out=z)  # in place: one fused pass
             lpt = logp.gather(1, tc[:, None]).squeeze(1)
@@ -231,7 +247,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # vocabulary blocks: each dW block is written once (no accumulation traffic), dh (n, D) accumulates
             cols = min(vocab, max(1, -(-elements // max(n, 1))))
             hc = hk.to(cdt)
-            buf = torch.empty(max(n, 1) * cols, dtype=cdt, device=hk.device)
+            buf = None if _onednn_fp32(hc) else torch.empty(max(n, 1) * cols, dtype=cdt, device=hk.device)
             dh = torch.zeros(n, d, dtype=cdt, device=hk.device) if want_h else None
             dw = torch.empty(vocab, d, dtype=cdt, device=hk.device) if want_w else None
             db = torch.empty(vocab, dtype=cdt, device=hk.device) if want_b and bias is not None else None
@@ -239,11 +255,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for v0 in range(0, vocab, cols):
                 v1 = min(vocab, v0 + cols)
                 wb = weight[v0:v1].to(cdt)
-                z = buf[: n * (v1 - v0)].view(n, v1 - v0)
-                if bias is None:
+                z = None if buf is None else buf[: n * (v1 - v0)].view(n, v1 - v0)
+                if bias is None and z is not None:
                     torch.addmm(neg_lse, hc, wb.t(), out=z)  # z - lse, in the GEMM
                 else:
-                    _logits(hc, wb, bias[v0:v1].to(cdt), z).add_(neg_lse)
+                    z = _logits(hc, wb, None if bias is None else bias[v0:v1].to(cdt), z).add_(neg_lse)
                 p = z.exp_()  # softmax
                 _onehot_sub_(p, tk, v0, 1.0 - smoothing)
                 if smoothing:
