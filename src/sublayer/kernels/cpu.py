@@ -104,10 +104,10 @@ def native_bf16_gemm() -> bool:
 
 @functools.cache
 def onednn_fp32_gemm() -> bool:
-    """Whether large float32 GEMMs (:func:`sublayer.kernels.onednn.mm`: the fused FFN's, the attention projections',
-    the fused loss's logits and input gradient, the decoding paths' many-row products) go through oneDNN rather than torch's
-    default BLAS (MKL): on AMD CPUs with AVX-512, where MKL runs its generic code path and oneDNN its AVX-512
-    kernels. Needs torch built with oneDNN."""
+    """Whether large float32 GEMMs (:func:`sublayer.kernels.onednn.mm`: the fused FFN's, the attention
+    projections', the fused loss's logits and input gradient, the decoding paths' many-row products) go through
+    oneDNN rather than torch's default BLAS (MKL): on AMD CPUs with AVX-512, where MKL runs its generic code path
+    and oneDNN its AVX-512 kernels. Needs torch built with oneDNN."""
     if not (is_x86() and has("avx512f") and "AuthenticAMD" in cpuinfo_text()):
         return False
     from . import onednn
