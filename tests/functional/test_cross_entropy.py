@@ -319,3 +319,45 @@ def test_input_gradient_through_onednn_equal_eager(grad_in_forward, bias, monkey
         assert_close(g, r)
     assert calls and min(calls) >= onednn.MIN_MACS
     assert logits.count((1031, 257)) == (1 if grad_in_forward else 2)  # the forward's, and the backward's again
+
+
+@pytest.mark.parametrize("grad_in_forward", MODES)
+@pytest.mark.parametrize("rows", [100, 300])  # oneDNN on the weight as it is, and on the packed weight
+@pytest.mark.parametrize("kind", ["strided", "expanded"])
+def test_bias_with_any_strides_equals_eager(grad_in_forward, rows, kind, monkeypatch):
+    """oneDNN reads a bias as a dense vector: a strided or expanded bias must be made contiguous first."""
+    from sublayer import kernels
+
+    monkeypatch.setattr(kernels.cpu, "onednn_fp32_gemm", lambda: True)
+    h, w, _, t = _inputs(rows, 257, 1031, bias=False)
+    b = (torch.randn(2 * 1031, dtype=torch.float64)[::2] if kind == "strided" else torch.tensor(0.3).expand(1031))
+    b = b.float().requires_grad_() if kind == "strided" else b
+    want = _ref(h, w, b, t)
+    got = linear_cross_entropy(h, w, t, bias=b, grad_in_forward=grad_in_forward)
+    assert_close(got, want)
+    params = [h, w] + ([b] if b.requires_grad else [])
+    for g, r in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params)):
+        assert_close(g, r)
+
+
+@pytest.mark.parametrize("rows", [67, 300])
+def test_kernels_switched_off_run_no_onednn(rows, monkeypatch):
+    """``sublayer.kernels.set_enabled(False)`` gives the reference products everywhere, the loss's included."""
+    from sublayer import kernels
+    from sublayer.kernels import onednn
+
+    monkeypatch.setattr(kernels.cpu, "onednn_fp32_gemm", lambda: True)
+    calls, linear = [], onednn.linear
+    monkeypatch.setattr(onednn, "linear", lambda *a, **k: calls.append(1) or linear(*a, **k))
+    h, w, b, t = _inputs(rows, 257, 1031)
+    kernels.set_enabled(False)
+    try:
+        got = linear_cross_entropy(h, w, t, bias=b)
+        grads = torch.autograd.grad(got, [h, w, b])
+    finally:
+        kernels.set_enabled(True)
+    assert not calls
+    want = _ref(h, w, b, t)
+    assert_close(got, want)
+    for g, r in zip(grads, torch.autograd.grad(want, [h, w, b])):
+        assert_close(g, r)

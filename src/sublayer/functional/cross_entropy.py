@@ -144,8 +144,9 @@ PACKED_MIN_ROWS = 256
 
 def _packed_rows(w: Tensor, n: int) -> bool:
     """Whether the forward's logits GEMMs of ``n`` rows run on ``w`` (V, D) packed for oneDNN's float32 GEMM: the
-    rows repay the packing."""
-    return n >= PACKED_MIN_ROWS and w.dtype == torch.float32 and w.device.type == "cpu" and onednn.available()
+    rows repay the packing (and the kernels are switched on)."""
+    return (n >= PACKED_MIN_ROWS and w.dtype == torch.float32 and w.device.type == "cpu" and kernels.switched_on()
+            and onednn.available())  # fmt: skip
 
 
 def _packed_weight(w: Tensor, n: int) -> Tensor | None:
@@ -156,8 +157,9 @@ def _packed_weight(w: Tensor, n: int) -> Tensor | None:
 
 def _onednn_fp32(t: Tensor) -> bool:
     """Whether ``t``'s products run on oneDNN: float32 on a CPU where torch's BLAS runs a generic path
-    (:func:`sublayer.kernels.cpu.onednn_fp32_gemm`)."""
-    return t.dtype == torch.float32 and t.device.type == "cpu" and kernels.cpu.onednn_fp32_gemm()
+    (:func:`sublayer.kernels.cpu.onednn_fp32_gemm`), the kernels switched on."""
+    return (t.dtype == torch.float32 and t.device.type == "cpu" and kernels.switched_on()
+            and kernels.cpu.onednn_fp32_gemm())  # fmt: skip
 
 
 def _mm(a: Tensor, b: Tensor) -> Tensor:

@@ -33,7 +33,9 @@ def pack(w: Tensor) -> Tensor:
 
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, gelu: bool | str = False) -> Tensor:
     """``x @ w.T + b`` (then GELU: ``gelu=True`` erf, ``gelu="tanh"`` its tanh approximation), a new (M, N) tensor;
-    ``x`` (M, K) row-major, ``w`` (N, K) as is or :func:`pack` ed."""
+    ``x`` (M, K) row-major, ``w`` (N, K) as is or :func:`pack` ed, ``b`` (N,) or None (made contiguous: oneDNN reads
+    a bias as a dense vector, whatever its strides)."""
+    b = None if b is None else b.contiguous()
     if not gelu:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu", [], "none" if gelu is True else gelu)
