@@ -469,6 +469,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         or torch._C._are_functorch_transforms_active()
         or torch.autograd.forward_ad._current_level >= 0
         or not _plain_cpu(x, weight, bias)
+        or x.dim() == 0
+        or weight.dim() != 2
+        or x.shape[-1] != weight.shape[-1]  # F.linear raises its own error
     ):
         return torch.nn.functional.linear(x, weight, bias)
     if _onednn_linear_applies(x, weight, bias):
@@ -484,9 +487,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def _onednn_linear_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    if torch.is_autocast_enabled("cpu") or weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[-1]:
+    if torch.is_autocast_enabled("cpu") or not weight.is_contiguous():
         return False
-    if any(t.dtype != torch.float32 for t in (x, weight, bias) if t is not None) or not weight.is_contiguous():
+    if any(t.dtype != torch.float32 for t in (x, weight, bias) if t is not None):
         return False
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0] or not bias.is_contiguous()):
         return False  # F.linear raises its own error (or takes the strided bias)
@@ -495,8 +498,6 @@ def _onednn_linear_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bo
 
 def _bf16_linear_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     ts = [t for t in (x, weight, bias) if t is not None]
-    if x.dim() == 0 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
-        return False  # F.linear raises its own error
     if torch.is_autocast_enabled("cpu"):  # autocast casts float32 operands of linear to its dtype
         return torch.get_autocast_dtype("cpu") == torch.bfloat16 and all(
             t.dtype in (torch.float32, torch.bfloat16) for t in ts
