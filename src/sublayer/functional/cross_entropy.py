@@ -142,17 +142,11 @@ def _logits(hc: Tensor, w: Tensor, b: Tensor | None, out: Tensor | None, packed:
 PACKED_MIN_ROWS = 256
 
 
-def _packed_rows(w: Tensor, n: int) -> bool:
-    """Whether the forward's logits GEMMs of ``n`` rows run on ``w`` (V, D) packed for oneDNN's float32 GEMM: the
-    rows repay the packing (and the kernels are switched on)."""
-    return (n >= PACKED_MIN_ROWS and w.dtype == torch.float32 and w.device.type == "cpu" and kernels.switched_on()
-            and onednn.available())  # fmt: skip
-
-
 def _packed_weight(w: Tensor, n: int) -> Tensor | None:
-    """``w`` (V, D) packed for oneDNN's float32 GEMM when ``n`` rows repay the packing (:func:`_packed_rows`), else
-    None."""
-    return onednn.pack(w) if _packed_rows(w, n) else None
+    """``w`` (V, D) packed for oneDNN's float32 GEMM when the forward's logits GEMMs of ``n`` rows repay the
+    packing (and the kernels are switched on), else None."""
+    ok = n >= PACKED_MIN_ROWS and w.dtype == torch.float32 and w.device.type == "cpu" and kernels.switched_on()
+    return onednn.pack(w) if ok and onednn.available() else None
 
 
 def _onednn_fp32(t: Tensor) -> bool:
@@ -168,11 +162,14 @@ def _mm(a: Tensor, b: Tensor) -> Tensor:
     return onednn.mm(a, b) if _onednn_fp32(a) else torch.mm(a, b)
 
 
-def _onehot_sub_(p: Tensor, tc: Tensor, v0: int, value: float) -> None:
-    """``p[i, tc[i] - v0] -= value`` for the rows whose target lies in the block ``[v0, v0 + p.shape[1])``."""
+def _softmax_to_grad_(p: Tensor, tc: Tensor, v0: int, smoothing: float, vocab: int) -> Tensor:
+    """The softmax block ``p`` (columns ``[v0, v0 + p.shape[1])`` of a ``vocab``-wide row) turned in place into
+    d loss / d logits: ``p - (1-ε) onehot(tc) - ε/V`` (the onehot only for rows whose target lies in the block)."""
     inside = (tc >= v0) & (tc < v0 + p.shape[1])
     rows = inside.nonzero().squeeze(1)
-    p.index_put_((rows, tc[rows] - v0), torch.tensor(-value, dtype=p.dtype, device=p.device), accumulate=True)
+    value = torch.tensor(smoothing - 1.0, dtype=p.dtype, device=p.device)
+    p.index_put_((rows, tc[rows] - v0), value, accumulate=True)
+    return p.sub_(smoothing / vocab) if smoothing else p
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -187,7 +184,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         b = None if bias is None else bias.to(cdt)
         elements = chunk or _CHUNK_ELEMENTS
         rows = max(1, -(-elements // vocab))
-        fresh = _packed_rows(w, n) or _onednn_fp32(w)  # oneDNN makes each chunk's logits: no buffer to reuse
+        packed = _packed_weight(w, n)
+        fresh = packed is not None or _onednn_fp32(w)  # oneDNN makes each chunk's logits: no buffer to reuse
         buf = None if fresh else torch.empty(min(rows, max(n, 1)), vocab, dtype=cdt, device=h.device)
         row_loss = torch.empty(n, dtype=cdt, device=h.device)
         lse = torch.empty(n, dtype=cdt, device=h.device)
@@ -197,7 +195,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # written by the first chunk (beta=0), accumulated by the others: no zero-fill pass over (V, D)
         dw = (torch.empty if n else torch.zeros)(vocab, d, dtype=cdt, device=h.device) if want_w else None
         db = torch.zeros(vocab, dtype=cdt, device=h.device) if want_b else None
-        packed = _packed_weight(w, n)
         for s in range(0, n, rows):
             hc = h[s : s + rows].to(cdt)
             tc = target[s : s + rows]
@@ -212,10 +209,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if smoothing:
                 loss_c.sub_(logp.sum(1), alpha=smoothing / vocab)
             if in_fwd:  # d loss / d z = scale * (softmax - (1-eps) onehot - eps/V)
-                p = logp.exp_()
-                _onehot_sub_(p, tc, 0, 1.0 - smoothing)
-                if smoothing:
-                    p.sub_(smoothing / vocab)
+                p = _softmax_to_grad_(logp.exp_(), tc, 0, smoothing, vocab)
                 if dh is not None:
                     torch.mul(_mm(p, w), scale, out=dh[s : s + c])
                 if dw is not None:
@@ -262,10 +256,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     torch.addmm(neg_lse, hc, wb.t(), out=z)  # z - lse, in the GEMM
                 else:
                     z = _logits(hc, wb, None if bias is None else bias[v0:v1].to(cdt), z).add_(neg_lse)
-                p = z.exp_()  # softmax
-                _onehot_sub_(p, tk, v0, 1.0 - smoothing)
-                if smoothing:
-                    p.sub_(smoothing / vocab)
+                p = _softmax_to_grad_(z.exp_(), tk, v0, smoothing, vocab)  # z - lse: exp is the softmax
                 if dh is not None:
                     dh.add_(_mm(p, wb), alpha=step)
                 if dw is not None:
@@ -308,10 +299,7 @@ class _Bf16LinearCrossEntropy(torch.autograd.Function):
             if smoothing:
                 loss_c.sub_(logp.sum(1), alpha=smoothing / vocab)
             # d loss / d z = scale * (softmax - (1-eps) onehot - eps/V), rounded to bfloat16
-            _onehot_sub_(p, tc, 0, 1.0 - smoothing)
-            if smoothing:
-                p.sub_(smoothing / vocab)
-            torch.mul(p, scale, out=zc)
+            torch.mul(_softmax_to_grad_(p, tc, 0, smoothing, vocab), scale, out=zc)
         ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.save_for_backward(hb, wb, z)
         return row_loss.sum() * scale
