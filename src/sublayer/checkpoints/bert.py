@@ -48,6 +48,13 @@ def canonical(key: str) -> str | None:
     return k
 
 
+# (HF module, ours) in a layer, the table above
+_LAYER = (("attention.self.query", "self_attn.q_proj"), ("attention.self.key", "self_attn.k_proj"),
+          ("attention.self.value", "self_attn.v_proj"), ("attention.output.dense", "self_attn.out_proj"),
+          ("attention.output.LayerNorm", "attn_residual.norm"), ("intermediate.dense", "ffn.fc1"),
+          ("output.dense", "ffn.fc2"), ("output.LayerNorm", "ffn_residual.norm"))  # fmt: skip
+
+
 def _pairs(n_layers: int, pooler: bool) -> list[tuple[str, str]]:
     """(HF name, our name) for every parameter."""
     pairs: list[tuple[str, str]] = [
@@ -56,18 +63,8 @@ def _pairs(n_layers: int, pooler: bool) -> list[tuple[str, str]]:
     ]
     pairs += [(f"embeddings.LayerNorm.{p}", f"embeddings.norm.{p}") for p in ("weight", "bias")]
     for i in range(n_layers):
-        h, o = f"encoder.layer.{i}.", f"encoder.layers.{i}."
-        for p in ("weight", "bias"):
-            pairs += [
-                (f"{h}attention.self.query.{p}", f"{o}self_attn.q_proj.{p}"),
-                (f"{h}attention.self.key.{p}", f"{o}self_attn.k_proj.{p}"),
-                (f"{h}attention.self.value.{p}", f"{o}self_attn.v_proj.{p}"),
-                (f"{h}attention.output.dense.{p}", f"{o}self_attn.out_proj.{p}"),
-                (f"{h}attention.output.LayerNorm.{p}", f"{o}attn_residual.norm.{p}"),
-                (f"{h}intermediate.dense.{p}", f"{o}ffn.fc1.{p}"),
-                (f"{h}output.dense.{p}", f"{o}ffn.fc2.{p}"),
-                (f"{h}output.LayerNorm.{p}", f"{o}ffn_residual.norm.{p}"),
-            ]
+        pairs += [(f"encoder.layer.{i}.{hf}.{p}", f"encoder.layers.{i}.{ours}.{p}")
+                  for p in ("weight", "bias") for hf, ours in _LAYER]  # fmt: skip
     if pooler:
         pairs += [(f"pooler.dense.{p}", f"pooler.dense.{p}") for p in ("weight", "bias")]
     return pairs
