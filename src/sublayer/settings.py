@@ -185,12 +185,17 @@ def apply_wait_policy(environ: MutableMapping[str, str] | None = None, *, torch_
 _applied: dict[str, str | None] = {"effect": None}
 
 
+def _user_wait(env: Mapping[str, str]) -> str | None:
+    """The user's ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` (the first set), as ``sublayer info`` shows it."""
+    name = next((n for n in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if env.get(n, "").strip()), None)
+    return None if name is None else f"{name}={env[name].strip()} (set by the user)"
+
+
 def _wait_effect(env: MutableMapping[str, str], torch_loaded: bool | None) -> str:
     policy = wait_policy(env)
     loaded = "torch" in sys.modules if torch_loaded is None else torch_loaded
-    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
-        if env.get(name, "").strip():
-            return f"{name}={env[name].strip()} (set by the user)"
+    if (user := _user_wait(env)) is not None:
+        return user
     if policy == "openmp":
         return "OpenMP's default (SUBLAYER_WAIT_POLICY=openmp)"
     if loaded:
@@ -202,12 +207,7 @@ def _wait_effect(env: MutableMapping[str, str], torch_loaded: bool | None) -> st
 def wait_policy_effect() -> str:
     """What this process's OpenMP waits with: what :func:`apply_wait_policy` did, else the user's variables or
     OpenMP's default."""
-    if _applied["effect"] is not None:
-        return _applied["effect"]
-    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
-        if os.environ.get(name, "").strip():
-            return f"{name}={os.environ[name].strip()} (set by the user)"
-    return "OpenMP's default (spin, then sleep)"
+    return _applied["effect"] or _user_wait(os.environ) or "OpenMP's default (spin, then sleep)"
 
 
 def isa(environ: Mapping[str, str] | None = None) -> str:
