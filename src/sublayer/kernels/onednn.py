@@ -35,10 +35,8 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, gelu: bool | str = 
     """``x @ w.T + b`` (then GELU: ``gelu=True`` erf, ``gelu="tanh"`` its tanh approximation), a new (M, N) tensor;
     ``x`` (M, K) row-major, ``w`` (N, K) as is or :func:`pack` ed, ``b`` (N,) or None (made contiguous: oneDNN reads
     a bias as a dense vector, whatever its strides)."""
-    b = None if b is None else b.contiguous()
-    if not gelu:
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu", [], "none" if gelu is True else gelu)
+    attr, algorithm = ("gelu", "none" if gelu is True else gelu) if gelu else ("none", "")
+    return torch.ops.mkldnn._linear_pointwise(x, w, None if b is None else b.contiguous(), attr, [], algorithm)
 
 
 def mm(a: Tensor, b: Tensor) -> Tensor:
