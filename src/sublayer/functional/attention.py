@@ -119,8 +119,7 @@ def attention(
     """
     b, h, t_q, _ = q.shape
     t_k = k.shape[-2]
-    allowed: Tensor | None = None  # bool, True = may attend
-    additive: Tensor | None = None
+    masks = []  # (B | 1, H | 1, T_q | 1, T_k), bool True = masked or additive
     if key_padding_mask is not None:
         _check_mask_dtype("key_padding_mask", key_padding_mask)
         if key_padding_mask.shape != (b, t_k):
@@ -128,17 +127,16 @@ def attention(
                 f"key_padding_mask must have shape (batch, key_len) = ({b}, {t_k}), "
                 f"got {tuple(key_padding_mask.shape)}"
             )
-        kpm = key_padding_mask[:, None, None, :]
-        if kpm.dtype == torch.bool:
-            allowed = ~kpm
-        else:
-            additive = kpm.to(q.dtype)
+        masks.append(key_padding_mask[:, None, None, :])
     if attn_mask is not None:
-        am = _attn_mask_4d(attn_mask, b, h, t_q, t_k)
-        if am.dtype == torch.bool:
-            allowed = ~am if allowed is None else allowed & ~am
+        masks.append(_attn_mask_4d(attn_mask, b, h, t_q, t_k))
+    allowed: Tensor | None = None  # bool, True = may attend
+    additive: Tensor | None = None
+    for m in masks:
+        if m.dtype == torch.bool:
+            allowed = ~m if allowed is None else allowed & ~m
         else:
-            additive = am.to(q.dtype) if additive is None else additive + am.to(q.dtype)
+            additive = m.to(q.dtype) if additive is None else additive + m.to(q.dtype)
     sdpa_causal = False
     if is_causal:
         if allowed is None and additive is None and t_q == t_k and not need_weights:
