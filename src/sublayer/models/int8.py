@@ -1,5 +1,6 @@
 """What the int8 paths share: the symmetric per-channel quantization of one weight, the dense layers that
-``keep_float`` patterns name, the saved folder's tensors (name -> shape, dtype) and its ``quantization_config``."""
+``keep_float`` patterns name, the saved folder's tensors (name -> shape, dtype) and its ``quantization_config``, and
+the wrappers' snapshot-or-follow bookkeeping (:class:`Int8Wrapper`)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from torch import Tensor
 from .. import checkpoints as ckpt
 from ..runtime.linear import int8_screens_rows, quantize_weight
 from ..runtime.rows import kernels_on
+from ..runtime.weights import prepared
 
 __all__ = [
     "QUANTIZE_CHOICES", "QUANT_METHOD", "LINEARS", "Spec", "check_quantize", "quantize_weight", "check_float_cpu",
-    "dense_names", "check_keep_float", "dense_spec", "check_tensors", "quant_config", "own_int8_gemm",
+    "dense_names", "check_keep_float", "dense_spec", "check_tensors", "quant_config", "own_int8_gemm", "Int8Wrapper",
 ]  # fmt: skip
 
 LINEARS = ("qkv", "out", "fc1", "fc2")  # the dense layers of a block, as keep_float patterns name them
@@ -92,10 +94,49 @@ def check_tensors(tensors: dict[str, Tensor], spec: Spec, source, optional: set[
     )  # fmt: skip
 
 
-def quant_config(keep_float: tuple[str, ...]) -> dict[str, Any]:
+def quant_config(keep_float: tuple[str, ...], activations: str) -> dict[str, Any]:
     return {
         "quant_method": QUANT_METHOD,
         "weights": "int8 symmetric per output channel",
-        "activations": "int8 dynamic per token, chosen at run time (not stored)",
+        "activations": activations,
         "keep_float": list(keep_float),
     }
+
+
+class Int8Wrapper:
+    """What the int8 wrappers share (:class:`~.quantized.QuantizedBert`, :class:`~.quantized_gpt2.QuantizedCausalLM`):
+    a snapshot of its own tensors (``model`` None), or a ``model`` followed, its current weights re-quantized on the
+    next call after any change (:func:`sublayer.runtime.weights.prepared`). Subclasses give ``config``,
+    ``keep_float``, ``_key`` (the cache key, with :func:`kernels_on` added), ``_quantize(model)`` -> tensors and
+    ``_build(tensors)`` -> ``(tensors, prepared form)``; ``_activations``: the saved config's words for them."""
+
+    _activations = "int8 dynamic per token, chosen at run time (not stored)"
+
+    def _follow(self, model, tensors: dict[str, Tensor] | None) -> None:
+        self.model, self._own, self._form = model, tensors, None
+        if model is not None:
+            self._train_error = "is an inference-only wrapper; train the model itself: it re-quantizes on the next call"
+
+    def _parts(self) -> tuple[dict[str, Tensor], Any]:
+        """``(tensors, prepared form)``: a following wrapper's from :func:`sublayer.runtime.weights.prepared`
+        (re-quantized whenever a parameter of the model changed), a snapshot's built once."""
+        if self.model is not None:
+            return prepared(self.model, (*self._key, kernels_on()), lambda m: self._build(self._quantize(m)))
+        if self._form is None:
+            self._form = self._build(self._own)
+        return self._form
+
+    @property
+    def tensors(self) -> dict[str, Tensor]:
+        """The stored tensors (dense layers as ``{name}.qweight`` + ``{name}.scale`` unless kept float)."""
+        return self._own if self.model is None else self._parts()[0]
+
+    def save_pretrained(self, folder) -> None:
+        """``model.safetensors`` (the int8 and float tensors), ``config.json`` (the model's HF config with
+        ``quantization_config``) and, for a causal LM, ``generation_config.json``; read back with
+        :func:`sublayer.models.quantized.load_quantized`."""
+        cfg = self.config.to_hf_dict()
+        cfg["quantization_config"] = quant_config(self.keep_float, self._activations)
+        ckpt.write_folder(folder, self.tensors, cfg)
+        if getattr(self, "generation_config", None) is not None:
+            ckpt.write_generation_config(folder, self.generation_config)

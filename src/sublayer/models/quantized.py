@@ -50,7 +50,6 @@ from .bert import Bert, BertConfig
 from .prepared_bert import PreparedBert, bert_layers, bert_tensors
 from ..runtime.linear import Int8Linear as ActInt8Linear
 from ..runtime.rows import add_norm, bias_act, kernels_on
-from ..runtime.weights import prepared
 from .causal_lm import CausalLM
 from .gpt2 import GPT2, GPT2Config
 from .llama import MODEL_TYPES as LLAMA_TYPES
@@ -59,6 +58,7 @@ from .int8 import (
     LINEARS,
     QUANT_METHOD,
     QUANTIZE_CHOICES,
+    Int8Wrapper,
     Spec,
     check_float_cpu,
     check_keep_float,
@@ -67,7 +67,6 @@ from .int8 import (
     dense_names,
     dense_spec,
     own_int8_gemm,
-    quant_config,
     quantize_weight,
 )
 from .quantized_gpt2 import DEFAULT_KEEP_FLOAT_GPT2, QuantizedCausalLM, QuantizedGPT2
@@ -316,7 +315,7 @@ def _epilogue_add_norm(y, r, b, resid, w, beta, eps: float, nxt):
 
 
 # ----------------------------------------------------------------------------------------------- BERT
-class QuantizedBert(PreparedBert):
+class QuantizedBert(Int8Wrapper, PreparedBert):
     """int8 inference wrapper of a :class:`Bert` (build with :func:`quantize` / ``fast_inference(quantize="int8")``):
     :class:`~.fast.PreparedBert` on int8 layers: a snapshot's own tensors, or (``model`` given) the model's
     current weights re-quantized on the next call after any change, with the same ``calibration`` ids.
@@ -334,35 +333,23 @@ class QuantizedBert(PreparedBert):
         self, config: BertConfig, tensors: dict[str, Tensor] | None, keep_float: tuple[str, ...], *,
         own_gemm: bool | None = None, model: Bert | None = None, calibration: Tensor | None | bool = None,
     ) -> None:  # fmt: skip
-        self.config, self.keep_float, self.model = config, tuple(keep_float), model
+        self.config, self.keep_float = config, tuple(keep_float)
         self.compute_dtype = torch.float32
         self.own_gemm = own_int8_gemm() if own_gemm is None else bool(own_gemm)
-        if model is None:
-            self._own = self._build(tensors)
-        else:  # following: the same calibration ids at every re-quantization, and in the cache key
+        self._follow(model, tensors)
+        if model is not None:  # following: the same calibration ids at every re-quantization, and in the cache key
             given = isinstance(calibration, Tensor)
             self.calibration = calibration.clone() if given else calibration
             ids = (tuple(calibration.shape), *calibration.flatten().tolist()) if given else calibration
             self._key = ("int8", self.keep_float, self.own_gemm, ids)
-            self._train_error = "is an inference-only wrapper; train the model itself: it re-quantizes on the next call"
-        self.pooler = "pooler.dense.weight" in self.tensors  # a following wrapper quantizes (and checks) here
+        self.pooler = "pooler.dense.weight" in self._parts()[0]  # builds the layers (a following wrapper quantizes)
         self._check = Bert(config, pooler=self.pooler, device="meta")._prepare  # checks only
 
     def _build(self, t: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[dict]]:
         return t, bert_layers(t, self.config, lambda t, name: _make_linear(t, name, self.own_gemm))
 
-    def _parts(self) -> tuple[dict[str, Tensor], list[dict]]:
-        """``(tensors, layers)``: a following wrapper's from :func:`sublayer.runtime.weights.prepared` (re-quantized
-        whenever a parameter of the model changed), a snapshot's own."""
-        if self.model is None:
-            return self._own
-        build = lambda m: self._build(_int8_tensors(m, self.keep_float, self.calibration, copy=False))  # noqa: E731
-        return prepared(self.model, self._key, build)
-
-    @property
-    def tensors(self) -> dict[str, Tensor]:
-        """The stored tensors (dense layers as ``qweight`` + ``scale`` (+ ``smooth``) unless kept float)."""
-        return self._parts()[0]
+    def _quantize(self, model: Bert) -> dict[str, Tensor]:
+        return _int8_tensors(model, self.keep_float, self.calibration, copy=False)
 
     @property
     def layers(self) -> list[dict]:
@@ -413,14 +400,6 @@ class QuantizedBert(PreparedBert):
             for j in (1, 2):
                 spec[f"{p}.norm{j}.weight"] = spec[f"{p}.norm{j}.bias"] = ((d,), f32)
         return spec, optional
-
-    # -- save / load
-    def save_pretrained(self, folder: str | os.PathLike) -> None:
-        """``model.safetensors`` (the int8 and float tensors) + ``config.json`` (HF BERT config with
-        ``quantization_config``); read back with :func:`load_quantized`."""
-        cfg = self.config.to_hf_dict()
-        cfg["quantization_config"] = quant_config(self.keep_float)
-        ckpt.write_folder(folder, self.tensors, cfg)
 
     def __repr__(self) -> str:
         n_q = sum(isinstance(L[k], (Int8Linear, ActInt8Linear)) for L in self.layers for k in LINEARS)

@@ -41,7 +41,6 @@ and re-quantizes from its current weights on the next call after any change
 from __future__ import annotations
 
 import fnmatch
-import os
 
 import torch
 from torch import Tensor
@@ -49,11 +48,10 @@ from torch import Tensor
 from .. import checkpoints as ckpt
 from ..runtime import causal
 from ..runtime.linear import Int8Linear, PackedLinear, weight_int8_linear_reference
-from ..runtime.rows import inference, kernels_on
-from ..runtime.weights import prepared
+from ..runtime.rows import inference
 from .causal_lm import CausalLM, PreparedCausalLM
 from .int8 import (
-    LINEARS, check_float_cpu, check_keep_float, dense_names, dense_spec, own_int8_gemm, quant_config, quantize_weight,
+    LINEARS, Int8Wrapper, check_float_cpu, check_keep_float, dense_names, dense_spec, own_int8_gemm, quantize_weight,
 )  # fmt: skip
 
 __all__ = [
@@ -97,7 +95,7 @@ def _dense(name: str) -> bool:
     return name == "head.weight" or (len(parts) == 4 and parts[0] == "layers" and parts[2] in LINEARS and parts[3] == "weight")
 
 
-class QuantizedCausalLM(PreparedCausalLM):
+class QuantizedCausalLM(Int8Wrapper, PreparedCausalLM):
     """int8 inference wrapper of a decoder-only LM (:class:`GPT2`, :class:`Llama`; build with ``quantize`` /
     ``fast_inference(quantize="int8")``), over :mod:`sublayer.runtime.causal`.
 
@@ -125,9 +123,8 @@ class QuantizedCausalLM(PreparedCausalLM):
         self.skeleton, self.config, self.keep_float = skeleton, skeleton.config, tuple(keep_float)
         self.generation_config = ckpt.GenerationConfig.from_model_config(self.config)  # generate's defaults
         self.compute_dtype = torch.float32
-        self.model, self._own, self._form = model, tensors, None
-        if model is not None:
-            self._train_error = "is an inference-only wrapper; train the model itself: it re-quantizes on the next call"
+        self._key = ("int8", self.keep_float)
+        self._follow(model, tensors)
 
     @classmethod
     def from_model(
@@ -146,26 +143,15 @@ class QuantizedCausalLM(PreparedCausalLM):
         cache = torch.bfloat16 if any(name.endswith(".qweight") for name in t) else torch.float32
         return t, causal.build(self.skeleton, int8_linear, t, cache_dtype=cache)
 
-    def _parts(self) -> tuple[dict[str, Tensor], causal.CausalWeights]:
-        """``(tensors, decoding weights)``: a following wrapper's from :func:`sublayer.runtime.weights.prepared`
-        (re-quantized whenever a parameter of the model changed), a snapshot's built once."""
-        if self.model is not None:
-            key = ("int8", self.keep_float, kernels_on())
-            return prepared(self.model, key, lambda m: self._build(_int8_tensors(m, self.keep_float, copy=False)))
-        if self._form is None:
-            self._form = self._build(self._own)
-        return self._form
-
-    @property
-    def tensors(self) -> dict[str, Tensor]:
-        """The engine's named tensors (dense weights as ``{name}.qweight`` + ``{name}.scale`` unless kept float)."""
-        return self._own if self.model is None else self._parts()[0]
+    def _quantize(self, model: CausalLM) -> dict[str, Tensor]:
+        return _int8_tensors(model, self.keep_float, copy=False)
 
     def weights(self) -> causal.CausalWeights:
         """The decoding weights (:func:`sublayer.runtime.causal.build` over the int8 tensors)."""
         return self._parts()[1]
 
     _weights = weights  # what PreparedCausalLM's forward reads
+    _activations = "float32 for one row, int8 per token for several where the CPU has VNNI (chosen at run time)"
 
     @inference
     def lm_head(self, h: Tensor) -> Tensor:
@@ -175,18 +161,6 @@ class QuantizedCausalLM(PreparedCausalLM):
     def fast_decoder(self):
         """The float path's decoding loop over the int8 weights (``SUBLAYER_DECODING=0``: the reference loop)."""
         return causal.decoder(self, weights=self.weights)
-
-    # -- save / load
-    def save_pretrained(self, folder: str | os.PathLike) -> None:
-        """``model.safetensors`` (the int8 and float tensors), ``config.json`` (the model's HF config with
-        ``quantization_config``) and ``generation_config.json``; read back with
-        :func:`sublayer.models.quantized.load_quantized`."""
-        cfg = self.config.to_hf_dict()
-        qc = quant_config(self.keep_float)
-        qc["activations"] = "float32 for one row, int8 per token for several where the CPU has VNNI (chosen at run time)"
-        cfg["quantization_config"] = qc
-        ckpt.write_folder(folder, self.tensors, cfg)
-        ckpt.write_generation_config(folder, self.generation_config)
 
     @staticmethod
     def expected_tensors(skeleton: torch.nn.Module, keep_float: tuple[str, ...]) -> dict:
