@@ -98,7 +98,7 @@ def fast_inference(
 
 # ----------------------------------------------------------------------------------------------- building blocks
 class _FastBase:
-    """Shared: compute dtype, weight cache, what ``train(True)`` says (the mode switches:
+    """Shared: the model's checks, compute dtype, refresh, what ``train(True)`` says (the mode switches:
     :class:`sublayer.runtime.rows.InferenceOnly`)."""
 
     _train_error = ("is an inference-only wrapper; train the model itself (fast.model): the wrapper re-caches its "
@@ -114,11 +114,6 @@ class _FastBase:
         self.config = model.config
         self.dtype = dtype
         self.compute_dtype = compute_dtype(dtype)
-
-    def _weights(self):
-        """The cast weights (:func:`sublayer.runtime.weights.prepared`: rebuilt whenever a parameter changes)."""
-        key = ("fast", type(self).__name__, self.compute_dtype, kernels_on())
-        return prepared(self.model, key, lambda m: self._build())
 
     def refresh(self) -> None:
         """Re-cast the weights on the next call (needed only after a write through ``param.data`` to a few
@@ -148,12 +143,13 @@ class FastBert(_FastBase, PreparedBert):
     def _check(self, *args):
         return self.model._prepare(*args)
 
-    def _build(self) -> tuple[dict, list[dict]]:
-        t = bert_tensors(self.model)
-        return t, bert_layers(t, self.config, float_linear(self.compute_dtype))
-
     def _parts(self) -> tuple[dict, list[dict]]:
-        return self._weights()
+        """The tensors and layers (:func:`sublayer.runtime.weights.prepared`: rebuilt whenever a parameter changes)."""
+        return prepared(self.model, ("fast", type(self).__name__, self.compute_dtype, kernels_on()), self._build)
+
+    def _build(self, model: Bert) -> tuple[dict, list[dict]]:
+        t = bert_tensors(model)
+        return t, bert_layers(t, self.config, float_linear(self.compute_dtype))
 
 
 # ----------------------------------------------------------------------------------------------- causal LMs
