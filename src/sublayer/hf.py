@@ -395,17 +395,10 @@ def _packed_embeddings(emb: nn.Module, kw: dict, pk: Packing) -> Tensor | None:
 
 def _pack_bert_weights(encoder: nn.Module) -> list[dict]:
     norm = lambda ln: (ln.weight.detach(), ln.bias.detach(), ln.eps)  # noqa: E731
-    out = []
-    for layer in encoder.layer:
-        a, so, inter, o = layer.attention.self, layer.attention.output, layer.intermediate, layer.output
-        out.append({
-            "qkv": OneDNNLinear(torch.cat([a.query.weight, a.key.weight, a.value.weight]),
-                                torch.cat([a.query.bias, a.key.bias, a.value.bias])),
-            "out": OneDNNLinear(so.dense.weight, so.dense.bias), "norm1": norm(so.LayerNorm),
-            "fc1": OneDNNLinear(inter.dense.weight, inter.dense.bias), "fc2": OneDNNLinear(o.dense.weight, o.dense.bias),
-            "norm2": norm(o.LayerNorm),
-        })  # fmt: skip
-    return out
+    dense = lambda m: OneDNNLinear(m.dense.weight, m.dense.bias)  # noqa: E731
+    return [{"qkv": OneDNNLinear(*qkv), "out": dense(L.attention.output), "norm1": norm(L.attention.output.LayerNorm),
+             "fc1": dense(L.intermediate), "fc2": dense(L.output), "norm2": norm(L.output.LayerNorm)}
+            for L, qkv in zip(encoder.layer, _qkv_weights(encoder, cached=False))]  # fmt: skip
 
 
 def _padding_free_applies(model: nn.Module, kw: dict, mask: object) -> bool:
@@ -431,20 +424,13 @@ def _padding_free_applies(model: nn.Module, kw: dict, mask: object) -> bool:
     return "train" if not bool(real.all()) else False
 
 
-def _qkv_weights(encoder: nn.Module) -> list[tuple[Tensor, Tensor]]:
-    """Each layer's q|k|v weight and bias, concatenated (differentiable; cached while the weights stay the same
-    when no gradient is recorded)."""
-
-    def build(enc):
-        return [
-            (torch.cat([a.query.weight, a.key.weight, a.value.weight]),
-             torch.cat([a.query.bias, a.key.bias, a.value.bias]))
-            for a in (layer.attention.self for layer in enc.layer)
-        ]
-
-    if torch.is_grad_enabled():
-        return build(encoder)
-    return prepared(encoder, "hf.qkv", build)
+def _qkv_weights(encoder: nn.Module, cached: bool | None = None) -> list[tuple[Tensor, Tensor]]:
+    """Each layer's q|k|v weight and bias, concatenated (differentiable); ``cached`` (None: when no gradient is
+    recorded): kept while the weights stay the same (:func:`sublayer.runtime.weights.prepared`)."""
+    if (not torch.is_grad_enabled()) if cached is None else cached:
+        return prepared(encoder, "hf.qkv", functools.partial(_qkv_weights, cached=False))
+    return [(torch.cat([a.query.weight, a.key.weight, a.value.weight]),
+             torch.cat([a.query.bias, a.key.bias, a.value.bias])) for a in (L.attention.self for L in encoder.layer)]
 
 
 # ----------------------------------------------------------------------------------------------- the patch
