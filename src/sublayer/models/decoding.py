@@ -53,10 +53,14 @@ def prepared_weights(module: torch.nn.Module, build):
     return prepared(module, ("decoding", build.__name__, kernels_on()), build)
 
 
-def float32_cpu(module: torch.nn.Module) -> bool:
-    """float32 parameters on the CPU, and the fast-path rule (:mod:`sublayer.runtime.rules`: not sharded, no
-    forward hook on any submodule) allows it; otherwise the reference loops run."""
+def float32_cpu(module: torch.nn.Module, norms: list) -> bool:
+    """float32 parameters on the CPU, ``norms`` LayerNorms with bias (None entries: no norm there), and the
+    fast-path rule (:mod:`sublayer.runtime.rules`: not sharded, no forward hook on any submodule) allows it;
+    otherwise the reference loops run."""
+    from ..nn import LayerNorm
+
     ok = all(p.dtype == torch.float32 and p.device.type == "cpu" for p in module.parameters())
+    ok = ok and all(n is None or (isinstance(n, LayerNorm) and n.bias is not None) for n in norms)
     return ok and fast_path_allowed(module)
 
 
@@ -68,12 +72,9 @@ def norm_params(n) -> tuple[Tensor, Tensor, float]:
 def transformer_supports(model) -> bool:
     """Whether :func:`transformer_stepper` runs ``model``: float32 CPU, LayerNorms with bias, the fast-path rule
     (no hooks, not sharded); any FFN activation, gated ones included."""
-    from ..nn import LayerNorm
-
     dec = model.decoder
     norms = [r.norm for L in dec.layers for r in (L.self_attn_residual, L.cross_attn_residual, L.ffn_residual)]
-    norms += [dec.norm] if dec.norm is not None else []
-    return enabled() and float32_cpu(model) and all(isinstance(n, LayerNorm) and n.bias is not None for n in norms)
+    return enabled() and float32_cpu(model, [*norms, dec.norm])
 
 
 def _build_transformer(model) -> dict:

@@ -32,15 +32,11 @@ __all__ = ["supports", "encode"]
 def supports(model) -> bool:
     """Whether :func:`encode` runs ``model``'s encoder: the kernels on, float32 CPU weights, LayerNorms and linears
     with bias, and the fast-path rule (:mod:`sublayer.runtime.rules`: no hooks, not sharded)."""
-    from ..nn import LayerNorm
-
     enc = model.encoder
     norms = [n for layer in enc.layers for n in (layer.attn_residual.norm, layer.ffn_residual.norm)]
-    norms += [enc.norm] if enc.norm is not None else []
     return (
         kernels_on()
-        and decoding.float32_cpu(model)
-        and all(isinstance(n, LayerNorm) and n.bias is not None for n in norms)
+        and decoding.float32_cpu(model, [*norms, enc.norm])
         and all(
             lin.bias is not None
             for layer in enc.layers
