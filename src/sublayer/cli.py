@@ -454,12 +454,7 @@ def bench(
     if only is not None and not only.strip():
         raise CLIError("--only must name at least one job, got ''")
     if model is not None:
-        from .checkpoints import resolve_folder
-
-        try:
-            resolve_folder(model)  # a folder, or a name in the local Hugging Face cache
-        except FileNotFoundError as e:
-            raise CLIError(f"--model: {e}") from None
+        _model_folder(model)
     if report is not None:
         if report.suffix == ".md" and report.is_dir():
             raise CLIError(f"--report: {report} is a folder; give a .md file or a folder without the suffix")
