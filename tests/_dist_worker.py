@@ -291,11 +291,11 @@ def scenario_demo_ddp(mesh, out_dir):
     the same weights and validation loss as one process on whole batches (run here on rank 0)."""
     from safetensors.torch import load_file
 
-    from sublayer.cli import _demo_rank
     from sublayer.demo import DemoConfig, train
+    from sublayer.demo.training import run_rank
 
     two, one = Path(out_dir, "demo_two"), Path(out_dir, "demo_one")
-    _demo_rank(dist.get_rank(), dist.get_world_size(), DemoConfig(out=str(two), **DEMO_TINY))
+    run_rank(train, dist.get_rank(), dist.get_world_size(), DemoConfig(out=str(two), **DEMO_TINY))
     if dist.get_rank() != 0:
         return
     ref = train(DemoConfig(out=str(one), **DEMO_TINY))

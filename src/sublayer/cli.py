@@ -181,7 +181,8 @@ def demo(
     metrics.json, loss.png, attention.png and a safetensors checkpoint to --out. Ctrl-C saves a checkpoint
     (continue with --resume).
     """
-    from .demo import DemoConfig
+    from .demo import DemoConfig, train
+    from .demo.training import run_rank
 
     kw = {"out": str(out), "seed": seed, "resume": resume, "overwrite": overwrite, "threads": threads, "quiet": quiet}
     kw |= {k: v for k, v in (("steps", steps), ("batch_size", batch_size)) if v is not None}  # else DemoConfig's
@@ -190,7 +191,7 @@ def demo(
     cfg = DemoConfig(**kw)
     if cfg.batch_size % nproc:
         raise CLIError(f"--batch-size ({cfg.batch_size}) must be divisible by --nproc ({nproc})")
-    _launch_training(_demo_rank, nproc, cfg, "demo")
+    _launch_training(functools.partial(run_rank, train), nproc, cfg, "demo")  # picklable for spawned ranks
 
 
 def _launch_training(rank_fn, nproc: int, cfg, what: str) -> None:
@@ -215,14 +216,6 @@ def _launch_training(rank_fn, nproc: int, cfg, what: str) -> None:
             raise
         last = [line for line in str(e).splitlines() if line.strip()][-1]
         raise CLIError(f"a {what} process failed: {last}") from None
-
-
-def _demo_rank(rank: int, world_size: int, cfg) -> None:
-    """One rank of ``sublayer demo`` (module level: it is pickled into the spawned processes)."""
-    from .demo import train
-    from .demo.training import run_rank
-
-    run_rank(train, rank, world_size, cfg)
 
 
 # --- train: a GPT-2 / Llama folder on your own text -----------------------------------------------------------
