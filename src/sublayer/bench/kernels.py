@@ -51,10 +51,7 @@ from .loss import bench_loss
 __all__ = ["Shape", "SHAPES", "QUICK_SHAPES", "MALLOC_SETTINGS", "run_bench", "main"]
 
 # allocator settings the bench can measure: name -> how the report calls it
-MALLOC_SETTINGS = {
-    "default": "glibc default",
-    "reuse": "memory reuse (sublayer.set_memory_reuse)",
-}
+MALLOC_SETTINGS = {"default": "glibc default", "reuse": "memory reuse (sublayer.set_memory_reuse)"}
 
 
 @dataclass(frozen=True)
@@ -186,9 +183,7 @@ def bench_add_norm(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_
     torch.manual_seed(0)
     eager = _EagerAddNorm(s.d, DROPOUT, dtype=dt)
     ours = layers.AddNorm(s.d, DROPOUT, dtype=dt)
-    rg = mode == "training"
-    x = torch.randn(s.batch, s.seq, s.d).to(dt).requires_grad_(rg)
-    y = torch.randn(s.batch, s.seq, s.d).to(dt).requires_grad_(rg)
+    x, y = (torch.randn(s.batch, s.seq, s.d).to(dt).requires_grad_(mode == "training") for _ in range(2))
     mods = _impls(eager, ours, use_compile)
     fns = _step_fns(mods, (x, y), False, mode)
     res = time_interleaved(fns, reps, warmup)
@@ -362,15 +357,11 @@ def _fmt(v: float | None, nd: int = 2) -> str:
     return "—" if v is None else f"{v:.{nd}f}"
 
 
-def _key(r: Row) -> tuple[str, str, str, str]:
-    return (r.case, r.shape, r.dtype, r.mode)
-
-
 def to_markdown(rows: list[Row], meta: dict) -> str:
     """The report: one table; with both allocator settings, the memory-reuse run in columns beside the default's."""
     settings = list(dict.fromkeys(r.malloc for r in rows)) or [meta.get("malloc settings", ["default"])[0]]
     first = settings[0]
-    other = {_key(r): r for r in rows if r.malloc != first}
+    other = {(r.case, r.shape, r.dtype, r.mode): r for r in rows if r.malloc != first}
     malloc_line = "; ".join(f"{MALLOC_SETTINGS[m]}: {meta['allocator'][m]}" for m in settings if m in meta.get("allocator", {}))
     cols = ["case", "shape", "dtype", "mode", "eager ms", "sublayer ms", "ratio", "faults"]
     o = "reuse" if first == "default" else "default"
@@ -411,7 +402,7 @@ def to_markdown(rows: list[Row], meta: dict) -> str:
             continue
         c = [r.case, r.shape, r.dtype, r.mode, *cells(r)]
         if other:
-            c += cells(other.get(_key(r)))
+            c += cells(other.get((r.case, r.shape, r.dtype, r.mode)))
         c += [f"{r.times_ms['compile']:.2f}" if "compile" in r.times_ms else "—",
               ", ".join(f"{k} {v}" for k, v in r.extra.items())]  # fmt: skip
         lines.append("| " + " | ".join(c) + " |")
