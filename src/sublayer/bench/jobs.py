@@ -499,14 +499,10 @@ def run_jobs(*, quick: bool = False, reps: int | None = None, only: str | None =
             title = "sublayer GPT-2 greedy decoding vs llama.cpp (f32, f16, bf16 GGUF)"
         title += (", quiet and beside a busy process" if contention else "") + (" (quick: tiny shapes)" if quick else "")
         info = machine()
-        if any(n.startswith("llama") or n == "gpt2-llamacpp" for n in names):
-            from .llama import peer_versions
-
-            info["versions"].update(peer_versions())
-        if any(n.startswith("ov-") for n in names):
-            from .openvino_peer import ov_versions
-
-            info["versions"].update(ov_versions())
+        for module, versions, jobs in ((".llama", "peer_versions", ("llama", "gpt2-llamacpp")),
+                                       (".openvino_peer", "ov_versions", ("ov-",))):  # the side environments' peers
+            if any(n.startswith(jobs) for n in names):
+                info["versions"].update(getattr(importlib.import_module(module, __package__), versions)())
         appendix = contention_table(by["quiet"], by["busy"]) if contention else ""
         kind = "llama" if llama else "jobs"
         path = write_report(report, kind + ("-contention" if contention else ""), title, rows, command=command_line(),
