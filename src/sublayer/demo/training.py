@@ -49,31 +49,25 @@ class Progress:
     """A rich progress bar (loss, validation, tokens/s, ETA) on rank 0; nothing when quiet."""
 
     def __init__(self, enabled: bool, total: int, start: int, title: str = "training") -> None:
-        self.bar = None
-        if not enabled:
-            return
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                    TimeRemainingColumn)  # fmt: skip
 
         self.bar = Progress(
             TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]:.3f}  val {task.fields[val]}  {task.fields[tps]:,.0f} tok/s"),
-            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), disable=not enabled,
         )  # fmt: skip
         self.task = self.bar.add_task("train", total=total, completed=start, loss=float("nan"), val="–", tps=0.0)
 
     def __enter__(self):
-        if self.bar is not None:
-            self.bar.__enter__()
+        self.bar.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
+        self.bar.__exit__(*exc)
 
     def update(self, **fields) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, **fields)
+        self.bar.update(self.task, **fields)
 
 
 def echo(quiet: bool, text: str) -> None:
