@@ -77,20 +77,20 @@ def finish_run(cfg, model, vocab, history, step, train_seconds, tokens_seen, out
     plot_losses(history, out / "loss.png")
     sample = next(r for r in records if r["direction"] == TO_DIGITS)
     plot_cross_attention(model, vocab, make_pair(int(sample["target"]), TO_DIGITS), out / "attention.png")
-    from rich.console import Console
-
-    console = Console(highlight=False)
-    if not quiet:
-        console.print(sample_table(records))
-    # the result line even with --quiet: it is what the run is for
-    console.print(
-        f"[bold]exact match on {len(records)} held-out numbers: {acc:.1%}[/] "
-        f"(words→digits {by_dir[TO_DIGITS]:.1%}, digits→words {by_dir[TO_WORDS]:.1%}); "
-        f"{step} steps, {train_seconds:.0f} s training, {metrics['tokens_per_second']:,.0f} tok/s"
-    )
-    if not quiet:
-        console.print(f"wrote {out}/: metrics.json, loss.png, attention.png, model.safetensors, config.json, vocab.json")
+    echo(quiet, sample_table(records))
+    echo(False, f"[bold]exact match on {len(records)} held-out numbers: {acc:.1%}[/] "  # even quiet: the run's result
+                f"(words→digits {by_dir[TO_DIGITS]:.1%}, digits→words {by_dir[TO_WORDS]:.1%}); "
+                f"{step} steps, {train_seconds:.0f} s training, {metrics['tokens_per_second']:,.0f} tok/s")  # fmt: skip
+    echo(quiet, f"wrote {out}/: metrics.json, loss.png, attention.png, model.safetensors, config.json, vocab.json")
     return metrics
+
+
+def echo(quiet: bool, text) -> None:
+    """``text`` (rich markup, or a rich renderable) on stdout, unless ``quiet``."""
+    if not quiet:
+        from rich.console import Console
+
+        Console(highlight=False).print(text)
 
 
 def sample_rows(records: list[dict], per_direction: int = 4, wrong: int = 2) -> list[dict]:

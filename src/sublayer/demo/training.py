@@ -17,7 +17,7 @@ from ..runtime.rows import eval_mode
 from .checkpoint import STATE_NAME, load_optimizer, load_checkpoint, save_checkpoint
 from .config import DemoConfig, demo_threads
 from .signals import hold_signals, interrupts_raise
-from .report import finish_run
+from .report import echo, finish_run
 from .task import Batch, Vocab, collate, held_out_pairs, train_batch
 
 
@@ -68,13 +68,6 @@ class Progress:
 
     def update(self, **fields) -> None:
         self.bar.update(self.task, **fields)
-
-
-def echo(quiet: bool, text: str) -> None:
-    if not quiet:
-        from rich.console import Console
-
-        Console(highlight=False).print(text)
 
 
 def train(

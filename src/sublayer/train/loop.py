@@ -18,8 +18,9 @@ from ..checkpoints.io import CheckpointError
 from ..demo.config import warmup_cosine
 from ..demo.checkpoint import STATE_NAME, load_optimizer, read_training_state, save_training_state, write_text
 from ..demo.plots import plot_losses
+from ..demo.report import echo
 from ..demo.signals import hold_signals
-from ..demo.training import Run, adamw, check_start, echo, run_rank, run_steps, torch_threads
+from ..demo.training import Run, adamw, check_start, run_rank, run_steps, torch_threads
 from ..runtime.rows import eval_mode
 from . import data as D
 from .starter import STARTERS, save_tokenizer, starter_model
@@ -331,16 +332,12 @@ def _finish(cfg, model, data: Data, history, step, train_seconds, tokens_seen, o
     }
     write_text(out / "metrics.json", json.dumps(metrics, indent=1) + "\n")
     plot_losses(history, out / "loss.png", title=f"sublayer train: {type(model).__name__} on {cfg.data}")
-    from rich.console import Console
-
-    console = Console(highlight=False)
     held = "no held-out documents" if val is None else (
         f"held-out perplexity {math.exp(val):.2f} (loss {val:.3f}) on {data.n_val_docs} documents")  # fmt: skip
-    console.print(f"[bold]{held}[/]; {step} steps, {train_seconds:.0f} s training, "
-                  f"{metrics['tokens_per_second']:,.0f} tok/s")  # fmt: skip
-    if not quiet:
-        console.print(f"wrote {out}/: a Hugging Face folder (config.json, model.safetensors, tokenizer), "
-                      f"metrics.json, loss.png — try: sublayer generate --model {out} \"some text\"")  # fmt: skip
+    echo(False, f"[bold]{held}[/]; {step} steps, {train_seconds:.0f} s training, "
+                f"{metrics['tokens_per_second']:,.0f} tok/s")  # fmt: skip
+    echo(quiet, f"wrote {out}/: a Hugging Face folder (config.json, model.safetensors, tokenizer), "
+                f"metrics.json, loss.png — try: sublayer generate --model {out} \"some text\"")  # fmt: skip
     return metrics
 
 
