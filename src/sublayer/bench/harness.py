@@ -294,16 +294,17 @@ class SideEnv:
         pairs = (ln.split("==", 1) for ln in path.read_text().splitlines() if "==" in ln)
         return {f"{self.prefix} {k}": v for k, v in pairs}
 
-    def build(self, env: Path, log: Callable[[str], None]) -> bool:
-        """Whether ``env`` is ready, built first by the script (in a checkout that has it) where :meth:`use` named a
-        folder; a failed build is logged with the end of its output."""
-        script = Path(__file__).resolve().parents[3] / "benchmarks" / self.script
+    def build(self, log: Callable[[str], None]) -> tuple[Path, str | None]:
+        """(:meth:`path`, None where it is ready, else a note saying how to build it), built first by the script (in
+        a checkout that has it) where :meth:`use` named a folder; a failed build is logged with the end of its
+        output."""
+        env, script = self.path(), Path(__file__).resolve().parents[3] / "benchmarks" / self.script
         if not self.ready(env) and self.named is not None and script.is_file():
             log(f"building the {self.what} in {env} ({script}{self.hint})")
             done = subprocess.run(["bash", str(script), str(env)], capture_output=True, text=True)
             if done.returncode != 0:
                 log(f"{self.what} build failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-        return self.ready(env)
+        return env, None if self.ready(env) else f"no {self.what} at {env} (build it: benchmarks/{self.script} {env})"
 
 
 class Worker:

@@ -174,9 +174,9 @@ def _llama_cpp(folder: Path, types: tuple[str, ...], n_ctx: int, work: Path, not
     """llama.cpp's worker with ``folder`` converted to each GGUF type of ``types`` loaded for batch 1 and 8 (keys
     ``"{type}/{batch}"``) and the GGUF files; (None, {}) with ``notes["llama.cpp"]`` saying why where it cannot
     run (no peers environment, a failed conversion or load)."""
-    env = peers_env()
-    if not PEERS.build(env, print):
-        notes["llama.cpp"] = f"no peers environment at {env} (build it: benchmarks/peers_env.sh {env})"
+    env, missing = PEERS.build(print)
+    if missing:
+        notes["llama.cpp"] = missing
         return None, {}
     cpp = None
     try:

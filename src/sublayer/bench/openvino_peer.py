@@ -91,10 +91,8 @@ class OpenVino(LlamaCpp):
 
 
 def _start(log: Callable[[str], None], work: Path) -> tuple[OpenVino | None, str | None]:
-    env = ov_env()
-    if not OV_ENV.build(env, log):
-        return None, f"no OpenVINO peers environment at {env} (build it: benchmarks/peers_env_openvino.sh {env})"
-    return OpenVino(env, Path(work) / "openvino-worker.log"), None
+    env, missing = OV_ENV.build(log)
+    return (None, missing) if missing else (OpenVino(env, Path(work) / "openvino-worker.log"), None)
 
 
 def _props_note(props: dict) -> str:
