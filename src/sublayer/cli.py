@@ -469,18 +469,16 @@ def bench(
         use_ov_env(ov_env)
         run_jobs(quick=quick, reps=reps, only=only, model=model, work=out / "jobs", report=report, notes=notes,
                  contention=contention, log=typer.echo)  # fmt: skip
-        return
-    if decode:
+    elif decode:
         from .bench.decode import run_decode_bench
 
         run_decode_bench(out, quick=quick, reps=reps, log=typer.echo)
-        return
-    from .bench import run_bench
+    else:
+        from .bench import run_bench
 
-    run_bench(
-        out, quick=quick, use_compile=compile, reps=reps, threads=threads, shapes=shapes, dtypes=dtypes, cases=cases,
-        malloc=malloc, clock=clock, reuse_memory=reuse_memory, model=model, report=report, notes=notes, log=typer.echo,
-    )
+        run_bench(out, quick=quick, use_compile=compile, reps=reps, threads=threads, shapes=shapes, dtypes=dtypes,
+                  cases=cases, malloc=malloc, clock=clock, reuse_memory=reuse_memory, model=model, report=report,
+                  notes=notes, log=typer.echo)  # fmt: skip
 
 
 def main() -> None:
