@@ -216,14 +216,13 @@ def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Ro
         from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
     except Exception:  # noqa: BLE001 - transformers is optional here
         return []
-    rows = []
     torch.manual_seed(0)
     cfg = GPT2Config(n_embd=s.d, n_inner=s.f, resid_pdrop=DROPOUT, activation_function="gelu_new")
     hf = GPT2MLP(s.f, cfg)
     ours = layers.PositionWiseFFN(s.d, s.f, activation="gelu_tanh", output_dropout=DROPOUT)
     x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
     res = time_interleaved(_step_fns({"eager": hf, "sublayer": ours}, (x,), bf16, mode), reps, warmup)
-    rows.append(_row("HF GPT2MLP (gelu_new, resid dropout)", s, bf16, mode, res))
+    mlp = _row("HF GPT2MLP (gelu_new, resid dropout)", s, bf16, mode, res)
 
     bcfg = BertConfig(hidden_size=s.d, intermediate_size=s.f, hidden_dropout_prob=DROPOUT, layer_norm_eps=1e-12)
     hf_out = BertOutput(bcfg)
@@ -241,8 +240,7 @@ def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Ro
     h = torch.randn(s.batch, s.seq, s.f, requires_grad=(mode == "training"))
     inp = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
     res = time_interleaved(_step_fns({"eager": hf_out, "sublayer": ob}, (h, inp), bf16, mode), reps, warmup)
-    rows.append(_row("HF BertOutput (dense, dropout, LN)", s, bf16, mode, res))
-    return rows
+    return [mlp, _row("HF BertOutput (dense, dropout, LN)", s, bf16, mode, res)]
 
 
 def bench_bert_inference(quick: bool, reps: int, warmup: int) -> list[Row]:
@@ -460,13 +458,12 @@ def _measure(
         _add(rows, new, malloc, log)
 
     for s in shapes:
-        copy = {dt: copy_gbps(s.tokens * s.d, dt, max(reps, 5)) for dt in (torch.float32, torch.bfloat16)}
+        copy = [copy_gbps(s.tokens * s.d, dt, max(reps, 5)) for dt in (torch.float32, torch.bfloat16)]  # [bf16]
         for mode in ("training", "forward"):
             for bf16 in [dt == "bf16" for dt in ("fp32", "bf16") if dt in dts]:
                 comp = extras and use_compile and not bf16 and s is shapes[0]
                 if "addnorm" in cases:
-                    gbps = copy[torch.bfloat16 if bf16 else torch.float32]
-                    add([bench_add_norm(s, bf16, mode, reps, warmup, comp, gbps)])
+                    add([bench_add_norm(s, bf16, mode, reps, warmup, comp, copy[bf16])])
                 if "ffn" in cases:
                     add([bench_ffn(s, bf16, mode, reps, warmup, comp)])
                 if "encoder" in cases and (not quick or mode == "training"):
