@@ -88,9 +88,9 @@ inline void stream_fence() {
 // stored; the backward handles up to 4 rows at once, so the weight/bias gradients are loaded and stored once per 4
 // rows. Same statistics (float32, two-pass variance), the same mask; add_norm_avx512(0) switches it off (tests
 // check the AVX2 loops on the same machine).
+std::atomic<bool> g_an512{true};
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SUBLAYER_AN512 1
-std::atomic<bool> g_an512{true};
 
 template <typename T> struct V16;  // 16 elements of storage type T as float32 lanes
 template <> struct V16<float> {
@@ -268,21 +268,15 @@ void add_norm_bwd_512(const typename Elt<T>::store* gp, const typename Elt<T>::s
   if (want_dw) reduce_chunks(pw, nch, d, dw);
   if (want_db) reduce_chunks(pb, nch, d, db);
 }
-#endif
 
-// The AVX-512 rows apply: compiled in, switched on, one storage type (float32 or bfloat16: the if constexpr around
-// the call), d a positive multiple of `mult`.
-inline bool use_512(int64_t d, int64_t mult) {
-#if SUBLAYER_AN512
-  return g_an512.load(std::memory_order_relaxed) && d > 0 && d % mult == 0;
-#else
-  (void)d;
-  (void)mult;
-  return false;
-#endif
-}
+// The AVX-512 rows apply: switched on, one storage type (float32 or bfloat16: the if constexpr around the call), d
+// a positive multiple of m.
+inline bool use_512(int64_t d, int64_t m) { return g_an512.load(std::memory_order_relaxed) && d > 0 && d % m == 0; }
 template <typename TX, typename TY, typename TO>
 constexpr bool kOneType512 = std::is_same_v<TX, TO> && std::is_same_v<TY, TO> && !std::is_same_v<TO, double>;
+#else
+#define SUBLAYER_AN512 0
+#endif
 
 template <typename TX, typename TY, typename TO>
 void add_norm_fwd_impl(const Tensor& x, const Tensor& y, const Tensor& w, const Tensor& b, Tensor& out, Tensor& sum,
@@ -556,16 +550,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> add_norm_bwd(const Tensor& g, const T
   return {dx, dy, dw, db};
 }
 
-// Whether Add & Norm's AVX-512 rows run where they apply (tests switch them off to check the AVX2 loops on the same
-// machine): add_norm_avx512(flag) sets it and returns the previous value; -1 reads it. False where not compiled in.
-bool add_norm_avx512(int64_t flag) {
-#if SUBLAYER_AN512
-  return set_switch(g_an512, flag);
-#else
-  (void)flag;
-  return false;
-#endif
-}
+// Whether Add & Norm's AVX-512 rows run where they apply (set_switch: -1 reads it; false where not compiled in).
+bool add_norm_avx512(int64_t flag) { return set_switch(g_an512, flag, SUBLAYER_AN512); }
 
 }  // namespace
 }  // namespace sublayer

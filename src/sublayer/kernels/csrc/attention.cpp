@@ -46,9 +46,9 @@ inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 #endif
+std::atomic<bool> g_att512{true};  // attention_avx512: the 16-lane head loops below
 #if SUBLAYER_AVX2_FMA && defined(__AVX512F__)
 #define SUBLAYER_ATT512 1
-std::atomic<bool> g_att512{true};  // attention_avx512: the 16-lane head loops below
 // Sixteen cache elements widened to float32.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) { return bf16_to_f_x16(p); }
@@ -429,17 +429,9 @@ Tensor qkv_self_attention(const Tensor& qkv, const c10::optional<Tensor>& mask, 
 
 }  // namespace
 
-// Whether decode_attention and qkv_self_attention run their 16-lane head loops where compiled in (tests switch them
-// off to check the 8-lane ones on the same machine): attention_avx512(flag) sets it and returns the previous
-// value; -1 reads it.
-bool attention_avx512(int64_t flag) {
-#if SUBLAYER_ATT512
-  return set_switch(g_att512, flag);
-#else
-  (void)flag;
-  return false;
-#endif
-}
+// Whether decode_attention and qkv_self_attention run their 16-lane head loops where compiled in (set_switch: -1
+// reads it; false where not compiled in).
+bool attention_avx512(int64_t flag) { return set_switch(g_att512, flag, SUBLAYER_ATT512); }
 
 }  // namespace sublayer
 

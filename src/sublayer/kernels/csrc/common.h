@@ -30,8 +30,9 @@
 namespace sublayer {
 
 // A kernel-path switch (tests turn a fast path off to check the other on the same machine): sets `on` unless
-// flag < 0 and returns its previous value.
-inline bool set_switch(std::atomic<bool>& on, int64_t flag) {
+// flag < 0 and returns its previous value; where the path is not compiled in (!compiled), false, setting nothing.
+inline bool set_switch(std::atomic<bool>& on, int64_t flag, bool compiled = true) {
+  if (!compiled) return false;
   const bool was = on.load();
   if (flag >= 0) on.store(flag != 0);
   return was;

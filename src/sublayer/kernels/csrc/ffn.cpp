@@ -101,11 +101,12 @@ inline void philox_blocks(uint64_t blk, uint64_t seed, uint32_t* out) {
 
 // Whether the AVX-512VL Philox rounds run (compiled in and switched on: philox_avx512).
 #if defined(__AVX2__) && defined(__AVX512VL__)
-std::atomic<bool> g_philox_vl{true};
-inline bool philox_vl() { return g_philox_vl.load(std::memory_order_relaxed); }
+constexpr bool kPhiloxVL = true;
 #else
-inline bool philox_vl() { return false; }
+constexpr bool kPhiloxVL = false;
 #endif
+std::atomic<bool> g_philox_vl{true};
+inline bool philox_vl() { return kPhiloxVL && g_philox_vl.load(std::memory_order_relaxed); }
 
 // G consecutive blocks (G = 1 or 2) from `blk`, through the fastest path compiled in (vl: philox_vl()).
 template <int G>
@@ -212,16 +213,8 @@ void philox_keep_bits(uint64_t blk, int64_t nblk, uint64_t seed, uint32_t thr, u
   }
 }
 
-// Whether the Philox rounds use AVX-512VL where compiled in (tests switch it off to check the AVX2 rounds on the
-// same machine): philox_avx512(flag) sets it and returns the previous value; -1 reads it. False where not compiled in.
-bool philox_avx512(int64_t flag) {
-#if defined(__AVX2__) && defined(__AVX512VL__)
-  return set_switch(g_philox_vl, flag);
-#else
-  (void)flag;
-  return false;
-#endif
-}
+// Whether the Philox rounds use AVX-512VL (set_switch: -1 reads it; false where not compiled in).
+bool philox_avx512(int64_t flag) { return set_switch(g_philox_vl, flag, kPhiloxVL); }
 
 namespace {
 

@@ -32,6 +32,14 @@ namespace sublayer {
 namespace {
 
 std::atomic<bool> g_avx512{true};  // packed_attention_avx512
+// The AVX-512F tiles (float32 products) and the AVX512_BF16 ones compiled in.
+#if defined(__AVX512BF16__)
+constexpr bool kF32Tiles = true, kBF16Tiles = true;
+#elif defined(__AVX512F__)
+constexpr bool kF32Tiles = true, kBF16Tiles = false;
+#else
+constexpr bool kF32Tiles = false, kBF16Tiles = false;
+#endif
 
 constexpr int64_t QB = 16;  // queries per block
 
@@ -566,13 +574,7 @@ Tensor packed_self_attention(const Tensor& qkv, const Tensor& runs, int64_t n_he
   const uint16_t* base = f32 ? nullptr : reinterpret_cast<const uint16_t*>(qkv.data_ptr());
   const float* base32 = f32 ? qkv.data_ptr<float>() : nullptr;
   const float sc = float(scale);
-  bool fast = false, fast32 = false;
-#if defined(__AVX512BF16__)
-  fast = g_avx512.load(std::memory_order_relaxed);
-#endif
-#if defined(__AVX512F__)
-  fast32 = g_avx512.load(std::memory_order_relaxed);
-#endif
+  const bool fast32 = kF32Tiles && g_avx512.load(std::memory_order_relaxed), fast = kBF16Tiles && fast32;
   const int64_t T = int64_t(tasks.size());
   const bool par = work * d > kGrainElems * 16 && at::get_num_threads() > 1;
   float* of = out_dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
@@ -664,16 +666,8 @@ Tensor packed_self_attention(const Tensor& qkv, const Tensor& runs, int64_t n_he
 }
 
 // Whether packed_self_attention uses its AVX-512 kernels where compiled in (AVX512_BF16 tiles; float32 products:
-// AVX-512F tiles; tests switch it off to check the portable loops on the same machine): sets it unless flag < 0,
-// returns the previous value (false: not compiled in).
-bool packed_attention_avx512(int64_t flag) {
-#if defined(__AVX512F__)
-  return set_switch(g_avx512, flag);
-#else
-  (void)flag;
-  return false;
-#endif
-}
+// AVX-512F tiles; set_switch: -1 reads it; false where not compiled in).
+bool packed_attention_avx512(int64_t flag) { return set_switch(g_avx512, flag, kF32Tiles); }
 
 }  // namespace sublayer
 
