@@ -97,26 +97,20 @@ template <> struct V16<float> {
   static __m512 ld(const float* p) { return _mm512_loadu_ps(p); }
   static __m512 round(__m512 v) { return v; }  // the value the storage keeps
   static void st(float* p, __m512 v, bool nt) { nt ? _mm512_stream_ps(p, v) : _mm512_storeu_ps(p, v); }
+  static void st_rounded(float* p, __m512 v, bool nt) { st(p, v, nt); }
 };
 template <> struct V16<BF16> {
   static __m512 ld(const uint16_t* p) { return bf16_to_f_x16(p); }
   static __m512 round(__m512 v) {  // f_to_bf16's rounding, widened back
     return _mm512_castsi512_ps(_mm512_slli_epi32(f_to_bf16_x16(v), 16));
   }
-  static __m256i pack(__m512 rounded) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)); }
-  static void st(uint16_t* p, __m512 v, bool nt) {  // v: any float32 lanes (rounded here)
+  static void st_rounded(uint16_t* p, __m512 rv, bool nt) {  // rv: lanes that round(v) gave
     auto* q = reinterpret_cast<__m256i*>(p);
-    const __m256i h = pack(round(v));
+    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rv), 16));
     nt ? _mm256_stream_si256(q, h) : _mm256_storeu_si256(q, h);
   }
-  static void st_rounded(uint16_t* p, __m512 rv, bool nt) {
-    auto* q = reinterpret_cast<__m256i*>(p);
-    nt ? _mm256_stream_si256(q, pack(rv)) : _mm256_storeu_si256(q, pack(rv));
-  }
+  static void st(uint16_t* p, __m512 v, bool nt) { st_rounded(p, round(v), nt); }  // v: any float32 lanes
 };
-template <typename T> inline void st_rounded(typename Elt<T>::store* p, __m512 rv, bool nt) {
-  if constexpr (std::is_same_v<T, float>) V16<float>::st(p, rv, nt); else V16<BF16>::st_rounded(p, rv, nt);
-}
 inline bool aligned64(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 63) == 0; }
 // y's factor: scale where the keep bit is set, else 0 (y * 0, as the generic loops: NaN stays NaN)
 inline __m512 keep_scale(const uint8_t* bits, int64_t v, __m512 sc) {
@@ -152,7 +146,7 @@ void add_norm_fwd_512(const typename Elt<T>::store* xp, const typename Elt<T>::s
         const __m512 xv = V16<T>::ld(xr + j), yv = V16<T>::ld(yr + j);
         const __m512 t = V16<T>::round(dr.on ? _mm512_fmadd_ps(yv, keep_scale(kb, v, sc), xv) : _mm512_add_ps(xv, yv));
         _mm512_storeu_ps(sv + j, t);
-        if (sr) st_rounded<T>(sr + j, t, nt);
+        if (sr) V16<T>::st_rounded(sr + j, t, nt);
         acc = _mm512_add_ps(acc, t);
       };
       int64_t v = 0;
