@@ -71,18 +71,11 @@ inline __m512 bf16_to_f_x16(const uint16_t* p) {
 #endif
 struct BF16 {};  // tag: bfloat16 stored as uint16_t
 
-template <typename T> struct Elt;
-template <> struct Elt<float> {
-  using store = float;
-  using acc = float;
-  static float ld(float v) { return v; }
-  static float st(float v) { return v; }
-};
-template <> struct Elt<double> {
-  using store = double;
-  using acc = double;
-  static double ld(double v) { return v; }
-  static double st(double v) { return v; }
+template <typename T> struct Elt {  // float and double: stored and accumulated as themselves
+  using store = T;
+  using acc = T;
+  static T ld(T v) { return v; }
+  static T st(T v) { return v; }
 };
 template <> struct Elt<BF16> {
   using store = uint16_t;
