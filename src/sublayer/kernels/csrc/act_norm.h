@@ -148,41 +148,32 @@ SUBLAYER_VEXP(exp256, __m256, _mm256, 256, _mm256_floor_ps)
 // the additions depends on d only: results are bitwise reproducible.
 template <typename A> constexpr int64_t kLanes = 4 * 32 / int64_t(sizeof(A));
 
-// v[j] = f(j) for j < d, returning sum_j v[j].
-template <typename A, typename F> inline A fill_sum(A* v, int64_t d, F&& f) {
+// sum_{j < d} f(j) (f may do more per element).
+template <typename A, typename F> inline A lane_sum(int64_t d, F&& f) {
   constexpr int64_t L = kLanes<A>;
   A part[L] = {};
   int64_t j = 0;
   for (; j + L <= d; j += L) {
 #pragma omp simd
-    for (int64_t k = 0; k < L; ++k) {
-      const A t = f(j + k);
-      v[j + k] = t;
-      part[k] += t;
-    }
+    for (int64_t k = 0; k < L; ++k) part[k] += f(j + k);
   }
   A acc = 0;
-  for (; j < d; ++j) {
-    const A t = f(j);
-    v[j] = t;
-    acc += t;
-  }
+  for (; j < d; ++j) acc += f(j);
   for (int64_t k = 0; k < L; ++k) acc += part[k];
   return acc;
 }
 
+// v[j] = f(j) for j < d, returning sum_j v[j].
+template <typename A, typename F> inline A fill_sum(A* v, int64_t d, F&& f) {
+  return lane_sum<A>(d, [&](int64_t j) {
+    const A t = f(j);
+    v[j] = t;
+    return t;
+  });
+}
+
 template <typename A> inline A row_sqdev(const A* v, A m, int64_t d) {  // sum (v - m)^2
-  constexpr int64_t L = kLanes<A>;
-  A part[L] = {};
-  int64_t j = 0;
-  for (; j + L <= d; j += L) {
-#pragma omp simd
-    for (int64_t k = 0; k < L; ++k) part[k] += (v[j + k] - m) * (v[j + k] - m);
-  }
-  A acc = 0;
-  for (; j < d; ++j) acc += (v[j] - m) * (v[j] - m);
-  for (int64_t k = 0; k < L; ++k) acc += part[k];
-  return acc;
+  return lane_sum<A>(d, [&](int64_t j) { return (v[j] - m) * (v[j] - m); });
 }
 
 // s1 = sum_j a_j and s2 = sum_j b_j where f(j, a_j, b_j) gives them (and may do more per element), with 4
