@@ -121,20 +121,6 @@ inline void philox_block_n(uint64_t blk, uint64_t seed, uint32_t* out, bool vl) 
   for (int g = 0; g < G; ++g) philox_block_scalar(blk + uint64_t(g), seed, out + 32 * g);
 #endif
 }
-inline void philox_block(uint64_t blk, uint64_t seed, uint32_t* out32) { philox_block_n<1>(blk, seed, out32, philox_vl()); }
-
-// Raw 32-bit words: out[i] = word (start + i) of the stream (word w of a block of 32 is word w / 8 of counter w % 8).
-void philox_words_fill(uint64_t start, int64_t n, uint64_t seed, uint32_t* out) {
-  if (n <= 0) return;
-  const uint64_t end = start + uint64_t(n);
-  alignas(32) uint32_t tmp[32];
-  for (uint64_t blk = start / 32; blk * 32 < end; ++blk) {
-    const uint64_t b0 = blk * 32;
-    philox_block(blk, seed, tmp);
-    const uint64_t lo = std::max(b0, start), hi = std::min(b0 + 32, end);
-    for (uint64_t e = lo; e < hi; ++e) out[e - start] = tmp[e - b0];
-  }
-}
 
 }  // namespace
 
@@ -524,23 +510,23 @@ std::tuple<Tensor, Tensor, Tensor> glu_bwd(const Tensor& dh, const Tensor& a, co
   return {da, h, db};
 }
 
-// Raw Philox words for element indices [start, start + n) (for tests of the stream itself).
-// scalar=true: the portable per-lane implementation (tests check the AVX2 one against it).
+// Raw 32-bit Philox words [start, start + n) of the stream (for tests of the stream itself): word w of a block of 32
+// is word w / 8 of counter w % 8. scalar=true: the portable per-lane implementation (tests check the AVX2 one
+// against it).
 Tensor philox_words(int64_t start, int64_t n, int64_t seed, bool scalar) {
   Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kLong));
-  std::vector<uint32_t> w(n);
-  if (scalar) {
-    uint32_t tmp[32];
-    for (int64_t i = 0; i < n; ++i) {
-      const uint64_t e = uint64_t(start + i);
-      philox_block_scalar(e / 32, uint64_t(seed), tmp);
-      w[i] = tmp[e % 32];
-    }
-  } else {
-    philox_words_fill(uint64_t(start), n, uint64_t(seed), w.data());
-  }
   auto* op = out.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) op[i] = int64_t(w[i]);
+  alignas(32) uint32_t tmp[32];
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t e = uint64_t(start + i);
+    if (i == 0 || e % 32 == 0) {  // the next block
+      if (scalar)
+        philox_block_scalar(e / 32, uint64_t(seed), tmp);
+      else
+        philox_block_n<1>(e / 32, uint64_t(seed), tmp, philox_vl());
+    }
+    op[i] = int64_t(tmp[e % 32]);
+  }
   return out;
 }
 
