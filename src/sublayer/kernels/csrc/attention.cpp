@@ -1,13 +1,12 @@
 // Attention kernels for decoding and encoding (registered as torch.ops.sublayer_kernels.*).
 //
 //  * decode_attention: one query per row against a static key/value cache (B, H_kv, T_max, hd), grouped-query
-//    (each key/value head serves H / H_kv query heads): optionally writes
-//    this step's key/value at position length-1 first, then softmax(q k^T * scale) v over the first `length`
-//    positions, skipping those the (B, T_max) padding mask marks True. A row whose keys are all masked gets zeros.
-//    An optional (N, T_max) row table says which cache row holds each key (beam search reorders the table, not
-//    the caches; beams share their sentence's cross-attention memory). Per head: eight keys' dot products at a
-//    time on 16 lanes with AVX-512 (four on 8 lanes with AVX2), reduced by hadd ladders, the output in registers,
-//    the next head's lines prefetched.
+//    (each key/value head serves H / H_kv query heads): optionally writes this step's key/value at position
+//    length-1 first, then softmax(q k^T * scale) v over the first `length` positions, skipping those the (B, T_max)
+//    padding mask marks True. A row whose keys are all masked gets zeros. An optional (N, T_max) row table says
+//    which cache row holds each key (beam search). Per head: eight keys' dot products at a time on 16 lanes with
+//    AVX-512 (four on 8 lanes with AVX2), reduced by hadd ladders, the output in registers, the next head's lines
+//    prefetched.
 //  * qkv_self_attention: the encoder's self-attention (causal: a causal LM prompt's) read straight from the fused
 //    q|k|v projection (B*S rows), float32 or bfloat16.
 //
@@ -61,11 +60,10 @@ inline __m256 fold8(__m512 a) {
 #endif
 inline float widen(float v) { return v; }
 inline float widen(uint16_t v) { return bf16_to_f(v); }
-inline float key_dot(const float* q, const float* k, int64_t n) { return dot(q, k, n); }
-inline float key_dot(const float* q, const uint16_t* k, int64_t n) {
+template <typename S> inline float key_dot(const float* q, const S* k, int64_t n) {
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += q[i] * bf16_to_f(k[i]);
+  for (int64_t i = 0; i < n; ++i) s += q[i] * widen(k[i]);
   return s;
 }
 // A row of n elements as float32: float32 rows as they are, bfloat16 ones widened into buf.
@@ -261,30 +259,25 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
                     rows->is_contiguous(),
                 "decode_attention: rows must be a contiguous int64 (N=", N, ", T_max=", T, ") tensor");
     rp = rows->data_ptr<int64_t>();
-    for (int64_t n = 0; n < N; ++n) {
-      for (int64_t j = 0; j < length; ++j) {
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t j = 0; j < length; ++j)
         TORCH_CHECK(rp[n * T + j] >= 0 && rp[n * T + j] < B, "decode_attention: rows[", n, ", ", j, "] = ",
                     rp[n * T + j], " is not a cache row in [0, ", B, ")");
-      }
-    }
   } else {
     TORCH_CHECK(N == B, "decode_attention: q has ", N, " rows but the caches ", B, " (pass rows to map them)");
   }
   const bool* mp = padding_mask(mask, N, T, "decode_attention");
-  if (new_k.has_value() && new_k->defined()) {  // query row n writes cache row n (a compacted batch, N < B, keeps
-                                               // the first N rows' slots)
+  const bool write = new_k.has_value() && new_k->defined();
+  if (write) {  // query row n writes cache row n (a compacted batch, N < B, keeps the first N rows' slots)
     TORCH_CHECK(N <= B, "decode_attention: new_k/new_v need at most one query row per cache row");
-    for (const Tensor* t : {&*new_k, &*new_v}) {
+    for (const Tensor* t : {&*new_k, &*new_v})
       TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == N && t->size(1) == dkv &&
                       t->stride(1) == 1,
                   "decode_attention: new_k/new_v must be float32 (N, ", dkv, ") with unit inner stride");
-    }
-    for (int64_t n = 0; rp && n < N; ++n) {
+    for (int64_t n = 0; rp && n < N; ++n)
       TORCH_CHECK(rp[n * T + length - 1] == n, "decode_attention: rows[", n, ", ", length - 1, "] must be ", n,
                   " (the new key is written in the row's own cache row)");
-    }
   }
-  const bool write = new_k.has_value() && new_k->defined();
   const float* nk = write ? new_k->data_ptr<float>() : nullptr;
   const float* nv = write ? new_v->data_ptr<float>() : nullptr;
   const int64_t nks = write ? new_k->stride(0) : 0, nvs = write ? new_v->stride(0) : 0;
@@ -361,11 +354,10 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
       }
     });
   };
-  if (kc.scalar_type() == at::kBFloat16) {
+  if (kc.scalar_type() == at::kBFloat16)
     run(static_cast<uint16_t*>(kc.data_ptr()), static_cast<uint16_t*>(vc.data_ptr()));
-  } else {
+  else
     run(kc.data_ptr<float>(), vc.data_ptr<float>());
-  }
   return out;
 }
 
@@ -419,11 +411,10 @@ Tensor qkv_self_attention(const Tensor& qkv, const c10::optional<Tensor>& mask, 
       }
     });
   };
-  if (qkv.scalar_type() == at::kBFloat16) {
+  if (qkv.scalar_type() == at::kBFloat16)
     run(static_cast<const uint16_t*>(qkv.data_ptr()), static_cast<uint16_t*>(out.data_ptr()));
-  } else {
+  else
     run(qkv.data_ptr<float>(), out.data_ptr<float>());
-  }
   return out;
 }
 
