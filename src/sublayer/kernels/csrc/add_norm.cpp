@@ -61,9 +61,9 @@ template <typename A> inline void unpack_keep(const uint8_t* bits, int64_t d, A 
 
 // Streaming (non-temporal) row stores: dst[j] = src[j] without first reading dst's cache lines (a plain store to a
 // line not in cache reads it from memory first). Add & Norm streams its saved sum and its input gradients when they
-// are big (>= kStreamBytes, beyond a core's L2; any dtype): multi-MB buffers read back only later, so this saves about a third
-// of their memory traffic. The output
-// itself is read next by the following layer: plain stores keep it in cache.
+// are big (>= kStreamBytes, beyond a core's L2; any dtype): multi-MB buffers read back only later, so this saves
+// about a third of their memory traffic. The output itself is read next by the following layer: plain stores keep
+// it in cache.
 constexpr int64_t kStreamBytes = int64_t(1) << 20;
 template <typename S> inline void stream_row(S* dst, const S* src, int64_t d) {
   int64_t j = 0;

@@ -532,8 +532,7 @@ Tensor packed_self_attention(const Tensor& qkv, const Tensor& runs, int64_t n_he
   TORCH_CHECK(qkv.device().is_cpu() && (qkv.scalar_type() == at::kBFloat16 || qkv.scalar_type() == at::kFloat) &&
                   qkv.dim() == 2 && qkv.is_contiguous(),
               "packed_self_attention: qkv must be a contiguous bfloat16 or float32 (N, 3*d) CPU tensor, got ",
-              qkv.scalar_type(),
-              " ", qkv.sizes());
+              qkv.scalar_type(), " ", qkv.sizes());
   TORCH_CHECK(n_heads >= 1 && qkv.size(1) % (3 * n_heads) == 0 && qkv.size(1) > 0,
               "packed_self_attention: qkv's ", qkv.size(1), " columns are not 3 * n_heads (", n_heads,
               ") * head_dim");
