@@ -714,6 +714,16 @@ bool decode_avx512(int64_t flag) {
 #endif
 }
 
+// A float32 (n,) parameter (name: "<op>: <parameter>"): its data; an optional one's null when absent.
+const float* float_vec(const Tensor& t, const char* name, int64_t n) {
+  check_float_contig(t, name, 1);
+  TORCH_CHECK(t.size(0) == n, name, " must have ", n, " elements, got ", t.size(0));
+  return t.data_ptr<float>();
+}
+const float* float_vec(const c10::optional<Tensor>& t, const char* name, int64_t n) {
+  return t.has_value() && t->defined() ? float_vec(*t, name, n) : nullptr;
+}
+
 // Checks x (M, K) / packed (P, K, 16) / bias (n,) / act for skinny_linear; returns the bias pointer or null.
 const float* check_skinny(const char* op, const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias,
                           int64_t n, int64_t act, const c10::optional<Tensor>& scale) {
@@ -744,10 +754,7 @@ const float* check_skinny(const char* op, const Tensor& x, const Tensor& packed,
                 op, ": packed must be a contiguous 3-D float32, float16 or int8 or 4-D bfloat16 CPU tensor");
     const bool scaled = scale.has_value() && scale->defined() && scale->numel() > 0;
     TORCH_CHECK(scaled == (packed.scalar_type() == at::kChar), op, ": a scale (n,) goes with int8 panels, and only");
-    if (scaled) {
-      check_float_contig(*scale, op, 1);
-      TORCH_CHECK(scale->size(0) == n, op, ": scale must have ", n, " elements, got ", scale->size(0));
-    }
+    if (scaled) float_vec(*scale, "skinny_linear: scale", n);
     const int64_t P = packed.size(0);
     if (bf16) {
       TORCH_CHECK(packed.size(1) == (K + 1) / 2 && packed.size(2) == PANEL && packed.size(3) == 2, op,
@@ -758,10 +765,7 @@ const float* check_skinny(const char* op, const Tensor& x, const Tensor& packed,
     }
     TORCH_CHECK(n > (P - 1) * PANEL && n <= P * PANEL, op, ": n=", n, " does not fit ", P, " panels");
   }
-  if (!(bias.has_value() && bias->defined())) return nullptr;
-  check_float_contig(*bias, op, 1);
-  TORCH_CHECK(bias->size(0) == n, op, ": bias must have ", n, " elements, got ", bias->size(0));
-  return bias->data_ptr<float>();
+  return float_vec(bias, "skinny_linear: bias", n);
 }
 
 }  // namespace
@@ -1204,20 +1208,9 @@ Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, 
               " does not fit ", packed.size(0), " panels of ", width);
   TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.dim() == 1 && colsum.numel() == n && colsum.is_contiguous(),
               "int8_linear: colsum must be int32 (", n, ",)");
-  check_float_contig(scale, "int8_linear: scale", 1);
-  TORCH_CHECK(scale.size(0) == n, "int8_linear: scale must have ", n, " elements");
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    check_float_contig(*bias, "int8_linear: bias", 1);
-    TORCH_CHECK(bias->size(0) == n, "int8_linear: bias must have ", n, " elements");
-    bp = bias->data_ptr<float>();
-  }
-  const float* smp = nullptr;
-  if (inv_smooth.has_value() && inv_smooth->defined()) {
-    check_float_contig(*inv_smooth, "int8_linear: inv_smooth", 1);
-    TORCH_CHECK(inv_smooth->size(0) == K, "int8_linear: inv_smooth must have K=", K, " elements");
-    smp = inv_smooth->data_ptr<float>();
-  }
+  const float* sp = float_vec(scale, "int8_linear: scale", n);
+  const float* bp = float_vec(bias, "int8_linear: bias", n);
+  const float* smp = float_vec(inv_smooth, "int8_linear: inv_smooth", K);
   Tensor out = sublayer_cache::empty({M, n}, at::kFloat);  // recycled: no fresh-page faults call after call
   if (M == 0 || n == 0) return out;
   const int64_t planes = bits / 8;
@@ -1239,7 +1232,6 @@ Tensor int8_linear(const Tensor& x, const Tensor& packed, const Tensor& colsum, 
   });
   const int8_t* wp = packed.data_ptr<int8_t>();
   const int32_t* cp = colsum.data_ptr<int32_t>();
-  const float* sp = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t n_rb = (M + QBLOCK - 1) / QBLOCK, threads = at::get_num_threads();
   // few row blocks: column groups too, two per thread (24-bit rows: about 256 KB of weights each, at least two a
@@ -1331,18 +1323,8 @@ Tensor screened_argmax(const Tensor& x, const Tensor& screened, const Tensor& we
               "screened_argmax: x must be float32 (", M, ", ", K, ") with unit inner stride, got ", x.sizes());
   TORCH_CHECK(weight.size(0) == V && bound.size(0) == V,
               "screened_argmax: weight (V, K) and bound (V,) disagree with screened (M, V)");
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    check_float_contig(*bias, "screened_argmax: bias", 1);
-    TORCH_CHECK(bias->size(0) == V, "screened_argmax: bias must have ", V, " elements");
-    bp = bias->data_ptr<float>();
-  }
-  const float* bq = nullptr;
-  if (bound_q.has_value() && bound_q->defined()) {
-    check_float_contig(*bound_q, "screened_argmax: bound_q", 1);
-    TORCH_CHECK(bound_q->size(0) == V, "screened_argmax: bound_q must have ", V, " elements");
-    bq = bound_q->data_ptr<float>();
-  }
+  const float* bp = float_vec(bias, "screened_argmax: bias", V);
+  const float* bq = float_vec(bound_q, "screened_argmax: bound_q", V);
   Tensor out = at::empty({M}, screened.options().dtype(at::kLong));
   const float *sp = screened.data_ptr<float>(), *wp = weight.data_ptr<float>(), *eb = bound.data_ptr<float>();
   const float* ebq = bq ? bq : eb;  // read times xq = 0 without bound_q
