@@ -502,21 +502,16 @@ inline const V* panel_params(const V* src, int64_t c0, int64_t nc, int64_t width
   return pad;
 }
 
-// Epilogue activations: act_norm.h's Act ids (as sublayer.functional.fused.ACT_IDS) and act_f; tanh-GELU,
-// GPT-2's, is vectorised here as z * sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3), as act_f computes it.
-template <int64_t A>
-inline void act_panel(float* v) {
-  for (int j = 0; j < PANEL; ++j) v[j] = act_f<A>(v[j]);
-}
-
-// v[0..15] = act(v * scale + bias) in place (scale: int8 weights' per-column scale, or null).
+// v[0..15] = act(v * scale + bias) in place (scale: int8 weights' per-column scale, or null). Activations:
+// act_norm.h's Act ids (as sublayer.functional.fused.ACT_IDS) and act_f; tanh-GELU, GPT-2's, is vectorised here as
+// z * sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3), as act_f computes it.
 inline void epilogue(float* v, const float* scale, const float* bias, int64_t act) {
   if (scale)
     for (int j = 0; j < PANEL; ++j) v[j] *= scale[j];
   if (bias)
     for (int j = 0; j < PANEL; ++j) v[j] += bias[j];
-  if (act == GELU_TANH) {
 #if SUBLAYER_AVX2_FMA
+  if (act == GELU_TANH) {
     for (int j = 0; j < PANEL; j += 8) {
       const __m256 z = _mm256_loadu_ps(v + j);
       const __m256 z3 = _mm256_mul_ps(_mm256_mul_ps(z, z), z);
@@ -525,18 +520,13 @@ inline void epilogue(float* v, const float* scale, const float* bias, int64_t ac
       const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), u2)));
       _mm256_storeu_ps(v + j, _mm256_div_ps(z, den));
     }
-#else
-    act_panel<GELU_TANH>(v);
-#endif
-  } else if (act == RELU) {
-    act_panel<RELU>(v);
-  } else if (act == GELU) {
-    act_panel<GELU>(v);
-  } else if (act == SILU) {
-    act_panel<SILU>(v);
-  } else if (act == RELU2) {
-    act_panel<RELU2>(v);
+    return;
   }
+#endif
+  SUBLAYER_DISPATCH_ACT(act, [&] {
+    if constexpr (ACT != IDENT)
+      for (int j = 0; j < PANEL; ++j) v[j] = act_f<ACT>(v[j]);
+  });
 }
 
 template <typename T>
