@@ -687,10 +687,8 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
 bool decode_bf16_dot(int64_t flag) {
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
   return set_switch(g_bf16dot, flag);
-#else
-  (void)flag;
-  return false;
 #endif
+  return false;
 }
 
 // Whether skinny_linear uses the AVX-512 micro-kernels (several rows; one row of int8) where compiled in (tests switch it off to
@@ -698,10 +696,8 @@ bool decode_bf16_dot(int64_t flag) {
 bool decode_avx512(int64_t flag) {
 #if SUBLAYER_AVX2_FMA && defined(__AVX512F__)
   return set_switch(g_avx512, flag);
-#else
-  (void)flag;
-  return false;
 #endif
+  return false;
 }
 
 // A float32 (n,) parameter (name: "<op>: <parameter>"): its data; an optional one's null when absent.
@@ -794,9 +790,6 @@ void advise_huge_pages(void* p, size_t bytes) {
   const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1);
   const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(huge - 1);
   if (e > a) madvise(reinterpret_cast<void*>(a), e - a, MADV_HUGEPAGE);
-#else
-  (void)p;
-  (void)bytes;
 #endif
 }
 
