@@ -38,11 +38,12 @@ constexpr int64_t ROWS = 6;    // rows of x per AVX2 micro-kernel call: 12 accum
 constexpr int STREAMS = 4;     // panels read at once for a single row (panels_kernel)
 std::atomic<bool> g_avx512{true};  // decode_avx512
 
-// A kernel's table by row count: {nullptr, make(1), ..., make(N)}, make taking std::integral_constant<int, R>.
+// A kernel's table by row count: {null, make(1), ..., make(N)}, make taking std::integral_constant<int, R>; nested,
+// a table by panel count of tables by row count.
 template <typename Make, int... R>
 constexpr auto rows_table(Make make, std::integer_sequence<int, R...>) {
-  return std::array<decltype(make(std::integral_constant<int, 1>())), sizeof...(R) + 1>{
-      nullptr, make(std::integral_constant<int, R + 1>())...};
+  using E = decltype(make(std::integral_constant<int, 1>()));
+  return std::array<E, sizeof...(R) + 1>{E{}, make(std::integral_constant<int, R + 1>())...};
 }
 template <int N, typename Make> constexpr auto rows_table(Make make) {
   return rows_table(make, std::make_integer_sequence<int, N>());
@@ -610,12 +611,9 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
           if (cfused && !xb.empty()) {  // several rows by vdpbf16ps: a group's panels at once, CROWS rows at a time
             add_exceptions = true;
-            using DpFn = void (*)(const uint32_t*, int64_t, const Compact&, const uint8_t*, float*);
-            static constexpr auto kDp1 = rows_table<CROWS>([](auto r) { return &compact_kernel_dp<decltype(r)::value, 1>; });
-            static constexpr auto kDp2 = rows_table<CROWS>([](auto r) { return &compact_kernel_dp<decltype(r)::value, 2>; });
-            static constexpr auto kDp3 = rows_table<CROWS>([](auto r) { return &compact_kernel_dp<decltype(r)::value, 3>; });
-            static constexpr auto kDp4 = rows_table<CROWS>([](auto r) { return &compact_kernel_dp<decltype(r)::value, 4>; });
-            const DpFn* kDp[5] = {nullptr, kDp1.data(), kDp2.data(), kDp3.data(), kDp4.data()};
+            static constexpr auto kDp = rows_table<CGROUP>([](auto np) {
+              return rows_table<CROWS>([](auto r) { return &compact_kernel_dp<decltype(r)::value, decltype(np)::value>; });
+            });
             for (; p < pe; p += CGROUP) {
               const int64_t np = std::min<int64_t>(CGROUP, pe - p);
               for (int64_t r0 = 0; r0 < M; r0 += CROWS) {  // the group's later passes read it from L2
@@ -645,11 +643,9 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
       if constexpr (std::is_same<T, at::BFloat16>::value)
         if (!xb.empty()) {  // several rows by vdpbf16ps: three panels at a time, then the rest
-          using DpFn = void (*)(const uint32_t*, int64_t, const at::BFloat16*, int64_t, float*);
-          static constexpr auto kDp1 = rows_table<ROWS512>([](auto r) { return &panels_kernel_dp<decltype(r)::value, 1>; });
-          static constexpr auto kDp2 = rows_table<ROWS512>([](auto r) { return &panels_kernel_dp<decltype(r)::value, 2>; });
-          static constexpr auto kDp3 = rows_table<ROWS512>([](auto r) { return &panels_kernel_dp<decltype(r)::value, 3>; });
-          const DpFn* kDp[4] = {nullptr, kDp1.data(), kDp2.data(), kDp3.data()};
+          static constexpr auto kDp = rows_table<3>([](auto np) {
+            return rows_table<ROWS512>([](auto r) { return &panels_kernel_dp<decltype(r)::value, decltype(np)::value>; });
+          });
           for (; p < pe; p += 3) {
             const int64_t np = std::min<int64_t>(3, pe - p);
             for (int64_t r0 = 0; r0 < M; r0 += ROWS512) {
@@ -1113,11 +1109,9 @@ template <int64_t ACT>
 void int8_tile(const uint32_t* xu, const float* sx, const double* sx24, const int32_t* zp, int64_t K4,
                const int8_t* wp, bool grouped, const int32_t* cp, const float* sp, const float* bp, float* op,
                int64_t n, int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
-  using QuadFn = void (*)(const uint32_t*, int64_t, int64_t, const int8_t*, int64_t, int64_t, int32_t*);
-  static constexpr auto kQuad1 = rows_table<QROWS>([](auto r) { return &quad_kernel<decltype(r)::value, 1>; });
-  static constexpr auto kQuad2 = rows_table<QROWS>([](auto r) { return &quad_kernel<decltype(r)::value, 2>; });
-  static constexpr auto kQuad3 = rows_table<QROWS>([](auto r) { return &quad_kernel<decltype(r)::value, 3>; });
-  const QuadFn* kQuad[QPAN + 1] = {nullptr, kQuad1.data(), kQuad2.data(), kQuad3.data()};
+  static constexpr auto kQuad = rows_table<QPAN>([](auto np) {
+    return rows_table<QROWS>([](auto r) { return &quad_kernel<decltype(r)::value, decltype(np)::value>; });
+  });
   const int64_t pstride = K4 * PANEL * 4, inner_p = grouped ? PANEL * 4 : pstride;
   const int64_t inner_i = grouped ? QPAN * PANEL * 4 : PANEL * 4;
   alignas(64) int32_t acc[QROWS * QPAN * PANEL];
