@@ -590,90 +590,74 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
         }
       }
     };
-    {
-      const int64_t p0 = c * chunk, pe = std::min(P, (c + 1) * chunk);
-      int64_t p = p0;
-      const T* wc = wp ? wp + p0 * stride : nullptr;  // the chunk's first panel
-      if constexpr (std::is_same<T, at::BFloat16>::value)
-        if (cw) {
+    const int64_t p0 = c * chunk, pe = std::min(P, (c + 1) * chunk);
+    int64_t p = p0;
+    const T* wc = wp ? wp + p0 * stride : nullptr;  // the chunk's first panel
+    // panels [p, pe) G at a time (whole: while G remain) x the rows RR at a time: kern(np, R, r0) leaves in acc the
+    // R rows of each of its np panels in turn, stored out here
+    auto tiles = [&](int64_t G, int64_t RR, bool whole, const auto& kern) {
+      for (; whole ? p + G <= pe : p < pe; p += G) {
+        const int64_t np = std::min(G, pe - p);
+        for (int64_t r0 = 0; r0 < M; r0 += RR) {  // the panels' later row passes read them from L2
+          const int64_t R = std::min(RR, M - r0);
+          kern(np, R, r0);
+          for (int64_t q = 0; q < np; ++q) store(p + q, r0, R, acc + q * R * PANEL);
+        }
+      }
+    };
+    if constexpr (std::is_same<T, at::BFloat16>::value)
+      if (cw) {
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BW__)
-          if (cfused && M == 1 && g_avx512.load(std::memory_order_relaxed)) {  // one row: widened as they stream in
-            add_exceptions = true;
-            static constexpr auto kC = rows_table<STREAMS>([](auto r) { return &compact_kernel<decltype(r)::value>; });
-            for (; p < pe; p += STREAMS) {
-              const int64_t np = std::min<int64_t>(STREAMS, pe - p);
-              kC[np](xp, K, *cw, cw->at(p, 0), acc);
-              for (int64_t q = 0; q < np; ++q) store(p + q, 0, 1, acc + q * PANEL);
-            }
-            return;
-          }
+        if (cfused && M == 1 && g_avx512.load(std::memory_order_relaxed)) {  // one row: widened as they stream in
+          add_exceptions = true;
+          static constexpr auto kC = rows_table<STREAMS>([](auto r) { return &compact_kernel<decltype(r)::value>; });
+          return tiles(STREAMS, 1, false, [&](int64_t np, int64_t, int64_t) { kC[np](xp, K, *cw, cw->at(p, 0), acc); });
+        }
 #endif
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
-          if (cfused && !xb.empty()) {  // several rows by vdpbf16ps: a group's panels at once, CROWS rows at a time
-            add_exceptions = true;
-            static constexpr auto kDp = rows_table<CGROUP>([](auto np) {
-              return rows_table<CROWS>([](auto r) { return &compact_kernel_dp<decltype(r)::value, decltype(np)::value>; });
-            });
-            for (; p < pe; p += CGROUP) {
-              const int64_t np = std::min<int64_t>(CGROUP, pe - p);
-              for (int64_t r0 = 0; r0 < M; r0 += CROWS) {  // the group's later passes read it from L2
-                const int64_t R = std::min<int64_t>(CROWS, M - r0);
-                kDp[np][R](xb.data() + r0 * K2, K2, *cw, cw->at(p, 0), acc);
-                for (int64_t q = 0; q < np; ++q) store(p + q, r0, R, acc + q * R * PANEL);
-              }
-            }
-            return;
-          }
-#endif
-          thread_local std::vector<at::BFloat16> buf;  // the chunk in bf16 panels, for the kernels below
-          buf.resize(size_t((pe - p0) * stride));
-          for (int64_t q = p0; q < pe; ++q) compact_unpack(*cw, q, (K + 1) / 2, buf.data() + (q - p0) * stride);
-          wc = buf.data();
-        }
-      if (M == 1)  // one row (batch-1 decoding): STREAMS panels at a time
-        for (; p + STREAMS <= pe; p += STREAMS) {
-#if SUBLAYER_AVX2_FMA && defined(__AVX512F__)
-          if (std::is_same<T, int8_t>::value && g_avx512.load(std::memory_order_relaxed))
-            panels_kernel<STREAMS>(xp, wc + (p - p0) * stride, K, acc);  // int8: the AVX-512 overload
-          else
-#endif
-            panels_kernel<STREAMS, T>(xp, wc + (p - p0) * stride, K, acc);
-          for (int64_t q = 0; q < STREAMS; ++q) store(p + q, 0, 1, acc + q * PANEL);
-        }
-#if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
-      if constexpr (std::is_same<T, at::BFloat16>::value)
-        if (!xb.empty()) {  // several rows by vdpbf16ps: three panels at a time, then the rest
-          static constexpr auto kDp = rows_table<3>([](auto np) {
-            return rows_table<ROWS512>([](auto r) { return &panels_kernel_dp<decltype(r)::value, decltype(np)::value>; });
+        if (cfused && !xb.empty()) {  // several rows by vdpbf16ps: a group's panels at once, CROWS rows at a time
+          add_exceptions = true;
+          static constexpr auto kDp = rows_table<CGROUP>([](auto np) {
+            return rows_table<CROWS>([](auto r) { return &compact_kernel_dp<decltype(r)::value, decltype(np)::value>; });
           });
-          for (; p < pe; p += 3) {
-            const int64_t np = std::min<int64_t>(3, pe - p);
-            for (int64_t r0 = 0; r0 < M; r0 += ROWS512) {
-              const int64_t R = std::min<int64_t>(ROWS512, M - r0);
-              kDp[np][R](xb.data() + r0 * K2, K2, wc + (p - p0) * stride, stride, acc);
-              for (int64_t q = 0; q < np; ++q) store(p + q, r0, R, acc + q * R * PANEL);
-            }
-          }
-          return;
+          return tiles(CGROUP, CROWS, false, [&](int64_t np, int64_t R, int64_t r0) {
+            kDp[np][R](xb.data() + r0 * K2, K2, *cw, cw->at(p, 0), acc);
+          });
         }
+#endif
+        thread_local std::vector<at::BFloat16> buf;  // the chunk in bf16 panels, for the kernels below
+        buf.resize(size_t((pe - p0) * stride));
+        for (int64_t q = p0; q < pe; ++q) compact_unpack(*cw, q, (K + 1) / 2, buf.data() + (q - p0) * stride);
+        wc = buf.data();
+      }
+    if (M == 1)  // one row (batch-1 decoding): STREAMS panels at a time
+      tiles(STREAMS, 1, true, [&](int64_t, int64_t, int64_t) {
+#if SUBLAYER_AVX2_FMA && defined(__AVX512F__)
+        if (std::is_same<T, int8_t>::value && g_avx512.load(std::memory_order_relaxed))
+          return panels_kernel<STREAMS>(xp, wc + (p - p0) * stride, K, acc);  // int8: the AVX-512 overload
+#endif
+        panels_kernel<STREAMS, T>(xp, wc + (p - p0) * stride, K, acc);
+      });
+#if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
+    if constexpr (std::is_same<T, at::BFloat16>::value)
+      if (!xb.empty()) {  // several rows by vdpbf16ps: three panels at a time, then the rest
+        static constexpr auto kDp = rows_table<3>([](auto np) {
+          return rows_table<ROWS512>([](auto r) { return &panels_kernel_dp<decltype(r)::value, decltype(np)::value>; });
+        });
+        return tiles(3, ROWS512, false, [&](int64_t np, int64_t R, int64_t r0) {
+          kDp[np][R](xb.data() + r0 * K2, K2, wc + (p - p0) * stride, stride, acc);
+        });
+      }
 #endif
 #if SUBLAYER_AVX2_FMA && defined(__AVX512F__)
-      if (pair)  // several rows on AVX-512: two panels at a time
-        for (; p + 2 <= pe; p += 2)
-          for (int64_t r0 = 0; r0 < M; r0 += ROWS512) {
-            const int64_t R = std::min<int64_t>(ROWS512, M - r0);
-            pair[R](xp + r0 * ldx, ldx, wc + (p - p0) * stride, K, acc);
-            store(p, r0, R, acc);
-            store(p + 1, r0, R, acc + R * PANEL);
-          }
+    if (pair)  // several rows on AVX-512: two panels at a time
+      tiles(2, ROWS512, true, [&](int64_t, int64_t R, int64_t r0) {
+        pair[R](xp + r0 * ldx, ldx, wc + (p - p0) * stride, K, acc);
+      });
 #endif
-      for (; p < pe; ++p)
-        for (int64_t r0 = 0; r0 < M; r0 += rows) {
-          const int64_t R = std::min<int64_t>(rows, M - r0);
-          panel[R](xp + r0 * ldx, ldx, wc + (p - p0) * stride, K, acc);
-          store(p, r0, R, acc);
-        }
-    }
+    tiles(1, rows, false, [&](int64_t, int64_t R, int64_t r0) {
+      panel[R](xp + r0 * ldx, ldx, wc + (p - p0) * stride, K, acc);
+    });
   });
 }
 
