@@ -23,20 +23,28 @@ void check_2d_f32(const Tensor& t, const char* what) {
               ": expected a contiguous 2-D float32 CPU tensor, got ", t.sizes(), " ", t.scalar_type());
 }
 
-void check_vec(const std::optional<Tensor>& v, int64_t n, const char* what) {
-  if (!v) return;
+// A float32 vector of n elements: its data (null when absent).
+const float* check_vec(const std::optional<Tensor>& v, int64_t n, const char* what) {
+  if (!v) return nullptr;
   TORCH_CHECK(v->dim() == 1 && v->numel() == n && v->is_contiguous() && v->scalar_type() == at::kFloat, what,
               ": expected a contiguous float32 vector of ", n, " elements, got ", v->sizes(), " ", v->scalar_type());
+  return v->data_ptr<float>();
+}
+
+// One float32 per row of y (N rows): their data (null when absent).
+const float* check_r(const std::optional<Tensor>& r, int64_t N, const char* what) {
+  TORCH_CHECK(!r || (r->numel() == N && r->is_contiguous() && r->scalar_type() == at::kFloat), what,
+              ": r must hold one float32 per row (", N, "), got ", r->sizes());
+  return r ? r->data_ptr<float>() : nullptr;
 }
 
 std::tuple<Tensor, Tensor> int8_scale_rows(const Tensor& x, const std::optional<Tensor>& inv_smooth) {
   check_2d_f32(x, "int8_scale_rows: x");
   const int64_t N = x.size(0), K = x.size(1);
-  check_vec(inv_smooth, K, "int8_scale_rows: inv_smooth");
+  const float* S = check_vec(inv_smooth, K, "int8_scale_rows: inv_smooth");
   Tensor xs = at::empty_like(x);
   Tensor r = at::empty({N, 1}, x.options());
   const float* X = x.data_ptr<float>();
-  const float* S = inv_smooth ? inv_smooth->data_ptr<float>() : nullptr;
   float* O = xs.data_ptr<float>();
   float* R = r.data_ptr<float>();
   at::parallel_for(0, N, row_grain(K), [&](int64_t r0, int64_t r1) {
@@ -80,12 +88,9 @@ std::tuple<Tensor, Tensor> int8_scale_rows(const Tensor& x, const std::optional<
 Tensor int8_rescale_rows_(Tensor y, const Tensor& r, const std::optional<Tensor>& bias) {
   check_2d_f32(y, "int8_rescale_rows_: y");
   const int64_t N = y.size(0), M = y.size(1);
-  TORCH_CHECK(r.numel() == N && r.is_contiguous() && r.scalar_type() == at::kFloat,
-              "int8_rescale_rows_: r must hold one float32 per row (", N, "), got ", r.sizes());
-  check_vec(bias, M, "int8_rescale_rows_: bias");
+  const float* R = check_r(r, N, "int8_rescale_rows_");
+  const float* B = check_vec(bias, M, "int8_rescale_rows_: bias");
   float* Y = y.data_ptr<float>();
-  const float* R = r.data_ptr<float>();
-  const float* B = bias ? bias->data_ptr<float>() : nullptr;
   at::parallel_for(0, N, row_grain(M), [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
       float* yi = Y + i * M;
@@ -105,7 +110,6 @@ Tensor int8_rescale_rows_(Tensor y, const Tensor& r, const std::optional<Tensor>
   });
   return y;
 }
-
 
 // v[0:K] *= inv_next (if any); returns max |v| (1 for an all-zero row) and divides v by it.
 inline float scale_row(float* v, const float* inv, int64_t K) {
@@ -149,15 +153,11 @@ std::tuple<Tensor, Tensor> int8_act_rows_(Tensor y, const std::optional<Tensor>&
   check_2d_f32(y, "int8_act_rows_: y");
   const int64_t N = y.size(0), M = y.size(1);
   TORCH_CHECK(act >= IDENT && act <= RELU2, "int8_act_rows_: unknown activation id ", act);
-  TORCH_CHECK(!r || (r->numel() == N && r->is_contiguous() && r->scalar_type() == at::kFloat),
-              "int8_act_rows_: r must hold one float32 per row");
-  check_vec(bias, M, "int8_act_rows_: bias");
-  check_vec(inv_next, M, "int8_act_rows_: inv_next");
+  const float* R = check_r(r, N, "int8_act_rows_");
+  const float* B = check_vec(bias, M, "int8_act_rows_: bias");
+  const float* S = check_vec(inv_next, M, "int8_act_rows_: inv_next");
   Tensor r2 = at::empty({inv_next ? N : 0, 1}, y.options());
   float* Y = y.data_ptr<float>();
-  const float* R = r ? r->data_ptr<float>() : nullptr;
-  const float* B = bias ? bias->data_ptr<float>() : nullptr;
-  const float* S = inv_next ? inv_next->data_ptr<float>() : nullptr;
   float* R2 = inv_next ? r2.data_ptr<float>() : nullptr;
   SUBLAYER_DISPATCH_ACT(act, [&] { act_rows<ACT>(Y, R, B, S, R2, N, M); });
   return {y, r2};
@@ -172,21 +172,15 @@ std::tuple<Tensor, Tensor, Tensor> int8_add_norm_rows_(Tensor y, const std::opti
   TORCH_CHECK(resid.sizes() == y.sizes(), "int8_add_norm_rows_: resid must have y's shape ", y.sizes(), ", got ",
               resid.sizes());
   const int64_t N = y.size(0), M = y.size(1);
-  TORCH_CHECK(!r || (r->numel() == N && r->is_contiguous() && r->scalar_type() == at::kFloat),
-              "int8_add_norm_rows_: r must hold one float32 per row");
-  check_vec(bias, M, "int8_add_norm_rows_: bias");
-  check_vec(w, M, "int8_add_norm_rows_: w");
-  check_vec(beta, M, "int8_add_norm_rows_: beta");
-  check_vec(inv_next, M, "int8_add_norm_rows_: inv_next");
+  const float* R = check_r(r, N, "int8_add_norm_rows_");
+  const float* B = check_vec(bias, M, "int8_add_norm_rows_: bias");
+  const float* W = check_vec(w, M, "int8_add_norm_rows_: w");
+  const float* BE = check_vec(beta, M, "int8_add_norm_rows_: beta");
+  const float* S = check_vec(inv_next, M, "int8_add_norm_rows_: inv_next");
   Tensor xs = at::empty({inv_next ? N : 0, M}, y.options());
   Tensor r2 = at::empty({inv_next ? N : 0, 1}, y.options());
   float* Y = y.data_ptr<float>();
   const float* X = resid.data_ptr<float>();
-  const float* R = r ? r->data_ptr<float>() : nullptr;
-  const float* B = bias ? bias->data_ptr<float>() : nullptr;
-  const float* W = w.data_ptr<float>();
-  const float* BE = beta.data_ptr<float>();
-  const float* S = inv_next ? inv_next->data_ptr<float>() : nullptr;
   float* XS = inv_next ? xs.data_ptr<float>() : nullptr;
   float* R2 = inv_next ? r2.data_ptr<float>() : nullptr;
   const float e = float(eps);
