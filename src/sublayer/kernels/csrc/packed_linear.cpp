@@ -258,9 +258,7 @@ inline void panel_kernel512(const float* x, int64_t ldx, const T* w, int64_t K, 
   for (int q = 0; q < NPAN; ++q)
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (q * R + r) * PANEL, a[q][r]);
 }
-#endif
 
-#if SUBLAYER_AVX2_FMA && defined(__AVX512F__)
 // One row against NP int8 panels on AVX-512 CPUs: a panel's 16 int8 at one k widen into one 16-lane vector (half
 // the widening instructions of the AVX2 path; int8 panels carry a quarter of float32's bytes, so the widening,
 // not memory, is what the AVX2 path spends its time on); each broadcast of x serves all NP panels.
