@@ -774,8 +774,8 @@ void advise_huge_pages(void* p, size_t bytes) {
 // W (N, K) -> (ceil(N/16), ceil(K/G), 16, G), [p, i, j, t] = W[16p + j, G i + t], zero-padded columns and k: each
 // column's G consecutive k are one lane. G = 1: float32, float16 or int8 panels (K x 16); G = 2: bfloat16 k pairs,
 // one 32-bit lane (wload8/wload16 widen it without a shuffle); G = 4: int8 quads (pack_int8_quads).
-template <int G, int64_t W = PANEL, typename T>
-void pack_groups(const T* src, T* dst, int64_t N, int64_t K, int64_t P) {  // W: columns per panel
+template <int G, typename T>
+void pack_groups(const T* src, T* dst, int64_t N, int64_t K, int64_t P, int64_t W = PANEL) {  // W: columns per panel
   const int64_t KG = (K + G - 1) / G;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
@@ -885,10 +885,7 @@ Tensor pack_int8_quads(const Tensor& q, bool grouped) {
   const int64_t N = q.size(0), K = q.size(1), P = (N + W - 1) / W, K4 = (K + 3) / 4;
   Tensor out = at::empty({P, K4, W, 4}, q.options());
   advise_huge_pages(out.data_ptr(), size_t(out.numel()));
-  if (grouped)
-    pack_groups<4, QPAN * PANEL>(q.data_ptr<int8_t>(), out.data_ptr<int8_t>(), N, K, P);
-  else
-    pack_groups<4>(q.data_ptr<int8_t>(), out.data_ptr<int8_t>(), N, K, P);
+  pack_groups<4>(q.data_ptr<int8_t>(), out.data_ptr<int8_t>(), N, K, P, W);
   return out;
 }
 
