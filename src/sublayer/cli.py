@@ -487,16 +487,10 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         code = app(standalone_mode=False)
-    except (CLIError, ModuleNotFoundError, ValueError, TypeError, OSError) as e:
-        if _state["debug"]:
-            raise
-        missing = isinstance(e, ModuleNotFoundError) and (_missing_package(e.name) or f"{type(e).__name__}: {e}")
-        typer.echo(f"error: {missing or e}", err=True)
-        sys.exit(2)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
-    except Exception as e:  # click usage errors and the like
+    except Exception as e:  # one line on stderr: click's usage errors, ours and the library's, any other
         usage, exit_, abort = _click_exception_types()
         if isinstance(e, usage):
             # one line, as every CLI error: "error: Missing parameter: texts" (none after the help that
@@ -510,7 +504,9 @@ def main() -> None:
             sys.exit(130)
         if _state["debug"]:
             raise
-        typer.echo(f"error: {type(e).__name__}: {e}", err=True)
+        plain = isinstance(e, (CLIError, ValueError, TypeError, OSError))  # else the message after the type's name
+        missing = isinstance(e, ModuleNotFoundError) and _missing_package(e.name)
+        typer.echo(f"error: {missing or (e if plain else f'{type(e).__name__}: {e}')}", err=True)
         sys.exit(2)
     if isinstance(code, int) and code:  # typer returns (not raises) 130 for a KeyboardInterrupt in a command
         if code == 130:
