@@ -69,9 +69,9 @@ def _flag_errors(command):
     return run
 
 
-def _setup_inference(quantize: str | None) -> None:
-    """generate's and embed's start: torch's threads as :func:`sublayer.kernels.cpu.choose_threads` says, and
-    ``--quantize`` checked."""
+def _setup_inference(quantize: str | None, model: Path) -> Path:
+    """generate's and embed's start: torch's threads as :func:`sublayer.kernels.cpu.choose_threads` says,
+    ``--quantize`` checked; returns the ``--model`` folder (:func:`_model_folder`)."""
     import torch
 
     from .kernels.cpu import choose_threads
@@ -81,6 +81,7 @@ def _setup_inference(quantize: str | None) -> None:
 
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise CLIError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
+    return _model_folder(model)
 
 
 def _model_folder(model: Path) -> Path:
@@ -298,8 +299,7 @@ def generate(
 
     from .checkpoints import FROM_CONFIG
     from .text import TextGenerator, load_tokenizer
-    _setup_inference(quantize)
-    model = _model_folder(model)
+    model = _setup_inference(quantize, model)
     if not prompt.strip():
         raise CLIError("the prompt is empty: give token ids like \"1 2 3\" or text")
     parts = prompt.replace(",", " ").split()  # "1 2 3" or "1,2,3": ids; else text (ids None)
@@ -361,8 +361,7 @@ def embed(
 
     from .text import Encoder
 
-    _setup_inference(quantize)
-    encoder = Encoder.from_pretrained(_model_folder(model), quantize=quantize)
+    encoder = Encoder.from_pretrained(_setup_inference(quantize, model), quantize=quantize)
     vectors = encoder.encode(list(texts), batch_size=batch_size)
     rows = [{"text": text, "embedding": v} for text, v in zip(texts, vectors.tolist())]
     typer.echo(json.dumps(rows))
