@@ -120,19 +120,13 @@ def _activation(act: object) -> str | None:
     from transformers import activations as A
 
     t = type(act)
-    if t is A.GELUActivation and act.act is F.gelu:
-        return "gelu"
-    if t is A.NewGELUActivation:
-        return "gelu_tanh"
-    if t is A.GELUTanh and isinstance(act.act, functools.partial) and act.act.keywords == {"approximate": "tanh"}:
-        return "gelu_tanh"
-    if t in (nn.SiLU, A.SiLUActivation):
-        return "silu"
-    if t is nn.ReLU:
-        return "relu"
-    if t is A.ReLUSquaredActivation:
-        return "relu2"
-    return None
+    if t is A.GELUActivation:
+        return "gelu" if act.act is F.gelu else None
+    if t is A.GELUTanh:
+        tanh = isinstance(act.act, functools.partial) and act.act.keywords == {"approximate": "tanh"}
+        return "gelu_tanh" if tanh else None
+    return {A.NewGELUActivation: "gelu_tanh", nn.SiLU: "silu", A.SiLUActivation: "silu", nn.ReLU: "relu",
+            A.ReLUSquaredActivation: "relu2"}.get(t)  # fmt: skip
 
 
 def _why_not(mod: nn.Module, parts: dict[str, type | tuple[type, ...]]) -> str | None:
