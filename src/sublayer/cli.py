@@ -69,9 +69,9 @@ def _flag_errors(command):
     return run
 
 
-def _setup_inference(quantize: str | None) -> None:
-    """generate's and embed's start: torch's threads as :func:`sublayer.kernels.cpu.choose_threads` says, and
-    ``--quantize`` checked."""
+def _setup_inference(quantize: str | None, model: Path) -> Path:
+    """generate's and embed's start: torch's threads as :func:`sublayer.kernels.cpu.choose_threads` says,
+    ``--quantize`` checked; returns the ``--model`` folder (:func:`_model_folder`)."""
     import torch
 
     from .kernels.cpu import choose_threads
@@ -81,6 +81,7 @@ def _setup_inference(quantize: str | None) -> None:
 
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise CLIError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
+    return _model_folder(model)
 
 
 def _model_folder(model: Path) -> Path:
@@ -298,8 +299,7 @@ def generate(
 
     from .checkpoints import FROM_CONFIG
     from .text import TextGenerator, load_tokenizer
-    _setup_inference(quantize)
-    model = _model_folder(model)
+    model = _setup_inference(quantize, model)
     if not prompt.strip():
         raise CLIError("the prompt is empty: give token ids like \"1 2 3\" or text")
     parts = prompt.replace(",", " ").split()  # "1 2 3" or "1,2,3": ids; else text (ids None)
@@ -361,8 +361,7 @@ def embed(
 
     from .text import Encoder
 
-    _setup_inference(quantize)
-    encoder = Encoder.from_pretrained(_model_folder(model), quantize=quantize)
+    encoder = Encoder.from_pretrained(_setup_inference(quantize, model), quantize=quantize)
     vectors = encoder.encode(list(texts), batch_size=batch_size)
     rows = [{"text": text, "embedding": v} for text, v in zip(texts, vectors.tolist())]
     typer.echo(json.dumps(rows))
@@ -487,16 +486,10 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         code = app(standalone_mode=False)
-    except (CLIError, ModuleNotFoundError, ValueError, TypeError, OSError) as e:
-        if _state["debug"]:
-            raise
-        missing = isinstance(e, ModuleNotFoundError) and (_missing_package(e.name) or f"{type(e).__name__}: {e}")
-        typer.echo(f"error: {missing or e}", err=True)
-        sys.exit(2)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
-    except Exception as e:  # click usage errors and the like
+    except Exception as e:  # one line on stderr: click's usage errors, ours and the library's, any other
         usage, exit_, abort = _click_exception_types()
         if isinstance(e, usage):
             # one line, as every CLI error: "error: Missing parameter: texts" (none after the help that
@@ -510,7 +503,9 @@ def main() -> None:
             sys.exit(130)
         if _state["debug"]:
             raise
-        typer.echo(f"error: {type(e).__name__}: {e}", err=True)
+        plain = isinstance(e, (CLIError, ValueError, TypeError, OSError))  # else the message after the type's name
+        missing = isinstance(e, ModuleNotFoundError) and _missing_package(e.name)
+        typer.echo(f"error: {missing or (e if plain else f'{type(e).__name__}: {e}')}", err=True)
         sys.exit(2)
     if isinstance(code, int) and code:  # typer returns (not raises) 130 for a KeyboardInterrupt in a command
         if code == 130:

@@ -120,19 +120,13 @@ def _activation(act: object) -> str | None:
     from transformers import activations as A
 
     t = type(act)
-    if t is A.GELUActivation and act.act is F.gelu:
-        return "gelu"
-    if t is A.NewGELUActivation:
-        return "gelu_tanh"
-    if t is A.GELUTanh and isinstance(act.act, functools.partial) and act.act.keywords == {"approximate": "tanh"}:
-        return "gelu_tanh"
-    if t in (nn.SiLU, A.SiLUActivation):
-        return "silu"
-    if t is nn.ReLU:
-        return "relu"
-    if t is A.ReLUSquaredActivation:
-        return "relu2"
-    return None
+    if t is A.GELUActivation:
+        return "gelu" if act.act is F.gelu else None
+    if t is A.GELUTanh:
+        tanh = isinstance(act.act, functools.partial) and act.act.keywords == {"approximate": "tanh"}
+        return "gelu_tanh" if tanh else None
+    return {A.NewGELUActivation: "gelu_tanh", nn.SiLU: "silu", A.SiLUActivation: "silu", nn.ReLU: "relu",
+            A.ReLUSquaredActivation: "relu2"}.get(t)  # fmt: skip
 
 
 def _why_not(mod: nn.Module, parts: dict[str, type | tuple[type, ...]]) -> str | None:
@@ -449,9 +443,8 @@ def _targets(loss: bool):
             return "intermediate/output are not BertIntermediate/BertOutput"
         if "feed_forward_chunk" in m.__dict__ or _hooked(m.intermediate, m.output):
             return "feed_forward_chunk replaced or hooks present"
-        return (_why_not(m.output, {"dense": linear, "LayerNorm": ln, "dropout": drop})
-                or _why_not(m.intermediate, {"dense": linear})
-                or _set_act(m, m.intermediate.intermediate_act_fn) or _affine(m.output.LayerNorm))  # fmt: skip
+        return (add_norm(m.output) or _why_not(m.intermediate, {"dense": linear})
+                or _set_act(m, m.intermediate.intermediate_act_fn))  # fmt: skip
 
     def add_norm(m):
         return _why_not(m, {"dense": linear, "LayerNorm": ln, "dropout": drop}) or _affine(m.LayerNorm)
@@ -488,21 +481,17 @@ def _targets(loss: bool):
         m._sublayer_labels_at = names.index("labels")  # labels passed by position: HF's forward
         return None
 
-    rows = [
-        (bert.BertLayer, bert_layer, "feed_forward_chunk", _bert_ffn, "fused FFN ({act}) + fused add & LayerNorm"),
-        (bert.BertSelfOutput, add_norm, "forward", _bert_self_output, "dense + fused dropout/add/LayerNorm"),
-        (bert.BertOutput, add_norm, "forward", _bert_self_output, "dense + fused dropout/add/LayerNorm"),
-        (gpt2.GPT2MLP, gpt2_mlp, "forward", _gpt2_mlp, "fused FFN ({act}, Conv1D weights)"),
-        (llama.LlamaMLP, glu_mlp, "forward", _glu_mlp, "fused SwiGLU FFN"),
-        (qwen2.Qwen2MLP, glu_mlp, "forward", _glu_mlp, "fused SwiGLU FFN"),
-        (llama.LlamaRMSNorm, rms, "forward", _rms_norm, "fused RMSNorm (HF's cast order)"),
-        (qwen2.Qwen2RMSNorm, rms, "forward", _rms_norm, "fused RMSNorm (HF's cast order)"),
+    groups = [  # (HF classes, check, ...): one row per class; the loss's last (left out when loss is False)
+        ((bert.BertLayer,), bert_layer, "feed_forward_chunk", _bert_ffn, "fused FFN ({act}) + fused add & LayerNorm"),
+        ((bert.BertSelfOutput, bert.BertOutput), add_norm, "forward", _bert_self_output,
+         "dense + fused dropout/add/LayerNorm"),
+        ((gpt2.GPT2MLP,), gpt2_mlp, "forward", _gpt2_mlp, "fused FFN ({act}, Conv1D weights)"),
+        ((llama.LlamaMLP, qwen2.Qwen2MLP), glu_mlp, "forward", _glu_mlp, "fused SwiGLU FFN"),
+        ((llama.LlamaRMSNorm, qwen2.Qwen2RMSNorm), rms, "forward", _rms_norm, "fused RMSNorm (HF's cast order)"),
+        ((gpt2.GPT2LMHeadModel, llama.LlamaForCausalLM, qwen2.Qwen2ForCausalLM), lm, "forward", _lm_forward,
+         "fused linear + cross-entropy loss when labels are given in training"),
     ]
-    if loss:
-        rows += [
-            (cls, lm, "forward", _lm_forward, "fused linear + cross-entropy loss when labels are given in training")
-            for cls in (gpt2.GPT2LMHeadModel, llama.LlamaForCausalLM, qwen2.Qwen2ForCausalLM)
-        ]
+    rows = [(cls, *rest) for classes, *rest in groups[: None if loss else -1] for cls in classes]
     return rows, gpt2.GPT2Model
 
 

@@ -46,14 +46,16 @@ def canonical(key: str, *, tied: bool = True) -> str | None:
     return None if _IGNORED.fullmatch(k) else k
 
 
-# (HF module, ours) in a layer: see _layer_pairs
+# (HF module, ours) in a layer: see _pairs
 _RENAMED = (("ln_1", "attn_residual.norm"), ("attn.c_proj", "self_attn.out_proj"), ("ln_2", "ffn_residual.norm"),
             ("mlp.c_fc", "ffn.fc1"), ("mlp.c_proj", "ffn.fc2"))  # fmt: skip
 
 
-def _layer_pairs(i: int) -> list[tuple[str, str]]:
-    """(HF name, our name) for the keys of layer ``i`` that only need a rename (and maybe a transpose)."""
-    return [(f"h.{i}.{hf}.{p}", f"blocks.{i}.{ours}.{p}") for p in ("weight", "bias") for hf, ours in _RENAMED]
+def _pairs(n_layers: int) -> list[tuple[str, str]]:
+    """(HF name, our name) for the keys that only need a rename (and maybe a transpose): all but ``c_attn``'s."""
+    same = [(k, k) for k in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")]
+    return same + [(f"h.{i}.{hf}.{p}", f"blocks.{i}.{ours}.{p}")
+                   for i in range(n_layers) for p in ("weight", "bias") for hf, ours in _RENAMED]  # fmt: skip
 
 
 def _conv1d(name: str) -> bool:
@@ -63,12 +65,8 @@ def _conv1d(name: str) -> bool:
 
 def from_hf(sd: dict[str, Tensor], n_layers: int, *, tied: bool = True) -> dict[str, Tensor]:
     """Canonical HF tensors (see :func:`canonical`) -> our ``GPT2`` state dict."""
-    out = {"wte.weight": sd["wte.weight"], "wpe.weight": sd["wpe.weight"]}
-    out["ln_f.weight"], out["ln_f.bias"] = sd["ln_f.weight"], sd["ln_f.bias"]
+    out = {ours: sd[hf].t() if _conv1d(hf) else sd[hf] for hf, ours in _pairs(n_layers)}
     for i in range(n_layers):
-        for hf, ours in _layer_pairs(i):
-            t = sd[hf]
-            out[ours] = t.t() if _conv1d(hf) else t
         w = sd[f"h.{i}.attn.c_attn.weight"]  # (d, 3d)
         bias = sd[f"h.{i}.attn.c_attn.bias"]  # (3d,)
         for name, wc, bc in zip("qkv", w.chunk(3, dim=1), bias.chunk(3, dim=0)):
@@ -81,15 +79,11 @@ def from_hf(sd: dict[str, Tensor], n_layers: int, *, tied: bool = True) -> dict[
 def to_hf(sd: dict[str, Tensor], n_layers: int, *, tied: bool = True) -> dict[str, Tensor]:
     """Our ``GPT2`` state dict -> canonical HF tensors (no ``transformer.`` prefix; ``lm_head.weight`` only
     when untied). Works on meta tensors (used to get the expected shapes without copying)."""
-    out = {"wte.weight": sd["wte.weight"], "wpe.weight": sd["wpe.weight"]}
+    out = {hf: sd[ours].t() if _conv1d(hf) else sd[ours] for hf, ours in _pairs(n_layers)}
     for i in range(n_layers):
-        for hf, ours in _layer_pairs(i):
-            t = sd[ours]
-            out[hf] = t.t() if _conv1d(hf) else t
         a = f"blocks.{i}.self_attn."
         out[f"h.{i}.attn.c_attn.weight"] = torch.cat([sd[f"{a}{n}_proj.weight"].t() for n in "qkv"], dim=1)
         out[f"h.{i}.attn.c_attn.bias"] = torch.cat([sd[f"{a}{n}_proj.bias"] for n in "qkv"], dim=0)
-    out["ln_f.weight"], out["ln_f.bias"] = sd["ln_f.weight"], sd["ln_f.bias"]
     if not tied:
         out["lm_head.weight"] = sd["lm_head.weight"]
     return out

@@ -45,26 +45,26 @@ def canonical(key: str, *, tied: bool = False) -> str | None:
     return None if _IGNORED.fullmatch(k) else k
 
 
-def _renames(sd_keys, i: int) -> list[tuple[str, str]]:
-    """(HF name, our name) for the keys of layer ``i`` that only need a rename; biases only where present."""
-    h, b = f"layers.{i}.", f"blocks.{i}."
-    pairs = [
-        (f"{h}input_layernorm.weight", f"{b}attn_residual.norm.weight"),
-        (f"{h}post_attention_layernorm.weight", f"{b}ffn_residual.norm.weight"),
-        (f"{h}mlp.down_proj.weight", f"{b}ffn.fc2.weight"),
-    ]
-    for ours, hf in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o")):
-        for p in ("weight", "bias"):
-            pairs.append((f"{h}self_attn.{hf}_proj.{p}", f"{b}self_attn.{ours}_proj.{p}"))
+def _renames(sd_keys, n_layers: int) -> list[tuple[str, str]]:
+    """(HF name, our name) for the keys that only need a rename; biases only where present."""
+    pairs = [("embed_tokens.weight", "embed_tokens.weight"), ("norm.weight", "norm.weight")]
+    for i in range(n_layers):
+        h, b = f"layers.{i}.", f"blocks.{i}."
+        pairs += [
+            (f"{h}input_layernorm.weight", f"{b}attn_residual.norm.weight"),
+            (f"{h}post_attention_layernorm.weight", f"{b}ffn_residual.norm.weight"),
+            (f"{h}mlp.down_proj.weight", f"{b}ffn.fc2.weight"),
+        ]
+        for ours, hf in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o")):
+            for p in ("weight", "bias"):
+                pairs.append((f"{h}self_attn.{hf}_proj.{p}", f"{b}self_attn.{ours}_proj.{p}"))
     return [(hf, ours) for hf, ours in pairs if (hf in sd_keys or ours in sd_keys)]
 
 
 def from_hf(sd: dict[str, Tensor], n_layers: int, *, tied: bool = False) -> dict[str, Tensor]:
     """Canonical HF tensors (see :func:`canonical`) -> our ``Llama`` state dict."""
-    out = {"embed_tokens.weight": sd["embed_tokens.weight"], "norm.weight": sd["norm.weight"]}
+    out = {ours: sd[hf] for hf, ours in _renames(sd, n_layers)}
     for i in range(n_layers):
-        for hf, ours in _renames(sd, i):
-            out[ours] = sd[hf]
         mlp = f"layers.{i}.mlp."
         out[f"blocks.{i}.ffn.fc1.weight"] = torch.cat([sd[f"{mlp}gate_proj.weight"], sd[f"{mlp}up_proj.weight"]])
     out["lm_head.weight"] = sd["embed_tokens.weight"] if tied else sd["lm_head.weight"]
@@ -74,13 +74,10 @@ def from_hf(sd: dict[str, Tensor], n_layers: int, *, tied: bool = False) -> dict
 def to_hf(sd: dict[str, Tensor], n_layers: int, *, tied: bool = False) -> dict[str, Tensor]:
     """Our ``Llama`` state dict -> canonical HF tensors (no ``model.`` prefix; ``lm_head.weight`` only when untied).
     Works on meta tensors (used to get the expected shapes without copying)."""
-    out = {"embed_tokens.weight": sd["embed_tokens.weight"]}
+    out = {hf: sd[ours] for hf, ours in _renames(sd, n_layers)}
     for i in range(n_layers):
-        for hf, ours in _renames(sd, i):
-            out[hf] = sd[ours]
         gate, up = sd[f"blocks.{i}.ffn.fc1.weight"].chunk(2)
         out[f"layers.{i}.mlp.gate_proj.weight"], out[f"layers.{i}.mlp.up_proj.weight"] = gate, up
-    out["norm.weight"] = sd["norm.weight"]
     if not tied:
         out["lm_head.weight"] = sd["lm_head.weight"]
     return out
