@@ -65,7 +65,7 @@ from .int8 import (
     check_quantize,
     check_tensors,
     dense_names,
-    dense_spec,
+    folder_spec,
     own_int8_gemm,
     quantize_weight,
 )
@@ -382,24 +382,8 @@ class QuantizedBert(Int8Wrapper, PreparedBert):
     def expected_tensors(config: BertConfig, keep_float: tuple[str, ...]) -> tuple[Spec, set[str]]:
         """What a saved folder holds: name -> (shape, dtype), and the names that may be absent (the pooler, the
         smoothing factors of an uncalibrated model)."""
-        d, f, f32 = config.d_model, config.d_ff, torch.float32
-        spec: Spec = {
-            "embeddings.word": ((config.vocab_size, d), f32), "embeddings.position": ((config.max_positions, d), f32),
-            "embeddings.token_type": ((config.type_vocab_size, d), f32),
-            "embeddings.norm.weight": ((d,), f32), "embeddings.norm.bias": ((d,), f32),
-            "pooler.dense.weight": ((d, d), f32), "pooler.dense.bias": ((d,), f32),
-        }  # fmt: skip
-        optional = {"pooler.dense.weight", "pooler.dense.bias"}
-        for i in range(config.n_layers):
-            p = f"layers.{i}"
-            for k, (n_out, n_in) in {"qkv": (3 * d, d), "out": (d, d), "fc1": (f, d), "fc2": (d, f)}.items():
-                spec |= dense_spec(f"{p}.{k}", n_out, n_in, keep_float)
-                if f"{p}.{k}.qweight" in spec:
-                    spec[f"{p}.{k}.smooth"] = ((n_in,), f32)
-                    optional.add(f"{p}.{k}.smooth")
-            for j in (1, 2):
-                spec[f"{p}.norm{j}.weight"] = spec[f"{p}.norm{j}.bias"] = ((d,), f32)
-        return spec, optional
+        spec = folder_spec(bert_tensors(Bert(config, device="meta")), keep_float, smooth=True)  # shapes only
+        return spec, {"pooler.dense.weight", "pooler.dense.bias"} | {k for k in spec if k.endswith(".smooth")}
 
     def __repr__(self) -> str:
         n_q = sum(isinstance(L[k], (Int8Linear, ActInt8Linear)) for L in self.layers for k in LINEARS)
