@@ -17,8 +17,8 @@ from ..runtime.weights import prepared
 
 __all__ = [
     "QUANTIZE_CHOICES", "QUANT_METHOD", "LINEARS", "Spec", "check_quantize", "quantize_weight", "check_float_cpu",
-    "dense_names", "check_keep_float", "is_dense", "folder_spec", "check_tensors", "quant_config", "own_int8_gemm",
-    "Int8Wrapper",
+    "dense_names", "check_keep_float", "is_dense", "folder_spec", "int8_tensors",
+    "check_tensors", "quant_config", "own_int8_gemm", "Int8Wrapper",
 ]  # fmt: skip
 
 LINEARS = ("qkv", "out", "fc1", "fc2")  # the dense layers of a block, as keep_float patterns name them
@@ -99,6 +99,27 @@ def folder_spec(
         if smooth:
             spec[f"{layer}.smooth"] = ((v.shape[1],), f32)
     return spec
+
+
+def int8_tensors(tensors: dict[str, Tensor], keep_float: tuple[str, ...], *, copy: bool, tied: bool = False,
+                 smooth: dict[str, Tensor] | None = None) -> dict[str, Tensor]:  # fmt: skip
+    """A float model's named ``tensors`` as int8 stores them: each dense weight (:func:`is_dense`) ``keep_float``
+    does not match as ``{layer}.qweight`` + ``{layer}.scale`` (of ``W * smooth[layer]`` where given, stored as
+    ``{layer}.smooth``); the rest float32, contiguous, cloned with ``copy`` (a snapshot); with ``tied``, a float
+    head is ``wte`` itself."""
+    t: dict[str, Tensor] = {}
+    for name, v in tensors.items():
+        layer = name.rsplit(".", 1)[0]
+        if is_dense(name) and not any(fnmatch.fnmatchcase(layer, p) for p in keep_float):
+            w = v.detach().float()
+            if smooth and layer in smooth:
+                t[f"{layer}.smooth"] = smooth[layer]
+                w = w * smooth[layer]
+            t[f"{layer}.qweight"], t[f"{layer}.scale"] = quantize_weight(w)
+        elif not (tied and name == "head.weight"):
+            v = v.detach().float().contiguous()
+            t[name] = v.clone() if copy else v
+    return t
 
 
 def check_tensors(tensors: dict[str, Tensor], spec: Spec, source, optional: set[str] = frozenset()) -> None:

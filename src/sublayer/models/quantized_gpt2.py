@@ -40,8 +40,6 @@ and re-quantizes from its current weights on the next call after any change
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 from torch import Tensor
 
@@ -51,8 +49,7 @@ from ..runtime.linear import Int8Linear, PackedLinear, weight_int8_linear_refere
 from ..runtime.rows import inference
 from .causal_lm import CausalLM, PreparedCausalLM
 from .int8 import (
-    LINEARS, Int8Wrapper, check_float_cpu, check_keep_float, dense_names, folder_spec, is_dense, own_int8_gemm,
-    quantize_weight,
+    LINEARS, Int8Wrapper, check_float_cpu, check_keep_float, dense_names, folder_spec, int8_tensors, own_int8_gemm,
 )  # fmt: skip
 
 __all__ = [
@@ -173,16 +170,7 @@ def _int8_tensors(model: CausalLM, keep_float: tuple[str, ...], *, copy: bool) -
     """``model``'s engine tensors with the dense weights quantized (``{layer}.qweight`` + ``{layer}.scale``) unless
     ``keep_float`` matches them; ``copy``: the float tensors cloned (a snapshot), else views of the parameters."""
     check_float_cpu(model)
-    tied = model.config.tie_word_embeddings
-    t: dict[str, Tensor] = {}
-    for name, v in causal.named_tensors(model).items():
-        layer = name.rsplit(".", 1)[0]
-        if is_dense(name) and not any(fnmatch.fnmatchcase(layer, pat) for pat in keep_float):
-            t[f"{layer}.qweight"], t[f"{layer}.scale"] = quantize_weight(v)
-        elif not is_dense(name) or name != "head.weight" or not tied:  # a tied float head is wte itself
-            v = v.float().contiguous()
-            t[name] = v.clone() if copy else v
-    return t
+    return int8_tensors(causal.named_tensors(model), keep_float, copy=copy, tied=model.config.tie_word_embeddings)
 
 
 def skeleton(model: CausalLM) -> CausalLM:
