@@ -16,6 +16,7 @@ from sublayer.checkpoints import CheckpointError
 from sublayer.models import Bert, BertConfig
 from sublayer.models import quantized as Q
 from sublayer.models.fast import fast_inference
+from sublayer.models.int8 import int8_tensors
 
 pytest.importorskip("safetensors")
 
@@ -95,8 +96,9 @@ def test_int8_linear_within_derived_bound(smoothed, engine, monkeypatch):
     x[2] *= 50  # and an outlier token
     w, b = torch.randn(17, 29, generator=g) * 0.1, torch.randn(17, generator=g)
     smooth = Q.smooth_factors(x.abs().amax(0), w) if smoothed else None
-    tensors = Q._linear_tensors("lin", w, b, keep=False, x_amax=x.abs().amax(0) if smoothed else None)
-    lin = Q._make_linear(tensors, "lin")
+    smooth_of = {"head": smooth} if smoothed else None
+    tensors = int8_tensors({"head.weight": w, "head.bias": b}, (), copy=False, smooth=smooth_of)
+    lin = Q._make_linear(tensors, "head")
     assert (lin._packed is not None) == engine
     y = lin(x)
     exact = (x.double() @ w.double().t() + b.double())
@@ -112,7 +114,7 @@ def test_int8_engine_matches_the_reference_linear():
         pytest.skip("no fbgemm engine in this torch build")
     g = torch.Generator().manual_seed(2)
     x, w, b = torch.randn(11, 37, generator=g), torch.randn(19, 37, generator=g), torch.randn(19, generator=g)
-    lin = Q._make_linear(Q._linear_tensors("l", w, b, keep=False, x_amax=None), "l")
+    lin = Q._make_linear(int8_tensors({"head.weight": w, "head.bias": b}, (), copy=False), "head")
     xs, r = lin.prepare(x)
     ref = Q.int8_linear_reference(x, lin.q, lin.scale, b)
     # same quantized operands; at most a few activations round to the neighbouring level (ties, fp32 scaling)

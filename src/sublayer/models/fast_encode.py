@@ -1,11 +1,9 @@
 """The encoder pass of :meth:`Transformer.translate` on the inference kernels (tested against
 :meth:`Transformer.encode`, which stays the reference).
 
-Per layer: one GEMM for q, k and v together; attention read straight from that GEMM's output
-(:func:`sublayer.runtime.encoder.attention`: each sequence on its own rows, no transposes, no (B, H, S, S) scores);
-the output projection; residual add + LayerNorm fused (``add_norm_fwd``); the FFN with its bias + activation in
-place. A pre-norm layer's closing residual add is fused with the next LayerNorm (the next layer's first, or the
-final norm).
+The layers run through :func:`sublayer.runtime.encoder.run_layers` (pre- or post-norm) on the float32 weights
+themselves: one GEMM for q, k and v together, attention read straight from its output (each sequence on its own
+rows, no (B, H, S, S) scores), residual add + LayerNorm fused, the FFN's bias + activation in place.
 
 With a padding mask only the real tokens go through the GEMMs, the attention, LayerNorms and FFNs (packed rows, as
 the reference's padding-free path does), and the memory is zero at padded positions. Inference only: no dropout,
@@ -17,13 +15,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..functional.fused import linear
 from ..functional.packing import Packing
-from ..runtime.encoder import attention, runs
-from ..runtime.rows import ffn_hidden, kernels_on, residual_out
+from ..runtime.encoder import run_layers
+from ..runtime.rows import ffn_hidden, kernels_on
 from . import decoding
 
 __all__ = ["supports", "encode"]
@@ -46,17 +43,25 @@ def supports(model) -> bool:
     )
 
 
+def _linear(weight: Tensor, bias: Tensor):
+    """A linear of :func:`~sublayer.runtime.encoder.run_layers` on the float32 weight itself (``fused.linear``; an
+    FFN activation in its own pass, with the bias)."""
+    w, b = weight.detach(), bias.detach()
+    return lambda x, activation=None: linear(x, w, b) if activation is None else ffn_hidden(linear(x, w), b, activation)
+
+
 def _build(encoder) -> dict:
     layers = []
     for layer in encoder.layers:
         a = layer.self_attn
         layers.append({
-            "qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).detach(),
-            "qkv_b": torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0).detach(),
-            "out": (a.out_proj.weight.detach(), a.out_proj.bias.detach()),
-            "fc1": (layer.ffn.fc1.weight.detach(), layer.ffn.fc1.bias.detach()),
-            "fc2": (layer.ffn.fc2.weight.detach(), layer.ffn.fc2.bias.detach()),
-            "norms": [decoding.norm_params(layer.attn_residual.norm), decoding.norm_params(layer.ffn_residual.norm)],
+            "qkv": _linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0),
+                           torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0)),
+            "out": _linear(a.out_proj.weight, a.out_proj.bias),
+            "fc1": _linear(layer.ffn.fc1.weight, layer.ffn.fc1.bias),
+            "fc2": _linear(layer.ffn.fc2.weight, layer.ffn.fc2.bias),
+            "norm1": decoding.norm_params(layer.attn_residual.norm),
+            "norm2": decoding.norm_params(layer.ffn_residual.norm),
         })  # fmt: skip
     return {"layers": layers, "final": None if encoder.norm is None else decoding.norm_params(encoder.norm)}
 
@@ -82,16 +87,6 @@ def encode(model, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Te
         pk = Packing(pad)  # the real tokens' rows
     x = model.src_embed.weight.detach()[src] * math.sqrt(d) + model.pos_encoding[:s]  # (B, S, d)
     x = x.reshape(b * s, d) if pk is None else pk.pack(x)
-    layers, pre = W["layers"], cfg.norm_first
-    scale, segments = 1.0 / math.sqrt(d // cfg.n_heads), runs(pad, (b, s))
-    h = F.layer_norm(x, (d,), *layers[0]["norms"][0][:2], layers[0]["norms"][0][2]) if pre else x
-    for i, L in enumerate(layers):
-        # pre-norm: the norm after this layer's FFN is the next layer's first, or the final one (or none)
-        after = layers[i + 1]["norms"][0] if i + 1 < len(layers) else W["final"]
-        ctx = attention(linear(h, L["qkv"], L["qkv_b"]), segments, cfg.n_heads, scale)
-        x, h = residual_out(pre, x, linear(ctx, *L["out"]), L["norms"][0], L["norms"][1])
-        f = ffn_hidden(linear(h, L["fc1"][0]), L["fc1"][1], cfg.activation)
-        x, h = residual_out(pre, x, linear(f, *L["fc2"]), L["norms"][1], after)
-    if not pre and W["final"] is not None:
-        h = F.layer_norm(h, (d,), *W["final"][:2], W["final"][2])
+    h = run_layers(x, W["layers"], pad=pad, shape=(b, s), heads=cfg.n_heads, scale=1.0 / math.sqrt(d // cfg.n_heads),
+                   activation=cfg.activation, norm_first=cfg.norm_first, final=W["final"])  # fmt: skip
     return h.view(b, s, d) if pk is None else pk.unpack(h)

@@ -17,7 +17,8 @@ from ..runtime.weights import prepared
 
 __all__ = [
     "QUANTIZE_CHOICES", "QUANT_METHOD", "LINEARS", "Spec", "check_quantize", "quantize_weight", "check_float_cpu",
-    "dense_names", "check_keep_float", "dense_spec", "check_tensors", "quant_config", "own_int8_gemm", "Int8Wrapper",
+    "dense_names", "check_keep_float", "is_dense", "folder_spec", "int8_tensors",
+    "check_tensors", "quant_config", "own_int8_gemm", "Int8Wrapper",
 ]  # fmt: skip
 
 LINEARS = ("qkv", "out", "fc1", "fc2")  # the dense layers of a block, as keep_float patterns name them
@@ -74,16 +75,51 @@ def check_keep_float(keep_float: object, names: list[str]) -> tuple[str, ...]:
 Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-def dense_spec(name: str, n_out: int, n_in: int, keep_float: tuple[str, ...], *, bias: bool = True) -> Spec:
-    """The stored tensors of one dense layer (see :func:`_linear_tensors`): name -> (shape, dtype)."""
-    f32 = torch.float32
-    spec: Spec = {f"{name}.bias": ((n_out,), f32)} if bias else {}
-    if any(fnmatch.fnmatchcase(name, p) for p in keep_float):
-        spec[f"{name}.weight"] = ((n_out, n_in), f32)
-    else:
-        spec[f"{name}.qweight"] = ((n_out, n_in), torch.int8)
-        spec[f"{name}.scale"] = ((n_out,), f32)
+def is_dense(name: str) -> bool:
+    """Whether a tensor name is a dense layer's weight (what int8 stores as qweight + scale):
+    ``layers.{i}.{qkv,out,fc1,fc2}.weight`` or ``head.weight``."""
+    parts = name.split(".")
+    return name == "head.weight" or (len(parts) == 4 and parts[0] == "layers" and parts[2] in LINEARS and parts[3] == "weight")
+
+
+def folder_spec(
+    tensors: dict[str, Tensor], keep_float: tuple[str, ...], *, smooth: bool = False, tied: bool = False
+) -> Spec:
+    """What a saved folder holds for a float model's ``tensors`` (meta tensors: shapes only): name -> (shape,
+    dtype), float32, but a dense weight (:func:`is_dense`) that ``keep_float`` does not match is ``{layer}.qweight``
+    int8 + ``{layer}.scale`` (+ ``{layer}.smooth`` with ``smooth``); with ``tied``, a float head is ``wte`` itself."""
+    f32, spec = torch.float32, {}
+    for name, v in tensors.items():
+        layer = name.rsplit(".", 1)[0]
+        if not is_dense(name) or any(fnmatch.fnmatchcase(layer, p) for p in keep_float):
+            if not (tied and name == "head.weight"):
+                spec[name] = (tuple(v.shape), f32)
+            continue
+        spec[f"{layer}.qweight"], spec[f"{layer}.scale"] = (tuple(v.shape), torch.int8), ((v.shape[0],), f32)
+        if smooth:
+            spec[f"{layer}.smooth"] = ((v.shape[1],), f32)
     return spec
+
+
+def int8_tensors(tensors: dict[str, Tensor], keep_float: tuple[str, ...], *, copy: bool, tied: bool = False,
+                 smooth: dict[str, Tensor] | None = None) -> dict[str, Tensor]:  # fmt: skip
+    """A float model's named ``tensors`` as int8 stores them: each dense weight (:func:`is_dense`) ``keep_float``
+    does not match as ``{layer}.qweight`` + ``{layer}.scale`` (of ``W * smooth[layer]`` where given, stored as
+    ``{layer}.smooth``); the rest float32, contiguous, cloned with ``copy`` (a snapshot); with ``tied``, a float
+    head is ``wte`` itself."""
+    t: dict[str, Tensor] = {}
+    for name, v in tensors.items():
+        layer = name.rsplit(".", 1)[0]
+        if is_dense(name) and not any(fnmatch.fnmatchcase(layer, p) for p in keep_float):
+            w = v.detach().float()
+            if smooth and layer in smooth:
+                t[f"{layer}.smooth"] = smooth[layer]
+                w = w * smooth[layer]
+            t[f"{layer}.qweight"], t[f"{layer}.scale"] = quantize_weight(w)
+        elif not (tied and name == "head.weight"):
+            v = v.detach().float().contiguous()
+            t[name] = v.clone() if copy else v
+    return t
 
 
 def check_tensors(tensors: dict[str, Tensor], spec: Spec, source, optional: set[str] = frozenset()) -> None:

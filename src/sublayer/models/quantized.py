@@ -35,7 +35,6 @@ with a ``quantization_config`` entry); :func:`load_quantized` reads them back wi
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import os
 import warnings
@@ -65,7 +64,8 @@ from .int8 import (
     check_quantize,
     check_tensors,
     dense_names,
-    dense_spec,
+    folder_spec,
+    int8_tensors,
     own_int8_gemm,
     quantize_weight,
 )
@@ -249,21 +249,6 @@ def smooth_factors(x_amax: Tensor, w: Tensor, alpha: float = SMOOTH_ALPHA) -> Te
     return torch.where(ok, s.clamp(1e-5, 1e5), torch.ones_like(s))
 
 
-def _linear_tensors(name: str, w: Tensor, b: Tensor | None, keep: bool, x_amax: Tensor | None) -> dict[str, Tensor]:
-    """Stored tensors of one dense layer: ``name.weight`` float32 (kept), or ``name.qweight`` int8 +
-    ``name.scale`` (+ ``name.smooth`` when calibrated)."""
-    out = {} if b is None else {f"{name}.bias": b.detach().float().contiguous()}
-    if keep:
-        out[f"{name}.weight"] = w.detach().float().contiguous()
-        return out
-    w = w.detach().float()
-    if x_amax is not None:
-        out[f"{name}.smooth"] = smooth = smooth_factors(x_amax, w)
-        w = w * smooth
-    out[f"{name}.qweight"], out[f"{name}.scale"] = quantize_weight(w)
-    return out
-
-
 def _make_linear(t: dict[str, Tensor], name: str, own: bool = False):
     b = t.get(f"{name}.bias")
     if f"{name}.qweight" in t:
@@ -382,24 +367,8 @@ class QuantizedBert(Int8Wrapper, PreparedBert):
     def expected_tensors(config: BertConfig, keep_float: tuple[str, ...]) -> tuple[Spec, set[str]]:
         """What a saved folder holds: name -> (shape, dtype), and the names that may be absent (the pooler, the
         smoothing factors of an uncalibrated model)."""
-        d, f, f32 = config.d_model, config.d_ff, torch.float32
-        spec: Spec = {
-            "embeddings.word": ((config.vocab_size, d), f32), "embeddings.position": ((config.max_positions, d), f32),
-            "embeddings.token_type": ((config.type_vocab_size, d), f32),
-            "embeddings.norm.weight": ((d,), f32), "embeddings.norm.bias": ((d,), f32),
-            "pooler.dense.weight": ((d, d), f32), "pooler.dense.bias": ((d,), f32),
-        }  # fmt: skip
-        optional = {"pooler.dense.weight", "pooler.dense.bias"}
-        for i in range(config.n_layers):
-            p = f"layers.{i}"
-            for k, (n_out, n_in) in {"qkv": (3 * d, d), "out": (d, d), "fc1": (f, d), "fc2": (d, f)}.items():
-                spec |= dense_spec(f"{p}.{k}", n_out, n_in, keep_float)
-                if f"{p}.{k}.qweight" in spec:
-                    spec[f"{p}.{k}.smooth"] = ((n_in,), f32)
-                    optional.add(f"{p}.{k}.smooth")
-            for j in (1, 2):
-                spec[f"{p}.norm{j}.weight"] = spec[f"{p}.norm{j}.bias"] = ((d,), f32)
-        return spec, optional
+        spec = folder_spec(bert_tensors(Bert(config, device="meta")), keep_float, smooth=True)  # shapes only
+        return spec, {"pooler.dense.weight", "pooler.dense.bias"} | {k for k in spec if k.endswith(".smooth")}
 
     def __repr__(self) -> str:
         n_q = sum(isinstance(L[k], (Int8Linear, ActInt8Linear)) for L in self.layers for k in LINEARS)
@@ -408,8 +377,8 @@ class QuantizedBert(Int8Wrapper, PreparedBert):
 
 
 def _int8_tensors(model: Bert, keep_float: tuple[str, ...], calibration, *, copy: bool) -> dict[str, Tensor]:
-    """``model``'s stored int8 tensors (:func:`quantize`'s smoothing and quantization); ``copy``: every tensor its
-    own (a snapshot), else the float ones may be views of the parameters."""
+    """``model``'s stored int8 tensors (:func:`quantize`'s smoothing and quantization, :func:`~.int8.int8_tensors`);
+    ``copy``: every tensor its own (a snapshot), else the float ones may be views of the parameters."""
     check_float_cpu(model)
     t = {k: v.float() for k, v in bert_tensors(model).items()}
     amax = {}
@@ -419,10 +388,8 @@ def _int8_tensors(model: Bert, keep_float: tuple[str, ...], calibration, *, copy
             for k in LINEARS:
                 L[k].amax = amax[f"layers.{i}.{k}"] = torch.zeros(L[k].w.shape[1])
         ref(_calibration_ids(model.config, calibration))
-    for k in dense_names(model.config.n_layers):
-        keep = any(fnmatch.fnmatchcase(k, pat) for pat in keep_float)
-        t |= _linear_tensors(k, t.pop(f"{k}.weight"), t.pop(f"{k}.bias"), keep, amax.get(k))
-    return {k: v.contiguous().clone() if copy else v.contiguous() for k, v in t.items()}
+    smooth = {k: smooth_factors(x_amax, t[f"{k}.weight"]) for k, x_amax in amax.items()}
+    return int8_tensors(t, keep_float, copy=copy, smooth=smooth)
 
 
 def _calibration_ids(config: BertConfig, calibration: Tensor | None | bool) -> Tensor:

@@ -40,8 +40,6 @@ and re-quantizes from its current weights on the next call after any change
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 from torch import Tensor
 
@@ -51,7 +49,7 @@ from ..runtime.linear import Int8Linear, PackedLinear, weight_int8_linear_refere
 from ..runtime.rows import inference
 from .causal_lm import CausalLM, PreparedCausalLM
 from .int8 import (
-    LINEARS, Int8Wrapper, check_float_cpu, check_keep_float, dense_names, dense_spec, own_int8_gemm, quantize_weight,
+    LINEARS, Int8Wrapper, check_float_cpu, check_keep_float, dense_names, folder_spec, int8_tensors, own_int8_gemm,
 )  # fmt: skip
 
 __all__ = [
@@ -87,12 +85,6 @@ def int8_linear(name: str, t: dict[str, Tensor]):
     if f"{name}.qweight" in t:
         return WeightInt8Linear(t[f"{name}.qweight"], t[f"{name}.scale"], b, int8_rows=own_int8_gemm())
     return PackedLinear(t.get(f"{name}.weight", t["wte"]), b)
-
-
-def _dense(name: str) -> bool:
-    """Whether an engine tensor name is a dense layer's weight (what int8 stores as qweight + scale)."""
-    parts = name.split(".")
-    return name == "head.weight" or (len(parts) == 4 and parts[0] == "layers" and parts[2] in LINEARS and parts[3] == "weight")
 
 
 class QuantizedCausalLM(Int8Wrapper, PreparedCausalLM):
@@ -165,17 +157,7 @@ class QuantizedCausalLM(Int8Wrapper, PreparedCausalLM):
     @staticmethod
     def expected_tensors(skeleton: torch.nn.Module, keep_float: tuple[str, ...]) -> dict:
         """What a saved folder holds: name -> (shape, dtype) (a tied float head is ``wte`` itself)."""
-        tied = skeleton.config.tie_word_embeddings
-        spec: dict = {}
-        for name, v in causal.named_tensors(skeleton).items():  # meta tensors: shapes only
-            layer = name.rsplit(".", 1)[0]
-            if not _dense(name):
-                spec[name] = (tuple(v.shape), torch.float32)
-                continue
-            entry = dense_spec(layer, v.shape[0], v.shape[1], keep_float, bias=False)
-            if f"{layer}.weight" not in entry or not (tied and layer == "head"):
-                spec |= entry
-        return spec
+        return folder_spec(causal.named_tensors(skeleton), keep_float, tied=skeleton.config.tie_word_embeddings)
 
     def __repr__(self) -> str:
         W = self.weights()
@@ -188,16 +170,7 @@ def _int8_tensors(model: CausalLM, keep_float: tuple[str, ...], *, copy: bool) -
     """``model``'s engine tensors with the dense weights quantized (``{layer}.qweight`` + ``{layer}.scale``) unless
     ``keep_float`` matches them; ``copy``: the float tensors cloned (a snapshot), else views of the parameters."""
     check_float_cpu(model)
-    tied = model.config.tie_word_embeddings
-    t: dict[str, Tensor] = {}
-    for name, v in causal.named_tensors(model).items():
-        layer = name.rsplit(".", 1)[0]
-        if _dense(name) and not any(fnmatch.fnmatchcase(layer, pat) for pat in keep_float):
-            t[f"{layer}.qweight"], t[f"{layer}.scale"] = quantize_weight(v)
-        elif not _dense(name) or name != "head.weight" or not tied:  # a tied float head is wte itself
-            v = v.float().contiguous()
-            t[name] = v.clone() if copy else v
-    return t
+    return int8_tensors(causal.named_tensors(model), keep_float, copy=copy, tied=model.config.tie_word_embeddings)
 
 
 def skeleton(model: CausalLM) -> CausalLM:

@@ -1,8 +1,8 @@
-"""The prepared BERT-style encoder: one inference loop over post-norm encoder layers, whatever the weights' format.
+"""The prepared encoder: one inference loop over post-norm (BERT's) or pre-norm layers, whatever the weights' format.
 
 Per layer: fused q|k|v linear, self-attention on the packed rows (below), output projection, add & LayerNorm, fc1
-with its activation, fc2, add & LayerNorm. The dense layers see the real tokens only (packed rows), so a batch of
-mixed lengths costs the FLOPs of its real tokens.
+with its activation, fc2, add & LayerNorm (pre-norm: each LayerNorm before its sublayer). The dense layers see the
+real tokens only (packed rows), so a batch of mixed lengths costs the FLOPs of its real tokens.
 
 A layer is a dict: ``qkv``, ``out``, ``fc1``, ``fc2`` — prepared linears of :mod:`sublayer.runtime.linear`'s call
 protocol, ``lin(x (N, K), activation=None) -> (N, M)`` (float32 / bf16 oneDNN panels :class:`~.linear.OneDNNLinear`,
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import kernels
-from .rows import add_norm, kernels_on
+from .rows import kernels_on, layer_norm, residual_out
 
 __all__ = ["run_layers", "attention", "runs"]
 
@@ -83,7 +83,7 @@ def attention(qkv: Tensor, segments: list[tuple[int, int, int]], heads: int, sca
 def run_layers(
     x: Tensor, layers: list[dict], *, pad: Tensor | None, shape: tuple[int, int], heads: int, scale: float,
     activation: str, attention_dtype: torch.dtype | None = None, split_probs: bool = True,
-    queries: Tensor | None = None,
+    queries: Tensor | None = None, norm_first: bool = False, final: tuple | None = None,
 ) -> Tensor:
     """The encoder layers on packed rows: ``x`` (N, d), the embeddings' output at the real tokens of a padded
     batch of ``shape`` (B, T) in row-major order, ``pad`` (B, T) bool True = padding (None: none). Returns (N, d)
@@ -92,20 +92,24 @@ def run_layers(
 
     ``queries`` (E,) long: the sequences of E query-only rows appended to ``x`` ((N + E, d) in and out): padded
     positions whose output is read (a pooler's position 0 under left padding). Each attends to its sequence's
-    real tokens, as in the padded layout, without being a key."""
+    real tokens, as in the padded layout, without being a key.
+
+    ``norm_first``: pre-norm layers (``norm1`` / ``norm2`` before the attention / the FFN; linears without
+    ``add_norm``), each closing add fused with the norm that follows. ``final``: the stack's last norm, or None."""
     segments, pre = runs(pad, shape), None
     n = x.shape[0] if queries is None else x.shape[0] - queries.numel()
     keys = None if queries is None else _query_keys(pad, queries)
-    for i, L in enumerate(layers):
-        qkv = L["qkv"](x) if pre is None else L["qkv"](x, pre=pre)
+    h = layer_norm(x, *layers[0]["norm1"]) if norm_first else x
+    following = [(M["qkv"], M["norm1"]) for M in layers[1:]] + [(None, final)]  # the next linear and norm
+    for L, (nxt, after) in zip(layers, following):
+        qkv = L["qkv"](h) if pre is None else L["qkv"](h, pre=pre)
         ctx = attention(qkv[:n], segments, heads, scale, dtype=attention_dtype, split_probs=split_probs)
         if keys is not None:
             ctx = torch.cat([ctx, _query_attention(qkv, n, keys, heads, scale, attention_dtype)])
-        x, pre = _add_norm(L["out"], ctx, x, L["norm1"], None, L["fc1"])
-        h, pre = _act(L["fc1"], x, activation, pre, L["fc2"])
-        nxt = layers[i + 1]["qkv"] if i + 1 < len(layers) else None
-        x, pre = _add_norm(L["fc2"], h, x, L["norm2"], pre, nxt)
-    return x
+        x, h, pre = _add_norm(L["out"], ctx, x, L["norm1"], None, L["fc1"], norm_first, L["norm2"])
+        f, pre = _act(L["fc1"], h, activation, pre, L["fc2"])
+        x, h, pre = _add_norm(L["fc2"], f, x, L["norm2"], pre, nxt, norm_first, after)
+    return layer_norm(h, *final) if final is not None and not norm_first else h
 
 
 def _query_keys(pad: Tensor, queries: Tensor) -> tuple[Tensor, Tensor]:
@@ -133,13 +137,14 @@ def _query_attention(qkv: Tensor, n: int, keys: tuple[Tensor, Tensor], heads: in
     return ctx.masked_fill(dead[:, None], 0.0).to(qkv.dtype)
 
 
-def _add_norm(lin, h: Tensor, resid: Tensor, norm: tuple, pre, nxt) -> tuple[Tensor, object]:
-    """``LN(resid + lin(h))`` and the next linear's prepared input (None: it prepares its own)."""
+def _add_norm(lin, h: Tensor, resid: Tensor, norm: tuple, pre, nxt, norm_first: bool, after) -> tuple:
+    """``(x, h)`` of :func:`~.rows.residual_out` (post-norm: both ``LN(resid + lin(h))``) and the next linear's
+    prepared input (None: it prepares its own)."""
     fused = getattr(lin, "add_norm", None)
-    if fused is not None:
-        return fused(h, resid, norm, pre=pre, nxt=nxt)
-    x, _ = add_norm(resid, lin(h), *norm, want_sum=False)
-    return x, None
+    if fused is not None:  # post-norm
+        x, pre = fused(h, resid, norm, pre=pre, nxt=nxt)
+        return x, x, pre
+    return *residual_out(norm_first, resid, lin(h), norm, after), None
 
 
 def _act(lin, h: Tensor, activation: str, pre, nxt) -> tuple[Tensor, object]:

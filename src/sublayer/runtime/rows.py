@@ -129,7 +129,7 @@ def residual_out(pre: bool, x: Tensor, y: Tensor, norm: tuple, after: tuple | No
     ``x`` itself when there is none). Norms are ``(weight, bias, eps)``; the add and the norm run fused.
     """
     if not pre:
-        x, _ = add_norm(x, y, *norm)
+        x, _ = add_norm(x, y, *norm, want_sum=False)
         return x, x
     if after is None:
         x = x + y
