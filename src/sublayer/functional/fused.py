@@ -493,7 +493,7 @@ def _onednn_linear_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bo
         return False
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0] or not bias.is_contiguous()):
         return False  # F.linear raises its own error (or takes the strided bias)
-    return x.numel() * weight.shape[0] >= onednn.MIN_MACS and kernels.cpu.onednn_fp32_gemm()
+    return kernels.use_onednn(x, weight.shape[0])
 
 
 def _bf16_linear_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
