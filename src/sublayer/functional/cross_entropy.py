@@ -51,6 +51,7 @@ from torch import Tensor
 from .._checks import check_choice, check_positive_int, check_tensor
 from .. import kernels
 from ..kernels import onednn
+from .fused import bf16_autocast
 
 __all__ = ["linear_cross_entropy", "check_targets", "check_options", "REDUCTIONS"]
 
@@ -310,13 +311,6 @@ class _Bf16LinearCrossEntropy(torch.autograd.Function):
         return dh, dw, db, None, None, None
 
 
-def _bf16_autocast(*ts: Tensor | None) -> bool:
-    """Whether bfloat16 CPU autocast is on and computes the head: every input float32 or bfloat16, on the CPU."""
-    if not torch.is_autocast_enabled("cpu") or torch.get_autocast_dtype("cpu") != torch.bfloat16:
-        return False
-    return all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) for t in ts if t is not None)
-
-
 def _reference_grads(ctx, g: Tensor) -> list[Tensor | None]:
     """Gradients of h, weight, bias made by the eager composition, differentiable again (for ``create_graph``).
 
@@ -389,7 +383,7 @@ def linear_cross_entropy(
         idx = keep.nonzero().squeeze(1)
         h, target = h.index_select(0, idx), target.index_select(0, idx)
     scale = 1.0 / n if reduction == "mean" else 1.0
-    if _bf16_autocast(h, weight, bias):
+    if bf16_autocast(h, weight, bias):
         with torch.autocast("cpu", enabled=False):
             return _Bf16LinearCrossEntropy.apply(h, weight, bias, target.long(), float(label_smoothing), scale)
     return _LinearCrossEntropy.apply(
