@@ -273,8 +273,7 @@ def multi_head_attention(
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
     if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group of query heads
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     out, weights = attention(
         q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal, dropout=dropout,
         training=training, need_weights=need_weights,

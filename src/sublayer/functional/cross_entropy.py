@@ -51,6 +51,7 @@ from torch import Tensor
 from .._checks import check_choice, check_positive_int, check_tensor
 from .. import kernels
 from ..kernels import onednn
+from .fused import bf16_autocast
 
 __all__ = ["linear_cross_entropy", "check_targets", "check_options", "REDUCTIONS"]
 
@@ -124,11 +125,11 @@ def _compute_dtype(*ts: Tensor | None) -> torch.dtype:
 
 def _logits(hc: Tensor, w: Tensor, b: Tensor | None, out: Tensor | None, packed: Tensor | None = None) -> Tensor:
     """``hc @ w.T + b`` (c, V), into ``out`` (None: a new tensor). With ``packed`` (:func:`_packed_weight` of ``w``)
-    oneDNN's GEMM makes it, and where torch's BLAS runs a generic path (:func:`_onednn_fp32`) oneDNN's on ``w`` as
-    it is; both return a new tensor (oneDNN writes no out=)."""
+    oneDNN's GEMM makes it, and where :func:`sublayer.kernels.use_onednn` oneDNN's on ``w`` as it is; both return a new
+    tensor (oneDNN writes no out=)."""
     if packed is not None:
         return onednn.linear(hc, packed, b)
-    if _onednn_fp32(hc) and hc.shape[0] * hc.shape[1] * w.shape[0] >= onednn.MIN_MACS:
+    if kernels.use_onednn(hc, w.shape[0]):
         return onednn.linear(hc.contiguous(), w, b)
     if out is None:
         out = torch.empty(hc.shape[0], w.shape[0], dtype=hc.dtype, device=hc.device)
@@ -147,19 +148,6 @@ def _packed_weight(w: Tensor, n: int) -> Tensor | None:
     packing (and the kernels are switched on), else None."""
     ok = n >= PACKED_MIN_ROWS and w.dtype == torch.float32 and w.device.type == "cpu" and kernels.switched_on()
     return onednn.pack(w) if ok and onednn.available() else None
-
-
-def _onednn_fp32(t: Tensor) -> bool:
-    """Whether ``t``'s products run on oneDNN: float32 on a CPU where torch's BLAS runs a generic path
-    (:func:`sublayer.kernels.cpu.onednn_fp32_gemm`), the kernels switched on."""
-    return (t.dtype == torch.float32 and t.device.type == "cpu" and kernels.switched_on()
-            and kernels.cpu.onednn_fp32_gemm())  # fmt: skip
-
-
-def _mm(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` for the input gradient (c, V) @ (V, D): :func:`sublayer.kernels.onednn.mm` where
-    :func:`_onednn_fp32`, else ``torch.mm``."""
-    return onednn.mm(a, b) if _onednn_fp32(a) else torch.mm(a, b)
 
 
 def _softmax_to_grad_(p: Tensor, tc: Tensor, v0: int, smoothing: float, vocab: int) -> Tensor:
@@ -185,7 +173,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         elements = chunk or _CHUNK_ELEMENTS
         rows = max(1, -(-elements // vocab))
         packed = _packed_weight(w, n)
-        fresh = packed is not None or _onednn_fp32(w)  # oneDNN makes each chunk's logits: no buffer to reuse
+        fresh = packed is not None or kernels.use_onednn(w)  # oneDNN makes each chunk's logits: no buffer to reuse
         buf = None if fresh else torch.empty(min(rows, max(n, 1)), vocab, dtype=cdt, device=h.device)
         row_loss = torch.empty(n, dtype=cdt, device=h.device)
         lse = torch.empty(n, dtype=cdt, device=h.device)
@@ -211,7 +199,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if in_fwd:  # d loss / d z = scale * (softmax - (1-eps) onehot - eps/V)
                 p = _softmax_to_grad_(logp.exp_(), tc, 0, smoothing, vocab)
                 if dh is not None:
-                    torch.mul(_mm(p, w), scale, out=dh[s : s + c])
+                    torch.mul((onednn.mm if kernels.use_onednn(p) else torch.mm)(p, w), scale, out=dh[s : s + c])
                 if dw is not None:
                     dw.addmm_(p.t(), hc, beta=1.0 if s else 0.0, alpha=scale)
                 if db is not None:
@@ -243,7 +231,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # vocabulary blocks: each dW block is written once (no accumulation traffic), dh (n, D) accumulates
             cols = min(vocab, max(1, -(-elements // max(n, 1))))
             hc = hk.to(cdt)
-            buf = None if _onednn_fp32(hc) else torch.empty(max(n, 1) * cols, dtype=cdt, device=hk.device)
+            buf = None if kernels.use_onednn(hc) else torch.empty(max(n, 1) * cols, dtype=cdt, device=hk.device)
             dh = torch.zeros(n, d, dtype=cdt, device=hk.device) if want_h else None
             dw = torch.empty(vocab, d, dtype=cdt, device=hk.device) if want_w else None
             db = torch.empty(vocab, dtype=cdt, device=hk.device) if want_b and bias is not None else None
@@ -258,7 +246,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     z = _logits(hc, wb, None if bias is None else bias[v0:v1].to(cdt), z).add_(neg_lse)
                 p = _softmax_to_grad_(z.exp_(), tk, v0, smoothing, vocab)  # z - lse: exp is the softmax
                 if dh is not None:
-                    dh.add_(_mm(p, wb), alpha=step)
+                    dh.add_((onednn.mm if kernels.use_onednn(p) else torch.mm)(p, wb), alpha=step)
                 if dw is not None:
                     torch.addmm(dw[v0:v1], p.t(), hc, beta=0.0, alpha=step, out=dw[v0:v1])
                 if db is not None:
@@ -321,13 +309,6 @@ class _Bf16LinearCrossEntropy(torch.autograd.Function):
         dw = mm(dz.t(), hb).to(w_dt) if want_w else None
         db = dz.sum(0, dtype=torch.float32).mul_(step).to(b_dt) if want_b else None
         return dh, dw, db, None, None, None
-
-
-def _bf16_autocast(*ts: Tensor | None) -> bool:
-    """Whether bfloat16 CPU autocast is on and computes the head: every input float32 or bfloat16, on the CPU."""
-    if not torch.is_autocast_enabled("cpu") or torch.get_autocast_dtype("cpu") != torch.bfloat16:
-        return False
-    return all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) for t in ts if t is not None)
 
 
 def _reference_grads(ctx, g: Tensor) -> list[Tensor | None]:
@@ -402,7 +383,7 @@ def linear_cross_entropy(
         idx = keep.nonzero().squeeze(1)
         h, target = h.index_select(0, idx), target.index_select(0, idx)
     scale = 1.0 / n if reduction == "mean" else 1.0
-    if _bf16_autocast(h, weight, bias):
+    if bf16_autocast(h, weight, bias):
         with torch.autocast("cpu", enabled=False):
             return _Bf16LinearCrossEntropy.apply(h, weight, bias, target.long(), float(label_smoothing), scale)
     return _LinearCrossEntropy.apply(

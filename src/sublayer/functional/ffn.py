@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .._checks import check_choice, check_probability, check_same_dtype_device, check_tensor
 
-__all__ = ["feed_forward", "activation_fn", "ACTIVATIONS", "GATED_ACTIVATIONS"]
+__all__ = ["feed_forward", "activation_fn", "activate", "ACTIVATIONS", "GATED_ACTIVATIONS"]
 
 
 def _relu2(x: Tensor) -> Tensor:
@@ -46,6 +46,14 @@ def activation_fn(name: str) -> Callable[[Tensor], Tensor]:
     return _ELEMENTWISE[_GATES.get(name, name)]
 
 
+def activate(h: Tensor, activation: str) -> Tensor:
+    """``act(h)``, or for a gated activation ``act(gate) * up`` of ``h`` packed [gate; up] along its last dim."""
+    if activation not in _GATES:
+        return activation_fn(activation)(h)
+    gate, up = h.chunk(2, dim=-1)
+    return activation_fn(activation)(gate) * up
+
+
 def feed_forward(
     x: Tensor,
     fc1_weight: Tensor,
@@ -79,7 +87,7 @@ def feed_forward(
     Raises:
         ValueError: unknown activation, bad dropout, or ``x``'s last dim not equal to fc1's input size.
     """
-    act = activation_fn(activation)
+    activation_fn(activation)  # validates the name first
     check_probability("dropout", dropout)
     check_probability("output_dropout", output_dropout)
     check_tensor("x", x)
@@ -88,12 +96,7 @@ def feed_forward(
     # (the meta device has no autocast: torch.is_autocast_enabled("meta") raises)
     if x.device.type == "meta" or not torch.is_autocast_enabled(x.device.type):
         check_same_dtype_device(x=x, fc1_weight=fc1_weight)
-    h = F.linear(x, fc1_weight, fc1_bias)
-    if activation in _GATES:
-        gate, up = h.chunk(2, dim=-1)
-        h = act(gate) * up
-    else:
-        h = act(h)
+    h = activate(F.linear(x, fc1_weight, fc1_bias), activation)
     h = F.dropout(h, dropout, training)
     out = F.linear(h, fc2_weight, fc2_bias)
     return F.dropout(out, output_dropout, training)

@@ -101,6 +101,14 @@ def _plain_cpu(*ts: Tensor | None) -> bool:
     return all(t is None or (t.device.type == "cpu" and type(t) in (Tensor, torch.nn.Parameter)) for t in ts)
 
 
+def bf16_autocast(*ts: Tensor | None) -> bool:
+    """Whether bfloat16 CPU autocast is on and computes with these inputs: every one float32 or bfloat16, on the CPU
+    (autocast casts the float32 operands of a linear to bfloat16; other mixes are not its bfloat16 computation)."""
+    if not torch.is_autocast_enabled("cpu") or torch.get_autocast_dtype("cpu") != torch.bfloat16:
+        return False
+    return all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) for t in ts if t is not None)
+
+
 def _why_not_fused(dtypes_ok: bool, *ts: Tensor | None) -> str | None:
     """None if the fused path can run on these tensors, else the reason."""
     # first: under torch.compile, kernels.available() (a lock, maybe a build) would be a graph break
@@ -362,10 +370,9 @@ def feed_forward(
         and (fc2_bias is None or fc2_bias.shape == (fc2_weight.shape[0],))
     )
     autocast = torch.is_autocast_enabled("cpu")
-    cast_to = torch.get_autocast_dtype("cpu") if autocast else None
     dts = {t.dtype for t in ts if t is not None}
-    if autocast:  # autocast casts float32 operands of linear to its dtype; other mixes: the reference
-        auto_ok = cast_to == torch.bfloat16 and dts <= {torch.float32, torch.bfloat16}
+    if autocast:  # bfloat16 autocast's mixes run fused (in bfloat16); other autocasts and mixes: the reference
+        auto_ok = bf16_autocast(*ts)
         fused_ok = auto_ok
     else:
         auto_ok = len(dts) == 1 and dts <= set(_AUTO_DTYPES)
@@ -381,7 +388,7 @@ def feed_forward(
             )
         return _ffn.feed_forward(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, **kw)
     if autocast:
-        ts = tuple(t.to(cast_to) if t is not None else None for t in ts)
+        ts = tuple(t.to(torch.bfloat16) if t is not None else None for t in ts)
     x, w1, b1, w2, b2 = ts
     p = float(dropout) if training else 0.0
     p_out = float(output_dropout) if training else 0.0
@@ -493,16 +500,13 @@ def _onednn_linear_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bo
         return False
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0] or not bias.is_contiguous()):
         return False  # F.linear raises its own error (or takes the strided bias)
-    return x.numel() * weight.shape[0] >= onednn.MIN_MACS and kernels.cpu.onednn_fp32_gemm()
+    return kernels.use_onednn(x, weight.shape[0])
 
 
 def _bf16_linear_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    ts = [t for t in (x, weight, bias) if t is not None]
-    if torch.is_autocast_enabled("cpu"):  # autocast casts float32 operands of linear to its dtype
-        return torch.get_autocast_dtype("cpu") == torch.bfloat16 and all(
-            t.dtype in (torch.float32, torch.bfloat16) for t in ts
-        )
-    return all(t.dtype == torch.bfloat16 for t in ts)
+    if torch.is_autocast_enabled("cpu"):
+        return bf16_autocast(x, weight, bias)
+    return all(t.dtype == torch.bfloat16 for t in (x, weight, bias) if t is not None)
 
 
 # ----------------------------------------------------------------------------------------------- dropout

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from .. import settings
-from . import _loader, cpu
+from . import _loader, cpu, onednn
 from ._loader import cache_dir
 from .cpu import native_bf16_gemm
 
@@ -71,6 +71,15 @@ def switched_on() -> bool:
     if _enabled is None:
         _enabled = settings.kernels_enabled()
     return _enabled
+
+
+def use_onednn(t: torch.Tensor, n: int | None = None) -> bool:
+    """Whether products on ``t`` go through oneDNN (:mod:`sublayer.kernels.onednn`): ``t`` float32 on the CPU, the
+    kernels switched on, on a CPU where torch's BLAS runs a generic path (:func:`cpu.onednn_fp32_gemm`), and given
+    ``n``, ``t`` (..., K) @ (K, ``n``) has :data:`onednn.MIN_MACS` multiply-adds or more."""
+    if n is not None and t.numel() * n < onednn.MIN_MACS:
+        return False
+    return t.dtype == torch.float32 and t.device.type == "cpu" and switched_on() and cpu.onednn_fp32_gemm()
 
 
 def enabled() -> bool:

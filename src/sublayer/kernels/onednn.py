@@ -1,7 +1,8 @@
 """torch's oneDNN float32 linear on CPU, the one place that calls it: ``torch.ops.mkldnn._reorder_linear_weight``
 packs a weight once, ``torch.ops.mkldnn._linear_pointwise`` multiplies with it (an internal op of torch's, checked by
 :func:`available` before any use). Where it is faster than torch's default GEMM is the callers' decision
-(:func:`sublayer.kernels.cpu.onednn_fp32_gemm` for the fused FFN)."""
+(:func:`sublayer.kernels.use_onednn` for the fused loss and linear, :func:`sublayer.kernels.cpu.onednn_fp32_gemm` for
+the fused FFN)."""
 
 from __future__ import annotations
 

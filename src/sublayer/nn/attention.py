@@ -149,8 +149,7 @@ class MultiHeadAttention(nn.Module):
             cos, sin = (t[:, None] for t in rotary)  # (N, 1, head_dim)
             q, k = SF.apply_rotary(q, cos, sin), SF.apply_rotary(k, cos, sin)
         if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves its group of query heads
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         p = self.dropout if self.training else 0.0
         if key is None:
             out = packing.self_attention(q, k, v, causal=is_causal, dropout=p)

@@ -7,6 +7,7 @@ from torch import Tensor, nn
 
 from .. import functional as SF
 from ..functional import fused
+from ..functional.ffn import activate
 from .._checks import check_choice, check_positive_int, check_probability, check_tensor
 from .hooks import hooked
 
@@ -89,13 +90,7 @@ class PositionWiseFFN(nn.Module):
             self.fc1(x[..., :0, :] if x.dim() > 1 else x)  # materialise fc1 from the input size (cheap)
             self.d_model = self.fc1.in_features
         if hooked(self.fc1, self.fc2):  # their own forwards, so that their hooks see the calls
-            h = self.fc1(x)
-            act = SF.activation_fn(self.activation)
-            if self.gated:  # [gate; up]
-                gate, up = h.chunk(2, dim=-1)
-                h = act(gate) * up
-            else:
-                h = act(h)
+            h = activate(self.fc1(x), self.activation)
             y = self.fc2(fused.dropout(h, self.dropout, self.training))
             return fused.dropout(y, self.output_dropout, self.training)
         # fused CPU kernel when it applies (sublayer.kernels), else the reference SF.feed_forward
