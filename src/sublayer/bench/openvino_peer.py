@@ -191,9 +191,9 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding
                 ct2_generator: Callable, log: Callable[[str], None] = print) -> list[Row]:  # fmt: skip
     """Greedy GPT-2 decoding, batch 1 and 8: ours fp32 / bf16 / int8 against OpenVINO GenAI and CTranslate2 int8
     (see the module doc). ``gpt2_decoding(quick, work)``: the ``decode`` job's (config, prompt length, new tokens,
-    HF folder, our GPT2); ``ct2_generator(folder, "int8")``: CTranslate2's int8 generator on it, or None (those
-    of :mod:`sublayer.bench.jobs`, passed in: that module runs these rows)."""
-    cfg, prompt, new, folder, ours = gpt2_decoding(quick, work)
+    HF folder, our GPT2, shape label); ``ct2_generator(folder, "int8")``: CTranslate2's int8 generator on it, or
+    None (those of :mod:`sublayer.bench.jobs`, passed in: that module runs these rows)."""
+    cfg, prompt, new, folder, ours, shape = gpt2_decoding(quick, work)
     mine = {"fp32": ours, "bf16": fast_inference(ours, dtype=torch.bfloat16), "int8": fast_inference(ours, quantize="int8")}
     ct2 = ct2_generator(folder, "int8")
     threads = torch.get_num_threads()
@@ -208,7 +208,6 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding
             note = str(e).splitlines()[0]
             ov.close()
             ov = None
-    shape = f"{cfg.n_layers}L d{cfg.d_model} V{cfg.vocab_size}, prompt {prompt} + {new}"
     rows = []
     try:
         for b in (1, 8):
