@@ -319,11 +319,7 @@ def train_rows(quick: bool, reps: int, work: Path, model=None, *, padded: bool =
 
             losses["sublayer padded"], models["sublayer padded"] = padded_loss, twin
         for bf16 in (False, True) if native_bf16() else (False,):  # bf16: every side under the same autocast
-            def under(f, on=bf16):
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
-                    return f()
-
-            steps = {k: adamw_step(models[k], lambda f=f: under(f)) for k, f in losses.items()}
+            steps = {k: adamw_step(models[k], f, bf16=bf16) for k, f in losses.items()}
             row = Row(f"{kind} training step (AdamW) vs HF", f"{cfg.n_layers}L d{cfg.d_model} {b}x{t} (len {lo}..{t})",
                       "bf16 autocast" if bf16 else "fp32", "training", base="HF", work=float(mask.sum()),
                       unit="real tok").fill(time_interleaved(steps, reps, 1))  # fmt: skip
