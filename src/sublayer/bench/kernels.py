@@ -569,10 +569,9 @@ def run_bench(
         ValueError: ``shapes`` matches no shape, ``reps``/``threads`` below 1, or an unknown ``dtypes``/``cases``/
             ``malloc``.
     """
-    if reps is not None and reps < 1:
-        raise ValueError(f"reps must be >= 1, got {reps}")
-    if threads is not None and threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
+    for name, value in (("reps", reps), ("threads", threads)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     if reuse_memory:
         malloc = "reuse"
     set_clock(clock)
