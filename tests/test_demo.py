@@ -245,9 +245,10 @@ def test_an_earlier_runs_checkpoint_is_replaced_only_with_overwrite(run, tmp_pat
 
 
 def test_one_thread_by_default_and_the_bar_shows_the_summarys_tokens_per_second(tmp_path, monkeypatch):
-    T = sys.modules[D.train.__module__]
+    from rich.progress import Progress
+
     shown, threads = [], []
-    monkeypatch.setattr(T.Progress, "update", lambda self, **f: shown.append(f.get("tps")))
+    monkeypatch.setattr(Progress, "update", lambda self, task, **f: shown.append(f.get("tps")))
     kw = {**TINY, "quiet": False, "threads": None}
     metrics = D.train(D.DemoConfig(out=str(tmp_path), steps=3, **kw), on_step=lambda s, i: threads.append(
         torch.get_num_threads()))

@@ -72,7 +72,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 + TP's strided shard (torch >= 2.5)
 
@@ -108,20 +108,14 @@ def _copy_to_region(x: Tensor, mesh: DeviceMesh) -> Tensor:
     return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
-def _reduce_from_region(x: Tensor, mesh: DeviceMesh) -> Tensor:
-    """Forward all-reduce, backward identity (Megatron's ``g``)."""
-    return DTensor.from_local(x, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
-
-
-def _gather_seq(x: Tensor, mesh: DeviceMesh) -> Tensor:
-    """Sequence-sharded (dim 1) -> full: forward all-gather, backward reduce-scatter of the partial grads."""
-    dt = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
-    return dt.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-
-
-def _reduce_scatter_seq(x: Tensor, mesh: DeviceMesh) -> Tensor:
-    """Partial sums, full sequence -> summed, sequence-sharded: forward reduce-scatter, backward all-gather."""
-    return DTensor.from_local(x, mesh, [Partial()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+def _redistribute(x: Tensor, mesh: DeviceMesh, src: Placement, dst: Placement, grad: Placement | None = None) -> Tensor:
+    """This rank's part of a tensor placed ``src`` -> its part placed ``dst`` (differentiable; the result's gradient
+    is taken as placed ``grad``, default ``dst``). Partial -> Replicate: forward all-reduce, backward identity
+    (Megatron's ``g``); Partial -> Shard(1): forward reduce-scatter along the sequence, backward all-gather;
+    Replicate -> Shard(1): this rank's sequence slice, backward all-gather; Shard(1) -> Replicate: forward
+    all-gather, backward slice (the grad is replicated) or, ``grad`` Partial, reduce-scatter of the partial grads."""
+    grads = None if grad is None else [grad]
+    return DTensor.from_local(x, mesh, [src], run_check=False).redistribute(mesh, [dst]).to_local(grad_placements=grads)
 
 
 def _split_seq(x: Tensor, mesh: DeviceMesh) -> Tensor:
@@ -131,12 +125,7 @@ def _split_seq(x: Tensor, mesh: DeviceMesh) -> Tensor:
             f"sequence parallelism splits dim 1 of the input between the {mesh.size()} tensor-parallel ranks: "
             f"its length must be divisible by {mesh.size()}, got shape {tuple(x.shape)}"
         )
-    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
-
-
-def _unsplit_seq(x: Tensor, mesh: DeviceMesh) -> Tensor:
-    """This rank's sequence slice -> replicated: forward all-gather, backward slice (the grad is replicated)."""
-    return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+    return _redistribute(x, mesh, Replicate(), Shard(1))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -150,10 +139,6 @@ def _local(t: Tensor) -> Tensor:
 def _local_replicated(mesh: DeviceMesh) -> Callable[[Tensor], Tensor]:
     """A replicated parameter used on sequence-sharded activations: its local grad is partial -> all-reduce."""
     return lambda t: _copy_to_region(_local(t), mesh)
-
-
-def _drop_bias(t: Tensor) -> None:
-    return None
 
 
 class _LocalView:
@@ -245,14 +230,24 @@ class GatedColwiseParallel(ColwiseParallel):
 
 
 class _MegatronStyle(ParallelStyle):
-    """What the FFN and attention styles share: the ``sequence_parallel`` option and the row-sharded projection's
-    output reduction (all-reduce, or reduce-scatter along the sequence) plus its bias, added once."""
+    """What the FFN and attention styles share: the ``sequence_parallel`` option, the functional's view of the local
+    shards and the row-sharded projection's output reduction (all-reduce, or reduce-scatter along the sequence)
+    plus its bias, added once."""
 
     def __init__(self, *, sequence_parallel: bool = False) -> None:
         self.sequence_parallel = sequence_parallel
 
+    @staticmethod
+    def _view(cols: list[nn.Module], row: nn.Module, module: nn.Module, name: str, value: object) -> _LocalView:
+        """What the functional sees: the local shards of the column-sharded projections ``cols`` and of the
+        row-sharded ``row``'s weight, no bias of ``row`` (added once, after the reduction), ``module.name`` as
+        ``value``."""
+        shadows = [(p, n, _local) for p in cols for n in ("weight", "bias")]
+        shadows += [(row, "weight", _local), (row, "bias", lambda _: None), (module, name, lambda _: value)]
+        return _LocalView(shadows)
+
     def _reduce(self, out: Tensor, proj: nn.Module, mesh: DeviceMesh) -> Tensor:
-        out = _reduce_scatter_seq(out, mesh) if self.sequence_parallel else _reduce_from_region(out, mesh)
+        out = _redistribute(out, mesh, Partial(), Shard(1) if self.sequence_parallel else Replicate())
         # with sequence parallelism the bias meets only this rank's positions: its grad is partial
         bias_view = _local_replicated(mesh) if self.sequence_parallel else _local
         return out if proj.bias is None else out + bias_view(proj.bias)
@@ -270,17 +265,12 @@ class FFNParallel(_MegatronStyle):
         if not isinstance(module, PositionWiseFFN):
             raise TypeError(f"FFNParallel applies to a PositionWiseFFN, got {type(module).__name__}")
         mesh, sp = device_mesh, self.sequence_parallel
-        view = _LocalView([
-            (module.fc1, "weight", _local),
-            (module.fc1, "bias", _local),
-            (module.fc2, "weight", _local),
-            (module.fc2, "bias", _drop_bias),  # added once, after the reduction
-            (module, "output_dropout", lambda _: 0.0),  # applied once too, after the reduction
-        ])
+        # the output dropout too is applied once, after the reduction
+        view = self._view([module.fc1], module.fc2, module, "output_dropout", 0.0)
 
         def prepare(args, kwargs):
             x = args[0] if args else kwargs.pop("x")
-            x = _gather_seq(x, mesh) if sp else _copy_to_region(x, mesh)
+            x = _redistribute(x, mesh, Shard(1), Replicate(), Partial()) if sp else _copy_to_region(x, mesh)
             return (x, *args[1:]), kwargs
 
         def finish(out):
@@ -301,16 +291,14 @@ class AttentionParallel(_MegatronStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, MultiHeadAttention):
             raise TypeError(f"AttentionParallel applies to a MultiHeadAttention, got {type(module).__name__}")
-        mesh, sp, tp = device_mesh, self.sequence_parallel, device_mesh.size()
-        params = [(getattr(module, f"{p}_proj"), n, _local) for p in "qkv" for n in ("weight", "bias")]
-        n_local = module.n_heads // tp
-        params += [(module.out_proj, "weight", _local), (module.out_proj, "bias", _drop_bias)]
-        view = _LocalView([*params, (module, "n_heads", lambda _: n_local)])
+        mesh, sp = device_mesh, self.sequence_parallel
+        projs = [getattr(module, f"{p}_proj") for p in "qkv"]
+        view = self._view(projs, module.out_proj, module, "n_heads", module.n_heads // mesh.size())
 
         def prepare(args, kwargs):
             args = list(args)
             q = args[0] if args else kwargs.pop("query")
-            args[:1] = [_gather_seq(q, mesh) if sp else _copy_to_region(q, mesh)]
+            args[:1] = [_redistribute(q, mesh, Shard(1), Replicate(), Partial()) if sp else _copy_to_region(q, mesh)]
             for i, name in ((1, "key"), (2, "value")):
                 if len(args) > i and args[i] is not None:
                     args[i] = _copy_to_region(args[i], mesh)
@@ -368,7 +356,7 @@ class _SequenceRegion(ParallelStyle):
             kwargs["x"] = _split_seq(kwargs["x"], mesh)
             return args, kwargs
 
-        return _install(module, _LocalView([]), prepare, lambda out: _unsplit_seq(out, mesh))
+        return _install(module, _LocalView([]), prepare, lambda out: _redistribute(out, mesh, Shard(1), Replicate()))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def test_ct2_generator_in_its_own_process_decodes_as_in_process(tmp_path):
     ctranslate2 = pytest.importorskip("ctranslate2")
     import torch
 
-    _, prompt, new, folder, _ = jobs.gpt2_decoding(True, tmp_path)
+    _, prompt, new, folder, _, _ = jobs.gpt2_decoding(True, tmp_path)
     gen = jobs.ct2_generator(folder, "int8")
     toks = [[f"t{i}" for i in row] for row in torch.randint(0, 500, (3, prompt)).tolist()]
     kw = {"max_length": new, "min_length": new, "include_prompt_in_result": False, "sampling_topk": 1}

@@ -243,15 +243,19 @@ def ct2_greedy(gen, toks: list[list[str]], new: int) -> list[list[int]]:
     return [r.sequences_ids[0] for r in res]
 
 
-def adamw_step(model: torch.nn.Module, loss: Callable[[], torch.Tensor], lr: float = 1e-4) -> Callable[[], None]:
-    """One training step: ``loss().backward()``, an AdamW step (``lr``, its own optimizer), ``zero_grad``.
+def adamw_step(model: torch.nn.Module, loss: Callable[[], torch.Tensor], lr: float = 1e-4, *,
+               bf16: bool = False) -> Callable[[], None]:  # fmt: skip
+    """One training step: ``loss().backward()`` (``loss()`` under ``torch.autocast("cpu", dtype=torch.bfloat16,
+    enabled=bf16)``, the backward outside it), an AdamW step (``lr``, its own optimizer), ``zero_grad``.
 
     The optimizer is ``torch.optim.AdamW(..., fused=True)``, what HF's ``Trainer`` uses by default
     (``optim="adamw_torch_fused"``), on every side of a comparison."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
 
     def step() -> None:
-        loss().backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            value = loss()
+        value.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -20,7 +20,6 @@ interleaved; ratio = unpatched time / patched time (> 1: the patch is faster).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,14 +32,6 @@ __all__ = ["hf_rows"]
 # the BERTs' sizes (transformers.BertConfig's names): MiniLM's shape, or (quick) a tiny one
 _BERT = {False: dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
          True: dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256)}  # fmt: skip
-
-
-def _step(model: torch.nn.Module, batch: dict, bf16: bool) -> Callable[[], None]:
-    def loss() -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            return model(**batch).loss
-
-    return adamw_step(model, loss, lr=1e-5)
 
 
 def _pair(model: torch.nn.Module):
@@ -67,8 +58,8 @@ def _training_rows(quick: bool, reps: int) -> list[Row]:
         labels = torch.arange(b) % 2 if cfg is bert else ids.masked_fill(mask == 0, -100)
         batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
         for dt in dtypes:
-            models = _pair(model.train())
-            res = time_interleaved({k: _step(m, batch, dt == "bf16") for k, m in models.items()}, reps, 1)
+            res = time_interleaved({k: adamw_step(m, lambda m=m: m(**batch).loss, lr=1e-5, bf16=dt == "bf16")
+                                    for k, m in _pair(model.train()).items()}, reps, 1)
             rows.append(Row(f"HF {cls.__name__} fine-tuning step, hf.patch vs HF", f"{cfg.num_hidden_layers}L "
                             f"d{cfg.hidden_size} {b}x{t} (len {lo}..{t})", dt, "training", base="HF",
                             work=float(mask.sum()), unit="real tok").fill(res))  # fmt: skip

@@ -181,7 +181,7 @@ class Ct2Generator(Worker):
 
 def gpt2_decoding(quick: bool, work: Path):
     """The ``decode`` job's model and lengths: (config, prompt length, new tokens, HF folder, our GPT2 in eval
-    mode); GPT-2 124M shape with prompt 32 + 32, or (``quick``) a tiny one with 8 + 8."""
+    mode, the rows' shape label); GPT-2 124M shape with prompt 32 + 32, or (``quick``) a tiny one with 8 + 8."""
     from sublayer.models import GPT2, GPT2Config
 
     size = dict(vocab_size=512, d_model=64, n_layers=2, n_heads=4, max_positions=64, bos_token_id=511,
@@ -189,7 +189,8 @@ def gpt2_decoding(quick: bool, work: Path):
     cfg = GPT2Config(dropout=0.0, embd_dropout=0.0, attn_dropout=0.0, **size)
     prompt = new = 8 if quick else 32
     folder = gpt2_folder(cfg, work)
-    return cfg, prompt, new, folder, GPT2.from_pretrained(folder).eval()
+    shape = f"{cfg.n_layers}L d{cfg.d_model} V{cfg.vocab_size}, prompt {prompt} + {new}"
+    return cfg, prompt, new, folder, GPT2.from_pretrained(folder).eval(), shape
 
 
 def hf_gpt2_greedy(folder: Path) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
@@ -214,12 +215,11 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     module doc)."""
     from sublayer.models import fast_inference
 
-    cfg, prompt, new, folder, ours = gpt2_decoding(quick, work)
+    cfg, prompt, new, folder, ours, shape = gpt2_decoding(quick, work)
     int8 = fast_inference(ours, quantize="int8")
     bf16 = fast_inference(ours, dtype=torch.bfloat16)  # bf16 panels where the CPU multiplies bf16 natively
     ct2 = {dt: ct2_generator(folder, dt) for dt in ("float32", "int8")}
     hf = hf_gpt2_greedy(folder)
-    shape = f"{cfg.n_layers}L d{cfg.d_model} V{cfg.vocab_size}, prompt {prompt} + {new}"
     rows = []
     for b in (1, 8):
         ids = torch.randint(0, cfg.vocab_size - 1, (b, prompt), generator=torch.Generator().manual_seed(b))
@@ -319,11 +319,7 @@ def train_rows(quick: bool, reps: int, work: Path, model=None, *, padded: bool =
 
             losses["sublayer padded"], models["sublayer padded"] = padded_loss, twin
         for bf16 in (False, True) if native_bf16() else (False,):  # bf16: every side under the same autocast
-            def under(f, on=bf16):
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
-                    return f()
-
-            steps = {k: adamw_step(models[k], lambda f=f: under(f)) for k, f in losses.items()}
+            steps = {k: adamw_step(models[k], f, bf16=bf16) for k, f in losses.items()}
             row = Row(f"{kind} training step (AdamW) vs HF", f"{cfg.n_layers}L d{cfg.d_model} {b}x{t} (len {lo}..{t})",
                       "bf16 autocast" if bf16 else "fp32", "training", base="HF", work=float(mask.sum()),
                       unit="real tok").fill(time_interleaved(steps, reps, 1))  # fmt: skip

@@ -171,8 +171,7 @@ def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compi
     fns["gemms"] = gemms
     res = time_interleaved(fns, reps, warmup)
     row = _row("FFN relu (nn.Sequential)", s, bf16, mode, res)
-    row.extra["sublayer / GEMMs alone"] = round(res["sublayer"].ms / res["gemms"].ms, 3)
-    row.extra["eager / GEMMs alone"] = round(res["eager"].ms / res["gemms"].ms, 3)
+    row.extra |= {f"{k} / GEMMs alone": round(res[k].ms / res["gemms"].ms, 3) for k in ("sublayer", "eager")}
     if mode == "training":
         _saved_extra(row, mods, (x,), bf16)
     return row
@@ -277,8 +276,7 @@ def bench_bert_inference(quick: bool, reps: int, warmup: int) -> list[Row]:
     row.extra["fast compute dtype"] = str(fast.compute_dtype).replace("torch.", "")
     row.extra["HF attn"] = str(hf.config._attn_implementation)
     row.extra["real tokens"] = f"{int(real.sum())}/{mask.numel()}"
-    row.extra["x vs HF fp32"] = round(row.ratio("sublayer", "HF fp32"), 2)
-    row.extra["x vs sublayer fp32"] = round(row.ratio("sublayer", "sublayer fp32"), 2)
+    row.extra |= {f"x vs {k}": round(row.ratio("sublayer", k), 2) for k in ("HF fp32", "sublayer fp32")}
     row.extra["plain Bert autocast x vs HF autocast"] = round(row.ratio("sublayer autocast", "eager"), 2)
     row.extra["min cos vs HF fp32"] = round(float(cos), 5)
     return [row]
@@ -569,10 +567,9 @@ def run_bench(
         ValueError: ``shapes`` matches no shape, ``reps``/``threads`` below 1, or an unknown ``dtypes``/``cases``/
             ``malloc``.
     """
-    if reps is not None and reps < 1:
-        raise ValueError(f"reps must be >= 1, got {reps}")
-    if threads is not None and threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
+    for name, value in (("reps", reps), ("threads", threads)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     if reuse_memory:
         malloc = "reuse"
     set_clock(clock)

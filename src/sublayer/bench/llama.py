@@ -283,14 +283,13 @@ def gpt2_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding: 
     Raises:
         ValueError: the peers environment is not built (``--peers-env DIR``): llama.cpp is this job's only peer.
     """
-    cfg, prompt, new, folder, ours = gpt2_decoding(quick, work)
+    cfg, prompt, new, folder, ours, shape = gpt2_decoding(quick, work)
     notes: dict[str, str] = {}
     types = ("f32", "bf16", "f16")
     cpp, _ = _llama_cpp(folder, types, prompt + new, Path(work), notes, pre="gpt-2")
     if cpp is None:
         raise ValueError(f"gpt2-llamacpp needs llama.cpp (--peers-env DIR): {notes['llama.cpp']}")
     bf16 = fast_inference(ours, dtype=torch.bfloat16)
-    shape = f"{cfg.n_layers}L d{cfg.d_model} V{cfg.vocab_size}, prompt {prompt} + {new}"
     rows = []
     try:
         for b in (1, 8):

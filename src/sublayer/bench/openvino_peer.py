@@ -95,9 +95,14 @@ def _start(log: Callable[[str], None], work: Path) -> tuple[OpenVino | None, str
     return (None, missing) if missing else (OpenVino(env, Path(work) / "openvino-worker.log"), None)
 
 
-def _props_note(props: dict) -> str:
-    keep = ("KV_CACHE_PRECISION", "DYNAMIC_QUANTIZATION_GROUP_SIZE", "INFERENCE_PRECISION_HINT")
-    return ", ".join(f"{k} {v}" for k, v in props.items() if k in keep)
+def _ov_extras(row: Row, peer: str | None, props: dict | None, note: str | None) -> None:
+    """OpenVINO's extras of a row: the properties that change results of ``peer``'s compiled model (``props``,
+    where it was compiled) and ``note`` (why OpenVINO did not run)."""
+    if props is not None:
+        keep = ("KV_CACHE_PRECISION", "DYNAMIC_QUANTIZATION_GROUP_SIZE", "INFERENCE_PRECISION_HINT")
+        row.extra[f"{peer} compiled"] = ", ".join(f"{k} {v}" for k, v in props.items() if k in keep)
+    if note:
+        row.extra["OpenVINO"] = note
 
 
 def _bert_folder(quick: bool, model: Path | None, work: Path) -> tuple[Path, str]:
@@ -163,10 +168,7 @@ def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None, *,
         names = {"sublayer": f"sublayer {dt}", **{k: k for k in (peer, *others)}}
         row.fill({k: res[v] for k, v in names.items() if v in res})
         row.extra |= {f"{v} min token cos vs HF fp32": round(cos[v], 5) for v in names.values() if v in cos}
-        if peer.split()[-1] in props:
-            row.extra[f"{peer} compiled"] = _props_note(props[peer.split()[-1]])
-        if note:
-            row.extra["OpenVINO"] = note
+        _ov_extras(row, peer, props.get(peer.split()[-1]), note)
         rows.append(row)
     ok = {k: res[k].ms for k in res if cos[k] >= MIN_COS}
     best_ours = min((k for k in ok if k.startswith("sublayer")), key=ok.get, default=None)
@@ -177,8 +179,7 @@ def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None, *,
     row.extra |= {"sublayer setting": best_ours, "best peer": best_peer,
                   "their min token cos": f"{cos.get(best_ours, float('nan')):.5f} / {cos.get(best_peer, float('nan')):.5f}"}
     row.extra["below the bar"] = ", ".join(f"{k} {v:.5f}" for k, v in cos.items() if v < MIN_COS) or "none"
-    if note:
-        row.extra["OpenVINO"] = note
+    _ov_extras(row, None, None, note)
     rows.append(row)
     return rows
 
@@ -191,9 +192,9 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding
                 ct2_generator: Callable, log: Callable[[str], None] = print) -> list[Row]:  # fmt: skip
     """Greedy GPT-2 decoding, batch 1 and 8: ours fp32 / bf16 / int8 against OpenVINO GenAI and CTranslate2 int8
     (see the module doc). ``gpt2_decoding(quick, work)``: the ``decode`` job's (config, prompt length, new tokens,
-    HF folder, our GPT2); ``ct2_generator(folder, "int8")``: CTranslate2's int8 generator on it, or None (those
-    of :mod:`sublayer.bench.jobs`, passed in: that module runs these rows)."""
-    cfg, prompt, new, folder, ours = gpt2_decoding(quick, work)
+    HF folder, our GPT2, shape label); ``ct2_generator(folder, "int8")``: CTranslate2's int8 generator on it, or
+    None (those of :mod:`sublayer.bench.jobs`, passed in: that module runs these rows)."""
+    cfg, prompt, new, folder, ours, shape = gpt2_decoding(quick, work)
     mine = {"fp32": ours, "bf16": fast_inference(ours, dtype=torch.bfloat16), "int8": fast_inference(ours, quantize="int8")}
     ct2 = ct2_generator(folder, "int8")
     threads = torch.get_num_threads()
@@ -208,7 +209,6 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding
             note = str(e).splitlines()[0]
             ov.close()
             ov = None
-    shape = f"{cfg.n_layers}L d{cfg.d_model} V{cfg.vocab_size}, prompt {prompt} + {new}"
     rows = []
     try:
         for b in (1, 8):
@@ -240,10 +240,7 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding
                 row.fill({k: res[v] for k, v in names.items() if v in res})
                 row.extra |= {f"{v} same as our fp32": round(float((outs[v] == ref).float().mean()), 3)
                               for v in names.values() if v in outs and v != "sublayer fp32"}  # fmt: skip
-                if peer in props:
-                    row.extra[f"{peer} compiled"] = _props_note(props[peer])
-                if note:
-                    row.extra["OpenVINO"] = note
+                _ov_extras(row, peer, props.get(peer), note)
                 rows.append(row)
     finally:
         if ov is not None:

@@ -45,29 +45,19 @@ def _val_loss(model: Transformer, batch: Batch) -> float:
         return float(batch_loss(TransformerLoss(model), batch, 0.0, "mean"))
 
 
-class Progress:
-    """A rich progress bar (loss, validation, tokens/s, ETA) on rank 0; nothing when quiet."""
+def progress_bar(enabled: bool, total: int, start: int, title: str = "training"):
+    """A rich ``Progress`` bar (loss, validation, tokens/s, ETA) on rank 0, disabled when quiet, with its one task
+    (``total`` steps, ``start`` done)."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)  # fmt: skip
 
-    def __init__(self, enabled: bool, total: int, start: int, title: str = "training") -> None:
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)  # fmt: skip
-
-        self.bar = Progress(
-            TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]:.3f}  val {task.fields[val]}  {task.fields[tps]:,.0f} tok/s"),
-            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), disable=not enabled,
-        )  # fmt: skip
-        self.task = self.bar.add_task("train", total=total, completed=start, loss=float("nan"), val="–", tps=0.0)
-
-    def __enter__(self):
-        self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.bar.__exit__(*exc)
-
-    def update(self, **fields) -> None:
-        self.bar.update(self.task, **fields)
+    bar = Progress(
+        TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}  val {task.fields[val]}  {task.fields[tps]:,.0f} tok/s"),
+        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), disable=not enabled,
+    )  # fmt: skip
+    bar.add_task("train", total=total, completed=start, loss=float("nan"), val="–", tps=0.0)
+    return bar
 
 
 def train(
@@ -185,7 +175,8 @@ def run_steps(run: Run, steps: int, model: nn.Module, opt: torch.optim.Optimizer
     run.rng = torch.get_rng_state()
     model.train()
     try:
-        with interrupts_raise(), Progress(not quiet, steps, run.step) as bar:
+        with interrupts_raise(), progress_bar(not quiet, steps, run.step) as bar:
+            (task,) = bar.task_ids
             t_last = time.perf_counter()
             while run.step < steps:
                 t0 = time.perf_counter()
@@ -223,7 +214,7 @@ def run_steps(run: Run, steps: int, model: nn.Module, opt: torch.optim.Optimizer
                         # the run's mean, as the summary's (a recent window swings with the machine's load)
                         fields["tps"] = run.tokens_seen / max(run.train_seconds, 1e-9)
                         t_last = time.perf_counter()
-                    bar.update(**fields)
+                    bar.update(task, **fields)
                     if run.step % save_every == 0 and run.step < steps:
                         checkpoint()
     except KeyboardInterrupt as e:
