@@ -295,6 +295,16 @@ inline void check_float_contig(const Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// A float32 (n,) parameter (name: "<op>: <parameter>"): its data; an optional one's null when absent.
+inline const float* float_vec(const Tensor& t, const char* name, int64_t n) {
+  check_float_contig(t, name, 1);
+  TORCH_CHECK(t.size(0) == n, name, " must have ", n, " elements, got ", t.size(0));
+  return t.data_ptr<float>();
+}
+inline const float* float_vec(const c10::optional<Tensor>& t, const char* name, int64_t n) {
+  return t.has_value() && t->defined() ? float_vec(*t, name, n) : nullptr;
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)

@@ -54,11 +54,8 @@ struct TransformerLayer {
 
 // Every norm parameter: float32 (d,) (an RMSNorm has no bias); what: "<op>: norm parameter".
 void check_norm(const Norm& n, int64_t d, const char* what, bool rms = false) {
-  for (const Tensor* t : {&n.weight, &n.bias}) {
-    if (rms && t == &n.bias) continue;
-    check_float_contig(*t, what, 1);
-    TORCH_CHECK(t->size(0) == d, what, "s must have ", d, " elements");
-  }
+  float_vec(n.weight, what, d);
+  if (!rms) float_vec(n.bias, what, d);
 }
 
 // RMSNorm of one float32 row: out[j] = x[j] / sqrt(mean(x^2) + eps) * w[j] (out may be x).

@@ -678,16 +678,6 @@ bool decode_avx512(int64_t flag) {
   return false;
 }
 
-// A float32 (n,) parameter (name: "<op>: <parameter>"): its data; an optional one's null when absent.
-const float* float_vec(const Tensor& t, const char* name, int64_t n) {
-  check_float_contig(t, name, 1);
-  TORCH_CHECK(t.size(0) == n, name, " must have ", n, " elements, got ", t.size(0));
-  return t.data_ptr<float>();
-}
-const float* float_vec(const c10::optional<Tensor>& t, const char* name, int64_t n) {
-  return t.has_value() && t->defined() ? float_vec(*t, name, n) : nullptr;
-}
-
 // Checks x (M, K) / packed (P, K, 16) / bias (n,) / act for skinny_linear; returns the bias pointer or null.
 const float* check_skinny(const char* op, const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias,
                           int64_t n, int64_t act, const c10::optional<Tensor>& scale) {
