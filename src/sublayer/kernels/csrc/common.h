@@ -38,6 +38,9 @@ inline bool set_switch(std::atomic<bool>& on, int64_t flag, bool compiled = true
   return was;
 }
 
+// An op's CPU kernel, registered with its schema in one statement: m.def("op(...) -> ...", cpu_kernel(&op)).
+template <typename F> torch::CppFunction cpu_kernel(F* f) { return torch::dispatch(c10::DispatchKey::CPU, f); }
+
 using at::Tensor;
 
 // ------------------------------------------------------------------ element types

@@ -306,13 +306,10 @@ Tensor transformer_decode_layers(const Tensor& x, at::TensorList params, at::Ten
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
   m.def("causal_decode_layers(Tensor x, Tensor[] params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor? mask, "
-        "Tensor? cos, Tensor? sin, int length, int n_heads, int d_ff, float eps, bool rms, int act, bool gated) -> Tensor");
+        "Tensor? cos, Tensor? sin, int length, int n_heads, int d_ff, float eps, bool rms, int act, bool gated) -> Tensor",
+        sublayer::cpu_kernel(&sublayer::causal_decode_layers));
   m.def("transformer_decode_layers(Tensor x, Tensor[] params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
         "Tensor[] cross_k, Tensor[] cross_v, Tensor? cross_mask, Tensor? rows, Tensor? cross_rows, int length, "
-        "float eps, int act, bool norm_first, int max_rows) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
-  m.impl("causal_decode_layers", &sublayer::causal_decode_layers);
-  m.impl("transformer_decode_layers", &sublayer::transformer_decode_layers);
+        "float eps, int act, bool norm_first, int max_rows) -> Tensor",
+        sublayer::cpu_kernel(&sublayer::transformer_decode_layers));
 }

@@ -198,17 +198,14 @@ std::tuple<Tensor, Tensor, Tensor> int8_add_norm_rows_(Tensor y, const std::opti
 }  // namespace sublayer
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
-  m.def("int8_scale_rows(Tensor x, Tensor? inv_smooth) -> (Tensor, Tensor)");
-  m.def("int8_rescale_rows_(Tensor(a!) y, Tensor r, Tensor? bias) -> Tensor(a!)");
-  m.def("int8_act_rows_(Tensor(a!) y, Tensor? r, Tensor? bias, int act, Tensor? inv_next) -> (Tensor(a!), Tensor)");
+  m.def("int8_scale_rows(Tensor x, Tensor? inv_smooth) -> (Tensor, Tensor)",
+        sublayer::cpu_kernel(&sublayer::int8_scale_rows));
+  m.def("int8_rescale_rows_(Tensor(a!) y, Tensor r, Tensor? bias) -> Tensor(a!)",
+        sublayer::cpu_kernel(&sublayer::int8_rescale_rows_));
+  m.def("int8_act_rows_(Tensor(a!) y, Tensor? r, Tensor? bias, int act, Tensor? inv_next) -> (Tensor(a!), Tensor)",
+        sublayer::cpu_kernel(&sublayer::int8_act_rows_));
   m.def(
       "int8_add_norm_rows_(Tensor(a!) y, Tensor? r, Tensor? bias, Tensor resid, Tensor w, Tensor beta, float eps, "
-      "Tensor? inv_next) -> (Tensor(a!), Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
-  m.impl("int8_scale_rows", &sublayer::int8_scale_rows);
-  m.impl("int8_rescale_rows_", &sublayer::int8_rescale_rows_);
-  m.impl("int8_act_rows_", &sublayer::int8_act_rows_);
-  m.impl("int8_add_norm_rows_", &sublayer::int8_add_norm_rows_);
+      "Tensor? inv_next) -> (Tensor(a!), Tensor, Tensor)",
+      sublayer::cpu_kernel(&sublayer::int8_add_norm_rows_));
 }

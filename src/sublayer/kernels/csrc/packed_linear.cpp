@@ -1319,23 +1319,17 @@ Tensor screened_argmax(const Tensor& x, const Tensor& screened, const Tensor& we
 }  // namespace sublayer
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
-  m.def("pack_linear_weight(Tensor weight) -> Tensor");
-  m.def("pack_compact_bf16(Tensor weight, Tensor table) -> Tensor");
+  m.def("pack_linear_weight(Tensor weight) -> Tensor", sublayer::cpu_kernel(&sublayer::pack_linear_weight));
+  m.def("pack_compact_bf16(Tensor weight, Tensor table) -> Tensor", sublayer::cpu_kernel(&sublayer::pack_compact_bf16));
   m.def("decode_avx512(int flag) -> bool", &sublayer::decode_avx512);
   m.def("decode_bf16_dot(int flag) -> bool", &sublayer::decode_bf16_dot);
-  m.def("screened_argmax(Tensor x, Tensor screened, Tensor weight, Tensor? bias, Tensor bound, Tensor? bound_q=None) -> Tensor");
-  m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int n, int act=0, Tensor? scale=None) -> Tensor");
-  m.def("pack_int8_quads(Tensor q, bool grouped=False) -> Tensor");
+  m.def("screened_argmax(Tensor x, Tensor screened, Tensor weight, Tensor? bias, Tensor bound, Tensor? bound_q=None) -> Tensor",
+        sublayer::cpu_kernel(&sublayer::screened_argmax));
+  m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int n, int act=0, Tensor? scale=None) -> Tensor",
+        sublayer::cpu_kernel(&sublayer::skinny_linear));
+  m.def("pack_int8_quads(Tensor q, bool grouped=False) -> Tensor", sublayer::cpu_kernel(&sublayer::pack_int8_quads));
   m.def(
       "int8_linear(Tensor x, Tensor packed, Tensor colsum, Tensor scale, Tensor? bias, int n, int act=0, "
-      "Tensor? inv_smooth=None, int bits=8) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
-  m.impl("pack_linear_weight", &sublayer::pack_linear_weight);
-  m.impl("pack_compact_bf16", &sublayer::pack_compact_bf16);
-  m.impl("screened_argmax", &sublayer::screened_argmax);
-  m.impl("skinny_linear", &sublayer::skinny_linear);
-  m.impl("pack_int8_quads", &sublayer::pack_int8_quads);
-  m.impl("int8_linear", &sublayer::int8_linear);
+      "Tensor? inv_smooth=None, int bits=8) -> Tensor",
+      sublayer::cpu_kernel(&sublayer::int8_linear));
 }
