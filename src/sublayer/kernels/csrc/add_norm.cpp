@@ -552,13 +552,10 @@ bool add_norm_avx512(int64_t flag) { return set_switch(g_an512, flag, SUBLAYER_A
 
 TORCH_LIBRARY(sublayer_kernels, m) {
   m.def("add_norm_fwd(Tensor x, Tensor y, Tensor? weight, Tensor? bias, float eps, float p, int seed, bool rms, "
-        "bool save_sum) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "bool save_sum) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+        sublayer::cpu_kernel(&sublayer::add_norm_fwd));
   m.def("add_norm_bwd(Tensor g, Tensor sum, Tensor mean, Tensor rstd, Tensor? weight, Tensor? mask, ScalarType x_dtype, ScalarType y_dtype, "
-        "float p, bool rms, bool need_dy, bool need_dw, bool need_db) -> (Tensor, Tensor, Tensor, Tensor)");
+        "float p, bool rms, bool need_dy, bool need_dw, bool need_db) -> (Tensor, Tensor, Tensor, Tensor)",
+        sublayer::cpu_kernel(&sublayer::add_norm_bwd));
   m.def("add_norm_avx512(int flag) -> bool", &sublayer::add_norm_avx512);
-}
-
-TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
-  m.impl("add_norm_fwd", &sublayer::add_norm_fwd);
-  m.impl("add_norm_bwd", &sublayer::add_norm_bwd);
 }

@@ -428,12 +428,9 @@ bool attention_avx512(int64_t flag) { return set_switch(g_att512, flag, SUBLAYER
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
   m.def("attention_avx512(int flag) -> bool", &sublayer::attention_avx512);
-  m.def("qkv_self_attention(Tensor qkv, Tensor? mask, int n_heads, int seq_len, float scale, bool causal=False) -> Tensor");
+  m.def("qkv_self_attention(Tensor qkv, Tensor? mask, int n_heads, int seq_len, float scale, bool causal=False) -> Tensor",
+        sublayer::cpu_kernel(&sublayer::qkv_self_attention));
   m.def("decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? mask, int length, float scale, "
-        "Tensor? new_k, Tensor? new_v, Tensor? rows=None) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
-  m.impl("decode_attention", &sublayer::decode_attention);
-  m.impl("qkv_self_attention", &sublayer::qkv_self_attention);
+        "Tensor? new_k, Tensor? new_v, Tensor? rows=None) -> Tensor",
+        sublayer::cpu_kernel(&sublayer::decode_attention));
 }

@@ -38,6 +38,9 @@ inline bool set_switch(std::atomic<bool>& on, int64_t flag, bool compiled = true
   return was;
 }
 
+// An op's CPU kernel, registered with its schema in one statement: m.def("op(...) -> ...", cpu_kernel(&op)).
+template <typename F> torch::CppFunction cpu_kernel(F* f) { return torch::dispatch(c10::DispatchKey::CPU, f); }
+
 using at::Tensor;
 
 // ------------------------------------------------------------------ element types
@@ -293,6 +296,16 @@ inline void check_float_contig(const Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == dim, name, " must be ", dim, "-D, got ", t.dim(), "-D");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// A float32 (n,) parameter (name: "<op>: <parameter>"): its data; an optional one's null when absent.
+inline const float* float_vec(const Tensor& t, const char* name, int64_t n) {
+  check_float_contig(t, name, 1);
+  TORCH_CHECK(t.size(0) == n, name, " must have ", n, " elements, got ", t.size(0));
+  return t.data_ptr<float>();
+}
+inline const float* float_vec(const c10::optional<Tensor>& t, const char* name, int64_t n) {
+  return t.has_value() && t->defined() ? float_vec(*t, name, n) : nullptr;
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {

@@ -54,11 +54,8 @@ struct TransformerLayer {
 
 // Every norm parameter: float32 (d,) (an RMSNorm has no bias); what: "<op>: norm parameter".
 void check_norm(const Norm& n, int64_t d, const char* what, bool rms = false) {
-  for (const Tensor* t : {&n.weight, &n.bias}) {
-    if (rms && t == &n.bias) continue;
-    check_float_contig(*t, what, 1);
-    TORCH_CHECK(t->size(0) == d, what, "s must have ", d, " elements");
-  }
+  float_vec(n.weight, what, d);
+  if (!rms) float_vec(n.bias, what, d);
 }
 
 // RMSNorm of one float32 row: out[j] = x[j] / sqrt(mean(x^2) + eps) * w[j] (out may be x).
@@ -309,13 +306,10 @@ Tensor transformer_decode_layers(const Tensor& x, at::TensorList params, at::Ten
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
   m.def("causal_decode_layers(Tensor x, Tensor[] params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor? mask, "
-        "Tensor? cos, Tensor? sin, int length, int n_heads, int d_ff, float eps, bool rms, int act, bool gated) -> Tensor");
+        "Tensor? cos, Tensor? sin, int length, int n_heads, int d_ff, float eps, bool rms, int act, bool gated) -> Tensor",
+        sublayer::cpu_kernel(&sublayer::causal_decode_layers));
   m.def("transformer_decode_layers(Tensor x, Tensor[] params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
         "Tensor[] cross_k, Tensor[] cross_v, Tensor? cross_mask, Tensor? rows, Tensor? cross_rows, int length, "
-        "float eps, int act, bool norm_first, int max_rows) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
-  m.impl("causal_decode_layers", &sublayer::causal_decode_layers);
-  m.impl("transformer_decode_layers", &sublayer::transformer_decode_layers);
+        "float eps, int act, bool norm_first, int max_rows) -> Tensor",
+        sublayer::cpu_kernel(&sublayer::transformer_decode_layers));
 }

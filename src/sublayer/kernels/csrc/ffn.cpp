@@ -534,21 +534,17 @@ Tensor philox_words(int64_t start, int64_t n, int64_t seed, bool scalar) {
 }  // namespace sublayer
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
-  m.def("act_fwd(Tensor a, Tensor? bias, int act, float p, int seed, bool inplace) -> Tensor");
+  m.def("act_fwd(Tensor a, Tensor? bias, int act, float p, int seed, bool inplace) -> Tensor",
+        sublayer::cpu_kernel(&sublayer::act_fwd));
   m.def("act_bwd(Tensor dh, Tensor? saved, Tensor? bias, int act, float p, int seed, bool want_h, bool want_db, "
-        "bool inplace) -> (Tensor, Tensor, Tensor)");
-  m.def("glu_fwd(Tensor a, Tensor? bias, int act, float p, int seed) -> Tensor");
+        "bool inplace) -> (Tensor, Tensor, Tensor)",
+        sublayer::cpu_kernel(&sublayer::act_bwd));
+  m.def("glu_fwd(Tensor a, Tensor? bias, int act, float p, int seed) -> Tensor",
+        sublayer::cpu_kernel(&sublayer::glu_fwd));
   m.def("glu_bwd(Tensor dh, Tensor a, Tensor? bias, int act, float p, int seed, bool want_h, bool want_db) -> "
-        "(Tensor, Tensor, Tensor)");
-  m.def("philox_words(int start, int n, int seed, bool scalar) -> Tensor");
+        "(Tensor, Tensor, Tensor)",
+        sublayer::cpu_kernel(&sublayer::glu_bwd));
+  m.def("philox_words(int start, int n, int seed, bool scalar) -> Tensor",
+        torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &sublayer::philox_words));
   m.def("philox_avx512(int flag) -> bool", &sublayer::philox_avx512);
 }
-
-TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
-  m.impl("act_fwd", &sublayer::act_fwd);
-  m.impl("act_bwd", &sublayer::act_bwd);
-  m.impl("glu_fwd", &sublayer::glu_fwd);
-  m.impl("glu_bwd", &sublayer::glu_bwd);
-}
-
-TORCH_LIBRARY_IMPL(sublayer_kernels, CompositeExplicitAutograd, m) { m.impl("philox_words", &sublayer::philox_words); }

@@ -23,14 +23,6 @@ void check_2d_f32(const Tensor& t, const char* what) {
               ": expected a contiguous 2-D float32 CPU tensor, got ", t.sizes(), " ", t.scalar_type());
 }
 
-// A float32 vector of n elements: its data (null when absent).
-const float* check_vec(const std::optional<Tensor>& v, int64_t n, const char* what) {
-  if (!v) return nullptr;
-  TORCH_CHECK(v->dim() == 1 && v->numel() == n && v->is_contiguous() && v->scalar_type() == at::kFloat, what,
-              ": expected a contiguous float32 vector of ", n, " elements, got ", v->sizes(), " ", v->scalar_type());
-  return v->data_ptr<float>();
-}
-
 // One float32 per row of y (N rows): their data (null when absent).
 const float* check_r(const std::optional<Tensor>& r, int64_t N, const char* what) {
   TORCH_CHECK(!r || (r->numel() == N && r->is_contiguous() && r->scalar_type() == at::kFloat), what,
@@ -41,7 +33,7 @@ const float* check_r(const std::optional<Tensor>& r, int64_t N, const char* what
 std::tuple<Tensor, Tensor> int8_scale_rows(const Tensor& x, const std::optional<Tensor>& inv_smooth) {
   check_2d_f32(x, "int8_scale_rows: x");
   const int64_t N = x.size(0), K = x.size(1);
-  const float* S = check_vec(inv_smooth, K, "int8_scale_rows: inv_smooth");
+  const float* S = float_vec(inv_smooth, "int8_scale_rows: inv_smooth", K);
   Tensor xs = at::empty_like(x);
   Tensor r = at::empty({N, 1}, x.options());
   const float* X = x.data_ptr<float>();
@@ -89,7 +81,7 @@ Tensor int8_rescale_rows_(Tensor y, const Tensor& r, const std::optional<Tensor>
   check_2d_f32(y, "int8_rescale_rows_: y");
   const int64_t N = y.size(0), M = y.size(1);
   const float* R = check_r(r, N, "int8_rescale_rows_");
-  const float* B = check_vec(bias, M, "int8_rescale_rows_: bias");
+  const float* B = float_vec(bias, "int8_rescale_rows_: bias", M);
   float* Y = y.data_ptr<float>();
   at::parallel_for(0, N, row_grain(M), [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
@@ -154,8 +146,8 @@ std::tuple<Tensor, Tensor> int8_act_rows_(Tensor y, const std::optional<Tensor>&
   const int64_t N = y.size(0), M = y.size(1);
   TORCH_CHECK(act >= IDENT && act <= RELU2, "int8_act_rows_: unknown activation id ", act);
   const float* R = check_r(r, N, "int8_act_rows_");
-  const float* B = check_vec(bias, M, "int8_act_rows_: bias");
-  const float* S = check_vec(inv_next, M, "int8_act_rows_: inv_next");
+  const float* B = float_vec(bias, "int8_act_rows_: bias", M);
+  const float* S = float_vec(inv_next, "int8_act_rows_: inv_next", M);
   Tensor r2 = at::empty({inv_next ? N : 0, 1}, y.options());
   float* Y = y.data_ptr<float>();
   float* R2 = inv_next ? r2.data_ptr<float>() : nullptr;
@@ -173,10 +165,10 @@ std::tuple<Tensor, Tensor, Tensor> int8_add_norm_rows_(Tensor y, const std::opti
               resid.sizes());
   const int64_t N = y.size(0), M = y.size(1);
   const float* R = check_r(r, N, "int8_add_norm_rows_");
-  const float* B = check_vec(bias, M, "int8_add_norm_rows_: bias");
-  const float* W = check_vec(w, M, "int8_add_norm_rows_: w");
-  const float* BE = check_vec(beta, M, "int8_add_norm_rows_: beta");
-  const float* S = check_vec(inv_next, M, "int8_add_norm_rows_: inv_next");
+  const float* B = float_vec(bias, "int8_add_norm_rows_: bias", M);
+  const float* W = float_vec(w, "int8_add_norm_rows_: w", M);
+  const float* BE = float_vec(beta, "int8_add_norm_rows_: beta", M);
+  const float* S = float_vec(inv_next, "int8_add_norm_rows_: inv_next", M);
   Tensor xs = at::empty({inv_next ? N : 0, M}, y.options());
   Tensor r2 = at::empty({inv_next ? N : 0, 1}, y.options());
   float* Y = y.data_ptr<float>();
@@ -206,17 +198,14 @@ std::tuple<Tensor, Tensor, Tensor> int8_add_norm_rows_(Tensor y, const std::opti
 }  // namespace sublayer
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
-  m.def("int8_scale_rows(Tensor x, Tensor? inv_smooth) -> (Tensor, Tensor)");
-  m.def("int8_rescale_rows_(Tensor(a!) y, Tensor r, Tensor? bias) -> Tensor(a!)");
-  m.def("int8_act_rows_(Tensor(a!) y, Tensor? r, Tensor? bias, int act, Tensor? inv_next) -> (Tensor(a!), Tensor)");
+  m.def("int8_scale_rows(Tensor x, Tensor? inv_smooth) -> (Tensor, Tensor)",
+        sublayer::cpu_kernel(&sublayer::int8_scale_rows));
+  m.def("int8_rescale_rows_(Tensor(a!) y, Tensor r, Tensor? bias) -> Tensor(a!)",
+        sublayer::cpu_kernel(&sublayer::int8_rescale_rows_));
+  m.def("int8_act_rows_(Tensor(a!) y, Tensor? r, Tensor? bias, int act, Tensor? inv_next) -> (Tensor(a!), Tensor)",
+        sublayer::cpu_kernel(&sublayer::int8_act_rows_));
   m.def(
       "int8_add_norm_rows_(Tensor(a!) y, Tensor? r, Tensor? bias, Tensor resid, Tensor w, Tensor beta, float eps, "
-      "Tensor? inv_next) -> (Tensor(a!), Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
-  m.impl("int8_scale_rows", &sublayer::int8_scale_rows);
-  m.impl("int8_rescale_rows_", &sublayer::int8_rescale_rows_);
-  m.impl("int8_act_rows_", &sublayer::int8_act_rows_);
-  m.impl("int8_add_norm_rows_", &sublayer::int8_add_norm_rows_);
+      "Tensor? inv_next) -> (Tensor(a!), Tensor, Tensor)",
+      sublayer::cpu_kernel(&sublayer::int8_add_norm_rows_));
 }

@@ -671,10 +671,7 @@ bool packed_attention_avx512(int64_t flag) { return set_switch(g_avx512, flag, k
 }  // namespace sublayer
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
-  m.def("packed_self_attention(Tensor qkv, Tensor runs, int n_heads, float scale, ScalarType out_dtype, bool split_probs=True, bool float32_products=False) -> Tensor");
+  m.def("packed_self_attention(Tensor qkv, Tensor runs, int n_heads, float scale, ScalarType out_dtype, bool split_probs=True, bool float32_products=False) -> Tensor",
+        sublayer::cpu_kernel(&sublayer::packed_self_attention));
   m.def("packed_attention_avx512(int flag) -> bool", &sublayer::packed_attention_avx512);
-}
-
-TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
-  m.impl("packed_self_attention", &sublayer::packed_self_attention);
 }

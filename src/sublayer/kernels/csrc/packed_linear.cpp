@@ -37,6 +37,7 @@ constexpr int64_t PANEL = 16;  // output columns per packed panel (two AVX2 vect
 constexpr int64_t ROWS = 6;    // rows of x per AVX2 micro-kernel call: 12 accumulators + 2 weights + 1 broadcast
 constexpr int STREAMS = 4;     // panels read at once for a single row (panels_kernel)
 std::atomic<bool> g_avx512{true};  // decode_avx512
+std::atomic<bool> g_bf16dot{true};  // decode_bf16_dot
 
 // A kernel's table by row count: {null, make(1), ..., make(N)}, make taking std::integral_constant<int, R>; nested,
 // a table by panel count of tables by row count.
@@ -212,6 +213,7 @@ inline void panels_kernel(const float* x, const T* w, int64_t K, float* acc) {
 // cycle of the AVX2 kernel where rows make the product compute-bound (batched decoding, beams). Same sums per k
 // order as panel_kernel up to its even/odd-k split.
 constexpr int64_t ROWS512 = 8;
+constexpr bool kAvx512 = true;  // what decode_avx512 switches is compiled in
 inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
 inline __m512 load16(const at::Half* w) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
@@ -285,10 +287,12 @@ inline void panels_kernel(const float* x, const int8_t* w, int64_t K, float* acc
       a[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), load16(w + i * stride + k * PANEL), a[i]);
   for (int i = 0; i < NP; ++i) _mm512_storeu_ps(acc + i * PANEL, _mm512_add_ps(a[i], b[i]));
 }
+#else
+constexpr bool kAvx512 = false;
 #endif
 
 #if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
-std::atomic<bool> g_bf16dot{true};  // decode_bf16_dot
+constexpr bool kBf16Dot = true;  // what decode_bf16_dot switches is compiled in
 // One row x (K floats) rounded to bf16 as f_to_bf16 does (nearest even, NaN -> 0x7fc0) into ceil(K/2) k pairs
 // (k in the low, k+1 in the high half; an odd K's last pair has a zero high half), 16 at a time.
 inline void bf16_pairs(const float* x, int64_t K, uint32_t* out) {
@@ -327,6 +331,8 @@ inline void panels_kernel_dp(const uint32_t* xb, int64_t K2, const at::BFloat16*
   for (int q = 0; q < NPAN; ++q)
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (q * R + r) * PANEL, a[q][r]);
 }
+#else
+constexpr bool kBf16Dot = false;
 #endif
 
 // ------------------------------------------------------------------ compact bfloat16 panels (12 bits a weight)
@@ -662,31 +668,11 @@ void skinny_panels(const float* xp, int64_t ldx, int64_t M, int64_t K, const T* 
 // Whether several rows of bfloat16 panels use vdpbf16ps, x rounded to bf16 (where compiled in and the AVX-512
 // kernels are on), or widen the weights to float32 (exact products with float32 x): decode_bf16_dot(flag) sets it
 // and returns the previous value; -1 reads it.
-bool decode_bf16_dot(int64_t flag) {
-#if SUBLAYER_AVX2_FMA && defined(__AVX512BF16__)
-  return set_switch(g_bf16dot, flag);
-#endif
-  return false;
-}
+bool decode_bf16_dot(int64_t flag) { return set_switch(g_bf16dot, flag, kBf16Dot); }
 
 // Whether skinny_linear uses the AVX-512 micro-kernels (several rows; one row of int8) where compiled in (tests switch it off to
 // check the AVX2 one on the same machine): decode_avx512(flag) sets it and returns the previous value; -1 reads it.
-bool decode_avx512(int64_t flag) {
-#if SUBLAYER_AVX2_FMA && defined(__AVX512F__)
-  return set_switch(g_avx512, flag);
-#endif
-  return false;
-}
-
-// A float32 (n,) parameter (name: "<op>: <parameter>"): its data; an optional one's null when absent.
-const float* float_vec(const Tensor& t, const char* name, int64_t n) {
-  check_float_contig(t, name, 1);
-  TORCH_CHECK(t.size(0) == n, name, " must have ", n, " elements, got ", t.size(0));
-  return t.data_ptr<float>();
-}
-const float* float_vec(const c10::optional<Tensor>& t, const char* name, int64_t n) {
-  return t.has_value() && t->defined() ? float_vec(*t, name, n) : nullptr;
-}
+bool decode_avx512(int64_t flag) { return set_switch(g_avx512, flag, kAvx512); }
 
 // Checks x (M, K) / packed (P, K, 16) / bias (n,) / act for skinny_linear; returns the bias pointer or null.
 const float* check_skinny(const char* op, const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias,
@@ -1333,23 +1319,17 @@ Tensor screened_argmax(const Tensor& x, const Tensor& screened, const Tensor& we
 }  // namespace sublayer
 
 TORCH_LIBRARY_FRAGMENT(sublayer_kernels, m) {
-  m.def("pack_linear_weight(Tensor weight) -> Tensor");
-  m.def("pack_compact_bf16(Tensor weight, Tensor table) -> Tensor");
+  m.def("pack_linear_weight(Tensor weight) -> Tensor", sublayer::cpu_kernel(&sublayer::pack_linear_weight));
+  m.def("pack_compact_bf16(Tensor weight, Tensor table) -> Tensor", sublayer::cpu_kernel(&sublayer::pack_compact_bf16));
   m.def("decode_avx512(int flag) -> bool", &sublayer::decode_avx512);
   m.def("decode_bf16_dot(int flag) -> bool", &sublayer::decode_bf16_dot);
-  m.def("screened_argmax(Tensor x, Tensor screened, Tensor weight, Tensor? bias, Tensor bound, Tensor? bound_q=None) -> Tensor");
-  m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int n, int act=0, Tensor? scale=None) -> Tensor");
-  m.def("pack_int8_quads(Tensor q, bool grouped=False) -> Tensor");
+  m.def("screened_argmax(Tensor x, Tensor screened, Tensor weight, Tensor? bias, Tensor bound, Tensor? bound_q=None) -> Tensor",
+        sublayer::cpu_kernel(&sublayer::screened_argmax));
+  m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int n, int act=0, Tensor? scale=None) -> Tensor",
+        sublayer::cpu_kernel(&sublayer::skinny_linear));
+  m.def("pack_int8_quads(Tensor q, bool grouped=False) -> Tensor", sublayer::cpu_kernel(&sublayer::pack_int8_quads));
   m.def(
       "int8_linear(Tensor x, Tensor packed, Tensor colsum, Tensor scale, Tensor? bias, int n, int act=0, "
-      "Tensor? inv_smooth=None, int bits=8) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(sublayer_kernels, CPU, m) {
-  m.impl("pack_linear_weight", &sublayer::pack_linear_weight);
-  m.impl("pack_compact_bf16", &sublayer::pack_compact_bf16);
-  m.impl("screened_argmax", &sublayer::screened_argmax);
-  m.impl("skinny_linear", &sublayer::skinny_linear);
-  m.impl("pack_int8_quads", &sublayer::pack_int8_quads);
-  m.impl("int8_linear", &sublayer::int8_linear);
+      "Tensor? inv_smooth=None, int bits=8) -> Tensor",
+      sublayer::cpu_kernel(&sublayer::int8_linear));
 }
