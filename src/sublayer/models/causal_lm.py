@@ -424,7 +424,7 @@ def check_inputs(config, input_ids: Tensor, attention_mask: Tensor | None, posit
 class PreparedCausalLM(InferenceOnly):
     """The inference-only prepared form of a causal LM (``fast_inference``, int8): forward and generate, with the
     model's checks, over the subclass's ``_weights()`` (:class:`sublayer.runtime.causal.CausalWeights`, run by
-    :func:`sublayer.runtime.causal.hidden` in ``compute_dtype``) and ``lm_head(h)``; ``config`` and
+    :func:`sublayer.runtime.causal.hidden` and its head in ``compute_dtype``); ``config`` and
     ``generation_config`` as the model's. No autograd, no dropout."""
 
     @inference
@@ -457,6 +457,12 @@ class PreparedCausalLM(InferenceOnly):
         targets = shifted_targets(cfg, input_ids, labels, kpm, -100).reshape(-1)
         loss = F.cross_entropy(full.reshape(b * t, -1).float(), targets, ignore_index=-100)
         return CausalLMOutput(loss=loss, logits=logits)
+
+    @inference
+    def lm_head(self, h: Tensor) -> Tensor:
+        """(..., d_model) -> (..., vocab_size) float32 logits: the weights' head, in ``compute_dtype``."""
+        x = h.reshape(-1, h.shape[-1]).to(self.compute_dtype).contiguous()
+        return self._weights().head(x).float().unflatten(0, h.shape[:-1])
 
     @inference
     def generate(self, input_ids: Tensor, max_new_tokens: int = FROM_CONFIG, **kwargs) -> Tensor:
