@@ -27,7 +27,6 @@ from ..functional.cross_entropy import check_options, check_targets
 from ..functional.packing import PackedBatch, document_mask
 from .. import checkpoints as ckpt
 from ..checkpoints import FROM_CONFIG
-from ..nn import LayerNorm, RMSNorm
 from ..runtime import causal, generation, padding_free
 from ..runtime.rows import InferenceOnly, eval_mode, inference
 from .outputs import CausalLMOutput
@@ -90,16 +89,6 @@ class CausalLM(nn.Module):
     def _tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = getattr(self, self.embedding).weight
-
-    def _init_weights(self, std: float = 0.02) -> None:
-        """N(0, std) Linear and Embedding weights, zero biases, norms reset."""
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, 0.0, std)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, (LayerNorm, RMSNorm)):
-                m.reset_parameters()
 
     def _hidden(self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None,
                 *, packing: PackedBatch | None = None, documents: bool = True) -> Tensor:  # fmt: skip
