@@ -34,7 +34,7 @@ from ..nn import EncoderBlock, LayerNorm, TransformerEncoder
 from ..functional.packing import PackedBatch
 from ..runtime import padding_free
 from ..runtime.rows import eval_mode
-from .config import ModelConfig
+from .config import ModelConfig, init_weights
 from .outputs import BaseModelOutput
 
 __all__ = ["BertConfig", "Bert", "BertEmbeddings", "BertPooler", "mean_pooled"]
@@ -214,16 +214,7 @@ class Bert(nn.Module):
 
     def reset_parameters(self) -> None:
         """BERT's init: N(0, 0.02) weights, zero biases, LayerNorm ones/zeros, zero padding embedding row."""
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, 0.0, 0.02)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
-                if isinstance(m, nn.Embedding) and m.padding_idx is not None:
-                    with torch.no_grad():
-                        m.weight[m.padding_idx].zero_()
-            elif isinstance(m, LayerNorm):
-                m.reset_parameters()
+        init_weights(self, 0.02)
 
     def _prepare(
         self, input_ids: Tensor, attention_mask: Tensor | None, token_type_ids: Tensor | None

@@ -27,13 +27,12 @@ from ..functional.cross_entropy import check_options, check_targets
 from ..functional.packing import PackedBatch, document_mask
 from .. import checkpoints as ckpt
 from ..checkpoints import FROM_CONFIG
-from ..nn import LayerNorm, RMSNorm
 from ..runtime import causal, generation, padding_free
 from ..runtime.rows import InferenceOnly, eval_mode, inference
 from .outputs import CausalLMOutput
 
 __all__ = [
-    "CausalBlock", "CausalLM", "PreparedCausalLM", "generate_with_config", "check_position_ids", "shifted_targets",
+    "CausalBlock", "CausalLM", "PreparedCausalLM", "generate_with_config", "check_inputs", "shifted_targets",
 ]  # fmt: skip
 
 
@@ -90,16 +89,6 @@ class CausalLM(nn.Module):
     def _tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = getattr(self, self.embedding).weight
-
-    def _init_weights(self, std: float = 0.02) -> None:
-        """N(0, std) Linear and Embedding weights, zero biases, norms reset."""
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, 0.0, std)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, (LayerNorm, RMSNorm)):
-                m.reset_parameters()
 
     def _hidden(self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None,
                 *, packing: PackedBatch | None = None, documents: bool = True) -> Tensor:  # fmt: skip
@@ -226,19 +215,15 @@ class CausalLM(nn.Module):
         return CausalLMOutput(logits=logits) if return_dict else logits
 
     def _logits(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None) -> Tensor:
-        check_input_ids("input_ids", input_ids, self.config.vocab_size, getattr(self.config, "max_positions", None))
-        b, t = input_ids.shape
-        kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
+        _, _, kpm, pos = check_inputs(self.config, input_ids, attention_mask, position_ids)
         if kpm is None and position_ids is None:  # no padding, one document per row: nothing that reads the data
-            pos = torch.arange(t, device=input_ids.device)[None]
             return self.lm_head(self._hidden(input_ids, pos, None, None, documents=False))
-        position_ids = check_position_ids(self.config, position_ids, b, t, input_ids.device)
-        packed = self._packed_hidden(input_ids, position_ids, kpm)  # real tokens only; packed documents
+        packed = self._packed_hidden(input_ids, pos, kpm)  # real tokens only; packed documents
         if packed is not None:
             h, pk = packed
             return pk.unpack(self.lm_head(h))
         kpm = kpm if kpm is not None and bool(kpm.any()) else None
-        logits = self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
+        logits = self.lm_head(self._hidden(input_ids, pos, kpm, None))
         return logits if kpm is None else logits.masked_fill(kpm[..., None], 0.0)
 
     def loss(
@@ -270,11 +255,8 @@ class CausalLM(nn.Module):
             TypeError/ValueError: as :meth:`forward`; labels not integer, of another shape, or outside the
             vocabulary; no position with a target (T = 1, or every label ``ignore_index``): HF returns NaN there.
         """
-        check_input_ids("input_ids", input_ids, self.config.vocab_size, getattr(self.config, "max_positions", None))
-        b, t = input_ids.shape
-        kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
+        b, t, kpm, position_ids = check_inputs(self.config, input_ids, attention_mask, position_ids)
         targets = shifted_targets(self.config, input_ids, labels, kpm, ignore_index)
-        position_ids = check_position_ids(self.config, position_ids, b, t, input_ids.device)
         # every position with a target runs, padding or not (the last left pad predicts the first token)
         run = None if kpm is None else ~kpm | (targets != ignore_index)
         packed = self._packed_hidden(input_ids, position_ids, kpm, run)
@@ -412,21 +394,26 @@ def shifted_targets(config, input_ids: Tensor, labels: Tensor | None, kpm: Tenso
     return targets
 
 
-def check_position_ids(config, position_ids: Tensor | None, b: int, t: int, device) -> Tensor:
-    """``position_ids`` checked ((B or 1, T), >= 0, below ``config.max_positions`` when the model has learned
-    positions), or ``arange(T)`` (1, T) when None."""
+def check_inputs(config, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None):
+    """A causal LM's inputs checked: ``(B, T, key padding mask (True = padding) or None, position_ids)``, the
+    positions (B or 1, T), >= 0, below ``config.max_positions`` when the model has learned positions, or
+    ``arange(T)`` (1, T) when None."""
+    max_positions = getattr(config, "max_positions", None)
+    check_input_ids("input_ids", input_ids, config.vocab_size, max_positions)
+    b, t = input_ids.shape
+    kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
     if position_ids is None:
-        return torch.arange(t, device=device)[None]
-    check_input_ids("position_ids", position_ids, getattr(config, "max_positions", None), limit_name="max_positions")
+        return b, t, kpm, torch.arange(t, device=input_ids.device)[None]
+    check_input_ids("position_ids", position_ids, max_positions, limit_name="max_positions")
     if position_ids.shape[-1] != t or position_ids.shape[0] not in (1, b):
         raise ValueError(f"position_ids must have shape ({b} or 1, {t}), got {tuple(position_ids.shape)}")
-    return position_ids
+    return b, t, kpm, position_ids
 
 
 class PreparedCausalLM(InferenceOnly):
     """The inference-only prepared form of a causal LM (``fast_inference``, int8): forward and generate, with the
     model's checks, over the subclass's ``_weights()`` (:class:`sublayer.runtime.causal.CausalWeights`, run by
-    :func:`sublayer.runtime.causal.hidden` in ``compute_dtype``) and ``lm_head(h)``; ``config`` and
+    :func:`sublayer.runtime.causal.hidden` and its head in ``compute_dtype``); ``config`` and
     ``generation_config`` as the model's. No autograd, no dropout."""
 
     @inference
@@ -444,10 +431,7 @@ class PreparedCausalLM(InferenceOnly):
         ``loss`` (float32, as the model's: every position with a target counts, a padded one too, from its logits
         before they are zeroed) and ``logits``. Where the prepared form steps aside, the model's own output."""
         cfg = self.config
-        check_input_ids("input_ids", input_ids, cfg.vocab_size, getattr(cfg, "max_positions", None))
-        b, t = input_ids.shape
-        kpm = None if attention_mask is None else check_attention_mask(attention_mask, (b, t))
-        position_ids = check_position_ids(cfg, position_ids, b, t, input_ids.device)
+        b, t, kpm, position_ids = check_inputs(cfg, input_ids, attention_mask, position_ids)
         kpm = kpm if kpm is not None and bool(kpm.any()) else None
         if (ref := self._reference()) is not None:  # the model's own forward: hooks see every call
             with eval_mode(ref):
@@ -462,6 +446,12 @@ class PreparedCausalLM(InferenceOnly):
         targets = shifted_targets(cfg, input_ids, labels, kpm, -100).reshape(-1)
         loss = F.cross_entropy(full.reshape(b * t, -1).float(), targets, ignore_index=-100)
         return CausalLMOutput(loss=loss, logits=logits)
+
+    @inference
+    def lm_head(self, h: Tensor) -> Tensor:
+        """(..., d_model) -> (..., vocab_size) float32 logits: the weights' head, in ``compute_dtype``."""
+        x = h.reshape(-1, h.shape[-1]).to(self.compute_dtype).contiguous()
+        return self._weights().head(x).float().unflatten(0, h.shape[:-1])
 
     @inference
     def generate(self, input_ids: Tensor, max_new_tokens: int = FROM_CONFIG, **kwargs) -> Tensor:

@@ -1,4 +1,5 @@
-"""Dataclass configs shared by the models: strict ``from_dict`` (unknown keys are an error) and JSON I/O."""
+"""Dataclass configs shared by the models: strict ``from_dict`` (unknown keys are an error) and JSON I/O; and the
+models' shared initialisation (:func:`init_weights`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ import json
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..checkpoints.io import TO_HF_ACTIVATIONS, CheckpointError, hf_activation, read_json
+import torch
+from torch import nn
 
-__all__ = ["ModelConfig"]
+from ..checkpoints.io import TO_HF_ACTIVATIONS, CheckpointError, hf_activation, read_json
+from ..nn import LayerNorm, RMSNorm
+
+__all__ = ["ModelConfig", "init_weights"]
 
 C = TypeVar("C", bound="ModelConfig")
 
@@ -68,3 +73,19 @@ class ModelConfig:
             return cls.from_dict(d)
         except (ValueError, TypeError) as e:
             raise CheckpointError(f"config file {path}: {e}") from None
+
+
+def init_weights(model: nn.Module, std: float = 0.02) -> None:
+    """BERT's and GPT-2's init: N(0, std) Linear and Embedding weights, zero biases, norms reset, then zero padding
+    rows (``nn.Embedding(padding_idx=...)``; after every weight, so a tied head does not refill them)."""
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, (LayerNorm, RMSNorm)):
+            m.reset_parameters()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Embedding) and m.padding_idx is not None:
+                m.weight[m.padding_idx].zero_()

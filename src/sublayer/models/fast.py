@@ -37,13 +37,12 @@ In bf16 the results keep cosine similarity >= 0.999 to the fp32 model (tests che
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from .. import kernels
 from ..kernels import onednn
 from ..runtime import causal
 from ..runtime.linear import DenseLinear, OneDNNLinear
-from ..runtime.rows import inference, kernels_on
+from ..runtime.rows import kernels_on
 from ..runtime.weights import clear_cache, prepared
 from .bert import Bert
 from .causal_lm import CausalLM, PreparedCausalLM
@@ -187,11 +186,6 @@ class FastCausalLM(_FastBase, PreparedCausalLM):
     def generation_config(self):
         """The wrapped model's generation defaults."""
         return self.model.generation_config
-
-    @inference
-    def lm_head(self, h: Tensor) -> Tensor:
-        """(..., d_model) -> (..., vocab_size) float32 logits."""
-        return self._weights().head(h.reshape(-1, h.shape[-1])).float().unflatten(0, h.shape[:-1])
 
     def fast_decoder(self):
         """The model's fast decoding loop over packed panels of the compute dtype (float32: the same packed

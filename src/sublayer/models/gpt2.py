@@ -31,7 +31,7 @@ from ..nn import LayerNorm, MultiHeadAttention, PositionWiseFFN, PreNormResidual
 from ..runtime.generation import check_token_id
 from ..runtime.causal import CausalParts
 from .causal_lm import CausalBlock, CausalLM
-from .config import ModelConfig
+from .config import ModelConfig, init_weights
 
 __all__ = ["GPT2Config", "GPT2", "GPT2Block"]
 
@@ -208,7 +208,7 @@ class GPT2(CausalLM):
 
     def reset_parameters(self) -> None:
         """GPT-2's init: N(0, 0.02) weights, zero biases, residual output projections scaled by 1/sqrt(2·n_layers)."""
-        self._init_weights(0.02)
+        init_weights(self, 0.02)
         for block in self.blocks:
             for lin in (block.self_attn.out_proj, block.ffn.fc2):
                 nn.init.normal_(lin.weight, 0.0, 0.02 / math.sqrt(2 * self.config.n_layers))

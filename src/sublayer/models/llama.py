@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from .. import functional as SF
@@ -27,7 +26,7 @@ from ..nn import MultiHeadAttention, PositionWiseFFN, PreNormResidual, RMSNorm, 
 from ..runtime import generation
 from ..runtime.causal import CausalParts
 from .causal_lm import CausalBlock, CausalLM
-from .config import ModelConfig
+from .config import ModelConfig, init_weights
 
 __all__ = ["LlamaConfig", "Llama", "LlamaBlock", "MODEL_TYPES"]
 
@@ -281,10 +280,7 @@ class Llama(CausalLM):
 
     def reset_parameters(self) -> None:
         """HF Llama's init: N(0, 0.02) weights, zero biases (and padding row), RMSNorm gains 1."""
-        self._init_weights(0.02)
-        if self.config.pad_token_id is not None:
-            with torch.no_grad():
-                self.embed_tokens.weight[self.config.pad_token_id].zero_()
+        init_weights(self, 0.02)
 
     def _embed(self, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """Token embeddings and the rotary ``(cos, sin)`` of the positions."""

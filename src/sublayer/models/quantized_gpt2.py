@@ -46,7 +46,6 @@ from torch import Tensor
 from .. import checkpoints as ckpt
 from ..runtime import causal
 from ..runtime.linear import Int8Linear, PackedLinear, weight_int8_linear_reference
-from ..runtime.rows import inference
 from .causal_lm import CausalLM, PreparedCausalLM
 from .int8 import (
     LINEARS, Int8Wrapper, check_float_cpu, check_keep_float, dense_names, folder_spec, int8_tensors, own_int8_gemm,
@@ -144,11 +143,6 @@ class QuantizedCausalLM(Int8Wrapper, PreparedCausalLM):
 
     _weights = weights  # what PreparedCausalLM's forward reads
     _activations = "float32 for one row, int8 per token for several where the CPU has VNNI (chosen at run time)"
-
-    @inference
-    def lm_head(self, h: Tensor) -> Tensor:
-        """(..., d_model) float32 -> (..., vocab_size) logits."""
-        return self.weights().head(h.reshape(-1, h.shape[-1]).float().contiguous()).unflatten(0, h.shape[:-1])
 
     def fast_decoder(self):
         """The float path's decoding loop over the int8 weights (``SUBLAYER_DECODING=0``: the reference loop)."""

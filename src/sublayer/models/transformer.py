@@ -193,7 +193,7 @@ class Transformer(nn.Module):
             pk = PackedBatch(kpm)
             return pk.unpack(self.encoder(self._packed_embed(self.src_embed, src, pk), packing=pk))
         memory = self.encoder(self._embed(self.src_embed, src), key_padding_mask=kpm)
-        return memory if kpm is None or kpm.dtype != torch.bool else memory.masked_fill(kpm[..., None], 0.0)
+        return memory if kpm is None else memory.masked_fill(kpm[..., None], 0.0)
 
     def decode(
         self,
@@ -228,10 +228,8 @@ class Transformer(nn.Module):
                 h, pk = packed
                 return pk.unpack(self.out_proj(h))
         logits = self.out_proj(self._padded_decode(tgt, memory, tgt_key_padding_mask, mkpm, caches, start))
-        tkpm = tgt_key_padding_mask
-        if caches is None and tkpm is not None and tkpm.dtype == torch.bool:
-            logits = logits.masked_fill(tkpm[..., None], 0.0)
-        return logits
+        tkpm = tgt_key_padding_mask if caches is None else None  # bool (checked above); caches: no zeroing
+        return logits if tkpm is None else logits.masked_fill(tkpm[..., None], 0.0)
 
     def _padded_decode(self, tgt: Tensor, memory: Tensor, tkpm: Tensor | None, mkpm: Tensor | None,
                        caches: list | None = None, start: int = 0) -> Tensor:  # fmt: skip
