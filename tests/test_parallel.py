@@ -220,9 +220,9 @@ def test_demo_cli_nproc_checks(monkeypatch, capsys, tmp_path):
         return e.value.code, capsys.readouterr().err
 
     code, err = run("--nproc", "2", "--batch-size", "9")
-    assert code == 2 and err == "error: --batch-size (9) must be divisible by --nproc (2)\n"
+    assert code == 2 and err == "error: --nproc must be >= 1 and divide --batch-size (9), got 2\n"
     code, err = run("--nproc", "0")
-    assert code == 2 and err == "error: --nproc must be >= 1, got 0\n"
+    assert code == 2 and err == "error: --nproc must be >= 1 and divide --batch-size (96), got 0\n"
     assert not (tmp_path / "o").exists()
 
 

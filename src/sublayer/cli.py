@@ -187,17 +187,14 @@ def demo(
 
     kw = {"out": str(out), "seed": seed, "resume": resume, "overwrite": overwrite, "threads": threads, "quiet": quiet}
     kw |= {k: v for k, v in (("steps", steps), ("batch_size", batch_size)) if v is not None}  # else DemoConfig's
-    if nproc < 1:
-        raise CLIError(f"--nproc must be >= 1, got {nproc}")
-    cfg = DemoConfig(**kw)
-    if cfg.batch_size % nproc:
-        raise CLIError(f"--batch-size ({cfg.batch_size}) must be divisible by --nproc ({nproc})")
-    _launch_training(functools.partial(run_rank, train), nproc, cfg, "demo")  # picklable for spawned ranks
+    _launch_training(functools.partial(run_rank, train), nproc, DemoConfig(**kw), "demo")  # picklable for spawned ranks
 
 
 def _launch_training(rank_fn, nproc: int, cfg, what: str) -> None:
     """``rank_fn(rank, world_size, cfg)`` in this process or on ``nproc`` spawned ranks (:func:`parallel.launch`),
     the kernels built first (so tokens/s never includes the build); a rank's error as one line."""
+    if nproc < 1 or cfg.batch_size % nproc:
+        raise CLIError(f"--nproc must be >= 1 and divide --batch-size ({cfg.batch_size}), got {nproc}")
     from torch.multiprocessing import ProcessRaisedException
 
     from . import kernels, settings
@@ -254,8 +251,6 @@ def train_command(
     cfg = TrainConfig(model=model, data=data, out=str(out), steps=steps, epochs=epochs, batch_size=batch_size,
                       seq_len=seq_len, lr=lr, split=split, val_fraction=val_fraction, eval_every=eval_every, seed=seed,
                       threads=threads, resume=resume, overwrite=overwrite, quiet=quiet)  # fmt: skip
-    if nproc < 1 or batch_size % nproc:
-        raise CLIError(f"--nproc must be >= 1 and divide --batch-size ({batch_size}), got {nproc}")
     _launch_training(rank_main, nproc, cfg, "train")
 
 

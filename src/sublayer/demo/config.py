@@ -48,20 +48,18 @@ class DemoConfig:
     overwrite: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "warmup", "d_model", "n_heads", "d_ff", "n_layers", "eval_every",
-                     "save_every", "n_val", "n_test"):  # fmt: skip
+        for name in ("steps", "batch_size", "warmup", "eval_every", "save_every", "n_val", "n_test"):
             check_positive_int(name, getattr(self, name))
         check_positive_int("threads", self.threads, allow_none=True)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")  # torch.manual_seed's range
-        for name in ("dropout", "label_smoothing", "min_lr_ratio"):
+        for name in ("label_smoothing", "min_lr_ratio"):
             check_probability(name, getattr(self, name))
         for name in ("lr", "clip_norm"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        self.model_config(1)  # the model's settings, checked by TransformerConfig
 
     def model_config(self, vocab_size: int) -> TransformerConfig:
         return TransformerConfig(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,20 +22,24 @@ from .report import echo, finish_run
 from .task import Batch, Vocab, collate, held_out_pairs, train_batch
 
 
-class TransformerLoss(nn.Module):
-    """Routes ``Transformer.loss`` (the fused LM-head + cross-entropy: no (B, T, vocab) logits kept for backward)
-    through ``forward``, so a wrapper such as DistributedDataParallel sees the call. Pad id 0 is ignored."""
+class LMLoss(nn.Module):
+    """Routes ``model.loss`` (the fused LM head + cross-entropy: no (B, T, vocab) logits kept for backward) through
+    ``forward``, the keyword arguments ``fixed`` added to every call, so a wrapper such as DistributedDataParallel
+    sees the call."""
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: nn.Module, **fixed) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.fixed = model, fixed
 
-    def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, **kw) -> Tensor:
-        return self.model.loss(src, tgt_in, tgt_out, ignore_index=0, **kw)
+    def forward(self, *args, **kw) -> Tensor:
+        return self.model.loss(*args, **self.fixed, **kw)
+
+
+TransformerLoss = functools.partial(LMLoss, ignore_index=0)  # the demo's Transformer: pad id 0 is ignored
 
 
 def batch_loss(net: nn.Module, batch: Batch, label_smoothing: float, reduction: str = "sum") -> Tensor:
-    """``net``: a :class:`TransformerLoss` (possibly wrapped, e.g. by DDP)."""
+    """``net``: a :data:`TransformerLoss` (possibly wrapped, e.g. by DDP)."""
     return net(batch.src, batch.tgt_in, batch.tgt_out, src_key_padding_mask=batch.src_mask,
                label_smoothing=label_smoothing, reduction=reduction)  # fmt: skip
 

@@ -67,9 +67,8 @@ def set_enabled(flag: bool) -> None:
 
 def switched_on() -> bool:
     """Whether the fast path is switched on (``SUBLAYER_KERNELS``, :func:`set_enabled`), built or not."""
-    global _enabled
     if _enabled is None:
-        _enabled = settings.kernels_enabled()
+        set_enabled(settings.kernels_enabled())
     return _enabled
 
 

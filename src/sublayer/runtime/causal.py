@@ -54,9 +54,8 @@ def set_enabled(flag: bool) -> None:
 
 def enabled() -> bool:
     """Whether ``generate``/``translate`` take the fast decoding path."""
-    global _enabled
     if _enabled is None:
-        _enabled = settings.decoding_enabled()
+        set_enabled(settings.decoding_enabled())
     return _enabled
 
 

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .. import functional as SF
 from .. import kernels
-from ..functional import fused
+from ..functional import ffn, fused
 from .rules import fast_path_allowed
 
 __all__ = [
@@ -117,8 +117,7 @@ def ffn_hidden(a: Tensor, bias: Tensor | None, act: str) -> Tensor:
     gated activation (``a`` (N, 2·d_ff), gate first) ``act(gate) * up``, as :func:`sublayer.functional.feed_forward`."""
     if act not in SF.GATED_ACTIVATIONS:
         return bias_act(a, bias, act)
-    gate, up = (a if bias is None else a + bias).chunk(2, dim=-1)
-    return SF.activation_fn(act)(gate) * up
+    return ffn.activate(a if bias is None else a + bias, act)
 
 
 def residual_out(pre: bool, x: Tensor, y: Tensor, norm: tuple, after: tuple | None) -> tuple[Tensor, Tensor]:

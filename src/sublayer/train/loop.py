@@ -20,7 +20,7 @@ from ..demo.checkpoint import STATE_NAME, load_optimizer, read_training_state, s
 from ..demo.plots import plot_losses
 from ..demo.report import echo
 from ..demo.signals import hold_signals
-from ..demo.training import Run, adamw, check_start, run_rank, run_steps, torch_threads
+from ..demo.training import LMLoss, Run, adamw, check_start, run_rank, run_steps, torch_threads
 from ..runtime.rows import eval_mode
 from . import data as D
 from .starter import STARTERS, save_tokenizer, starter_model
@@ -90,18 +90,6 @@ class TrainConfig:
             raise ValueError(f"val_fraction must be a number in [0, 1), got {v!r}")
         if self.split not in D.SPLITS:
             raise ValueError(f"split must be one of {', '.join(D.SPLITS)}, got {self.split!r}")
-
-
-class LMLoss(nn.Module):
-    """Routes ``model.loss`` (padding-free, fused LM head + cross-entropy) through ``forward``, so a wrapper such
-    as DistributedDataParallel sees the call."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, **kw):
-        return self.model.loss(input_ids, **kw)
 
 
 def model_class(folder: Path):
