@@ -101,14 +101,19 @@ def run_layers(
     keys = None if queries is None else _query_keys(pad, queries)
     h = layer_norm(x, *layers[0]["norm1"]) if norm_first else x
     following = [(M["qkv"], M["norm1"]) for M in layers[1:]] + [(None, final)]  # the next linear and norm
+    # each big temporary is freed (del) before the next product allocates: it then takes the freed memory, where a
+    # held one would make the allocator map fresh pages for the kernel to fault on
     for L, (nxt, after) in zip(layers, following):
         qkv = L["qkv"](h) if pre is None else L["qkv"](h, pre=pre)
         ctx = attention(qkv[:n], segments, heads, scale, dtype=attention_dtype, split_probs=split_probs)
         if keys is not None:
             ctx = torch.cat([ctx, _query_attention(qkv, n, keys, heads, scale, attention_dtype)])
+        del qkv
         x, h, pre = _add_norm(L["out"], ctx, x, L["norm1"], None, L["fc1"], norm_first, L["norm2"])
+        del ctx
         f, pre = _act(L["fc1"], h, activation, pre, L["fc2"])
         x, h, pre = _add_norm(L["fc2"], f, x, L["norm2"], pre, nxt, norm_first, after)
+        del f
     return layer_norm(h, *final) if final is not None and not norm_first else h
 
 
