@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..runtime.encoder import run_layers
 from ..runtime.rows import InferenceOnly, eval_mode, inference, layer_norm
-from .bert import Bert, BertConfig
+from .bert import Bert, BertConfig, mean_pooled
 from .outputs import BaseModelOutput
 
 __all__ = ["PreparedBert", "bert_layers", "bert_tensors"]
@@ -117,11 +117,26 @@ class PreparedBert(InferenceOnly):
             pool = torch.tanh(F.linear(h0, t["pooler.dense.weight"], t["pooler.dense.bias"]))
         return BaseModelOutput(last_hidden_state=h, pooler_output=pool)
 
-    @property
-    def pooler(self) -> tuple[Tensor, Tensor] | None:
-        """The pooler's ``(weight, bias)``, or None without one (as :attr:`Bert.pooler`)."""
-        t = self._parts()[0]
-        return (t["pooler.dense.weight"], t["pooler.dense.bias"]) if "pooler.dense.weight" in t else None
+    @inference
+    def pooled(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        """As :meth:`Bert.pooled`: ``tanh(dense(h[:, 0]))`` (B, d_model), float32.
 
-    pooled = inference(Bert.pooled)  # the model's, over this forward
-    embed = inference(Bert.embed)
+        Raises:
+            ValueError: the model has no pooler.
+        """
+        if "pooler.dense.weight" not in self._parts()[0]:
+            raise ValueError("this Bert has no pooler (built with pooler=False or loaded from a file without one)")
+        return self(input_ids, attention_mask, token_type_ids, return_dict=True).pooler_output
+
+    @inference
+    def embed(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        """As :meth:`Bert.embed`: mean over real tokens, L2-normalised, (B, d_model) float32.
+
+        Raises:
+            ValueError: as :meth:`forward`, or a row with no token.
+        """
+        return mean_pooled(self(input_ids, attention_mask, token_type_ids), attention_mask)

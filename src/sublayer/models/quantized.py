@@ -327,8 +327,8 @@ class QuantizedBert(Int8Wrapper, PreparedBert):
             self.calibration = calibration.clone() if given else calibration
             ids = (tuple(calibration.shape), *calibration.flatten().tolist()) if given else calibration
             self._key = ("int8", self.keep_float, self.own_gemm, ids)
-        # checks only; reading the pooler builds the layers (a following wrapper quantizes)
-        self._check = Bert(config, pooler=self.pooler is not None, device="meta")._prepare
+        self.pooler = "pooler.dense.weight" in self._parts()[0]  # builds the layers (a following wrapper quantizes)
+        self._check = Bert(config, pooler=self.pooler, device="meta")._prepare  # checks only
 
     def _build(self, t: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[dict]]:
         return t, bert_layers(t, self.config, lambda t, name: _make_linear(t, name, self.own_gemm))
