@@ -122,6 +122,14 @@ def _texts(name: str, texts: str | list[str]) -> list[str]:
     return list(items)
 
 
+def _token_rows(rows: list[list[int]], texts: list[str], name: str) -> list[list[int]]:
+    """The tokenizer's id ``rows`` of ``texts``, checked: each text gave a token (``name``: ``{i}`` is its index)."""
+    for i, r in enumerate(rows):
+        if not r:
+            raise ValueError(f"{name.format(i=i)} {texts[i][:40]!r} encodes to no tokens")
+    return rows
+
+
 class Encoder:
     """Sentence vectors from a BERT folder: mean of the last hidden states over the real tokens, L2-normalised on
     request (sentence-transformers' mean pooling; what ``Bert.embed`` computes).
@@ -192,11 +200,8 @@ class Encoder:
         if not items:
             return torch.empty(0, self.model.config.d_model)
         rows = self.tokenizer(items, truncation=True, max_length=self.max_length)
-        ids = rows["input_ids"]
+        ids = _token_rows(rows["input_ids"], items, "texts[{i}]")
         types = rows.get("token_type_ids") or [[0] * len(r) for r in ids]
-        for i, r in enumerate(ids):
-            if not r:
-                raise ValueError(f"texts[{i}] {items[i][:40]!r} encodes to no tokens")
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         out = torch.empty(len(ids), self.model.config.d_model)
         batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
@@ -248,11 +253,7 @@ class TextGenerator:
         return self._tokenizer
 
     def _prompt_ids(self, prompts: list[str]) -> list[list[int]]:
-        rows = self.tokenizer(prompts)["input_ids"]
-        for i, r in enumerate(rows):
-            if not r:
-                raise ValueError(f"the prompt {prompts[i][:40]!r} encodes to no tokens")
-        return rows
+        return _token_rows(self.tokenizer(prompts)["input_ids"], prompts, "the prompt")
 
     def _eos(self, options: dict) -> list[int]:
         eos = options.get("eos_token_id", FROM_CONFIG)
