@@ -248,8 +248,9 @@ def test_load_errors_name_the_problem(tmp_path):
     state["extra.weight"] = torch.zeros(1)
     state["src_embed.weight"] = torch.zeros(3, 14)
     save_file(state, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"missing: out_proj\.bias; unexpected: extra\.weight; wrong shape: "
-                                         r"src_embed\.weight \(expected \(11, 14\), got \(3, 14\)\)"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"missing keys \(1\): out_proj\.bias; unexpected keys \(1\): "
+                                         r"extra\.weight; wrong shapes \(1\): src_embed\.weight: expected "
+                                         r"\(11, 14\), got \(3, 14\)"):  # fmt: skip
         Transformer.from_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
     with pytest.raises(ValueError, match="cannot read weights file .*model.safetensors"):

@@ -77,18 +77,18 @@ def transformer_supports(model) -> bool:
     return enabled() and float32_cpu(model, [*norms, dec.norm])
 
 
+_LINEARS = ("qkv", "out", "q_cross", "out_cross", "fc1", "fc2")  # a decoder layer's, in the C++ step's order
+
+
 def _build_transformer(model) -> dict:
     layers = []
     for layer in model.decoder.layers:
         sa, ca, f = layer.self_attn, layer.cross_attn, layer.ffn
         qkv_b = None if sa.q_proj.bias is None else torch.cat([sa.q_proj.bias, sa.k_proj.bias, sa.v_proj.bias], 0)
+        rest = zip(_LINEARS[1:], (sa.out_proj, ca.q_proj, ca.out_proj, f.fc1, f.fc2))  # every linear but qkv
         layers.append({
             "qkv": PackedLinear(torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight], 0), qkv_b),
-            "out": PackedLinear(sa.out_proj.weight, sa.out_proj.bias),
-            "q_cross": PackedLinear(ca.q_proj.weight, ca.q_proj.bias),
-            "out_cross": PackedLinear(ca.out_proj.weight, ca.out_proj.bias),
-            "fc1": PackedLinear(f.fc1.weight, f.fc1.bias),
-            "fc2": PackedLinear(f.fc2.weight, f.fc2.bias),
+            **{k: PackedLinear(m.weight, m.bias) for k, m in rest},
             "norms": [norm_params(layer.self_attn_residual.norm), norm_params(layer.cross_attn_residual.norm),
                       norm_params(layer.ffn_residual.norm)],
         })  # fmt: skip
@@ -97,9 +97,6 @@ def _build_transformer(model) -> dict:
     W["flat"] = _flat_transformer(W, model.config.activation)
     W["greedy"] = GreedyHead(model.out_proj.weight, model.out_proj.bias) if kernels_on() else None
     return W
-
-
-_LINEARS = ("qkv", "out", "q_cross", "out_cross", "fc1", "fc2")
 
 
 def _flat_transformer(W: dict, activation: str) -> list | None:
@@ -113,8 +110,7 @@ def _flat_transformer(W: dict, activation: str) -> list | None:
         parts = [L[k].flat() if L[k].bias is not None else None for k in _LINEARS]
         if any(p is None for p in parts):
             return None
-        for lin, p in zip((L[k] for k in _LINEARS), parts):
-            flat += [*p, lin.weight]
+        flat += [t for k, p in zip(_LINEARS, parts) for t in (*p, L[k].weight)]
         flat += [t for n in L["norms"] for t in n[:2]]
     flat += list(W["final"][:2]) if W["final"] is not None else [NO_SCALE, NO_SCALE]
     return [t.contiguous() for t in flat]

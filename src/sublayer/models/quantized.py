@@ -252,9 +252,8 @@ def smooth_factors(x_amax: Tensor, w: Tensor, alpha: float = SMOOTH_ALPHA) -> Te
 def _make_linear(t: dict[str, Tensor], name: str, own: bool = False):
     b = t.get(f"{name}.bias")
     if f"{name}.qweight" in t:
-        if own:
-            return ActInt8Linear(t[f"{name}.qweight"], t[f"{name}.scale"], b, smooth=t.get(f"{name}.smooth"))
-        return Int8Linear(t[f"{name}.qweight"], t[f"{name}.scale"], b, t.get(f"{name}.smooth"))
+        cls = ActInt8Linear if own else Int8Linear  # the same stored tensors serve both GEMMs
+        return cls(t[f"{name}.qweight"], t[f"{name}.scale"], b, smooth=t.get(f"{name}.smooth"))
     return FloatLinear(t[f"{name}.weight"], b)
 
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .. import functional as SF
 from ..functional.cross_entropy import check_options, check_targets
-from ..checkpoints.io import CONFIG_NAME, SAFETENSORS_NAME, write_folder
+from ..checkpoints.io import CONFIG_NAME, SAFETENSORS_NAME, check_and_convert, write_folder
 from .._checks import check_choice, check_finite, check_positive_int, check_probability, check_tensor
 from ..nn import DecoderBlock, EncoderBlock, TransformerDecoder, TransformerEncoder
 from ..functional.packing import PackedBatch
@@ -454,8 +454,8 @@ class Transformer(nn.Module):
         equal; one error lists all problems), in eval mode. ``factory``: device=, dtype=.
 
         Raises:
-            FileNotFoundError: missing folder or file (named). ValueError: bad config, unreadable weights,
-            key/shape mismatches.
+            FileNotFoundError: missing folder or file (named). ValueError: bad config, unreadable weights;
+            :class:`~sublayer.checkpoints.CheckpointError` (a ValueError): key/shape mismatches, all in one message.
         """
         from safetensors.torch import load_file
 
@@ -471,17 +471,6 @@ class Transformer(nn.Module):
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
             raise ValueError(f"cannot read weights file {path}: {e}") from None
         model = cls.from_config(config, **factory)
-        expected = model.state_dict()
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        wrong = sorted(
-            f"{k} (expected {tuple(expected[k].shape)}, got {tuple(state[k].shape)})"
-            for k in set(expected) & set(state)
-            if expected[k].shape != state[k].shape
-        )
-        if missing or unexpected or wrong:
-            parts = [f"{n}: {', '.join(v)}" for n, v in (("missing", missing), ("unexpected", unexpected),
-                                                          ("wrong shape", wrong)) if v]  # fmt: skip
-            raise ValueError(f"weights in {path} do not match the config: " + "; ".join(parts))
-        model.load_state_dict(state)
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        model.load_state_dict(check_and_convert(state, shapes, canonical=lambda k: k, source=path))
         return model.eval()  # as HF's from_pretrained: dropout off until .train()
