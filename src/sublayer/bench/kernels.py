@@ -123,8 +123,10 @@ class _EagerAddNorm(nn.Module):
         return self.norm(x + self.drop(y))
 
 
-def _row(case: str, s: Shape, bf16: bool, mode: str, res: dict) -> Row:
-    return Row(case, s.name, "bf16 autocast" if bf16 else "fp32", mode).fill(res)
+def _row(case: str, s: Shape, bf16: bool, mode: str, mods: dict, inputs: tuple, reps: int, warmup: int, **more) -> Row:
+    """A row of ``mods`` stepped on ``inputs`` (:func:`_step_fns`) and the functions ``more``, timed interleaved."""
+    fns = _step_fns(mods, inputs, bf16, mode) | more
+    return Row(case, s.name, "bf16 autocast" if bf16 else "fp32", mode).fill(time_interleaved(fns, reps, warmup))
 
 
 def _impls(eager: nn.Module, ours: nn.Module, use_compile: bool) -> dict[str, nn.Module]:
@@ -155,7 +157,6 @@ def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compi
     ours.fc2.load_state_dict(eager[3].state_dict())
     x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
     mods = _impls(eager, ours, use_compile)
-    fns = _step_fns(mods, (x,), bf16, mode)
     # the GEMMs alone, in the dtype the FFN multiplies in (bf16 without native bf16 GEMMs multiplies in fp32)
     dt = torch.bfloat16 if bf16 and kernels.native_bf16_gemm() else torch.float32
     x2 = x.detach().reshape(-1, s.d).to(dt)
@@ -168,10 +169,8 @@ def bench_ffn(s: Shape, bf16: bool, mode: str, reps: int, warmup: int, use_compi
         if mode == "training":
             o @ w2, o.t() @ h, a.t() @ x2, a @ w1
 
-    fns["gemms"] = gemms
-    res = time_interleaved(fns, reps, warmup)
-    row = _row("FFN relu (nn.Sequential)", s, bf16, mode, res)
-    row.extra |= {f"{k} / GEMMs alone": round(res[k].ms / res["gemms"].ms, 3) for k in ("sublayer", "eager")}
+    row = _row("FFN relu (nn.Sequential)", s, bf16, mode, mods, (x,), reps, warmup, gemms=gemms)
+    row.extra |= {f"{k} / GEMMs alone": round(row.ratio("gemms", k), 3) for k in ("sublayer", "eager")}
     if mode == "training":
         _saved_extra(row, mods, (x,), bf16)
     return row
@@ -203,9 +202,8 @@ def bench_encoder(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> Ro
     eager = nn.TransformerEncoderLayer(s.d, s.heads, s.f, dropout=DROPOUT, batch_first=True)
     ours = layers.EncoderBlock(s.d, s.heads, s.f, dropout=DROPOUT)
     x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
-    fns = _step_fns({"eager": eager, "sublayer": ours}, (x,), bf16, mode)
-    res = time_interleaved(fns, reps, warmup)
-    return _row("EncoderBlock vs nn.TransformerEncoderLayer", s, bf16, mode, res)
+    mods = {"eager": eager, "sublayer": ours}
+    return _row("EncoderBlock vs nn.TransformerEncoderLayer", s, bf16, mode, mods, (x,), reps, warmup)
 
 
 def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Row]:
@@ -220,8 +218,8 @@ def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Ro
     hf = GPT2MLP(s.f, cfg)
     ours = layers.PositionWiseFFN(s.d, s.f, activation="gelu_tanh", output_dropout=DROPOUT)
     x = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
-    res = time_interleaved(_step_fns({"eager": hf, "sublayer": ours}, (x,), bf16, mode), reps, warmup)
-    mlp = _row("HF GPT2MLP (gelu_new, resid dropout)", s, bf16, mode, res)
+    mods = {"eager": hf, "sublayer": ours}
+    mlp = _row("HF GPT2MLP (gelu_new, resid dropout)", s, bf16, mode, mods, (x,), reps, warmup)
 
     bcfg = BertConfig(hidden_size=s.d, intermediate_size=s.f, hidden_dropout_prob=DROPOUT, layer_norm_eps=1e-12)
     hf_out = BertOutput(bcfg)
@@ -238,8 +236,8 @@ def bench_hf(s: Shape, bf16: bool, mode: str, reps: int, warmup: int) -> list[Ro
     ob = _OursBertOutput()
     h = torch.randn(s.batch, s.seq, s.f, requires_grad=(mode == "training"))
     inp = torch.randn(s.batch, s.seq, s.d, requires_grad=(mode == "training"))
-    res = time_interleaved(_step_fns({"eager": hf_out, "sublayer": ob}, (h, inp), bf16, mode), reps, warmup)
-    return [mlp, _row("HF BertOutput (dense, dropout, LN)", s, bf16, mode, res)]
+    mods = {"eager": hf_out, "sublayer": ob}
+    return [mlp, _row("HF BertOutput (dense, dropout, LN)", s, bf16, mode, mods, (h, inp), reps, warmup)]
 
 
 def bench_bert_inference(quick: bool, reps: int, warmup: int) -> list[Row]:

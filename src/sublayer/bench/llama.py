@@ -246,7 +246,7 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
                 ("bf16", "sublayer fast_inference bf16", "llama.cpp bf16", ("llama.cpp f16", "HF bf16")),
                 ("int8", "sublayer fast_inference int8", "llama.cpp q8_0", ()),
             ):
-                label = "Llama.generate" if ours_name.endswith("generate") else ours_name.removeprefix("sublayer ")
+                label = ours_name.removeprefix("sublayer ")  # "Llama.generate", "fast_inference fp32", ...
                 row = Row(f"Llama greedy decoding, batch {b}: {label}", shape, dtype, "generate",
                           base=peer if cpp is not None else "HF fp32", work=float(b * new), unit="tok")  # fmt: skip
                 names = {"sublayer": ours_name, **{k: k for k in (peer, "HF fp32", *others)}}
@@ -259,7 +259,7 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
                     if equal < 1.0:
                         row.extra["fraction equal to HF fp32"] = round(equal, 3)
                 else:
-                    row.extra["sublayer"] = notes.get(ours_name.removeprefix("sublayer "), "not run")
+                    row.extra["sublayer"] = notes.get(label, "not run")
                 for k in (peer, *others):
                     if k in outs and k != "HF fp32":
                         row.extra[f"{k} fraction equal to HF fp32"] = round(float((outs[k] == ref).float().mean()), 3)
