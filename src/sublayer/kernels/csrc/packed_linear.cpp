@@ -675,8 +675,9 @@ bool decode_bf16_dot(int64_t flag) { return set_switch(g_bf16dot, flag, kBf16Dot
 bool decode_avx512(int64_t flag) { return set_switch(g_avx512, flag, kAvx512); }
 
 // Checks x (M, K) / packed (P, K, 16) / bias (n,) / act for skinny_linear; returns the bias pointer or null.
-const float* check_skinny(const char* op, const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias,
-                          int64_t n, int64_t act, const c10::optional<Tensor>& scale) {
+const float* check_skinny(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias, int64_t n,
+                          int64_t act, const c10::optional<Tensor>& scale) {
+  constexpr const char* op = "skinny_linear";  // the messages' op (float_vec's names below spell it too)
   TORCH_CHECK(act >= IDENT && act <= RELU2, op, ": act ", act,
               " unsupported (0 none, 1 relu, 2 GELU, 3 tanh-GELU, 4 SiLU, 5 relu^2)");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
@@ -724,7 +725,7 @@ const float* check_skinny(const char* op, const Tensor& x, const Tensor& packed,
 // float32, float16 or bfloat16 panels (no scale), or int8 panels with their per-column scale (weight-only int8).
 Tensor skinny_linear(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& bias, int64_t n,
                      int64_t act, const c10::optional<Tensor>& scale) {
-  const float* bp = check_skinny("skinny_linear", x, packed, bias, n, act, scale);
+  const float* bp = check_skinny(x, packed, bias, n, act, scale);
   Tensor out = at::empty({x.size(0), n}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t M = x.size(0), K = x.size(1), P = packed.scalar_type() == at::kByte ? (n + PANEL - 1) / PANEL : packed.size(0);
   if (M == 0 || n == 0) return out;
