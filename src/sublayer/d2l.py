@@ -124,12 +124,17 @@ def valid_lens_masks(
 
 def _check_valid_lens(valid_lens: Tensor, batch: int, n_queries: int) -> None:
     check_tensor("valid_lens", valid_lens)
-    shape, named = tuple(valid_lens.shape), {1: "", 2: "(batch, queries) = "}.get(valid_lens.dim())
-    if named is None:
-        raise ValueError(f"valid_lens must be 1-D (batch,) or 2-D (batch, queries), got shape {shape}")
-    want = (batch, n_queries)[: len(shape)]
-    if shape != want:
-        raise ValueError(f"valid_lens ({len(shape)}-D) must have shape {named}{want}, got {shape}")
+    if valid_lens.dim() == 1 and valid_lens.shape[0] != batch:
+        raise ValueError(f"valid_lens (1-D) must have shape ({batch},), got {tuple(valid_lens.shape)}")
+    if valid_lens.dim() == 2 and tuple(valid_lens.shape) != (batch, n_queries):
+        raise ValueError(
+            f"valid_lens (2-D) must have shape (batch, queries) = ({batch}, {n_queries}), "
+            f"got {tuple(valid_lens.shape)}"
+        )
+    if valid_lens.dim() not in (1, 2):
+        raise ValueError(
+            f"valid_lens must be 1-D (batch,) or 2-D (batch, queries), got shape {tuple(valid_lens.shape)}"
+        )
 
 
 def masked_softmax(X: Tensor, valid_lens: Tensor | None) -> Tensor:
