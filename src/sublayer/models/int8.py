@@ -86,19 +86,12 @@ def folder_spec(
     tensors: dict[str, Tensor], keep_float: tuple[str, ...], *, smooth: bool = False, tied: bool = False
 ) -> Spec:
     """What a saved folder holds for a float model's ``tensors`` (meta tensors: shapes only): name -> (shape,
-    dtype), float32, but a dense weight (:func:`is_dense`) that ``keep_float`` does not match is ``{layer}.qweight``
-    int8 + ``{layer}.scale`` (+ ``{layer}.smooth`` with ``smooth``); with ``tied``, a float head is ``wte`` itself."""
-    f32, spec = torch.float32, {}
-    for name, v in tensors.items():
-        layer = name.rsplit(".", 1)[0]
-        if not is_dense(name) or any(fnmatch.fnmatchcase(layer, p) for p in keep_float):
-            if not (tied and name == "head.weight"):
-                spec[name] = (tuple(v.shape), f32)
-            continue
-        spec[f"{layer}.qweight"], spec[f"{layer}.scale"] = (tuple(v.shape), torch.int8), ((v.shape[0],), f32)
-        if smooth:
-            spec[f"{layer}.smooth"] = ((v.shape[1],), f32)
-    return spec
+    dtype) of what :func:`int8_tensors` stores, run on them: float32, but a dense weight (:func:`is_dense`) that
+    ``keep_float`` does not match is ``{layer}.qweight`` int8 + ``{layer}.scale`` (+ ``{layer}.smooth`` with
+    ``smooth``); with ``tied``, a float head is ``wte`` itself."""
+    ones = {n.rsplit(".", 1)[0]: torch.ones(v.shape[1], device="meta") for n, v in tensors.items() if is_dense(n)}
+    t = int8_tensors(tensors, keep_float, copy=False, tied=tied, smooth=ones if smooth else None)
+    return {name: (tuple(v.shape), v.dtype) for name, v in t.items()}
 
 
 def int8_tensors(tensors: dict[str, Tensor], keep_float: tuple[str, ...], *, copy: bool, tied: bool = False,
