@@ -418,8 +418,8 @@ def check_inputs(config, input_ids: Tensor, attention_mask: Tensor | None, posit
 class PreparedCausalLM(_Decoding, InferenceOnly):
     """The inference-only prepared form of a causal LM (``fast_inference``, int8): forward and generate, with the
     model's checks, over the subclass's ``_weights()`` (:class:`sublayer.runtime.causal.CausalWeights`, run by
-    :func:`sublayer.runtime.causal.hidden` and its head in ``compute_dtype``); ``config`` and
-    ``generation_config`` as the model's. No autograd, no dropout."""
+    :func:`sublayer.runtime.causal.hidden` and its head in ``compute_dtype``) and its ``fast_decoder()``; ``config``
+    and ``generation_config`` as the model's. No autograd, no dropout."""
 
     @inference
     def forward(
@@ -471,6 +471,3 @@ class PreparedCausalLM(_Decoding, InferenceOnly):
     ) -> Tensor:
         """Final-normed hidden states (B, T, d) in the compute dtype; ``caches``: one KVCache per block."""
         return causal.hidden(self._weights(), input_ids, position_ids, key_padding_mask, caches, self.compute_dtype)
-
-    def fast_decoder(self):
-        return None
