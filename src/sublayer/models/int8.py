@@ -135,13 +135,15 @@ def quant_config(keep_float: tuple[str, ...], activations: str) -> dict[str, Any
 class Int8Wrapper:
     """What the int8 wrappers share (:class:`~.quantized.QuantizedBert`, :class:`~.quantized_gpt2.QuantizedCausalLM`):
     a snapshot of its own tensors (``model`` None), or a ``model`` followed, its current weights re-quantized on the
-    next call after any change (:func:`sublayer.runtime.weights.prepared`). Subclasses give ``config``,
-    ``keep_float``, ``_key`` (the cache key, with :func:`kernels_on` added), ``_quantize(model)`` -> tensors and
+    next call after any change (:func:`sublayer.runtime.weights.prepared`). Subclasses call ``_follow`` and give
+    ``_key`` (the cache key, with :func:`kernels_on` added), ``_quantize(model)`` -> tensors and
     ``_build(tensors)`` -> ``(tensors, prepared form)``; ``_activations``: the saved config's words for them."""
 
     _activations = "int8 dynamic per token, chosen at run time (not stored)"
+    compute_dtype = torch.float32  # what the float parts (embeddings, norms, attention) run in
 
-    def _follow(self, model, tensors: dict[str, Tensor] | None) -> None:
+    def _follow(self, config, keep_float: tuple[str, ...], model, tensors: dict[str, Tensor] | None) -> None:
+        self.config, self.keep_float = config, tuple(keep_float)
         self.model, self._own, self._form = model, tensors, None
         if model is not None:
             self._train_error = "is an inference-only wrapper; train the model itself: it re-quantizes on the next call"
