@@ -69,7 +69,22 @@ class CausalBlock(nn.Module):
         return self.ffn_residual(x, self.ffn)
 
 
-class CausalLM(nn.Module):
+class _Decoding:
+    """What :func:`sublayer.runtime.generation.generate` reads beside ``lm_head`` and ``fast_decoder`` (its
+    ``CausalLM`` protocol), over ``_hidden`` and ``config.n_layers``: the models' and their prepared forms'."""
+
+    def hidden_states(
+        self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None
+    ) -> Tensor:
+        """Final hidden states (B, T, d_model) of ids at positions; ``caches`` (one KVCache per block) extended."""
+        return self._hidden(input_ids, position_ids, key_padding_mask, caches)
+
+    def new_caches(self) -> list[SF.KVCache]:
+        """One empty KV cache per block."""
+        return [SF.KVCache() for _ in range(self.config.n_layers)]
+
+
+class CausalLM(_Decoding, nn.Module):
     """Base of the causal language models: see the module docstring."""
 
     config_class: type  # set by each model: its config class, key map, token embedding's and final norm's attributes
@@ -334,16 +349,6 @@ class CausalLM(nn.Module):
             generator=generator, streamer=streamer,
         )  # fmt: skip
 
-    def hidden_states(
-        self, input_ids: Tensor, position_ids: Tensor, key_padding_mask: Tensor | None, caches: list | None
-    ) -> Tensor:
-        """Final hidden states (B, T, d_model) of ids at positions; ``caches`` (one KVCache per block) extended."""
-        return self._hidden(input_ids, position_ids, key_padding_mask, caches)
-
-    def new_caches(self) -> list[SF.KVCache]:
-        """One empty KV cache per block."""
-        return [SF.KVCache() for _ in range(self.config.n_layers)]
-
 
 def generate_with_config(lm, input_ids: Tensor, max_new_tokens=FROM_CONFIG, *, max_length=None, **options) -> Tensor:
     """:func:`sublayer.runtime.generation.generate` with every option left at ``FROM_CONFIG`` taken from
@@ -410,11 +415,11 @@ def check_inputs(config, input_ids: Tensor, attention_mask: Tensor | None, posit
     return b, t, kpm, position_ids
 
 
-class PreparedCausalLM(InferenceOnly):
+class PreparedCausalLM(_Decoding, InferenceOnly):
     """The inference-only prepared form of a causal LM (``fast_inference``, int8): forward and generate, with the
     model's checks, over the subclass's ``_weights()`` (:class:`sublayer.runtime.causal.CausalWeights`, run by
-    :func:`sublayer.runtime.causal.hidden` and its head in ``compute_dtype``); ``config`` and
-    ``generation_config`` as the model's. No autograd, no dropout."""
+    :func:`sublayer.runtime.causal.hidden` and its head in ``compute_dtype``) and its ``fast_decoder()``; ``config``
+    and ``generation_config`` as the model's. No autograd, no dropout."""
 
     @inference
     def forward(
@@ -466,10 +471,3 @@ class PreparedCausalLM(InferenceOnly):
     ) -> Tensor:
         """Final-normed hidden states (B, T, d) in the compute dtype; ``caches``: one KVCache per block."""
         return causal.hidden(self._weights(), input_ids, position_ids, key_padding_mask, caches, self.compute_dtype)
-
-    # what sublayer.runtime.generation needs (its CausalLM protocol), as the model's
-    hidden_states = CausalLM.hidden_states
-    new_caches = CausalLM.new_caches
-
-    def fast_decoder(self):
-        return None

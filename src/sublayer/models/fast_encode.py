@@ -53,13 +53,11 @@ def _linear(weight: Tensor, bias: Tensor):
 def _build(encoder) -> dict:
     layers = []
     for layer in encoder.layers:
-        a = layer.self_attn
+        a, f = layer.self_attn, layer.ffn
         layers.append({
             "qkv": _linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0),
                            torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0)),
-            "out": _linear(a.out_proj.weight, a.out_proj.bias),
-            "fc1": _linear(layer.ffn.fc1.weight, layer.ffn.fc1.bias),
-            "fc2": _linear(layer.ffn.fc2.weight, layer.ffn.fc2.bias),
+            **{k: _linear(m.weight, m.bias) for k, m in (("out", a.out_proj), ("fc1", f.fc1), ("fc2", f.fc2))},
             "norm1": decoding.norm_params(layer.attn_residual.norm),
             "norm2": decoding.norm_params(layer.ffn_residual.norm),
         })  # fmt: skip

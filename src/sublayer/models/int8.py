@@ -86,19 +86,12 @@ def folder_spec(
     tensors: dict[str, Tensor], keep_float: tuple[str, ...], *, smooth: bool = False, tied: bool = False
 ) -> Spec:
     """What a saved folder holds for a float model's ``tensors`` (meta tensors: shapes only): name -> (shape,
-    dtype), float32, but a dense weight (:func:`is_dense`) that ``keep_float`` does not match is ``{layer}.qweight``
-    int8 + ``{layer}.scale`` (+ ``{layer}.smooth`` with ``smooth``); with ``tied``, a float head is ``wte`` itself."""
-    f32, spec = torch.float32, {}
-    for name, v in tensors.items():
-        layer = name.rsplit(".", 1)[0]
-        if not is_dense(name) or any(fnmatch.fnmatchcase(layer, p) for p in keep_float):
-            if not (tied and name == "head.weight"):
-                spec[name] = (tuple(v.shape), f32)
-            continue
-        spec[f"{layer}.qweight"], spec[f"{layer}.scale"] = (tuple(v.shape), torch.int8), ((v.shape[0],), f32)
-        if smooth:
-            spec[f"{layer}.smooth"] = ((v.shape[1],), f32)
-    return spec
+    dtype) of what :func:`int8_tensors` stores, run on them: float32, but a dense weight (:func:`is_dense`) that
+    ``keep_float`` does not match is ``{layer}.qweight`` int8 + ``{layer}.scale`` (+ ``{layer}.smooth`` with
+    ``smooth``); with ``tied``, a float head is ``wte`` itself."""
+    ones = {n.rsplit(".", 1)[0]: torch.ones(v.shape[1], device="meta") for n, v in tensors.items() if is_dense(n)}
+    t = int8_tensors(tensors, keep_float, copy=False, tied=tied, smooth=ones if smooth else None)
+    return {name: (tuple(v.shape), v.dtype) for name, v in t.items()}
 
 
 def int8_tensors(tensors: dict[str, Tensor], keep_float: tuple[str, ...], *, copy: bool, tied: bool = False,
@@ -142,13 +135,15 @@ def quant_config(keep_float: tuple[str, ...], activations: str) -> dict[str, Any
 class Int8Wrapper:
     """What the int8 wrappers share (:class:`~.quantized.QuantizedBert`, :class:`~.quantized_gpt2.QuantizedCausalLM`):
     a snapshot of its own tensors (``model`` None), or a ``model`` followed, its current weights re-quantized on the
-    next call after any change (:func:`sublayer.runtime.weights.prepared`). Subclasses give ``config``,
-    ``keep_float``, ``_key`` (the cache key, with :func:`kernels_on` added), ``_quantize(model)`` -> tensors and
+    next call after any change (:func:`sublayer.runtime.weights.prepared`). Subclasses call ``_follow`` and give
+    ``_key`` (the cache key, with :func:`kernels_on` added), ``_quantize(model)`` -> tensors and
     ``_build(tensors)`` -> ``(tensors, prepared form)``; ``_activations``: the saved config's words for them."""
 
     _activations = "int8 dynamic per token, chosen at run time (not stored)"
+    compute_dtype = torch.float32  # what the float parts (embeddings, norms, attention) run in
 
-    def _follow(self, model, tensors: dict[str, Tensor] | None) -> None:
+    def _follow(self, config, keep_float: tuple[str, ...], model, tensors: dict[str, Tensor] | None) -> None:
+        self.config, self.keep_float = config, tuple(keep_float)
         self.model, self._own, self._form = model, tensors, None
         if model is not None:
             self._train_error = "is an inference-only wrapper; train the model itself: it re-quantizes on the next call"

@@ -317,10 +317,8 @@ class QuantizedBert(Int8Wrapper, PreparedBert):
         self, config: BertConfig, tensors: dict[str, Tensor] | None, keep_float: tuple[str, ...], *,
         own_gemm: bool | None = None, model: Bert | None = None, calibration: Tensor | None | bool = None,
     ) -> None:  # fmt: skip
-        self.config, self.keep_float = config, tuple(keep_float)
-        self.compute_dtype = torch.float32
         self.own_gemm = own_int8_gemm() if own_gemm is None else bool(own_gemm)
-        self._follow(model, tensors)
+        self._follow(config, keep_float, model, tensors)
         if model is not None:  # following: the same calibration ids at every re-quantization, and in the cache key
             given = isinstance(calibration, Tensor)
             self.calibration = calibration.clone() if given else calibration

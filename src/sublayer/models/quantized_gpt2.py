@@ -111,11 +111,10 @@ class QuantizedCausalLM(Int8Wrapper, PreparedCausalLM):
         self, skeleton: torch.nn.Module, tensors: dict[str, Tensor] | None, keep_float: tuple[str, ...], *,
         model: CausalLM | None = None,
     ) -> None:  # fmt: skip
-        self.skeleton, self.config, self.keep_float = skeleton, skeleton.config, tuple(keep_float)
+        self.skeleton = skeleton
+        self._follow(skeleton.config, keep_float, model, tensors)
         self.generation_config = ckpt.GenerationConfig.from_model_config(self.config)  # generate's defaults
-        self.compute_dtype = torch.float32
         self._key = ("int8", self.keep_float)
-        self._follow(model, tensors)
 
     @classmethod
     def from_model(
