@@ -156,12 +156,9 @@ def gguf_file(folder: Path, outtype: str, env: Path, *, pre: str | None = None) 
 
 class LlamaCpp(Worker):
     """llama.cpp in a worker process (:mod:`sublayer.bench.llamacpp_worker`) run by the peers environment's
-    python: ``load`` GGUF files, ``generate`` greedy tokens."""
+    python: GGUF files loaded by its ``load`` op (:func:`_llama_cpp`), greedy tokens by :meth:`generate`."""
 
     WORKER, NAME = "llamacpp_worker.py", "llama.cpp"
-
-    def load(self, key: str, path: Path, *, n_seq: int, n_ctx: int, threads: int) -> None:
-        self.ask(op="load", key=key, path=str(path), n_seq=n_seq, n_ctx=n_ctx, threads=threads)
 
     def generate(self, key: str, prompts: list[list[int]], new: int) -> torch.Tensor:
         return torch.tensor(self.ask(op="generate", key=key, prompts=prompts, new=new)["tokens"])
@@ -174,10 +171,10 @@ def _llama_cpp(folder: Path, types: tuple[str, ...], n_ctx: int, work: Path, not
     a failed conversion or load)."""
 
     def setup(cpp: LlamaCpp, env: Path) -> None:
-        ggufs = {t: gguf_file(folder, t, env, pre=pre) for t in types}
+        ggufs = {t: str(gguf_file(folder, t, env, pre=pre)) for t in types}
         for b in (1, 8):
             for t, path in ggufs.items():
-                cpp.load(f"{t}/{b}", path, n_seq=b, n_ctx=n_ctx, threads=torch.get_num_threads())
+                cpp.ask(op="load", key=f"{t}/{b}", path=path, n_seq=b, n_ctx=n_ctx, threads=torch.get_num_threads())
 
     cpp, note = PEERS.start(LlamaCpp, work / "llamacpp-worker.log", setup)
     if note:
