@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,27 @@ def test_busy_neighbour_spins_during_the_block_only():
         if stat.exists():  # Linux: the neighbour has used CPU time (utime, in clock ticks) by now
             assert int(stat.read_text().rsplit(")", 1)[1].split()[11]) > 0
     assert proc.poll() is not None
+
+
+def test_side_env_start_runs_the_setup_or_says_why_not(tmp_path):
+    class Peer(harness.Worker):
+        WORKER, NAME = "ct2_worker.py", "test peer"  # its loop answers any op it does not know with an error
+
+    side = harness.SideEnv(str(tmp_path / "env"), "none.sh", "test", "test environment")
+    assert side.start(Peer, tmp_path / "peer.log", lambda peer, env: None, log=print) == (
+        None, f"no test environment at {tmp_path / 'env'} (build it: benchmarks/none.sh {tmp_path / 'env'})")  # fmt: skip
+    (tmp_path / "env" / "bin").mkdir(parents=True)
+    (tmp_path / "env" / "bin" / "python").symlink_to(sys.executable)
+    (tmp_path / "env" / ".built").touch()
+
+    def failing(peer, env):
+        assert env == tmp_path / "env"
+        raise RuntimeError("no model here\nthe rest of the message")
+
+    assert side.start(Peer, tmp_path / "peer.log", failing) == (None, "no model here")
+    peer, note = side.start(Peer, tmp_path / "peer.log", lambda peer, env: None)
+    with peer:
+        assert note is None
+        with pytest.raises(RuntimeError, match="test peer worker: unknown op 'nope'"):
+            peer.ask(op="nope")
+    assert peer.proc.poll() == 0  # closed at the block's end

@@ -14,18 +14,15 @@ from worker_loop import serve
 def main() -> None:
     gen = None
 
-    def handle(req: dict) -> dict | None:
+    def load(req: dict) -> None:
         nonlocal gen
-        if req["op"] == "load":
-            import ctranslate2
+        import ctranslate2
 
-            gen = ctranslate2.Generator(req["path"], device="cpu", compute_type=req["compute_type"],
-                                        intra_threads=req["threads"])  # fmt: skip
-            return {"ok": True}
-        if req["op"] == "generate":
-            return {"ids": [r.sequences_ids for r in gen.generate_batch(req["tokens"], **req["kw"])]}
+        gen = ctranslate2.Generator(req["path"], device="cpu", compute_type=req["compute_type"],
+                                    intra_threads=req["threads"])  # fmt: skip
 
-    serve(handle)
+    serve({"load": load,
+           "generate": lambda req: {"ids": [r.sequences_ids for r in gen.generate_batch(req["tokens"], **req["kw"])]}})
 
 
 if __name__ == "__main__":

@@ -310,11 +310,27 @@ class SideEnv:
                 log(f"{self.what} build failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
         return env, None if self.ready(env) else f"no {self.what} at {env} (build it: benchmarks/{self.script} {env})"
 
+    def start(self, worker: type[Worker], log_file: Path, setup: Callable[[Worker, Path], None],
+              log: Callable[[str], None] = print) -> tuple[Worker | None, str | None]:  # fmt: skip
+        """(a ``worker`` run by the environment's python, its stderr to ``log_file``, once ``setup(worker, env)``
+        is done; None), or (None, why not): the environment is not built (:meth:`build`'s note), or ``setup`` raised
+        RuntimeError (the first line of its message; the worker closed)."""
+        env, missing = self.build(log)
+        if missing:
+            return None, missing
+        peer = worker(env / "bin" / "python", log_file)
+        try:
+            setup(peer, env)
+        except RuntimeError as e:
+            peer.close()
+            return None, str(e).splitlines()[0]
+        return peer, None
+
 
 class Worker:
     """A peer in a worker process of its own: ``python`` runs the script ``WORKER`` beside this file, which answers
     the JSON lines of :mod:`sublayer.bench.worker_loop`; its stderr goes to ``log_file`` (None: this process's).
-    ``NAME`` is the peer's name in errors."""
+    ``NAME`` is the peer's name in errors. As a context manager, it is closed at the block's end."""
 
     WORKER = NAME = ""
 
@@ -334,6 +350,12 @@ class Worker:
         if "error" in ans:
             raise RuntimeError(f"{self.NAME} worker: {ans['error']}")
         return ans
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         self.proc.stdin.close()

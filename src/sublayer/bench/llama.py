@@ -25,6 +25,7 @@ line each way). Without the peers environment the llama.cpp columns are left out
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -155,42 +156,30 @@ def gguf_file(folder: Path, outtype: str, env: Path, *, pre: str | None = None) 
 
 class LlamaCpp(Worker):
     """llama.cpp in a worker process (:mod:`sublayer.bench.llamacpp_worker`) run by the peers environment's
-    python: ``load`` GGUF files, ``generate`` greedy tokens."""
+    python: GGUF files loaded by its ``load`` op (:func:`_llama_cpp`), greedy tokens by :meth:`generate`."""
 
     WORKER, NAME = "llamacpp_worker.py", "llama.cpp"
-
-    def __init__(self, env: Path, log_file: Path):
-        super().__init__(env / "bin" / "python", log_file)
-
-    def load(self, key: str, path: Path, *, n_seq: int, n_ctx: int, threads: int) -> None:
-        self.ask(op="load", key=key, path=str(path), n_seq=n_seq, n_ctx=n_ctx, threads=threads)
 
     def generate(self, key: str, prompts: list[list[int]], new: int) -> torch.Tensor:
         return torch.tensor(self.ask(op="generate", key=key, prompts=prompts, new=new)["tokens"])
 
 
 def _llama_cpp(folder: Path, types: tuple[str, ...], n_ctx: int, work: Path, notes: dict[str, str],
-               pre: str | None = None) -> tuple[LlamaCpp | None, dict[str, Path]]:
+               pre: str | None = None) -> LlamaCpp | None:
     """llama.cpp's worker with ``folder`` converted to each GGUF type of ``types`` loaded for batch 1 and 8 (keys
-    ``"{type}/{batch}"``) and the GGUF files; (None, {}) with ``notes["llama.cpp"]`` saying why where it cannot
-    run (no peers environment, a failed conversion or load)."""
-    env, missing = PEERS.build(print)
-    if missing:
-        notes["llama.cpp"] = missing
-        return None, {}
-    cpp = None
-    try:
-        ggufs = {t: gguf_file(folder, t, env, pre=pre) for t in types}
-        cpp = LlamaCpp(env, work / "llamacpp-worker.log")
+    ``"{type}/{batch}"``); None with ``notes["llama.cpp"]`` saying why where it cannot run (no peers environment,
+    a failed conversion or load)."""
+
+    def setup(cpp: LlamaCpp, env: Path) -> None:
+        ggufs = {t: str(gguf_file(folder, t, env, pre=pre)) for t in types}
         for b in (1, 8):
             for t, path in ggufs.items():
-                cpp.load(f"{t}/{b}", path, n_seq=b, n_ctx=n_ctx, threads=torch.get_num_threads())
-    except RuntimeError as e:
-        notes["llama.cpp"] = str(e).splitlines()[0]
-        if cpp is not None:
-            cpp.close()
-        return None, {}
-    return cpp, ggufs
+                cpp.ask(op="load", key=f"{t}/{b}", path=path, n_seq=b, n_ctx=n_ctx, threads=torch.get_num_threads())
+
+    cpp, note = PEERS.start(LlamaCpp, work / "llamacpp-worker.log", setup)
+    if note:
+        notes["llama.cpp"] = note
+    return cpp
 
 
 def _fast(model, log_notes: dict[str, str], name: str, **kw):
@@ -218,11 +207,11 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
     hf_bf16 = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     for m in (hf, hf_bf16):  # no end token: every implementation makes `new` tokens a row
         m.generation_config.eos_token_id = None
-    cpp, ggufs = _llama_cpp(folder, GGUF_TYPES, prompt + new, Path(work), notes)
+    cpp = _llama_cpp(folder, GGUF_TYPES, prompt + new, Path(work), notes)
     shape = (f"{cfg.n_layers}L d{cfg.d_model} {cfg.n_heads}h/{cfg.kv_heads}kv V{cfg.vocab_size}, "
              f"prompt {prompt} + {new}")  # fmt: skip
     rows = []
-    try:
+    with cpp or contextlib.nullcontext():
         for b in (1, 8):
             ids = torch.randint(len(_SPECIALS), cfg.vocab_size, (b, prompt), generator=torch.Generator().manual_seed(b))
 
@@ -236,7 +225,7 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
                 for k, m in {"Llama.generate": ours, **fast}.items() if m is not None}  # fmt: skip
             fns |= {"HF fp32": lambda: hf_gen(hf), "HF bf16": lambda: hf_gen(hf_bf16)}
             if cpp is not None:
-                fns |= {f"llama.cpp {t}": (lambda t=t: cpp.generate(f"{t}/{b}", ids.tolist(), new)) for t in ggufs}
+                fns |= {f"llama.cpp {t}": (lambda t=t: cpp.generate(f"{t}/{b}", ids.tolist(), new)) for t in GGUF_TYPES}
             outs = {k: f() for k, f in fns.items()}  # the warm-up
             res = time_interleaved(fns, reps, 0)
             ref = outs["HF fp32"]
@@ -266,9 +255,6 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None) -> list[Row]:
                 if "llama.cpp" in notes:
                     row.extra["llama.cpp"] = notes["llama.cpp"]
                 rows.append(row)
-    finally:
-        if cpp is not None:
-            cpp.close()
     return rows
 
 
@@ -286,12 +272,12 @@ def gpt2_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding: 
     cfg, prompt, new, folder, ours, shape = gpt2_decoding(quick, work)
     notes: dict[str, str] = {}
     types = ("f32", "bf16", "f16")
-    cpp, _ = _llama_cpp(folder, types, prompt + new, Path(work), notes, pre="gpt-2")
+    cpp = _llama_cpp(folder, types, prompt + new, Path(work), notes, pre="gpt-2")
     if cpp is None:
         raise ValueError(f"gpt2-llamacpp needs llama.cpp (--peers-env DIR): {notes['llama.cpp']}")
     bf16 = fast_inference(ours, dtype=torch.bfloat16)
     rows = []
-    try:
+    with cpp:
         for b in (1, 8):
             ids = torch.randint(0, cfg.vocab_size - 1, (b, prompt), generator=torch.Generator().manual_seed(b))
             fns = {f"sublayer {k}": (lambda m=m, ids=ids: m.generate(ids, new, eos_token_id=None)[:, prompt:])
@@ -311,8 +297,6 @@ def gpt2_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding: 
                     if equal < 1.0:  # random weights: near-ties, a different summation order can flip one
                         row.extra[f"{name} fraction equal to our fp32"] = round(equal, 3)
                 rows.append(row)
-    finally:
-        cpp.close()
     return rows
 
 

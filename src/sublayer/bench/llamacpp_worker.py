@@ -69,16 +69,15 @@ def main() -> None:
     L.llama_backend_init()
     models: dict[str, _Model] = {}
 
-    def handle(req: dict) -> dict | None:
-        if req["op"] == "versions":
-            return {"llama-cpp-python": L.__version__, "system_info": L.llama_print_system_info().decode().strip()}
-        if req["op"] == "load":
-            models[req["key"]] = _Model(req["path"], req["n_seq"], req["n_ctx"], req["threads"])
-            return {"ok": True}
-        if req["op"] == "generate":
-            return {"tokens": models[req["key"]].generate(req["prompts"], req["new"])}
+    def load(req: dict) -> None:
+        models[req["key"]] = _Model(req["path"], req["n_seq"], req["n_ctx"], req["threads"])
 
-    serve(handle)
+    serve({
+        "versions": lambda req: {"llama-cpp-python": L.__version__,
+                                 "system_info": L.llama_print_system_info().decode().strip()},
+        "load": load,
+        "generate": lambda req: {"tokens": models[req["key"]].generate(req["prompts"], req["new"])},
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ shapes, the same rows (the test suite runs them).
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -90,11 +91,6 @@ class OpenVino(LlamaCpp):
             return torch.from_numpy(np.load(f"{tmp}/h.npy"))
 
 
-def _start(log: Callable[[str], None], work: Path) -> tuple[OpenVino | None, str | None]:
-    env, missing = OV_ENV.build(log)
-    return (None, missing) if missing else (OpenVino(env, Path(work) / "openvino-worker.log"), None)
-
-
 def _ov_extras(row: Row, peer: str | None, props: dict | None, note: str | None) -> None:
     """OpenVINO's extras of a row: the properties that change results of ``peer``'s compiled model (``props``,
     where it was compiled) and ``note`` (why OpenVINO did not run)."""
@@ -139,26 +135,23 @@ def embed_rows(quick: bool, reps: int, work: Path, model: Path | None = None, *,
                "HF bf16 autocast": lambda: hf_hidden(hf, True)}  # fmt: skip
     fns: dict[str, Callable[[], object]] = {f"sublayer {k}": (lambda m=m: m.embed(ids, mask)) for k, m in mine.items()}
     fns |= {k: (lambda h=h: mean_pool(h(), mask)) for k, h in hidden.items() if k.startswith("HF")}  # their pooling
-    ov, note = _start(log, work)
     props: dict[str, dict] = {}
-    try:
-        if ov is not None:
-            try:
-                ir = export_ir(folder, "feature-extraction", "fp32", ov_env())
-                for p in ("f32", "bf16"):
-                    props[p] = ov.load_ir("load_encoder", p, ir, precision=p, threads=torch.get_num_threads())
-                    ov.ask(op="set_input", key=p, ids=ids.tolist(), mask=mask.tolist())
-                    fns[f"OpenVINO {p}"] = lambda p=p: ov.ask(op="embed", key=p)
-                    hidden[f"OpenVINO {p}"] = lambda p=p: ov.hidden(p)
-            except RuntimeError as e:
-                note = str(e).splitlines()[0]
+
+    def setup(ov: OpenVino, env: Path) -> None:
+        ir = export_ir(folder, "feature-extraction", "fp32", env)
+        for p in ("f32", "bf16"):
+            props[p] = ov.load_ir("load_encoder", p, ir, precision=p, threads=torch.get_num_threads())
+            ov.ask(op="set_input", key=p, ids=ids.tolist(), mask=mask.tolist())
+
+    ov, note = OV_ENV.start(OpenVino, Path(work) / "openvino-worker.log", setup, log)
+    with ov or contextlib.nullcontext():
+        for p in props if ov is not None else ():
+            fns[f"OpenVINO {p}"] = lambda p=p: ov.ask(op="embed", key=p)
+            hidden[f"OpenVINO {p}"] = lambda p=p: ov.hidden(p)
         real = mask.bool()
         ref = hidden["HF fp32"]().float()[real]
         cos = {k: float(F.cosine_similarity(h().float()[real], ref, dim=-1).min()) for k, h in hidden.items()}
         res = time_interleaved(fns, reps, 1)
-    finally:
-        if ov is not None:
-            ov.close()
     rows = []
     for dt, peer, others in (("fp32", "OpenVINO f32", ("HF fp32",)),
                              ("bf16", "OpenVINO bf16", ("HF bf16 weights", "HF bf16 autocast", "HF fp32")),
@@ -198,19 +191,16 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding
     mine = {"fp32": ours, "bf16": fast_inference(ours, dtype=torch.bfloat16), "int8": fast_inference(ours, quantize="int8")}
     ct2 = ct2_generator(folder, "int8")
     threads = torch.get_num_threads()
-    ov, note = _start(log, work)
     props: dict[str, dict] = {}
-    if ov is not None:
-        try:
-            irs = {w: export_ir(folder, "text-generation-with-past", w, ov_env()) for w in WEIGHT_FORMATS}
-            for k, (w, p) in _OV_DECODE.items():
-                props[k] = ov.load_ir("load_llm", k, irs[w], precision=p, threads=threads)
-        except RuntimeError as e:
-            note = str(e).splitlines()[0]
-            ov.close()
-            ov = None
+
+    def setup(ov: OpenVino, env: Path) -> None:
+        irs = {w: export_ir(folder, "text-generation-with-past", w, env) for w in WEIGHT_FORMATS}
+        for k, (w, p) in _OV_DECODE.items():
+            props[k] = ov.load_ir("load_llm", k, irs[w], precision=p, threads=threads)
+
+    ov, note = OV_ENV.start(OpenVino, Path(work) / "openvino-worker.log", setup, log)
     rows = []
-    try:
+    with ov or contextlib.nullcontext():
         for b in (1, 8):
             # a new prompt at every call (the warm-up's, then one per round), the same for every engine
             prompts = [torch.randint(0, cfg.vocab_size - 1, (b, prompt), generator=torch.Generator().manual_seed(s))
@@ -242,7 +232,4 @@ def decode_rows(quick: bool, reps: int, work: Path, model=None, *, gpt2_decoding
                               for v in names.values() if v in outs and v != "sublayer fp32"}  # fmt: skip
                 _ov_extras(row, peer, props.get(peer), note)
                 rows.append(row)
-    finally:
-        if ov is not None:
-            ov.close()
     return rows

@@ -99,29 +99,23 @@ def main() -> None:
     core = ov.Core()
     models: dict = {}
 
-    def handle(req: dict) -> dict | None:
-        op = req["op"]
-        if op == "versions":
-            import importlib.metadata as md
+    def versions(req: dict) -> dict:
+        import importlib.metadata as md
 
-            return {k: md.version(k) for k in ("openvino", "openvino-genai")}
-        if op in ("load_encoder", "load_llm"):
-            cls = _Encoder if op == "load_encoder" else _LLM
-            m = models[req["key"]] = cls(core, req["path"], req["precision"], req["threads"])
-            return {"properties": m.properties}
-        if op == "generate":
-            return {"tokens": models[req["key"]].generate(req["prompts"], req["new"])}
-        if op == "set_input":
-            models[req["key"]].set_input(req["ids"], req["mask"])
-        elif op == "embed":
-            models[req["key"]].embed()
-        elif op == "hidden":
-            np.save(req["out"], models[req["key"]].hidden().astype(np.float32))
-        else:
-            return None
-        return {"ok": True}
+        return {k: md.version(k) for k in ("openvino", "openvino-genai")}
 
-    serve(handle)
+    def load(cls, req: dict) -> dict:  # the IR folder compiled as ``cls`` (_Encoder, _LLM): its properties
+        m = models[req["key"]] = cls(core, req["path"], req["precision"], req["threads"])
+        return {"properties": m.properties}
+
+    serve({
+        "versions": versions,
+        "load_encoder": lambda req: load(_Encoder, req), "load_llm": lambda req: load(_LLM, req),
+        "generate": lambda req: {"tokens": models[req["key"]].generate(req["prompts"], req["new"])},
+        "set_input": lambda req: models[req["key"]].set_input(req["ids"], req["mask"]),
+        "embed": lambda req: models[req["key"]].embed(),
+        "hidden": lambda req: np.save(req["out"], models[req["key"]].hidden().astype(np.float32)),
+    })  # fmt: skip
 
 
 if __name__ == "__main__":
