@@ -16,7 +16,7 @@ from torch import nn
 from .._checks import check_positive_int, check_probability
 from ..checkpoints.io import CheckpointError
 from ..demo.config import warmup_cosine
-from ..demo.checkpoint import STATE_NAME, load_optimizer, read_training_state, save_training_state, write_text
+from ..demo.checkpoint import STATE_NAME, load_optimizer, read_training_state, save_checkpoint, write_text
 from ..demo.plots import plot_losses
 from ..demo.report import echo
 from ..demo.signals import hold_signals
@@ -270,9 +270,7 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
         return float(loss.detach()), batch.n_tokens
 
     def checkpoint() -> None:
-        with hold_signals():
-            model.save_pretrained(out)
-            save_training_state(out, opt, run.state(train_config=settings, data=fingerprint), run.rng)
+        save_checkpoint(out, model, opt, None, run.state(train_config=settings, data=fingerprint), run.rng)
 
     if main:
         out.mkdir(parents=True, exist_ok=True)
