@@ -252,10 +252,7 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
                                  f"({state['train_config'][name]!r}): a resumed run keeps its data order")  # fmt: skip
         if state.get("data") != fingerprint:
             raise ValueError(f"data {cfg.data!r} does not give the rows the checkpoint in {out} was trained on")
-        run = Run.resumed(state)
-        if run.step > steps:
-            raise ValueError(f"steps ({steps}): the checkpoint in {out} is at step {run.step} already: nothing to "
-                             "train (give a larger --steps to continue)")  # fmt: skip
+        run = Run.resumed(state, steps, out)
     opt = adamw(model, lr, cfg.weight_decay, betas=(0.9, 0.95))
     if cfg.resume:
         load_optimizer(out, opt, state["param_groups"])  # and torch's RNG state
