@@ -220,12 +220,14 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
         missing = [k for k in DATA_ORDER if k not in state["train_config"]]
         if missing:
             raise CheckpointError(f"trainer state {out / STATE_NAME} is not valid: train_config lacks {missing[0]!r}")
+        for name in DATA_ORDER:  # (seq_len: None takes the checkpoint's)
+            given, saved = getattr(cfg, name), state["train_config"][name]
+            if given is not None and given != saved:
+                raise ValueError(f"{name} ({given!r}) differs from the checkpoint's ({saved!r}): a resumed run keeps "
+                                 "its data order")  # fmt: skip
         model = model_class(out).from_pretrained(out, dtype=torch.float32).train()
         tokenizer, source = read_tokenizer(out), None
         seq_len = state["train_config"]["seq_len"]
-        if cfg.seq_len not in (None, seq_len):
-            raise ValueError(f"seq_len ({cfg.seq_len}) differs from the checkpoint's ({seq_len}): a resumed run "
-                             "keeps its data order")  # fmt: skip
     else:
         torch.manual_seed(cfg.seed)
         model, tokenizer, source = load_start(cfg.model, cfg.seed)
@@ -246,10 +248,6 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
     settings = {**dataclasses.asdict(cfg), "seq_len": seq_len, "steps": steps, "lr": lr, "warmup": warmup}
     run = Run()
     if cfg.resume:
-        for name in DATA_ORDER:
-            if name != "seq_len" and settings[name] != state["train_config"][name]:
-                raise ValueError(f"{name} ({settings[name]!r}) differs from the checkpoint's "
-                                 f"({state['train_config'][name]!r}): a resumed run keeps its data order")  # fmt: skip
         if state.get("data") != fingerprint:
             raise ValueError(f"data {cfg.data!r} does not give the rows the checkpoint in {out} was trained on")
         run = Run.resumed(state, steps, out)
