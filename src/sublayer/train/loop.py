@@ -217,10 +217,9 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
         state = read_training_state(out)
         if not isinstance(state.get("train_config"), dict):
             raise ValueError(f"--resume: {out / STATE_NAME} is not a checkpoint of sublayer train (no train_config)")
-        missing = [k for k in DATA_ORDER if k not in state["train_config"]]
-        if missing:
-            raise CheckpointError(f"trainer state {out / STATE_NAME} is not valid: train_config lacks {missing[0]!r}")
         for name in DATA_ORDER:  # (seq_len: None takes the checkpoint's)
+            if name not in state["train_config"]:
+                raise CheckpointError(f"trainer state {out / STATE_NAME} is not valid: train_config lacks {name!r}")
             given, saved = getattr(cfg, name), state["train_config"][name]
             if given is not None and given != saved:
                 raise ValueError(f"{name} ({given!r}) differs from the checkpoint's ({saved!r}): a resumed run keeps "
