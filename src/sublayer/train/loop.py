@@ -22,10 +22,10 @@ from ..demo.report import echo
 from ..demo.signals import hold_signals
 from ..demo.training import LMLoss, Run, adamw, check_start, run_rank, run_steps, torch_threads
 from ..runtime.rows import eval_mode
+from ..text import causal_lm_class
 from . import data as D
 from .starter import STARTERS, save_tokenizer, starter_model
 
-MODEL_TYPES = ("gpt2", "llama", "qwen2")
 # the tokenizer files of a Hugging Face folder, copied next to the trained weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja")  # fmt: skip
@@ -92,18 +92,6 @@ class TrainConfig:
             raise ValueError(f"split must be one of {', '.join(D.SPLITS)}, got {self.split!r}")
 
 
-def model_class(folder: Path):
-    """GPT2 or Llama from ``folder/config.json``'s ``model_type``; ValueError naming ``model`` otherwise."""
-    from ..checkpoints import read_config
-    from ..models import GPT2, Llama
-
-    kind = read_config(folder).get("model_type")
-    if kind not in MODEL_TYPES:
-        raise ValueError(f"model {str(folder)!r} has model_type {kind!r} in config.json: train supports "
-                         f"{', '.join(MODEL_TYPES)}")  # fmt: skip
-    return GPT2 if kind == "gpt2" else Llama
-
-
 def load_start(spec: str, seed: int):
     """``(model in train mode, tokenizer, tokenizer files to copy or None)`` from ``--model``: a built-in starter
     or a Hugging Face folder with ``tokenizer.json``."""
@@ -116,7 +104,8 @@ def load_start(spec: str, seed: int):
         folder = resolve_folder(spec)
     except (FileNotFoundError, NotADirectoryError) as e:
         raise ValueError(f"model {spec!r}: {e}; or use one of {', '.join('builtin:' + s for s in STARTERS)}") from None
-    return model_class(folder).from_pretrained(folder, dtype=torch.float32).train(), read_tokenizer(folder), folder
+    model = causal_lm_class(folder, "train").from_pretrained(folder, dtype=torch.float32)
+    return model.train(), read_tokenizer(folder), folder
 
 
 def read_tokenizer(folder: Path):
@@ -224,7 +213,7 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
             if given is not None and given != saved:
                 raise ValueError(f"{name} ({given!r}) differs from the checkpoint's ({saved!r}): a resumed run keeps "
                                  "its data order")  # fmt: skip
-        model = model_class(out).from_pretrained(out, dtype=torch.float32).train()
+        model = causal_lm_class(out, "train").from_pretrained(out, dtype=torch.float32).train()
         tokenizer, source = read_tokenizer(out), None
         seq_len = state["train_config"]["seq_len"]
     else:
