@@ -431,7 +431,8 @@ def test_resume_with_a_mismatched_optimizer_state_names_the_file(run, tmp_path):
 
 def test_resume_with_fewer_steps_than_the_checkpoint_says_so(run, tmp_path):
     ckpt = _copy_run(run, tmp_path)
-    with pytest.raises(ValueError, match=r"is at step 4, past steps=3: nothing to train"):
+    msg = f"steps (3): the checkpoint in {ckpt} is at step 4 already: nothing to train (give a larger --steps to continue)"
+    with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
         D.train(D.DemoConfig(out=str(ckpt), steps=3, resume=True, **TINY))
 
 

@@ -25,6 +25,7 @@ from sublayer.checkpoints.io import CheckpointError  # noqa: E402
 from sublayer.models import GPT2, GPT2Config, Llama, LlamaConfig  # noqa: E402
 from sublayer.train import loop as L  # noqa: E402
 from sublayer.train.starter import save_tokenizer  # noqa: E402
+from sublayer.text import causal_lm_class  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"model": "builtin:gpt2-tiny", "data": "builtin:numbers", "batch_size": 4, "seq_len": 32, "quiet": True,
@@ -159,7 +160,7 @@ def test_the_folder_loads_in_hf_with_equal_logits_and_tokens(run, tmp_path, kind
     tok = transformers.AutoTokenizer.from_pretrained(out)
     ids = torch.tensor([tok("4021 is four thousand twenty-one.").input_ids])
     assert ids[0].tolist() == list(b"4021 is four thousand twenty-one.") and tok.eos_token_id == 256
-    ours = L.model_class(out).from_pretrained(out)
+    ours = causal_lm_class(out).from_pretrained(out)
     assert type(ours).__name__ == ("GPT2" if kind == "gpt2-tiny" else "Llama")
     with torch.no_grad():
         assert_close(ours(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)

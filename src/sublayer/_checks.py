@@ -151,8 +151,7 @@ def check_input_ids(
 
 def check_attention_mask(mask: object, shape: tuple[int, ...]) -> Tensor:
     """HF attention mask (1 = token, 0 = pad), (B, T) -> our key_padding_mask (True = pad)."""
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"attention_mask must be a torch.Tensor, got {type(mask).__name__}")
+    check_tensor("attention_mask", mask)
     if tuple(mask.shape) != tuple(shape):
         raise ValueError(f"attention_mask must have the shape of input_ids {tuple(shape)}, got {tuple(mask.shape)}")
     if mask.numel() and not torch.compiler.is_compiling() and not bool(((mask == 0) | (mask == 1)).all()):

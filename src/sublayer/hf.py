@@ -111,8 +111,7 @@ class PatchReport:
 
 
 # ----------------------------------------------------------------------------------------------- checks
-def _hooked(*mods: nn.Module) -> bool:
-    return hooked(*mods, backward=True)
+_hooked = functools.partial(hooked, backward=True)  # a patched forward would skip backward hooks too
 
 
 def _activation(act: object) -> str | None:

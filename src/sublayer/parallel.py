@@ -163,18 +163,16 @@ class _LocalView:
             owner.__dict__[name] = None if value is None else fn(value)
         self._saved.append(saved)  # a stack: a module may be re-entered (activation checkpointing)
 
-    @property
-    def active(self) -> bool:
-        return bool(self._saved)
-
-    def exit(self) -> None:
+    def exit(self) -> bool:
+        """Undo the latest :meth:`enter`; False when there is none to undo."""
         if not self._saved:
-            return
+            return False
         for owner, name, had, old in reversed(self._saved.pop()):
             if had:
                 owner.__dict__[name] = old
             else:
                 owner.__dict__.pop(name, None)
+        return True
 
 
 def _install(
@@ -189,9 +187,8 @@ def _install(
         return args, kwargs
 
     def post(mod, args, kwargs, output):
-        if not view.active:  # the pre-hook itself raised (bad input): nothing to undo
+        if not view.exit():  # the pre-hook itself raised (bad input): nothing to undo
             return output
-        view.exit()
         # output None: the forward raised (always_call); only the cleanup above was needed
         return output if output is None else finish_output(output)
 

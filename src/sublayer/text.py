@@ -30,9 +30,9 @@ from .models import quantized as q
 from .models.bert import mean_pooled
 from .runtime.generation import check_eos_ids
 
-__all__ = ["Encoder", "TextGenerator", "load_tokenizer", "load_causal_lm", "GENERATE_TYPES"]
+__all__ = ["Encoder", "TextGenerator", "load_tokenizer", "load_causal_lm", "causal_lm_class", "GENERATE_TYPES"]
 
-GENERATE_TYPES = ("gpt2", "llama", "qwen2")  # config.json model_type -> GPT2 or Llama
+GENERATE_TYPES = ("gpt2", "llama", "qwen2")  # config.json model_type -> GPT2 or Llama (generate, train)
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model")
 
 
@@ -91,14 +91,21 @@ def load_causal_lm(folder: str | os.PathLike, *, quantize: str | None = None):
     net = _saved_int8(folder, q.QuantizedCausalLM, "causal LM", "generate")
     if net is not None:
         return net
+    net = causal_lm_class(folder).from_pretrained(folder).eval()
+    return q.quantize(net) if quantize is not None else net
+
+
+def causal_lm_class(folder: str | os.PathLike, job: str = "generate") -> type:
+    """:class:`GPT2` or :class:`Llama`, by ``config.json``'s ``model_type`` in ``folder``.
+
+    Raises:
+        ValueError: a model type other than :data:`GENERATE_TYPES` (the message names ``job``, what needs the model).
+    """
     kind = read_config(folder).get("model_type")
     if kind not in GENERATE_TYPES:
-        raise ValueError(
-            f"generate supports model_type {', '.join(GENERATE_TYPES)}; {Path(folder) / 'config.json'} has "
-            f"model_type {kind!r}"
-        )
-    net = (GPT2 if kind == "gpt2" else Llama).from_pretrained(folder).eval()
-    return q.quantize(net) if quantize is not None else net
+        raise ValueError(f"model {str(folder)!r} has model_type {kind!r} in config.json: {job} supports "
+                         f"{', '.join(GENERATE_TYPES)}")  # fmt: skip
+    return GPT2 if kind == "gpt2" else Llama
 
 
 def _pad(rows: list[list[int]], pad: int, *, left: bool) -> tuple[Tensor, Tensor]:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..checkpoints.io import CheckpointError, atomic_write, read_json
 from ..models.transformer import Transformer
@@ -23,30 +23,26 @@ def write_text(path: Path, text: str) -> None:
 
 
 def save_checkpoint(
-    folder: Path, model: Transformer, opt: torch.optim.Optimizer, vocab: Vocab, state: dict,
+    folder: Path, model: nn.Module, opt: torch.optim.Optimizer, vocab: Vocab | None, state: dict,
     rng_state: Tensor | None = None,
 ) -> None:
-    """Model (safetensors + config), vocabulary, optimizer state (tensors in safetensors, the rest in JSON) and
-    the trainer state (step, loss history, RNG: ``rng_state``, default torch's now), each file written
-    atomically, Ctrl-C and SIGTERM held meanwhile."""
-    with hold_signals():
-        model.save_pretrained(folder)  # creates the folder
-        write_text(folder / VOCAB_NAME, vocab.to_json())
-        save_training_state(folder, opt, state, rng_state)
-
-
-def save_training_state(folder: Path, opt: torch.optim.Optimizer, state: dict, rng_state: Tensor | None = None) -> None:
-    """``optimizer.safetensors`` (the optimizer's tensors and torch's RNG state: ``rng_state``, default torch's
-    now) and ``trainer_state.json`` (``state`` plus the optimizer's param groups), each written atomically. The
-    caller holds the signals (:func:`.signals.hold_signals`) around the whole checkpoint."""
+    """Model (``save_pretrained``: safetensors + config), vocabulary (the demo's; None: ``sublayer train``, whose
+    tokenizer is written once, at the start), ``optimizer.safetensors`` (the optimizer's tensors and torch's RNG
+    state: ``rng_state``, default torch's now) and ``trainer_state.json`` (``state``: step, loss history...; plus the
+    optimizer's param groups), each file written atomically, Ctrl-C and SIGTERM held meanwhile."""
     from safetensors.torch import save_file
 
-    sd = opt.state_dict()
-    tensors = {f"state.{i}.{k}": v.detach().contiguous().cpu() for i, st in sd["state"].items() for k, v in st.items()}
-    tensors["torch_rng_state"] = torch.get_rng_state() if rng_state is None else rng_state
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
-    atomic_write(folder / OPTIMIZER_NAME, lambda p: save_file(tensors, p))
-    write_text(folder / STATE_NAME, json.dumps({**state, "param_groups": groups}, indent=1) + "\n")
+    with hold_signals():
+        model.save_pretrained(folder)  # creates the folder
+        if vocab is not None:
+            write_text(folder / VOCAB_NAME, vocab.to_json())
+        sd = opt.state_dict()
+        tensors = {f"state.{i}.{k}": v.detach().contiguous().cpu()
+                   for i, st in sd["state"].items() for k, v in st.items()}
+        tensors["torch_rng_state"] = torch.get_rng_state() if rng_state is None else rng_state
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+        atomic_write(folder / OPTIMIZER_NAME, lambda p: save_file(tensors, p))
+        write_text(folder / STATE_NAME, json.dumps({**state, "param_groups": groups}, indent=1) + "\n")
 
 
 def load_checkpoint(folder: str | Path) -> tuple[Transformer, Vocab, dict]:

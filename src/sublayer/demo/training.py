@@ -157,8 +157,13 @@ class Run:
     rng: Tensor | None = None
 
     @classmethod
-    def resumed(cls, state: dict) -> Run:
-        return cls(state["step"], state["history"], state["train_seconds"], state["tokens_seen"])
+    def resumed(cls, state: dict, steps: int, out: Path) -> Run:
+        """Where the checkpoint in ``out`` (its trainer ``state``) stands; ValueError when it is past ``steps``."""
+        run = cls(state["step"], state["history"], state["train_seconds"], state["tokens_seen"])
+        if run.step > steps:
+            raise ValueError(f"steps ({steps}): the checkpoint in {out} is at step {run.step} already: nothing to "
+                             "train (give a larger --steps to continue)")  # fmt: skip
+        return run
 
     def state(self, **extra) -> dict:
         """The checkpoint's ``trainer_state.json`` fields, ``extra`` after them."""
@@ -250,12 +255,7 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
     run = Run()
     if cfg.resume:
         model, vocab, state = load_checkpoint(out)
-        run = Run.resumed(state)
-        if run.step > cfg.steps:
-            raise ValueError(
-                f"--resume: the checkpoint in {out} is at step {run.step}, past steps={cfg.steps}: nothing to train "
-                f"(give a larger --steps to continue)"
-            )
+        run = Run.resumed(state, cfg.steps, out)
     else:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = Transformer.from_config(cfg.model_config(len(vocab)))

@@ -16,16 +16,16 @@ from torch import nn
 from .._checks import check_positive_int, check_probability
 from ..checkpoints.io import CheckpointError
 from ..demo.config import warmup_cosine
-from ..demo.checkpoint import STATE_NAME, load_optimizer, read_training_state, save_training_state, write_text
+from ..demo.checkpoint import STATE_NAME, load_optimizer, read_training_state, save_checkpoint, write_text
 from ..demo.plots import plot_losses
 from ..demo.report import echo
 from ..demo.signals import hold_signals
 from ..demo.training import LMLoss, Run, adamw, check_start, run_rank, run_steps, torch_threads
 from ..runtime.rows import eval_mode
+from ..text import causal_lm_class
 from . import data as D
 from .starter import STARTERS, save_tokenizer, starter_model
 
-MODEL_TYPES = ("gpt2", "llama", "qwen2")
 # the tokenizer files of a Hugging Face folder, copied next to the trained weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja")  # fmt: skip
@@ -92,18 +92,6 @@ class TrainConfig:
             raise ValueError(f"split must be one of {', '.join(D.SPLITS)}, got {self.split!r}")
 
 
-def model_class(folder: Path):
-    """GPT2 or Llama from ``folder/config.json``'s ``model_type``; ValueError naming ``model`` otherwise."""
-    from ..checkpoints import read_config
-    from ..models import GPT2, Llama
-
-    kind = read_config(folder).get("model_type")
-    if kind not in MODEL_TYPES:
-        raise ValueError(f"model {str(folder)!r} has model_type {kind!r} in config.json: train supports "
-                         f"{', '.join(MODEL_TYPES)}")  # fmt: skip
-    return GPT2 if kind == "gpt2" else Llama
-
-
 def load_start(spec: str, seed: int):
     """``(model in train mode, tokenizer, tokenizer files to copy or None)`` from ``--model``: a built-in starter
     or a Hugging Face folder with ``tokenizer.json``."""
@@ -116,7 +104,8 @@ def load_start(spec: str, seed: int):
         folder = resolve_folder(spec)
     except (FileNotFoundError, NotADirectoryError) as e:
         raise ValueError(f"model {spec!r}: {e}; or use one of {', '.join('builtin:' + s for s in STARTERS)}") from None
-    return model_class(folder).from_pretrained(folder, dtype=torch.float32).train(), read_tokenizer(folder), folder
+    model = causal_lm_class(folder, "train").from_pretrained(folder, dtype=torch.float32)
+    return model.train(), read_tokenizer(folder), folder
 
 
 def read_tokenizer(folder: Path):
@@ -217,15 +206,16 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
         state = read_training_state(out)
         if not isinstance(state.get("train_config"), dict):
             raise ValueError(f"--resume: {out / STATE_NAME} is not a checkpoint of sublayer train (no train_config)")
-        missing = [k for k in DATA_ORDER if k not in state["train_config"]]
-        if missing:
-            raise CheckpointError(f"trainer state {out / STATE_NAME} is not valid: train_config lacks {missing[0]!r}")
-        model = model_class(out).from_pretrained(out, dtype=torch.float32).train()
+        for name in DATA_ORDER:  # (seq_len: None takes the checkpoint's)
+            if name not in state["train_config"]:
+                raise CheckpointError(f"trainer state {out / STATE_NAME} is not valid: train_config lacks {name!r}")
+            given, saved = getattr(cfg, name), state["train_config"][name]
+            if given is not None and given != saved:
+                raise ValueError(f"{name} ({given!r}) differs from the checkpoint's ({saved!r}): a resumed run keeps "
+                                 "its data order")  # fmt: skip
+        model = causal_lm_class(out, "train").from_pretrained(out, dtype=torch.float32).train()
         tokenizer, source = read_tokenizer(out), None
         seq_len = state["train_config"]["seq_len"]
-        if cfg.seq_len not in (None, seq_len):
-            raise ValueError(f"seq_len ({cfg.seq_len}) differs from the checkpoint's ({seq_len}): a resumed run "
-                             "keeps its data order")  # fmt: skip
     else:
         torch.manual_seed(cfg.seed)
         model, tokenizer, source = load_start(cfg.model, cfg.seed)
@@ -246,16 +236,9 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
     settings = {**dataclasses.asdict(cfg), "seq_len": seq_len, "steps": steps, "lr": lr, "warmup": warmup}
     run = Run()
     if cfg.resume:
-        for name in DATA_ORDER:
-            if name != "seq_len" and settings[name] != state["train_config"][name]:
-                raise ValueError(f"{name} ({settings[name]!r}) differs from the checkpoint's "
-                                 f"({state['train_config'][name]!r}): a resumed run keeps its data order")  # fmt: skip
         if state.get("data") != fingerprint:
             raise ValueError(f"data {cfg.data!r} does not give the rows the checkpoint in {out} was trained on")
-        run = Run.resumed(state)
-        if run.step > steps:
-            raise ValueError(f"steps ({steps}): the checkpoint in {out} is at step {run.step} already: nothing to "
-                             "train (give a larger --steps to continue)")  # fmt: skip
+        run = Run.resumed(state, steps, out)
     opt = adamw(model, lr, cfg.weight_decay, betas=(0.9, 0.95))
     if cfg.resume:
         load_optimizer(out, opt, state["param_groups"])  # and torch's RNG state
@@ -270,9 +253,7 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
         return float(loss.detach()), batch.n_tokens
 
     def checkpoint() -> None:
-        with hold_signals():
-            model.save_pretrained(out)
-            save_training_state(out, opt, run.state(train_config=settings, data=fingerprint), run.rng)
+        save_checkpoint(out, model, opt, None, run.state(train_config=settings, data=fingerprint), run.rng)
 
     if main:
         out.mkdir(parents=True, exist_ok=True)
