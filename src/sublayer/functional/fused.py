@@ -93,10 +93,6 @@ def _fused_p_ok(impl: str, **ps: float) -> bool:
     return True
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _plain_cpu(*ts: Tensor | None) -> bool:
     return all(t is None or (t.device.type == "cpu" and type(t) in (Tensor, torch.nn.Parameter)) for t in ts)
 
@@ -151,7 +147,7 @@ def _refuse_double_backward() -> None:
 class _AddNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, weight, bias, eps, p, seed, rms):  # x, y: (N, d) contiguous
-        acc = _acc(x.dtype)
+        acc = _norm.acc_dtype(x)
         w = weight.to(acc) if weight is not None else None
         b = bias.to(acc) if bias is not None else None
         need = any(ctx.needs_input_grad[:4])
@@ -249,7 +245,7 @@ class _FFNFn(torch.autograd.Function):
     def forward(ctx, x, w1, b1, w2, b2, act, gated, p, p_out, seed1, seed2, recompute):
         # x: (N, d) contiguous, one dtype for all; gated: fc1's output packs [gate | up], (N, 2f)
         ops = kernels.ops()
-        acc = _acc(x.dtype)
+        acc = _norm.acc_dtype(x)
         need = any(ctx.needs_input_grad[:5])
         up, mm = _gemm(x.dtype)
         b1a = b1.to(acc) if b1 is not None else None
@@ -284,7 +280,7 @@ class _FFNFn(torch.autograd.Function):
             g2, _, db2 = ops.act_bwd(go, None, None, 0, p_out, seed2, False, bool(nb2), False)
         else:
             g2 = go
-            db2 = go.sum(0, dtype=_acc(go.dtype)) if nb2 else None
+            db2 = go.sum(0, dtype=_norm.acc_dtype(go)) if nb2 else None
         if recompute:  # fc1 again (and, for ReLU, the hidden activation with the same dropout mask)
             sv = mm(up(x), up(w1).t())
             if act == _RELU and not gated:
@@ -411,7 +407,7 @@ class _Bf16LinearFn(torch.autograd.Function):
     def forward(ctx, x, w, b):  # one dtype: x (N, in), w (out, in), b (out,) or None
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
-        acc = _acc(x.dtype)
+        acc = _norm.acc_dtype(x)
         xa, wa = x.to(acc), w.to(acc)
         out = torch.addmm(b.to(acc), xa, wa.t()) if b is not None else torch.mm(xa, wa.t())
         return out.to(x.dtype)
@@ -421,7 +417,7 @@ class _Bf16LinearFn(torch.autograd.Function):
         _refuse_double_backward()
         x, w = ctx.saved_tensors
         nx, nw, nb = ctx.needs_input_grad
-        acc = _acc(x.dtype)
+        acc = _norm.acc_dtype(x)
         ga = g.to(acc)
         dx = torch.mm(ga, w.to(acc)).to(x.dtype) if nx else None
         dw = torch.mm(ga.t(), x.to(acc)).to(x.dtype) if nw else None
