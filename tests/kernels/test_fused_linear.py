@@ -20,16 +20,22 @@ from ._tol import as64, assert_fast_close, run
 
 
 def _names(t: torch.Tensor) -> str:
-    """Names of every autograd node behind ``t`` (which path produced it)."""
+    """Names of every autograd node behind ``t`` (which path produced it); fused.linear's node with the dtype its
+    products ran in (BF16 or ONEDNN)."""
     seen, todo, names = set(), [t.grad_fn], []
     while todo:
         fn = todo.pop()
         if fn is None or fn in seen:
             continue
         seen.add(fn)
-        names.append(type(fn).__name__)
+        name = type(fn).__name__
+        names.append(f"{name}[{fn.saved_tensors[0].dtype}]" if name == "_LinearFnBackward" else name)
         todo.extend(n for n, _ in fn.next_functions)
     return " ".join(names)
+
+
+BF16 = "_LinearFnBackward[torch.bfloat16]"  # the bf16 path: fp32 products of bf16 operands
+ONEDNN = "_LinearFnBackward[torch.float32]"  # the float32 path through oneDNN
 
 
 @pytest.fixture
@@ -49,7 +55,7 @@ def test_matches_f_linear_within_bf16_error(slow_native_bf16, autocast, bias):
     with ctx:
         fo, fg = run(lambda *a: fused.linear(*a), ins)
         ro, rg = run(lambda *a: F.linear(*a), ins)
-        assert "Bf16LinearFn" in _names(fused.linear(*ins))
+        assert BF16 in _names(fused.linear(*ins))
     wo, wg = run(lambda *a: F.linear(*a), as64(ins))
     assert fo.dtype == ro.dtype == torch.bfloat16
     assert_fast_close(fo, ro, wo, what="out")
@@ -64,7 +70,22 @@ def test_gradcheck_float64_of_the_bf16_linear_function(bias):
     kw = {"dtype": torch.float64, "requires_grad": True}
     x, w = torch.randn(6, 5, **kw), torch.randn(3, 5, **kw)
     b = torch.randn(3, **kw) if bias else None
-    assert gradcheck(lambda x, w, b: fused._Bf16LinearFn.apply(x, w, b), (x, w, b))
+    assert gradcheck(lambda x, w, b: fused._LinearFn.apply(x, w, b), (x, w, b))
+
+
+def test_bf16_path_has_higher_order_gradients(slow_native_bf16):
+    # a backward with create_graph=True runs torch's own (bf16) products, differentiable again
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 6, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(5, 6, generator=g).bfloat16().requires_grad_()
+
+    def hessian_term(lin):  # d/dw of sum(d/dx sum(lin(x, w)^2))
+        (gx,) = torch.autograd.grad(lin(x, w).float().pow(2).sum(), x, create_graph=True)
+        return torch.autograd.grad(gx.float().sum(), w)[0].float()
+
+    assert BF16 in _names(fused.linear(x, w))
+    got, want = hessian_term(fused.linear), hessian_term(F.linear)
+    assert_close(got, want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
 
 
 def test_everything_else_is_f_linear_itself(monkeypatch):
@@ -73,13 +94,13 @@ def test_everything_else_is_f_linear_itself(monkeypatch):
     monkeypatch.setattr(kernels.cpu, "_native_bf16", True)  # a CPU with AMX / AVX512_BF16: oneDNN's own bf16 GEMM
     with torch.autocast("cpu", dtype=torch.bfloat16):
         x.requires_grad_()
-        assert "Bf16LinearFn" not in _names(fused.linear(x, w, b))
+        assert BF16 not in _names(fused.linear(x, w, b))
         assert torch.equal(fused.linear(x, w, b), F.linear(x, w, b))
     monkeypatch.setattr(kernels.cpu, "_native_bf16", False)
     kernels.set_enabled(False)  # the switch turns it off with the other fast paths
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert "Bf16LinearFn" not in _names(fused.linear(x, w, b))
+            assert BF16 not in _names(fused.linear(x, w, b))
     finally:
         kernels.set_enabled(True)
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # F.linear's own error
@@ -92,7 +113,7 @@ def test_attention_module_uses_it_under_autocast(slow_native_bf16):
     x = torch.randn(2, 5, 12, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, _ = mha(x)
-        assert "Bf16LinearFn" in _names(out)
+        assert BF16 in _names(out)
         kernels.set_enabled(False)
         try:
             ref, _ = mha(x)
@@ -122,7 +143,7 @@ def test_float32_onednn_path_matches_f_linear(onednn_fp32, bias):
     w = (torch.randn(_N, _X[-1], generator=g) / _X[-1] ** 0.5).requires_grad_()
     b = torch.randn(_N, generator=g).requires_grad_() if bias else None
     ins = [x, w] + ([b] if bias else [])
-    assert "OneDNNLinearFn" in _names(fused.linear(*ins))
+    assert ONEDNN in _names(fused.linear(*ins))
     fo, fg = run(lambda *a: fused.linear(*a), ins, g_dtype=torch.float32)
     ro, rg = run(lambda *a: F.linear(*a), ins, g_dtype=torch.float32)
     wo, wg = run(lambda *a: F.linear(*a), as64(ins), g_dtype=torch.float32)
@@ -142,23 +163,23 @@ def test_float32_onednn_path_has_higher_order_gradients(onednn_fp32):
         (gx,) = torch.autograd.grad(lin(x, w, b).pow(2).sum(), x, create_graph=True)
         return torch.autograd.grad(gx.sum(), (w, b))
 
-    assert "OneDNNLinearFn" in _names(fused.linear(x, w, b))
+    assert ONEDNN in _names(fused.linear(x, w, b))
     for got, want in zip(hessian_term(fused.linear), hessian_term(F.linear)):
         assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 def test_float32_onednn_path_only_where_it_applies(onednn_fp32, monkeypatch):
     x, w = torch.randn(*_X, requires_grad=True), torch.randn(_N, _X[-1])
-    assert "OneDNNLinearFn" in _names(fused.linear(x, w))
+    assert ONEDNN in _names(fused.linear(x, w))
     small = fused.linear(x[:, :1], w)  # 3 rows: fewer multiply-adds than repay oneDNN's per-call cost
-    assert "OneDNNLinearFn" not in _names(small) and torch.equal(small, F.linear(x[:, :1], w))
+    assert ONEDNN not in _names(small) and torch.equal(small, F.linear(x[:, :1], w))
     wt = torch.randn(_X[-1], _N).t()  # a weight that is not row-major
-    assert "OneDNNLinearFn" not in _names(fused.linear(x, wt))
+    assert ONEDNN not in _names(fused.linear(x, wt))
     strided_bias = torch.randn(2 * _N)[::2]
     assert_close(fused.linear(x, w, strided_bias), F.linear(x, w, strided_bias))
-    assert "OneDNNLinearFn" not in _names(fused.linear(x.double(), w.double()))
+    assert ONEDNN not in _names(fused.linear(x.double(), w.double()))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert "OneDNNLinearFn" not in _names(fused.linear(x, w))
+        assert ONEDNN not in _names(fused.linear(x, w))
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # F.linear's own errors
         fused.linear(x, torch.randn(_N, 7))
     with pytest.raises(RuntimeError):
@@ -177,7 +198,7 @@ def test_attention_module_uses_the_float32_onednn_path(onednn_fp32):
     mha = sublayer.MultiHeadAttention(391, 17)  # 111 rows x 391 x 391: over 2^24 multiply-adds a projection
     x = torch.randn(3, 37, 391, requires_grad=True)
     out, _ = mha(x)
-    assert "OneDNNLinearFn" in _names(out)
+    assert ONEDNN in _names(out)
     kernels.set_enabled(False)
     try:
         ref, _ = mha(x)
@@ -204,7 +225,7 @@ def test_float32_path_matches_f_linear_at_any_shape(rows, k, n, bias, seed):
     was = kernels.cpu.onednn_fp32_gemm
     kernels.cpu.onednn_fp32_gemm = lambda: True
     try:
-        taken = "OneDNNLinearFn" in _names(fused.linear(*ins))
+        taken = ONEDNN in _names(fused.linear(*ins))
         fo, fg = run(lambda *a: fused.linear(*a), ins, g_dtype=torch.float32)
     finally:
         kernels.cpu.onednn_fp32_gemm = was

@@ -234,19 +234,18 @@ def multi_head_attention(
     check_probability("dropout", dropout)
     key = query if key is None else key
     value = key if value is None else value
-    for name, t in (("query", query), ("key", key), ("value", value)):
+    for name, t, w in (("query", query, q_weight), ("key", key, k_weight), ("value", value, v_weight)):
         check_tensor(name, t)
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D (batch, seq, features), got shape {tuple(t.shape)}")
+        if t.shape[-1] != w.shape[-1]:
+            raise ValueError(f"{name} must have last dim {w.shape[-1]}, got shape {tuple(t.shape)}")
     check_same_dtype_device(query=query, key=key, value=value)
     if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
         raise ValueError(
             "query, key and value must share the batch size and key/value the length: got query "
             f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
         )
-    for name, t, w in (("query", query, q_weight), ("key", key, k_weight), ("value", value, v_weight)):
-        if t.shape[-1] != w.shape[-1]:
-            raise ValueError(f"{name} must have last dim {w.shape[-1]}, got shape {tuple(t.shape)}")
     b, t_q = query.shape[:2]
     head_dim = q_weight.shape[0] // n_heads
     if q_weight.shape[0] % n_heads or k_weight.shape[0] % head_dim or (n_heads * head_dim) % k_weight.shape[0]:

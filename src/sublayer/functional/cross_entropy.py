@@ -52,6 +52,7 @@ from .._checks import check_choice, check_positive_int, check_tensor
 from .. import kernels
 from ..kernels import onednn
 from .fused import bf16_autocast
+from .norm import acc_dtype
 
 __all__ = ["linear_cross_entropy", "check_targets", "check_options", "REDUCTIONS"]
 
@@ -118,11 +119,6 @@ def check_options(ignore_index: object, label_smoothing: object = 0.0, reduction
     check_choice("reduction", reduction, REDUCTIONS)
 
 
-def _compute_dtype(*ts: Tensor | None) -> torch.dtype:
-    """float64 if any input is float64, else float32 (half inputs are upcast)."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
-
-
 def _logits(hc: Tensor, w: Tensor, b: Tensor | None, out: Tensor | None, packed: Tensor | None = None) -> Tensor:
     """``hc @ w.T + b`` (c, V), into ``out`` (None: a new tensor). With ``packed`` (:func:`_packed_weight` of ``w``)
     oneDNN's GEMM makes it, and where :func:`sublayer.kernels.use_onednn` oneDNN's on ``w`` as it is; both return a new
@@ -167,7 +163,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, weight, bias, target, smoothing, scale, chunk, grad_in_forward, need_grad):
         n, d = h.shape
         vocab = weight.shape[0]
-        cdt = _compute_dtype(h, weight, bias)
+        cdt = acc_dtype(h, weight, bias)
         w = weight.to(cdt)
         b = None if bias is None else bias.to(cdt)
         elements = chunk or _CHUNK_ELEMENTS
@@ -318,7 +314,7 @@ def _reference_grads(ctx, g: Tensor) -> list[Tensor | None]:
     memory."""
     smoothing, scale = ctx.meta[:2]
     h, target, weight, bias = ctx.saved_tensors[:4]
-    cdt = _compute_dtype(h, weight, bias)
+    cdt = acc_dtype(h, weight, bias)
     wanted = [t if want else None for t, want in zip((h, weight, bias), ctx.needs_input_grad[:3])]
     inputs = [t for t in wanted if t is not None]
     z = F.linear(h.to(cdt), weight.to(cdt), None if bias is None else bias.to(cdt))

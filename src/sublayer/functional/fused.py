@@ -93,10 +93,6 @@ def _fused_p_ok(impl: str, **ps: float) -> bool:
     return True
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _plain_cpu(*ts: Tensor | None) -> bool:
     return all(t is None or (t.device.type == "cpu" and type(t) in (Tensor, torch.nn.Parameter)) for t in ts)
 
@@ -151,7 +147,7 @@ def _refuse_double_backward() -> None:
 class _AddNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, weight, bias, eps, p, seed, rms):  # x, y: (N, d) contiguous
-        acc = _acc(x.dtype)
+        acc = _norm.acc_dtype(x)
         w = weight.to(acc) if weight is not None else None
         b = bias.to(acc) if bias is not None else None
         need = any(ctx.needs_input_grad[:4])
@@ -249,7 +245,7 @@ class _FFNFn(torch.autograd.Function):
     def forward(ctx, x, w1, b1, w2, b2, act, gated, p, p_out, seed1, seed2, recompute):
         # x: (N, d) contiguous, one dtype for all; gated: fc1's output packs [gate | up], (N, 2f)
         ops = kernels.ops()
-        acc = _acc(x.dtype)
+        acc = _norm.acc_dtype(x)
         need = any(ctx.needs_input_grad[:5])
         up, mm = _gemm(x.dtype)
         b1a = b1.to(acc) if b1 is not None else None
@@ -284,7 +280,7 @@ class _FFNFn(torch.autograd.Function):
             g2, _, db2 = ops.act_bwd(go, None, None, 0, p_out, seed2, False, bool(nb2), False)
         else:
             g2 = go
-            db2 = go.sum(0, dtype=_acc(go.dtype)) if nb2 else None
+            db2 = go.sum(0, dtype=_norm.acc_dtype(go)) if nb2 else None
         if recompute:  # fc1 again (and, for ReLU, the hidden activation with the same dropout mask)
             sv = mm(up(x), up(w1).t())
             if act == _RELU and not gated:
@@ -357,7 +353,6 @@ def feed_forward(
     check_probability("dropout", dropout)
     check_probability("output_dropout", output_dropout)
     check_tensor("x", x)
-    check_choice("impl", impl, IMPLS)
     ts = (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
     gated = activation in GLU_IDS
     shapes_ok = (
@@ -402,52 +397,33 @@ def feed_forward(
 
 
 # ----------------------------------------------------------------------------------------------- linear
-class _Bf16LinearFn(torch.autograd.Function):
-    """A bf16 linear whose GEMMs multiply the bf16 operands in fp32 and round the product to bf16 once (what a bf16
-    GEMM with fp32 accumulation returns), for CPUs whose native bf16 GEMM is slow. (float64 operands stay float64:
-    the same code is gradchecked.)"""
+class _LinearFn(torch.autograd.Function):
+    """A linear whose products, the gradients' too, run as :func:`_gemm` runs them for its dtype: float32 on oneDNN
+    (:func:`sublayer.kernels.onednn.linear`, for CPUs where torch's BLAS runs a generic code path:
+    :func:`sublayer.kernels.cpu.onednn_fp32_gemm`); bf16 in fp32 on the bf16 operands, the product (bias included)
+    rounded to bf16 once (what a bf16 GEMM with fp32 accumulation returns, for CPUs whose native bf16 GEMM is slow);
+    float64 as it is (the same code is gradchecked). A backward with ``create_graph=True`` runs torch's own
+    products, so higher-order gradients work."""
 
     @staticmethod
-    def forward(ctx, x, w, b):  # one dtype: x (N, in), w (out, in), b (out,) or None
+    def forward(ctx, x, w, b):  # one dtype: x (N, in) (float32: row-major), w (out, in), b (out,) or None
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
-        acc = _acc(x.dtype)
-        xa, wa = x.to(acc), w.to(acc)
-        out = torch.addmm(b.to(acc), xa, wa.t()) if b is not None else torch.mm(xa, wa.t())
+        if x.dtype == torch.float32:
+            return onednn.linear(x, w, b)
+        up = _gemm(x.dtype)[0]
+        out = torch.addmm(up(b), up(x), up(w).t()) if b is not None else torch.mm(up(x), up(w).t())
         return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, g):
-        _refuse_double_backward()
         x, w = ctx.saved_tensors
         nx, nw, nb = ctx.needs_input_grad
-        acc = _acc(x.dtype)
-        ga = g.to(acc)
-        dx = torch.mm(ga, w.to(acc)).to(x.dtype) if nx else None
-        dw = torch.mm(ga.t(), x.to(acc)).to(x.dtype) if nw else None
-        db = ga.sum(0).to(x.dtype) if nb and ctx.has_bias else None
-        return dx, dw, db
-
-
-class _OneDNNLinearFn(torch.autograd.Function):
-    """A float32 linear whose products, the gradients' too, run on oneDNN (:func:`sublayer.kernels.onednn.mm`),
-    where torch's BLAS runs a generic code path (:func:`sublayer.kernels.cpu.onednn_fp32_gemm`). A backward with
-    ``create_graph=True`` runs torch's own products, so higher-order gradients work."""
-
-    @staticmethod
-    def forward(ctx, x, w, b):  # x (N, in) row-major, w (out, in) row-major, b (out,) or None
-        ctx.save_for_backward(x, w)
-        ctx.has_bias = b is not None
-        return onednn.linear(x, w, b)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        nx, nw, nb = ctx.needs_input_grad
-        g, mm = g.contiguous(), torch.mm if torch.is_grad_enabled() else onednn.mm
-        dx = mm(g, w) if nx else None
-        dw = mm(g.t(), x) if nw else None
-        db = g.sum(0) if nb and ctx.has_bias else None
+        up, mm = ((lambda t: t), torch.mm) if torch.is_grad_enabled() else _gemm(x.dtype)
+        g = up(g)
+        dx = mm(g, up(w)) if nx else None
+        dw = mm(g.t(), up(x)) if nw else None
+        db = g.sum(0).to(x.dtype) if nb and ctx.has_bias else None
         return dx, dw, db
 
 
@@ -471,7 +447,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """
     if (
         not kernels.switched_on()
-        or x.device.type != "cpu"
         or torch.compiler.is_compiling()
         or torch._C._are_functorch_transforms_active()
         or torch.autograd.forward_ad._current_level >= 0
@@ -482,14 +457,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     ):
         return torch.nn.functional.linear(x, weight, bias)
     if _onednn_linear_applies(x, weight, bias):
-        x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()
-        return _OneDNNLinearFn.apply(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
-    if not _bf16_linear_applies(x, weight, bias) or kernels.native_bf16_gemm():
+        x2, w, b = x.contiguous(), weight, bias
+    elif _bf16_linear_applies(x, weight, bias) and not kernels.native_bf16_gemm():
+        x2, w, b = (t.to(torch.bfloat16) if t is not None else None for t in (x, weight, bias))
+    else:
         return torch.nn.functional.linear(x, weight, bias)
-    x2 = x.to(torch.bfloat16).reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    b = bias.to(torch.bfloat16) if bias is not None else None
     with torch.autocast("cpu", enabled=False):
-        out = _Bf16LinearFn.apply(x2, weight.to(torch.bfloat16), b)
+        out = _LinearFn.apply(x2.reshape(math.prod(x.shape[:-1]), x.shape[-1]), w, b)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -21,9 +21,15 @@ from .._checks import (
     normalize_shape,
 )
 
-__all__ = ["layer_norm", "rms_norm", "add_norm", "NORMS"]
+__all__ = ["layer_norm", "rms_norm", "add_norm", "acc_dtype", "NORMS"]
 
 NORMS = ("layer", "rms")
+
+
+def acc_dtype(*ts: Tensor | None) -> torch.dtype:
+    """The dtype that statistics, sums and products are accumulated in: float64 if any of ``ts`` is float64, else
+    float32 (half and bfloat16 upcast)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
 
 
 def _checked(x: Tensor, normalized_shape: int | Sequence[int], **params: Tensor | None) -> tuple[tuple, Tensor]:
@@ -33,7 +39,7 @@ def _checked(x: Tensor, normalized_shape: int | Sequence[int], **params: Tensor 
     check_last_dims("x", x, shape)
     for name, t in params.items():
         check_param_shape(name, t, shape)
-    return tuple(range(-len(shape), 0)), x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return tuple(range(-len(shape), 0)), x.to(acc_dtype(x))
 
 
 def layer_norm(

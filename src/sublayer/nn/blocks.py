@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from .. import functional as SF
 from ..functional.packing import PackedBatch
-from .._checks import check_choice, check_positive_int, check_probability
+from .._checks import check_positive_int
 from .attention import MultiHeadAttention
 from .convert import block_from_torch
 from .ffn import PositionWiseFFN
@@ -25,12 +25,8 @@ class _Block(nn.Module):
         self, d_model, n_heads, d_ff, *, dropout, activation, norm_first, norm, eps, bias, kw, attns, residuals
     ) -> None:
         super().__init__()
-        check_positive_int("d_model", d_model)
-        check_positive_int("n_heads", n_heads)
-        check_probability("dropout", dropout)
-        check_choice("norm", norm, SF.NORMS)
-        if d_model % n_heads != 0:
-            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        # n_heads, dropout, norm, eps and d_model % n_heads: checked by the sub-layers below, with the same messages
+        check_positive_int("d_model", d_model)  # (the FFN alone would take None as a lazy input size)
         self.d_model, self.n_heads = d_model, n_heads
         self.norm_first, self.norm = norm_first, norm
         self.ffn = PositionWiseFFN(d_model, d_ff, activation=activation, dropout=dropout, bias=bias, **kw)
