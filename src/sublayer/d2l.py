@@ -142,6 +142,8 @@ def masked_softmax(X: Tensor, valid_lens: Tensor | None) -> Tensor:
     (None, 1-D per sequence or 2-D per query) set to -1e6 first; a row with no valid key gives zeros here."""
     if valid_lens is None:
         return X.softmax(dim=-1)
+    if X.dim() != 3:
+        raise ValueError(f"X must be 3-D (batch, queries, keys) with valid_lens, got shape {tuple(X.shape)}")
     kpm, mask = valid_lens_masks(valid_lens, *X.shape)
     masked = kpm[:, None, :] if mask is None else mask[:, 0]
     weights = X.masked_fill(masked, max(-1e6, torch.finfo(X.dtype).min)).softmax(dim=-1)  # float16: its min
