@@ -314,8 +314,12 @@ class MultiHeadAttention(snn.MultiHeadAttention):
         return self.transpose_qkv(X.flatten(2))
 
     def forward(self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None) -> Tensor:
-        check_tensor("queries", queries)
-        check_tensor("keys", keys)
+        for name, t, size in (("queries", queries, self.d_model), ("keys", keys, self.kdim),
+                              ("values", values, self.vdim)):  # fmt: skip
+            check_tensor(name, t)
+            if t.dim() == 0 or t.shape[-1] != size:  # (the book's lazy projections would take any size)
+                label = "num_hiddens" if size == self.d_model else ("kdim" if name == "keys" else "vdim")
+                raise ValueError(f"{name} must have last dim {label}={size}, got shape {tuple(t.shape)}")
         if valid_lens is not None:  # checked against the batch here, so that errors name it (not batch·heads)
             _check_valid_lens(valid_lens, queries.shape[0], queries.shape[1])
             valid_lens = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)
