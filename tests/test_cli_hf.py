@@ -112,6 +112,7 @@ def test_generate_text_without_tokenizer(cli, tmp_path):
         (("--model", "{gpt2}", "1 2", "--top-k", "-2"), "error: --top-k must be a positive int, got -2"),
         (("--model", "{gpt2}", "1 2", "--seed", str(2**70)), f"error: --seed must be in [-2**63, 2**64), got {2**70}"),
         (("--model", "{gpt2}", "1 999"), "input_ids must lie in [0, vocab_size=53)"),
+        (("--model", "{gpt2}", "1 " + str(2**64)), f"input_ids must lie in [0, vocab_size=53), got {2**64}"),
         (("--model", "{gpt2}", "   "), "the prompt is empty"),
         (("--model", "{bert}", "1 2"),
          "error: --model '{bert}' has model_type 'bert' in config.json: generate supports gpt2, llama, qwen2"),

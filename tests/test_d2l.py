@@ -360,6 +360,25 @@ def test_valid_lens_errors_and_zero_length_rows():
     assert torch.isfinite(out).all() and (mha.attention_weights[:H] == 0).all()
 
 
+def test_masked_softmax_with_valid_lens_needs_3d_scores():
+    """The book's masked_softmax masks (batch, queries, keys) scores; another rank is named, not a TypeError from
+    inside."""
+    with pytest.raises(ValueError, match=r"X must be 3-D \(batch, queries, keys\) with valid_lens, got shape \(2, 2,"):
+        d2l.masked_softmax(torch.rand(2, 2, 2, 4), torch.tensor([2, 3]))
+    with pytest.raises(ValueError, match=r"X must be 3-D .*got shape \(2, 4\)"):
+        d2l.masked_softmax(torch.rand(2, 4), torch.tensor([2, 3]))
+    assert d2l.masked_softmax(torch.rand(2, 4), None).shape == (2, 4)  # without valid_lens: a plain softmax
+
+
+def test_multi_head_attention_names_a_feature_size_other_than_num_hiddens():
+    mha = d2l.MultiHeadAttention(D, H, 0.0)
+    x, other = torch.randn(B, T, D), torch.randn(B, T, D + 1)
+    for args, name in (((other, x, x), "queries"), ((x, other, x), "keys"), ((x, x, other), "values")):
+        want = rf"{name} must have last dim num_hiddens={D}, got shape \({B}, {T}, {D + 1}\)"
+        with pytest.raises(ValueError, match=want):
+            mha(*args)
+
+
 def test_gradcheck_encoder_block_float64_with_per_query_valid_lens():
     blk = randomize_(d2l.TransformerEncoderBlock(6, 5, 2, 0.0, use_bias=True)).double()
     assert not isinstance(blk.ffn.fc1, nn.LazyLinear)  # the block knows its input size: nothing lazy

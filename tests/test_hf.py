@@ -133,6 +133,17 @@ def test_bf16_autocast_within_bf16_rounding(name):
         )
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_bf16_weights_equal_hf_within_bf16_rounding(grad):
+    """A model cast to bfloat16 (no autocast), in eval mode with and without autograd: HF's bf16 logits."""
+    ref = _bert("cls").to(torch.bfloat16).eval()
+    model = copy.deepcopy(ref)
+    assert "BertModel" in _counts(hf.patch(model))
+    kw = batch_inputs(_batch("bert_cls"))
+    with torch.set_grad_enabled(grad):
+        torch.testing.assert_close(model(**kw).logits, ref(**kw).logits, rtol=2e-2, atol=2e-2)
+
+
 def test_lm_loss_hf_kwargs():
     """num_items_in_batch (Trainer's gradient-accumulation scaling), shift_labels, return_dict=False and
     positional labels all give HF's loss."""

@@ -140,6 +140,19 @@ def test_encode_errors(bert_dir, word_gpt2, tmp_path):
         Encoder.from_pretrained(tmp_path)
 
 
+def test_a_sentence_transformers_config_that_is_not_an_object_is_named(bert_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "st"
+    shutil.copytree(bert_dir, folder)
+    (folder / "sentence_bert_config.json").write_text("[128]")
+    with pytest.raises(ValueError, match=r"sentence-transformers config .*sentence_bert_config.json must hold a JSON "
+                                         r"object, got list"):  # fmt: skip
+        Encoder.from_pretrained(folder)
+    (folder / "sentence_bert_config.json").write_text('{"max_seq_length": 5}')
+    assert Encoder.from_pretrained(folder).max_length == 5
+
+
 def test_bad_tokenizer_file(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match=f"cannot read tokenizer file {tmp_path / 'tokenizer.json'}"):

@@ -310,6 +310,8 @@ def generate(
     started = time.perf_counter()
     counter = _Counter()
     if ids is not None:
+        if max(ids) >= 2**63:  # beyond int64: the model's own range check never sees it
+            raise CLIError(f"input_ids must lie in [0, vocab_size={gen.model.config.vocab_size}), got {max(ids)}")
         out = gen.model.generate(torch.tensor([ids]), streamer=counter, **options)[0].tolist()
         typer.echo(" ".join(map(str, out)))
     elif stream:  # pieces as they are made; no speed line (a piece may hold several tokens)

@@ -142,6 +142,8 @@ def masked_softmax(X: Tensor, valid_lens: Tensor | None) -> Tensor:
     (None, 1-D per sequence or 2-D per query) set to -1e6 first; a row with no valid key gives zeros here."""
     if valid_lens is None:
         return X.softmax(dim=-1)
+    if X.dim() != 3:
+        raise ValueError(f"X must be 3-D (batch, queries, keys) with valid_lens, got shape {tuple(X.shape)}")
     kpm, mask = valid_lens_masks(valid_lens, *X.shape)
     masked = kpm[:, None, :] if mask is None else mask[:, 0]
     weights = X.masked_fill(masked, max(-1e6, torch.finfo(X.dtype).min)).softmax(dim=-1)  # float16: its min
@@ -312,8 +314,12 @@ class MultiHeadAttention(snn.MultiHeadAttention):
         return self.transpose_qkv(X.flatten(2))
 
     def forward(self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None) -> Tensor:
-        check_tensor("queries", queries)
-        check_tensor("keys", keys)
+        for name, t, size in (("queries", queries, self.d_model), ("keys", keys, self.kdim),
+                              ("values", values, self.vdim)):  # fmt: skip
+            check_tensor(name, t)
+            if t.dim() == 0 or t.shape[-1] != size:  # (the book's lazy projections would take any size)
+                label = "num_hiddens" if size == self.d_model else ("kdim" if name == "keys" else "vdim")
+                raise ValueError(f"{name} must have last dim {label}={size}, got shape {tuple(t.shape)}")
         if valid_lens is not None:  # checked against the batch here, so that errors name it (not batch·heads)
             _check_valid_lens(valid_lens, queries.shape[0], queries.shape[1])
             valid_lens = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)

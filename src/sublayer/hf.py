@@ -412,8 +412,9 @@ def _padding_free_applies(model: nn.Module, kw: dict, mask: object) -> bool:
     if not bool(real.any(1).all()):  # a row of padding only: HF's path
         return False
     inference = not model.training and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
-    if inference and kernels.enabled() and (model.pooler is None or bool(real[:, 0].all())):
-        return "inference"  # (the attention kernel zeroes padded query rows: the pooler's position 0 must be real)
+    if inference and kernels.enabled() and all(p.dtype == torch.float32 for p in model.encoder.parameters()):
+        if model.pooler is None or bool(real[:, 0].all()):  # (its weights are packed from float32 ones)
+            return "inference"  # (the attention kernel zeroes padded query rows: the pooler's position 0 must be real)
     return "train" if not bool(real.all()) else False
 
 

@@ -69,6 +69,10 @@ def test_bad_options():
         bench.run_bench("unused", quick=True, dtypes="fp16")
     with pytest.raises(ValueError, match="cases must be a comma-separated subset of addnorm,ffn"):
         bench.run_bench("unused", quick=True, cases="addnorm,gemm")
+    with pytest.raises(ValueError, match="cases must be a comma-separated subset of addnorm,ffn.*, got ''"):
+        bench.run_bench("unused", quick=True, cases="")
+    with pytest.raises(ValueError, match="--shapes ' ' matches none"):
+        bench.run_bench("unused", quick=True, shapes=" ")
     with pytest.raises(ValueError, match="malloc must be one of default, reuse, both, got 'jemalloc'"):
         bench.run_bench("unused", quick=True, malloc="jemalloc")
     with pytest.raises(ValueError, match="clock must be wall or cpu, got 'gpu'"):

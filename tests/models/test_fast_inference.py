@@ -311,3 +311,19 @@ def test_packed_documents_equal_each_document_alone(quantize):
     assert_close(packed[1], fast(ids[1:])[0])
     if quantize is None:
         assert_close(packed, model(ids, position_ids=pos))
+
+
+def test_bert_norm_eps_set_after_the_first_call_is_used():
+    """The prepared BERT's norms use each module's eps (as the model's own forward does), set after preparation
+    too: the float wrapper equals the model, the int8 one that follows it stays close."""
+    model = make_bert()
+    ids, mask = _batch()
+    fast, int8 = fast_inference(model, dtype=torch.float32), fast_inference(model, quantize="int8")
+    fast(ids, mask), int8(ids, mask)
+    for m in model.modules():
+        if hasattr(m, "eps"):
+            m.eps = 10.0
+    want = model(ids, mask)
+    assert_close(fast(ids, mask), want)
+    real = mask.bool()
+    assert F.cosine_similarity(int8(ids, mask)[real], want[real]).min() > 0.99

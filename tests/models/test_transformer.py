@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
+from sublayer.checkpoints import CheckpointError
 from sublayer.models import Transformer, TransformerConfig
 from sublayer.models.transformer import sinusoidal_positional_encoding
 
@@ -269,6 +270,18 @@ def test_config_rejects_unknown_keys_and_round_trips(tmp_path):
     assert json.loads((tmp_path / "c.json").read_text())["d_ff"] == 11
     m = Transformer.from_config(cfg)
     assert m.config == cfg and m.out_proj.out_features == 7
+
+
+def test_config_file_missing_a_key_is_an_error(tmp_path):
+    """A config.json without a field (a damaged folder) names the key rather than loading the field's default: an
+    activation left to its default would give a model with the saved weights but another function."""
+    m = Transformer(11, 13, d_model=15, n_heads=3, d_ff=23, n_layers=1, max_len=16, activation="gelu")
+    m.save_pretrained(tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    del d["activation"]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match=r"config.json: missing TransformerConfig keys: activation"):
+        Transformer.from_pretrained(tmp_path)
 
 
 # ---- bad input -------------------------------------------------------------------------------------------------

@@ -574,7 +574,7 @@ def run_bench(
     if malloc not in (*MALLOC_SETTINGS, "both"):
         raise ValueError(f"malloc must be one of default, reuse, both, got {malloc!r}")
     all_shapes = QUICK_SHAPES if quick else SHAPES
-    if shapes:
+    if shapes is not None:  # (an empty one matches none)
         keys = [k.strip().lower() for k in shapes.split(",") if k.strip()]
         picked = [s for s in all_shapes if any(k in s.name.lower() for k in keys)]
         if not picked:
@@ -585,7 +585,7 @@ def run_bench(
         raise ValueError(f"dtypes must be a comma-separated subset of fp32,bf16,int8, got {dtypes!r}")
     if not _has_transformers():
         log("transformers is not installed: skipping the Hugging Face rows (pip install transformers to time them)")
-    picked_cases = [c.strip().lower() for c in (cases or ",".join(CASES)).split(",") if c.strip()]
+    picked_cases = [c.strip().lower() for c in (",".join(CASES) if cases is None else cases).split(",") if c.strip()]
     if not picked_cases or set(picked_cases) - set(CASES):
         raise ValueError(f"cases must be a comma-separated subset of {','.join(CASES)}, got {cases!r}")
     if threads is not None:

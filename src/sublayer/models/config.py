@@ -64,12 +64,16 @@ class ModelConfig:
 
     @classmethod
     def load(cls: type[C], path: str | Path) -> C:
-        """The config in the JSON file ``path``. Raises FileNotFoundError, or CheckpointError naming the file."""
+        """The config in the JSON file ``path`` (as :meth:`save` writes it: every field). Raises FileNotFoundError, or
+        CheckpointError naming the file (a missing or unknown key, a bad value)."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path}")
         d = read_json(path, "config file")
         try:
+            missing = [f.name for f in dataclasses.fields(cls) if isinstance(d, dict) and f.name not in d]
+            if missing:  # a default would load the saved weights into another model (an activation, norm_first)
+                raise ValueError(f"missing {cls.__name__} keys: {', '.join(missing)}")
             return cls.from_dict(d)
         except (ValueError, TypeError) as e:
             raise CheckpointError(f"config file {path}: {e}") from None

@@ -5,6 +5,7 @@ in :class:`~.quantized.QuantizedBert`), and the names its tensors go by (:func:`
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,7 @@ from ..runtime.rows import InferenceOnly, eval_mode, inference, layer_norm
 from .bert import Bert, BertConfig, mean_pooled
 from .outputs import BaseModelOutput
 
-__all__ = ["PreparedBert", "bert_layers", "bert_tensors"]
+__all__ = ["PreparedBert", "bert_eps", "bert_layers", "bert_tensors"]
 
 
 def bert_tensors(model: Bert) -> dict[str, Tensor]:
@@ -41,14 +42,22 @@ def bert_tensors(model: Bert) -> dict[str, Tensor]:
     return t
 
 
-def bert_layers(t: dict[str, Tensor], config: BertConfig, linear) -> list[dict]:
+def bert_eps(model: Bert | None, config: BertConfig) -> dict[str, float]:
+    """Each norm's eps under its :func:`bert_tensors` name (``embeddings.norm``, ``layers.{i}.norm{1,2}``): the
+    ``model``'s modules' own (as its forward reads them, set after construction too); without one, ``config.eps``."""
+    norms = {"embeddings.norm": model.embeddings.norm} if model is not None else {}
+    for i, blk in enumerate(model.encoder.layers if model is not None else ()):
+        norms[f"layers.{i}.norm1"], norms[f"layers.{i}.norm2"] = blk.attn_residual.norm, blk.ffn_residual.norm
+    return defaultdict(lambda: config.eps, {k: n.eps for k, n in norms.items()})
+
+
+def bert_layers(t: dict[str, Tensor], config: BertConfig, linear, eps: dict[str, float]) -> list[dict]:
     """The layers of :func:`sublayer.runtime.encoder.run_layers` from :func:`bert_tensors`' names, each dense layer
-    made by ``linear(t, name)`` (its format)."""
-    eps = config.eps
+    made by ``linear(t, name)`` (its format), the norms' eps from ``eps`` (:func:`bert_eps`)."""
     return [
         {**{k: linear(t, f"layers.{i}.{k}") for k in ("qkv", "out", "fc1", "fc2")},
-         "norm1": (t[f"layers.{i}.norm1.weight"], t[f"layers.{i}.norm1.bias"], eps),
-         "norm2": (t[f"layers.{i}.norm2.weight"], t[f"layers.{i}.norm2.bias"], eps)}
+         **{f"norm{j}": (t[f"layers.{i}.norm{j}.weight"], t[f"layers.{i}.norm{j}.bias"], eps[f"layers.{i}.norm{j}"])
+            for j in (1, 2)}}
         for i in range(config.n_layers)
     ]  # fmt: skip
 
@@ -100,7 +109,8 @@ class PreparedBert(InferenceOnly):
         else:
             pos = torch.arange(T).repeat(B)
         x = t["embeddings.word"][ids] + t["embeddings.position"][pos] + t["embeddings.token_type"][types]
-        x = layer_norm(x, t["embeddings.norm.weight"], t["embeddings.norm.bias"], cfg.eps).to(self.compute_dtype)
+        eps = bert_eps(getattr(self, "model", None), cfg)["embeddings.norm"]  # a followed model's, as its layers'
+        x = layer_norm(x, t["embeddings.norm.weight"], t["embeddings.norm.bias"], eps).to(self.compute_dtype)
         x = run_layers(x, layers, pad=pad, shape=(B, T), heads=cfg.n_heads,
                        scale=1.0 / math.sqrt(d // cfg.n_heads), activation=cfg.activation, queries=first,
                        attention_dtype=self.attention_dtype, split_probs=self.split_probs).float()  # fmt: skip

@@ -46,7 +46,7 @@ from .. import checkpoints as ckpt
 from .. import kernels
 from ..functional import fused
 from .bert import Bert, BertConfig
-from .prepared_bert import PreparedBert, bert_layers, bert_tensors
+from .prepared_bert import PreparedBert, bert_eps, bert_layers, bert_tensors
 from ..runtime.linear import Int8Linear as ActInt8Linear
 from ..runtime.rows import add_norm, bias_act, kernels_on
 from .causal_lm import CausalLM
@@ -328,7 +328,8 @@ class QuantizedBert(Int8Wrapper, PreparedBert):
         self._check = Bert(config, pooler=self.pooler, device="meta")._prepare  # checks only
 
     def _build(self, t: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[dict]]:
-        return t, bert_layers(t, self.config, lambda t, name: _make_linear(t, name, self.own_gemm))
+        linear = lambda t, name: _make_linear(t, name, self.own_gemm)  # noqa: E731
+        return t, bert_layers(t, self.config, linear, bert_eps(self.model, self.config))
 
     def _quantize(self, model: Bert) -> dict[str, Tensor]:
         return _int8_tensors(model, self.keep_float, self.calibration, copy=False)
