@@ -437,7 +437,8 @@ class PreparedCausalLM(InferenceOnly):
             with eval_mode(ref):
                 out = ref(input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
                           return_dict=True)  # fmt: skip
-            return out if labels is not None or return_dict else out.logits.float()
+            logits = None if out.logits is None else out.logits.float()  # float32, as the prepared path's
+            return CausalLMOutput(loss=out.loss, logits=logits) if labels is not None or return_dict else logits
         full = self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
         logits = full if kpm is None else full.masked_fill(kpm[..., None], 0.0)
         if labels is None:
