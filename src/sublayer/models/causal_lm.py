@@ -292,7 +292,7 @@ class CausalLM(nn.Module):
         """Continue ``input_ids`` token by token with a KV cache (greedy: the same tokens as HF ``generate``),
         through :func:`sublayer.runtime.generation.generate` (the model's fast decoding step where it has one).
 
-        Runs in eval mode (dropout off) without gradients and restores the training flag afterwards.
+        Runs in eval mode (dropout off) without gradients and restores every submodule's training flag afterwards.
 
         The decoding options default to :data:`~sublayer.checkpoints.FROM_CONFIG`: the value of
         ``generation_config`` (a folder's ``generation_config.json``, else ``config``'s special ids), else HF's

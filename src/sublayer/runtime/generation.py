@@ -24,6 +24,7 @@ from .. import settings
 from .._checks import check_attention_mask, check_input_ids, check_positive_int
 from ..kernels import cpu
 from . import weights
+from .rows import eval_mode
 
 __all__ = [
     "CausalLM", "generate", "token_loop", "filtered_probs", "greedy_search", "beam_search", "check_token_id",
@@ -192,8 +193,8 @@ def generate(
     ``streamer`` (HF's protocol: ``put(ids)``, ``end()``) gets the prompt (B, T), each step's (B,) ids as they are
     made (by the reference or the fast loop: both run :func:`token_loop`), then ``end()``.
 
-    Runs in eval mode (dropout off) without gradients and restores the training flag afterwards. An empty batch
-    (B = 0) gives an empty (0, T + max_new_tokens) result.
+    Runs in eval mode (dropout off) without gradients and restores every submodule's training flag afterwards. An
+    empty batch (B = 0) gives an empty (0, T + max_new_tokens) result.
 
     Raises:
         ValueError/TypeError: bad ids or mask, max_new_tokens < 0, too long, temperature <= 0, top_k < 1, top_p
@@ -240,12 +241,10 @@ def generate(
             return torch.multinomial(probs, 1, generator=generator).squeeze(1)
         return logits.argmax(dim=-1)
 
-    was_training = getattr(lm, "training", False)
-    if was_training:
-        lm.eval()
+    modes = eval_mode(lm) if isinstance(lm, torch.nn.Module) else contextlib.nullcontext()
     streaming = _STREAMER.set(streamer)
     try:
-        with fitted_threads(), weights.pinned():
+        with modes, fitted_threads(), weights.pinned():
             fast = lm.fast_decoder()
             if fast is not None:
                 out = fast(input_ids, positions, kpm, max_new_tokens, prefill=lm.hidden_states, pick=pick,
@@ -268,8 +267,6 @@ def generate(
         return out
     finally:
         _STREAMER.reset(streaming)
-        if was_training:
-            lm.train(True)
 
 
 # ----------------------------------------------------------------------------------------------- encoder-decoder
