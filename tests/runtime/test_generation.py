@@ -136,3 +136,14 @@ def test_generate_runs_every_part_in_eval_mode_and_restores_each_flag(root_train
     for run in (lambda f: f(), reference_decoding):  # no dropout anywhere: the eval model's tokens each time
         assert run(lambda: model.generate(ids, 4)).tolist() == want.tolist()
         assert [m.training for m in model.modules()] == flags
+
+
+def test_generate_checks_the_generator_and_the_streamer_before_decoding():
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(vocab_size=11, d_model=15, n_layers=2, n_heads=3, d_ff=7, max_positions=13)).eval()
+    ids = torch.randint(0, 11, (2, 3), generator=torch.Generator().manual_seed(1))
+    for sample in (False, True):  # greedy ignored a bad generator; sampling failed inside torch.multinomial
+        with pytest.raises(TypeError, match="generator must be None or a torch.Generator, got 3"):
+            model.generate(ids, 2, do_sample=sample, generator=3)
+    with pytest.raises(TypeError, match=r"streamer must be None or an object with put\(ids\) and end\(\), got list"):
+        model.generate(ids, 2, streamer=[])

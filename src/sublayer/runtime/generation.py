@@ -198,7 +198,8 @@ def generate(
 
     Raises:
         ValueError/TypeError: bad ids or mask, max_new_tokens < 0, too long, temperature <= 0, top_k < 1, top_p
-        outside (0, 1], token ids outside the vocabulary.
+        outside (0, 1], token ids outside the vocabulary, a generator that is not a ``torch.Generator``, a streamer
+        without ``put`` and ``end``.
     """
     cfg = lm.config
     max_positions = getattr(cfg, "max_positions", None)
@@ -213,6 +214,10 @@ def generate(
     check_positive_int("top_k", top_k, allow_none=True)
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be None or a torch.Generator, got {generator!r}")
+    if streamer is not None and not all(callable(getattr(streamer, f, None)) for f in ("put", "end")):
+        raise TypeError(f"streamer must be None or an object with put(ids) and end(), got {type(streamer).__name__}")
     eos = check_eos_ids("eos_token_id", eos_token_id, cfg.vocab_size)
     check_token_id("pad_token_id", pad_token_id, cfg.vocab_size)
     pad = (eos[0] if eos else None) if pad_token_id is None else pad_token_id
