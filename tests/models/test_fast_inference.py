@@ -250,6 +250,20 @@ def test_causal_lm_forward_on_an_empty_batch(compute):
         assert out.shape == want.shape and out.dtype == torch.float32
 
 
+@pytest.mark.parametrize("hooked", [False, True])
+def test_causal_lm_logits_of_a_bfloat16_model_are_float32_on_every_path(hooked):
+    m = _make_llama().to(torch.bfloat16)
+    ids = torch.randint(1, 53, (2, 5), generator=torch.Generator().manual_seed(3))
+    fast = fast_inference(m)
+    handle = m.norm.register_forward_hook(lambda mod, args, out: None) if hooked else None  # steps aside
+    try:
+        for out in (fast(ids), fast(ids, return_dict=True).logits):
+            assert out.dtype == torch.float32
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
 def test_bad_input():
     m = make_bert(pooler=False)
     with pytest.raises(TypeError, match="needs a sublayer Bert, GPT2 or Llama model, got Linear"):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from sublayer import kernels
-from sublayer.checkpoints import CheckpointError
+from sublayer.checkpoints import CheckpointError, GenerationConfig
 from sublayer.models import GPT2, GPT2Config, decoding
 from sublayer.models import quantized as Q
 from sublayer.models.fast import fast_inference
@@ -344,3 +344,18 @@ def test_int8_engine_attends_over_bf16_keys_and_values():
         for L, lin in zip(W.layers, real):
             L["qkv"] = lin
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_following_wrapper_reads_the_models_generation_config_and_a_snapshot_keeps_its_own():
+    model = _gpt2()
+    follow, snapshot = fast_inference(model, quantize="int8"), Q.quantize(model)
+    before = model.generation_config
+    model.generation_config = GenerationConfig(max_new_tokens=2, eos_token_id=None)
+    ids = _ids(2, 3)
+    assert follow.generation_config is model.generation_config
+    assert follow.generate(ids).shape == model.generate(ids).shape == (2, 5)
+    assert snapshot.generation_config is before
+    with pytest.raises(AttributeError, match="follows its model's generation_config: set the model's"):
+        follow.generation_config = before
+    snapshot.generation_config = model.generation_config
+    assert snapshot.generate(ids).shape == (2, 5)

@@ -210,6 +210,30 @@ def test_packed_documents_equal_each_document_alone(kind):
         assert_close(got, model(packed, position_ids=pos))
 
 
+@pytest.mark.parametrize("kind", ["float32", "int8-all-float"])
+def test_generate_prompt_with_right_and_middle_padding_equals_the_model(kind):
+    # generate gives pads position 0: the prepared prompt must not read those zeros as packed documents' starts
+    hf = make_hf("gqa-2-groups-head_dim")
+    model = Llama.from_hf(hf)
+    if kind == "float32":
+        lm = fast_inference(model, dtype=torch.float32)
+    else:  # every dense layer kept float: the int8 wrapper's engine computing the float model
+        lm = Q.quantize(model, keep_float=("layers.*", "head"))
+    x = _ids(3, 6, seed=3)
+    mask = torch.ones_like(x)
+    mask[1, 4:] = 0  # right padding
+    mask[2, 2] = 0  # a pad in the middle
+    x = x.masked_fill(mask == 0, PAD)
+    kpm = mask == 0
+    pos = (mask.cumsum(-1) - 1).masked_fill(kpm, 0)  # generate's positions
+    want = model.hidden_states(x, pos, kpm, model.new_caches())
+    assert_close(lm.hidden_states(x, pos, kpm, lm.new_caches()), want, atol=1e-5, rtol=1e-5)
+    kw = {"attention_mask": mask, "eos_token_id": None}
+    got = lm.generate(x, 5, **kw)
+    assert got.tolist() == model.generate(x, 5, **kw).tolist()
+    assert got.tolist() == reference_decoding(lambda: lm.generate(x, 5, **kw)).tolist()
+
+
 def test_int8_save_load_round_trip(tmp_path):
     model = Llama.from_hf(make_hf("qwen2"))
     q = Q.quantize(model, keep_float=("layers.0.fc2",))

@@ -13,6 +13,8 @@ from sublayer.kernels import cpu
 from sublayer.models import GPT2, GPT2Config, Llama, LlamaConfig, Transformer, fast_inference
 from sublayer.runtime import generation
 
+from tests.conftest import reference_decoding
+
 
 @pytest.fixture
 def two_threads(monkeypatch):
@@ -119,3 +121,29 @@ def test_generate_on_an_empty_batch_gives_an_empty_result(kind, family):
         assert out.shape == (0, 8) and out.dtype == torch.long
     with pytest.raises(ValueError, match="prompt length 5 \\+ max_new_tokens 11 exceeds max_positions=13"):
         lm.generate(empty, 11)
+
+
+@pytest.mark.parametrize("root_training", [True, False])
+def test_generate_runs_every_part_in_eval_mode_and_restores_each_flag(root_training):
+    # a part kept in eval mode inside a training model (or left training inside an eval one) keeps its flag
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(vocab_size=53, d_model=15, n_layers=2, n_heads=3, d_ff=7, max_positions=13, dropout=0.9))
+    ids = torch.randint(0, 53, (4, 5), generator=torch.Generator().manual_seed(1))
+    want = model.eval().generate(ids, 4)
+    model.train(root_training)
+    model.blocks[0].train(not root_training)
+    flags = [m.training for m in model.modules()]
+    for run in (lambda f: f(), reference_decoding):  # no dropout anywhere: the eval model's tokens each time
+        assert run(lambda: model.generate(ids, 4)).tolist() == want.tolist()
+        assert [m.training for m in model.modules()] == flags
+
+
+def test_generate_checks_the_generator_and_the_streamer_before_decoding():
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(vocab_size=11, d_model=15, n_layers=2, n_heads=3, d_ff=7, max_positions=13)).eval()
+    ids = torch.randint(0, 11, (2, 3), generator=torch.Generator().manual_seed(1))
+    for sample in (False, True):  # greedy ignored a bad generator; sampling failed inside torch.multinomial
+        with pytest.raises(TypeError, match="generator must be None or a torch.Generator, got 3"):
+            model.generate(ids, 2, do_sample=sample, generator=3)
+    with pytest.raises(TypeError, match=r"streamer must be None or an object with put\(ids\) and end\(\), got list"):
+        model.generate(ids, 2, streamer=[])

@@ -307,7 +307,7 @@ class CausalLM(_Decoding, nn.Module):
         """Continue ``input_ids`` token by token with a KV cache (greedy: the same tokens as HF ``generate``),
         through :func:`sublayer.runtime.generation.generate` (the model's fast decoding step where it has one).
 
-        Runs in eval mode (dropout off) without gradients and restores the training flag afterwards.
+        Runs in eval mode (dropout off) without gradients and restores every submodule's training flag afterwards.
 
         The decoding options default to :data:`~sublayer.checkpoints.FROM_CONFIG`: the value of
         ``generation_config`` (a folder's ``generation_config.json``, else ``config``'s special ids), else HF's
@@ -442,7 +442,8 @@ class PreparedCausalLM(_Decoding, InferenceOnly):
             with eval_mode(ref):
                 out = ref(input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
                           return_dict=True)  # fmt: skip
-            return out if labels is not None or return_dict else out.logits.float()
+            logits = None if out.logits is None else out.logits.float()  # float32, as the prepared path's
+            return CausalLMOutput(loss=out.loss, logits=logits) if labels is not None or return_dict else logits
         full = self.lm_head(self._hidden(input_ids, position_ids, kpm, None))
         logits = full if kpm is None else full.masked_fill(kpm[..., None], 0.0)
         if labels is None:

@@ -54,8 +54,8 @@ class LlamaConfig(ModelConfig):
 
     Args:
         model_type: ``"llama"`` or ``"qwen2"`` (the HF architecture written by ``save_pretrained``).
-        vocab_size: tokens. max_positions (``max_position_embeddings``): the context the model was trained for
-            (bookkeeping: rotary positions have no table, longer inputs run as in HF).
+        vocab_size: tokens. max_positions (``max_position_embeddings``): the context the model was trained for;
+            longer inputs (``forward``, ``generate``'s prompt + new tokens) raise ValueError, as GPT-2's (HF runs them).
         d_model (``hidden_size``), n_layers (``num_hidden_layers``), n_heads (``num_attention_heads``): sizes.
         n_kv_heads (``num_key_value_heads``): key/value heads, dividing n_heads; None -> n_heads.
         head_dim: None -> d_model / n_heads. Must be even (rotary pairs).

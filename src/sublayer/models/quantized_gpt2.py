@@ -113,7 +113,7 @@ class QuantizedCausalLM(Int8Wrapper, PreparedCausalLM):
     ) -> None:  # fmt: skip
         self.skeleton = skeleton
         self._follow(skeleton.config, keep_float, model, tensors)
-        self.generation_config = ckpt.GenerationConfig.from_model_config(self.config)  # generate's defaults
+        self._generation_config = ckpt.GenerationConfig.from_model_config(self.config)  # a snapshot's defaults
         self._key = ("int8", self.keep_float)
 
     @classmethod
@@ -125,9 +125,21 @@ class QuantizedCausalLM(Int8Wrapper, PreparedCausalLM):
         keep_float = check_keep_float(keep_float, dense_names(model.config.n_layers, head=True))
         out = cls(skeleton(model), None if follow else _int8_tensors(model, keep_float, copy=True), keep_float,
                   model=model if follow else None)  # fmt: skip
-        out.generation_config = model.generation_config
+        out._generation_config = model.generation_config
         out.weights()  # quantizes now (and checks the model)
         return out
+
+    @property
+    def generation_config(self) -> ckpt.GenerationConfig:
+        """``generate``'s defaults: a wrapper that follows a model reads the model's at each call (as the float
+        wrapper does); a snapshot keeps its own (the model's when it was made, or its folder's), which may be set."""
+        return self._generation_config if self.model is None else self.model.generation_config
+
+    @generation_config.setter
+    def generation_config(self, value: ckpt.GenerationConfig) -> None:
+        if self.model is not None:
+            raise AttributeError(f"{type(self).__name__} follows its model's generation_config: set the model's")
+        self._generation_config = value
 
     def _build(self, t: dict[str, Tensor]) -> tuple[dict[str, Tensor], causal.CausalWeights]:
         cache = torch.bfloat16 if any(name.endswith(".qweight") for name in t) else torch.float32

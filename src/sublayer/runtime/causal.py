@@ -234,16 +234,16 @@ def hidden(
 ) -> Tensor:
     """The model's forward on prepared weights: final-normed hidden states (B, T, d) in ``dtype``.
 
-    input_ids (B, T); position_ids (B | 1, T), restarts at 0 mark packed documents (block-diagonal attention);
-    key_padding_mask (B, T_past + T) True = padding, or None; ``caches``: one ``SF.KVCache`` per block (key/value
-    heads only), appended to. Reference: the model's ``_hidden``.
+    input_ids (B, T); position_ids (B | 1, T), restarts at 0 mark packed documents (block-diagonal attention)
+    without ``caches``; key_padding_mask (B, T_past + T) True = padding, or None; ``caches``: one ``SF.KVCache``
+    per block (key/value heads only), appended to. Reference: the model's ``_hidden``.
     """
     B, T = input_ids.shape
     H, Hkv, hd, d = W.n_heads, W.n_kv_heads, W.head_dim, W.d_model
     dq, dkv = H * hd, Hkv * hd
     x = _embed(W, input_ids, position_ids).to(dtype).reshape(B * T, d)
     past = 0 if caches is None else len(caches[0])
-    docs = document_mask(position_ids) if past == 0 else None
+    docs = document_mask(position_ids) if caches is None else None  # not generate's prompt: its pads are at 0
     if key_padding_mask is None and docs is None and (past == 0 or T == 1):
         mask, causal = None, past == 0
     else:

@@ -24,6 +24,7 @@ from .. import settings
 from .._checks import check_attention_mask, check_input_ids, check_positive_int
 from ..kernels import cpu
 from . import weights
+from .rows import eval_mode
 
 __all__ = [
     "CausalLM", "generate", "token_loop", "filtered_probs", "greedy_search", "beam_search", "check_token_id",
@@ -192,12 +193,13 @@ def generate(
     ``streamer`` (HF's protocol: ``put(ids)``, ``end()``) gets the prompt (B, T), each step's (B,) ids as they are
     made (by the reference or the fast loop: both run :func:`token_loop`), then ``end()``.
 
-    Runs in eval mode (dropout off) without gradients and restores the training flag afterwards. An empty batch
-    (B = 0) gives an empty (0, T + max_new_tokens) result.
+    Runs in eval mode (dropout off) without gradients and restores every submodule's training flag afterwards. An
+    empty batch (B = 0) gives an empty (0, T + max_new_tokens) result.
 
     Raises:
         ValueError/TypeError: bad ids or mask, max_new_tokens < 0, too long, temperature <= 0, top_k < 1, top_p
-        outside (0, 1], token ids outside the vocabulary.
+        outside (0, 1], token ids outside the vocabulary, a generator that is not a ``torch.Generator``, a streamer
+        without ``put`` and ``end``.
     """
     cfg = lm.config
     max_positions = getattr(cfg, "max_positions", None)
@@ -212,6 +214,10 @@ def generate(
     check_positive_int("top_k", top_k, allow_none=True)
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be None or a torch.Generator, got {generator!r}")
+    if streamer is not None and not all(callable(getattr(streamer, f, None)) for f in ("put", "end")):
+        raise TypeError(f"streamer must be None or an object with put(ids) and end(), got {type(streamer).__name__}")
     eos = check_eos_ids("eos_token_id", eos_token_id, cfg.vocab_size)
     check_token_id("pad_token_id", pad_token_id, cfg.vocab_size)
     pad = (eos[0] if eos else None) if pad_token_id is None else pad_token_id
@@ -240,12 +246,10 @@ def generate(
             return torch.multinomial(probs, 1, generator=generator).squeeze(1)
         return logits.argmax(dim=-1)
 
-    was_training = getattr(lm, "training", False)
-    if was_training:
-        lm.eval()
+    modes = eval_mode(lm) if isinstance(lm, torch.nn.Module) else contextlib.nullcontext()
     streaming = _STREAMER.set(streamer)
     try:
-        with fitted_threads(), weights.pinned():
+        with modes, fitted_threads(), weights.pinned():
             fast = lm.fast_decoder()
             if fast is not None:
                 out = fast(input_ids, positions, kpm, max_new_tokens, prefill=lm.hidden_states, pick=pick,
@@ -268,8 +272,6 @@ def generate(
         return out
     finally:
         _STREAMER.reset(streaming)
-        if was_training:
-            lm.train(True)
 
 
 # ----------------------------------------------------------------------------------------------- encoder-decoder

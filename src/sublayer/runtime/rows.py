@@ -44,13 +44,15 @@ def inference(fn):
 
 @contextlib.contextmanager
 def eval_mode(module: torch.nn.Module):
-    """``module`` in eval mode (dropout off) inside the block, its training flag restored after."""
-    was_training = module.training
+    """``module`` in eval mode (dropout off) inside the block; after it every submodule's training flag is as it
+    was (a part kept in eval mode inside a training model stays so, as one left training inside an eval model)."""
+    modes = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
         yield module
     finally:
-        module.train(was_training)
+        for m, training in modes:
+            m.training = training
 
 
 class InferenceOnly:
