@@ -429,6 +429,14 @@ def test_resume_with_a_mismatched_optimizer_state_names_the_file(run, tmp_path):
         D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
 
 
+@pytest.mark.parametrize("name, value, saved", [("seed", 5, 0), ("batch_size", 4, 8), ("d_model", 32, 16),
+                                                ("n_layers", 2, 1), ("dropout", 0.1, 0.0)])  # fmt: skip
+def test_resume_with_another_model_or_data_order_setting_names_it(run, tmp_path, name, value, saved):
+    ckpt = _copy_run(run, tmp_path)
+    with pytest.raises(ValueError, match=rf"{name} \({value}\) differs from the checkpoint's \({saved}\)"):
+        D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **{**TINY, name: value}))
+
+
 def test_resume_with_fewer_steps_than_the_checkpoint_says_so(run, tmp_path):
     ckpt = _copy_run(run, tmp_path)
     with pytest.raises(ValueError, match=r"is at step 4, past steps=3: nothing to train"):

@@ -117,6 +117,21 @@ def check_start(cfg, rank: int, world_size: int, group: str) -> Path:
     return out
 
 
+# the demo's settings a resumed run keeps: the model's (it comes from the checkpoint) and the data order's
+RESUME_KEEPS = ("seed", "batch_size", "d_model", "n_heads", "d_ff", "n_layers", "dropout", "norm_first")
+
+
+def check_kept(cfg, saved: object, names: tuple[str, ...], out: Path) -> None:
+    """ValueError naming the first of ``names`` whose value in ``cfg`` differs from ``saved`` (the settings the
+    checkpoint in ``out`` was trained with; not a dict: nothing to compare)."""
+    if not isinstance(saved, dict):
+        return
+    for name in names:
+        if name in saved and getattr(cfg, name) != saved[name]:
+            raise ValueError(f"{name} ({getattr(cfg, name)!r}) differs from the checkpoint's ({saved[name]!r}) in "
+                             f"{out}: a resumed run keeps the model and the data order it started with")  # fmt: skip
+
+
 @contextlib.contextmanager
 def torch_threads(n: int | None) -> Iterator[None]:
     """torch's thread count set to ``n`` (None: left as it is) inside the block, restored after it."""
@@ -250,6 +265,7 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
     run = Run()
     if cfg.resume:
         model, vocab, state = load_checkpoint(out)
+        check_kept(cfg, state.get("demo_config"), RESUME_KEEPS, out)
         run = Run.resumed(state)
         if run.step > cfg.steps:
             raise ValueError(
