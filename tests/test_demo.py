@@ -437,6 +437,29 @@ def test_resume_with_another_model_or_data_order_setting_names_it(run, tmp_path,
         D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **{**TINY, name: value}))
 
 
+@pytest.mark.parametrize("cut", ["trainer_state.json", "model.safetensors"])
+def test_a_checkpoint_cut_short_between_its_files_is_refused(run, tmp_path, monkeypatch, cut):
+    from sublayer.demo import checkpoint as C
+
+    ckpt = _copy_run(run, tmp_path)  # at step 4
+    real = C.atomic_write
+
+    def killed(path, write):  # the process dies before this file is written: the files before it are new
+        if path.name == cut:
+            raise OSError("killed")
+        real(path, write)
+
+    monkeypatch.setattr(C, "atomic_write", killed)
+    monkeypatch.setattr("sublayer.checkpoints.io.atomic_write", killed)
+    with pytest.raises(OSError, match="killed"):
+        D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))  # its last checkpoint, at step 6, dies
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=f"optimizer state {re.escape(str(ckpt / 'optimizer.safetensors'))} "
+                       "has made 6 updates but trainer_state.json is at step 4: the checkpoint's files come from "
+                       "different steps"):  # fmt: skip
+        D.train(D.DemoConfig(out=str(ckpt), steps=8, resume=True, **TINY))
+
+
 def test_resume_with_fewer_steps_than_the_checkpoint_says_so(run, tmp_path):
     ckpt = _copy_run(run, tmp_path)
     with pytest.raises(ValueError, match=r"is at step 4, past steps=3: nothing to train"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,24 +29,34 @@ def save_checkpoint(
 ) -> None:
     """Model (safetensors + config), vocabulary, optimizer state (tensors in safetensors, the rest in JSON) and
     the trainer state (step, loss history, RNG: ``rng_state``, default torch's now), each file written
-    atomically, Ctrl-C and SIGTERM held meanwhile."""
-    with hold_signals():
-        model.save_pretrained(folder)  # creates the folder
+    atomically (in :func:`save_training_state`'s order), Ctrl-C and SIGTERM held meanwhile."""
+
+    def weights() -> None:
+        model.save_pretrained(folder)
         write_text(folder / VOCAB_NAME, vocab.to_json())
-        save_training_state(folder, opt, state, rng_state)
+
+    with hold_signals():
+        save_training_state(folder, opt, state, rng_state, weights=weights)
 
 
-def save_training_state(folder: Path, opt: torch.optim.Optimizer, state: dict, rng_state: Tensor | None = None) -> None:
+def save_training_state(
+    folder: Path, opt: torch.optim.Optimizer, state: dict, rng_state: Tensor | None = None,
+    *, weights: Callable[[], None] = lambda: None,
+) -> None:  # fmt: skip
     """``optimizer.safetensors`` (the optimizer's tensors and torch's RNG state: ``rng_state``, default torch's
-    now) and ``trainer_state.json`` (``state`` plus the optimizer's param groups), each written atomically. The
-    caller holds the signals (:func:`.signals.hold_signals`) around the whole checkpoint."""
+    now), then ``weights()`` (the model's files), then ``trainer_state.json`` (``state`` plus the optimizer's param
+    groups), each file written atomically. The caller holds the signals (:func:`.signals.hold_signals`) around the
+    whole checkpoint. The order makes a checkpoint cut short between its files (SIGKILL, a power cut) one whose
+    optimizer has made more updates than the trainer state's ``step``, which :func:`load_optimizer` refuses."""
     from safetensors.torch import save_file
 
+    folder.mkdir(parents=True, exist_ok=True)
     sd = opt.state_dict()
     tensors = {f"state.{i}.{k}": v.detach().contiguous().cpu() for i, st in sd["state"].items() for k, v in st.items()}
     tensors["torch_rng_state"] = torch.get_rng_state() if rng_state is None else rng_state
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
     atomic_write(folder / OPTIMIZER_NAME, lambda p: save_file(tensors, p))
+    weights()
     write_text(folder / STATE_NAME, json.dumps({**state, "param_groups": groups}, indent=1) + "\n")
 
 
@@ -96,10 +107,11 @@ def _check_state(state: object, path: Path) -> None:
         raise bad("'param_groups' must be a list of objects")
 
 
-def load_optimizer(folder: Path, opt: torch.optim.Optimizer, groups: list[dict]) -> None:
+def load_optimizer(folder: Path, opt: torch.optim.Optimizer, groups: list[dict], step: int | None = None) -> None:
     """``folder/optimizer.safetensors`` with ``groups`` (the trainer state's param groups) into ``opt``, and
-    torch's RNG state. Raises FileNotFoundError, or CheckpointError naming the file (and the tensor that does
-    not fit its parameter)."""
+    torch's RNG state. ``step``: the trainer state's step, which the optimizer's update counters (``step``
+    tensors, where it keeps them) must equal. Raises FileNotFoundError, or CheckpointError naming the file (and
+    the tensor that does not fit its parameter, or the two steps)."""
     from safetensors.torch import load_file
 
     path = folder / OPTIMIZER_NAME
@@ -109,6 +121,10 @@ def load_optimizer(folder: Path, opt: torch.optim.Optimizer, groups: list[dict])
         tensors = load_file(str(path))
     except Exception as e:
         raise CheckpointError(f"cannot read optimizer state {path}: {e}") from None
+    counters = [float(t) for k, t in tensors.items() if k.startswith("state.") and k.endswith(".step") and t.dim() == 0]
+    if step is not None and counters and max(counters) != step:
+        raise CheckpointError(f"optimizer state {path} has made {max(counters):g} updates but {STATE_NAME} is at "
+                              f"step {step}: the checkpoint's files come from different steps (a save cut short?)")
     state: dict[int, dict[str, Tensor]] = {}
     try:
         for key, v in tensors.items():

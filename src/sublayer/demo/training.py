@@ -277,7 +277,7 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
         model = Transformer.from_config(cfg.model_config(len(vocab)))
     opt = adamw(model, cfg.lr, cfg.weight_decay, betas=(0.9, 0.98), eps=1e-9)
     if cfg.resume:
-        load_optimizer(out, opt, state["param_groups"])
+        load_optimizer(out, opt, state["param_groups"], run.step)
     net = wrap_model(TransformerLoss(model))
     val_batch = collate(held_out_pairs(cfg.seed, cfg.n_val, salt=1), vocab)
 

@@ -258,7 +258,7 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
                              "train (give a larger --steps to continue)")  # fmt: skip
     opt = adamw(model, lr, cfg.weight_decay, betas=(0.9, 0.95))
     if cfg.resume:
-        load_optimizer(out, opt, state["param_groups"])  # and torch's RNG state
+        load_optimizer(out, opt, state["param_groups"], run.step)  # and torch's RNG state
     net = wrap_model(LMLoss(model))
 
     def one_step(step: int) -> tuple[float, int]:
@@ -271,8 +271,8 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
 
     def checkpoint() -> None:
         with hold_signals():
-            model.save_pretrained(out)
-            save_training_state(out, opt, run.state(train_config=settings, data=fingerprint), run.rng)
+            save_training_state(out, opt, run.state(train_config=settings, data=fingerprint), run.rng,
+                                weights=lambda: model.save_pretrained(out))
 
     if main:
         out.mkdir(parents=True, exist_ok=True)
