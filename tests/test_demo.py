@@ -382,6 +382,8 @@ def _copy_run(run, tmp_path):
          "'step' must be an int ≥ 0"),
         ('{"step": 4, "history": {"train": 3}, "train_seconds": 1, "tokens_seen": 1, "param_groups": []}',
          r"history\['train'\] must be a list of \[step, loss\] pairs"),
+        ('{"step": 4, "history": {"train": [[1, "x"]], "val": []}, "train_seconds": 1, "tokens_seen": 1, '
+         '"param_groups": []}', r"history\['train'\] must be a list of \[step, loss\] pairs"),
     ],
 )  # fmt: skip
 def test_resume_from_a_broken_trainer_state_names_the_file(run, tmp_path, state, what):
@@ -418,6 +420,31 @@ def test_resume_with_an_optimizer_tensor_unlike_its_parameter_names_the_file_and
     with pytest.raises(CheckpointError, match=f"optimizer state {re.escape(str(path))} does not fit .*: state.0."
                        f"{name} must be a floating-point scalar, or a tensor \\(dims may be 1\\) {rule}"):  # fmt: skip
         D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
+
+
+def test_resume_with_a_param_group_lacking_a_setting_names_the_file(run, tmp_path):
+    ckpt = _copy_run(run, tmp_path)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    del state["param_groups"][0]["betas"]
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=r"optimizer state .* does not fit .*: param group 0 lacks \['betas'\]"):
+        D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
+
+
+@pytest.mark.parametrize("rng", [torch.zeros(3, dtype=torch.uint8), torch.zeros(5056)])
+def test_resume_with_a_damaged_rng_state_names_the_file(run, tmp_path, rng):
+    from safetensors.torch import load_file, save_file
+
+    ckpt = _copy_run(run, tmp_path)
+    path = ckpt / "optimizer.safetensors"
+    tensors = load_file(path)
+    tensors["torch_rng_state"] = rng
+    save_file(tensors, path)
+    before = torch.get_rng_state()
+    with pytest.raises(CheckpointError, match=f"optimizer state {re.escape(str(path))} does not fit .*: "
+                       r"torch_rng_state must be torch's RNG state \(uint8, \(5056,\)\), got torch"):  # fmt: skip
+        D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
+    torch.set_rng_state(before)
 
 
 def test_resume_with_a_mismatched_optimizer_state_names_the_file(run, tmp_path):

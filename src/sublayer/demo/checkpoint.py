@@ -85,6 +85,10 @@ _STATE_TYPES = {
 }  # fmt: skip
 
 
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _check_state(state: object, path: Path) -> None:
     """ValueError naming ``path`` and the first problem, unless ``state`` has the trainer state's keys and types."""
 
@@ -101,7 +105,9 @@ def _check_state(state: object, path: Path) -> None:
             raise bad(f"{key!r} must be {what}, got {json.dumps(v)[:40]}")
     for name in ("train", "val"):
         rows = state["history"].get(name)
-        if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 2 for r in rows):
+        if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 2 and _is_number(r[1])
+                                                 and isinstance(r[0], int) and not isinstance(r[0], bool)
+                                                 for r in rows):  # fmt: skip
             raise bad(f"history[{name!r}] must be a list of [step, loss] pairs")
     if not all(isinstance(g, dict) for g in state["param_groups"]):
         raise bad("'param_groups' must be a list of objects")
@@ -132,12 +138,18 @@ def load_optimizer(folder: Path, opt: torch.optim.Optimizer, groups: list[dict],
                 _, i, name = key.split(".", 2)
                 state.setdefault(int(i), {})[name] = v
         groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
+        rng = tensors.get("torch_rng_state", torch.get_rng_state())
+        if rng.dtype != torch.uint8 or rng.shape != torch.get_rng_state().shape:
+            raise ValueError(f"torch_rng_state must be torch's RNG state (uint8, {tuple(torch.get_rng_state().shape)}),"
+                             f" got {rng.dtype} of shape {tuple(rng.shape)}")
         _check_state_tensors(state, groups, opt)
         opt.load_state_dict({"state": state, "param_groups": groups})
+        for i, g in enumerate(opt.param_groups):  # after the defaults torch fills in for settings newer than the file
+            if opt.defaults.keys() - g.keys():  # else the update would fail on the setting
+                raise ValueError(f"param group {i} lacks {sorted(opt.defaults.keys() - g.keys())}")
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise CheckpointError(f"optimizer state {path} does not fit this model and {STATE_NAME}: {e}") from None
-    if "torch_rng_state" in tensors:
-        torch.set_rng_state(tensors["torch_rng_state"])
+    torch.set_rng_state(rng)
 
 
 def _check_state_tensors(state: dict[int, dict[str, Tensor]], groups: list[dict], opt: torch.optim.Optimizer) -> None:
