@@ -382,6 +382,8 @@ def _copy_run(run, tmp_path):
          "'step' must be an int ≥ 0"),
         ('{"step": 4, "history": {"train": 3}, "train_seconds": 1, "tokens_seen": 1, "param_groups": []}',
          r"history\['train'\] must be a list of \[step, loss\] pairs"),
+        ('{"step": 4, "history": {"train": [[1, "x"]], "val": []}, "train_seconds": 1, "tokens_seen": 1, '
+         '"param_groups": []}', r"history\['train'\] must be a list of \[step, loss\] pairs"),
     ],
 )  # fmt: skip
 def test_resume_from_a_broken_trainer_state_names_the_file(run, tmp_path, state, what):
@@ -420,6 +422,31 @@ def test_resume_with_an_optimizer_tensor_unlike_its_parameter_names_the_file_and
         D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
 
 
+def test_resume_with_a_param_group_lacking_a_setting_names_the_file(run, tmp_path):
+    ckpt = _copy_run(run, tmp_path)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    del state["param_groups"][0]["betas"]
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=r"optimizer state .* does not fit .*: param group 0 lacks \['betas'\]"):
+        D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
+
+
+@pytest.mark.parametrize("rng", [torch.zeros(3, dtype=torch.uint8), torch.zeros(5056)])
+def test_resume_with_a_damaged_rng_state_names_the_file(run, tmp_path, rng):
+    from safetensors.torch import load_file, save_file
+
+    ckpt = _copy_run(run, tmp_path)
+    path = ckpt / "optimizer.safetensors"
+    tensors = load_file(path)
+    tensors["torch_rng_state"] = rng
+    save_file(tensors, path)
+    before = torch.get_rng_state()
+    with pytest.raises(CheckpointError, match=f"optimizer state {re.escape(str(path))} does not fit .*: "
+                       r"torch_rng_state must be torch's RNG state \(uint8, \(5056,\)\), got torch"):  # fmt: skip
+        D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
+    torch.set_rng_state(before)
+
+
 def test_resume_with_a_mismatched_optimizer_state_names_the_file(run, tmp_path):
     ckpt = _copy_run(run, tmp_path)
     state = json.loads((ckpt / "trainer_state.json").read_text())
@@ -427,6 +454,37 @@ def test_resume_with_a_mismatched_optimizer_state_names_the_file(run, tmp_path):
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(ValueError, match=f"optimizer state {ckpt / 'optimizer.safetensors'} does not fit"):
         D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))
+
+
+@pytest.mark.parametrize("name, value, saved", [("seed", 5, 0), ("batch_size", 4, 8), ("d_model", 32, 16),
+                                                ("n_layers", 2, 1), ("dropout", 0.1, 0.0)])  # fmt: skip
+def test_resume_with_another_model_or_data_order_setting_names_it(run, tmp_path, name, value, saved):
+    ckpt = _copy_run(run, tmp_path)
+    with pytest.raises(ValueError, match=rf"{name} \({value}\) differs from the checkpoint's \({saved}\)"):
+        D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **{**TINY, name: value}))
+
+
+@pytest.mark.parametrize("cut", ["trainer_state.json", "model.safetensors"])
+def test_a_checkpoint_cut_short_between_its_files_is_refused(run, tmp_path, monkeypatch, cut):
+    from sublayer.demo import checkpoint as C
+
+    ckpt = _copy_run(run, tmp_path)  # at step 4
+    real = C.atomic_write
+
+    def killed(path, write):  # the process dies before this file is written: the files before it are new
+        if path.name == cut:
+            raise OSError("killed")
+        real(path, write)
+
+    monkeypatch.setattr(C, "atomic_write", killed)
+    monkeypatch.setattr("sublayer.checkpoints.io.atomic_write", killed)
+    with pytest.raises(OSError, match="killed"):
+        D.train(D.DemoConfig(out=str(ckpt), steps=6, resume=True, **TINY))  # its last checkpoint, at step 6, dies
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=f"optimizer state {re.escape(str(ckpt / 'optimizer.safetensors'))} "
+                       "has made 6 updates but trainer_state.json is at step 4: the checkpoint's files come from "
+                       "different steps"):  # fmt: skip
+        D.train(D.DemoConfig(out=str(ckpt), steps=8, resume=True, **TINY))
 
 
 def test_resume_with_fewer_steps_than_the_checkpoint_says_so(run, tmp_path):

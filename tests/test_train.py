@@ -245,6 +245,25 @@ def test_resume_refuses_other_data_or_data_order(droppy, tmp_path):
         T.train(_resume_cfg(droppy, tmp_path, resume=True))
 
 
+def test_resume_from_a_checkpoint_cut_short_before_its_trainer_state_is_refused(droppy, tmp_path, monkeypatch):
+    from sublayer.demo import checkpoint as C
+
+    T.train(_resume_cfg(droppy, tmp_path, steps=2))
+    real = C.write_text
+
+    def killed(path, text):  # the process dies before the trainer state of the step-3 checkpoint is written
+        if path.name == "trainer_state.json":
+            raise OSError("killed")
+        real(path, text)
+
+    monkeypatch.setattr(C, "write_text", killed)
+    with pytest.raises(OSError, match="killed"):
+        T.train(_resume_cfg(droppy, tmp_path, steps=3, resume=True))
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match="has made 3 updates but trainer_state.json is at step 2"):
+        T.train(_resume_cfg(droppy, tmp_path, resume=True))
+
+
 @pytest.mark.parametrize("key", ["seq_len", "seed"])
 def test_resume_from_a_train_config_without_a_data_order_setting_names_the_file(droppy, tmp_path, key):
     T.train(_resume_cfg(droppy, tmp_path, steps=1))

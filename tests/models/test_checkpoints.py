@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -192,6 +193,22 @@ def test_sharded_safetensors(bert_parts, hf_bert, tmp_path):
     ids = _ids()
     with torch.no_grad():
         assert_close(Bert.from_pretrained(tmp_path).eval()(ids), hf_bert(ids).last_hidden_state)
+
+
+def test_a_tensor_in_two_shards_is_a_checkpoint_error(bert_parts, tmp_path):
+    tensors, config = bert_parts
+    keys = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    first, second = shards
+    save_file({k: tensors[k] for k in shards[first]}, str(tmp_path / first))
+    stale = {keys[0]: torch.zeros_like(tensors[keys[0]])}  # a stale copy of a tensor of the first shard
+    save_file({k: tensors[k] for k in shards[second]} | stale, str(tmp_path / second))
+    index = {"metadata": {}, "weight_map": {k: n for n, ks in shards.items() for k in ks}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=f"tensor {re.escape(keys[0])} is in two shards of .*index.json: "
+                       "model-00001-of-00002.safetensors and model-00002-of-00002.safetensors"):  # fmt: skip
+        Bert.from_pretrained(tmp_path)
 
 
 def test_a_sharded_index_naming_no_file_is_a_checkpoint_error(bert_parts, tmp_path):

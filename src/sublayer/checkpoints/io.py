@@ -150,11 +150,15 @@ def _load_sharded(index_path: Path) -> dict[str, Tensor]:
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"index file {index_path} is not a valid safetensors index: {e!r}") from None
     out: dict[str, Tensor] = {}
+    where: dict[str, str] = {}
     for shard in shards:
         shard_path = index_path.parent / shard
         if not shard_path.is_file():
             raise FileNotFoundError(f"shard {shard_path} listed in {index_path} not found")
-        out.update(_load_safetensors(shard_path))
+        for key, t in _load_safetensors(shard_path).items():
+            if key in out:  # which copy is meant cannot be told: never keep one silently
+                raise CheckpointError(f"tensor {key} is in two shards of {index_path}: {where[key]} and {shard}")
+            out[key], where[key] = t, shard
     return out
 
 

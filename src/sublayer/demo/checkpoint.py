@@ -29,19 +29,22 @@ def save_checkpoint(
     """Model (``save_pretrained``: safetensors + config), vocabulary (the demo's; None: ``sublayer train``, whose
     tokenizer is written once, at the start), ``optimizer.safetensors`` (the optimizer's tensors and torch's RNG
     state: ``rng_state``, default torch's now) and ``trainer_state.json`` (``state``: step, loss history...; plus the
-    optimizer's param groups), each file written atomically, Ctrl-C and SIGTERM held meanwhile."""
+    optimizer's param groups), each file written atomically, Ctrl-C and SIGTERM held meanwhile. The optimizer goes
+    first and the trainer state last: a checkpoint cut short between its files (SIGKILL, a power cut) is one whose
+    optimizer has made more updates than the trainer state's ``step``, which :func:`load_optimizer` refuses."""
     from safetensors.torch import save_file
 
     with hold_signals():
-        model.save_pretrained(folder)  # creates the folder
-        if vocab is not None:
-            write_text(folder / VOCAB_NAME, vocab.to_json())
+        folder.mkdir(parents=True, exist_ok=True)
         sd = opt.state_dict()
         tensors = {f"state.{i}.{k}": v.detach().contiguous().cpu()
                    for i, st in sd["state"].items() for k, v in st.items()}
         tensors["torch_rng_state"] = torch.get_rng_state() if rng_state is None else rng_state
         groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
         atomic_write(folder / OPTIMIZER_NAME, lambda p: save_file(tensors, p))
+        model.save_pretrained(folder)
+        if vocab is not None:
+            write_text(folder / VOCAB_NAME, vocab.to_json())
         write_text(folder / STATE_NAME, json.dumps({**state, "param_groups": groups}, indent=1) + "\n")
 
 
@@ -70,6 +73,10 @@ _STATE_TYPES = {
 }  # fmt: skip
 
 
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _check_state(state: object, path: Path) -> None:
     """ValueError naming ``path`` and the first problem, unless ``state`` has the trainer state's keys and types."""
 
@@ -86,16 +93,19 @@ def _check_state(state: object, path: Path) -> None:
             raise bad(f"{key!r} must be {what}, got {json.dumps(v)[:40]}")
     for name in ("train", "val"):
         rows = state["history"].get(name)
-        if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 2 for r in rows):
+        if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 2 and _is_number(r[1])
+                                                 and isinstance(r[0], int) and not isinstance(r[0], bool)
+                                                 for r in rows):  # fmt: skip
             raise bad(f"history[{name!r}] must be a list of [step, loss] pairs")
     if not all(isinstance(g, dict) for g in state["param_groups"]):
         raise bad("'param_groups' must be a list of objects")
 
 
-def load_optimizer(folder: Path, opt: torch.optim.Optimizer, groups: list[dict]) -> None:
+def load_optimizer(folder: Path, opt: torch.optim.Optimizer, groups: list[dict], step: int | None = None) -> None:
     """``folder/optimizer.safetensors`` with ``groups`` (the trainer state's param groups) into ``opt``, and
-    torch's RNG state. Raises FileNotFoundError, or CheckpointError naming the file (and the tensor that does
-    not fit its parameter)."""
+    torch's RNG state. ``step``: the trainer state's step, which the optimizer's update counters (``step``
+    tensors, where it keeps them) must equal. Raises FileNotFoundError, or CheckpointError naming the file (and
+    the tensor that does not fit its parameter, or the two steps)."""
     from safetensors.torch import load_file
 
     path = folder / OPTIMIZER_NAME
@@ -105,6 +115,10 @@ def load_optimizer(folder: Path, opt: torch.optim.Optimizer, groups: list[dict])
         tensors = load_file(str(path))
     except Exception as e:
         raise CheckpointError(f"cannot read optimizer state {path}: {e}") from None
+    counters = [float(t) for k, t in tensors.items() if k.startswith("state.") and k.endswith(".step") and t.dim() == 0]
+    if step is not None and counters and max(counters) != step:
+        raise CheckpointError(f"optimizer state {path} has made {max(counters):g} updates but {STATE_NAME} is at "
+                              f"step {step}: the checkpoint's files come from different steps (a save cut short?)")
     state: dict[int, dict[str, Tensor]] = {}
     try:
         for key, v in tensors.items():
@@ -112,12 +126,18 @@ def load_optimizer(folder: Path, opt: torch.optim.Optimizer, groups: list[dict])
                 _, i, name = key.split(".", 2)
                 state.setdefault(int(i), {})[name] = v
         groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
+        rng = tensors.get("torch_rng_state", torch.get_rng_state())
+        if rng.dtype != torch.uint8 or rng.shape != torch.get_rng_state().shape:
+            raise ValueError(f"torch_rng_state must be torch's RNG state (uint8, {tuple(torch.get_rng_state().shape)}),"
+                             f" got {rng.dtype} of shape {tuple(rng.shape)}")
         _check_state_tensors(state, groups, opt)
         opt.load_state_dict({"state": state, "param_groups": groups})
+        for i, g in enumerate(opt.param_groups):  # after the defaults torch fills in for settings newer than the file
+            if opt.defaults.keys() - g.keys():  # else the update would fail on the setting
+                raise ValueError(f"param group {i} lacks {sorted(opt.defaults.keys() - g.keys())}")
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise CheckpointError(f"optimizer state {path} does not fit this model and {STATE_NAME}: {e}") from None
-    if "torch_rng_state" in tensors:
-        torch.set_rng_state(tensors["torch_rng_state"])
+    torch.set_rng_state(rng)
 
 
 def _check_state_tensors(state: dict[int, dict[str, Tensor]], groups: list[dict], opt: torch.optim.Optimizer) -> None:

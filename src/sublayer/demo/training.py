@@ -117,6 +117,21 @@ def check_start(cfg, rank: int, world_size: int, group: str) -> Path:
     return out
 
 
+# the demo's settings a resumed run keeps: the model's (it comes from the checkpoint) and the data order's
+RESUME_KEEPS = ("seed", "batch_size", "d_model", "n_heads", "d_ff", "n_layers", "dropout", "norm_first")
+
+
+def check_kept(cfg, saved: object, names: tuple[str, ...], out: Path) -> None:
+    """ValueError naming the first of ``names`` whose value in ``cfg`` differs from ``saved`` (the settings the
+    checkpoint in ``out`` was trained with; not a dict: nothing to compare)."""
+    if not isinstance(saved, dict):
+        return
+    for name in names:
+        if name in saved and getattr(cfg, name) != saved[name]:
+            raise ValueError(f"{name} ({getattr(cfg, name)!r}) differs from the checkpoint's ({saved[name]!r}) in "
+                             f"{out}: a resumed run keeps the model and the data order it started with")  # fmt: skip
+
+
 @contextlib.contextmanager
 def torch_threads(n: int | None) -> Iterator[None]:
     """torch's thread count set to ``n`` (None: left as it is) inside the block, restored after it."""
@@ -255,13 +270,14 @@ def _train(cfg, rank, world_size, wrap_model, on_step, main, quiet, out) -> dict
     run = Run()
     if cfg.resume:
         model, vocab, state = load_checkpoint(out)
+        check_kept(cfg, state.get("demo_config"), RESUME_KEEPS, out)
         run = Run.resumed(state, cfg.steps, out)
     else:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = Transformer.from_config(cfg.model_config(len(vocab)))
     opt = adamw(model, cfg.lr, cfg.weight_decay, betas=(0.9, 0.98), eps=1e-9)
     if cfg.resume:
-        load_optimizer(out, opt, state["param_groups"])
+        load_optimizer(out, opt, state["param_groups"], run.step)
     net = wrap_model(TransformerLoss(model))
     val_batch = collate(held_out_pairs(cfg.seed, cfg.n_val, salt=1), vocab)
 

@@ -241,7 +241,7 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
         run = Run.resumed(state, steps, out)
     opt = adamw(model, lr, cfg.weight_decay, betas=(0.9, 0.95))
     if cfg.resume:
-        load_optimizer(out, opt, state["param_groups"])  # and torch's RNG state
+        load_optimizer(out, opt, state["param_groups"], run.step)  # and torch's RNG state
     net = wrap_model(LMLoss(model))
 
     def one_step(step: int) -> tuple[float, int]:
