@@ -164,7 +164,7 @@ class MultiHeadAttention(nn.Module):
         """The projections' ``linear(x, weight, bias)``: the fused one, or, when a projection has a hook
         (:func:`~sublayer.nn.hooks.hooked`), the projection module's own call."""
         projs = (self.q_proj, self.k_proj, self.v_proj, self.out_proj)
-        if not hooked(*projs):
+        if not hooked(*projs, backward=True):
             return fused.linear
         by_weight = {id(m.weight): m for m in projs}
         return lambda x, w, b: by_weight[id(w)](x)
