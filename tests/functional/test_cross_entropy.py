@@ -361,3 +361,19 @@ def test_kernels_switched_off_run_no_onednn(rows, monkeypatch):
     assert_close(got, want)
     for g, r in zip(grads, torch.autograd.grad(want, [h, w, b])):
         assert_close(g, r)
+
+
+def test_uint8_targets_mean_their_values_as_in_torch():
+    """torch takes uint8 class ids; ignore_index is compared with their values, never wrapped to 8 bits (-100 is
+    156 as a uint8, and 258 is 2)."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(5, 7, generator=g, requires_grad=True)
+    w = torch.randn(257, 7, generator=g, requires_grad=True)
+    t = torch.tensor([156, 2, 255, 0, 156], dtype=torch.uint8)
+    for kw in ({}, {"ignore_index": 258}, {"ignore_index": 2, "label_smoothing": 0.1}):
+        got = linear_cross_entropy(h, w, t, **kw)
+        want = _ref(h, w, None, t, **kw)
+        assert_close(got, want)
+        assert_close(torch.autograd.grad(got, (h, w)), torch.autograd.grad(want, (h, w)))
+    with pytest.raises(ValueError, match=r"target must lie in \[0, vocab_size=200\) or equal ignore_index=-100, got 255"):
+        linear_cross_entropy(h, w[:200], t)

@@ -168,3 +168,16 @@ def test_packed_documents_loss_equals_each_document_alone(ours):
     for g, p in zip(g_packed, ours.parameters()):
         assert_close(g, p.grad)
     ours.zero_grad()
+
+
+def test_uint8_labels_equal_int64_labels():
+    """A byte-level model's uint8 labels: ignore_index=-100 is not 156, the byte value it wraps to."""
+    from sublayer.models import GPT2Config
+
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(vocab_size=256, max_positions=11, d_model=15, n_layers=1, n_heads=3)).eval()
+    ids = torch.tensor([[10, 156, 20, 156, 255, 3], [156, 156, 7, 156, 1, 2]])
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    for kw in ({}, {"attention_mask": mask}):
+        assert_close(model.loss(ids, labels=ids.to(torch.uint8), **kw), model.loss(ids, labels=ids, **kw))

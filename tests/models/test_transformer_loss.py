@@ -108,3 +108,15 @@ def test_bad_inputs():
         m.loss(src, tgt_in, tgt_out, reduction="none")
     with pytest.raises(TypeError, match="tgt_in must hold integer token ids"):
         m.loss(src, tgt_in.float(), tgt_out)
+
+
+def test_uint8_targets_equal_int64_targets():
+    """Padded uint8 targets: the padding's ignore_index=-100 is not written as the byte 156 (a real target)."""
+    torch.manual_seed(0)
+    m = Transformer(SRC_V, 257, d_model=14, n_heads=2, d_ff=22, n_layers=1, dropout=0.0, max_len=23).eval()
+    src, tgt_in, _, src_mask, tgt_mask = batch()
+    tgt_out = torch.tensor([156, 255, 3, 156, 7, 0, 156]).repeat(3, 1)
+    want = m.loss(src, tgt_in, tgt_out, src_key_padding_mask=src_mask, tgt_key_padding_mask=tgt_mask)
+    got = m.loss(src, tgt_in, tgt_out.to(torch.uint8), src_key_padding_mask=src_mask, tgt_key_padding_mask=tgt_mask)
+    assert_close(got, want)
+    assert_close(want, _reference(m, src, tgt_in, tgt_out, src_mask, tgt_mask))

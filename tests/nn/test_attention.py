@@ -607,3 +607,18 @@ def test_wrong_feature_size(mha):
 def test_non_tensor_input(mha):
     with pytest.raises(TypeError, match="query must be a torch.Tensor, got list"):
         mha([[1.0] * 6])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_query_dtype_must_match_the_weights(dtype):
+    """A model cast with .to(dtype) and called on float32 input: a TypeError naming both dtypes (as the FFN's),
+    not torch's matmul error; under autocast the mix is autocast's to cast."""
+    mha = MultiHeadAttention(15, 3).to(dtype)
+    x = torch.randn(2, 4, 15)
+    with pytest.raises(TypeError, match=rf"q_weight dtype {dtype} does not match query dtype torch.float32"):
+        mha(x)
+    with pytest.raises(TypeError, match=rf"q_weight dtype {dtype} does not match query dtype torch.float32"):
+        mha(x, need_weights=True, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
+    if dtype == torch.bfloat16:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert mha(x)[0].dtype == torch.bfloat16

@@ -89,3 +89,23 @@ def test_hooked():
     h = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None)
     assert hooked()
     h.remove()
+
+
+def test_backward_hooks_on_the_children_fire():
+    """A full backward hook on ``ffn.fc1``, a projection or the norm of Add & Norm (a gradient probe) fires as on
+    ``nn.Linear`` called in a plain FFN: the modules call the hooked children, with the same gradients."""
+    torch.manual_seed(0)
+    ffn, attn, add_norm = sl.PositionWiseFFN(15, 11), sl.MultiHeadAttention(15, 3), sl.AddNorm(15)
+    x = torch.randn(2, 5, 15, requires_grad=True)
+
+    def loss() -> torch.Tensor:
+        h = ffn(x)
+        return add_norm(h, attn(h)[0]).square().sum()
+
+    (want,) = torch.autograd.grad(loss(), x)
+    seen: list = []
+    for mod in (ffn.fc1, attn.q_proj, attn.out_proj, add_norm.norm):
+        mod.register_full_backward_hook(lambda m, gi, go: seen.append(tuple(go[0].shape)))
+    (got,) = torch.autograd.grad(loss(), x)
+    assert sorted(seen) == sorted([(2, 5, 11), (2, 5, 15), (2, 5, 15), (2, 5, 15)])
+    assert_close(got, want)

@@ -241,6 +241,9 @@ def multi_head_attention(
         if t.shape[-1] != w.shape[-1]:
             raise ValueError(f"{name} must have last dim {w.shape[-1]}, got shape {tuple(t.shape)}")
     check_same_dtype_device(query=query, key=key, value=value)
+    # the projections' weights too, unless autocast casts both (the meta device has no autocast: its query raises)
+    if query.device.type == "meta" or not torch.is_autocast_enabled(query.device.type):
+        check_same_dtype_device(query=query, q_weight=q_weight)
     if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
         raise ValueError(
             "query, key and value must share the batch size and key/value the length: got query "

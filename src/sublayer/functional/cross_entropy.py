@@ -65,11 +65,13 @@ _CHUNK_ELEMENTS = 1 << 25
 
 
 def check_targets(name: str, target: object, vocab_size: int, ignore_index: int) -> None:
-    """``target`` must be an integer tensor with values in ``[0, vocab_size)`` or equal to ``ignore_index``."""
+    """``target`` must be an integer tensor with values in ``[0, vocab_size)`` or equal to ``ignore_index``
+    (compared as int64, as torch reads class ids: a uint8 156 is not -100)."""
     check_tensor(name, target)
     if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
         raise TypeError(f"{name} must hold integer class ids, got dtype {target.dtype}")
     if target.numel():
+        target = target.long()  # a narrow dtype would wrap the bounds and ignore_index in the comparisons
         bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
         if bool(bad.any()):
             v = int(target[bad][0])
@@ -368,6 +370,7 @@ def linear_cross_entropy(
     if not isinstance(grad_in_forward, bool):
         raise TypeError(f"grad_in_forward must be a bool, got {grad_in_forward!r}")
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, weight, bias))
+    target = target.long()  # as int64, the values torch reads (ignore_index never wraps to a narrow dtype)
     keep = target != ignore_index
     n = int(keep.sum())
     if n == 0 and reduction == "mean":
@@ -381,7 +384,7 @@ def linear_cross_entropy(
     scale = 1.0 / n if reduction == "mean" else 1.0
     if bf16_autocast(h, weight, bias):
         with torch.autocast("cpu", enabled=False):
-            return _Bf16LinearCrossEntropy.apply(h, weight, bias, target.long(), float(label_smoothing), scale)
+            return _Bf16LinearCrossEntropy.apply(h, weight, bias, target, float(label_smoothing), scale)
     return _LinearCrossEntropy.apply(
-        h, weight, bias, target.long(), float(label_smoothing), scale, chunk_size, grad_in_forward, need_grad
+        h, weight, bias, target, float(label_smoothing), scale, chunk_size, grad_in_forward, need_grad
     )

@@ -389,6 +389,7 @@ def shifted_targets(config, input_ids: Tensor, labels: Tensor | None, kpm: Tenso
         check_targets("labels", labels, config.vocab_size, ignore_index)
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels must have the shape of input_ids {(b, t)}, got {tuple(labels.shape)}")
+        labels = labels.long()  # ignore_index written below must not wrap to a narrow dtype's value
     # HF: pad labels with ignore_index on the right, then shift left by one
     targets = torch.cat([labels[:, 1:], labels.new_full((b, 1), ignore_index)], dim=1)
     if not bool((targets != ignore_index).any()):

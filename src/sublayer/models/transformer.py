@@ -315,6 +315,7 @@ class Transformer(nn.Module):
         if tgt_out.shape != tgt_in.shape:
             raise ValueError(f"tgt_out must have the shape of tgt_in {tuple(tgt_in.shape)}, got {tuple(tgt_out.shape)}")
         check_targets("tgt_out", tgt_out, c.tgt_vocab_size, ignore_index)
+        tgt_out = tgt_out.long()  # ignore_index written at padding must not wrap to a narrow dtype's value
         check_tensor("src", src)
         if src.dim() == 2 and src.shape[0] != tgt_in.shape[0]:
             raise ValueError(

@@ -48,7 +48,8 @@ class MultiHeadAttention(nn.Module):
     Raises:
         ValueError: ``d_model % n_heads != 0`` without ``head_dim`` (naming both), ``n_heads % n_kv_heads != 0``
         (naming both), non-positive sizes, dropout outside [0, 1);
-        at call time: wrong shapes, integer masks, q/k/v dtype or device mismatch.
+        at call time: wrong shapes, integer masks, q/k/v dtype or device mismatch (between themselves, or with
+        the weights outside autocast).
     """
 
     def __init__(
@@ -163,7 +164,7 @@ class MultiHeadAttention(nn.Module):
         """The projections' ``linear(x, weight, bias)``: the fused one, or, when a projection has a hook
         (:func:`~sublayer.nn.hooks.hooked`), the projection module's own call."""
         projs = (self.q_proj, self.k_proj, self.v_proj, self.out_proj)
-        if not hooked(*projs):
+        if not hooked(*projs, backward=True):
             return fused.linear
         by_weight = {id(m.weight): m for m in projs}
         return lambda x, w, b: by_weight[id(w)](x)

@@ -89,7 +89,7 @@ class PositionWiseFFN(nn.Module):
                 raise ValueError(f"x must have a last dim (the input size), got shape {tuple(x.shape)}")
             self.fc1(x[..., :0, :] if x.dim() > 1 else x)  # materialise fc1 from the input size (cheap)
             self.d_model = self.fc1.in_features
-        if hooked(self.fc1, self.fc2):  # their own forwards, so that their hooks see the calls
+        if hooked(self.fc1, self.fc2, backward=True):  # their own forwards, so that their hooks see the calls
             h = activate(self.fc1(x), self.activation)
             y = self.fc2(fused.dropout(h, self.dropout, self.training))
             return fused.dropout(y, self.output_dropout, self.training)

@@ -68,7 +68,7 @@ class AddNorm(_NormResidual):
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
         n = self.norm
-        if hooked(n):  # the norm's own forward, so that its hooks see the call
+        if hooked(n, backward=True):  # the norm's own forward, so that its hooks see the call
             return n(x + fused.dropout(y, self.dropout, self.training))
         # fused CPU kernel when it applies (sublayer.kernels), else the reference SF.add_norm
         return fused.add_norm(x, y, n.normalized_shape, n.weight, getattr(n, "bias", None), n.eps, dropout=self.dropout,
