@@ -522,7 +522,9 @@ inline void epilogue(float* v, const float* scale, const float* bias, int64_t ac
       const __m256 z3 = _mm256_mul_ps(_mm256_mul_ps(z, z), z);
       const __m256 u2 = _mm256_mul_ps(_mm256_set1_ps(2.0f * 0.79788456080286535588f),
                                       _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), z3, z));
-      const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), u2)));
+      __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), u2)));
+      // exp(-2u) overflows below 2u = -88.3 (exp256 clamps): den = inf, so z = -inf gives NaN as act_f and torch
+      den = _mm256_blendv_ps(den, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(u2, _mm256_set1_ps(-88.3f), _CMP_LT_OQ));
       _mm256_storeu_ps(v + j, _mm256_div_ps(z, den));
     }
     return;
