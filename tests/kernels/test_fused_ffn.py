@@ -256,3 +256,22 @@ def test_double_backward_is_refused_clearly():
     an = sublayer.AddNorm(4)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(an(x, x).sum(), x, create_graph=True)
+
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activations_at_nan_and_infinities_are_torchs(act, dtype):
+    # NaN stays NaN (ReLU's z > 0 ? z : 0 made it 0); z * sigmoid(z) at z = -inf is -inf * 0 = NaN as in torch, not
+    # -inf (the clamped exp left sigmoid(-inf) a tiny positive number); huge negatives give 0 (GELU at +inf is +inf,
+    # its limit, where torch's float32 GELU gives NaN: docs/performance.md)
+    z = torch.tensor([float("nan"), -float("inf"), -1e30, -100.0, -3.0, 0.0, 2.0, 1e30] * 3, dtype=dtype)
+    gated = act in SF.GATED_ACTIVATIONS
+    if gated:  # [gate | up], up = 2
+        got = kernels.ops().glu_fwd(torch.cat([z, torch.full_like(z, 2.0)])[None].repeat(5, 1), None, fused.GLU_IDS[act], 0.0, 0)
+    else:
+        got = kernels.ops().act_fwd(z[None].repeat(5, 1), None, fused.ACT_IDS[act], 0.0, 0, True)
+    want = SF.activation_fn(act)(z.float()) * (2 if gated else 1)
+    for row in got.float():
+        assert torch.equal(row.isnan(), want.isnan()), (row, want)
+        assert_close(row[~want.isnan()], want[~want.isnan()], atol=1e-6, rtol=1e-2)

@@ -278,3 +278,20 @@ def test_int8_linear_24_bits_with_smoothing(isa, layout):
     want = int8_linear_reference(x, q, s, b, inv_smooth=inv, bits=24)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got, int8_linear_reference(x, q, s, b, bits=24), rtol=1e-3, atol=1e-3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("tiny", [1e-40, 1e-37])
+def test_int8_linear_rows_of_subnormal_entries_quantize_as_zero(tiny, isa, layout):
+    # 255 / range overflows float32 for such a row: the reference gave NaN and the kernel integers of an infinite
+    # scale; now both quantize the row as zero (the product is below float32's normal range either way)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 19, generator=g)
+    x[0] *= tiny
+    q, s, b = _int8(12, 7, 19), torch.rand(7, generator=g) * 0.05, torch.randn(7, generator=g)
+    xq, sx = quantize_rows(x)
+    assert torch.equal(xq[0], torch.zeros(19)) and torch.isfinite(sx).all()
+    want = int8_linear_reference(x, q, s, b)
+    assert torch.equal(want[0], b)
+    torch.testing.assert_close(_linear(x, q, s, b, layout=layout), want)
+    torch.testing.assert_close(_linear(x, q, s, None, layout=layout)[0], torch.zeros(7), atol=1e-36, rtol=0)

@@ -142,11 +142,12 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     (q (M, K) float32 holding the integers ``u - zp``, s (M, 1)) with ``x ≈ q * s``: over the row's range
     ``[lo, hi] = [min(min_k x, 0), max(max_k x, 0)]``, ``s = (hi - lo) / 255``, the zero point
     ``zp = round(-lo * 255 / (hi - lo))`` and ``u = clamp(round_half_even(x * 255 / (hi - lo)) + zp, 0, 255)``:
-    256 levels over each row's own range (an all-zero row: q = 0, s = 0)."""
+    256 levels over each row's own range (an all-zero row: q = 0, s = 0; a row of subnormal entries, whose
+    ``255 / (hi - lo)`` overflows float32: q = 0, as zero)."""
     lo = x.amin(dim=1, keepdim=True).clamp(max=0)
     rng = x.amax(dim=1, keepdim=True).clamp(min=0) - lo
-    nz = rng > 0
-    inv = torch.where(nz, 255 / torch.where(nz, rng, 1), 0)
+    inv = 255 / torch.where(rng > 0, rng, 1)
+    inv = torch.where((rng > 0) & torch.isfinite(inv), inv, 0)
     zp = torch.round(-lo * inv)
     return (torch.round(x * inv) + zp).clamp_(0, 255) - zp, rng / 255
 

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace sublayer {
 
@@ -56,17 +57,23 @@ inline float norm_cdf(float z) {
 inline double norm_cdf(double z) { return 0.5 * std::erfc(-z * 0.70710678118654752440); }
 
 // tanh-GELU through one exp: 1 + tanh(u) = 2*sigmoid(2u), 1 - tanh(u)^2 = 4*sigmoid(2u)*(1 - sigmoid(2u)).
-template <typename A> inline A sigmoid(A v) { return A(1) / (A(1) + vexp(-v)); }
+// float: 0 below -88.3, where exp_f clamps and exp(-v) overflows, as in torch (z * sigmoid(z) at z = -inf is NaN,
+// at a huge negative z -0, not z times a tiny number).
+template <typename A> inline A sigmoid(A v) {
+  if constexpr (std::is_same_v<A, float>) return v < -88.3f ? 0.0f : 1.0f / (1.0f + exp_f(-v));
+  return A(1) / (A(1) + vexp(-v));
+}
 
+// ReLU's compare keeps a NaN (z < 0 is false for it), as torch.relu does.
 template <int64_t act, typename A> inline A act_f(A z) {
-  if constexpr (act == RELU) return z > A(0) ? z : A(0);
+  if constexpr (act == RELU) return z < A(0) ? A(0) : z;
   if constexpr (act == GELU) return z * norm_cdf(z);
   if constexpr (act == GELU_TANH) {
     const A k = A(0.79788456080286535588), u = k * (z + A(0.044715) * z * z * z);
     return z * sigmoid(A(2) * u);
   }
   if constexpr (act == SILU) return z * sigmoid(z);
-  if constexpr (act == RELU2) return z > A(0) ? z * z : A(0);
+  if constexpr (act == RELU2) return z < A(0) ? A(0) : z * z;
   return z;
 }
 // The int8 GEMMs' epilogue activation: act_f, except GELU as z * (0.5 + 0.5*erf(z/sqrt2)) with erf a rational

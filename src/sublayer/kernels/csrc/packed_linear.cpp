@@ -522,7 +522,9 @@ inline void epilogue(float* v, const float* scale, const float* bias, int64_t ac
       const __m256 z3 = _mm256_mul_ps(_mm256_mul_ps(z, z), z);
       const __m256 u2 = _mm256_mul_ps(_mm256_set1_ps(2.0f * 0.79788456080286535588f),
                                       _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), z3, z));
-      const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), u2)));
+      __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), u2)));
+      // exp(-2u) overflows below 2u = -88.3 (exp256 clamps): den = inf, so z = -inf gives NaN as act_f and torch
+      den = _mm256_blendv_ps(den, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(u2, _mm256_set1_ps(-88.3f), _CMP_LT_OQ));
       _mm256_storeu_ps(v + j, _mm256_div_ps(z, den));
     }
     return;
@@ -959,7 +961,7 @@ inline void quad_kernel(const uint32_t* xu, int64_t xstride, int64_t K4, const i
 // x[k]), lo = min(min_k v, 0), hi = max(max_k v, 0), inv = 255 / (hi - lo), zero point zp = round(-lo * inv),
 // u[k] = clamp(round-half-even(v[k] * inv) + zp, 0, 255) (v ~ (u - zp) * scale, scale = (hi - lo) / 255: the
 // row's 256 levels span its own range). Writes u (K4 quads, padded with zp: u - zp = 0), sets *zp and returns the
-// scale (an all-zero row: u = 0, zp = 0, scale 0).
+// scale (an all-zero row: u = 0, zp = 0, scale 0; a row whose 255 / range overflows float32: u = 0, zp = 0).
 float quantize_row(const float* x, const float* S, int64_t K, int64_t K4, uint8_t* out, int32_t* zp_out) {
   float lo = 0.f, hi = 0.f;
   int64_t k = 0;
@@ -979,7 +981,8 @@ float quantize_row(const float* x, const float* S, int64_t K, int64_t K4, uint8_
     lo = std::min(lo, v);
     hi = std::max(hi, v);
   }
-  const float range = hi - lo, inv = range > 0.f ? 255.f / range : 0.f;
+  // a range under 255 / FLT_MAX (subnormal entries) would make 255 / range infinite: such a row quantizes as zero
+  const float range = hi - lo, inv = range > 0.f && std::isfinite(255.f / range) ? 255.f / range : 0.f;
   const int32_t zp = int32_t(std::nearbyint(-lo * inv));
   k = 0;
 #if defined(__AVX512F__)
