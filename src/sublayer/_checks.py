@@ -25,6 +25,7 @@ __all__ = [
     "check_same_shape",
     "check_tensor",
     "check_same_dtype_device",
+    "check_input_weight",
     "check_param_shape",
 ]
 
@@ -114,6 +115,13 @@ def check_same_dtype_device(**tensors: torch.Tensor | None) -> None:
             raise TypeError(f"{n} dtype {t.dtype} does not match {n0} dtype {t0.dtype}")
         if t.device != t0.device:
             raise ValueError(f"{n} device {t.device} does not match {n0} device {t0.device}")
+
+
+def check_input_weight(x_name: str, x: torch.Tensor, w_name: str, w: torch.Tensor) -> None:
+    """A layer's input ``x`` has its weight ``w``'s dtype and device, unless autocast casts both (the meta device
+    has no autocast: ``torch.is_autocast_enabled("meta")`` raises, so it is checked)."""
+    if x.device.type == "meta" or not torch.is_autocast_enabled(x.device.type):
+        check_same_dtype_device(**{x_name: x, w_name: w})
 
 
 def check_param_shape(name: str, t: torch.Tensor | None, shape: tuple[int, ...]) -> None:

@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._checks import check_positive_int, check_probability, check_same_dtype_device, check_tensor
+from .._checks import (
+    check_input_weight, check_positive_int, check_probability, check_same_dtype_device, check_tensor,
+)
 from .rope import apply_rotary
 
 __all__ = ["KVCache", "attention", "multi_head_attention", "causal_mask"]
@@ -241,9 +243,7 @@ def multi_head_attention(
         if t.shape[-1] != w.shape[-1]:
             raise ValueError(f"{name} must have last dim {w.shape[-1]}, got shape {tuple(t.shape)}")
     check_same_dtype_device(query=query, key=key, value=value)
-    # the projections' weights too, unless autocast casts both (the meta device has no autocast: its query raises)
-    if query.device.type == "meta" or not torch.is_autocast_enabled(query.device.type):
-        check_same_dtype_device(query=query, q_weight=q_weight)
+    check_input_weight("query", query, "q_weight", q_weight)
     if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
         raise ValueError(
             "query, key and value must share the batch size and key/value the length: got query "

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._checks import check_choice, check_probability, check_same_dtype_device, check_tensor
+from .._checks import check_choice, check_input_weight, check_probability, check_tensor
 
 __all__ = ["feed_forward", "activation_fn", "activate", "ACTIVATIONS", "GATED_ACTIVATIONS"]
 
@@ -93,9 +92,7 @@ def feed_forward(
     check_tensor("x", x)
     if x.dim() == 0 or x.shape[-1] != fc1_weight.shape[-1]:
         raise ValueError(f"x must have last dim d_model={fc1_weight.shape[-1]}, got shape {tuple(x.shape)}")
-    # (the meta device has no autocast: torch.is_autocast_enabled("meta") raises)
-    if x.device.type == "meta" or not torch.is_autocast_enabled(x.device.type):
-        check_same_dtype_device(x=x, fc1_weight=fc1_weight)
+    check_input_weight("x", x, "fc1_weight", fc1_weight)
     h = activate(F.linear(x, fc1_weight, fc1_bias), activation)
     h = F.dropout(h, dropout, training)
     out = F.linear(h, fc2_weight, fc2_bias)

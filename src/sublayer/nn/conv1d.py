@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_positive_int, check_same_dtype_device, check_tensor
+from .._checks import check_input_weight, check_positive_int, check_tensor
 
 __all__ = ["Conv1D"]
 
@@ -46,9 +46,7 @@ class Conv1D(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         check_tensor("x", x)
-        # autocast casts addmm's operands itself; the meta device has no autocast (is_autocast_enabled raises)
-        if x.device.type == "meta" or not torch.is_autocast_enabled(x.device.type):
-            check_same_dtype_device(x=x, weight=self.weight)
+        check_input_weight("x", x, "weight", self.weight)  # (autocast casts addmm's operands itself)
         if x.dim() == 0 or x.shape[-1] != self.nx:
             raise ValueError(f"x must have last dim nx={self.nx}, got shape {tuple(x.shape)}")
         flat = x.reshape(-1, self.nx)
