@@ -43,12 +43,12 @@ def bert_tensors(model: Bert) -> dict[str, Tensor]:
 
 
 def bert_eps(model: Bert | None, config: BertConfig) -> dict[str, float]:
-    """Each norm's eps under its :func:`bert_tensors` name (``embeddings.norm``, ``layers.{i}.norm{1,2}``): the
-    ``model``'s modules' own (as its forward reads them, set after construction too); without one, ``config.eps``."""
-    norms = {"embeddings.norm": model.embeddings.norm} if model is not None else {}
-    for i, blk in enumerate(model.encoder.layers if model is not None else ()):
-        norms[f"layers.{i}.norm1"], norms[f"layers.{i}.norm2"] = blk.attn_residual.norm, blk.ffn_residual.norm
-    return defaultdict(lambda: config.eps, {k: n.eps for k, n in norms.items()})
+    """Each block norm's eps under its :func:`bert_tensors` name (``layers.{i}.norm{1,2}``): the ``model``'s modules'
+    own (as its forward reads them, set after construction too); without one, ``config.eps``."""
+    if model is None:
+        return defaultdict(lambda: config.eps)
+    return {f"layers.{i}.norm{j}": r.norm.eps for i, blk in enumerate(model.encoder.layers)
+            for j, r in ((1, blk.attn_residual), (2, blk.ffn_residual))}  # fmt: skip
 
 
 def bert_layers(t: dict[str, Tensor], config: BertConfig, linear, eps: dict[str, float]) -> list[dict]:
@@ -109,7 +109,7 @@ class PreparedBert(InferenceOnly):
         else:
             pos = torch.arange(T).repeat(B)
         x = t["embeddings.word"][ids] + t["embeddings.position"][pos] + t["embeddings.token_type"][types]
-        eps = bert_eps(getattr(self, "model", None), cfg)["embeddings.norm"]  # a followed model's, as its layers'
+        eps = cfg.eps if self.model is None else self.model.embeddings.norm.eps  # a followed model's, as its layers'
         x = layer_norm(x, t["embeddings.norm.weight"], t["embeddings.norm.bias"], eps).to(self.compute_dtype)
         x = run_layers(x, layers, pad=pad, shape=(B, T), heads=cfg.n_heads,
                        scale=1.0 / math.sqrt(d // cfg.n_heads), activation=cfg.activation, queries=first,
