@@ -176,7 +176,15 @@ def apply_wait_policy(environ: MutableMapping[str, str] | None = None, *, torch_
         ValueError: ``SUBLAYER_WAIT_POLICY`` is not passive or openmp.
     """
     env = os.environ if environ is None else environ
-    effect = _wait_effect(env, torch_loaded)
+    policy, effect = wait_policy(env), _user_wait(env)  # the user's variables win
+    if effect is None:
+        if policy == "openmp":
+            effect = "OpenMP's default (SUBLAYER_WAIT_POLICY=openmp)"
+        elif "torch" in sys.modules if torch_loaded is None else torch_loaded:
+            effect = "OpenMP's default (torch was imported before sublayer)"
+        else:
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
+            effect = "OMP_WAIT_POLICY=PASSIVE (sublayer's default: idle threads sleep at once)"
     if environ is None:
         _applied["effect"] = effect
     return effect
@@ -189,19 +197,6 @@ def _user_wait(env: Mapping[str, str]) -> str | None:
     """The user's ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` (the first set), as ``sublayer info`` shows it."""
     name = next((n for n in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if env.get(n, "").strip()), None)
     return None if name is None else f"{name}={env[name].strip()} (set by the user)"
-
-
-def _wait_effect(env: MutableMapping[str, str], torch_loaded: bool | None) -> str:
-    policy = wait_policy(env)
-    loaded = "torch" in sys.modules if torch_loaded is None else torch_loaded
-    if (user := _user_wait(env)) is not None:
-        return user
-    if policy == "openmp":
-        return "OpenMP's default (SUBLAYER_WAIT_POLICY=openmp)"
-    if loaded:
-        return "OpenMP's default (torch was imported before sublayer)"
-    env["OMP_WAIT_POLICY"] = "PASSIVE"
-    return "OMP_WAIT_POLICY=PASSIVE (sublayer's default: idle threads sleep at once)"
 
 
 def wait_policy_effect() -> str:
