@@ -107,8 +107,11 @@ def read_json(path: str | os.PathLike, what: str) -> Any:
     """The JSON value in the file ``path``, read as UTF-8.
 
     Raises:
-        CheckpointError: not UTF-8 or not valid JSON, naming ``what`` (``"config file"``) and the file.
+        FileNotFoundError: no such file. CheckpointError: not UTF-8 or not valid JSON. Both name ``what``
+        (``"config file"``) and the file.
     """
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{what} not found: {path}")
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -122,8 +125,6 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
         FileNotFoundError: no folder or no config.json. CheckpointError: not valid JSON, or not a JSON object.
     """
     path = resolve_folder(folder) / CONFIG_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
     d = read_json(path, "config file")
     if not isinstance(d, dict):
         raise CheckpointError(f"config file {path} must hold a JSON object, got {type(d).__name__}")

@@ -120,8 +120,6 @@ class Vocab:
     @classmethod
     def load(cls, path: str | Path) -> Vocab:
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"vocabulary file not found: {path}")
         data = read_json(path, "vocabulary file")
         try:
             return cls(data["tokens"])

@@ -67,8 +67,6 @@ class ModelConfig:
         """The config in the JSON file ``path`` (as :meth:`save` writes it: every field). Raises FileNotFoundError, or
         CheckpointError naming the file (a missing or unknown key, a bad value)."""
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
         d = read_json(path, "config file")
         try:
             missing = [f.name for f in dataclasses.fields(cls) if isinstance(d, dict) and f.name not in d]
