@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_positive_int
-from .checkpoints import FROM_CONFIG, CheckpointError, read_config, resolve_folder
+from .checkpoints import FROM_CONFIG, read_config, resolve_folder
 from .checkpoints.io import read_json
 from .models import GPT2, Bert, Llama, fast_inference
 from .models import quantized as q
@@ -174,10 +174,7 @@ class Encoder:
             bert = Bert.from_pretrained(folder)
             net = q.quantize(bert) if quantize is not None else fast_inference(bert, dtype=dtype)
         st = folder / "sentence_bert_config.json"
-        st_config = read_json(st, "sentence-transformers config") if st.is_file() else {}
-        if not isinstance(st_config, dict):
-            raise CheckpointError(f"sentence-transformers config {st} must hold a JSON object, got "
-                                  f"{type(st_config).__name__}")  # fmt: skip
+        st_config = read_json(st, "sentence-transformers config", dict_only=True) if st.is_file() else {}
         max_length = st_config.get("max_seq_length")
         return cls(net, load_tokenizer(folder, why="embed"), max_length=max_length)
 

@@ -103,19 +103,22 @@ def resolve_folder(folder: str | os.PathLike) -> Path:
     return path
 
 
-def read_json(path: str | os.PathLike, what: str) -> Any:
-    """The JSON value in the file ``path``, read as UTF-8.
+def read_json(path: str | os.PathLike, what: str, *, dict_only: bool = False) -> Any:
+    """The JSON value in the file ``path``, read as UTF-8 (``dict_only``: it must be a JSON object).
 
     Raises:
-        FileNotFoundError: no such file. CheckpointError: not UTF-8 or not valid JSON. Both name ``what``
-        (``"config file"``) and the file.
+        FileNotFoundError: no such file. CheckpointError: not UTF-8, not valid JSON, or (``dict_only``) not a JSON
+        object. Each names ``what`` (``"config file"``) and the file.
     """
     if not Path(path).is_file():
         raise FileNotFoundError(f"{what} not found: {path}")
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{what} {path} is not valid JSON: {e}") from None
+    if dict_only and not isinstance(value, dict):
+        raise CheckpointError(f"{what} {path} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def read_config(folder: str | os.PathLike) -> dict[str, Any]:
@@ -124,11 +127,7 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
     Raises:
         FileNotFoundError: no folder or no config.json. CheckpointError: not valid JSON, or not a JSON object.
     """
-    path = resolve_folder(folder) / CONFIG_NAME
-    d = read_json(path, "config file")
-    if not isinstance(d, dict):
-        raise CheckpointError(f"config file {path} must hold a JSON object, got {type(d).__name__}")
-    return d
+    return read_json(resolve_folder(folder) / CONFIG_NAME, "config file", dict_only=True)
 
 
 def _load_safetensors(path: Path) -> dict[str, Tensor]:
