@@ -247,6 +247,17 @@ def test_greedy_generate_left_padded_equals_hf(case):
     assert got.tolist() == want.tolist()
 
 
+def test_greedy_generate_of_pad_ids_without_mask_equals_hf():
+    # HF's generate reads the prompt's pad ids as padding when no attention_mask is given
+    hf = make_hf("gqa-2-groups-head_dim")
+    model = Llama.from_hf(hf)
+    x = _ids(3, 6, seed=11)
+    x[0, :3] = PAD
+    x[2, :1] = PAD
+    want = hf.generate(x, max_new_tokens=10, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    assert model.generate(x, 10).tolist() == want.tolist()
+
+
 def test_generate_stops_at_eos_like_hf():
     hf = make_hf("mqa-untied")
     model = Llama.from_hf(hf)

@@ -147,3 +147,27 @@ def test_generate_checks_the_generator_and_the_streamer_before_decoding():
             model.generate(ids, 2, do_sample=sample, generator=3)
     with pytest.raises(TypeError, match=r"streamer must be None or an object with put\(ids\) and end\(\), got list"):
         model.generate(ids, 2, streamer=[])
+
+
+@pytest.mark.parametrize("kind", ["model", "reference", "float32", "int8"])
+def test_generate_reads_pad_ids_of_a_prompt_without_mask_as_padding(kind):
+    # HF's generate: without attention_mask the pad id (when it is no end token) marks padding
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=37, d_model=18, n_layers=2, n_heads=3, n_kv_heads=1, d_ff=7,
+                              max_positions=23, pad_token_id=0, eos_token_id=2)).eval()  # fmt: skip
+    lm = model
+    if kind in ("float32", "int8"):
+        lm = fast_inference(model, **({"quantize": "int8"} if kind == "int8" else {"dtype": torch.float32}))
+    run = reference_decoding if kind == "reference" else (lambda f: f())
+    ids = torch.randint(3, 37, (3, 6), generator=torch.Generator().manual_seed(1))
+    ids[0, :2] = 0
+    ids[2, :1] = 0
+    masked = run(lambda: lm.generate(ids, 5, attention_mask=(ids != 0).long(), eos_token_id=None, pad_token_id=0))
+    assert run(lambda: lm.generate(ids, 5, eos_token_id=None)).tolist() == masked.tolist()  # the config's pad
+    assert run(lambda: lm.generate(ids, 5, eos_token_id=None, pad_token_id=0)).tolist() == masked.tolist()
+    # pad id equal to an end token: no padding is read (HF's rule), the prompt is taken whole
+    whole = run(lambda: lm.generate(ids, 5, attention_mask=torch.ones_like(ids), eos_token_id=[2, 0]))
+    assert run(lambda: lm.generate(ids, 5, eos_token_id=[2, 0])).tolist() == whole.tolist()
+    ids[1] = 0
+    with pytest.raises(ValueError, match="input_ids has a row of pad_token_id=0 only"):
+        run(lambda: lm.generate(ids, 5))

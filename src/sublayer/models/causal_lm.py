@@ -316,7 +316,9 @@ class CausalLM(_Decoding, nn.Module):
 
         Args:
             input_ids: (B, T) prompt ids. With ``attention_mask`` (1 = token, 0 = pad) prompts may be
-                left-padded; positions then count real tokens only (as HF's ``generate``).
+                left-padded; positions then count real tokens only (as HF's ``generate``). Without it, as HF's
+                ``generate``, the prompt's ``pad_token_id`` s are padding when that id is no end token (a row of
+                pad ids only raises ValueError).
             max_new_tokens: tokens to add (>= 0); T + max_new_tokens <= max_positions. Default: the config's
                 ``max_new_tokens``, else its ``max_length`` minus T, else 20 (at most ``max_positions - T``).
             max_length: the total length, prompt included (HF's meaning): ``max_new_tokens = max_length - T``;

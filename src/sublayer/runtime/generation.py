@@ -224,6 +224,10 @@ def generate(
     eos_token_id = eos or None
 
     device = input_ids.device
+    # HF's generate: without a mask, a pad id that is no end token marks padding wherever the prompt holds it
+    inferred = attention_mask is None and pad is not None and pad not in eos and bool((input_ids == pad).any())
+    if inferred:
+        attention_mask = (input_ids != pad).long()
     if attention_mask is None:
         kpm = None
         positions = torch.arange(t, device=device)[None].expand(b, t)
@@ -231,6 +235,11 @@ def generate(
         kpm = check_attention_mask(attention_mask, (b, t))
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(kpm, 0)
         if bool(kpm.all(dim=1).any()):
+            if inferred:
+                raise ValueError(
+                    f"input_ids has a row of pad_token_id={pad} only (without attention_mask, pad ids mark "
+                    "padding, as in HF's generate)"
+                )
             raise ValueError("attention_mask has a row with no token (all 0)")
         kpm = kpm if bool(kpm.any()) else None
     if streamer is not None:
