@@ -108,7 +108,7 @@ def test_generate_text_without_tokenizer(cli, tmp_path):
         (("--model", "{missing}", "1 2"), "error: --model: checkpoint folder not found: {missing}"),
         (("--model", "{gpt2}", "1 2", "-n", str(MAX_POS)), f"exceeds max_positions={MAX_POS}"),
         (("--model", "{gpt2}", "1 2", "--top-p", "2"), "error: --top-p must be in (0, 1], got 2.0"),
-        (("--model", "{gpt2}", "1 2", "--temperature", "0"), "error: --temperature must be a float > 0, got 0.0"),
+        (("--model", "{gpt2}", "1 2", "--temperature", "0"), "error: --temperature must be a float > 0 to sample, got 0.0"),
         (("--model", "{gpt2}", "1 2", "--top-k", "-2"), "error: --top-k must be a positive int, got -2"),
         (("--model", "{gpt2}", "1 2", "--seed", str(2**70)), f"error: --seed must be in [-2**63, 2**64), got {2**70}"),
         (("--model", "{gpt2}", "1 999"), "input_ids must lie in [0, vocab_size=53)"),

@@ -157,9 +157,24 @@ def test_generate_defaults_from_generation_config_json_equal_hf(tmp_path, gen):
     assert GPT2.from_hf(transformers.GPT2LMHeadModel.from_pretrained(folder)).generation_config == ours.generation_config
 
 
+@pytest.mark.filterwarnings("ignore:`do_sample` is set to `False`")  # HF warns of the unread temperature
+def test_greedy_generation_config_json_with_temperature_0_loads_as_hf(tmp_path):
+    """HF's greedy configs may hold temperature 0.0 (unread when greedy): loaded, and greedy runs as HF's."""
+    x = _ids(b=2, t=4, seed=5)
+    folder, _ = _hf_folder(tmp_path, "a", x, {"max_new_tokens": 5, "temperature": 0.0})
+    ours = GPT2.from_pretrained(folder)
+    assert ours.generation_config.temperature == 0.0
+    assert ours.generate(x).tolist() == _hf_generate(folder, x).tolist()
+    assert ours.generate(x, 3, temperature=0.0).tolist() == ours.generate(x, 3).tolist()  # greedy: not read
+    with pytest.raises(ValueError, match="temperature must be a float > 0 to sample, got 0.0"):
+        ours.generate(x, 3, do_sample=True)
+
+
 def test_generation_config_json_errors(tmp_path):
     x = _ids(b=1, t=4)
     for gen, match in [
+        ({"temperature": 0.0, "do_sample": True}, r"temperature must be None or a float > 0 \(0 without do_sample\)"),
+        ({"temperature": -1.0}, r"temperature must be None or a float > 0 \(0 without do_sample\), got -1.0"),
         ({"num_beams": 4}, r"unsupported generation option num_beams=4 \(only 1 is implemented\)"),
         ({"pad_token_id": [2, 3]}, r"pad_token_id must be a single id, got the list \[2, 3\]"),
         ({"pad_token_id": VOCAB}, rf"generation_config.pad_token_id must be < vocab_size={VOCAB}, got {VOCAB}"),
@@ -268,7 +283,8 @@ def test_generate_zero_new_tokens_returns_prompt(ours):
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
     [
-        ({"temperature": 0.0, "do_sample": True}, ValueError, "temperature must be a float > 0, got 0.0"),
+        ({"temperature": 0.0, "do_sample": True}, ValueError, "temperature must be a float > 0 to sample, got 0.0"),
+        ({"temperature": -0.5}, ValueError, "temperature must be a float > 0, got -0.5"),
         ({"top_k": -2}, ValueError, "top_k must be a positive int, got -2"),
         ({"top_p": 1.5}, ValueError, r"top_p must be in \(0, 1\], got 1.5"),
         ({"eos_token_id": -1}, ValueError, "eos_token_id must be None, an int >= 0 or a non-empty list of them, got -1"),

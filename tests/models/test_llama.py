@@ -301,7 +301,7 @@ def test_cached_decoding_equals_full_recompute_and_sampling():
         return model.generate(x, 9, do_sample=True, generator=torch.Generator().manual_seed(seed)).tolist()
 
     assert run(4) == run(4) != run(5)
-    with pytest.raises(ValueError, match="temperature must be a float > 0, got 0"):
+    with pytest.raises(ValueError, match="temperature must be a float > 0 to sample, got 0"):
         model.generate(x, 2, do_sample=True, temperature=0)
     model.train()
     assert model.generate(x, 1).shape == (2, 4) and model.training

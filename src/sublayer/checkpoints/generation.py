@@ -136,8 +136,9 @@ class GenerationConfig:
         if self.do_sample is not None and not isinstance(self.do_sample, bool):
             raise ValueError(f"do_sample must be None or a bool, got {self.do_sample!r}")
         t, p = self.temperature, self.top_p
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
-            raise ValueError(f"temperature must be None or a float > 0, got {t!r}")
+        bad_t = isinstance(t, bool) or not isinstance(t, (int, float)) or not (t > 0 or t == 0 and not self.do_sample)
+        if t is not None and bad_t:  # 0 only where it is not read: greedy (HF loads it so, with a warning)
+            raise ValueError(f"temperature must be None or a float > 0 (0 without do_sample), got {t!r}")
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
             raise ValueError(f"top_p must be None or in (0, 1], got {p!r}")
 

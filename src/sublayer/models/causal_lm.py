@@ -341,8 +341,8 @@ class CausalLM(_Decoding, nn.Module):
             empty (0, T + max_new_tokens)).
 
         Raises:
-            ValueError/TypeError: bad ids or mask, max_new_tokens < 0, max_length <= T, too long, temperature <= 0,
-            top_k < 1, top_p outside (0, 1], eos/pad ids outside the vocabulary (also those of
+            ValueError/TypeError: bad ids or mask, max_new_tokens < 0, max_length <= T, too long, temperature < 0
+            (or 0 to sample), top_k < 1, top_p outside (0, 1], eos/pad ids outside the vocabulary (also those of
             ``generation_config``).
         """
         return generate_with_config(

@@ -197,7 +197,7 @@ def generate(
     empty batch (B = 0) gives an empty (0, T + max_new_tokens) result.
 
     Raises:
-        ValueError/TypeError: bad ids or mask, max_new_tokens < 0, too long, temperature <= 0, top_k < 1, top_p
+        ValueError/TypeError: bad ids or mask, max_new_tokens < 0, too long, temperature < 0 (or 0 to sample), top_k < 1, top_p
         outside (0, 1], token ids outside the vocabulary, a generator that is not a ``torch.Generator``, a streamer
         without ``put`` and ``end``.
     """
@@ -209,8 +209,10 @@ def generate(
     b, t = input_ids.shape
     if max_positions is not None and t + max_new_tokens > max_positions:
         raise ValueError(f"prompt length {t} + max_new_tokens {max_new_tokens} exceeds max_positions={cfg.max_positions}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
         raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
+    if do_sample and temperature == 0:  # greedy ignores it (HF's greedy configs may hold 0.0)
+        raise ValueError(f"temperature must be a float > 0 to sample, got {temperature!r}")
     check_positive_int("top_k", top_k, allow_none=True)
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
