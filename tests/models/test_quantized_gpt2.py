@@ -359,3 +359,14 @@ def test_the_following_wrapper_reads_the_models_generation_config_and_a_snapshot
         follow.generation_config = before
     snapshot.generation_config = model.generation_config
     assert snapshot.generate(ids).shape == (2, 5)
+
+
+def test_the_following_wrapper_reads_the_models_norm_eps_set_after_construction():
+    model = _gpt2()
+    follow, ids = fast_inference(model, quantize="int8"), _ids(2, 5)
+    follow(ids)
+    for m in model.modules():
+        if isinstance(getattr(m, "eps", None), float):
+            m.eps = 0.5
+    fresh = _gpt2(eps=0.5)  # the same weights, built with that eps
+    torch.testing.assert_close(follow(ids), fast_inference(fresh, quantize="int8")(ids), rtol=0, atol=0)

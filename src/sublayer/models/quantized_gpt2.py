@@ -96,7 +96,8 @@ class QuantizedCausalLM(Int8Wrapper, PreparedCausalLM):
     re-running :meth:`forward`'s blocks with a growing cache).
 
     Args:
-        skeleton: the model's class built on the meta device (its structure: head layout, norms, rotary).
+        skeleton: the model's class built on the meta device (its structure: head layout, norms, rotary); a
+            wrapper that follows ``model`` reads ``model``'s own (its norms' eps as they are at each call).
         tensors: the engine's named tensors (:func:`sublayer.runtime.causal.named_tensors`), dense weights as
             ``{name}.qweight`` + ``{name}.scale`` unless kept float (None with ``model``).
         keep_float: the patterns the dense layers were matched against.
@@ -143,7 +144,8 @@ class QuantizedCausalLM(Int8Wrapper, PreparedCausalLM):
 
     def _build(self, t: dict[str, Tensor]) -> tuple[dict[str, Tensor], causal.CausalWeights]:
         cache = torch.bfloat16 if any(name.endswith(".qweight") for name in t) else torch.float32
-        return t, causal.build(self.skeleton, int8_linear, t, cache_dtype=cache)
+        structure = self.skeleton if self.model is None else self.model  # a followed model's eps, as it has them now
+        return t, causal.build(structure, int8_linear, t, cache_dtype=cache)
 
     def _quantize(self, model: CausalLM) -> dict[str, Tensor]:
         return _int8_tensors(model, self.keep_float, copy=False)
