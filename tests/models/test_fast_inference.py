@@ -341,3 +341,18 @@ def test_bert_norm_eps_set_after_the_first_call_is_used():
     assert_close(fast(ids, mask), want)
     real = mask.bool()
     assert F.cosine_similarity(int8(ids, mask)[real], want[real]).min() > 0.99
+
+
+@pytest.mark.parametrize("convert", ["half", "double"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_wrapper_whose_model_changed_to_a_dtype_it_refuses_raises_as_a_new_one(convert, dtype):
+    ids, mask = _batch()
+    for model, call in ((make_bert(), lambda f: f(ids, mask)), (make_gpt2(), lambda f: f(ids, attention_mask=mask)),
+                        (make_gpt2(), lambda f: f.generate(ids[:1, :3], 2))):  # fmt: skip
+        fast = fast_inference(model, dtype=dtype)
+        call(fast)
+        getattr(model, convert)()
+        with pytest.raises(ValueError, match=f"CPU parameters; .* is torch.float{16 if convert == 'half' else 64}"):
+            call(fast)
+        model.float()  # back to float32: it runs again
+        call(fast)

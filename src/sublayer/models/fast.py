@@ -79,7 +79,8 @@ def fast_inference(
 
     Raises:
         TypeError: ``model`` is not a Bert or a causal LM. ValueError: ``dtype`` not float32/bfloat16,
-        ``quantize`` not None/"int8", or the model's parameters are not CPU tensors of a supported dtype.
+        ``quantize`` not None/"int8", or the model's parameters are not CPU tensors of a supported dtype (a
+        wrapper's call raises it too once they no longer are, e.g. after ``model.half()``).
     """
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype!r}")
@@ -96,6 +97,17 @@ def fast_inference(
 
 
 # ----------------------------------------------------------------------------------------------- building blocks
+def check_parameters(model: Bert | CausalLM) -> None:
+    """Raises ValueError unless ``model``'s parameters are CPU tensors of a dtype the wrappers run: float32 (the LMs
+    also bfloat16). Checked when a wrapper is made and whenever its weights are prepared again (after
+    ``model.half()`` or ``.double()`` the wrapper raises as a new one would)."""
+    dtypes = (torch.float32, torch.bfloat16) if isinstance(model, CausalLM) else (torch.float32,)
+    for name, p in model.named_parameters():
+        if p.dtype not in dtypes or p.device.type != "cpu":
+            kinds = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise ValueError(f"fast_inference needs {kinds} CPU parameters; {name} is {p.dtype} on {p.device}")
+
+
 class _FastBase:
     """Shared: the model's checks, compute dtype, refresh, what ``train(True)`` says (the mode switches:
     :class:`sublayer.runtime.rows.InferenceOnly`)."""
@@ -104,11 +116,7 @@ class _FastBase:
                     "weights on the next call")  # fmt: skip
 
     def __init__(self, model, dtype: torch.dtype) -> None:
-        dtypes = (torch.float32, torch.bfloat16) if isinstance(model, CausalLM) else (torch.float32,)
-        for name, p in model.named_parameters():
-            if p.dtype not in dtypes or p.device.type != "cpu":
-                kinds = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-                raise ValueError(f"fast_inference needs {kinds} CPU parameters; {name} is {p.dtype} on {p.device}")
+        check_parameters(model)
         self.model = model
         self.config = model.config
         self.dtype = dtype
@@ -147,6 +155,7 @@ class FastBert(_FastBase, PreparedBert):
         return prepared(self.model, ("fast", type(self).__name__, self.compute_dtype, kernels_on()), self._build)
 
     def _build(self, model: Bert) -> tuple[dict, list[dict]]:
+        check_parameters(model)
         t = bert_tensors(model)
         return t, bert_layers(t, self.config, float_linear(self.compute_dtype), bert_eps(model, self.config))
 
@@ -180,7 +189,11 @@ class FastCausalLM(_FastBase, PreparedCausalLM):
         if self.compute_dtype == torch.float32:  # the weights generate decodes with: one prepared copy for both
             return causal.packed_weights(self.model)
         key = ("fast", self.compute_dtype, kernels_on())
-        return prepared(self.model, key, lambda m: causal.build(m, linear_factory(self.compute_dtype)))
+        return prepared(self.model, key, self._build)
+
+    def _build(self, model: CausalLM) -> causal.CausalWeights:
+        check_parameters(model)
+        return causal.build(model, linear_factory(self.compute_dtype))
 
     @property
     def generation_config(self):

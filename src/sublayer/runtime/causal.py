@@ -174,10 +174,15 @@ def packed_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Causal
     caches are bfloat16 too (half the bytes a step reads from the caches)."""
     if dtype is None:
         dtype = torch.bfloat16 if all(p.dtype == torch.bfloat16 for p in model.parameters()) else torch.float32
-    return prepared(
-        model, ("causal", "packed", dtype, kernels_on()),
-        lambda m: build(m, functools.partial(packed_linear, dtype=dtype), greedy=True, cache_dtype=dtype),
-    )  # fmt: skip
+
+    def packed(m: nn.Module) -> CausalWeights:
+        for name, p in m.named_parameters():
+            if p.dtype not in (torch.float32, torch.bfloat16) or p.device.type != "cpu":
+                raise ValueError(f"the packed weights need float32 or bfloat16 CPU parameters; {name} is {p.dtype} "
+                                 f"on {p.device}")  # fmt: skip
+        return build(m, functools.partial(packed_linear, dtype=dtype), greedy=True, cache_dtype=dtype)
+
+    return prepared(model, ("causal", "packed", dtype, kernels_on()), packed)
 
 
 def _flat_linear(lin) -> tuple[Tensor, ...] | None:
