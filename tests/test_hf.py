@@ -567,3 +567,17 @@ def test_a_hook_registered_after_patching_runs_hf_forward(name, part):
         h.remove()
     with torch.no_grad():
         assert not torch.allclose(model(**batch).logits, want)  # the patched path again, without the hook
+
+
+def test_unpatch_of_a_deep_copy_restores_hf_forwards():
+    torch.manual_seed(0)
+    ref = MODELS["bert_cls"]().eval()
+    model = copy.deepcopy(ref)
+    hf.patch(model)
+    twin = copy.deepcopy(model)
+    assert hf.unpatch(twin)
+    assert not any("forward" in m.__dict__ or "feed_forward_chunk" in m.__dict__ for m in twin.modules())
+    batch = _batch("bert_cls")
+    del batch["labels"]
+    with torch.no_grad():
+        torch.testing.assert_close(twin(**batch).logits, ref(**batch).logits)

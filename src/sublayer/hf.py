@@ -84,7 +84,16 @@ __all__ = ["PatchReport", "patch", "unpatch", "patched"]
 
 _STATE = "_sublayer_hf_patch"  # attribute of the patched root: the records unpatch restores
 _MARK = "_sublayer_hf"  # attribute of every replacement forward
-_MISSING = object()
+
+
+class _Missing:
+    """No instance attribute before patching (one object, kept by ``copy.deepcopy`` of a patched model)."""
+
+    def __deepcopy__(self, memo: dict) -> _Missing:
+        return self
+
+
+_MISSING = _Missing()
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
