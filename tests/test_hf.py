@@ -569,6 +569,45 @@ def test_a_hook_registered_after_patching_runs_hf_forward(name, part):
         assert not torch.allclose(model(**batch).logits, want)  # the patched path again, without the hook
 
 
+class _Lora(torch.nn.Linear):
+    """A linear plus a low-rank update (what peft's LoRA layers put in a linear's place)."""
+
+    def __init__(self, base: torch.nn.Linear) -> None:
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None)
+        self.load_state_dict(base.state_dict())
+        g = torch.Generator().manual_seed(5)
+        self.a = torch.nn.Parameter(torch.randn(3, base.in_features, generator=g))
+        self.b = torch.nn.Parameter(torch.randn(base.out_features, 3, generator=g))
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.a.t() @ self.b.t()
+
+
+@pytest.mark.parametrize(
+    "name, part",
+    [("bert_cls", "bert.encoder.layer.0.intermediate.dense"), ("bert_cls", "bert.encoder.layer.1.attention.self.query"),
+     ("bert_mlm", "bert.encoder.layer.1.attention.output.dense"), ("gpt2", "transformer.h.0.mlp.act"),
+     ("llama", "model.layers.0.mlp.down_proj")],
+)  # fmt: skip
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_sub_module_replaced_after_patching_runs_as_the_new_one(name, part, grad):
+    """A patched forward steps aside for HF's once a sub-module it reads was replaced (a LoRA layer, another
+    activation), however late: it never computes with what the patch saw."""
+    torch.manual_seed(0)
+    ref = MODELS[name]().eval()
+    model = copy.deepcopy(ref)
+    hf.patch(model)
+    batch = _batch(name)
+    del batch["labels"]
+    for m in (ref, model):
+        parent, attr = part.rsplit(".", 1)
+        old = m.get_submodule(part)
+        new = torch.nn.ReLU() if attr == "act" else _Lora(old)
+        setattr(m.get_submodule(parent), attr, new)
+    with torch.set_grad_enabled(grad):
+        torch.testing.assert_close(model(**batch).logits, ref(**batch).logits)
+
+
 def test_unpatch_of_a_deep_copy_restores_hf_forwards():
     torch.manual_seed(0)
     ref = MODELS["bert_cls"]().eval()
@@ -581,3 +620,14 @@ def test_unpatch_of_a_deep_copy_restores_hf_forwards():
     del batch["labels"]
     with torch.no_grad():
         torch.testing.assert_close(twin(**batch).logits, ref(**batch).logits)
+
+
+def test_a_head_replaced_after_patching_gives_the_new_heads_loss():
+    torch.manual_seed(0)
+    ref = MODELS["gpt2"]().train()
+    model = copy.deepcopy(ref)
+    hf.patch(model)
+    batch = _batch("gpt2")
+    for m in (ref, model):
+        m.lm_head = _Lora(m.lm_head)
+    torch.testing.assert_close(model(**batch).loss, ref(**batch).loss)

@@ -52,7 +52,8 @@ What changes and what does not:
   and ``logits_to_keep`` left at 0 — what Liger-Kernel's patched models return in training. In ``eval()`` mode (HF's
   ``Trainer`` evaluation and ``generate`` included), without ``labels`` or with ``patch(model, loss=False)`` the
   logits are HF's. A batch whose targets are all ``ignore_index`` runs HF's loss (its NaN mean).
-* A patched forward runs HF's own while a part it skips has a hook, one registered after patching included.
+* A patched forward runs HF's own while a part it skips has a hook, one registered after patching included, and
+  once a sub-module it reads was replaced after patching (a LoRA layer, another activation module).
 * Modules with hooks, non-default activations (``gelu_python``, ``quick_gelu``, ...), float16 parameters, or
   sub-modules that are not the plain torch/transformers classes (LoRA/peft wrappers, quantized linears) are left
   alone and reported.
@@ -61,9 +62,11 @@ What changes and what does not:
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import types
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -94,6 +97,7 @@ class _Missing:
 
 
 _MISSING = _Missing()
+_TREE = "_sublayer_hf_tree"  # attribute of every patched module: its :class:`_Tree`
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -221,6 +225,7 @@ def _lm_forward(self, *args, **kwargs):
         or not isinstance(kwargs.get("logits_to_keep", 0), int)
         or kwargs.get("logits_to_keep", 0) != 0
         or _hooked(head)
+        or type(head) is not nn.Linear  # (replaced after patching: e.g. a LoRA layer)
     ):
         return original(*args, **kwargs)
     ignore = kwargs.get("ignore_index", -100)
@@ -415,7 +420,7 @@ def _padding_free_applies(model: nn.Module, kw: dict, mask: object) -> bool:
     ids = kw.get("input_ids") if kw.get("input_ids") is not None else kw.get("inputs_embeds")
     if ids is None or tuple(ids.shape[:2]) != tuple(mask.shape) or (model.training and model.gradient_checkpointing):
         return False
-    if cfg._attn_implementation not in ("sdpa", "eager") or _hooked(model.encoder):
+    if cfg._attn_implementation not in ("sdpa", "eager") or _hooked(model.encoder) or not _Tree.holds(model):
         return False
     real = mask != 0
     if not bool(real.any(1).all()):  # a row of padding only: HF's path
@@ -558,16 +563,37 @@ def _gpt2_body_ok(model: nn.Module) -> bool:
 
 
 def _guarded(fn, original, parts: tuple[nn.Module, ...] | None):
-    """``fn``, or HF's ``original`` for a call while ``parts`` (None: the module's children) have a hook; with
-    ``original``'s signature (HF's chunking reads it)."""
+    """``fn``, or HF's ``original`` for a call while ``parts`` (None: the module's children) have a hook or a
+    sub-module was replaced after patching (:class:`_Tree`); with ``original``'s signature (HF's chunking reads it)."""
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        if _hooked(*(self.children() if parts is None else parts)):
+        if _hooked(*(self.children() if parts is None else parts)) or not _Tree.holds(self):
             return original(self, *args, **kwargs)
         return fn(self, *args, **kwargs)
 
     return forward
+
+
+class _Tree:
+    """A patched module and its sub-modules (weakly) as :func:`patch` checked them, kept on the module: a patched
+    forward steps aside for HF's once one was replaced (a LoRA layer, another activation). ``copy.deepcopy`` of a
+    patched model maps them to the copies."""
+
+    def __init__(self, m: nn.Module) -> None:
+        self.refs = tuple(weakref.ref(x) for x in m.modules())
+
+    @staticmethod
+    def holds(m: nn.Module) -> bool:
+        """Whether ``m``'s sub-modules are still the ones patching saw (none replaced, added or removed)."""
+        tree = m.__dict__.get(_TREE)
+        mods = list(m.modules())
+        return tree is not None and len(mods) == len(tree.refs) and all(r() is x for r, x in zip(tree.refs, mods))
+
+    def __deepcopy__(self, memo: dict) -> _Tree:
+        new = _Tree.__new__(_Tree)
+        new.refs = tuple(r if r() is None else weakref.ref(copy.deepcopy(r(), memo)) for r in self.refs)
+        return new
 
 
 def _set_act(m: nn.Module, act: object) -> str | None:
@@ -641,6 +667,8 @@ def patch(model: nn.Module, *, loss: bool = True, padding_free: bool | None = No
             fn = _guarded(fn, getattr(type(m), attr), parts)
         setattr(fn, _MARK, True)
         setattr(m, attr, types.MethodType(fn, m))
+        records.append((m, _TREE, m.__dict__.get(_TREE, _MISSING)))
+        setattr(m, _TREE, _Tree(m))
 
     gpt2_norms = {id(n) for g in model.modules() if type(g) is gpt2_model for n in g.modules()}
     for name, m in model.named_modules():
