@@ -173,6 +173,17 @@ def test_a_norm_eps_set_after_the_first_call_is_used():
     assert torch.equal(model.generate(ids, 5), _fresh(model).generate(ids, 5))
 
 
+def test_an_ffn_activation_set_after_the_first_call_is_used():
+    model = _gpt2().eval()
+    ids = torch.randint(0, 53, (2, 4), generator=torch.Generator().manual_seed(1))
+    fast = fast_inference(model, dtype=torch.float32)
+    fast(ids), model.generate(ids, 5)
+    for block in model.blocks:
+        block.ffn.activation = "relu"
+    assert_close(fast(ids), model(ids))
+    assert torch.equal(model.generate(ids, 5), _fresh(model).generate(ids, 5))
+
+
 def test_pinned_checks_each_form_once_per_block():
     """Inside ``pinned`` (one generate call) a form is checked once; the next call sees the change."""
     model = torch.nn.Linear(3, 5)

@@ -14,7 +14,8 @@ and rebuilds it when the parameters it came from change, whichever way they chan
   write without ``.data``, under ``torch.no_grad()``, which the version counter records);
 * inference tensors (made under ``torch.inference_mode``) have no version counter: a checksum of each one's whole
   contents (an integer sum of its bits: one read of the weights per use) stands in for it;
-* a norm's ``eps`` set after construction: the modules' ``eps`` attributes are part of the stamp.
+* a norm's ``eps`` or an FFN's ``activation`` set after construction: the modules' ``eps`` and ``activation``
+  attributes are part of the stamp.
 """
 
 from __future__ import annotations
@@ -68,14 +69,16 @@ def _version(p: Tensor) -> int:
 def stamp(module: nn.Module) -> tuple:
     """What the prepared form of ``module`` depends on: per parameter its version counter (a checksum for inference
     tensors), storage, strides, dtype, device, shape and optimizer steps, the sampled values of every parameter, and
-    the submodules' ``eps``.
+    the submodules' ``eps`` and ``activation``.
 
     The sample views of contiguous parameters are kept while their storage and layout stay the same (a view reads
     what is in the storage now, writes through ``.data`` included); the others are sampled anew each time."""
-    params, eps, seen = [], [], set()  # one walk: module.parameters()' order, and every float eps
+    params, settings, seen = [], [], set()  # one walk: module.parameters()' order, every float eps and str activation
     for m in module.modules():
         if isinstance(e := m.__dict__.get("eps"), float):
-            eps.append(e)
+            settings.append(e)
+        if isinstance(a := m.__dict__.get("activation"), str):
+            settings.append(a)
         for p in m._parameters.values():
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
@@ -83,7 +86,7 @@ def stamp(module: nn.Module) -> tuple:
     meta = tuple(
         (_version(p), p.data_ptr(), p.stride(), p.dtype, p.device, tuple(p.shape), _steps.get(id(p), 0))
         for p in params
-    ) + tuple(eps)
+    ) + tuple(settings)
     if not params:
         return meta, ()
     kept = _VIEWS.get(module)
