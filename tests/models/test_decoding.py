@@ -164,6 +164,16 @@ def test_translate_equals_the_reference_steps(norm_first, beam_size, kernels_mod
     assert got.tolist() == reference_decoding(lambda: m.translate(src, 9, **kw)).tolist()
 
 
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_translate_of_an_empty_source_equals_the_reference(beam_size, kernels_mode):
+    """A source of no tokens (S = 0) encodes to an empty memory (cross-attention reads nothing) on both paths."""
+    m = _tiny_transformer(True)
+    src = torch.zeros(2, 0, dtype=torch.long)
+    kw = {"bos": 1, "eos": 2, "beam_size": beam_size}
+    want = reference_decoding(lambda: m.translate(src, 5, **kw))
+    assert want.shape[0] == 2 and m.translate(src, 5, **kw).tolist() == want.tolist()
+
+
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_translate_with_a_gated_ffn_equals_the_reference(activation, beam_size, kernels_mode):

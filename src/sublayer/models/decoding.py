@@ -127,9 +127,10 @@ def transformer_stepper(
     (N,) (greedy search: the head read in float16, exact). ``reorder(rows)``: keep batch rows ``rows``.
     memory (B, S, d_model) and its mask (B, S) True = padding are projected to keys/values once per layer, once
     per sentence: its ``beams`` rows (N = B * beams, row i * beams + j is beam j of sentence i) read them through
-    a row table. Each layer's self-attention cache holds ``max_len`` positions, allocated once.
+    a row table. Each layer's self-attention cache holds ``max_len`` positions, allocated once. An empty source
+    (S = 0: cross-attention reads nothing) takes the reference steps.
     """
-    if not transformer_supports(model):
+    if not transformer_supports(model) or memory.shape[1] == 0:
         return None
     cfg = model.config
     W = prepared_weights(model, _build_transformer)
