@@ -266,6 +266,17 @@ def test_sampling_filters_equal_hf_warpers(temperature, top_k, top_p):
         assert bool(((got > 0).sum(-1) <= top_k).all())
 
 
+@pytest.mark.parametrize("top_p", [0.3, 0.5, 0.9])
+def test_top_p_keeps_hf_warpers_tokens_among_tied_logits(top_p):
+    """Tied logits at the nucleus' edge (bf16 logits, a flat row): the same tokens are kept as HF's."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = (torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3)) * 2).round()
+    logits[0] = 0.0  # every token tied
+    want = TopPLogitsWarper(top_p)(None, logits.clone()).softmax(-1)
+    assert_close(filtered_probs(logits, 1.0, None, top_p), want)
+
+
 def test_generate_restores_training_mode(gpt2_folder):
     model = GPT2.from_pretrained(gpt2_folder).train()
     out = model.generate(_ids(b=1, t=2), 3)

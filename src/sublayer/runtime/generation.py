@@ -125,13 +125,11 @@ def filtered_probs(logits: Tensor, temperature: float, top_k: int | None, top_p:
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        p = sorted_logits.softmax(dim=-1)
-        before = p.cumsum(dim=-1) - p  # probability mass of the more likely tokens
-        drop = before >= top_p
-        drop[..., 0] = False  # always keep the most likely token
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    if top_p is not None and top_p < 1.0:  # HF's steps: tied logits at the edge keep the tokens HF keeps
+        sorted_logits, order = logits.sort(dim=-1, descending=False)
+        drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p  # the least likely, up to 1 - top_p
+        drop[..., -1] = False  # always keep the most likely token
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return logits.softmax(dim=-1)
 
 
