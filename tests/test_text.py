@@ -117,6 +117,42 @@ def test_encode_equals_sentence_transformers(bert_dir, tmp_path):
     assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("pooling, normalize", [("cls", True), ("mean", False)])
+def test_encode_follows_the_sentence_transformers_pooling_and_normalize(bert_dir, tmp_path, pooling, normalize):
+    st = pytest.importorskip("sentence_transformers")
+    try:
+        from sentence_transformers.sentence_transformer import modules as models
+    except ImportError:  # sentence-transformers < 6
+        from sentence_transformers import models
+
+    modules = [models.Transformer(str(bert_dir)), models.Pooling(15, pooling_mode=pooling)]
+    modules += [models.Normalize()] if normalize else []
+    st.SentenceTransformer(modules=modules, device="cpu").save(str(tmp_path))
+    want = st.SentenceTransformer(str(tmp_path), device="cpu").encode(TEXTS, convert_to_tensor=True, batch_size=2)
+    got = Encoder.from_pretrained(tmp_path).encode(TEXTS, batch_size=2)
+    assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_sentence_transformers_folder_encode_cannot_follow_is_refused(bert_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "st"
+    shutil.copytree(bert_dir, folder)
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text('{"pooling_mode_max_tokens": true}')
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]  # fmt: skip
+    (folder / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match=r"1_Pooling/config.json: pooling mode 'max'; Encoder pools with mean or cls"):
+        Encoder.from_pretrained(folder)
+    (folder / "1_Pooling" / "config.json").write_text('{"pooling_mode_cls_token": true}')  # older files' flags
+    assert Encoder.from_pretrained(folder).pooling == "cls"
+    modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match=r"modules.json: module 'sentence_transformers.models.Dense' \(path '2_Dense'\)"):
+        Encoder.from_pretrained(folder)
+
+
 def test_encode_int8_and_bf16(bert_dir):
     f32 = Encoder.from_pretrained(bert_dir).encode(TEXTS)
     for enc in (Encoder.from_pretrained(bert_dir, quantize="int8"), Encoder.from_pretrained(bert_dir, dtype=torch.bfloat16)):

@@ -350,7 +350,8 @@ def embed(
     ),
     batch_size: int = typer.Option(32, "--batch-size", help="Texts per forward (sorted by length)."),
 ) -> None:
-    """Sentence vectors from a BERT checkpoint: mean-pooled over tokens, L2-normalised (sublayer.text.Encoder).
+    """Sentence vectors from a BERT checkpoint: mean-pooled over tokens, L2-normalised (sublayer.text.Encoder; a
+    sentence-transformers folder: its pooling and normalisation).
 
     Prints JSON: a list of {"text", "embedding"} objects. Texts longer than the model's positions are truncated.
     """

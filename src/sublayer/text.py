@@ -1,7 +1,8 @@
 """Text in, results out: a Hugging Face folder and its tokenizer as one-call tasks.
 
 * :class:`Encoder` — sentence vectors: ``Encoder.from_pretrained(folder).encode(texts)`` (BERT; mean pooling over
-  the real tokens, L2-normalised, as sentence-transformers' MiniLM models), batches sorted by length;
+  the real tokens, L2-normalised, as sentence-transformers' MiniLM models; a sentence-transformers folder's own
+  pooling and normalisation), batches sorted by length;
 * :class:`TextGenerator` — continuation of prompts: ``TextGenerator.from_pretrained(folder).generate("Once")``
   (GPT-2, Llama, Qwen2: the class from ``config.json``'s ``model_type``), with the decoding defaults of the folder's
   ``generation_config.json``, and :meth:`TextGenerator.stream`, an iterator of the new text as it is made.
@@ -20,10 +21,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ._checks import check_positive_int
-from .checkpoints import FROM_CONFIG, read_config, resolve_folder
+from .checkpoints import CONFIG_NAME, FROM_CONFIG, CheckpointError, read_config, resolve_folder
 from .checkpoints.io import read_json
 from .models import GPT2, Bert, Llama, fast_inference
 from .models import quantized as q
@@ -137,20 +139,78 @@ def _token_rows(rows: list[list[int]], texts: list[str], name: str) -> list[list
     return rows
 
 
+_POOLINGS = ("mean", "cls")
+_ST_POOLING_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+                     "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                     "pooling_mode_weightedmean_tokens": "weightedmean",
+                     "pooling_mode_lasttoken": "lasttoken"}  # fmt: skip
+
+
+def _sentence_transformers_modules(folder: Path) -> tuple[str, bool]:
+    """``(pooling, normalize)`` of a folder's sentence-transformers modules (``modules.json``: the transformer,
+    one ``Pooling`` module, optionally ``Normalize``); ``("mean", True)`` for a folder without ``modules.json``.
+
+    Raises:
+        CheckpointError: a module other than these, or a pooling mode other than mean or CLS (naming the file).
+    """
+    path = folder / "modules.json"
+    if not path.is_file():
+        return "mean", True
+    modules = read_json(path, "sentence-transformers modules file")
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise CheckpointError(f"sentence-transformers modules file {path} must hold a JSON list of objects")
+    pooling, normalize = None, False
+    for m in modules:
+        kind = str(m.get("type", "")).rsplit(".", 1)[-1]
+        if kind == "Transformer" and m.get("path", "") in ("", "."):
+            continue
+        if kind == "Normalize":
+            normalize = True
+            continue
+        if kind == "Pooling" and pooling is None and not normalize:
+            cfg_path = folder / str(m.get("path", "")) / CONFIG_NAME
+            what = "sentence-transformers pooling config"
+            cfg = read_json(cfg_path, what, dict_only=True) if cfg_path.is_file() else {}
+            mode = cfg.get("pooling_mode")
+            if mode is None:  # older files: one flag per mode (none set: mean)
+                modes = [name for key, name in _ST_POOLING_FLAGS.items() if cfg.get(key)]
+                mode = modes or ["mean"]
+            mode = mode[0] if isinstance(mode, list) and len(mode) == 1 else mode
+            if mode not in _POOLINGS:
+                raise CheckpointError(f"{cfg_path}: pooling mode {mode!r}; Encoder pools with {' or '.join(_POOLINGS)}")
+            pooling = mode
+            continue
+        raise CheckpointError(
+            f"sentence-transformers modules file {path}: module {m.get('type')!r} (path {m.get('path')!r}); Encoder "
+            f"runs the transformer, then one Pooling (mean or cls), then Normalize"
+        )
+    return pooling or "mean", normalize
+
+
 class Encoder:
-    """Sentence vectors from a BERT folder: mean of the last hidden states over the real tokens, L2-normalised on
-    request (sentence-transformers' mean pooling; what ``Bert.embed`` computes).
+    """Sentence vectors from a BERT folder: mean of the last hidden states over the real tokens (or the first
+    token's), L2-normalised on request (sentence-transformers' mean / CLS pooling; mean: what ``Bert.embed``
+    computes).
 
     Args:
         model: a :class:`Bert`, its ``fast_inference`` or int8 form (anything with Bert's forward).
         tokenizer: an HF tokenizer (a callable giving ``input_ids``).
         max_length: tokens kept per text (longer texts are truncated); at most the model's positions and the
             tokenizer's ``model_max_length`` (where sentence-transformers writes its ``max_seq_length``).
+        pooling: ``"mean"`` (over the real tokens) or ``"cls"`` (the first token's hidden state).
+        normalize: :meth:`encode`'s default for its ``normalize``.
     """
 
-    def __init__(self, model, tokenizer, *, max_length: int | None = None) -> None:
+    def __init__(
+        self, model, tokenizer, *, max_length: int | None = None, pooling: str = "mean", normalize: bool = True
+    ) -> None:
         self.model, self.tokenizer = model, tokenizer
         check_positive_int("max_length", max_length, allow_none=True)
+        if pooling not in _POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(map(repr, _POOLINGS))}, got {pooling!r}")
+        if not isinstance(normalize, bool):
+            raise TypeError(f"normalize must be a bool, got {normalize!r}")
+        self.pooling, self.normalize = pooling, normalize
         limits = [model.config.max_positions, getattr(tokenizer, "model_max_length", None), max_length]
         self.max_length = min(n for n in limits if isinstance(n, int))
 
@@ -162,10 +222,14 @@ class Encoder:
         (``dtype``: float32, the model's numbers; ``torch.bfloat16``: bf16 where the CPU multiplies bf16
         natively); ``quantize="int8"``: int8 (a saved int8 folder loads as it is). A sentence-transformers folder's
         ``max_seq_length`` (its tokenizer's ``model_max_length``, or ``sentence_bert_config.json``'s) sets
-        :attr:`max_length`.
+        :attr:`max_length`, and its ``modules.json`` the pooling (its ``Pooling`` module's mode: mean or CLS) and
+        whether :meth:`encode` normalises by default (a ``Normalize`` module), so that ``encode`` gives the
+        folder's sentence-transformers vectors.
 
         Raises:
-            FileNotFoundError/ValueError: no folder, no tokenizer, not a BERT, bad ``dtype`` or ``quantize``.
+            FileNotFoundError/ValueError: no folder, no tokenizer, not a BERT, bad ``dtype`` or ``quantize``; a
+            sentence-transformers folder with a module or pooling mode other than these (a ``Dense`` layer,
+            max pooling, ...), named with its file.
         """
         folder = resolve_folder(folder)
         q.check_quantize(quantize)
@@ -176,7 +240,9 @@ class Encoder:
         st = folder / "sentence_bert_config.json"
         st_config = read_json(st, "sentence-transformers config", dict_only=True) if st.is_file() else {}
         max_length = st_config.get("max_seq_length")
-        return cls(net, load_tokenizer(folder, why="embed"), max_length=max_length)
+        pooling, normalize = _sentence_transformers_modules(folder)
+        return cls(net, load_tokenizer(folder, why="embed"), max_length=max_length, pooling=pooling,
+                   normalize=normalize)  # fmt: skip
 
     @torch.no_grad()
     def encode(
@@ -184,7 +250,7 @@ class Encoder:
         texts: str | list[str],
         *,
         batch_size: int = 32,
-        normalize: bool = True,
+        normalize: bool | None = None,
         show_progress_bar: bool = False,
     ) -> Tensor:
         """Vectors of ``texts``, in their order.
@@ -193,7 +259,8 @@ class Encoder:
         pads little (sentence-transformers' order); each vector equals the text's alone (up to rounding).
 
         Args:
-            texts: a str, or a list of them. batch_size: texts per forward (>= 1). normalize: unit L2 norm.
+            texts: a str, or a list of them. batch_size: texts per forward (>= 1). normalize: unit L2 norm (None:
+            :attr:`normalize`, True unless a sentence-transformers folder has no ``Normalize`` module).
             show_progress_bar: a ``tqdm`` bar over the batches.
 
         Returns:
@@ -205,6 +272,7 @@ class Encoder:
         """
         items = _texts("texts", texts)
         check_positive_int("batch_size", batch_size)
+        normalize = self.normalize if normalize is None else normalize
         if not items:
             return torch.empty(0, self.model.config.d_model)
         rows = self.tokenizer(items, truncation=True, max_length=self.max_length)
@@ -222,7 +290,10 @@ class Encoder:
             x, mask = _pad([ids[i] for i in batch], pad, left=False)
             tt, _ = _pad([types[i] for i in batch], 0, left=False)
             h = self.model(x, mask, tt)
-            out[batch] = mean_pooled(h.float(), mask, normalize=normalize)
+            if self.pooling == "cls":  # (right padding: the first token is a real one)
+                out[batch] = F.normalize(h[:, 0].float(), dim=-1) if normalize else h[:, 0].float()
+            else:
+                out[batch] = mean_pooled(h.float(), mask, normalize=normalize)
         return out[0] if isinstance(texts, str) else out
 
 
