@@ -583,6 +583,22 @@ class _Lora(torch.nn.Linear):
         return super().forward(x) + x @ self.a.t() @ self.b.t()
 
 
+class _LoRA(torch.nn.Module):
+    """A peft-like adapter around a linear: its ``weight``/``bias`` are the base layer's, its forward adds more."""
+
+    def __init__(self, base: torch.nn.Module) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.A = torch.nn.Linear(base.weight.shape[1], 2, bias=False)
+        self.B = torch.nn.Linear(2, base.weight.shape[0], bias=False)
+
+    weight = property(lambda self: self.base_layer.weight)
+    bias = property(lambda self: self.base_layer.bias)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.B(self.A(x))
+
+
 @pytest.mark.parametrize(
     "name, part",
     [("bert_cls", "bert.encoder.layer.0.intermediate.dense"), ("bert_cls", "bert.encoder.layer.1.attention.self.query"),
@@ -631,3 +647,33 @@ def test_a_head_replaced_after_patching_gives_the_new_heads_loss():
     for m in (ref, model):
         m.lm_head = _Lora(m.lm_head)
     torch.testing.assert_close(model(**batch).loss, ref(**batch).loss)
+
+
+@pytest.mark.parametrize(
+    "name, part",
+    [("llama", "model.layers.0.mlp.down_proj"), ("llama", "lm_head"), ("bert_mlm", "bert.encoder.layer.0.output.dense"),
+     ("bert_cls", "bert.encoder.layer.1.attention.self.value"), ("bert_cls", "bert.encoder.layer.0.intermediate.dense")],
+)  # fmt: skip
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_module_wrapped_after_patching_runs_hf_forward(name, part, mode):
+    """A patched forward reads its sub-modules' weights: one wrapped after patching (a LoRA adapter) makes it run
+    HF's, so the adapter's forward runs and its parameters get their gradients."""
+    torch.manual_seed(0)
+    ref = MODELS[name]().train(mode == "train")
+    model = copy.deepcopy(ref)
+    hf.patch(model)
+    parent, attr = part.rpartition(".")[::2]
+    for m in (ref, model):
+        torch.manual_seed(1)
+        setattr(m.get_submodule(parent), attr, _LoRA(m.get_submodule(part)))
+    batch = _batch(name)
+    for labels in (True, False):
+        want, want_g = _run(ref, batch, labels=labels)
+        got, got_g = _run(model, batch, labels=labels)
+        torch.testing.assert_close(got.loss if labels else got.logits, want.loss if labels else want.logits)
+        assert got_g.keys() == want_g.keys()
+        for n in want_g:
+            torch.testing.assert_close(got_g[n], want_g[n], msg=lambda m, n=n: f"{n}: {m}")
+    with torch.no_grad():
+        batch.pop("labels")
+        torch.testing.assert_close(model(**batch).logits, ref(**batch).logits)
