@@ -379,3 +379,23 @@ def test_skinny_linear_over_several_chunks_of_panels(n, rows, dtype, micro_kerne
     # a float32 sum of K products in any order is within K u sum|x_k w_k| of the exact one (u = 2^-24)
     bound = 3001 * 2.0**-24 * (x.double().abs() @ w.double().abs().T).max().item()
     assert_close(got.double(), want, atol=bound, rtol=0)
+
+
+@pytest.mark.parametrize("length", [5, 13])
+@pytest.mark.usefixtures("attention_isa")
+def test_decode_attention_keeps_a_nan_query_or_key(length):
+    # a NaN query made every score NaN, which the max passed over: the row was taken for one without keys (zeros);
+    # a NaN key was dropped by the vector exp's clamp from 8 keys on. Now NaN in that row and head, as softmax(q k^T) v
+    # (SDPA's CPU kernel gives zeros for a query of NaN scores at some lengths, NaN at others)
+    g = _gen(3)
+    k, v = torch.randn(2, 2, 16, 8, generator=g), torch.randn(2, 2, 16, 8, generator=g)
+    q = torch.randn(2, 16, generator=g)
+    base = _ops().decode_attention(q, k, v, None, length, 1 / math.sqrt(8), None, None)
+    q[0, 3] = math.nan  # row 0, head 0
+    k[1, 1, 2, 5] = math.nan  # row 1, head 1
+    got = _ops().decode_attention(q, k, v, None, length, 1 / math.sqrt(8), None, None)
+    want = torch.zeros(2, 16, dtype=torch.bool)
+    want[0, :8] = want[1, 8:] = True
+    qh, kh, vh = q.double().view(2, 2, 1, 8), k[:, :, :length].double(), v[:, :, :length].double()
+    assert torch.equal((torch.softmax(qh @ kh.transpose(-1, -2), -1) @ vh).reshape(2, 16).isnan(), want)
+    assert torch.equal(got.isnan(), want) and torch.equal(got[~want], base[~want])

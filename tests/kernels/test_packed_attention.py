@@ -144,3 +144,57 @@ def test_packed_attention_rejects_bad_inputs():
         op(qkv, table.int(), 2, 0.4, torch.float32)
     with pytest.raises(RuntimeError, match=r"run 0 \(0, 2, 5\) is outside"):
         op(qkv, torch.tensor([[0, 2, 5]]), 2, 0.4, torch.float32)
+
+
+def _softmax_reference(x: torch.Tensor, segments, heads: int, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v per sequence in float64, spelled out: NaN wherever a NaN reaches (SDPA's CPU kernel
+    gives zeros for a query whose scores are all NaN in short sequences, NaN in longer ones)."""
+    d = x.shape[1] // 3
+    out = torch.zeros(x.shape[0], d, dtype=torch.float64)
+    for row, count, n in segments:
+        q, k, v = x[row : row + count * n].double().view(count, n, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+        ctx = torch.softmax(q @ k.transpose(-1, -2) * scale, -1) @ v
+        out[row : row + count * n] = ctx.transpose(1, 2).reshape(count * n, d)
+    return out
+
+
+@pytest.mark.parametrize("part", ["query", "key", "value"])
+def test_packed_attention_keeps_a_nan_as_sdpa(path, part):
+    # a NaN in one query (key, value) of the second sequence, head 1: NaN in that query's row (every row, the
+    # value's column) of that head and sequence, as softmax(q k^T) v and SDPA; the outputs elsewhere unchanged.
+    # The vector exp's clamp dropped the NaN (e^-87.3 instead), so the rows came out finite
+    heads, hd = 3, 16
+    qkv, segments = _case([19, 17, 17, 7, 3], heads, hd, seed=4)
+    table = torch.tensor(segments, dtype=torch.int64).reshape(-1, 3)
+    d, scale = heads * hd, 1 / math.sqrt(hd)
+    clean = qkv.float()
+    x = clean.clone()
+    x[{"query": 20, "key": 23, "value": 29}[part], {"query": 0, "key": d, "value": 2 * d}[part] + hd + 3] = math.nan
+    want = _softmax_reference(x, segments, heads, scale).isnan()
+    assert want.any() and not (_reference(x, segments, heads, scale, torch.float64).isnan() & ~want).any()
+    assert torch.equal(_reference(x[19:36], [(0, 1, 17)], heads, scale, torch.float64).isnan(), want[19:36])
+    for inp, f32 in ((x.bfloat16(), False), (x, False), (x, True)):
+        got = _ops().packed_self_attention(inp, table, heads, scale, torch.float32, True, f32)
+        base = _ops().packed_self_attention(clean.to(inp.dtype), table, heads, scale, torch.float32, True, f32)
+        assert torch.equal(got.isnan(), want), (part, inp.dtype, f32)
+        assert torch.equal(got[~want], base[~want])
+
+
+@pytest.mark.parametrize("part", ["query", "key", "value"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_qkv_self_attention_keeps_a_nan_as_sdpa(part, isa):
+    # the float32 attention of the packed rows without AVX-512: a query whose scores are all NaN got zeros (taken for
+    # a row without keys) and, from 8 keys, a NaN key was dropped by the vector exp's clamp
+    heads, hd, n = 3, 16, 17
+    clean = torch.randn(2 * n, 3 * heads * hd, generator=torch.Generator().manual_seed(6))
+    d, x = heads * hd, clean.clone()
+    x[{"query": n + 2, "key": n + 5, "value": n + 9}[part], {"query": 0, "key": d, "value": 2 * d}[part] + hd + 3] = math.nan
+    want = _softmax_reference(x, [(0, 2, n)], heads, 0.25).isnan()
+    assert want.any() and torch.equal(_reference(x, [(0, 2, n)], heads, 0.25, torch.float64).isnan(), want)
+    was = _ops().attention_avx512(int(isa == "avx512"))
+    try:
+        got, base = (_ops().qkv_self_attention(t, None, heads, n, 0.25) for t in (x, clean))
+    finally:
+        _ops().attention_avx512(int(was))
+    assert torch.equal(got.isnan(), want), part
+    assert torch.equal(got[~want], base[~want])

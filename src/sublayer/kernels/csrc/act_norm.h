@@ -130,10 +130,11 @@ template <int64_t act, typename A> inline A act_df(A z) {
 #if SUBLAYER_AVX2_FMA
 // Cephes expf on the float32 lanes of a vector (range reduction + degree-5 polynomial, ~1 ulp), inputs clamped to
 // [-87.3, 88.3], at any width: P the intrinsics' prefix (_mm256), W its bits, FLOOR rounds down. exp256 (8 lanes)
-// here; packed_attention.cpp makes exp512.
+// here; packed_attention.cpp makes exp512. A NaN stays NaN (max_ps / min_ps return their second operand when one
+// is NaN: x comes second; the bounds are nonzero, so other inputs clamp as either order would).
 #define SUBLAYER_VEXP(NAME, V, P, W, FLOOR)                                                                   \
   inline V NAME(V x) {                                                                                        \
-    x = P##_min_ps(P##_max_ps(x, P##_set1_ps(-87.3f)), P##_set1_ps(88.3f));                                   \
+    x = P##_min_ps(P##_set1_ps(88.3f), P##_max_ps(P##_set1_ps(-87.3f), x));                                   \
     const V n = FLOOR(P##_fmadd_ps(x, P##_set1_ps(1.44269504088896341f), P##_set1_ps(0.5f)));                 \
     V r = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x);                                                     \
     r = P##_fnmadd_ps(n, P##_set1_ps(-2.12194440e-4f), r);                                                    \

@@ -126,7 +126,16 @@ inline float head_scores(const float* q, const S* K, int64_t ks, const bool* m, 
   return mx;
 }
 
-// s[j] = exp(s[j] - mx) in place (-inf -> 0); returns their sum.
+// Whether a query sees no key (its output is zeros): head_scores' max mx is -inf and no score is NaN. The max
+// passes over NaN scores (a NaN in the query or a key), which make the softmax NaN, as torch's.
+inline bool no_key(float mx, const float* s, int64_t L) {
+  if (mx != -std::numeric_limits<float>::infinity()) return false;
+  for (int64_t j = 0; j < L; ++j)
+    if (std::isnan(s[j])) return false;
+  return true;
+}
+
+// s[j] = exp(s[j] - mx) in place (-inf -> 0, NaN stays); returns their sum.
 inline float exp_scores(float* s, int64_t L, float mx) {
   float sum = 0.0f;
   int64_t j = 0;
@@ -345,7 +354,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, con
           V = gv.data();
         }
         const float mx = head_scores(qh, K, hd, m, length, hd, sc, s.data());
-        if (mx == -std::numeric_limits<float>::infinity()) {  // every key masked: zeros (as SDPA)
+        if (no_key(mx, s.data(), length)) {  // every key masked: zeros (as SDPA)
           std::fill(o, o + hd, 0.0f);
           continue;
         }
@@ -397,10 +406,11 @@ Tensor qkv_self_attention(const Tensor& qkv, const c10::optional<Tensor>& mask, 
           constexpr bool f32 = std::is_same_v<std::remove_pointer_t<decltype(o)>, float>;
           float* of32 = f32 ? reinterpret_cast<float*>(o) : of.data();  // float32: written in place
           const int64_t L = causal ? t + 1 : S;  // the keys this query sees
-          const float mx = (m && m[t]) ? -std::numeric_limits<float>::infinity()
-                                       : head_scores(float_row(Q + t * rs, hd, qf.data()), K, rs, m, L, hd, sc,
-                                                     s.data());
-          if (mx == -std::numeric_limits<float>::infinity()) {  // a padding row, or no key to see: zeros
+          const bool pad_row = m && m[t];
+          const float mx = pad_row ? -std::numeric_limits<float>::infinity()
+                                   : head_scores(float_row(Q + t * rs, hd, qf.data()), K, rs, m, L, hd, sc,
+                                                 s.data());
+          if (pad_row || no_key(mx, s.data(), L)) {  // a padding row, or no key to see: zeros
             std::fill(of32, of32 + hd, 0.0f);
           } else {
             const float sum = exp_scores(s.data(), L, mx);
