@@ -295,3 +295,24 @@ def test_int8_linear_rows_of_subnormal_entries_quantize_as_zero(tiny, isa, layou
     assert torch.equal(want[0], b)
     torch.testing.assert_close(_linear(x, q, s, b, layout=layout), want)
     torch.testing.assert_close(_linear(x, q, s, None, layout=layout)[0], torch.zeros(7), atol=1e-36, rtol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("at", [(3, 7), (17, 18)], ids=["vector-part", "tail"])
+def test_int8_linear_rows_whose_range_overflows_float32(at, isa, layout):
+    # entries near -FLT_MAX and +FLT_MAX: hi - lo overflowed float32, so the scale was inf and every integer 0, the
+    # outputs NaN (reference and kernel). Now the range in float64: a finite scale, the row dequantized to within
+    # half a step, the outputs of the product's sign (+-inf here: the integer sums times the row's scale exceed
+    # float32 before the weights' scales multiply)
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(3, 19, generator=g)
+    x[0, at[0]], x[0, at[1]] = 3e38, -2.5e38
+    xq, sx = quantize_rows(x)
+    assert torch.isfinite(sx).all() and torch.isfinite(xq).all()
+    assert ((xq[0].double() * sx[0].double() - x[0].double()).abs() <= sx[0].double() * (0.5 + 1e-6)).all()
+    q, s, b = _int8(14, 7, 19), torch.rand(7, generator=g) * 0.05, torch.randn(7, generator=g)
+    want = int8_linear_reference(x, q, s, b)
+    assert not want.isnan().any() and torch.isinf(want[0]).any()
+    exact = F.linear(x.double(), q.double() * s.double()[:, None])
+    assert torch.equal(want[0].sign(), exact[0].sign())
+    torch.testing.assert_close(_linear(x, q, s, b, layout=layout), want)

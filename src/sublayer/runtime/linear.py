@@ -143,13 +143,20 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     ``[lo, hi] = [min(min_k x, 0), max(max_k x, 0)]``, ``s = (hi - lo) / 255``, the zero point
     ``zp = round(-lo * 255 / (hi - lo))`` and ``u = clamp(round_half_even(x * 255 / (hi - lo)) + zp, 0, 255)``:
     256 levels over each row's own range (an all-zero row: q = 0, s = 0; a row of subnormal entries, whose
-    ``255 / (hi - lo)`` overflows float32: q = 0, as zero)."""
+    ``255 / (hi - lo)`` overflows float32: q = 0, as zero; a row of finite entries whose ``hi - lo`` overflows
+    float32 (entries near -3.4e38 and +3.4e38): ``255 / (hi - lo)`` and s from the range in float64, rounded to
+    float32, both finite)."""
     lo = x.amin(dim=1, keepdim=True).clamp(max=0)
-    rng = x.amax(dim=1, keepdim=True).clamp(min=0) - lo
+    hi = x.amax(dim=1, keepdim=True).clamp(min=0)
+    rng = hi - lo
     inv = 255 / torch.where(rng > 0, rng, 1)
     inv = torch.where((rng > 0) & torch.isfinite(inv), inv, 0)
+    s = rng / 255
+    wide, rng64 = torch.isinf(rng) & torch.isfinite(lo) & torch.isfinite(hi), hi.double() - lo.double()
+    inv = torch.where(wide, (255 / rng64).to(x.dtype), inv)
+    s = torch.where(wide, (rng64 / 255).to(x.dtype), s)
     zp = torch.round(-lo * inv)
-    return (torch.round(x * inv) + zp).clamp_(0, 255) - zp, rng / 255
+    return (torch.round(x * inv) + zp).clamp_(0, 255) - zp, s
 
 
 def quantize_rows24(x: Tensor) -> tuple[Tensor, Tensor]:

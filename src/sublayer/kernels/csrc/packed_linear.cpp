@@ -961,7 +961,8 @@ inline void quad_kernel(const uint32_t* xu, int64_t xstride, int64_t K4, const i
 // x[k]), lo = min(min_k v, 0), hi = max(max_k v, 0), inv = 255 / (hi - lo), zero point zp = round(-lo * inv),
 // u[k] = clamp(round-half-even(v[k] * inv) + zp, 0, 255) (v ~ (u - zp) * scale, scale = (hi - lo) / 255: the
 // row's 256 levels span its own range). Writes u (K4 quads, padded with zp: u - zp = 0), sets *zp and returns the
-// scale (an all-zero row: u = 0, zp = 0, scale 0; a row whose 255 / range overflows float32: u = 0, zp = 0).
+// scale (an all-zero row: u = 0, zp = 0, scale 0; a row whose 255 / range overflows float32: u = 0, zp = 0; a row
+// of finite entries whose hi - lo overflows float32: inv and scale from the range in double, both finite).
 float quantize_row(const float* x, const float* S, int64_t K, int64_t K4, uint8_t* out, int32_t* zp_out) {
   float lo = 0.f, hi = 0.f;
   int64_t k = 0;
@@ -982,7 +983,13 @@ float quantize_row(const float* x, const float* S, int64_t K, int64_t K4, uint8_
     hi = std::max(hi, v);
   }
   // a range under 255 / FLT_MAX (subnormal entries) would make 255 / range infinite: such a row quantizes as zero
-  const float range = hi - lo, inv = range > 0.f && std::isfinite(255.f / range) ? 255.f / range : 0.f;
+  const float range = hi - lo;
+  float inv = range > 0.f && std::isfinite(255.f / range) ? 255.f / range : 0.f, scale = range / 255.f;
+  if (std::isinf(range) && std::isfinite(lo) && std::isfinite(hi)) {  // entries near -FLT_MAX and +FLT_MAX
+    const double wide = double(hi) - double(lo);
+    inv = float(255.0 / wide);
+    scale = float(wide / 255.0);
+  }
   const int32_t zp = int32_t(std::nearbyint(-lo * inv));
   k = 0;
 #if defined(__AVX512F__)
@@ -1002,7 +1009,7 @@ float quantize_row(const float* x, const float* S, int64_t K, int64_t K4, uint8_
   }
   for (k = K; k < 4 * K4; ++k) out[k] = uint8_t(zp);
   *zp_out = zp;
-  return range / 255.f;
+  return scale;
 }
 
 // A row as 24-bit integers (int8_linear's bits = 24: weight-only precision on the int8 kernels): v[k] = x[k] *
