@@ -163,3 +163,35 @@ def test_int8_panels_reject_bad_inputs():
         kernels.ops().skinny_linear(torch.randn(2, 3), packed, None, 5, 0, torch.ones(4))
     with pytest.raises(RuntimeError, match="float32, float16, bfloat16 or int8"):
         kernels.ops().pack_linear_weight(torch.zeros(5, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("tiny", [1e-40, 1e-43])
+def test_rows_of_subnormal_entries_scale_to_zero(tiny):
+    # 1 / max|v| overflows float32 for such a row: int8_scale_rows and the epilogues preparing the next input
+    # (scale_row) gave inf and NaN (0 * inf); now r = 1 and zeros, as Int8Linear.prepare's reference (the row
+    # quantized as zero; its products are below float32's normal range either way)
+    from sublayer.models.quantized import Int8Linear as DynamicInt8Linear
+
+    x, inv, _, _ = _data()
+    x[4] *= tiny
+    for smooth in (None, inv):
+        xs, r = kernels.ops().int8_scale_rows(x, smooth)
+        assert r[4].item() == 1.0 and torch.equal(xs[4], torch.zeros(37)) and torch.isfinite(xs).all()
+        assert_close(xs[:4], (x[:4] if smooth is None else x[:4] * smooth) / r[:4])
+    lin = DynamicInt8Linear(torch.ones(3, 37, dtype=torch.int8), torch.ones(3), None, smooth=1 / inv)
+    was = kernels.switched_on()
+    kernels.set_enabled(False)
+    try:
+        xs_ref, r_ref = lin.prepare(x)
+    finally:
+        kernels.set_enabled(was)
+    xs, r = lin.prepare(x)
+    assert torch.equal(r_ref[4], torch.ones(1)) and torch.equal(xs_ref[4], torch.zeros(37))
+    assert_close((xs, r), (xs_ref, r_ref))
+    y = x.abs()  # relu keeps the subnormal row
+    h, r2 = kernels.ops().int8_act_rows_(y.clone(), None, None, ACT_IDS["relu"], inv)
+    assert r2[4].item() == 1.0 and torch.equal(h[4], torch.zeros(37)) and torch.isfinite(h).all()
+    assert_close(h[:4], y[:4] * inv / r2[:4])
+    w = torch.full((37,), 1e-41)  # a subnormal norm weight: every normalised row subnormal
+    _, xs, r2 = kernels.ops().int8_add_norm_rows_(y.clone(), None, None, torch.zeros_like(y), w, torch.zeros(37), 1e-5, inv)
+    assert torch.equal(r2, torch.ones(7, 1)) and torch.equal(xs, torch.zeros(7, 37))

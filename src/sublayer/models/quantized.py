@@ -209,12 +209,14 @@ class Int8Linear(_Epilogues):
                 torch.backends.quantized.engine = prev
 
     def prepare(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``(xs, r)``: ``x / smooth`` divided by its per-token max ``r`` (N, 1): what the int8 GEMM quantizes."""
+        """``(xs, r)``: ``x / smooth`` divided by its per-token max ``r`` (N, 1): what the int8 GEMM quantizes (a
+        row of subnormal entries, whose ``1 / r`` overflows float32: ``xs`` zeros, ``r`` 1)."""
         if kernels_on():
             return kernels.ops().int8_scale_rows(x, self._inv)
         x = x * self._inv
         r = _row_scale(x)
-        return x / r, r
+        tiny = torch.isinf(1 / r)  # subnormal entries only (1 / max overflows float32): the row quantized as zero
+        return torch.where(tiny, 0.0, x / r), r.masked_fill(tiny, 1.0)
 
     def raw(self, x: Tensor, pre: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """``(y, r)`` with ``y * r = x @ W.T`` (no bias): the int8 GEMM of ``pre`` or of ``prepare(x)``."""

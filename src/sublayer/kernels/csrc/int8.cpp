@@ -2,6 +2,7 @@
 //
 //  * int8_scale_rows(x, inv_smooth?) -> (xs, r): r[i] = max_k |x[i,k] * inv_smooth[k]| (1 for an all-zero row),
 //    xs[i,k] = x[i,k] * inv_smooth[k] / r[i]; one read of x, one write of xs (a row stays in L1 between passes).
+//    A row of subnormal entries, whose 1 / r[i] overflows float32, gets r[i] = 1 and xs[i] = 0 (quantized as zero).
 //  * int8_rescale_rows_(y, r, bias?) -> y: y[i,j] = y[i,j] * r[i] + bias[j], in place.
 //  * int8_act_rows_(y, r?, bias?, act, inv_next?) -> (y, r2): h = act(y * r + bias) (the FFN's first epilogue);
 //    with inv_next, y := h * inv_next / r2 and r2 = the rows' max |h * inv_next| (the next linear's input),
@@ -63,9 +64,9 @@ std::tuple<Tensor, Tensor> int8_scale_rows(const Tensor& x, const std::optional<
         oi[k] = v;
         m = std::max(m, std::fabs(v));
       }
-      const float ri = m > 0.f ? m : 1.f;
+      float ri = m > 0.f ? m : 1.f, inv = 1.f / ri;
+      if (std::isinf(inv)) ri = 1.f, inv = 0.f;  // subnormal entries only (1 / max overflows): a row of zeros
       R[i] = ri;
-      const float inv = 1.f / ri;
       k = 0;
 #ifdef __AVX2__
       const __m256 vinv = _mm256_set1_ps(inv);
@@ -103,7 +104,8 @@ Tensor int8_rescale_rows_(Tensor y, const Tensor& r, const std::optional<Tensor>
   return y;
 }
 
-// v[0:K] *= inv_next (if any); returns max |v| (1 for an all-zero row) and divides v by it.
+// v[0:K] *= inv_next (if any); returns max |v| and divides v by it (1 for an all-zero row; for a row of subnormal
+// entries, whose 1 / max overflows, 1 with v set to zeros, as int8_scale_rows).
 inline float scale_row(float* v, const float* inv, int64_t K) {
   float m = 0.f;
   if (inv) {
@@ -116,7 +118,8 @@ inline float scale_row(float* v, const float* inv, int64_t K) {
 #pragma omp simd reduction(max : m)
     for (int64_t k = 0; k < K; ++k) m = std::max(m, std::fabs(v[k]));
   }
-  const float r = m > 0.f ? m : 1.f, ir = 1.f / r;
+  float r = m > 0.f ? m : 1.f, ir = 1.f / r;
+  if (std::isinf(ir)) r = 1.f, ir = 0.f;
 #pragma omp simd
   for (int64_t k = 0; k < K; ++k) v[k] *= ir;
   return r;
