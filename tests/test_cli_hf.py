@@ -106,7 +106,8 @@ def test_generate_text_without_tokenizer(cli, tmp_path):
     ("args", "match"),
     [
         (("--model", "{missing}", "1 2"), "error: --model: checkpoint folder not found: {missing}"),
-        (("--model", "{gpt2}", "1 2", "-n", str(MAX_POS)), f"exceeds max_positions={MAX_POS}"),
+        (("--model", "{gpt2}", "1 2", "-n", str(MAX_POS)),
+         f"error: prompt length 2 + --max-new-tokens {MAX_POS} exceeds max_positions={MAX_POS}"),
         (("--model", "{gpt2}", "1 2", "--top-p", "2"), "error: --top-p must be in (0, 1], got 2.0"),
         (("--model", "{gpt2}", "1 2", "--temperature", "0"), "error: --temperature must be a float > 0 to sample, got 0.0"),
         (("--model", "{gpt2}", "1 2", "--top-k", "-2"), "error: --top-k must be a positive int, got -2"),
@@ -320,6 +321,17 @@ def test_generate_stream_prints_the_same_text(cli, gpt2_dir):
     code, out, _ = cli("generate", "--model", gpt2_dir, "the quick brown fox", "-n", "7")
     code2, streamed, err = cli("generate", "--model", gpt2_dir, "the quick brown fox", "-n", "7", "--stream")
     assert code == code2 == 0 and streamed == out and err == ""
+
+
+def test_generate_errors_name_the_flags_not_the_library_arguments(cli, gpt2_dir, tmp_path):
+    code, out, err = cli("generate", "--model", gpt2_dir, "the quick", "-n", str(MAX_POS), "--stream")
+    _one_line_error(code, err, f"error: prompt length 2 + --max-new-tokens {MAX_POS} exceeds max_positions={MAX_POS}")
+    assert out == ""  # the prompt is not printed before the error
+    make_hf_gpt2().save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_length": 2}))
+    code, _, err = cli("generate", "--model", tmp_path, "5 6 7")
+    _one_line_error(code, err, "error: --max-new-tokens is not given and generation_config.max_length=2 leaves no "
+                               "room after the prompt's 3 tokens: pass --max-new-tokens")
 
 
 def test_generate_text_stops_at_eos(cli, gpt2_dir):

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import inspect
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -47,13 +48,21 @@ class CLIError(Exception):
 
 
 def _flag_errors(command):
-    """A command whose ValueError/TypeError naming one of its options (``top_p must be ...``: the library's check
-    of the value passed on) names the flag the user typed instead (``--top-p must be ...``)."""
+    """A command whose ValueError/TypeError names one of its options (``top_p must be ...``, ``prompt length 2 +
+    max_new_tokens 40 exceeds ...``: the library's check of the value passed on) names the flag the user typed
+    instead (``--top-p must be ...``, ``... + --max-new-tokens 40 exceeds ...``): an option's name as the
+    message's first word, and an option's name with an underscore wherever it stands as a word of its own (not
+    after a dot: ``generation_config.max_length`` is a file's field). A one-word name elsewhere in the message
+    (``model``, ``seed``) is prose and stays."""
     flags = {
         name: next(d for d in p.default.param_decls if d.startswith("--"))
         for name, p in inspect.signature(command).parameters.items()
         if isinstance(p.default, typer.models.OptionInfo) and p.default.param_decls
     }
+
+    def flag(m: re.Match) -> str:
+        word = m.group(0)
+        return flags[word] if word in flags and (m.start() == 0 or "_" in word) else word
 
     @functools.wraps(command)
     def run(*args, **kwargs):
@@ -61,9 +70,9 @@ def _flag_errors(command):
             return command(*args, **kwargs)
         except (ValueError, TypeError) as e:
             msg = str(e)
-            name = msg.split(" ", 1)[0]
-            if name in flags and not _state["debug"]:
-                raise CLIError(flags[name] + msg[len(name):]) from None
+            renamed = re.sub(r"(?<![\w.])\w+", flag, msg)
+            if renamed != msg and not _state["debug"]:
+                raise CLIError(renamed) from None
             raise
 
     return run
@@ -315,8 +324,10 @@ def generate(
         out = gen.model.generate(torch.tensor([ids]), streamer=counter, **options)[0].tolist()
         typer.echo(" ".join(map(str, out)))
     elif stream:  # pieces as they are made; no speed line (a piece may hold several tokens)
-        typer.echo(prompt, nl=False)
-        for piece in gen.stream(prompt, **options):
+        pieces = gen.stream(prompt, **options)
+        first = next(pieces, "")  # a bad option raises here: before the prompt is printed
+        typer.echo(prompt + first, nl=False)
+        for piece in pieces:
             typer.echo(piece, nl=False)
         typer.echo("")
         return
