@@ -245,6 +245,20 @@ def test_resume_refuses_other_data_or_data_order(droppy, tmp_path):
         T.train(_resume_cfg(droppy, tmp_path, resume=True))
 
 
+def test_resume_refuses_another_model_and_takes_the_same_folder_however_spelled(droppy, tmp_path, cli, monkeypatch):
+    T.train(_resume_cfg(droppy, tmp_path, steps=1))
+    with pytest.raises(ValueError, match=r"model \('builtin:gpt2-tiny'\) differs from the checkpoint's \("
+                       + re.escape(repr(str(droppy))) + r"\) in .*: a resumed run continues the model it started with"):
+        T.train(_resume_cfg(droppy, tmp_path, resume=True, model="builtin:gpt2-tiny"))
+    code, _, err = cli("train", "--model", "builtin:llama-tiny", "--data", "builtin:numbers", "--out", str(tmp_path),
+                       "--batch-size", "4", "--seq-len", "32", "--resume", "--quiet")  # fmt: skip
+    assert code == 2 and err.startswith(f"error: --model ('builtin:llama-tiny') differs from the checkpoint's "
+                                        f"({str(droppy)!r})"), err  # fmt: skip
+    monkeypatch.chdir(droppy.parent)
+    T.train(_resume_cfg(droppy, tmp_path, resume=True, steps=2, model=droppy.name + "/"))  # the same folder
+    assert json.loads((tmp_path / "trainer_state.json").read_text())["step"] == 2
+
+
 def test_resume_from_a_checkpoint_cut_short_before_its_trainer_state_is_refused(droppy, tmp_path, monkeypatch):
     from sublayer.demo import checkpoint as C
 

@@ -168,6 +168,16 @@ def evaluate(model: nn.Module, rows: D.Rows, batch_size: int) -> float:
     return total / max(count, 1)
 
 
+def _same_model(given: str, saved: str) -> bool:
+    """Whether ``--model`` names the model a checkpoint was started from: the same built-in name, or the same folder
+    however spelled (a relative path read from the current folder)."""
+    if given == saved:
+        return True
+    if given.startswith("builtin:") or saved.startswith("builtin:"):
+        return False
+    return Path(given).expanduser().resolve() == Path(saved).expanduser().resolve()
+
+
 def train(
     cfg: TrainConfig,
     *,
@@ -206,6 +216,10 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
         state = read_training_state(out)
         if not isinstance(state.get("train_config"), dict):
             raise ValueError(f"--resume: {out / STATE_NAME} is not a checkpoint of sublayer train (no train_config)")
+        saved_model = state["train_config"].get("model")
+        if isinstance(saved_model, str) and not _same_model(cfg.model, saved_model):
+            raise ValueError(f"model ({cfg.model!r}) differs from the checkpoint's ({saved_model!r}) in {out}: a "
+                             "resumed run continues the model it started with")  # fmt: skip
         for name in DATA_ORDER:  # (seq_len: None takes the checkpoint's)
             if name not in state["train_config"]:
                 raise CheckpointError(f"trainer state {out / STATE_NAME} is not valid: train_config lacks {name!r}")
