@@ -340,3 +340,21 @@ def test_atomic_write_gives_the_mode_open_would(tmp_path, umask):
         assert mode(tmp_path / "a.json") == 0o640 and (tmp_path / "a.json").read_text() == "[]"
     finally:
         os.umask(old)
+
+
+@pytest.mark.parametrize("folder", [None, 3, b"gpt2", ["gpt2"], True])
+def test_from_pretrained_and_save_pretrained_of_a_non_path_name_the_argument_and_the_rule(folder):
+    from sublayer.models import Llama, Transformer, TransformerConfig
+    from sublayer.models.quantized import load_quantized
+    from sublayer.text import Encoder, TextGenerator
+
+    rule = re.escape(f"folder must be a folder's path (a str or an os.PathLike such as pathlib.Path), got {folder!r} "
+                     f"({type(folder).__name__})")  # fmt: skip
+    for load in (GPT2.from_pretrained, Llama.from_pretrained, Bert.from_pretrained, Transformer.from_pretrained,
+                 Encoder.from_pretrained, TextGenerator.from_pretrained, load_quantized, read_config):  # fmt: skip
+        with pytest.raises(TypeError, match=rule):
+            load(folder)
+    model = Transformer.from_config(TransformerConfig(src_vocab_size=7, tgt_vocab_size=7, d_model=6, n_heads=3, d_ff=5,
+                                                      n_layers=1))
+    with pytest.raises(TypeError, match=rule):
+        model.save_pretrained(folder)

@@ -27,6 +27,7 @@ __all__ = [
     "SAFETENSORS_NAME",
     "SAFETENSORS_INDEX_NAME",
     "TORCH_BIN_NAME",
+    "folder_path",
     "resolve_folder",
     "hub_cache",
     "cached_snapshot",
@@ -80,14 +81,27 @@ def cached_snapshot(name: str) -> Path | None:
     return found[-1] if found else None
 
 
+def folder_path(folder: str | os.PathLike, name: str = "folder") -> Path:
+    """``folder`` (a ``str`` or an ``os.PathLike`` of a str path) as a ``Path``.
+
+    Raises:
+        TypeError: anything else (None, bytes, a number...), naming ``name``, the value and the rule.
+    """
+    if isinstance(folder, str) or (isinstance(folder, os.PathLike) and isinstance(os.fspath(folder), str)):
+        return Path(folder)
+    raise TypeError(f"{name} must be a folder's path (a str or an os.PathLike such as pathlib.Path), got {folder!r} "
+                    f"({type(folder).__name__})")  # fmt: skip
+
+
 def resolve_folder(folder: str | os.PathLike) -> Path:
     """The folder as a ``Path``: a local folder, or a model name (``"gpt2"``, ``"org/model"``) that the local
     Hugging Face cache holds (:func:`cached_snapshot`; nothing is downloaded).
 
     Raises:
-        FileNotFoundError: neither (saying how to get a folder). NotADirectoryError: it is a file.
+        FileNotFoundError: neither (saying how to get a folder). NotADirectoryError: it is a file. TypeError:
+        ``folder`` is not a str or an ``os.PathLike`` (:func:`folder_path`).
     """
-    path = Path(folder)
+    path = folder_path(folder)
     if not path.exists():
         cached = cached_snapshot(str(folder))
         if cached is not None:
@@ -256,10 +270,13 @@ def write_folder(folder: str | os.PathLike, tensors: Mapping[str, Tensor], confi
 
     Returns:
         The folder's path (created if missing).
+
+    Raises:
+        TypeError: ``folder`` is not a str or an ``os.PathLike`` (:func:`folder_path`).
     """
     from safetensors.torch import save_file
 
-    path = Path(folder)
+    path = folder_path(folder)
     path.mkdir(parents=True, exist_ok=True)
     # clone: safetensors refuses tensors that share memory (tied weights) and non-contiguous views.
     data = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .. import functional as SF
 from ..functional.cross_entropy import check_options, check_targets
-from ..checkpoints.io import CONFIG_NAME, SAFETENSORS_NAME, check_and_convert, write_folder
+from ..checkpoints.io import CONFIG_NAME, SAFETENSORS_NAME, check_and_convert, folder_path, write_folder
 from .._checks import check_choice, check_finite, check_positive_int, check_probability, check_tensor
 from ..nn import DecoderBlock, EncoderBlock, TransformerDecoder, TransformerEncoder
 from ..functional.packing import PackedBatch
@@ -457,10 +457,11 @@ class Transformer(nn.Module):
         Raises:
             FileNotFoundError: missing folder or file (named). ValueError: bad config, unreadable weights;
             :class:`~sublayer.checkpoints.CheckpointError` (a ValueError): key/shape mismatches, all in one message.
+            TypeError: ``folder`` is not a str or an ``os.PathLike``.
         """
         from safetensors.torch import load_file
 
-        folder = Path(folder)
+        folder = folder_path(folder)
         if not folder.is_dir():
             raise FileNotFoundError(f"checkpoint folder not found: {folder}")
         config = TransformerConfig.load(folder / CONFIG_NAME)
