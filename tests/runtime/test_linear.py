@@ -20,9 +20,10 @@ def _case(seed: int, rows: int, n: int = 37, k: int = 29):
 def _bf16_reference(x, w, b, activation=None, *, given_bf16=False):
     """What PackedLinear(dtype=bf16) computes: the bf16 weight in the kernel (x rounded to bf16 too for several rows
     on the vdpbf16ps kernel); above skinny_max_rows() torch's GEMM, in bf16 on a native-bf16 CPU, elsewhere on the
-    float32 weight as given (``given_bf16``: the bf16 one widened)."""
+    float32 weight as given (``given_bf16``: the bf16 one widened); with the kernels switched off (or unbuilt) torch's
+    GEMM for every row count."""
     wb = w.bfloat16()
-    if x.shape[0] > skinny_max_rows() or not kernels.available():
+    if x.shape[0] > skinny_max_rows() or not kernels.enabled():
         if kernels.native_bf16_gemm():
             y = torch.mm(x.bfloat16(), wb.t()).float() + b
         else:
@@ -58,14 +59,16 @@ def test_float32_packed_linear_matches_f_linear(onednn_fp32, monkeypatch):
     for rows, n, k in ((1, 37, 29), (7, 37, 29), (skinny_max_rows() + 2, 37, 29), (89, 509, 389)):
         x, w, b = _case(rows, rows, n, k)
         assert_close(PackedLinear(w, b)(x), F.linear(x, w, b), rtol=1e-5, atol=1e-6 * k)  # sums of k products
-    assert len(calls) == onednn_fp32  # 89 x 389 x 509: over oneDNN's minimum product
+    # 89 x 389 x 509: over oneDNN's minimum product; with the kernels switched off, F.linear throughout
+    assert len(calls) == (onednn_fp32 and kernels.switched_on())
 
 
 def test_bf16_packed_linear_takes_bf16_weights_and_flat_gives_its_panels():
     x, w, b = _case(3, 4)
     lin = PackedLinear(w.bfloat16(), b, dtype=torch.bfloat16)
     assert_close(lin(x), _bf16_reference(x, w, b, given_bf16=True), rtol=1e-5, atol=1e-5)
-    if kernels.available():
+    assert (lin.flat() is not None) == kernels.enabled()
+    if kernels.enabled():
         packed, scale, bias = lin.flat()
         compact = compact_kernels()  # 12-bit bf16 panels on AVX-512 + AVX512_BF16 CPUs
         assert packed.dtype == (torch.uint8 if compact else torch.bfloat16) and scale.numel() == 0 and bias is lin.bias
