@@ -87,6 +87,16 @@ def test_bf16_packed_linear_without_kernels_uses_torch(monkeypatch):
     assert_close(lin(x), want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_without_kernels_takes_an_empty_x(dtype, monkeypatch):
+    monkeypatch.setattr(kernels, "_enabled", False)
+    x, w, b = _case(5, 0)
+    lin = PackedLinear(w, b, dtype=dtype)
+    for activation in (None, "gelu_tanh"):
+        y = lin(x, activation)
+        assert y.shape == (0, 37) and y.dtype == torch.float32
+
+
 def test_packed_linear_rejects_other_dtypes():
     with pytest.raises(ValueError, match="dtype must be torch.float32 or torch.bfloat16, got torch.float16"):
         PackedLinear(torch.randn(3, 2), dtype=torch.float16)

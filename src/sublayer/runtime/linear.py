@@ -80,7 +80,8 @@ class PackedLinear:
                 self.packed = compact_bf16(panels)
             if self.packed is None:
                 self.packed = kernels.ops().pack_linear_weight(panels)
-        self.max_rows = skinny_max_rows() if self.packed is not None else 0  # decided once, not per call
+        # decided once, not per call; without panels -1: torch's GEMM for every row count, an empty x included
+        self.max_rows = skinny_max_rows() if self.packed is not None else -1
 
     def __call__(self, x: Tensor, activation: str | None = None) -> Tensor:
         """``activation`` (an FFN activation name) is applied after the bias: fused into the kernel's epilogue
