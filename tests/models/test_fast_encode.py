@@ -9,7 +9,7 @@ import torch
 from sublayer import kernels, record_attention
 from sublayer.models import Transformer, decoding, fast_encode
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="C++ kernels unavailable")
+pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="C++ kernels switched off or unavailable")
 
 
 def _model(d_model: int, n_heads: int, *, norm_first: bool, activation: str = "relu", seed: int = 0) -> Transformer:

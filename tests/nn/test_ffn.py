@@ -320,7 +320,7 @@ def test_dropout_statistics_in_training(where, p):
     # Keep-rate within 5 standard deviations of 1-p; kept values scaled by 1/(1-p) (the fused path: by 1 / its
     # real keep rate, 1 - p rounded to 2^-16, so that the mean is unbiased).
     assert abs(kept.float().mean().item() - (1 - p)) < 5 * (p * (1 - p) / kept.numel()) ** 0.5
-    keep = fused.keep_probability(p) if kernels.available() else 1 - p
+    keep = fused.keep_probability(p) if kernels.enabled() else 1 - p
     assert_close(out[kept], (x + 1)[kept] / keep)
 
 

@@ -139,6 +139,7 @@ def test_linear_formats_share_the_call():
         OneDNNLinear(w, b, dtype=torch.float16)
 
 
+@pytest.mark.skipif(not kernels.enabled(), reason="C++ kernels switched off or unavailable")
 @pytest.mark.parametrize("padding", PADDINGS + ["all"])
 def test_bf16_attention_kernel_on_either_path_follows_bert(padding, monkeypatch):
     # FastBert bf16 and QuantizedBert run packed_self_attention (vdpbf16ps kernel, then its portable loop)
