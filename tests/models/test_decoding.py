@@ -174,6 +174,29 @@ def test_translate_of_an_empty_source_equals_the_reference(beam_size, kernels_mo
     assert want.shape[0] == 2 and m.translate(src, 5, **kw).tolist() == want.tolist()
 
 
+def test_translate_under_autocast_runs_every_forward_under_it(beam_size, monkeypatch):
+    from sublayer.models import fast_encode
+
+    torch.manual_seed(0)
+    m = Transformer(37, 37, d_model=21, n_heads=3, d_ff=29, n_layers=2, max_len=31).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(3.0)  # sharp logits: bf16 products change the tokens
+    src = torch.randint(3, 37, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(3, 9, dtype=torch.bool)
+    mask[2, 5:] = True
+    fast = []
+    for name, mod in (("transformer_stepper", decoding), ("encode", fast_encode)):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, **k: fast.append(r := _real(*a, **k)) or r)
+    kw = {"bos": 1, "eos": 2, "src_key_padding_mask": mask, "beam_size": beam_size}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = m.translate(src, 20, **kw)
+        want = reference_decoding(lambda: m.translate(src, 20, **kw))
+    assert fast and all(r is None for r in fast), "a fast path ran under autocast"
+    assert got.tolist() == want.tolist()
+
+
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_translate_with_a_gated_ffn_equals_the_reference(activation, beam_size, kernels_mode):

@@ -292,6 +292,33 @@ def test_generate_under_inference_mode_and_bfloat16_parameters(steps_taken):
     assert (got == ref).float().mean() >= 0.8  # fp32 steps over bf16 weights vs bf16 steps: same tokens mostly
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_generate_under_autocast_runs_every_step_under_it(family, steps_taken):
+    # as HF's generate: the prompt and each step through the modules under autocast (bf16 GEMMs), the reference loop
+    from sublayer.models import GPT2, GPT2Config, LlamaConfig
+
+    torch.manual_seed(2 if family == "gpt2" else 1)
+    if family == "gpt2":
+        model = GPT2(GPT2Config(vocab_size=37, d_model=21, n_layers=2, n_heads=3, d_ff=29, max_positions=41))
+    else:
+        model = Llama(LlamaConfig(vocab_size=37, d_model=18, n_layers=2, n_heads=3, n_kv_heads=1, d_ff=29,
+                                  max_positions=41))  # fmt: skip
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)  # sharp logits: bf16 products change the tokens
+    model.eval()
+    x = torch.randint(0, 37, (3, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(x)
+    mask[0, :2] = 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model.generate(x, 20, attention_mask=mask)
+        want = reference_decoding(lambda: model.generate(x, 20, attention_mask=mask))
+    assert not steps_taken, "the fast step ran under autocast"
+    assert got.tolist() == want.tolist()
+    assert not torch.equal(want, model.generate(x, 20, attention_mask=mask))  # autocast changed the tokens
+    assert steps_taken  # and without it the fast step runs again
+
+
 @pytest.mark.parametrize("rows", [False, True])
 def test_decode_attention_grouped_query_equals_sdpa(kernels_mode, rows):
     """q (N, H·hd) against caches of H_kv heads (H = 6: 2 groups of 3, and 1 kv head) == SDPA over the

@@ -38,7 +38,7 @@ from ..runtime.causal import enabled, set_enabled
 from ..runtime.kv_cache import StaticKVCache, decode_attention
 from ..runtime.linear import NO_SCALE, GreedyHead, PackedLinear, skinny_max_rows
 from ..runtime.rows import EPILOGUE, kernels_on, residual_out
-from ..runtime.rules import fast_path_allowed
+from ..runtime.rules import autocast_on, fast_path_allowed
 from ..runtime.weights import clear_cache, prepared  # clear_cache: drop every model's prepared weights
 
 __all__ = [
@@ -54,14 +54,14 @@ def prepared_weights(module: torch.nn.Module, build):
 
 
 def float32_cpu(module: torch.nn.Module, norms: list) -> bool:
-    """float32 parameters on the CPU, ``norms`` LayerNorms with bias (None entries: no norm there), and the
-    fast-path rule (:mod:`sublayer.runtime.rules`: not sharded, no forward hook on any submodule) allows it;
-    otherwise the reference loops run."""
+    """float32 parameters on the CPU, ``norms`` LayerNorms with bias (None entries: no norm there), the
+    fast-path rule (:mod:`sublayer.runtime.rules`: not sharded, no forward hook on any submodule) allows it and
+    CPU autocast is off; otherwise the reference loops run."""
     from ..nn import LayerNorm
 
     ok = all(p.dtype == torch.float32 and p.device.type == "cpu" for p in module.parameters())
     ok = ok and all(n is None or (isinstance(n, LayerNorm) and n.bias is not None) for n in norms)
-    return ok and fast_path_allowed(module)
+    return ok and fast_path_allowed(module) and not autocast_on()
 
 
 def norm_params(n) -> tuple[Tensor, Tensor, float]:

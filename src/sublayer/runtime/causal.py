@@ -35,7 +35,7 @@ from .generation import token_loop
 from .kv_cache import StaticKVCache, decode_attention
 from .linear import NO_SCALE, GreedyHead, PackedLinear, skinny_max_rows
 from .rows import add_norm, kernels_on, norm_rows
-from .rules import fast_path_allowed
+from .rules import autocast_on, fast_path_allowed
 from .weights import prepared
 
 __all__ = [
@@ -381,11 +381,14 @@ def decode(
 
 def supports(model: nn.Module) -> bool:
     """Whether the packed decoding runs ``model``: switched on, float32 or bfloat16 CPU parameters (float32
-    panels, or bfloat16 ones for an all-bfloat16 model: :func:`packed_weights`), and the fast-path rule (:mod:`sublayer.runtime.rules`: not sharded, no forward hook on any submodule)."""
+    panels, or bfloat16 ones for an all-bfloat16 model: :func:`packed_weights`), the fast-path rule
+    (:mod:`sublayer.runtime.rules`: not sharded, no forward hook on any submodule) and CPU autocast off (under
+    autocast the reference loop runs every step under it, as the prompt)."""
     return (
         enabled()
         and all(p.dtype in (torch.float32, torch.bfloat16) and p.device.type == "cpu" for p in model.parameters())
         and fast_path_allowed(model)
+        and not autocast_on()
     )
 
 

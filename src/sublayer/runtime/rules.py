@@ -8,6 +8,10 @@ modules compute without calling every module's ``forward``. It therefore steps a
   the modules' own calls with the padded layout (:func:`sublayer.record_attention`, steering hooks, probes);
 * the model is sharded (DTensor parameters: tensor parallel, FSDP2), whose redistributing hooks the fast paths do
   not reproduce.
+
+The decoding step and the translate encoder, which multiply in their weights' dtype, also step aside while CPU
+autocast is on (:func:`autocast_on`): ``generate`` and ``translate`` then run every forward under autocast, as
+Hugging Face's ``generate`` does. (``fast_inference``'s forms ignore autocast: their dtype decides.)
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from torch import nn
 
 from ..nn.hooks import hooked
 
-__all__ = ["has_hooks", "sharded", "fast_path_allowed"]
+__all__ = ["has_hooks", "sharded", "fast_path_allowed", "autocast_on"]
 
 
 def has_hooks(model: nn.Module) -> bool:
@@ -37,3 +41,9 @@ def sharded(model: nn.Module) -> bool:
 def fast_path_allowed(model: nn.Module) -> bool:
     """The rule of the module docstring: not sharded and no hooks."""
     return not has_hooks(model) and not sharded(model)
+
+
+def autocast_on() -> bool:
+    """Whether ``torch.autocast("cpu", ...)`` is on: the fast paths that compute in their weights' dtype (the
+    decoding step, the translate encoder) step aside for the modules' own forwards, which follow it."""
+    return torch.is_autocast_enabled("cpu")
