@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from .._checks import check_positive_int
 from ..models.transformer import Transformer
+from ..checkpoints.io import CheckpointError
 from ..runtime.rows import eval_mode
 from .checkpoint import STATE_NAME, load_optimizer, load_checkpoint, save_checkpoint
 from .config import DemoConfig, demo_threads
@@ -121,15 +122,25 @@ def check_start(cfg, rank: int, world_size: int, group: str) -> Path:
 RESUME_KEEPS = ("seed", "batch_size", "d_model", "n_heads", "d_ff", "n_layers", "dropout", "norm_first")
 
 
-def check_kept(cfg, saved: object, names: tuple[str, ...], out: Path) -> None:
+def check_kept(
+    cfg, saved: object, names: tuple[str, ...], out: Path, *,
+    keeps: str = "the model and the data order it started with", required: str | None = None,
+) -> None:  # fmt: skip
     """ValueError naming the first of ``names`` whose value in ``cfg`` differs from ``saved`` (the settings the
-    checkpoint in ``out`` was trained with; not a dict: nothing to compare)."""
+    checkpoint in ``out`` was trained with; not a dict: nothing to compare): a resumed run keeps ``keeps``. A value
+    None in ``cfg`` takes the checkpoint's. A name missing from ``saved`` is skipped, or with ``required`` (the
+    name of ``saved`` in the trainer state) a CheckpointError naming the trainer state file."""
     if not isinstance(saved, dict):
         return
     for name in names:
-        if name in saved and getattr(cfg, name) != saved[name]:
-            raise ValueError(f"{name} ({getattr(cfg, name)!r}) differs from the checkpoint's ({saved[name]!r}) in "
-                             f"{out}: a resumed run keeps the model and the data order it started with")  # fmt: skip
+        if name not in saved:
+            if required is not None:
+                raise CheckpointError(f"trainer state {out / STATE_NAME} is not valid: {required} lacks {name!r}")
+            continue
+        given = getattr(cfg, name)
+        if given is not None and given != saved[name]:
+            raise ValueError(f"{name} ({given!r}) differs from the checkpoint's ({saved[name]!r}) in {out}: a resumed "
+                             f"run keeps {keeps}")  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -14,13 +14,12 @@ import torch
 from torch import nn
 
 from .._checks import check_positive_int, check_probability
-from ..checkpoints.io import CheckpointError
 from ..demo.config import warmup_cosine
 from ..demo.checkpoint import STATE_NAME, load_optimizer, read_training_state, save_checkpoint, write_text
 from ..demo.plots import plot_losses
 from ..demo.report import echo
 from ..demo.signals import hold_signals
-from ..demo.training import LMLoss, Run, adamw, check_start, run_rank, run_steps, torch_threads
+from ..demo.training import LMLoss, Run, adamw, check_kept, check_start, run_rank, run_steps, torch_threads
 from ..runtime.rows import eval_mode
 from ..text import causal_lm_class
 from . import data as D
@@ -220,13 +219,8 @@ def _train(cfg: TrainConfig, rank, world_size, wrap_model, on_step, out: Path) -
         if isinstance(saved_model, str) and not _same_model(cfg.model, saved_model):
             raise ValueError(f"model ({cfg.model!r}) differs from the checkpoint's ({saved_model!r}) in {out}: a "
                              "resumed run continues the model it started with")  # fmt: skip
-        for name in DATA_ORDER:  # (seq_len: None takes the checkpoint's)
-            if name not in state["train_config"]:
-                raise CheckpointError(f"trainer state {out / STATE_NAME} is not valid: train_config lacks {name!r}")
-            given, saved = getattr(cfg, name), state["train_config"][name]
-            if given is not None and given != saved:
-                raise ValueError(f"{name} ({given!r}) differs from the checkpoint's ({saved!r}): a resumed run keeps "
-                                 "its data order")  # fmt: skip
+        # (seq_len: None takes the checkpoint's)
+        check_kept(cfg, state["train_config"], DATA_ORDER, out, keeps="its data order", required="train_config")
         model = causal_lm_class(out, "train").from_pretrained(out, dtype=torch.float32).train()
         tokenizer, source = read_tokenizer(out), None
         seq_len = state["train_config"]["seq_len"]
