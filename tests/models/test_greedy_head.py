@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from sublayer import kernels
 from sublayer.models.decoding import GreedyHead
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="C++ kernels unavailable")
+pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="C++ kernels switched off or unavailable")
 
 
 def _gen(seed: int) -> torch.Generator:
