@@ -24,6 +24,19 @@ def _seed() -> None:
     torch.manual_seed(SEED)
 
 
+@pytest.fixture(autouse=True)
+def _switches():
+    """Every test leaves the kernels' and the fast decoding's switches as it found them (a test that switches one off
+    and back on must not turn on what ``SUBLAYER_KERNELS=0`` or ``SUBLAYER_DECODING=0`` switched off for the run)."""
+    from sublayer import kernels
+    from sublayer.runtime import causal
+
+    was = kernels.switched_on(), causal.enabled()
+    yield
+    kernels.set_enabled(was[0])
+    causal.set_enabled(was[1])
+
+
 def grads(*tensors: torch.Tensor) -> list[torch.Tensor | None]:
     """The ``.grad`` of each tensor (parameters or leaf inputs), for side-by-side comparisons."""
     return [t.grad for t in tensors]
