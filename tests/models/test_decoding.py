@@ -174,6 +174,7 @@ def test_translate_of_an_empty_source_equals_the_reference(beam_size, kernels_mo
     assert want.shape[0] == 2 and m.translate(src, 5, **kw).tolist() == want.tolist()
 
 
+@pytest.mark.parametrize("beam_size", [1, 3])
 def test_translate_under_autocast_runs_every_forward_under_it(beam_size, monkeypatch):
     from sublayer.models import fast_encode
 
