@@ -186,6 +186,15 @@ def test_layer_norm_wrong_trailing_dims_names_expected_and_got():
         SF.rms_norm(torch.randn(2, 5), (3, 5))
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_norms_refuse_a_non_floating_input(dtype):
+    """An integer or bool input is a TypeError (F.layer_norm raises too), not a normalised result cast back to it."""
+    x = torch.ones(2, 5, dtype=dtype)
+    for fn in (lambda: SF.layer_norm(x, 5), lambda: SF.rms_norm(x, 5), lambda: SF.add_norm(x, x, 5)):
+        with pytest.raises(TypeError, match=rf"x must be a floating-point tensor, got dtype {dtype}"):
+            fn()
+
+
 @pytest.mark.parametrize("shape", [0, -3, (3, 0)])
 def test_norm_non_positive_normalized_shape(shape):
     with pytest.raises(ValueError, match=r"normalized_shape.*positive int"):

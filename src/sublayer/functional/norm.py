@@ -37,6 +37,8 @@ def _checked(x: Tensor, normalized_shape: int | Sequence[int], **params: Tensor 
     ``x``'s trailing dims and the parameters' shapes are checked against ``normalized_shape``."""
     shape = normalize_shape("normalized_shape", normalized_shape)
     check_last_dims("x", x, shape)
+    if not x.is_floating_point():  # else the statistics run in float32 and the result is cast back to x's dtype
+        raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
     for name, t in params.items():
         check_param_shape(name, t, shape)
     return tuple(range(-len(shape), 0)), x.to(acc_dtype(x))
@@ -65,6 +67,7 @@ def layer_norm(
     Raises:
         ValueError: if the trailing dims of ``x`` (or the shape of ``weight``/``bias``) differ from
             ``normalized_shape``.
+        TypeError: ``x`` not floating-point.
     """
     dims, xf = _checked(x, normalized_shape, weight=weight, bias=bias)
     mean = xf.mean(dim=dims, keepdim=True)
@@ -99,6 +102,7 @@ def rms_norm(
 
     Raises:
         ValueError: if the trailing dims of ``x`` (or the shape of ``weight``) differ from ``normalized_shape``.
+        TypeError: ``x`` not floating-point.
     """
     dims, xf = _checked(x, normalized_shape, weight=weight)
     y = xf * torch.rsqrt((xf * xf).mean(dim=dims, keepdim=True) + eps)
