@@ -281,3 +281,12 @@ def test_functional_bad_arguments():
     with pytest.raises(TypeError, match=r"attn_mask must be bool .* got dtype torch.uint8"):
         attention(torch.randn(1, 1, 2, 3), torch.randn(1, 1, 2, 3), torch.randn(1, 1, 2, 3),
                   attn_mask=torch.zeros(2, 2, dtype=torch.uint8))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["key_padding_mask", "attn_mask"])
+def test_a_mask_on_another_device_names_the_mask_and_both_devices(name):
+    q = torch.randn(2, 3, 4, 5)
+    shape = (2, 4) if name == "key_padding_mask" else (4, 4)
+    mask = torch.zeros(shape, dtype=torch.bool, device="meta")
+    with pytest.raises(ValueError, match=rf"{name} device meta does not match query device cpu"):
+        attention(q, q, q, **{name: mask})

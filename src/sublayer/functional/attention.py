@@ -69,14 +69,17 @@ def causal_mask(t_q: int, t_k: int, *, device: torch.device | None = None) -> Te
     return j <= i + (t_k - t_q)
 
 
-def _check_mask_dtype(name: str, mask: Tensor) -> None:
+def _check_mask_dtype(name: str, mask: Tensor, q: Tensor) -> None:
     check_tensor(name, mask)
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(f"{name} must be bool (True = masked) or floating (additive), got dtype {mask.dtype}")
+    if mask.device != q.device:
+        raise ValueError(f"{name} device {mask.device} does not match query device {q.device}")
 
 
-def _attn_mask_4d(attn_mask: Tensor, b: int, h: int, t_q: int, t_k: int) -> Tensor:
-    _check_mask_dtype("attn_mask", attn_mask)
+def _attn_mask_4d(attn_mask: Tensor, q: Tensor, t_k: int) -> Tensor:
+    b, h, t_q = q.shape[:3]
+    _check_mask_dtype("attn_mask", attn_mask, q)
     if attn_mask.dim() == 2 and attn_mask.shape == (t_q, t_k):
         return attn_mask[None, None]
     if attn_mask.dim() == 3 and attn_mask.shape == (b * h, t_q, t_k):
@@ -123,7 +126,7 @@ def attention(
     t_k = k.shape[-2]
     masks = []  # (B | 1, H | 1, T_q | 1, T_k), bool True = masked or additive
     if key_padding_mask is not None:
-        _check_mask_dtype("key_padding_mask", key_padding_mask)
+        _check_mask_dtype("key_padding_mask", key_padding_mask, q)
         if key_padding_mask.shape != (b, t_k):
             raise ValueError(
                 f"key_padding_mask must have shape (batch, key_len) = ({b}, {t_k}), "
@@ -131,7 +134,7 @@ def attention(
             )
         masks.append(key_padding_mask[:, None, None, :])
     if attn_mask is not None:
-        masks.append(_attn_mask_4d(attn_mask, b, h, t_q, t_k))
+        masks.append(_attn_mask_4d(attn_mask, q, t_k))
     allowed: Tensor | None = None  # bool, True = may attend
     additive: Tensor | None = None
     for m in masks:

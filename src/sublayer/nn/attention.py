@@ -48,8 +48,8 @@ class MultiHeadAttention(nn.Module):
     Raises:
         ValueError: ``d_model % n_heads != 0`` without ``head_dim`` (naming both), ``n_heads % n_kv_heads != 0``
         (naming both), non-positive sizes, dropout outside [0, 1);
-        at call time: wrong shapes, integer masks, q/k/v dtype or device mismatch (between themselves, or with
-        the weights outside autocast).
+        at call time: wrong shapes, integer masks or masks on another device, q/k/v dtype or device mismatch
+        (between themselves, or with the weights outside autocast).
     """
 
     def __init__(
