@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -332,6 +333,21 @@ def test_bad_inputs():
             m.translate(src, 5, bos=BOS, eos=EOS, beam_size=2, length_penalty=bad)
     with pytest.raises(TypeError, match=r"length_penalty must be a finite float, got 'a' \(str\)"):
         m.translate(src, 5, bos=BOS, eos=EOS, beam_size=2, length_penalty="a")
+
+
+
+@pytest.mark.parametrize("caches", [False, True])
+def test_decode_names_a_bad_memory_key_padding_mask(caches):
+    """On every path (padding-free or padded, with or without caches), not as the attention's key_padding_mask."""
+    m = tiny()
+    tgt, memory = ids(2, 4, vocab=TGT_V), torch.randn(2, 5, 14)
+    kw = {"caches": m.decoder.new_caches()} if caches else {}
+    for mask in (torch.zeros(2, 4, dtype=torch.bool), torch.ones(2, 6, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"memory_key_padding_mask must have shape \(batch, src_len\) = "
+                                             rf"\(2, 5\), got {re.escape(str(tuple(mask.shape)))}"):  # fmt: skip
+            m.decode(tgt, memory, memory_key_padding_mask=mask, **kw)
+    with pytest.raises(TypeError, match="memory_key_padding_mask must be a torch.Tensor, got list"):
+        m.decode(tgt, memory, memory_key_padding_mask=[[False] * 5] * 2, **kw)
 
 
 # ---- attention maps and training -------------------------------------------------------------------------------

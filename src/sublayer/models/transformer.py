@@ -222,6 +222,13 @@ class Transformer(nn.Module):
         if caches is None:
             _check_padding_mask("tgt_key_padding_mask", tgt_key_padding_mask, tgt, "tgt")
         mkpm = memory_key_padding_mask
+        if mkpm is not None:  # bool or additive float (the padded path takes both)
+            check_tensor("memory_key_padding_mask", mkpm)
+            if tuple(mkpm.shape) != tuple(memory.shape[:2]):
+                raise ValueError(
+                    f"memory_key_padding_mask must have shape (batch, src_len) = {tuple(memory.shape[:2])}, "
+                    f"got {tuple(mkpm.shape)}"
+                )
         if caches is None and (mkpm is None or mkpm.dtype == torch.bool):
             packed = self._packed_decode(tgt, memory, mkpm, tgt_key_padding_mask)
             if packed is not None:  # the same decoder on the real tokens of target and memory
@@ -242,13 +249,8 @@ class Transformer(nn.Module):
     ) -> tuple[Tensor, PackedBatch] | None:
         """``(h (N, d_model), target descriptor)``: the decoder on the real tokens of target and memory, or None
         where the padded path runs."""
-        if not padding_free.applies(self, mkpm, tkpm):
+        if not padding_free.applies(self, mkpm, tkpm):  # (mkpm's shape: checked by decode, or encode for loss)
             return None
-        if mkpm is not None and tuple(mkpm.shape) != tuple(memory.shape[:2]):
-            raise ValueError(
-                f"memory_key_padding_mask must have shape (batch, src_len) = {tuple(memory.shape[:2])}, "
-                f"got {tuple(mkpm.shape)}"
-            )
         pk_t = PackedBatch(tkpm, batch=tgt.shape[0], seq_len=tgt.shape[1])
         pk_m = PackedBatch(mkpm, batch=memory.shape[0], seq_len=memory.shape[1])
         x = self._packed_embed(self.tgt_embed, tgt, pk_t)
