@@ -119,3 +119,28 @@ def test_unconvertible_layers_name_what_differs():
         DecoderBlock.from_torch(nn.TransformerEncoderLayer(D, H, F))
     with pytest.raises(TypeError, match="EncoderBlock.from_torch needs an nn.TransformerEncoderLayer"):
         EncoderBlock.from_torch(nn.Linear(3, 3))
+
+
+def test_decoder_layer_with_another_memory_size_converts():
+    """A cross-attention with kdim = vdim != d_model converts to a DecoderBlock with that memory_dim."""
+    ref = nn.TransformerDecoderLayer(D, H, F, dropout=0.0, batch_first=True)
+    ref.multihead_attn = nn.MultiheadAttention(D, H, kdim=7, vdim=7, batch_first=True, dropout=0.0)
+    randomize_(ref)
+    ours = DecoderBlock.from_torch(ref)
+    x, mem = torch.randn(B, T, D), torch.randn(B, S, 7)
+    causal = nn.Transformer.generate_square_subsequent_mask(T)
+    torch.testing.assert_close(ours(x, mem), ref(x, mem, tgt_mask=causal, tgt_is_causal=True), **TOL)
+
+
+def test_attention_shapes_a_block_cannot_hold_are_named():
+    ref = nn.TransformerDecoderLayer(D, H, F, dropout=0.0)
+    ref.multihead_attn = nn.MultiheadAttention(D, 5, dropout=0.0)  # 5 heads beside self_attn's 3: no silent 3
+    with pytest.raises(ValueError, match="one number of heads .*self_attn.num_heads=3, multihead_attn.num_heads=5"):
+        DecoderBlock.from_torch(ref)
+    ref.multihead_attn = nn.MultiheadAttention(D, H, kdim=7, vdim=13, dropout=0.0)
+    with pytest.raises(ValueError, match="multihead_attn has kdim=7 and vdim=13: .*one memory size"):
+        DecoderBlock.from_torch(ref)
+    ref = nn.TransformerEncoderLayer(D, H, F, dropout=0.0)
+    ref.self_attn = nn.MultiheadAttention(D, H, kdim=7, vdim=7, dropout=0.0)
+    with pytest.raises(ValueError, match=r"self_attn has kdim=7 and vdim=7: .*d_model=15"):
+        EncoderBlock.from_torch(ref)

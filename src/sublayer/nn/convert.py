@@ -17,6 +17,7 @@ torch                                        sublayer
 silu, function or module)
 ``norm_first``, ``norm1.eps``, ``bias``,     the same options
 ``dropout``
+``multihead_attn.kdim`` (= ``vdim``)         ``memory_dim``
 ===========================================  ===========================================================
 
 The weights are copied (the block does not share memory with the layer); the block keeps the layer's device,
@@ -105,7 +106,9 @@ def block_from_torch(cls: type, layer: nn.Module) -> nn.Module:
         TypeError: the layer is not the torch class that matches ``cls``.
         ValueError: something with no counterpart, named: an activation other than relu/gelu/silu, ``add_bias_kv``,
         ``add_zero_attn``, norms without affine weights or with different eps, some biases present and others not,
-        different dropout probabilities in different places.
+        different dropout probabilities or numbers of heads in different places, key/value sizes other than
+        d_model (self-attention) or than each other (cross-attention; one size other than d_model becomes the
+        block's ``memory_dim``).
     """
     decoder = any(c.__name__ == "DecoderBlock" for c in cls.__mro__)
     want = nn.TransformerDecoderLayer if decoder else nn.TransformerEncoderLayer
@@ -121,6 +124,14 @@ def block_from_torch(cls: type, layer: nn.Module) -> nn.Module:
         norms = {"norm1": "attn_residual.norm", "norm2": "ffn_residual.norm"}
         dropouts = ("dropout", "dropout1", "dropout2")
     activation = _activation(layer)
+    n_heads = _one({f"{n}.num_heads": m.num_heads for n, (_, m) in attns.items()}, "number of heads")
+    memory_dim = None
+    for name, (ours, mha) in attns.items():
+        if mha.kdim != mha.vdim or (name == "self_attn" and mha.kdim != d_model):
+            rule = f"its keys and values have size d_model={d_model}" if name == "self_attn" else "one memory size"
+            raise ValueError(f"{name} has kdim={mha.kdim} and vdim={mha.vdim}: the block's {ours} takes {rule}")
+        if name == "multihead_attn" and mha.kdim != d_model:
+            memory_dim = mha.kdim
     state: dict[str, Tensor | None] = {}
     for name, (ours, mha) in attns.items():
         state |= _attention(mha, name, ours)
@@ -145,9 +156,10 @@ def block_from_torch(cls: type, layer: nn.Module) -> nn.Module:
         )
     bias = next(iter(has_bias.values()))
     ref = layer.self_attn.out_proj.weight
+    extra = {"memory_dim": memory_dim} if memory_dim is not None else {}
     block = cls(
-        d_model, layer.self_attn.num_heads, layer.linear1.out_features, dropout=dropout, activation=activation,
-        norm_first=bool(layer.norm_first), eps=eps, bias=bias, device=ref.device, dtype=ref.dtype,
+        d_model, n_heads, layer.linear1.out_features, dropout=dropout, activation=activation,
+        norm_first=bool(layer.norm_first), eps=eps, bias=bias, device=ref.device, dtype=ref.dtype, **extra,
     )  # fmt: skip
     with torch.no_grad():
         block.load_state_dict({k: v.detach() for k, v in state.items() if v is not None})  # strict: all filled
