@@ -350,6 +350,13 @@ def test_decode_names_a_bad_memory_key_padding_mask(caches):
         m.decode(tgt, memory, memory_key_padding_mask=[[False] * 5] * 2, **kw)
 
 
+
+def test_decode_names_a_memory_of_another_dtype():
+    m = tiny()
+    with pytest.raises(TypeError, match=r"memory must have the model's dtype torch.float32, got torch.float64"):
+        m.decode(ids(2, 4, vocab=TGT_V), torch.randn(2, 5, 14, dtype=torch.float64))
+
+
 # ---- attention maps and training -------------------------------------------------------------------------------
 
 

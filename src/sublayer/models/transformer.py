@@ -122,7 +122,8 @@ class Transformer(nn.Module):
 
     Raises:
         ValueError/TypeError: bad sizes at construction; at call time, non-2-D or non-integer ids, ids out of
-        range, sequences longer than max_len, masks of the wrong shape or dtype, batch mismatches.
+        range, sequences longer than max_len, masks of the wrong shape or dtype, batch mismatches, a ``decode``
+        memory of another shape or dtype than the model's.
     """
 
     def __init__(
@@ -219,6 +220,9 @@ class Transformer(nn.Module):
                 f"memory must have shape (batch={tgt.shape[0]}, src_len, d_model={c.d_model}), "
                 f"got {tuple(memory.shape)}"
             )
+        dt = torch.promote_types(self.tgt_embed.weight.dtype, self.pos_encoding.dtype)  # the decoder's queries'
+        if memory.dtype != dt:
+            raise TypeError(f"memory must have the model's dtype {dt}, got {memory.dtype}")
         if caches is None:
             _check_padding_mask("tgt_key_padding_mask", tgt_key_padding_mask, tgt, "tgt")
         mkpm = memory_key_padding_mask
