@@ -20,6 +20,7 @@ from ..functional.cross_entropy import check_options, check_targets
 from ..checkpoints.io import CONFIG_NAME, SAFETENSORS_NAME, check_and_convert, folder_path, write_folder
 from .._checks import check_choice, check_finite, check_positive_int, check_probability, check_tensor
 from ..nn import DecoderBlock, EncoderBlock, TransformerDecoder, TransformerEncoder
+from ..nn.hooks import hooked
 from ..functional.packing import PackedBatch
 from ..runtime import generation, padding_free
 from ..runtime.rows import eval_mode
@@ -292,7 +293,8 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """Teacher-forced cross-entropy of ``tgt_out`` given ``src`` and ``tgt_in``, without a (B, T, vocab) logits
         tensor: the output projection and the loss run as one fused, chunked op
-        (:func:`sublayer.functional.linear_cross_entropy`) on the positions that have a target only.
+        (:func:`sublayer.functional.linear_cross_entropy`) on the positions that have a target only. While
+        ``out_proj`` has a hook, it is called itself on the padded layout (as :meth:`forward` calls it).
 
         Equals ``F.cross_entropy(self(src, tgt_in, src_key_padding_mask=..., tgt_key_padding_mask=...)
         .flatten(0, 1), tgt_out.flatten(), ignore_index=ignore_index, label_smoothing=label_smoothing,
@@ -341,6 +343,13 @@ class Transformer(nn.Module):
             targets = pk.pack(targets)
         else:
             h = self._padded_decode(tgt_in, memory, tgt_key_padding_mask, src_key_padding_mask)
+        if hooked(self.out_proj, backward=True):  # the head's own forward (padded layout: the hook rule), as forward
+            logits = self.out_proj(h)
+            logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+            return nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index,
+                label_smoothing=label_smoothing, reduction=reduction,
+            )  # fmt: skip
         return SF.linear_cross_entropy(
             h.reshape(-1, h.shape[-1]), self.out_proj.weight, targets.reshape(-1), bias=self.out_proj.bias,
             ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction, grad_in_forward=True,
