@@ -181,3 +181,22 @@ def test_uint8_labels_equal_int64_labels():
     mask[1, 4:] = 0
     for kw in ({}, {"attention_mask": mask}):
         assert_close(model.loss(ids, labels=ids.to(torch.uint8), **kw), model.loss(ids, labels=ids, **kw))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_hook_on_the_lm_head_sees_the_loss_and_shapes_it(gpt2_folder, padded):
+    """The head's forward hooks run in loss as in forward (a hook that changes the logits changes both), on the
+    padded layout, and the gradients follow the hooked logits."""
+    model = GPT2.from_pretrained(gpt2_folder).eval()
+    x, mask = _right_padded() if padded else (_ids(), None)
+    calls = []
+    model.lm_head.register_forward_hook(lambda mod, args, out: calls.append(tuple(out.shape)) or out * 2.0)
+    got = model.loss(x, attention_mask=mask)
+    assert calls == [(*x.shape, VOCAB)]
+    logits = model(x, attention_mask=mask)
+    labels = x if mask is None else x.masked_fill(mask == 0, -100)
+    want = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
+    assert_close(got, want)
+    (g_got,) = torch.autograd.grad(got, model.lm_head.weight)
+    (g_want,) = torch.autograd.grad(want, model.lm_head.weight)
+    assert_close(g_got, g_want)

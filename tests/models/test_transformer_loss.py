@@ -58,7 +58,6 @@ def test_loss_and_gradients_equal_forward_plus_cross_entropy(norm_first, kw, mas
         assert_close(a, b, msg=lambda msg, name=name: f"{name}: {msg}")
 
 
-
 def test_a_hook_on_the_output_projection_sees_the_loss_and_shapes_it():
     """The head's forward hooks run in loss as in forward (a hook that changes the logits changes both)."""
     m = tiny()
@@ -69,6 +68,7 @@ def test_a_hook_on_the_output_projection_sees_the_loss_and_shapes_it():
     got = m.loss(src, tgt_in, tgt_out, src_key_padding_mask=src_mask, tgt_key_padding_mask=tgt_mask, **kw)
     assert calls == [(3, 7, TGT_V)]  # the padded layout, as forward gives it
     assert_close(got, _reference(m, src, tgt_in, tgt_out, src_mask, tgt_mask, **kw))
+
 
 def test_the_demo_semantics_pad_targets_ignored_by_id():
     # the demo: pad id 0 in tgt_out is ignored, summed loss, no target mask given to the decoder

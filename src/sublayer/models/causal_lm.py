@@ -25,6 +25,7 @@ from .. import functional as SF
 from .._checks import check_attention_mask, check_input_ids
 from ..functional.cross_entropy import check_options, check_targets
 from ..functional.packing import PackedBatch, document_mask
+from ..nn.hooks import hooked
 from .. import checkpoints as ckpt
 from ..checkpoints import FROM_CONFIG
 from ..runtime import causal, generation, padding_free
@@ -252,7 +253,8 @@ class CausalLM(_Decoding, nn.Module):
     ) -> Tensor:
         """Mean next-token cross-entropy, equal to HF ``GPT2LMHeadModel(input_ids, attention_mask=...,
         labels=...).loss``; the LM head runs only at positions that have a target, as one fused linear +
-        cross-entropy (:func:`sublayer.functional.linear_cross_entropy`): no (B, T, vocab) logits are kept.
+        cross-entropy (:func:`sublayer.functional.linear_cross_entropy`): no (B, T, vocab) logits are kept. While
+        ``lm_head`` has a hook, it is called itself on the padded layout (as :meth:`forward` calls it).
 
         Args:
             input_ids: (B, T) ids. attention_mask: (B, T) 1 = token, 0 = padding (HF convention), optional.
@@ -274,7 +276,8 @@ class CausalLM(_Decoding, nn.Module):
         targets = shifted_targets(self.config, input_ids, labels, kpm, ignore_index)
         # every position with a target runs, padding or not (the last left pad predicts the first token)
         run = None if kpm is None else ~kpm | (targets != ignore_index)
-        packed = self._packed_hidden(input_ids, position_ids, kpm, run)
+        head_hooked = hooked(self.lm_head, backward=True)
+        packed = None if head_hooked else self._packed_hidden(input_ids, position_ids, kpm, run)
         if packed is not None:
             h, pk = packed
             targets = pk.pack(targets)
@@ -282,6 +285,10 @@ class CausalLM(_Decoding, nn.Module):
             kpm = kpm if kpm is not None and bool(kpm.any()) else None
             h = self._hidden(input_ids, position_ids, kpm, None).reshape(b * t, -1)
             targets = targets.reshape(-1)
+        if head_hooked:  # the head's own forward on the padded layout (the hook rule), as forward calls it
+            logits = self.lm_head(h.reshape(b, t, -1))
+            logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+            return F.cross_entropy(logits.reshape(b * t, -1), targets, ignore_index=ignore_index)
         # grad_in_forward: the head's gradients are made in the forward pass (3 GEMMs, not 4), holding one
         # (vocab, d_model) weight gradient until backward instead of any logits
         return SF.linear_cross_entropy(
