@@ -94,7 +94,8 @@ def buffer_cache(limit_mb: float | None = None) -> dict[str, float]:
         limit_mb: new limit in MiB (0 empties the cache and turns it off); None leaves it.
 
     Returns:
-        ``{"limit_mb", "cached_mb", "blocks", "hits", "misses"}``; all zero when the kernels are unavailable.
+        ``{"limit_mb", "cached_mb", "blocks", "hits", "misses"}``; all zero when the kernels are switched off or
+        unavailable.
 
     Raises:
         TypeError: ``limit_mb`` not a number. ValueError: ``limit_mb`` negative, not finite or above 2**40.

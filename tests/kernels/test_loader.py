@@ -80,6 +80,28 @@ def test_switch_off_never_builds(monkeypatch):
         kernels.set_enabled(True)
 
 
+def test_switched_off_nothing_asks_for_the_extension(monkeypatch):
+    # available() itself, buffer_cache and an explicit impl="fused": switched off, no build, no load, no warning
+    built = []
+    monkeypatch.setattr(kernels, "_build", lambda: built.append(1))
+    monkeypatch.setattr(kernels, "_registered", lambda: False)  # as in a fresh process
+    kernels._reset_for_tests()
+    kernels.set_enabled(False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not kernels.available() and not kernels.enabled()
+            assert sublayer.memory.buffer_cache()["limit_mb"] == 0.0
+            x = torch.randn(3, 5)
+            with pytest.raises(RuntimeError, match=r"impl='fused' cannot run: the kernels are switched off"):
+                fused.add_norm(x, x, 5, impl="fused")
+            assert kernels.status().startswith("off")
+        assert built == [] and kernels.build_error() is None
+    finally:  # the switch: restored by conftest's fixture
+        monkeypatch.undo()
+        kernels._reset_for_tests()
+
+
 def test_real_missing_compiler_in_a_fresh_process(tmp_path):
     # A fresh process, an empty cache and a compiler that does not exist: one warning that names the cause and
     # points at the user's line (here the module call in the -c script), then the reference path.

@@ -24,7 +24,7 @@ PADDINGS = ["right", "left", "empty_row", "none"]
 
 @contextlib.contextmanager
 def kernels_switched(flag: bool):
-    was = kernels.enabled()
+    was = kernels.switched_on()
     kernels.set_enabled(flag)
     try:
         yield

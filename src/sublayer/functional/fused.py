@@ -111,6 +111,8 @@ def _why_not_fused(dtypes_ok: bool, *ts: Tensor | None) -> str | None:
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return "torch.compile / functorch transforms use the reference path"
     if not kernels.available():
+        if not kernels.switched_on():
+            return "the kernels are switched off (SUBLAYER_KERNELS=0 or sublayer.kernels.set_enabled(False))"
         return f"the kernels are unavailable ({kernels.build_error()})"
     if not _plain_cpu(*ts):
         return "the fused path needs plain CPU tensors"

@@ -19,6 +19,7 @@ If the extension cannot be built (no compiler, no ninja, a compile error, the lo
 cause and the modules use the pure-PyTorch reference path of :mod:`sublayer.functional`.
 
 Switches: ``SUBLAYER_KERNELS=0`` in the environment, or :func:`set_enabled` (``False`` forces the reference path).
+Switched off, nothing is built or loaded: :func:`available` is False, ``impl="fused"`` raises.
 This package imports nothing from sublayer but :mod:`sublayer.settings`; :mod:`sublayer.kernels.cpu` reads the
 CPU's features for every module.
 """
@@ -82,8 +83,8 @@ def use_onednn(t: torch.Tensor, n: int | None = None) -> bool:
 
 
 def enabled() -> bool:
-    """True when the fast path is switched on AND the extension is built (builds it on first call)."""
-    return switched_on() and available()
+    """True when the fast path is switched on AND the extension is built (builds it on first call): :func:`available`."""
+    return available()
 
 
 def _registered() -> bool:
@@ -95,7 +96,10 @@ def _registered() -> bool:
 
 
 def available() -> bool:
-    """Build/load the extension once per process; False (with one warning) if that fails."""
+    """Whether the kernels can run: switched on (:func:`switched_on`) and the extension built/loaded, once per
+    process (False, with one warning, if that fails). Switched off: False, and nothing is built or loaded."""
+    if not switched_on():
+        return False
     if _state["tried"]:
         return _state["ok"]
     limit_mb = settings.buffer_cache_mb()  # a bad value is the user's to fix, not a failed build
