@@ -20,6 +20,12 @@ from sublayer.kernels import _loader
 from sublayer.functional import fused
 
 
+@pytest.fixture(autouse=True)
+def _switched_on():
+    """The loader's tests build on purpose: switched on, also in a SUBLAYER_KERNELS=0 run (conftest restores it)."""
+    kernels.set_enabled(True)
+
+
 def test_builds_here_and_is_cached():
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.fail("no C++ compiler on this machine: the fast path cannot be tested")
@@ -117,7 +123,7 @@ def test_real_missing_compiler_in_a_fresh_process(tmp_path):
         "print(ws[0].message)\n"
     )
     cxx = tmp_path / "no-such-c++"
-    env = dict(os.environ, CXX=str(cxx), SUBLAYER_KERNELS_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, SUBLAYER_KERNELS="1", CXX=str(cxx), SUBLAYER_KERNELS_CACHE=str(tmp_path / "cache"))
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     first, message = res.stdout.splitlines()
@@ -264,7 +270,8 @@ def test_the_cause_of_a_failed_build_is_shown_not_the_command():
 
 def test_build_ahead_of_time_command():
     # `python -m sublayer.kernels` (e.g. in a Dockerfile after pip install): builds or loads, prints the status
-    res = subprocess.run([sys.executable, "-m", "sublayer.kernels"], capture_output=True, text=True, timeout=600)
+    env = dict(os.environ, SUBLAYER_KERNELS="1")
+    res = subprocess.run([sys.executable, "-m", "sublayer.kernels"], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("active") and str(kernels.cache_dir()) in res.stdout
 
@@ -344,7 +351,7 @@ def test_the_real_library_truncated_in_the_cache_never_kills_the_process(tmp_pat
     # child cannot rebuild (no compiler): the reference path with one warning naming the file.
     assert kernels.available()
     key = kernels.cache_dir()
-    env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"), SUBLAYER_KERNELS_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, SUBLAYER_KERNELS="1", CXX=str(tmp_path / "no-such-c++"), SUBLAYER_KERNELS_CACHE=str(tmp_path / "cache"))
     try:  # the child's cache folder (its key names the missing compiler)
         monkeypatch.setattr(os, "environ", env)
         _loader._key.clear()
