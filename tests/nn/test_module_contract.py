@@ -1,5 +1,5 @@
 """The module contract, for every public module: device/dtype factory kwargs, meta-device init, deepcopy, pickle,
-state_dict round trip, non-contiguous input = contiguous input, batch 0 and sequence 0 give empty outputs."""
+state_dict round trip, non-contiguous input = contiguous input, batch 0 and sequence 0 give empty outputs, gradcheck in float64 over the inputs and every parameter."""
 
 from __future__ import annotations
 
@@ -112,3 +112,22 @@ def test_empty_batch_or_sequence(case, b, t):
     assert out.shape == (b, t, case.out_dim)
     out.sum().backward()
     assert all(p.grad is None or (torch.isfinite(p.grad).all() and (p.grad == 0).all()) for p in m.parameters())
+
+
+@cases
+def test_gradcheck_float64_inputs_and_parameters(case):
+    m = built(case, dtype=torch.float64)
+    args, kwargs = case.inputs(2, 3, torch.float64, "cpu")
+    slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    names, params = zip(*m.named_parameters()) if list(m.parameters()) else ((), ())
+    leaves = [args[i].detach().clone().requires_grad_(True) for i in slots]
+    leaves += [p.detach().clone().requires_grad_(True) for p in params]
+
+    def f(*ts):
+        a = list(args)
+        for i, x in zip(slots, ts[: len(slots)]):
+            a[i] = x
+        state = dict(zip(names, ts[len(slots) :]))
+        return output(torch.func.functional_call(m, state, tuple(a), kwargs))
+
+    assert torch.autograd.gradcheck(f, tuple(leaves), fast_mode=True)  # a random projection: fast for big stacks
