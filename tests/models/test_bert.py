@@ -224,3 +224,21 @@ def test_from_pretrained_is_in_eval_mode_and_embed_ignores_the_mode(tmp_path):
     model.train()
     assert torch.equal(model.embed(ids, mask), first) and torch.equal(model.embed(ids, mask), first)
     assert model.training and all(m.training for m in model.modules())  # the mode is restored
+
+
+def test_gradcheck_float64_with_padding():
+    cfg = BertConfig(vocab_size=11, d_model=6, n_layers=1, n_heads=3, d_ff=5, max_positions=7, dropout=0.0,
+                     attn_dropout=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    model = Bert(cfg, dtype=torch.float64)
+    names, params = zip(*[(n, p.detach().clone().requires_grad_(True)) for n, p in model.named_parameters()])
+    x = torch.tensor([[1, 4, 7, 2], [3, 3, 9, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])  # right padding: the padding-free path runs
+
+    def f(*ps):
+        out = torch.func.functional_call(
+            model, dict(zip(names, ps)), (x,), {"attention_mask": mask, "return_dict": True}
+        )
+        return out.last_hidden_state[mask.bool()], out.pooler_output
+
+    assert torch.autograd.gradcheck(f, params, fast_mode=True)

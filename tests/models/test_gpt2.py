@@ -454,3 +454,34 @@ def test_small_integer_ids_are_refused_with_the_dtype_named(ours, dtype):
 def test_position_ids_range_error_names_max_positions(ours):
     with pytest.raises(ValueError, match=rf"position_ids must lie in \[0, max_positions={MAX_POS}\)"):
         ours(_ids(), position_ids=torch.full((3, 7), MAX_POS))
+
+
+class _Loss(torch.nn.Module):
+    """``model.loss`` as a module's forward, for ``torch.func.functional_call``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        return self.model.loss(*args, **kwargs)
+
+
+def test_gradcheck_float64_forward_and_loss_with_padding():
+    cfg = GPT2Config(vocab_size=11, max_positions=7, d_model=6, n_layers=1, n_heads=3, d_ff=5,
+                     dropout=0.0, embd_dropout=0.0, attn_dropout=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    model = _Loss(GPT2(cfg, dtype=torch.float64))
+    names, params = zip(*[(n, p.detach().clone().requires_grad_(True)) for n, p in model.named_parameters()])
+    x = torch.tensor([[1, 4, 7, 2], [3, 3, 9, 10]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])  # left padding: the padding-free path runs
+
+    def logits(*ps):
+        return torch.func.functional_call(model.model, {n[6:]: p for n, p in zip(names, ps)}, (x,),
+                                          {"attention_mask": mask})[mask.bool()]  # fmt: skip
+
+    def loss(*ps):
+        return torch.func.functional_call(model, dict(zip(names, ps)), (x,), {"attention_mask": mask})
+
+    assert torch.autograd.gradcheck(logits, params, fast_mode=True)
+    assert torch.autograd.gradcheck(loss, params, fast_mode=True)

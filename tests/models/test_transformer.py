@@ -400,3 +400,37 @@ def test_converges_on_reversal():
 def test_from_pretrained_is_in_eval_mode(tmp_path):
     tiny(norm_first=True, seed=9).train().save_pretrained(tmp_path)
     assert not any(m.training for m in Transformer.from_pretrained(tmp_path).modules())
+
+
+class _Loss(torch.nn.Module):
+    """``model.loss`` as a module's forward, for ``torch.func.functional_call``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        return self.model.loss(*args, **kwargs)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_gradcheck_float64_forward_and_loss_with_padding(norm_first):
+    torch.manual_seed(0)
+    model = Transformer(11, 13, d_model=6, n_heads=3, d_ff=5, n_layers=1, dropout=0.0, max_len=7,
+                        norm_first=norm_first, dtype=torch.float64)  # fmt: skip
+    names, params = zip(*model.named_parameters())
+    flat = torch.cat([p.detach().flatten() for p in params]).requires_grad_(True)  # one input: few forward calls
+    src = torch.tensor([[1, 4, 7, 2], [3, 3, 9, 0]])
+    tgt = torch.tensor([[1, 5, 12], [1, 8, 0]])
+    skpm, tkpm = src == 0, tgt == 0  # right padding: the padding-free path runs
+    kw = {"src_key_padding_mask": skpm, "tgt_key_padding_mask": tkpm}
+    tgt_out = torch.tensor([[5, 12, 2], [8, 2, -100]])
+
+    def f(v):
+        state = dict(zip(names, (t.view_as(p) for t, p in zip(v.split([p.numel() for p in params]), params))))
+        logits = torch.func.functional_call(model, state, (src, tgt), kw)[~tkpm]
+        state = {"model." + n: t for n, t in state.items()}
+        loss = torch.func.functional_call(_Loss(model), state, (src, tgt, tgt_out), kw | {"label_smoothing": 0.1})
+        return logits, loss
+
+    assert torch.autograd.gradcheck(f, (flat,), fast_mode=True)

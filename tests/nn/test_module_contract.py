@@ -1,5 +1,6 @@
 """The module contract, for every public module: device/dtype factory kwargs, meta-device init, deepcopy, pickle,
-state_dict round trip, non-contiguous input = contiguous input, batch 0 and sequence 0 give empty outputs, gradcheck in float64 over the inputs and every parameter."""
+state_dict round trip, non-contiguous input = contiguous input, batch 0 and sequence 0 give empty outputs,
+gradcheck in float64 over the inputs and every parameter."""
 
 from __future__ import annotations
 
