@@ -191,7 +191,7 @@ class CausalLM(_Decoding, nn.Module):
 
     def fast_decoder(self):
         """The fast decoding loop of :func:`sublayer.runtime.generation.generate` over this model's packed
-        weights, or None (the reference loop: switched off, not float32 CPU, hooks, sharded)."""
+        weights, or None (the reference loop: switched off, not float32 or bfloat16 CPU, hooks, sharded)."""
         return causal.decoder(self)
 
     def _packed_hidden(
