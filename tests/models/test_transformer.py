@@ -434,3 +434,16 @@ def test_gradcheck_float64_forward_and_loss_with_padding(norm_first):
         return logits, loss
 
     assert torch.autograd.gradcheck(f, (flat,), fast_mode=True)
+
+
+def test_positional_table_is_rebuilt_after_to_empty_and_dtype_round_trips():
+    torch.manual_seed(0)
+    kw = dict(d_model=15, n_heads=3, d_ff=23, n_layers=1, dropout=0.0, max_len=31)
+    model = Transformer(37, 41, **kw).eval()
+    built = Transformer(37, 41, device="meta", **kw).to_empty(device="cpu")  # the table is not in the state dict
+    built.load_state_dict(model.state_dict())
+    assert torch.equal(built.pos_encoding, model.pos_encoding)
+    ids = torch.randint(1, 37, (2, 7))
+    assert torch.equal(built.eval()(ids, ids), model(ids, ids))
+    exact = sinusoidal_positional_encoding(31, 15, dtype=torch.float64)
+    assert torch.equal(Transformer(37, 41, **kw).to(torch.bfloat16).double().pos_encoding, exact)

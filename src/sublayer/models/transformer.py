@@ -113,7 +113,8 @@ class Transformer(nn.Module):
     Attributes:
         config (:class:`TransformerConfig`), src_embed / tgt_embed (``nn.Embedding``), encoder
         (:class:`TransformerEncoder`), decoder (:class:`TransformerDecoder`), out_proj (``nn.Linear``),
-        pos_encoding: (max_len, d_model) non-persistent buffer.
+        pos_encoding: (max_len, d_model) non-persistent buffer, rebuilt from float64 whenever the module moves or
+            changes dtype (``.to``, ``to_empty``: it is not in the state dict).
 
     Shape:
         src (B, S) and tgt (B, T) integer ids; padding masks (B, S) / (B, T) bool, True = padding
@@ -160,6 +161,15 @@ class Transformer(nn.Module):
         self.decoder = TransformerDecoder(DecoderBlock(d_model, n_heads, d_ff, **block), n_layers)
         self.out_proj = nn.Linear(d_model, tgt_vocab_size, **kw)
         self.reset_embeddings()
+
+    def _apply(self, fn, recurse=True):
+        # the table is derived, not learned: rebuild it rather than carry a down-cast (or to_empty's unset) copy
+        super()._apply(fn, recurse)
+        pe = self.pos_encoding
+        if pe.device.type != "meta":
+            exact = sinusoidal_positional_encoding(self.config.max_len, self.config.d_model, dtype=torch.float64)
+            self.pos_encoding = exact.to(device=pe.device, dtype=pe.dtype)
+        return self
 
     def reset_embeddings(self) -> None:
         """Embeddings ~ N(0, 1/d_model): after the √d_model scale they are unit-variance, on the scale of the
