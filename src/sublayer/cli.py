@@ -144,21 +144,34 @@ def info() -> None:
     }
 
     rows["fast kernels"] = kernels.status()  # builds (or loads the cached) C++ extension once
+    on = kernels.enabled()  # switched on and built: else no panels, no int8_linear, no buffer cache
     rows["fast decoding"] = "on" if causal.enabled() else "off (SUBLAYER_DECODING=0): the reference loops"
-    rows["int8"] = (
-        "int8_linear (AVX512-VNNI / AMX-INT8): int8 activations; a decoding step's single row at 24 bits"
-        if own_int8_gemm() else f"decoding weight-only (int8 panels); BERT on torch's linear_dynamic ({engine()})"
-    )  # fmt: skip
-    rows["bf16 decoding"] = (
-        "compact panels, 12 bits a weight (AVX-512, AVX512_BF16)" if kernels.enabled() and compact_kernels()
-        else "bf16 panels, 16 bits a weight"
-    )  # fmt: skip
+    bert = f"BERT on torch's linear_dynamic ({engine()})"
+    if own_int8_gemm():
+        rows["int8"] = "int8_linear (AVX512-VNNI / AMX-INT8): int8 activations; a decoding step's single row at 24 bits"
+    elif on:
+        rows["int8"] = f"decoding weight-only (int8 panels); {bert}"
+    else:
+        rows["int8"] = f"decoding weight-only (int8 weights to float32 for torch's GEMMs, no kernels); {bert}"
+    if on:
+        rows["bf16 decoding"] = (
+            "compact panels, 12 bits a weight (AVX-512, AVX512_BF16)" if compact_kernels()
+            else "bf16 panels, 16 bits a weight"
+        )  # fmt: skip
+    else:  # PackedLinear without panels
+        rows["bf16 decoding"] = (
+            "bf16 weights through torch's bf16 GEMMs, no kernels" if kernels.native_bf16_gemm()
+            else "bf16-rounded weights through torch's float32 GEMMs, no kernels"
+        )  # fmt: skip
     rows["fp32 GEMMs"] = (
         "oneDNN from 2^24 multiply-adds (torch's BLAS runs a generic path on this CPU)"
-        if kernels.enabled() and kernels.cpu.onednn_fp32_gemm() else "torch's BLAS"
+        if on and kernels.cpu.onednn_fp32_gemm() else "torch's BLAS"
     )  # fmt: skip
     rows["allocator"] = allocator_setting()
-    rows["buffer cache"] = f"Add & Norm keeps up to {buffer_cache()['limit_mb']:g} MiB of freed buffers (SUBLAYER_BUFFER_CACHE_MB)"
+    rows["buffer cache"] = (
+        f"Add & Norm keeps up to {buffer_cache()['limit_mb']:g} MiB of freed buffers (SUBLAYER_BUFFER_CACHE_MB)"
+        if on else "0 MiB: Add & Norm's kernels are not in use"
+    )  # fmt: skip
     for k, v in rows.items():
         typer.echo(f"{k:16s} {v}")
 
