@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sublayer import memory
+from sublayer import kernels, memory
 from sublayer.bench import kernels as bench
 
 TINY = bench.Shape("tiny", 1, 8, 16, 32, 2)
@@ -32,7 +32,10 @@ def test_quick_bench_writes_json_markdown_and_png(tmp_path, monkeypatch):
     for r in data["rows"]:
         assert r["times_ms"][r["base"]] > 0 and r["times_ms"]["sublayer"] > 0
     ffn = next(r for r in data["rows"] if r["case"].startswith("FFN") and r["mode"] == "training")
-    assert ffn["extra"]["saved ratio"] <= 0.6  # the input and one hidden tensor, no mask
+    if kernels.available():
+        assert ffn["extra"]["saved ratio"] <= 0.6  # the input and one hidden tensor, no mask
+    else:  # switched off (SUBLAYER_KERNELS=0): the reference FFN saves what eager torch saves
+        assert ffn["extra"]["saved ratio"] == 1.0
     bert = [r for r in data["rows"] if r["case"].startswith("BERT inference")]
     assert bert and bert[0]["times_ms"]["sublayer autocast"] > 0  # our plain Bert under HF's autocast
     assert bert[0]["extra"]["plain Bert autocast x vs HF autocast"] > 0
