@@ -165,6 +165,16 @@ def test_p_the_16_bit_threshold_cannot_express_is_refused_or_left_to_torch(p):
     assert abs(mean - 1) < 5 * math.sqrt(p / (1 - p) / x.numel())
 
 
+@pytest.mark.parametrize("p", [2**-17, 1 - 2**-17])
+def test_the_bounds_themselves_are_refused_and_the_error_says_so(p):
+    """round(0.5) and round(65535.5) round to even (0 and 2^16): the bounds 2^-17 and 1 - 2^-17 are outside what the
+    threshold expresses, and the error states the rule as the strict inequality it is."""
+    x = torch.ones(7, 5)
+    with pytest.raises(ValueError, match=r"it needs 2\^-17 < p < 1 - 2\^-17 or p = 0"):
+        fused.dropout(x, p, impl="fused")
+    assert fused.keep_probability(2**-17 + 2**-30) < 1.0  # just inside the bound: expressible
+
+
 @pytest.mark.parametrize("p", [0.3, 0.99, 0.9999])
 def test_mean_is_unbiased_near_p_1(p):
     """Kept values are scaled by the real keep rate: E[dropout(1)] = 1 exactly in expectation (5 sigma)."""

@@ -14,7 +14,7 @@ What the fused path changes, and what it does not:
   ``generator=``), so ``torch.manual_seed`` reproduces it; the mask is NOT the one ``F.dropout`` would draw (only its
   distribution is the same: keep-rate ``1 - p`` rounded to a multiple of 2^-16, kept values scaled by 1 / that
   rate — :func:`keep_probability` — so the mean is exactly unbiased). A ``p`` whose rounded threshold would be 0 or
-  2^16 (``p < 2^-17`` or ``p > 1 - 2^-17``) takes the reference path under ``impl="auto"`` and is a ``ValueError``
+  2^16 (``p <= 2^-17`` or ``p >= 1 - 2^-17``) takes the reference path under ``impl="auto"`` and is a ``ValueError``
   under ``impl="fused"``. The FFN's backward regenerates its masks from the seeds; Add & Norm keeps its mask as 1
   bit per element (d/8 bytes a row), cheaper than drawing it again. No full-precision mask is ever stored.
 * Add & Norm saves only the (rounded) sum ``x + dropout(y)``, per-row float32 mean/rstd and the 1-bit mask; its
@@ -87,7 +87,7 @@ def _fused_p_ok(impl: str, **ps: float) -> bool:
             if impl == "fused":
                 raise ValueError(
                     f"{name}={p} is too close to {0 if p < 0.5 else 1} for the fused dropout's 16-bit keep threshold "
-                    f"(it needs 2^-17 <= p <= 1 - 2^-17 or p = 0); use impl='reference' (torch's dropout)"
+                    f"(it needs 2^-17 < p < 1 - 2^-17 or p = 0); use impl='reference' (torch's dropout)"
                 )
             return False
     return True
