@@ -298,8 +298,8 @@ def generate(
     ),
     seed: int = typer.Option(0, "--seed", help="Random seed for sampling."),
     quantize: Optional[str] = typer.Option(
-        None, "--quantize", help="int8: weight-only int8 decoding (sublayer.models.quantized_gpt2); a saved int8 "
-        "folder loads as is."
+        None, "--quantize", help="int8: int8 decoding (sublayer.models.quantized: int8 weights; int8 activations "
+        "where the CPU has AVX512-VNNI or AMX-INT8, else weight-only); a saved int8 folder loads as is."
     ),
     stream: bool = typer.Option(
         False, "--stream", help="Print a text prompt's continuation as it is made (no tokens/s line)."

@@ -331,8 +331,8 @@ class CausalLM(_Decoding, nn.Module):
             max_length: the total length, prompt included (HF's meaning): ``max_new_tokens = max_length - T``;
                 ``max_new_tokens`` given too wins (as HF).
             temperature, top_k, top_p: sampling filters, applied in HF's order (temperature, top-k, top-p:
-                keep the fewest most likely tokens whose probability sums to at least ``top_p``). HF's defaults:
-                1.0, 50, 1.0.
+                keep the fewest most likely tokens whose probability sums to at least ``top_p``; ``top_k=0`` or None:
+                no top-k filter, as HF). HF's defaults: 1.0, 50, 1.0.
             do_sample: sample from the filtered distribution; False (HF's default) -> greedy argmax (filters
                 ignored).
             eos_token_id: an id or a list of ids: a row that produced one is finished; later positions get
@@ -349,7 +349,7 @@ class CausalLM(_Decoding, nn.Module):
 
         Raises:
             ValueError/TypeError: bad ids or mask, max_new_tokens < 0, max_length <= T, too long, temperature < 0
-            (or 0 to sample), top_k < 1, top_p outside (0, 1], eos/pad ids outside the vocabulary (also those of
+            (or 0 to sample), top_k < 0, top_p outside (0, 1], eos/pad ids outside the vocabulary (also those of
             ``generation_config``).
         """
         return generate_with_config(
