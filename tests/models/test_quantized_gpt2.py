@@ -305,7 +305,7 @@ def test_refusals():
         fast_inference(_gpt2().half(), quantize="int8")
     with pytest.raises(ValueError, match="CPU only.*meta"):
         Q.quantize(GPT2(GPT2Config(**CFG), device="meta"))
-    with pytest.raises(ValueError, match="GPT2 is quantized weight-only.*calibration must be None, got Tensor"):
+    with pytest.raises(ValueError, match="GPT2's int8 has no smoothing.*calibration must be None, got Tensor"):
         Q.quantize(m, calibration=_ids())
     with pytest.raises(TypeError, match="keep_float must be a sequence"):
         Q.quantize(m, keep_float="head")

@@ -1,6 +1,7 @@
 """int8 inference: ``fast_inference(model, quantize="int8")`` or :func:`quantize` for :class:`~sublayer.models.Bert`
 (this module: int8 weights and int8 activations) and the decoder-only LMs :class:`~sublayer.models.GPT2` and
-:class:`~sublayer.models.Llama` (weight-only int8 for decoding, :mod:`sublayer.models.quantized_gpt2`:
+:class:`~sublayer.models.Llama` (int8 weights for decoding; activations at float32 precision for one row, int8
+for several where the CPU has AVX512-VNNI or AMX-INT8; :mod:`sublayer.models.quantized_gpt2`:
 :class:`QuantizedCausalLM`). All save with ``save_pretrained`` and load with :func:`load_quantized`, which reads the
 folder's ``model_type``. docs/int8.md tells what is quantized and how, the defaults and the accuracy; here, BERT:
 
@@ -417,21 +418,23 @@ def quantize(
             (the LMs also ``head``, the LM head); None: :func:`default_keep_float` (BERT) /
             :data:`~sublayer.models.quantized_gpt2.DEFAULT_KEEP_FLOAT_GPT2` (the LMs).
         calibration: BERT only: (B, T) token ids the float layers run on to measure input ranges for the
-            smoothing factors; None: 8 random sequences (fixed seed); False: no smoothing. The LMs' activations
-            stay float32: nothing to calibrate (must be None).
+            smoothing factors; None: 8 random sequences (fixed seed); False: no smoothing. The LMs are not
+            smoothed: nothing to calibrate (must be None).
         follow: keep ``model`` and re-quantize its weights whenever they changed (False: a snapshot).
 
     Raises:
-        TypeError: not a Bert or causal LM, or bad ``keep_float``. ValueError: parameters not float32 or not on
-        the CPU, bad calibration ids (as :meth:`Bert.forward`), ``calibration`` given for a causal LM.
+        TypeError: not a Bert or causal LM, or ``keep_float`` not a sequence of str. ValueError: a ``keep_float``
+        pattern that matches no layer, parameters not float32 or not on the CPU, bad calibration ids (as
+        :meth:`Bert.forward`), ``calibration`` given for a causal LM.
     """
     if isinstance(model, Bert):
         return QuantizedBert.from_model(model, keep_float, calibration, follow=follow)
     if isinstance(model, CausalLM):
         if calibration is not None:
             raise ValueError(
-                f"calibration applies to BERT's activation quantization; {type(model).__name__} is quantized "
-                f"weight-only (its activations stay float32), so calibration must be None, got "
+                f"calibration applies to BERT's SmoothQuant; {type(model).__name__}'s int8 has no smoothing to "
+                f"calibrate (each row's activations are quantized as they come, or kept float32), so calibration "
+                f"must be None, got "
                 f"{type(calibration).__name__}"
             )
         keep_float = DEFAULT_KEEP_FLOAT_GPT2 if keep_float is None else keep_float

@@ -1,4 +1,4 @@
-"""Weight-only int8 inference for the decoder-only LMs (:class:`~sublayer.models.GPT2`, :class:`~sublayer.models.Llama`):
+"""int8 inference for the decoder-only LMs (:class:`~sublayer.models.GPT2`, :class:`~sublayer.models.Llama`):
 ``fast_inference(model, quantize="int8")`` or :func:`sublayer.models.quantized.quantize` return a
 :class:`QuantizedCausalLM` (``QuantizedGPT2`` is the same class). docs/int8.md tells why each choice below
 (decoding one row streams the weights from memory; several rows are compute-bound):
@@ -170,7 +170,7 @@ class QuantizedCausalLM(Int8Wrapper, PreparedCausalLM):
         W = self.weights()
         lins = [L[k] for L in W.layers for k in LINEARS] + [W.head]
         n_q = sum(isinstance(lin, WeightInt8Linear) for lin in lins)
-        return f"{type(self).__name__}(weight-only int8 layers={n_q}/{len(lins)}, keep_float={self.keep_float})"
+        return f"{type(self).__name__}(int8 layers={n_q}/{len(lins)}, keep_float={self.keep_float})"
 
 
 def _int8_tensors(model: CausalLM, keep_float: tuple[str, ...], *, copy: bool) -> dict[str, Tensor]:
