@@ -277,6 +277,23 @@ def test_a_hook_makes_the_fast_path_step_aside(steps_taken):
     assert not torch.equal(steered, plain)
 
 
+def test_one_blocks_activation_set_after_the_first_call_is_that_blocks_only():
+    """The engine reads each block's ffn.activation: a change to one block (seen by the weights cache) applies to
+    that block, as in the model's own forward, in the prepared forward and in decoding."""
+    from sublayer.models import GPT2, GPT2Config
+
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(vocab_size=37, max_positions=32, d_model=15, n_layers=2, n_heads=3)).eval()
+    fast = fast_inference(model, dtype=torch.float32)
+    x = torch.tensor([[3, 5, 7], [11, 13, 2]])
+    fast(x), model.generate(x, 3)  # builds the prepared weights
+    model.blocks[0].ffn.activation = "relu"  # block 1 keeps gelu_tanh
+    assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)
+    for n in (1, 2):  # the one-row step and the several-row step
+        want = reference_decoding(lambda: model.generate(x[:n], 8, eos_token_id=None))
+        assert torch.equal(model.generate(x[:n], 8, eos_token_id=None), want)
+
+
 def test_generate_under_inference_mode_and_bfloat16_parameters(steps_taken):
     model = Llama.from_hf(make_hf("gqa-2-groups-head_dim"))
     x, mask = _padded(seed=13)

@@ -120,7 +120,8 @@ class CausalWeights:
     """Prepared weights of a decoder-only LM (:func:`build`): ``layers`` (per block ``ln1``, ``ln2``
     (:class:`Norm`) and ``qkv``, ``out``, ``fc1``, ``fc2`` linears called ``(x, activation=None)``), ``norm``
     (final), ``head`` (a linear), ``greedy`` (a :class:`GreedyHead` or None), ``embed``, ``positions``,
-    ``rotary``, the head layout (``n_heads``, ``n_kv_heads``, ``head_dim``), ``activation``, ``cache_dtype`` (the
+    ``rotary``, the head layout (``n_heads``, ``n_kv_heads``, ``head_dim``), ``activation`` (every block's FFN
+    activation, or None where they differ: each layer's ``act`` holds its own), ``cache_dtype`` (the
     decoding KV caches': float32, or bfloat16 for bfloat16 panels), and ``flat``: the tensors of the one-call C++
     step, or None where it does not apply."""
 
@@ -148,17 +149,22 @@ def build(
         return Norm(w, None if b is None else b.float(), module.eps, isinstance(module, RMSNorm))
 
     layers = [{"ln1": norm(f"layers.{i}.ln1", blk.attn_residual.norm),
-               "ln2": norm(f"layers.{i}.ln2", blk.ffn_residual.norm),
+               "ln2": norm(f"layers.{i}.ln2", blk.ffn_residual.norm), "act": blk.ffn.activation,
                **{k: linear(f"layers.{i}.{k}", t) for k in LINEARS}} for i, blk in enumerate(model.blocks)]  # fmt: skip
     head_w = t.get("head.weight", t["wte"])  # a saved int8 form omits a tied float head: it is the embedding
     W = CausalWeights(
         layers=layers, norm=norm("ln_f", parts.norm), head=linear("head", t), embed=t["wte"], positions=t.get("wpe"),
         greedy=GreedyHead(head_w, t.get("head.bias")) if greedy and kernels_on() else None, cache_dtype=cache_dtype,
         n_heads=a.n_heads, n_kv_heads=a.n_kv_heads or a.n_heads, head_dim=a.head_dim, rotary=parts.rotary,
-        activation=model.blocks[0].ffn.activation, d_model=parts.embed.shape[1],
+        activation=_common({L["act"] for L in layers}), d_model=parts.embed.shape[1],
     )  # fmt: skip
     W.flat = flat_weights(W)
     return W
+
+
+def _common(values: set):
+    """The one value of ``values``, or None where they differ (blocks whose FFN activations were set apart)."""
+    return next(iter(values)) if len(values) == 1 else None
 
 
 def packed_linear(name: str, t: dict[str, Tensor], dtype: torch.dtype = torch.float32) -> PackedLinear:
@@ -199,7 +205,7 @@ def _flat_linear(lin) -> tuple[Tensor, ...] | None:
 def flat_weights(W: CausalWeights) -> list[Tensor] | None:
     """The tensors of ``causal_decode_layers`` (every block of a step in one C++ call), or None where it does not
     apply: no kernels, a linear without panels (``flat()``) or quads (``flat_quads()``), an activation it does not
-    fuse, norms of mixed kinds or eps, LayerNorms without bias."""
+    fuse or blocks of different activations, norms of mixed kinds or eps, LayerNorms without bias."""
     norms = [n for L in W.layers for n in (L["ln1"], L["ln2"])] + [W.norm]
     act_ok = W.activation in fused.ACT_IDS or W.activation in fused.GLU_IDS
     if not kernels_on() or not act_ok or len({(n.eps, n.rms) for n in norms}) != 1:
@@ -285,7 +291,7 @@ def hidden(
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
             ctx = ctx.transpose(1, 2).reshape(B * T, dq)
         h, x = add_norm(x, L["out"](ctx), *L["ln2"])  # x += attn; h = ln_2(x)
-        y = L["fc2"](L["fc1"](h, W.activation))
+        y = L["fc2"](L["fc1"](h, L["act"]))
         h, x = add_norm(x, y, *_next_norm(W, i))
     return h.view(B, T, d)
 
@@ -330,7 +336,7 @@ def step(W: CausalWeights, tokens: Tensor, positions: Tensor, caches: list, mask
         ctx = decode_attention(q, c.k, c.v, length, mask=mask, new_k=k, new_v=qkv[:, dq + dkv :])
         c.length = length
         h, x = add_norm(x, L["out"](ctx), *L["ln2"])  # x += attn; h = ln_2(x)
-        y = L["fc2"](L["fc1"](h, W.activation))
+        y = L["fc2"](L["fc1"](h, L["act"]))
         h, x = add_norm(x, y, *_next_norm(W, i))
     return h
 
