@@ -343,6 +343,20 @@ def test_bert_norm_eps_set_after_the_first_call_is_used():
     assert F.cosine_similarity(int8(ids, mask)[real], want[real]).min() > 0.99
 
 
+def test_bert_ffn_activation_set_after_the_first_call_is_used():
+    """The prepared BERT reads each block's ffn.activation (as the model's own forward does), not the config's: a
+    change to one block after preparation reaches the float wrapper exactly and the int8 one that follows it."""
+    model = make_bert()
+    ids, mask = _batch()
+    fast, int8 = fast_inference(model, dtype=torch.float32), fast_inference(model, quantize="int8")
+    fast(ids, mask), int8(ids, mask)
+    model.encoder.layers[-1].ffn.activation = "relu"  # the other blocks keep the config's gelu
+    want = model(ids, mask)
+    assert_close(fast(ids, mask), want)
+    real = mask.bool()
+    assert F.cosine_similarity(int8(ids, mask)[real], want[real]).min() > 0.99
+
+
 @pytest.mark.parametrize("convert", ["half", "double"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_wrapper_whose_model_changed_to_a_dtype_it_refuses_raises_as_a_new_one(convert, dtype):

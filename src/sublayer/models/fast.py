@@ -46,7 +46,7 @@ from ..runtime.rows import kernels_on
 from ..runtime.weights import clear_cache, prepared
 from .bert import Bert
 from .causal_lm import CausalLM, PreparedCausalLM
-from .prepared_bert import PreparedBert, bert_eps, bert_layers, bert_tensors
+from .prepared_bert import PreparedBert, bert_activations, bert_eps, bert_layers, bert_tensors
 
 __all__ = ["fast_inference", "PreparedBert", "FastBert", "float_linear", "FastCausalLM", "FastGPT2", "linear_factory"]
 
@@ -157,7 +157,8 @@ class FastBert(_FastBase, PreparedBert):
     def _build(self, model: Bert) -> tuple[dict, list[dict]]:
         check_parameters(model)
         t = bert_tensors(model)
-        return t, bert_layers(t, self.config, float_linear(self.compute_dtype), bert_eps(model, self.config))
+        return t, bert_layers(t, self.config, float_linear(self.compute_dtype), bert_eps(model, self.config),
+                             bert_activations(model, self.config))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------- causal LMs

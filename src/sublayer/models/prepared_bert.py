@@ -16,7 +16,7 @@ from ..runtime.rows import InferenceOnly, eval_mode, inference, layer_norm
 from .bert import Bert, BertConfig, mean_pooled
 from .outputs import BaseModelOutput
 
-__all__ = ["PreparedBert", "bert_eps", "bert_layers", "bert_tensors"]
+__all__ = ["PreparedBert", "bert_activations", "bert_eps", "bert_layers", "bert_tensors"]
 
 
 def bert_tensors(model: Bert) -> dict[str, Tensor]:
@@ -51,11 +51,23 @@ def bert_eps(model: Bert | None, config: BertConfig) -> dict[str, float]:
             for j, r in ((1, blk.attn_residual), (2, blk.ffn_residual))}  # fmt: skip
 
 
-def bert_layers(t: dict[str, Tensor], config: BertConfig, linear, eps: dict[str, float]) -> list[dict]:
+def bert_activations(model: Bert | None, config: BertConfig) -> list[str]:
+    """Each block's FFN activation: the ``model``'s modules' own (as its forward reads them, set after construction
+    too); without one, ``config.activation``."""
+    if model is None:
+        return [config.activation] * config.n_layers
+    return [blk.ffn.activation for blk in model.encoder.layers]
+
+
+def bert_layers(
+    t: dict[str, Tensor], config: BertConfig, linear, eps: dict[str, float], activations: list[str] | None = None
+) -> list[dict]:
     """The layers of :func:`sublayer.runtime.encoder.run_layers` from :func:`bert_tensors`' names, each dense layer
-    made by ``linear(t, name)`` (its format), the norms' eps from ``eps`` (:func:`bert_eps`)."""
+    made by ``linear(t, name)`` (its format), the norms' eps from ``eps`` (:func:`bert_eps`), each FFN's
+    activation from ``activations`` (:func:`bert_activations`; None: ``config.activation``)."""
+    acts = [config.activation] * config.n_layers if activations is None else activations
     return [
-        {**{k: linear(t, f"layers.{i}.{k}") for k in ("qkv", "out", "fc1", "fc2")},
+        {**{k: linear(t, f"layers.{i}.{k}") for k in ("qkv", "out", "fc1", "fc2")}, "act": acts[i],
          **{f"norm{j}": (t[f"layers.{i}.norm{j}.weight"], t[f"layers.{i}.norm{j}.bias"], eps[f"layers.{i}.norm{j}"])
             for j in (1, 2)}}
         for i in range(config.n_layers)

@@ -47,7 +47,7 @@ from .. import checkpoints as ckpt
 from .. import kernels
 from ..functional import fused
 from .bert import Bert, BertConfig
-from .prepared_bert import PreparedBert, bert_eps, bert_layers, bert_tensors
+from .prepared_bert import PreparedBert, bert_activations, bert_eps, bert_layers, bert_tensors
 from ..runtime.linear import Int8Linear as ActInt8Linear
 from ..runtime.rows import add_norm, bias_act, kernels_on
 from .causal_lm import CausalLM
@@ -332,7 +332,8 @@ class QuantizedBert(Int8Wrapper, PreparedBert):
 
     def _build(self, t: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[dict]]:
         linear = lambda t, name: _make_linear(t, name, self.own_gemm)  # noqa: E731
-        return t, bert_layers(t, self.config, linear, bert_eps(self.model, self.config))
+        return t, bert_layers(t, self.config, linear, bert_eps(self.model, self.config),
+                             bert_activations(self.model, self.config))  # fmt: skip
 
     def _quantize(self, model: Bert) -> dict[str, Tensor]:
         return _int8_tensors(model, self.keep_float, self.calibration, copy=False)

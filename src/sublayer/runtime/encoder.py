@@ -88,7 +88,7 @@ def run_layers(
     """The encoder layers on packed rows: ``x`` (N, d), the embeddings' output at the real tokens of a padded
     batch of ``shape`` (B, T) in row-major order, ``pad`` (B, T) bool True = padding (None: none). Returns (N, d)
     in the dtype of the linears' outputs. ``attention_dtype``: the attention's dtype (None: q|k|v's);
-    ``split_probs`` as :func:`attention`'s.
+    ``split_probs`` as :func:`attention`'s. ``activation``: the FFN activation of a layer without its own ``act``.
 
     ``queries`` (E,) long: the sequences of E query-only rows appended to ``x`` ((N + E, d) in and out): padded
     positions whose output is read (a pooler's position 0 under left padding). Each attends to its sequence's
@@ -111,7 +111,7 @@ def run_layers(
         del qkv
         x, h, pre = _add_norm(L["out"], ctx, x, L["norm1"], None, L["fc1"], norm_first, L["norm2"])
         del ctx
-        f, pre = _act(L["fc1"], h, activation, pre, L["fc2"])
+        f, pre = _act(L["fc1"], h, L.get("act", activation), pre, L["fc2"])
         x, h, pre = _add_norm(L["fc2"], f, x, L["norm2"], pre, nxt, norm_first, after)
         del f
     return layer_norm(h, *final) if final is not None and not norm_first else h
