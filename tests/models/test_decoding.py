@@ -11,7 +11,7 @@ import torch
 
 from sublayer import kernels
 from sublayer.runtime.rows import kernels_on
-from sublayer.models import GPT2, Transformer, decoding
+from sublayer.models import GPT2, Transformer, decoding, fast_encode
 from sublayer.runtime import causal
 from sublayer.models.fast import fast_inference
 
@@ -456,3 +456,29 @@ def test_translate_with_float32_products_on_onednn_equals_the_reference_steps(mo
     got = m.translate(src, 7, bos=1, eos=2)
     assert calls and max(calls) >= 349
     assert got.tolist() == reference_decoding(lambda: m.translate(src, 7, bos=1, eos=2)).tolist()
+
+
+def test_translate_reads_each_layers_activation_set_after_the_first_call():
+    """The fast encoder and decoder steps read each FFN's own activation (as the modules' forwards do), not the
+    config's: set on every layer (the one-call step) or on one layer (the per-layer step), the tokens stay the
+    reference's, greedy and beam."""
+    torch.manual_seed(0)
+    m = Transformer(23, 29, d_model=15, n_heads=3, d_ff=21, n_layers=2, max_len=16, dropout=0.0).eval()
+    with torch.no_grad():
+        m.out_proj.weight.mul_(8.0)  # confident logits: an activation's change shows in the tokens
+    src = torch.randint(3, 23, (3, 7), generator=torch.Generator().manual_seed(1))
+    kw = dict(bos=1, eos=2)
+    m.translate(src, 9, **kw)  # builds the prepared weights
+    ffns = [mod for mod in m.modules() if type(mod).__name__ == "PositionWiseFFN"]
+    for change in ("all", "one"):
+        if change == "all":
+            for f in ffns:
+                f.activation = "gelu"
+        else:
+            ffns[0].activation, ffns[-1].activation = "silu", "relu2"
+        for beam in (1, 3):
+            want = reference_decoding(lambda: m.translate(src, 9, beam_size=beam, **kw))
+            assert m.translate(src, 9, beam_size=beam, **kw).tolist() == want.tolist(), (change, beam)
+        fast = fast_encode.encode(m, src)
+        assert fast is not None
+        torch.testing.assert_close(fast, m.encode(src), atol=1e-5, rtol=1e-5)

@@ -91,17 +91,21 @@ def _build_transformer(model) -> dict:
             **{k: PackedLinear(m.weight, m.bias) for k, m in rest},
             "norms": [norm_params(layer.self_attn_residual.norm), norm_params(layer.cross_attn_residual.norm),
                       norm_params(layer.ffn_residual.norm)],
+            "act": f.activation,  # the module's own, as its forward reads it (set after construction too)
         })  # fmt: skip
     final = None if model.decoder.norm is None else norm_params(model.decoder.norm)
     W = {"layers": layers, "final": final, "head": PackedLinear(model.out_proj.weight, model.out_proj.bias)}
-    W["flat"] = _flat_transformer(W, model.config.activation)
+    acts = {L["act"] for L in layers}
+    W["act"] = next(iter(acts)) if len(acts) == 1 else None  # None: the layers' activations differ
+    W["flat"] = _flat_transformer(W, W["act"])
     W["greedy"] = GreedyHead(model.out_proj.weight, model.out_proj.bias) if kernels_on() else None
     return W
 
 
-def _flat_transformer(W: dict, activation: str) -> list | None:
+def _flat_transformer(W: dict, activation: str | None) -> list | None:
     """The tensors of ``transformer_decode_layers`` (a decoder step in one C++ call), or None where it does not
-    apply (no kernels, a linear without bias, an activation it does not fuse, LayerNorms with different eps)."""
+    apply (no kernels, a linear without bias, an activation it does not fuse or layers of different activations
+    (None), LayerNorms with different eps)."""
     norms = [n for L in W["layers"] for n in L["norms"]] + ([W["final"]] if W["final"] is not None else [])
     if not kernels_on() or activation not in EPILOGUE or len({n[2] for n in norms}) != 1:
         return None
@@ -151,7 +155,7 @@ def transformer_stepper(
     pe = model.pos_encoding
     scale = math.sqrt(d)
     pre = cfg.norm_first
-    act = cfg.activation
+    act = W["act"]  # the one-call step's (every layer's, where they agree)
 
     flat = W["flat"]
     eps = W["layers"][0]["norms"][0][2]
@@ -183,7 +187,7 @@ def transformer_stepper(
             mk, mv = cross[i]
             ctx = decode_attention(L["q_cross"](h), mk, mv, s, mask=mask, rows=sentence)
             x, h = residual_out(pre, x, L["out_cross"](ctx), norms[1], norms[2])
-            x, h = residual_out(pre, x, L["fc2"](L["fc1"](h, act)), norms[2], norms[3])
+            x, h = residual_out(pre, x, L["fc2"](L["fc1"](h, L["act"])), norms[2], norms[3])
         if not pre and W["final"] is not None:
             h = F.layer_norm(h, (d,), *W["final"][:2], W["final"][2])
         return h

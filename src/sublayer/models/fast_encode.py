@@ -60,6 +60,7 @@ def _build(encoder) -> dict:
             **{k: _linear(m.weight, m.bias) for k, m in (("out", a.out_proj), ("fc1", f.fc1), ("fc2", f.fc2))},
             "norm1": decoding.norm_params(layer.attn_residual.norm),
             "norm2": decoding.norm_params(layer.ffn_residual.norm),
+            "act": f.activation,  # the module's own, as its forward reads it (set after construction too)
         })  # fmt: skip
     return {"layers": layers, "final": None if encoder.norm is None else decoding.norm_params(encoder.norm)}
 
