@@ -51,3 +51,14 @@ def reference_decoding(fn):
         return fn()
     finally:
         decoding.set_enabled(True)
+
+
+class LossForward(torch.nn.Module):
+    """``model.loss`` as a module's forward, for ``torch.func.functional_call`` (gradchecks of a model's loss)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        return self.model.loss(*args, **kwargs)

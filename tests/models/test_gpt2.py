@@ -16,6 +16,7 @@ from sublayer.checkpoints import CheckpointError
 from sublayer.checkpoints import gpt2 as keymap
 from sublayer.models import GPT2, GPT2Config
 from sublayer.runtime.generation import filtered_probs
+from tests.conftest import LossForward
 
 from .conftest import EOS, MAX_POS, N_LAYERS, PAD, VOCAB, make_hf_gpt2
 
@@ -456,22 +457,11 @@ def test_position_ids_range_error_names_max_positions(ours):
         ours(_ids(), position_ids=torch.full((3, 7), MAX_POS))
 
 
-class _Loss(torch.nn.Module):
-    """``model.loss`` as a module's forward, for ``torch.func.functional_call``."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, *args, **kwargs):
-        return self.model.loss(*args, **kwargs)
-
-
 def test_gradcheck_float64_forward_and_loss_with_padding():
     cfg = GPT2Config(vocab_size=11, max_positions=7, d_model=6, n_layers=1, n_heads=3, d_ff=5,
                      dropout=0.0, embd_dropout=0.0, attn_dropout=0.0)  # fmt: skip
     torch.manual_seed(0)
-    model = _Loss(GPT2(cfg, dtype=torch.float64))
+    model = LossForward(GPT2(cfg, dtype=torch.float64))
     names, params = zip(*[(n, p.detach().clone().requires_grad_(True)) for n, p in model.named_parameters()])
     x = torch.tensor([[1, 4, 7, 2], [3, 3, 9, 10]])
     mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])  # left padding: the padding-free path runs

@@ -16,6 +16,7 @@ from torch.testing import assert_close
 from sublayer.checkpoints import CheckpointError
 from sublayer.models import Transformer, TransformerConfig
 from sublayer.models.transformer import sinusoidal_positional_encoding
+from tests.conftest import LossForward
 
 SRC_V, TGT_V = 11, 13
 BOS, EOS = 1, 2
@@ -402,17 +403,6 @@ def test_from_pretrained_is_in_eval_mode(tmp_path):
     assert not any(m.training for m in Transformer.from_pretrained(tmp_path).modules())
 
 
-class _Loss(torch.nn.Module):
-    """``model.loss`` as a module's forward, for ``torch.func.functional_call``."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, *args, **kwargs):
-        return self.model.loss(*args, **kwargs)
-
-
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_gradcheck_float64_forward_and_loss_with_padding(norm_first):
     torch.manual_seed(0)
@@ -430,7 +420,8 @@ def test_gradcheck_float64_forward_and_loss_with_padding(norm_first):
         state = dict(zip(names, (t.view_as(p) for t, p in zip(v.split([p.numel() for p in params]), params))))
         logits = torch.func.functional_call(model, state, (src, tgt), kw)[~tkpm]
         state = {"model." + n: t for n, t in state.items()}
-        loss = torch.func.functional_call(_Loss(model), state, (src, tgt, tgt_out), kw | {"label_smoothing": 0.1})
+        smoothed = kw | {"label_smoothing": 0.1}
+        loss = torch.func.functional_call(LossForward(model), state, (src, tgt, tgt_out), smoothed)
         return logits, loss
 
     assert torch.autograd.gradcheck(f, (flat,), fast_mode=True)
