@@ -60,14 +60,13 @@ def bert_activations(model: Bert | None, config: BertConfig) -> list[str]:
 
 
 def bert_layers(
-    t: dict[str, Tensor], config: BertConfig, linear, eps: dict[str, float], activations: list[str] | None = None
+    t: dict[str, Tensor], config: BertConfig, linear, eps: dict[str, float], activations: list[str]
 ) -> list[dict]:
     """The layers of :func:`sublayer.runtime.encoder.run_layers` from :func:`bert_tensors`' names, each dense layer
     made by ``linear(t, name)`` (its format), the norms' eps from ``eps`` (:func:`bert_eps`), each FFN's
-    activation from ``activations`` (:func:`bert_activations`; None: ``config.activation``)."""
-    acts = [config.activation] * config.n_layers if activations is None else activations
+    activation from ``activations`` (:func:`bert_activations`)."""
     return [
-        {**{k: linear(t, f"layers.{i}.{k}") for k in ("qkv", "out", "fc1", "fc2")}, "act": acts[i],
+        {**{k: linear(t, f"layers.{i}.{k}") for k in ("qkv", "out", "fc1", "fc2")}, "act": activations[i],
          **{f"norm{j}": (t[f"layers.{i}.norm{j}.weight"], t[f"layers.{i}.norm{j}.bias"], eps[f"layers.{i}.norm{j}"])
             for j in (1, 2)}}
         for i in range(config.n_layers)
