@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..functional.fused import linear
-from ..runtime.causal import enabled, set_enabled
+from ..runtime.causal import common_value, enabled, set_enabled
 from ..runtime.kv_cache import StaticKVCache, decode_attention
 from ..runtime.linear import NO_SCALE, GreedyHead, PackedLinear, skinny_max_rows
 from ..runtime.rows import EPILOGUE, kernels_on, residual_out
@@ -95,8 +95,7 @@ def _build_transformer(model) -> dict:
         })  # fmt: skip
     final = None if model.decoder.norm is None else norm_params(model.decoder.norm)
     W = {"layers": layers, "final": final, "head": PackedLinear(model.out_proj.weight, model.out_proj.bias)}
-    acts = {L["act"] for L in layers}
-    W["act"] = next(iter(acts)) if len(acts) == 1 else None  # None: the layers' activations differ
+    W["act"] = common_value({L["act"] for L in layers})  # None: the layers' activations differ
     W["flat"] = _flat_transformer(W, W["act"])
     W["greedy"] = GreedyHead(model.out_proj.weight, model.out_proj.bias) if kernels_on() else None
     return W

@@ -40,7 +40,7 @@ from .weights import prepared
 
 __all__ = [
     "CausalParts", "CausalWeights", "Norm", "named_tensors", "build", "packed_weights", "hidden", "step", "decode",
-    "decoder", "supports", "set_enabled", "enabled", "LINEARS",
+    "decoder", "supports", "set_enabled", "enabled", "LINEARS", "common_value",
 ]  # fmt: skip
 
 _enabled: bool | None = None  # SUBLAYER_DECODING, read at the first call (a bad value raises there, not at import)
@@ -156,14 +156,14 @@ def build(
         layers=layers, norm=norm("ln_f", parts.norm), head=linear("head", t), embed=t["wte"], positions=t.get("wpe"),
         greedy=GreedyHead(head_w, t.get("head.bias")) if greedy and kernels_on() else None, cache_dtype=cache_dtype,
         n_heads=a.n_heads, n_kv_heads=a.n_kv_heads or a.n_heads, head_dim=a.head_dim, rotary=parts.rotary,
-        activation=_common({L["act"] for L in layers}), d_model=parts.embed.shape[1],
+        activation=common_value({L["act"] for L in layers}), d_model=parts.embed.shape[1],
     )  # fmt: skip
     W.flat = flat_weights(W)
     return W
 
 
-def _common(values: set):
-    """The one value of ``values``, or None where they differ (blocks whose FFN activations were set apart)."""
+def common_value(values: set):
+    """The one value of ``values``, or None where they differ (layers whose FFN activations were set apart)."""
     return next(iter(values)) if len(values) == 1 else None
 
 
